@@ -1,0 +1,383 @@
+"""Model -> OpGraph.
+
+`capture` traces the model with `torch.export` (non-strict) on fake tensors, with the batch
+dimension symbolic so that the graph can be priced at any microbatch size. A model whose
+parameters live on the `meta` device is captured without allocating them. If export fails
+with a dynamic batch it is retried with a static one, then with `torch.fx.symbolic_trace` and
+shape propagation (capture_fx.py); if all fail, `CaptureError` names the failing module and
+the reasons.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import linecache
+import logging
+import operator
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import Dim, export
+
+from autopar.blocks import find_blocks_and_segments
+from autopar.errors import CaptureError
+from autopar.graph import OpGraph, OpNode, ParamInfo, Ref, TensorMeta
+from autopar.probe import InputSpec, ProbeResult, io_priced, probe_op
+
+LOSS_WRAPPER_PREFIX = "model."
+
+
+class WithLoss(nn.Module):
+    """Wraps model and loss so that the captured graph ends in the scalar loss."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs_and_targets):
+        *inputs, targets = inputs_and_targets
+        return self.loss_fn(self.model(*inputs), targets)
+
+
+def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None, *,
+            loss_fn: Callable | None = None, example_targets: Any = None, dynamic_batch: bool = True,
+            name: str = "", verbose: bool = False) -> OpGraph:
+    """Trace `model(*example_inputs, **example_kwargs)` (plus `loss_fn(out, targets)` if given)."""
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    module, prefix = model, ""
+    if loss_fn is not None:
+        if example_targets is None:
+            raise CaptureError("capture: loss_fn was given without example_targets; pass both or neither")
+        module, prefix = WithLoss(model, loss_fn), LOSS_WRAPPER_PREFIX
+        inputs = inputs + (example_targets,)
+    inputs, kwargs = _inputs_on_model_device(model, inputs, kwargs)
+    batch = _batch_size(inputs, kwargs)
+    log = _logger(verbose)
+    failures: list[str] = []
+    attempts = [("export", True), ("export", False)] if dynamic_batch and batch else [("export", False)]
+    for method, dynamic in attempts:
+        started = time.perf_counter()
+        try:
+            log(f"capture: torch.export ({'dynamic' if dynamic else 'static'} batch)...")
+            with quiet_torch_logs():
+                program = _export(module, inputs, kwargs, batch if dynamic else None)
+        except Exception as error:  # noqa: BLE001 - any tracing failure falls through to the next method
+            failures.append(f"torch.export ({'dynamic' if dynamic else 'static'} batch): {_reason(error, model)}")
+            continue
+        log(f"capture: traced {len(program.graph.nodes)} nodes in {time.perf_counter() - started:.1f}s; probing ops...")
+        graph = ExportConverter(program, model, prefix, batch or 1, dynamic, name).convert()
+        log(f"capture: done in {time.perf_counter() - started:.1f}s")
+        return graph
+    try:
+        from autopar.capture_fx import capture_with_fx
+
+        log("capture: torch.fx.symbolic_trace fallback...")
+        return capture_with_fx(module, model, prefix, inputs, kwargs, batch or 1, name)
+    except CaptureError as error:
+        failures.append(f"torch.fx.symbolic_trace: {error}")
+    except Exception as error:  # noqa: BLE001
+        failures.append(f"torch.fx.symbolic_trace: {_reason(error, model)}")
+    model_name = name or type(model).__name__
+    raise CaptureError(f"could not capture {model_name}:\n  - " + "\n  - ".join(failures)
+                       + "\nMake the forward pass traceable (no data-dependent Python control flow, "
+                       "no .item()/.tolist(), no printing of tensor values) or capture a simpler model.")
+
+
+def _logger(verbose: bool) -> Callable[[str], None]:
+    return (lambda message: print(message, file=sys.stderr, flush=True)) if verbose else (lambda message: None)
+
+
+def _inputs_on_model_device(model: nn.Module, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Meta models get meta inputs (values do not matter for tracing)."""
+    device = next((p.device for p in model.parameters()), None)
+    if device is None or device.type != "meta":
+        return inputs, kwargs
+    move = lambda value: value.to("meta") if isinstance(value, torch.Tensor) else value  # noqa: E731
+    return tuple(move(value) for value in inputs), {key: move(value) for key, value in kwargs.items()}
+
+
+def _batch_size(inputs: tuple, kwargs: dict) -> int | None:
+    for value in list(inputs) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return None
+
+
+def _export(module: nn.Module, inputs: tuple, kwargs: dict, batch: int | None):
+    if batch is None:
+        return export(module, inputs, kwargs, strict=False)
+    if batch < 2:  # export specializes sizes 0 and 1: trace at 2, the batch stays symbolic
+        inputs = _repeat_batch(inputs, batch)
+        kwargs = dict(zip(kwargs, _repeat_batch(tuple(kwargs.values()), batch)))
+        batch = 2
+    batch_dim = Dim("batch")
+
+    def spec(value):
+        if isinstance(value, torch.Tensor):
+            return {0: batch_dim} if value.dim() > 0 and value.shape[0] == batch else None
+        if isinstance(value, (tuple, list)):
+            return type(value)(spec(item) for item in value)
+        if isinstance(value, dict):
+            return {key: spec(item) for key, item in value.items()}
+        return None
+
+    bound = inspect.signature(module.forward).bind(*inputs, **kwargs)
+    dynamic_shapes = {name: spec(value) for name, value in bound.arguments.items()}
+    return export(module, inputs, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+
+
+def _repeat_batch(values: tuple, batch: int) -> tuple:
+    return tuple(torch.cat([value] * 2) if isinstance(value, torch.Tensor) and value.dim() > 0
+                 and value.shape[0] == batch else value for value in values)
+
+
+def _reason(error: BaseException, model: nn.Module) -> str:
+    """One or two lines: the exception and the innermost model module on the stack."""
+    message = str(error).strip().splitlines()
+    first = next((line for line in message if line.strip()), type(error).__name__)
+    location = _failing_location(error, model)
+    return f"{type(error).__name__}: {first[:300]}" + (f" (in {location})" if location else "")
+
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+def _failing_location(error: BaseException, model: nn.Module) -> str:
+    """The innermost model module on the stack, and the last line of user code that ran."""
+    names = {id(module): path for path, module in model.named_modules()}
+    module_text, code_text = "", ""
+    traceback = error.__traceback__
+    while traceback is not None:
+        frame = traceback.tb_frame
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            module_text = f"module '{names[id(owner)] or '<root>'}' ({type(owner).__name__})"
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_TORCH_DIR) and not filename.startswith(str(Path(__file__).parent)):
+            line = linecache.getline(filename, traceback.tb_lineno).strip()
+            code_text = f"{filename}:{traceback.tb_lineno}: {line}"
+        traceback = traceback.tb_next
+    return ", ".join(part for part in (module_text, code_text) if part)
+
+
+@contextlib.contextmanager
+def quiet_torch_logs():
+    """torch.export logs and prints whole graphs when it fails; the user gets our one-paragraph
+    error instead."""
+    loggers = [logging.getLogger(name) for name in ("torch", "torch.fx", "torch.export", "torch._dynamo")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+# --- ExportedProgram -> OpGraph ----------------------------------------------------------------
+
+def tensor_meta(value: torch.Tensor, batch_symbol=None) -> TensorMeta:
+    shape, coefs = [], []
+    for size in value.shape:
+        hint, coef = _size_hint(size, batch_symbol)
+        shape.append(hint)
+        coefs.append(coef)
+    return TensorMeta(shape=tuple(shape), dtype=str(value.dtype).removeprefix("torch."),
+                      batch_coef=tuple(coefs) if any(coefs) else ())
+
+
+def _size_hint(size, batch_symbol) -> tuple[int, int]:
+    if isinstance(size, int):
+        return size, 0
+    node = size.node
+    hint = node.hint if node.hint is not None else node.shape_env.size_hint(node.expr)
+    coef = 0
+    if batch_symbol is not None and batch_symbol in node.expr.free_symbols:
+        derivative = node.expr.diff(batch_symbol)
+        coef = int(derivative) if derivative.is_number else 0
+    return int(hint), coef
+
+
+def concrete(value):
+    """SymInts become their example values; torch dtypes/devices become strings."""
+    if isinstance(value, torch.SymInt):
+        return _size_hint(value, None)[0]
+    if isinstance(value, (torch.SymFloat, torch.SymBool)):
+        return value.node.hint
+    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(concrete(item) for item in value)
+    return value
+
+
+class ExportConverter:
+    """Walks an ExportedProgram's graph, probes each op and builds the OpGraph."""
+
+    def __init__(self, program, model: nn.Module, prefix: str, batch: int, dynamic: bool, name: str) -> None:
+        self.program = program
+        self.model = model
+        self.prefix = prefix
+        self.batch = 2 if dynamic and batch < 2 else batch
+        self.dynamic = dynamic
+        self.name = name
+        self.nodes: list[OpNode] = []
+        self.params: list[ParamInfo] = []
+        self.requires_grad: dict[str, bool] = {}
+        self.placeholder_kind: dict[str, tuple[str, str]] = {}
+        self.probe_cache: dict[Any, ProbeResult] = {}
+        self.notes: list[str] = []
+        self.batch_symbol = None
+
+    def convert(self) -> OpGraph:
+        self._read_signature()
+        for fx_node in self.program.graph.nodes:
+            self._convert_node(fx_node)
+        blocks, segments = find_blocks_and_segments(self.model, self.nodes)
+        batch_dynamic = self.dynamic and self.batch_symbol is not None
+        return OpGraph(nodes=tuple(self.nodes), params=tuple(self.params), blocks=blocks, segments=segments,
+                       batch_size=self.batch, batch_dynamic=batch_dynamic, capture_method="export",
+                       model_name=self.name, notes=tuple(dict.fromkeys(self.notes)))
+
+    def _read_signature(self) -> None:
+        from torch.export.graph_signature import InputKind
+
+        kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer", InputKind.USER_INPUT: "input",
+                 InputKind.CONSTANT_TENSOR: "constant"}
+        for spec in self.program.graph_signature.input_specs:
+            kind = kinds.get(spec.kind, "constant")
+            target = (spec.target or spec.arg.name).removeprefix(self.prefix)
+            self.placeholder_kind[spec.arg.name] = (kind, target)
+        for fx_node in self.program.graph.nodes:
+            if fx_node.op == "placeholder" and self.placeholder_kind.get(fx_node.name, ("",))[0] == "input":
+                value = fx_node.meta.get("val")
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(value.shape[0], torch.SymInt):
+                    self.batch_symbol = value.shape[0].node.expr
+                    return
+
+    def _convert_node(self, fx_node) -> None:
+        value = fx_node.meta.get("val")
+        if fx_node.op == "placeholder":
+            self._placeholder(fx_node, value)
+        elif fx_node.op == "call_function":
+            if _tensor_list(value) is None:
+                return  # symbolic-size arithmetic: folded into the consumers' arguments
+            self._call(fx_node, value)
+        elif fx_node.op == "output":
+            refs = [arg for arg in _flat_nodes(fx_node.args) if arg.name in self.requires_grad]
+            self.nodes.append(OpNode(name=fx_node.name, kind="output", target="output",
+                                     inputs=tuple(arg.name for arg in refs)))
+
+    def _placeholder(self, fx_node, value) -> None:
+        kind, target = self.placeholder_kind.get(fx_node.name, ("input", fx_node.name))
+        if not isinstance(value, torch.Tensor):
+            return
+        meta = tensor_meta(value, self.batch_symbol)
+        trainable = kind == "param" and self._is_trainable(target)
+        self.requires_grad[fx_node.name] = trainable
+        self.nodes.append(OpNode(name=fx_node.name, kind=kind, target=target, outputs=(meta,),
+                                 requires_grad=trainable))
+        if kind in ("param", "buffer"):
+            self.params.append(ParamInfo(name=target, node=fx_node.name, meta=meta, trainable=trainable))
+
+    def _is_trainable(self, target: str) -> bool:
+        try:
+            return self.model.get_parameter(target).requires_grad
+        except AttributeError:
+            return True
+
+    def _call(self, fx_node, value) -> None:
+        tensor_inputs: list = []
+
+        def to_ref(item):
+            if isinstance(item, torch.fx.Node):
+                if item.name in self.requires_grad:
+                    tensor_inputs.append(item)
+                    return Ref(index=len(tensor_inputs) - 1)
+                return concrete(item.meta.get("val"))
+            return item
+
+        args = torch.fx.node.map_aggregate(fx_node.args, to_ref)
+        kwargs = torch.fx.node.map_aggregate(dict(fx_node.kwargs), to_ref)
+        outputs = tuple(tensor_meta(tensor, self.batch_symbol) for tensor in _tensor_list(value) if tensor is not None)
+        inputs = tuple(node.name for node in tensor_inputs)
+        common = dict(name=fx_node.name, kind="call", target=_target_name(fx_node.target), inputs=inputs,
+                      args=concrete(args), kwargs=tuple(concrete(dict(kwargs)).items()), outputs=outputs,
+                      module_path=self._module_path(fx_node))
+        if fx_node.target is operator.getitem:
+            grad = self.requires_grad[inputs[0]]
+            self.requires_grad[fx_node.name] = grad
+            self.nodes.append(OpNode(**common, alias_input=0, requires_grad=grad))
+            return
+        result = self._probe(fx_node, args, kwargs, tensor_inputs)
+        self.requires_grad[fx_node.name] = result.requires_grad
+        if result.note:
+            self.notes.append(f"{common['target']}: {result.note}")
+        self.nodes.append(OpNode(**common, fwd_kernels=result.fwd_kernels, bwd_kernels=result.bwd_kernels,
+                                 saved_inputs=result.saved_inputs, saved_output=result.saved_output,
+                                 saved_extra_bytes=result.saved_extra_bytes, alias_input=result.alias_input,
+                                 requires_grad=result.requires_grad, note=result.note))
+
+    def _probe(self, fx_node, args, kwargs, tensor_inputs) -> ProbeResult:
+        specs = tuple(self._input_spec(node) for node in tensor_inputs)
+        key = (fx_node.target, repr(concrete(args)), repr(sorted(concrete(kwargs).items())), specs)
+        if key not in self.probe_cache:
+            try:
+                self.probe_cache[key] = probe_op(fx_node.target, concrete(args), concrete(kwargs), specs)
+            except Exception as error:  # noqa: BLE001 - an op without a meta kernel is priced by its I/O
+                values = _tensor_list(fx_node.meta.get("val")) or []
+                out_bytes = sum(t.numel() * t.element_size() for t in values if t is not None)
+                self.probe_cache[key] = io_priced(_target_name(fx_node.target), specs, out_bytes, error)
+        return self.probe_cache[key]
+
+    def _input_spec(self, fx_node) -> InputSpec:
+        value = fx_node.meta["val"]
+        shape = tuple(_size_hint(size, None)[0] for size in value.shape)
+        stride = tuple(_size_hint(size, None)[0] for size in value.stride())
+        kind = self.placeholder_kind.get(fx_node.name, ("call",))[0]
+        return InputSpec(shape=shape, stride=stride, dtype=value.dtype, requires_grad=self.requires_grad[fx_node.name],
+                         is_param=kind in ("param", "buffer"))
+
+    def _module_path(self, fx_node) -> str:
+        stack = fx_node.meta.get("nn_module_stack") or {}
+        if not stack:
+            return ""
+        path = list(stack.values())[-1][0]
+        path = path.split("@")[0]
+        if self.prefix and (path + ".").startswith(self.prefix):
+            path = path[len(self.prefix):]
+        elif path == self.prefix.rstrip("."):
+            path = ""
+        return path
+
+
+def _tensor_list(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) or v is None for v in value):
+        return list(value)
+    return None
+
+
+def _flat_nodes(args) -> list:
+    found: list = []
+    torch.fx.node.map_aggregate(args, lambda item: found.append(item) if isinstance(item, torch.fx.Node) else None)
+    return found
+
+
+def _target_name(target) -> str:
+    if target is operator.getitem:
+        return "getitem"
+    name = str(target)
+    return name if name.startswith("aten.") else getattr(target, "__name__", name)

@@ -1,0 +1,208 @@
+"""Run one captured op on meta tensors to learn what it costs and what its backward keeps.
+
+For each op we execute it (and its backward) on `meta` tensors of the captured shapes under a
+dispatch mode that records every kernel that would launch: its FLOPs (torch's own flop
+formulas for matmul, convolution and attention kernels), the bytes it reads and writes, and
+whether it is a view. Autograd's saved-tensor hooks tell exactly which tensors the backward
+keeps: an input, the output, or a new tensor (a dropout mask, norm statistics).
+
+Ops run as their CUDA implementation would: dropout as the fused `native_dropout` (1-byte mask)
+and scaled-dot-product attention as flash/memory-efficient attention (no s x s matrix kept).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from autopar.graph import Kernel, Ref
+
+aten = torch.ops.aten
+_FREE_OPS = {
+    aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.detach.default,
+    aten.lift_fresh.default, aten.alias.default, aten.new_empty.default, aten.new_empty_strided.default,
+    aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputSpec:
+    """A tensor input of the op being probed."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    is_param: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeResult:
+    fwd_kernels: tuple[Kernel, ...]
+    bwd_kernels: tuple[Kernel, ...]
+    saved_inputs: tuple[int, ...]
+    saved_output: bool
+    saved_extra_bytes: float
+    alias_input: int | None
+    requires_grad: bool
+    note: str = ""
+
+
+def _is_view_op(func) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def _tensor_bytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+
+
+class KernelRecorder(TorchDispatchMode):
+    """Records the kernels dispatched while active (views and allocations are free)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels: list[Kernel] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _FREE_OPS or _is_view_op(func):
+            return out
+        packet = func._overloadpacket
+        is_matmul = packet in flop_registry
+        if is_matmul:
+            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        else:
+            flops = float(sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)))
+        io_bytes = _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out)
+        self.kernels.append(Kernel(name=str(func), flops=flops, io_bytes=float(io_bytes), is_matmul=is_matmul))
+        return out
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def _make_inputs(specs: Sequence[InputSpec]) -> list[torch.Tensor]:
+    tensors = []
+    for spec in specs:
+        tensor = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
+        if spec.requires_grad and (spec.dtype.is_floating_point or spec.dtype.is_complex):
+            tensor.requires_grad_(True)
+        tensors.append(tensor)
+    return tensors
+
+
+def _fill(template, tensors: list[torch.Tensor]):
+    return tree_map(lambda item: tensors[item.index] if isinstance(item, Ref) else item, template,
+                    is_leaf=lambda item: isinstance(item, Ref))
+
+
+def _cuda_equivalent(func, args: tuple, kwargs: dict):
+    """Swap composite ops for the kernels CUDA runs, so that saved tensors match a GPU."""
+    if func is aten.dropout.default:
+        x, p, train = args[0], args[1], args[2]
+        if train and p > 0:
+            return (lambda: aten.native_dropout.default(x, p, True)[0])
+    if func is aten.scaled_dot_product_attention.default:
+        return _sdpa_kernel(*args, **kwargs)
+    return None
+
+
+def _sdpa_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if key.shape[-3] != query.shape[-3]:
+        repeats = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(repeats, dim=-3)
+        value = value.repeat_interleave(repeats, dim=-3)
+    if attn_mask is None:
+        return lambda: aten._scaled_dot_product_flash_attention.default(
+            query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+    return lambda: aten._scaled_dot_product_efficient_attention.default(
+        query, key, value, attn_mask, False, dropout_p, is_causal, scale=scale)[0]
+
+
+def probe_op(target, args, kwargs: dict, specs: Sequence[InputSpec]) -> ProbeResult:
+    """Execute `target(*args, **kwargs)` (with Ref placeholders filled from `specs`) on meta."""
+    inputs = _make_inputs(specs)
+    call_args, call_kwargs = _fill(tuple(args), inputs), _fill(dict(kwargs), inputs)
+    saved: list[torch.Tensor] = []
+    forward = _cuda_equivalent(target, call_args, call_kwargs) or (lambda: target(*call_args, **call_kwargs))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with KernelRecorder() as fwd:
+            output = forward()
+    out_tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    saved_inputs, saved_output, extra_bytes = _classify_saved(saved, inputs, specs, out_tensors)
+    alias_input = _alias_input(inputs, out_tensors)
+    requires_grad = any(t.requires_grad for t in out_tensors)
+    bwd_kernels: tuple[Kernel, ...] = ()
+    note = ""
+    if requires_grad:
+        try:
+            bwd_kernels = tuple(_backward_kernels(out_tensors, inputs))
+        except Exception as error:  # an op whose backward has no meta kernel
+            note = f"backward not measurable on meta ({type(error).__name__}); priced as 2x forward"
+            bwd_kernels = tuple(fwd.kernels) * 2
+    return ProbeResult(fwd_kernels=tuple(fwd.kernels), bwd_kernels=bwd_kernels, saved_inputs=saved_inputs,
+                       saved_output=saved_output, saved_extra_bytes=extra_bytes, alias_input=alias_input,
+                       requires_grad=requires_grad, note=note)
+
+
+def _backward_kernels(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[Kernel]:
+    diff_outputs = [t for t in outputs if t.requires_grad]
+    diff_inputs = [t for t in inputs if t.requires_grad]
+    if not diff_inputs:
+        return []
+    grads = [torch.empty_like(t) for t in diff_outputs]
+    with KernelRecorder() as bwd:
+        torch.autograd.grad(diff_outputs, diff_inputs, grads, allow_unused=True)
+    return bwd.kernels
+
+
+def _classify_saved(saved, inputs, specs, outputs) -> tuple[tuple[int, ...], bool, float]:
+    input_ids = {}
+    for index, tensor in enumerate(inputs):
+        input_ids.setdefault(_storage_id(tensor), index)
+    output_ids = {_storage_id(t) for t in outputs}
+    saved_inputs: set[int] = set()
+    saved_output = False
+    extra_ids: dict[int, int] = {}
+    for tensor in saved:
+        storage = _storage_id(tensor)
+        if storage in input_ids:
+            index = input_ids[storage]
+            if not specs[index].is_param:
+                saved_inputs.add(index)
+        elif storage in output_ids:
+            saved_output = True
+        else:
+            extra_ids[storage] = max(extra_ids.get(storage, 0), tensor.untyped_storage().nbytes())
+    return tuple(sorted(saved_inputs)), saved_output, float(sum(extra_ids.values()))
+
+
+def _alias_input(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int | None:
+    if not outputs:
+        return None
+    storage = _storage_id(outputs[0])
+    for index, tensor in enumerate(inputs):
+        if _storage_id(tensor) == storage:
+            return index
+    return None
+
+
+def io_priced(name: str, specs: Sequence[InputSpec], output_bytes: float, error: Exception) -> ProbeResult:
+    """For an op that cannot run on meta: one memory-bound kernel over its inputs and outputs,
+    all non-parameter inputs kept for backward (conservative)."""
+    input_bytes = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in specs)
+    kernel = Kernel(name=name, flops=0.0, io_bytes=float(input_bytes + output_bytes), is_matmul=False)
+    grad = any(spec.requires_grad for spec in specs)
+    return ProbeResult(fwd_kernels=(kernel,), bwd_kernels=(kernel, kernel) if grad else (),
+                       saved_inputs=tuple(i for i, spec in enumerate(specs) if not spec.is_param),
+                       saved_output=False, saved_extra_bytes=0.0, alias_input=None, requires_grad=grad,
+                       note=f"could not run on meta ({type(error).__name__}); priced by its input/output bytes")

@@ -1,0 +1,230 @@
+"""Device and link specifications, and the presets of common GPU systems.
+
+Figures are datasheet values (dense, no sparsity). Link bandwidths are per device and per
+direction: NVIDIA quotes NVLink "per GPU, both directions", which is twice what one device can
+send. The efficiency defaults are what well-tuned kernels reach on these parts; a measured
+profile (`autopar profile`) replaces them.
+
+This module does not import autopar or torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+GB = 1e9
+GIB = 2**30
+TFLOPS = 1e12
+
+DTYPES = ("bf16", "fp16", "fp32", "tf32")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator (or one CPU process) as the cost model sees it."""
+
+    name: str
+    """Human-readable name, e.g. "A100 SXM4 80GB"."""
+    peak_flops_per_s: dict[str, float]
+    """Dense peak FLOP/s per dtype key ("bf16", "fp16", "fp32", "tf32")."""
+    memory_bytes: float
+    """Device memory capacity in bytes (as the runtime reports it)."""
+    memory_bandwidth_bytes_per_s: float
+    """Peak device-memory bandwidth."""
+    matmul_efficiency: float = 0.8
+    """Fraction of peak that a large matmul reaches (small ones reach less, see compute.py)."""
+    matmul_half_efficiency_flops: float = 2.0e9
+    """Matmul size (FLOPs) at which half of `matmul_efficiency` is reached."""
+    memory_efficiency: float = 0.8
+    """Fraction of the memory bandwidth that streaming (element-wise) kernels reach."""
+    kernel_overhead_s: float = 5e-6
+    """Fixed cost of one kernel launch."""
+    source: str = ""
+    """Where the figures come from."""
+
+    def __post_init__(self) -> None:
+        _require_positive(self.name, "memory_bytes", self.memory_bytes)
+        _require_positive(self.name, "memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s)
+        for dtype, flops in self.peak_flops_per_s.items():
+            _require_positive(self.name, f"peak_flops_per_s[{dtype}]", flops)
+        for name in ("matmul_efficiency", "memory_efficiency"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{self.name}: {name} must be in (0, 1], got {value}")
+        if self.kernel_overhead_s < 0:
+            raise ValueError(f"{self.name}: kernel_overhead_s must be >= 0, got {self.kernel_overhead_s}")
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s for a dtype key; fp32 matmuls use tf32 where the device has it."""
+        if dtype in self.peak_flops_per_s:
+            return self.peak_flops_per_s[dtype]
+        if dtype == "fp16" and "bf16" in self.peak_flops_per_s:
+            return self.peak_flops_per_s["bf16"]
+        return self.peak_flops_per_s.get("fp32", min(self.peak_flops_per_s.values()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkSpec:
+    """One level of the interconnect, seen from one device."""
+
+    name: str
+    """e.g. "NVLink3/NVSwitch" or "HDR InfiniBand"."""
+    bandwidth_bytes_per_s: float
+    """Per device, per direction."""
+    latency_s: float
+    """Per message (the alpha of the alpha-beta model)."""
+    efficiency: float = 0.85
+    """Fraction of the bandwidth that large collectives reach (NCCL bus bandwidth / link rate)."""
+
+    def __post_init__(self) -> None:
+        _require_positive(self.name, "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
+        if self.latency_s < 0:
+            raise ValueError(f"{self.name}: latency_s must be >= 0, got {self.latency_s}")
+        if not 0.0 < self.efficiency <= 1.0:
+            raise ValueError(f"{self.name}: efficiency must be in (0, 1], got {self.efficiency}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SystemSpec:
+    """A kind of node: its devices and its two link levels."""
+
+    name: str
+    device: DeviceSpec
+    devices_per_node: int
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    description: str = ""
+    source: str = ""
+
+
+def _require_positive(owner: str, name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{owner}: {name} must be positive, got {value}")
+
+
+# --- devices -------------------------------------------------------------------------------
+# Sources: NVIDIA A100 datasheet (2021), H100 datasheet (2023), H200 product brief (2024),
+# V100 datasheet (2018); see shared/reference/hardware.md. Memory capacity is what nvidia-smi
+# reports (e.g. 81920 MiB on A100 80GB).
+
+A100_40G = DeviceSpec(
+    name="A100 SXM4 40GB",
+    peak_flops_per_s={"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "tf32": 156 * TFLOPS, "fp32": 19.5 * TFLOPS},
+    memory_bytes=40 * GIB,
+    memory_bandwidth_bytes_per_s=1555 * GB,
+    source="NVIDIA A100 Tensor Core GPU datasheet",
+)
+A100_80G = replace(
+    A100_40G,
+    name="A100 SXM4 80GB",
+    memory_bytes=80 * GIB,
+    memory_bandwidth_bytes_per_s=2039 * GB,
+)
+H100_SXM = DeviceSpec(
+    name="H100 SXM5 80GB",
+    peak_flops_per_s={"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "tf32": 495 * TFLOPS, "fp32": 67 * TFLOPS},
+    memory_bytes=79.6 * GIB,
+    memory_bandwidth_bytes_per_s=3350 * GB,
+    # Large bf16 GEMMs on H100 reach a smaller fraction of the (higher) peak than on A100.
+    matmul_efficiency=0.7,
+    matmul_half_efficiency_flops=6.0e9,
+    source="NVIDIA H100 Tensor Core GPU datasheet",
+)
+H200_SXM = replace(
+    H100_SXM,
+    name="H200 SXM 141GB",
+    memory_bytes=140.4 * GIB,
+    memory_bandwidth_bytes_per_s=4800 * GB,
+    source="NVIDIA H200 product brief",
+)
+V100_16G = DeviceSpec(
+    name="V100 SXM2 16GB",
+    peak_flops_per_s={"fp16": 125 * TFLOPS, "bf16": 15.7 * TFLOPS, "fp32": 15.7 * TFLOPS},
+    memory_bytes=15.8 * GIB,
+    memory_bandwidth_bytes_per_s=900 * GB,
+    matmul_efficiency=0.75,
+    source="NVIDIA V100 datasheet (no bf16 tensor cores: bf16 runs at fp32 rate)",
+)
+
+
+def cpu_device(num_procs: int = 1) -> DeviceSpec:
+    """This machine's CPU split evenly among `num_procs` processes (rough; profile to refine).
+
+    Without a profile we assume 16 fp32 FLOP/cycle/core at 2.5 GHz (AVX2 FMA) and 10 GB/s of
+    memory bandwidth per core; `autopar profile` measures the real figures.
+    """
+    num_cores = max(1, os.cpu_count() or 1)
+    cores_per_proc = max(num_cores / max(num_procs, 1), 1.0 / max(num_procs, 1))
+    flops = cores_per_proc * 2.5e9 * 16
+    return DeviceSpec(
+        name=f"CPU ({num_cores} cores, {num_procs} procs)",
+        peak_flops_per_s={"fp32": flops, "bf16": flops / 4, "fp16": flops / 4},
+        memory_bytes=_host_memory_bytes() / max(num_procs, 1),
+        memory_bandwidth_bytes_per_s=cores_per_proc * 10 * GB,
+        matmul_efficiency=0.5,
+        matmul_half_efficiency_flops=2.0e7,
+        memory_efficiency=0.5,
+        kernel_overhead_s=10e-6,
+        source="estimate from os.cpu_count(); run `autopar profile` for measured figures",
+    )
+
+
+def _host_memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * GIB
+
+
+# --- links ---------------------------------------------------------------------------------
+
+NVLINK3 = LinkSpec(name="NVLink3/NVSwitch", bandwidth_bytes_per_s=300 * GB, latency_s=8e-6)
+NVLINK4 = LinkSpec(name="NVLink4/NVSwitch", bandwidth_bytes_per_s=450 * GB, latency_s=8e-6)
+NVLINK2 = LinkSpec(name="NVLink2 hybrid cube-mesh", bandwidth_bytes_per_s=150 * GB, latency_s=10e-6, efficiency=0.7)
+# 8x HDR 200 Gb/s per DGX A100 node: one 25 GB/s rail per GPU.
+IB_HDR = LinkSpec(name="HDR InfiniBand 200 Gb/s per GPU", bandwidth_bytes_per_s=25 * GB, latency_s=15e-6, efficiency=0.8)
+# 8x NDR 400 Gb/s per DGX H100 node: 50 GB/s per GPU.
+IB_NDR = LinkSpec(name="NDR InfiniBand 400 Gb/s per GPU", bandwidth_bytes_per_s=50 * GB, latency_s=15e-6, efficiency=0.8)
+# p3.16xlarge: 25 Gb/s Ethernet per node, shared by its 8 GPUs.
+ETH_25G_PER_8 = LinkSpec(name="25 Gb/s Ethernet per node", bandwidth_bytes_per_s=25e9 / 8 / 8, latency_s=50e-6, efficiency=0.7)
+LOOPBACK = LinkSpec(name="shared memory (gloo)", bandwidth_bytes_per_s=2 * GB, latency_s=50e-6, efficiency=0.5)
+TCP_10G = LinkSpec(name="10 Gb/s TCP", bandwidth_bytes_per_s=1.25 * GB, latency_s=100e-6, efficiency=0.7)
+
+
+# --- systems -------------------------------------------------------------------------------
+
+SYSTEMS: dict[str, SystemSpec] = {
+    "dgx-a100-40g": SystemSpec(
+        name="dgx-a100-40g", device=A100_40G, devices_per_node=8, intra_node=NVLINK3, inter_node=IB_HDR,
+        description="NVIDIA DGX A100 (8x A100 40GB, NVSwitch, 8x HDR 200 Gb/s)", source="DGX A100 datasheet"),
+    "dgx-a100-80g": SystemSpec(
+        name="dgx-a100-80g", device=A100_80G, devices_per_node=8, intra_node=NVLINK3, inter_node=IB_HDR,
+        description="NVIDIA DGX A100 (8x A100 80GB, NVSwitch, 8x HDR 200 Gb/s), e.g. Selene",
+        source="DGX A100 datasheet; Megatron-LM SC21 (arXiv 2104.04473) section 5"),
+    "dgx-h100": SystemSpec(
+        name="dgx-h100", device=H100_SXM, devices_per_node=8, intra_node=NVLINK4, inter_node=IB_NDR,
+        description="NVIDIA DGX H100 (8x H100 SXM5, NVSwitch, 8x NDR 400 Gb/s)", source="DGX H100 datasheet"),
+    "hgx-h200": SystemSpec(
+        name="hgx-h200", device=H200_SXM, devices_per_node=8, intra_node=NVLINK4, inter_node=IB_NDR,
+        description="NVIDIA HGX H200 (8x H200 141GB, NVSwitch, 8x NDR 400 Gb/s)", source="HGX H200 product brief"),
+    "p3-16xlarge": SystemSpec(
+        name="p3-16xlarge", device=V100_16G, devices_per_node=8, intra_node=NVLINK2, inter_node=ETH_25G_PER_8,
+        description="AWS p3.16xlarge (8x V100 16GB, NVLink, 25 Gb/s between nodes), as in Alpa's evaluation",
+        source="AWS EC2 P3 instance page"),
+}
+
+
+def cpu_system(num_procs: int) -> SystemSpec:
+    """The local machine: `num_procs` gloo processes on one node."""
+    return SystemSpec(
+        name="cpu", device=cpu_device(num_procs), devices_per_node=num_procs, intra_node=LOOPBACK,
+        inter_node=TCP_10G, description="this machine's CPU, one gloo process per device")
+
+
+PRESET_NAMES: tuple[str, ...] = tuple(SYSTEMS) + ("cpu",)
+
+__all__ = [
+    "DTYPES", "GB", "GIB", "TFLOPS", "DeviceSpec", "LinkSpec", "SystemSpec", "SYSTEMS", "PRESET_NAMES",
+    "cpu_device", "cpu_system",
+]

@@ -1,0 +1,193 @@
+"""The hardware profile: what `autopar profile` measured on a machine, as versioned JSON.
+
+A profile holds raw measurements (matmul throughput by size and dtype, streaming bandwidth,
+kernel overhead, collective times by group size and message size). The cost model interpolates
+the matmul table and fits an alpha-beta line per collective and link level (see comm.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from cost_model.errors import CostModelInputError
+
+SCHEMA_VERSION = 1
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+LINK_LEVELS = ("intra_node", "inter_node")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatmulPoint:
+    """One measured matmul size."""
+
+    dtype: str
+    """dtype key: "fp32", "bf16", ..."""
+    flops: float
+    """FLOPs of the measured matmul (2 m n k)."""
+    achieved_flops_per_s: float
+    """Measured throughput."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectivePoint:
+    """One measured collective."""
+
+    op: str
+    """One of COLLECTIVE_OPS."""
+    level: str
+    """"intra_node" or "inter_node": the slowest link the group crosses."""
+    num_devices: int
+    """Group size."""
+    message_bytes: float
+    """Size of the per-device input buffer (the full tensor for all-reduce)."""
+    time_s: float
+    """Median measured time."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """Measurements of one kind of device and its links."""
+
+    schema_version: int
+    """Format version; files of another version are refused."""
+    device_kind: str
+    """"cpu" or "cuda"."""
+    device_name: str
+    """e.g. "NVIDIA H200" or "CPU (2 cores)"."""
+    num_processes: int
+    """Processes (devices) the collectives were measured on."""
+    memory_bytes: float
+    """Memory capacity per device (per process on a CPU)."""
+    memory_bandwidth_bytes_per_s: float
+    """Achieved bandwidth of large element-wise kernels (read + write counted)."""
+    kernel_overhead_s: float
+    """Time of a tiny kernel (launch/dispatch overhead)."""
+    matmul: tuple[MatmulPoint, ...]
+    """Matmul throughput sweep."""
+    collectives: tuple[CollectivePoint, ...] = ()
+    """Collective sweep (empty when measured with one process)."""
+    created: str = ""
+    """ISO timestamp."""
+    host: str = ""
+    """Host name where it was measured."""
+
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(sorted({point.dtype for point in self.matmul}))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    """Read and validate a profile; raises CostModelInputError naming the file and field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise CostModelInputError(f"cannot read profile '{path}': {error.strerror or error}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CostModelInputError(
+            f"profile '{path}' is not valid JSON ({error.msg} at line {error.lineno}); "
+            "re-create it with `autopar profile --out FILE`") from None
+    return profile_from_dict(data, source=str(path))
+
+
+def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfile:
+    if not isinstance(data, dict):
+        raise CostModelInputError(f"profile '{source}': expected a JSON object, got {type(data).__name__}")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise CostModelInputError(
+            f"profile '{source}': schema_version is {version!r}, this autopar reads version "
+            f"{SCHEMA_VERSION}; re-create it with `autopar profile --out FILE`")
+    reader = _FieldReader(data, source)
+    matmul = tuple(_matmul_point(item, source, index) for index, item in enumerate(reader.list("matmul")))
+    if not matmul:
+        raise CostModelInputError(f"profile '{source}': field 'matmul' is empty; re-run `autopar profile`")
+    collectives = tuple(
+        _collective_point(item, source, index) for index, item in enumerate(reader.list("collectives", required=False)))
+    device_kind = reader.text("device_kind")
+    if device_kind not in ("cpu", "cuda"):
+        raise CostModelInputError(f"profile '{source}': field 'device_kind' must be 'cpu' or 'cuda', got {device_kind!r}")
+    return HardwareProfile(
+        schema_version=version,
+        device_kind=device_kind,
+        device_name=reader.text("device_name"),
+        num_processes=int(reader.positive("num_processes")),
+        memory_bytes=reader.positive("memory_bytes"),
+        memory_bandwidth_bytes_per_s=reader.positive("memory_bandwidth_bytes_per_s"),
+        kernel_overhead_s=reader.non_negative("kernel_overhead_s"),
+        matmul=matmul,
+        collectives=collectives,
+        created=str(data.get("created", "")),
+        host=str(data.get("host", "")),
+    )
+
+
+class _FieldReader:
+    def __init__(self, data: dict, source: str) -> None:
+        self.data = data
+        self.source = source
+
+    def _get(self, name: str) -> Any:
+        if name not in self.data:
+            raise CostModelInputError(f"profile '{self.source}': missing field '{name}'")
+        return self.data[name]
+
+    def text(self, name: str) -> str:
+        value = self._get(name)
+        if not isinstance(value, str):
+            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be a string")
+        return value
+
+    def number(self, name: str) -> float:
+        value = self._get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be a finite number, got {value!r}")
+        return float(value)
+
+    def positive(self, name: str) -> float:
+        value = self.number(name)
+        if value <= 0:
+            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be positive, got {value}")
+        return value
+
+    def non_negative(self, name: str) -> float:
+        value = self.number(name)
+        if value < 0:
+            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be >= 0, got {value}")
+        return value
+
+    def list(self, name: str, *, required: bool = True) -> list:
+        if not required and name not in self.data:
+            return []
+        value = self._get(name)
+        if not isinstance(value, list):
+            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be a list")
+        return value
+
+
+def _matmul_point(item: Any, source: str, index: int) -> MatmulPoint:
+    reader = _FieldReader(item if isinstance(item, dict) else {}, f"{source}: matmul[{index}]")
+    return MatmulPoint(dtype=reader.text("dtype"), flops=reader.positive("flops"),
+                       achieved_flops_per_s=reader.positive("achieved_flops_per_s"))
+
+
+def _collective_point(item: Any, source: str, index: int) -> CollectivePoint:
+    reader = _FieldReader(item if isinstance(item, dict) else {}, f"{source}: collectives[{index}]")
+    op, level = reader.text("op"), reader.text("level")
+    if op not in COLLECTIVE_OPS:
+        raise CostModelInputError(f"profile '{source}': collectives[{index}].op {op!r} is not one of {COLLECTIVE_OPS}")
+    if level not in LINK_LEVELS:
+        raise CostModelInputError(f"profile '{source}': collectives[{index}].level {level!r} is not one of {LINK_LEVELS}")
+    return CollectivePoint(op=op, level=level, num_devices=int(reader.positive("num_devices")),
+                           message_bytes=reader.positive("message_bytes"), time_s=reader.positive("time_s"))
