@@ -70,6 +70,8 @@ class Kernel:
     """Bytes read plus bytes written."""
     is_matmul: bool
     """Runs on tensor cores (mm, bmm, conv, attention); else memory-bound."""
+    dtype: str = "float32"
+    """dtype of the kernel's first floating-point tensor (sets the peak FLOP/s)."""
 
 
 @dataclass(frozen=True, kw_only=True)

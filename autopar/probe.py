@@ -82,8 +82,14 @@ class KernelRecorder(TorchDispatchMode):
         else:
             flops = float(sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)))
         io_bytes = _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out)
-        self.kernels.append(Kernel(name=str(func), flops=flops, io_bytes=float(io_bytes), is_matmul=is_matmul))
+        self.kernels.append(Kernel(name=str(func), flops=flops, io_bytes=float(io_bytes), is_matmul=is_matmul,
+                                   dtype=_compute_dtype(args, out)))
         return out
+
+
+def _compute_dtype(args, out) -> str:
+    tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor) and t.dtype.is_floating_point]
+    return str(tensors[0].dtype).removeprefix("torch.") if tensors else "float32"
 
 
 def _storage_id(tensor: torch.Tensor) -> int:

@@ -179,13 +179,13 @@ def _host_memory_bytes() -> float:
 
 # --- links ---------------------------------------------------------------------------------
 
-NVLINK3 = LinkSpec(name="NVLink3/NVSwitch", bandwidth_bytes_per_s=300 * GB, latency_s=8e-6)
-NVLINK4 = LinkSpec(name="NVLink4/NVSwitch", bandwidth_bytes_per_s=450 * GB, latency_s=8e-6)
-NVLINK2 = LinkSpec(name="NVLink2 hybrid cube-mesh", bandwidth_bytes_per_s=150 * GB, latency_s=10e-6, efficiency=0.7)
+NVLINK3 = LinkSpec(name="NVLink3/NVSwitch", bandwidth_bytes_per_s=300 * GB, latency_s=3e-6)
+NVLINK4 = LinkSpec(name="NVLink4/NVSwitch", bandwidth_bytes_per_s=450 * GB, latency_s=3e-6)
+NVLINK2 = LinkSpec(name="NVLink2 hybrid cube-mesh", bandwidth_bytes_per_s=150 * GB, latency_s=5e-6, efficiency=0.7)
 # 8x HDR 200 Gb/s per DGX A100 node: one 25 GB/s rail per GPU.
-IB_HDR = LinkSpec(name="HDR InfiniBand 200 Gb/s per GPU", bandwidth_bytes_per_s=25 * GB, latency_s=15e-6, efficiency=0.8)
+IB_HDR = LinkSpec(name="HDR InfiniBand 200 Gb/s per GPU", bandwidth_bytes_per_s=25 * GB, latency_s=6e-6, efficiency=0.8)
 # 8x NDR 400 Gb/s per DGX H100 node: 50 GB/s per GPU.
-IB_NDR = LinkSpec(name="NDR InfiniBand 400 Gb/s per GPU", bandwidth_bytes_per_s=50 * GB, latency_s=15e-6, efficiency=0.8)
+IB_NDR = LinkSpec(name="NDR InfiniBand 400 Gb/s per GPU", bandwidth_bytes_per_s=50 * GB, latency_s=6e-6, efficiency=0.8)
 # p3.16xlarge: 25 Gb/s Ethernet per node, shared by its 8 GPUs.
 ETH_25G_PER_8 = LinkSpec(name="25 Gb/s Ethernet per node", bandwidth_bytes_per_s=25e9 / 8 / 8, latency_s=50e-6, efficiency=0.7)
 LOOPBACK = LinkSpec(name="shared memory (gloo)", bandwidth_bytes_per_s=2 * GB, latency_s=50e-6, efficiency=0.5)

@@ -1,0 +1,101 @@
+"""Prices of one op under one sharding strategy, and of resharding a tensor between placements.
+
+Compute: the op's forward and backward kernels (counted on meta at capture) with FLOPs divided
+by the devices the work is split over and bytes scaled by the sharded input + output size.
+Resharding: DTensor redistributes one mesh axis at a time; each axis' collective moves the
+tensor's bytes divided by the shards of the other axes that stay sharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from autopar.graph import OpNode, TensorMeta
+from autopar.mesh import Mesh
+from autopar.strategies import Strategy
+from autopar.strategies.placement import is_shard, shard_factor, transition
+from cost_model.comm import CommModel
+from cost_model.compute import ComputeModel, ComputeTime
+from cost_model.memory import BF16_ADAM, PrecisionPolicy
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """One collective: which, on which mesh axis, how many bytes, how long, forward or backward."""
+
+    op: str
+    axis: int
+    message_bytes: float
+    time_s: float
+    phase: str
+    """"fwd", "bwd" or "step" (once per optimizer step: gradient synchronisation)."""
+
+
+@dataclass
+class CostContext:
+    """Everything needed to price ops on a mesh of a cluster."""
+
+    mesh: Mesh
+    compute: ComputeModel
+    comm: CommModel
+    policy: PrecisionPolicy = BF16_ADAM
+    optimizer_io_bytes_per_param: float = 32.0
+    """Adam step traffic: read master, m, v, grad; write master, m, v, working copy (fp32/bf16 mix)."""
+    _redistribute_cache: dict = field(default_factory=dict)
+    _compute_cache: dict = field(default_factory=dict)
+
+    def node_compute(self, node: OpNode, strategy: Strategy, inputs: Sequence[TensorMeta]) -> tuple[ComputeTime, ComputeTime]:
+        """(forward, backward) time of `node` under `strategy`."""
+        key = (node.name, strategy)
+        cached = self._compute_cache.get(key)
+        if cached is not None:
+            return cached
+        divisor = strategy.work_divisor(self.mesh.shape)
+        full_bytes = sum(meta.nbytes for meta in inputs) + sum(meta.nbytes for meta in node.outputs)
+        local_bytes = sum(meta.nbytes / shard_factor(placements, self.mesh.shape)
+                          for meta, placements in zip(inputs, strategy.inputs))
+        local_bytes += sum(meta.nbytes / shard_factor(strategy.output, self.mesh.shape) for meta in node.outputs)
+        bytes_scale = local_bytes / full_bytes if full_bytes else 1.0 / divisor
+        forward = self.compute.kernels(node.fwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale)
+        backward = self.compute.kernels(node.bwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale)
+        self._compute_cache[key] = (forward, backward)
+        return forward, backward
+
+    def redistribute(self, meta: TensorMeta, source: Sequence[str], target: Sequence[str], phase: str) -> tuple[CommEvent, ...]:
+        """Collectives that turn a tensor with per-axis placements `source` into `target`."""
+        key = (meta.shape, meta.dtype, tuple(source), tuple(target), phase)
+        cached = self._redistribute_cache.get(key)
+        if cached is not None:
+            return cached
+        events = []
+        for axis, (src, dst) in enumerate(zip(source, target)):
+            op = transition(src, dst)
+            if op is None:
+                continue
+            bytes_on_axis = meta.nbytes / self._other_shards(source, target, axis)
+            axis_size = self.mesh.shape[axis]
+            message = bytes_on_axis / axis_size if op == "all_to_all" else bytes_on_axis
+            time_s = self.comm.time_s(op, message, self.mesh.group(axis))
+            events.append(CommEvent(op=op, axis=axis, message_bytes=message, time_s=time_s, phase=phase))
+        result = tuple(events)
+        self._redistribute_cache[key] = result
+        return result
+
+    def _other_shards(self, source: Sequence[str], target: Sequence[str], axis: int) -> int:
+        divisor = 1
+        for other, (src, dst) in enumerate(zip(source, target)):
+            if other != axis and is_shard(src) and src == dst:
+                divisor *= self.mesh.shape[other]
+        return divisor
+
+    def optimizer_step_s(self, numel: float) -> float:
+        """Adam update of `numel` parameters (memory-bound)."""
+        return numel * self.optimizer_io_bytes_per_param / self.compute.bandwidth_bytes_per_s
+
+    def param_state_bytes(self, numel: float) -> float:
+        return numel * self.policy.model_state_bytes
+
+
+def total_time(events: Sequence[CommEvent]) -> float:
+    return sum(event.time_s for event in events)

@@ -1,0 +1,142 @@
+"""Detailed cost of a sharding assignment on the original (unfolded) graph, per segment.
+
+The ILP works on folded blocks and totals; this walks every node and edge of the graph with
+the chosen strategies and returns what the pipeline planner and the reports need: per segment
+the forward and backward compute, the collectives by kind and mesh axis, parameters and saved
+activations per device.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from autopar.graph import OpGraph
+from autopar.solver.costing import CommEvent
+from autopar.solver.quotient import Quotient
+from autopar.solver.sharding_problem import Assignment, ProblemBuilder
+from autopar.strategies.placement import grad_placement, shard_factor
+from cost_model.compute import ComputeTime
+
+
+@dataclass
+class SegmentCost:
+    """What one segment costs per device for one microbatch."""
+
+    name: str
+    forward: ComputeTime = field(default_factory=ComputeTime)
+    backward: ComputeTime = field(default_factory=ComputeTime)
+    comm: list[CommEvent] = field(default_factory=list)
+    param_numel: float = 0.0
+    """Trainable parameters held per device (after sharding)."""
+    param_state_bytes: float = 0.0
+    buffer_bytes: float = 0.0
+    saved_bytes: float = 0.0
+    """Activations kept for backward, per microbatch."""
+    optimizer_s: float = 0.0
+    output_bytes: float = 0.0
+    """Size per device of the tensor(s) leaving the segment (pipeline send/recv)."""
+
+    def comm_s(self, phase: str) -> float:
+        return sum(event.time_s for event in self.comm if event.phase == phase)
+
+
+def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuilder,
+                        assignment: Assignment) -> list[SegmentCost]:
+    segment_of = {name: segment.name for segment in graph.segments for name in segment.nodes}
+    first_segment = graph.segments[0].name if graph.segments else "all"
+    costs: dict[str, SegmentCost] = {segment.name: SegmentCost(name=segment.name) for segment in graph.segments}
+    costs.setdefault(first_segment, SegmentCost(name=first_segment))
+    strategy_of = {node.name: assignment.strategies.get(quotient.rep[node.name]) for node in graph.nodes}
+    consumers_segment = _first_consumer_segment(graph, segment_of, first_segment)
+    mesh_shape = builder.mesh_shape
+    fanout_done: set[str] = set()
+    for node in graph.nodes:
+        strategy = strategy_of[node.name]
+        if strategy is None:
+            continue
+        segment = costs[segment_of.get(node.name, consumers_segment.get(node.name, first_segment))]
+        _add_node(builder, node, strategy, segment, mesh_shape)
+        for index, source in enumerate(node.inputs):
+            producer = graph[source]
+            source_strategy = strategy_of.get(source)
+            if source_strategy is None or node.kind == "output":
+                continue
+            fanout = assignment.fanouts.get(quotient.rep[source])
+            same_group = builder.group_of.get(quotient.rep[source]) == builder.group_of.get(quotient.rep[node.name])
+            if fanout is not None and not same_group:
+                placement, grad = fanout
+                if source not in fanout_done:
+                    fanout_done.add(source)
+                    segment.comm += builder.ctx.redistribute(producer.output, source_strategy.output, placement, "fwd")
+                    if producer.requires_grad and producer.output.is_float:
+                        target = tuple(grad_placement(p) for p in source_strategy.output)
+                        segment.comm += builder.ctx.redistribute(producer.output, grad, target, "bwd")
+                    if _saved_by_any(graph, source):
+                        segment.saved_bytes += producer.output.nbytes / shard_factor(placement, mesh_shape)
+                segment.comm += builder.edge_events(producer, placement, node, strategy, index, grad)
+                target = strategy.inputs[index]
+                if index in node.saved_inputs and target != placement:
+                    segment.saved_bytes += producer.output.nbytes / shard_factor(target, mesh_shape)
+                continue
+            grad_target = tuple(grad_placement(p) for p in source_strategy.output)
+            segment.comm += builder.edge_events(producer, source_strategy.output, node, strategy, index, grad_target)
+            if index in node.saved_inputs:
+                segment.saved_bytes += producer.output.nbytes / shard_factor(strategy.inputs[index], mesh_shape)
+    _add_boundaries(graph, costs, segment_of, strategy_of, mesh_shape)
+    return [costs[segment.name] for segment in graph.segments] or list(costs.values())
+
+
+def _add_node(builder: ProblemBuilder, node, strategy, segment: SegmentCost, mesh_shape) -> None:
+    if node.kind == "call":
+        forward, backward = builder.ctx.node_compute(node, strategy, builder.inputs_of(node))
+        segment.forward = segment.forward + forward
+        segment.backward = segment.backward + backward
+        _, saved = builder.node_cost_memory(node, strategy)
+        segment.saved_bytes += saved
+    elif node.kind == "param" and node.requires_grad:
+        numel = node.output.numel / shard_factor(strategy.output, mesh_shape)
+        segment.param_numel += numel
+        segment.param_state_bytes += builder.ctx.param_state_bytes(numel)
+        segment.optimizer_s += builder.ctx.optimizer_step_s(numel)
+    elif node.kind in ("param", "buffer", "constant"):
+        segment.buffer_bytes += node.output.nbytes / shard_factor(strategy.output, mesh_shape)
+
+
+def _first_consumer_segment(graph: OpGraph, segment_of: dict[str, str], default: str) -> dict[str, str]:
+    """Placeholders (inputs, parameters) belong to the segment of their first consumer."""
+    found: dict[str, str] = {}
+    for node in graph.calls():
+        for source in node.inputs:
+            if source not in segment_of and source not in found:
+                found[source] = segment_of.get(node.name, default)
+    return found
+
+
+def _saved_by_any(graph: OpGraph, producer: str) -> bool:
+    return any(graph[consumer].inputs.index(producer) in graph[consumer].saved_inputs
+               for consumer in graph.consumers.get(producer, ()) if graph[consumer].kind == "call")
+
+
+def _add_boundaries(graph: OpGraph, costs: dict[str, SegmentCost], segment_of: dict[str, str],
+                    strategy_of: dict, mesh_shape) -> None:
+    """Bytes per device of activations produced in a segment and read by a later one."""
+    order = {segment.name: position for position, segment in enumerate(graph.segments)}
+    counted: set[str] = set()
+    for node in graph.calls():
+        for source in node.inputs:
+            here, there = segment_of.get(source), segment_of.get(node.name)
+            if here is None or there is None or here == there or source in counted:
+                continue
+            if order[there] > order[here] and graph[source].outputs:
+                counted.add(source)
+                placement = strategy_of[source].output if strategy_of.get(source) else ()
+                costs[here].output_bytes += graph[source].output.nbytes / shard_factor(placement, mesh_shape)
+
+
+def comm_summary(events) -> dict[tuple[str, int, str], float]:
+    """Seconds by (collective, axis, phase)."""
+    summary: dict[tuple[str, int, str], float] = defaultdict(float)
+    for event in events:
+        summary[(event.op, event.axis, event.phase)] += event.time_s
+    return dict(summary)

@@ -1,0 +1,145 @@
+"""Sharding strategies: for each op, the legal (input placements -> output placement) choices.
+
+Each op family lives in its own module and registers a generator per aten target:
+
+    @register("aten.gelu.default", ...)
+    def unary(node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) -> list[Strategy1D]
+
+A generator describes ONE mesh axis of `axis_size` devices; `mesh_strategies` combines them
+into strategies for a whole mesh (one 1-D choice per axis, checked for even divisibility).
+The semantics are DTensor's, so codegen can realise any choice with DTensor ops. Ops without
+a generator get the replicate-only strategy and are reported.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from autopar.graph import OpNode, TensorMeta
+from autopar.strategies.placement import PARTIAL, REPLICATE, is_shard, shard_dim, shards_on_dim
+
+
+@dataclass(frozen=True)
+class Strategy1D:
+    """One way to run an op across one mesh axis."""
+
+    inputs: tuple[str, ...]
+    """Placement each tensor input must have (same order as OpNode.inputs)."""
+    output: str
+    """Placement of the output (of every output, for multi-output ops)."""
+    split: bool
+    """The op's work is divided among the axis' devices (False: every device does all of it)."""
+    name: str = ""
+    """Short label for reports: "batch", "col", "row", "heads", "vocab"..."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an op on a whole mesh: a Strategy1D per mesh axis."""
+
+    inputs: tuple[tuple[str, ...], ...]
+    """Per tensor input, its placement on each mesh axis."""
+    output: tuple[str, ...]
+    """Output placement on each mesh axis."""
+    split_axes: tuple[bool, ...]
+    """Per mesh axis, whether the work is divided on it."""
+    name: str = ""
+
+    def work_divisor(self, mesh_shape: Sequence[int]) -> int:
+        divisor = 1
+        for split, size in zip(self.split_axes, mesh_shape):
+            if split:
+                divisor *= size
+        return divisor
+
+    def input_grad(self, index: int, axis: int, requires_grad: bool) -> str:
+        """Placement of the gradient this op produces for input `index` on `axis`: a replicated
+        input of an op whose work is split receives a partial gradient from each device."""
+        placement = self.inputs[index][axis]
+        if placement == PARTIAL:
+            return REPLICATE
+        if placement == REPLICATE and self.split_axes[axis] and requires_grad:
+            return PARTIAL
+        return placement
+
+
+Generator = Callable[[OpNode, Sequence[TensorMeta], int], list[Strategy1D]]
+_REGISTRY: dict[str, Generator] = {}
+
+
+def register(*targets: str) -> Callable[[Generator], Generator]:
+    def decorate(generator: Generator) -> Generator:
+        for target in targets:
+            _REGISTRY[target] = generator
+        return generator
+
+    return decorate
+
+
+def replicate_all(node: OpNode, inputs: Sequence[TensorMeta], axis_size: int = 1) -> list[Strategy1D]:
+    return [Strategy1D(inputs=tuple(REPLICATE for _ in inputs), output=REPLICATE, split=False, name="replicate")]
+
+
+def has_rule(target: str) -> bool:
+    _load_families()
+    return target in _REGISTRY
+
+
+def strategies_1d(node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) -> list[Strategy1D]:
+    """Legal strategies on one axis (replicate is always among them)."""
+    _load_families()
+    generator = _REGISTRY.get(node.target)
+    found = generator(node, inputs, axis_size) if generator and axis_size > 1 else []
+    replicated = replicate_all(node, inputs)[0]
+    unique = list(dict.fromkeys([replicated] + found))
+    return [strategy for strategy in unique if _fits(strategy, node, inputs, axis_size)]
+
+
+def mesh_strategies(node: OpNode, inputs: Sequence[TensorMeta], mesh_shape: Sequence[int]) -> list[Strategy]:
+    """Every combination of per-axis strategies whose shards divide the tensors evenly."""
+    per_axis = [strategies_1d(node, inputs, size) for size in mesh_shape]
+    combined = []
+    for choice in itertools.product(*per_axis):
+        strategy = Strategy(
+            inputs=tuple(tuple(axis.inputs[i] for axis in choice) for i in range(len(inputs))),
+            output=tuple(axis.output for axis in choice),
+            split_axes=tuple(axis.split for axis in choice),
+            name="+".join(axis.name for axis in choice),
+        )
+        if _fits_mesh(strategy, node, inputs, mesh_shape):
+            combined.append(strategy)
+    return combined
+
+
+def _fits(strategy: Strategy1D, node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) -> bool:
+    metas = list(zip(strategy.inputs, inputs)) + [(strategy.output, meta) for meta in node.outputs]
+    for placement, meta in metas:
+        if is_shard(placement):
+            dim = shard_dim(placement)
+            if dim >= len(meta.shape) or meta.shape[dim] % axis_size:
+                return False
+    return True
+
+
+def _fits_mesh(strategy: Strategy, node: OpNode, inputs: Sequence[TensorMeta], mesh_shape: Sequence[int]) -> bool:
+    tensors = list(zip(strategy.inputs, inputs)) + [(strategy.output, meta) for meta in node.outputs]
+    for placements, meta in tensors:
+        for dim in {shard_dim(p) for p in placements if is_shard(p)}:
+            if meta.shape[dim] % shards_on_dim(placements, dim, mesh_shape):
+                return False
+    return True
+
+
+_LOADED = False
+
+
+def _load_families() -> None:
+    """Import the family modules (each registers its targets)."""
+    global _LOADED
+    if _LOADED:
+        return
+    from autopar.strategies import families  # noqa: F401
+
+    _LOADED = True

@@ -1,0 +1,79 @@
+"""Placements on one mesh axis, in DTensor's vocabulary, as short strings.
+
+    "R"    Replicate: every device on the axis holds the whole tensor
+    "S<d>" Shard(d): the tensor is split evenly along dim d
+    "P"    Partial(sum): every device holds a partial value; the tensor is their sum
+
+Strings keep strategies hashable, JSON-friendly and cheap to compare in the solver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+REPLICATE = "R"
+PARTIAL = "P"
+
+
+def shard(dim: int) -> str:
+    return f"S{dim}"
+
+
+def is_shard(placement: str) -> bool:
+    return placement.startswith("S")
+
+
+def shard_dim(placement: str) -> int:
+    return int(placement[1:])
+
+
+def shards_on_dim(placements: Sequence[str], dim: int, mesh_shape: Sequence[int]) -> int:
+    """How many pieces dim `dim` is split into by all mesh axes."""
+    count = 1
+    for placement, size in zip(placements, mesh_shape):
+        if placement == shard(dim):
+            count *= size
+    return count
+
+
+def local_shape(shape: Sequence[int], placements: Sequence[str], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """Per-device shape of a tensor with these per-axis placements (even sharding)."""
+    sizes = list(shape)
+    for placement, size in zip(placements, mesh_shape):
+        if is_shard(placement):
+            dim = shard_dim(placement)
+            sizes[dim] = -(-sizes[dim] // size)
+    return tuple(sizes)
+
+
+def shard_factor(placements: Sequence[str], mesh_shape: Sequence[int]) -> int:
+    """By how much sharding divides the tensor's size per device."""
+    factor = 1
+    for placement, size in zip(placements, mesh_shape):
+        if is_shard(placement):
+            factor *= size
+    return factor
+
+
+def transition(source: str, target: str) -> str | None:
+    """The collective that turns `source` into `target` on one axis (None: local or free)."""
+    if source == target:
+        return None
+    if source == PARTIAL:
+        return "all_reduce" if target == REPLICATE else "reduce_scatter"
+    if is_shard(source):
+        if target == REPLICATE:
+            return "all_gather"
+        if is_shard(target):
+            return "all_to_all"
+        return "all_gather"  # Shard -> Partial goes through Replicate
+    return None  # Replicate -> Shard is a local slice; Replicate -> Partial is free
+
+
+def grad_placement(placement: str) -> str:
+    """Placement the gradient of a tensor must reach: a partial output's gradient is replicated."""
+    return REPLICATE if placement == PARTIAL else placement
+
+
+def describe(placements: Sequence[str], axis_names: Sequence[str]) -> str:
+    return ",".join(f"{name}:{placement}" for name, placement in zip(axis_names, placements))

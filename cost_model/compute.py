@@ -1,0 +1,121 @@
+"""Compute time of kernels on one device: a roofline with a measured or default efficiency.
+
+    time = max(flops / (peak(dtype) x matmul_efficiency(flops)), bytes / (bandwidth x memory_eff))
+           + kernel_overhead                                    (matmul-class kernels)
+    time = bytes / (bandwidth x memory_eff) + kernel_overhead   (memory-bound kernels)
+
+Without a profile, matmul efficiency saturates with size: eff(f) = eff_max x f / (f + f_half),
+so a large GEMM runs near (not at) peak and a tiny one is overhead-bound. With a profile the
+measured throughput is interpolated in log(FLOPs) for the kernel's dtype.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from cost_model.hardware import DeviceSpec
+from cost_model.profile import HardwareProfile
+
+# torch dtype names -> the keys of DeviceSpec.peak_flops_per_s
+_DTYPE_KEYS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp32",
+               "bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "tf32": "tf32"}
+
+
+class KernelLike(Protocol):
+    flops: float
+    io_bytes: float
+    is_matmul: bool
+    dtype: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeTime:
+    """Time of a list of kernels, split by what bounds them."""
+
+    matmul_s: float = 0.0
+    """Kernels on tensor cores (compute-bound part)."""
+    memory_s: float = 0.0
+    """Memory-bound kernels, and matmuls limited by bandwidth."""
+    overhead_s: float = 0.0
+    """Launch overhead."""
+
+    @property
+    def total_s(self) -> float:
+        return self.matmul_s + self.memory_s + self.overhead_s
+
+    def __add__(self, other: "ComputeTime") -> "ComputeTime":
+        return ComputeTime(matmul_s=self.matmul_s + other.matmul_s, memory_s=self.memory_s + other.memory_s,
+                           overhead_s=self.overhead_s + other.overhead_s)
+
+    def scaled(self, factor: float) -> "ComputeTime":
+        return ComputeTime(matmul_s=self.matmul_s * factor, memory_s=self.memory_s * factor,
+                           overhead_s=self.overhead_s * factor)
+
+
+class ComputeModel:
+    """Prices kernels on one kind of device."""
+
+    def __init__(self, device: DeviceSpec, profile: HardwareProfile | None = None) -> None:
+        self.device = device
+        self.profile = profile
+        if profile is not None:
+            self.bandwidth_bytes_per_s = profile.memory_bandwidth_bytes_per_s
+            self.overhead_s = profile.kernel_overhead_s
+        else:
+            self.bandwidth_bytes_per_s = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
+            self.overhead_s = device.kernel_overhead_s
+        self._tables = _matmul_tables(profile) if profile is not None else {}
+
+    def matmul_rate(self, flops: float, dtype: str) -> float:
+        """Achieved FLOP/s of a matmul of `flops` FLOPs."""
+        key = _DTYPE_KEYS.get(dtype, "fp32")
+        table = self._tables.get(key) or self._tables.get("fp32") or (next(iter(self._tables.values()), None))
+        if table is not None:
+            return _interpolate(table, flops)
+        efficiency = self.device.matmul_efficiency * flops / (flops + self.device.matmul_half_efficiency_flops)
+        return self.device.peak_flops(key) * max(efficiency, 1e-6)
+
+    def kernel(self, flops: float, io_bytes: float, is_matmul: bool, dtype: str = "bfloat16") -> ComputeTime:
+        memory_s = io_bytes / self.bandwidth_bytes_per_s
+        if not is_matmul or flops <= 0:
+            return ComputeTime(memory_s=memory_s, overhead_s=self.overhead_s)
+        matmul_s = flops / self.matmul_rate(flops, dtype)
+        if matmul_s >= memory_s:
+            return ComputeTime(matmul_s=matmul_s, overhead_s=self.overhead_s)
+        return ComputeTime(memory_s=memory_s, overhead_s=self.overhead_s)
+
+    def kernels(self, kernels: Iterable[KernelLike], *, flops_scale: float = 1.0, bytes_scale: float = 1.0) -> ComputeTime:
+        """Total time of kernels whose FLOPs and bytes are scaled (e.g. by 1/shards)."""
+        total = ComputeTime()
+        for kernel in kernels:
+            total = total + self.kernel(kernel.flops * flops_scale, kernel.io_bytes * bytes_scale,
+                                        kernel.is_matmul, kernel.dtype)
+        return total
+
+
+def _matmul_tables(profile: HardwareProfile) -> dict[str, tuple[list[float], list[float]]]:
+    tables: dict[str, list[tuple[float, float]]] = {}
+    for point in profile.matmul:
+        tables.setdefault(_DTYPE_KEYS.get(point.dtype, point.dtype), []).append(
+            (math.log(point.flops), point.achieved_flops_per_s))
+    return {key: (list(x for x, _ in sorted(points)), list(y for _, y in sorted(points)))
+            for key, points in tables.items()}
+
+
+def _interpolate(table: tuple[list[float], list[float]], flops: float) -> float:
+    """Achieved rate at `flops`: log-linear between measured sizes; above the largest, its rate;
+    below the smallest, the smallest's time (small kernels are launch-bound)."""
+    log_flops, rates = table
+    x = math.log(max(flops, 1.0))
+    if x >= log_flops[-1]:
+        return rates[-1]
+    if x <= log_flops[0]:
+        return rates[0] * math.exp(x - log_flops[0])
+    index = bisect.bisect_right(log_flops, x)
+    x0, x1 = log_flops[index - 1], log_flops[index]
+    y0, y1 = rates[index - 1], rates[index]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)

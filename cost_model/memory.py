@@ -1,0 +1,89 @@
+"""Per-device memory: model states under ZeRO, activations under a pipeline schedule.
+
+Model states with mixed-precision Adam (Rajbhandari et al., ZeRO, arXiv 1910.02054), Psi
+parameters, data-parallel degree N, K optimizer bytes per parameter:
+
+    stage 0: params 2 Psi,   grads 2 Psi,   optimizer K Psi
+    stage 1: params 2 Psi,   grads 2 Psi,   optimizer K Psi / N
+    stage 2: params 2 Psi,   grads 2 Psi/N, optimizer K Psi / N
+    stage 3: params 2 Psi/N, grads 2 Psi/N, optimizer K Psi / N
+
+Activations in flight (microbatches whose backward has not run yet) on stage i of p with m
+microbatches: GPipe m; 1F1B min(p - i, m); interleaved 1F1B with v chunks per device
+p v + p - 1 - 2 i model chunks at most, each 1/v of the stage (Narayanan et al., SC21).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionPolicy:
+    """Bytes per parameter of each model state."""
+
+    param_bytes: float = 2.0
+    """Working (compute) copy of the weights: bf16."""
+    grad_bytes: float = 2.0
+    """Gradients as reduced across data parallel: bf16."""
+    optimizer_bytes: float = 12.0
+    """fp32 master weights + Adam first and second moments."""
+    activation_dtype: str = "bfloat16"
+    """dtype activations are stored in."""
+
+    @property
+    def model_state_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+BF16_ADAM = PrecisionPolicy()
+FP32_ADAM = PrecisionPolicy(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0, activation_dtype="float32")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelStateMemory:
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def model_state_memory(num_params: float, *, dp: int, zero_stage: int,
+                       policy: PrecisionPolicy = BF16_ADAM) -> ModelStateMemory:
+    """Bytes per device for `num_params` parameters (already divided by tensor/pipeline sharding)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp}")
+    params = num_params * policy.param_bytes / (dp if zero_stage >= 3 else 1)
+    grads = num_params * policy.grad_bytes / (dp if zero_stage >= 2 else 1)
+    optimizer = num_params * policy.optimizer_bytes / (dp if zero_stage >= 1 else 1)
+    return ModelStateMemory(params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer)
+
+
+def microbatches_in_flight(schedule: str, *, stage: int, num_stages: int, num_microbatches: int,
+                           virtual_stages: int = 1) -> float:
+    """How many microbatches' activations of the whole stage are held at the peak."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule '{schedule}'; known: {', '.join(SCHEDULES)}")
+    m, p = num_microbatches, num_stages
+    if schedule == "gpipe" or p == 1:
+        return float(m if schedule == "gpipe" else 1)
+    if schedule == "1f1b":
+        return float(min(p - stage, m))
+    v = virtual_stages
+    chunks = min(p * v + p - 1 - 2 * stage, m * v)
+    return chunks / v
+
+
+def activation_memory(saved_bytes_per_microbatch: float, *, schedule: str, stage: int, num_stages: int,
+                      num_microbatches: int, virtual_stages: int = 1) -> float:
+    """Peak saved-activation bytes on one pipeline stage."""
+    return saved_bytes_per_microbatch * microbatches_in_flight(
+        schedule, stage=stage, num_stages=num_stages, num_microbatches=num_microbatches,
+        virtual_stages=virtual_stages)

@@ -1,0 +1,51 @@
+import pytest
+
+from autopar.cluster import Cluster
+from cost_model.compute import ComputeModel
+from cost_model.profile import HardwareProfile, MatmulPoint
+
+
+def test_large_matmuls_run_near_but_not_at_peak():
+    device = Cluster.from_spec("dgx-a100-80g").device
+    model = ComputeModel(device)
+    rate = model.matmul_rate(2 * 8192**3, "bfloat16")
+    assert 0.6 * device.peak_flops("bf16") < rate < device.peak_flops("bf16")
+    small = model.matmul_rate(2 * 64**3, "bfloat16")
+    assert small < 0.1 * rate
+
+
+def test_memory_bound_kernels_priced_by_bytes():
+    device = Cluster.from_spec("dgx-h100").device
+    model = ComputeModel(device)
+    time = model.kernel(flops=1e6, io_bytes=1e9, is_matmul=False, dtype="bfloat16")
+    expected = 1e9 / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+    assert time.memory_s == pytest.approx(expected)
+    assert time.matmul_s == 0
+    assert time.total_s == pytest.approx(expected + device.kernel_overhead_s)
+
+
+def test_roofline_picks_the_bound():
+    model = ComputeModel(Cluster.from_spec("dgx-a100-80g").device)
+    skinny = model.kernel(flops=2 * 8192 * 8192 * 1, io_bytes=2 * 8192 * 8192 * 2, is_matmul=True, dtype="bfloat16")
+    assert skinny.memory_s > 0 and skinny.matmul_s == 0
+    fat = model.kernel(flops=2 * 4096**3, io_bytes=3 * 4096**2 * 2, is_matmul=True, dtype="bfloat16")
+    assert fat.matmul_s > 0 and fat.memory_s == 0
+
+
+def test_fp32_matmuls_are_slower_than_bf16():
+    model = ComputeModel(Cluster.from_spec("dgx-a100-80g").device)
+    assert model.matmul_rate(1e12, "float32") < model.matmul_rate(1e12, "bfloat16") / 4
+
+
+def test_profile_table_is_interpolated():
+    profile = HardwareProfile(
+        schema_version=1, device_kind="cpu", device_name="CPU", num_processes=1, memory_bytes=1e9,
+        memory_bandwidth_bytes_per_s=1e10, kernel_overhead_s=1e-5,
+        matmul=(MatmulPoint(dtype="fp32", flops=1e6, achieved_flops_per_s=1e9),
+                MatmulPoint(dtype="fp32", flops=1e8, achieved_flops_per_s=5e10)))
+    model = ComputeModel(Cluster.from_spec("cpu").device, profile)
+    assert model.matmul_rate(1e8, "float32") == pytest.approx(5e10)
+    assert model.matmul_rate(1e10, "float32") == pytest.approx(5e10)
+    assert 1e9 < model.matmul_rate(1e7, "float32") < 5e10
+    assert model.matmul_rate(1e5, "float32") < 1e9
+    assert model.bandwidth_bytes_per_s == 1e10

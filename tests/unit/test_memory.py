@@ -1,0 +1,38 @@
+import pytest
+
+from cost_model.memory import BF16_ADAM, activation_memory, microbatches_in_flight, model_state_memory
+
+
+@pytest.mark.parametrize("stage, expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_example(stage, expected_gb):
+    # ZeRO (arXiv 1910.02054) Figure 1: 7.5B parameters, data parallel 64, K = 12.
+    memory = model_state_memory(7.5e9, dp=64, zero_stage=stage, policy=BF16_ADAM)
+    assert memory.total_bytes / 1e9 == pytest.approx(expected_gb, abs=0.05)
+
+
+def test_zero_breakdown_by_state():
+    memory = model_state_memory(1e9, dp=8, zero_stage=2)
+    assert memory.params_bytes == 2e9
+    assert memory.grads_bytes == pytest.approx(2e9 / 8)
+    assert memory.optimizer_bytes == pytest.approx(12e9 / 8)
+
+
+def test_bad_zero_arguments():
+    with pytest.raises(ValueError, match="zero_stage"):
+        model_state_memory(1, dp=1, zero_stage=4)
+    with pytest.raises(ValueError, match="dp"):
+        model_state_memory(1, dp=0, zero_stage=0)
+
+
+def test_in_flight_microbatches_per_schedule():
+    # 1F1B: stage i of p holds p - i microbatches (at most m); GPipe holds all m.
+    assert [microbatches_in_flight("1f1b", stage=i, num_stages=4, num_microbatches=8) for i in range(4)] == [4, 3, 2, 1]
+    assert microbatches_in_flight("1f1b", stage=0, num_stages=4, num_microbatches=2) == 2
+    assert microbatches_in_flight("gpipe", stage=3, num_stages=4, num_microbatches=8) == 8
+    # Interleaved with v chunks: the first stage holds p(1 + (p-1)/(p v)) stage-equivalents (Korthikanti et al.).
+    p, v = 8, 4
+    assert microbatches_in_flight("interleaved", stage=0, num_stages=p, num_microbatches=64,
+                                  virtual_stages=v) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    assert activation_memory(10.0, schedule="1f1b", stage=0, num_stages=2, num_microbatches=4) == 20.0
+    with pytest.raises(ValueError, match="unknown schedule"):
+        microbatches_in_flight("zigzag", stage=0, num_stages=2, num_microbatches=2)
