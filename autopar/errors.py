@@ -31,3 +31,7 @@ class InfeasiblePlanError(AutoparError, RuntimeError):
 
 class PlanMismatchError(AutoparError, ValueError):
     """A plan was made for another model, cluster or input shape."""
+
+
+class ConfigError(AutoparError, ValueError):
+    """A parallel configuration or planning constraint is invalid for this model and cluster."""

@@ -200,6 +200,11 @@ class OpGraph:
     model_name: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """What capture could not do exactly (ops priced approximately, fallbacks)."""
+    node_weights: dict[str, int] = field(default_factory=dict)
+    """How many identical nodes a node stands for (condensed graphs, see condense.py); default 1."""
+
+    def weight(self, name: str) -> int:
+        return self.node_weights.get(name, 1)
 
     @cached_property
     def by_name(self) -> dict[str, OpNode]:
@@ -281,11 +286,12 @@ class OpGraph:
         return replace(self, nodes=nodes, batch_size=batch_size)
 
     def fingerprint(self) -> str:
-        """Hash of the ops, shapes (at batch 1 when dynamic) and parameters: identifies the model."""
+        """Hash of the ops and shapes (at batch 1 when dynamic), not dtypes: identifies the model
+        whether it is captured in fp32 on CPU or as a bf16 replica on meta."""
         graph = self.with_batch(1) if self.batch_dynamic else self
         digest = hashlib.sha256()
         for node in graph.nodes:
-            shapes = [(meta.shape, meta.dtype) for meta in node.outputs]
+            shapes = [meta.shape for meta in node.outputs]
             digest.update(repr((node.kind, node.target, node.inputs, shapes)).encode())
         return digest.hexdigest()[:16]
 

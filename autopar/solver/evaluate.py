@@ -36,6 +36,16 @@ class SegmentCost:
     optimizer_s: float = 0.0
     output_bytes: float = 0.0
     """Size per device of the tensor(s) leaving the segment (pipeline send/recv)."""
+    input_bytes: float = 0.0
+    """Size per device of activations entering from earlier segments (kept under full recompute)."""
+    selective_kept: dict[str, float] = field(default_factory=dict)
+    """Under selective recompute, bytes kept per producing tensor (deduplicated by name)."""
+    selective_recompute: ComputeTime = field(default_factory=ComputeTime)
+    """Forward time of the parameter-free ops that selective recompute re-runs."""
+
+    @property
+    def selective_saved_bytes(self) -> float:
+        return sum(self.selective_kept.values())
 
     def comm_s(self, phase: str) -> float:
         return sum(event.time_s for event in self.comm if event.phase == phase)
@@ -50,13 +60,14 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
     strategy_of = {node.name: assignment.strategies.get(quotient.rep[node.name]) for node in graph.nodes}
     consumers_segment = _first_consumer_segment(graph, segment_of, first_segment)
     mesh_shape = builder.mesh_shape
+    recomputable = {node.name: is_recomputable(graph, node) for node in graph.nodes}
     fanout_done: set[str] = set()
     for node in graph.nodes:
         strategy = strategy_of[node.name]
         if strategy is None:
             continue
         segment = costs[segment_of.get(node.name, consumers_segment.get(node.name, first_segment))]
-        _add_node(builder, node, strategy, segment, mesh_shape)
+        _add_node(builder, node, strategy, segment, mesh_shape, recomputable[node.name])
         for index, source in enumerate(node.inputs):
             producer = graph[source]
             source_strategy = strategy_of.get(source)
@@ -73,27 +84,59 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                         target = tuple(grad_placement(p) for p in source_strategy.output)
                         segment.comm += builder.ctx.redistribute(producer.output, grad, target, "bwd")
                     if _saved_by_any(graph, source):
-                        segment.saved_bytes += producer.output.nbytes / shard_factor(placement, mesh_shape)
+                        size = producer.output.nbytes / shard_factor(placement, mesh_shape)
+                        segment.saved_bytes += size
+                        _keep_if(segment, source, size, not recomputable[source])
                 segment.comm += builder.edge_events(producer, placement, node, strategy, index, grad)
                 target = strategy.inputs[index]
                 if index in node.saved_inputs and target != placement:
-                    segment.saved_bytes += producer.output.nbytes / shard_factor(target, mesh_shape)
+                    size = producer.output.nbytes / shard_factor(target, mesh_shape)
+                    segment.saved_bytes += size
+                    _keep_if(segment, f"{source}->{node.name}", size, not recomputable[node.name])
+                _keep_chain_input(segment, node, source, producer, placement, recomputable, mesh_shape)
                 continue
             grad_target = tuple(grad_placement(p) for p in source_strategy.output)
             segment.comm += builder.edge_events(producer, source_strategy.output, node, strategy, index, grad_target)
             if index in node.saved_inputs:
-                segment.saved_bytes += producer.output.nbytes / shard_factor(strategy.inputs[index], mesh_shape)
+                size = producer.output.nbytes / shard_factor(strategy.inputs[index], mesh_shape)
+                segment.saved_bytes += size
+                _keep_if(segment, source, size, not recomputable[node.name])
+            _keep_chain_input(segment, node, source, producer, source_strategy.output, recomputable, mesh_shape)
     _add_boundaries(graph, costs, segment_of, strategy_of, mesh_shape)
     return [costs[segment.name] for segment in graph.segments] or list(costs.values())
 
 
-def _add_node(builder: ProblemBuilder, node, strategy, segment: SegmentCost, mesh_shape) -> None:
+def is_recomputable(graph: OpGraph, node) -> bool:
+    """Selective recompute re-runs ops without trainable parameters (attention scores, softmax,
+    dropout, activations, residual adds, views); what parameterized ops save is kept."""
+    if node.kind != "call":
+        return False
+    return not any(graph[source].kind == "param" and graph[source].requires_grad for source in node.inputs)
+
+
+def _keep_if(segment: SegmentCost, key: str, size: float, kept: bool) -> None:
+    if kept:
+        segment.selective_kept[key] = max(segment.selective_kept.get(key, 0.0), size)
+
+
+def _keep_chain_input(segment: SegmentCost, node, source: str, producer, placement, recomputable, mesh_shape) -> None:
+    """A recomputed op needs its inputs that are not themselves recomputed."""
+    if recomputable.get(node.name) and not recomputable.get(source) and producer.kind in ("call", "input") \
+            and producer.outputs:
+        _keep_if(segment, source, producer.output.nbytes / shard_factor(placement, mesh_shape), True)
+
+
+def _add_node(builder: ProblemBuilder, node, strategy, segment: SegmentCost, mesh_shape, recomputable: bool) -> None:
     if node.kind == "call":
         forward, backward = builder.ctx.node_compute(node, strategy, builder.inputs_of(node))
         segment.forward = segment.forward + forward
         segment.backward = segment.backward + backward
         _, saved = builder.node_cost_memory(node, strategy)
         segment.saved_bytes += saved
+        if recomputable:
+            segment.selective_recompute = segment.selective_recompute + forward
+        else:
+            _keep_if(segment, f"{node.name}:own", saved, True)
     elif node.kind == "param" and node.requires_grad:
         numel = node.output.numel / shard_factor(strategy.output, mesh_shape)
         segment.param_numel += numel
@@ -131,7 +174,9 @@ def _add_boundaries(graph: OpGraph, costs: dict[str, SegmentCost], segment_of: d
             if order[there] > order[here] and graph[source].outputs:
                 counted.add(source)
                 placement = strategy_of[source].output if strategy_of.get(source) else ()
-                costs[here].output_bytes += graph[source].output.nbytes / shard_factor(placement, mesh_shape)
+                size = graph[source].output.nbytes / shard_factor(placement, mesh_shape)
+                costs[here].output_bytes += size
+                costs[there].input_bytes += size
 
 
 def comm_summary(events) -> dict[tuple[str, int, str], float]:

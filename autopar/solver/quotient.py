@@ -1,7 +1,7 @@
 """The graph with repeated blocks folded onto one template (solve one block, reuse for all).
 
 Every node of instance k of a block group maps to the node at the same position of instance 0
-(the template), and each parameter used by only one instance maps to the template's parameter
+(the template), with the weight of a condensed graph's node (condense.py) counted in, and each parameter used by only one instance maps to the template's parameter
 at the same input slot. Edges are counted with multiplicity: inside the template x N, from
 block k-1's output into block k x (N-1), from the prologue into block 0 x 1. Identical blocks
 then share one strategy choice, and the ILP's costs (x multiplicity) are those of the whole model.
@@ -43,13 +43,15 @@ def fold_blocks(graph: OpGraph, *, enabled: bool = True) -> Quotient:
     rep = {node.name: node.name for node in graph.nodes}
     if enabled:
         _map_instances(graph, rep)
-    count: Counter = Counter(rep[node.name] for node in graph.nodes)
+    count: Counter = Counter()
+    for node in graph.nodes:
+        count[rep[node.name]] += graph.weight(node.name)
     edges: Counter = Counter()
     for node in graph.nodes:
         if node.kind == "output":
             continue
         for index, producer in enumerate(node.inputs):
-            edges[QuotientEdge(rep[producer], rep[node.name], index)] += 1
+            edges[QuotientEdge(rep[producer], rep[node.name], index)] += graph.weight(node.name)
     order = [node.name for node in graph.nodes if rep[node.name] == node.name]
     return Quotient(rep=rep, count=count, edges=edges, order=order)
 

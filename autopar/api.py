@@ -1,0 +1,158 @@
+"""The public API: plan, evaluate and capture a model for a cluster.
+
+    plan = autopar.plan(model, example_inputs, "dgx-a100-80g:nodes=16", global_batch=1024)
+    print(plan.summary())
+
+`model` is an nn.Module (any device, `meta` included), a registry spec ("gpt3-175b",
+"gpt:layers=4,hidden=256", "file.py:factory") or an already captured OpGraph. Planning
+captures a weightless bf16 replica (the compute precision of the default policy), so neither
+the user's weights nor their dtype matter.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.capture import capture
+from autopar.cluster import Cluster
+from autopar.errors import ConfigError
+from autopar.graph import OpGraph
+from autopar.plan import Plan
+from autopar.plan_build import make_plan
+from autopar.replica import meta_inputs, meta_replica
+from autopar.solver.search import Constraints, Planner, SearchOptions
+from autopar.solver.step_model import ParallelConfig
+from cost_model.memory import BF16_ADAM, FP32_ADAM, PrecisionPolicy
+
+PRECISIONS = {"bf16": BF16_ADAM, "fp32": FP32_ADAM}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInput:
+    """A model with what capture needs besides it."""
+
+    name: str
+    model: nn.Module
+    example_inputs: tuple
+    loss_fn: Callable | None = None
+    example_targets: Any = None
+
+
+def resolve_model(model, example_inputs=None, *, loss_fn=None, example_targets=None,
+                  batch_size: int = 2) -> ModelInput:
+    """Accepts an nn.Module with example inputs, or a registry spec string."""
+    if isinstance(model, str):
+        from autopar.models import build_model
+
+        bundle = build_model(model, batch_size=batch_size, device="meta")
+        return ModelInput(name=bundle.name, model=bundle.model, example_inputs=tuple(bundle.example_inputs),
+                          loss_fn=loss_fn or bundle.loss_fn,
+                          example_targets=example_targets if example_targets is not None else bundle.example_targets)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be an nn.Module, a model spec string or an OpGraph, got {type(model).__name__}")
+    if example_inputs is None:
+        raise ConfigError("example_inputs are required with an nn.Module: a tuple of tensors like one training batch")
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    return ModelInput(name=type(model).__name__, model=model, example_inputs=inputs, loss_fn=loss_fn,
+                      example_targets=example_targets)
+
+
+def capture_for_planning(model, example_inputs=None, *, loss_fn=None, example_targets=None,
+                         precision: str = "bf16", verbose: bool = False) -> OpGraph:
+    """Capture a weightless replica of the model in the compute precision."""
+    if isinstance(model, OpGraph):
+        return model
+    spec = resolve_model(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    replica = meta_replica(spec.model, dtype)
+    targets = meta_inputs(spec.example_targets) if spec.example_targets is not None else None
+    return capture(replica, meta_inputs(spec.example_inputs, dtype), loss_fn=spec.loss_fn, example_targets=targets,
+                   name=spec.name, verbose=verbose)
+
+
+def _policy(precision: str) -> PrecisionPolicy:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision '{precision}'; use one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[precision]
+
+
+def _progress(verbose: bool):
+    return (lambda message: print(message, file=sys.stderr, flush=True)) if verbose else None
+
+
+def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=None, example_targets=None,
+                precision: str = "bf16", options: SearchOptions | None = None, verbose: bool = False) -> Planner:
+    """Capture once and return a Planner that can search and price many configurations."""
+    policy = _policy(precision)
+    cluster = Cluster.from_spec(cluster)
+    graph = capture_for_planning(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
+                                 precision=precision, verbose=verbose)
+    return Planner(graph, cluster, global_batch=global_batch, policy=policy, options=options or SearchOptions(),
+                   progress=_progress(verbose))
+
+
+def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constraints=None, loss_fn=None,
+         example_targets=None, precision: str = "bf16", options: SearchOptions | None = None,
+         verbose: bool = False) -> Plan:
+    """Search the best parallelization; `constraints` may fix dp, tp, pp, microbatch_size,
+    schedule, virtual_stages / layers_per_virtual_stage, recompute and zero_stage."""
+    planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
+                          example_targets=example_targets, precision=precision, options=options, verbose=verbose)
+    return plan_with(planner, Constraints.from_value(constraints))
+
+
+def plan_with(planner: Planner, constraints: Constraints = Constraints()) -> Plan:
+    result = planner.search(constraints)
+    return make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=result.best,
+                     sharding=result.sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes,
+                     search=result)
+
+
+def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp: int = 1, pp: int = 1,
+             dp: int | None = None, microbatch_size: int = 1, schedule: str = "1f1b",
+             virtual_stages: int | None = None, layers_per_virtual_stage: int | None = None,
+             recompute: str = "none", zero_stage: int = 0, loss_fn=None, example_targets=None,
+             precision: str = "bf16", verbose: bool = False) -> Plan:
+    """Price one fully fixed configuration (no search)."""
+    planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
+                          example_targets=example_targets, precision=precision, verbose=verbose)
+    config = fixed_config(planner, tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
+                          virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
+                          recompute=recompute, zero_stage=zero_stage)
+    return evaluate_with(planner, config)
+
+
+def fixed_config(planner: Planner, *, tp: int, pp: int, dp: int | None, microbatch_size: int, schedule: str,
+                 virtual_stages: int | None, layers_per_virtual_stage: int | None, recompute: str,
+                 zero_stage: int) -> ParallelConfig:
+    devices = planner.cluster.num_devices
+    if tp < 1 or pp < 1 or devices % (tp * pp):
+        raise ConfigError(f"tp x pp = {tp} x {pp} must divide the cluster's {devices} devices")
+    dp = dp or devices // (tp * pp)
+    if microbatch_size < 1 or planner.global_batch % (dp * microbatch_size):
+        raise ConfigError(f"global batch {planner.global_batch} is not divisible by dp x microbatch size = "
+                          f"{dp} x {microbatch_size}")
+    virtual = 1
+    if schedule == "interleaved":
+        constraints = Constraints(virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage)
+        virtual = (planner.virtual_stages(pp, constraints) or [2])[0]
+    config = ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
+                            num_microbatches=planner.global_batch // (dp * microbatch_size), schedule=schedule,
+                            virtual_stages=virtual, recompute=recompute, zero_stage=zero_stage)
+    planner.check(config)
+    return config
+
+
+def evaluate_with(planner: Planner, config: ParallelConfig) -> Plan:
+    estimate, sharding = planner.evaluate(config)
+    notes = () if estimate.fits else (
+        f"this configuration does not fit: {estimate.peak_memory_bytes / 2**30:.1f} GiB per device needed, "
+        f"{planner.step_model.memory_budget_bytes / 2**30:.1f} GiB usable",)
+    return make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
+                     sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes)

@@ -1,0 +1,161 @@
+"""The `autopar` command: a thin layer over the API.
+
+    autopar plan MODEL --cluster SPEC --global-batch B [--dp D] [--tp T] [--pp P] [--json]
+    autopar evaluate MODEL --cluster SPEC --global-batch B --tp T --pp P --microbatch-size b ...
+    autopar profile [--device cpu|cuda] [--nproc N] [--out profile.json]
+    autopar show PLAN.json
+    autopar graph MODEL
+    autopar models
+
+Errors in the input (model, cluster, constraints, plan or profile files, infeasible models)
+print one paragraph and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from autopar import api
+from autopar.errors import AutoparError
+
+EXIT_INPUT_ERROR = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except AutoparError as error:
+        print(f"autopar: error: {error}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autopar", description="Plan and apply parallelism for PyTorch training.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _plan_parser(commands)
+    _evaluate_parser(commands)
+    _profile_parser(commands)
+    show = commands.add_parser("show", help="print the report of a saved plan")
+    show.add_argument("plan_file", metavar="PLAN.json")
+    show.add_argument("--json", action="store_true", help="print the plan as JSON")
+    show.set_defaults(handler=_show)
+    graph = commands.add_parser("graph", help="capture a model and summarise its op graph")
+    graph.add_argument("model", metavar="MODEL")
+    graph.set_defaults(handler=_graph)
+    models = commands.add_parser("models", help="list the built-in models and named sizes")
+    models.set_defaults(handler=_models)
+    return parser
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL",
+                        help="registry name with overrides (gpt:layers=96,hidden=12288,heads=96) or file.py:factory")
+    parser.add_argument("--cluster", required=True, metavar="SPEC",
+                        help="e.g. dgx-a100-80g:nodes=16, dgx-h100:nodes=2,gpus_per_node=4, cpu:procs=4, or a TOML file")
+    parser.add_argument("--global-batch", type=int, required=True, metavar="B", help="samples per optimizer step")
+    parser.add_argument("--precision", choices=sorted(api.PRECISIONS), default="bf16")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    parser.add_argument("--out", metavar="FILE", help="also save the plan as JSON")
+    parser.add_argument("--verbose", "-v", action="store_true", help="progress on stderr")
+
+
+def _plan_parser(commands) -> None:
+    parser = commands.add_parser("plan", help="search the fastest parallelization that fits")
+    _common(parser)
+    parser.add_argument("--dp", type=int, help="fix the data-parallel degree")
+    parser.add_argument("--tp", type=int, help="fix the tensor-parallel degree")
+    parser.add_argument("--pp", type=int, help="fix the pipeline-parallel degree")
+    parser.add_argument("--microbatch-size", type=int)
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"])
+    parser.add_argument("--layers-per-virtual-stage", type=int)
+    parser.add_argument("--recompute", choices=["none", "selective", "full"])
+    parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+    parser.set_defaults(handler=_plan)
+
+
+def _evaluate_parser(commands) -> None:
+    parser = commands.add_parser("evaluate", help="price one fixed configuration")
+    _common(parser)
+    parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--pp", type=int, required=True)
+    parser.add_argument("--dp", type=int, help="default: devices / (tp x pp)")
+    parser.add_argument("--microbatch-size", type=int, required=True)
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default="1f1b")
+    parser.add_argument("--layers-per-virtual-stage", type=int)
+    parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
+    parser.set_defaults(handler=_evaluate)
+
+
+def _profile_parser(commands) -> None:
+    parser = commands.add_parser("profile", help="measure this machine's devices and links for the cost model")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    parser.add_argument("--nproc", type=int, default=1, help="processes for the collective sweep (default 1)")
+    parser.add_argument("--out", default="profile.json", metavar="FILE")
+    parser.add_argument("--quick", action="store_true", help="a smaller sweep")
+    parser.set_defaults(handler=_profile)
+
+
+def _emit(plan, args) -> int:
+    if args.out:
+        plan.save(args.out)
+    print(plan.to_json() if args.json else plan.summary())
+    return 0
+
+
+def _plan(args) -> int:
+    constraints = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "microbatch_size": args.microbatch_size,
+                   "schedule": args.schedule, "layers_per_virtual_stage": args.layers_per_virtual_stage,
+                   "recompute": args.recompute, "zero_stage": args.zero}
+    plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
+                    constraints={key: value for key, value in constraints.items() if value is not None},
+                    precision=args.precision, verbose=args.verbose)
+    return _emit(plan, args)
+
+
+def _evaluate(args) -> int:
+    plan = api.evaluate(args.model, cluster=args.cluster, global_batch=args.global_batch, tp=args.tp, pp=args.pp,
+                        dp=args.dp, microbatch_size=args.microbatch_size, schedule=args.schedule,
+                        layers_per_virtual_stage=args.layers_per_virtual_stage, recompute=args.recompute,
+                        zero_stage=args.zero, precision=args.precision, verbose=args.verbose)
+    return _emit(plan, args)
+
+
+def _profile(args) -> int:
+    from autopar.profiling import profile_machine
+
+    profile = profile_machine(device=args.device, num_processes=args.nproc, out=args.out, quick=args.quick)
+    print(f"wrote {args.out}: {profile.device_name}, {len(profile.matmul)} matmul and "
+          f"{len(profile.collectives)} collective measurements")
+    return 0
+
+
+def _show(args) -> int:
+    from autopar.plan import Plan
+
+    plan = Plan.load(args.plan_file)
+    print(plan.to_json() if args.json else plan.summary())
+    return 0
+
+
+def _graph(args) -> int:
+    print(api.capture_for_planning(args.model).summary())
+    return 0
+
+
+def _models(args) -> int:
+    from autopar.models import list_models
+
+    for name, description in list_models().items():
+        print(f"{name:<16} {description}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

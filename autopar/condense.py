@@ -1,0 +1,87 @@
+"""A condensed graph for costing: of N identical blocks keep the first two.
+
+Block 0 reads from the prologue and block 1 from a block, so together they show every edge
+kind the other blocks have; block 1 then stands for blocks 1..N-1 (node weight N - 1). Whatever
+read the last block (the epilogue) reads block 1 instead. The intra-op solver multiplies by the
+weights, and `expand_segments` copies block 1's cost to blocks 2..N-1. Planning a 96-layer
+model then costs little more than planning a 2-layer one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from autopar.graph import BlockGroup, OpGraph
+from autopar.solver.evaluate import SegmentCost
+
+
+def condense(graph: OpGraph) -> OpGraph:
+    dropped: set[str] = set()
+    redirect: dict[str, str] = {}
+    weights: dict[str, int] = {}
+    groups = []
+    for group in graph.blocks:
+        if group.num_instances < 3:
+            groups.append(group)
+            continue
+        last = group.nodes[-1]
+        for position, name in enumerate(last):
+            redirect[name] = group.nodes[1][position]
+        for names in group.nodes[2:]:
+            dropped.update(names)
+        for name in group.nodes[1]:
+            weights[name] = group.num_instances - 1
+        groups.append(replace(group, nodes=group.nodes[:2]))
+    if not dropped:
+        return graph
+    params_dropped = _params_only_used_by(graph, dropped)
+    _weigh_params(graph, groups, weights)
+    nodes = []
+    for node in graph.nodes:
+        if node.name in dropped or node.name in params_dropped:
+            continue
+        inputs = tuple(redirect.get(source, source) for source in node.inputs)
+        nodes.append(node if inputs == node.inputs else replace(node, inputs=inputs))
+    segments = tuple(segment for segment in graph.segments if not (set(segment.nodes) & dropped))
+    params = tuple(param for param in graph.params if param.node not in params_dropped)
+    return replace(graph, nodes=tuple(nodes), params=params, blocks=tuple(groups), segments=segments,
+                   node_weights=weights)
+
+
+def _params_only_used_by(graph: OpGraph, dropped: set[str]) -> set[str]:
+    found = set()
+    for param in graph.params:
+        users = graph.consumers.get(param.node, ())
+        if users and all(user in dropped for user in users):
+            found.add(param.node)
+    return found
+
+
+def _weigh_params(graph: OpGraph, groups: list[BlockGroup], weights: dict[str, int]) -> None:
+    """Parameters used only by block 1 stand for the same parameters of blocks 1..N-1."""
+    for group in groups:
+        if len(group.nodes) < 2 or group.nodes[1][0] not in weights:
+            continue
+        members = set(group.nodes[1])
+        for param in graph.params:
+            users = set(graph.consumers.get(param.node, ()))
+            if users and users <= members:
+                weights[param.node] = weights[group.nodes[1][0]]
+
+
+def expand_segments(full: OpGraph, condensed: OpGraph, costs: list[SegmentCost]) -> list[SegmentCost]:
+    """Costs per segment of the full graph: block 1's cost for every block after it."""
+    by_name = {cost.name: cost for cost in costs}
+    steady: dict[int, SegmentCost] = {}
+    for group_index, group in enumerate(condensed.blocks):
+        if len(group.nodes) >= 2 and group.instances[1] in by_name:
+            steady[group_index] = by_name[group.instances[1]]
+    expanded = []
+    for segment in full.segments:
+        if segment.name in by_name:
+            expanded.append(by_name[segment.name])
+        elif segment.block_group in steady:
+            expanded.append(replace(steady[segment.block_group], name=segment.name))
+        else:
+            expanded.append(SegmentCost(name=segment.name))
+    return expanded

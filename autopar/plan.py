@@ -1,0 +1,151 @@
+"""The Plan: plain, versioned, JSON-serialisable data, and its readable report.
+
+A plan names the model and cluster it was made for (with fingerprints, so that applying it to
+another model fails clearly), the mesh, pipeline stages, the per-node placements on the tensor-
+parallel axis, microbatching, schedule, recomputation and ZeRO stage, and the prediction: step
+time with its breakdown and per-device memory with its breakdown.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import PlanMismatchError
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage (one device's share of the model when pp > 1)."""
+
+    index: int
+    segments: tuple[str, ...]
+    """Segments it runs: "prologue", block module paths ("layers.3"), "epilogue"."""
+    layers: tuple[int, int]
+    """[first, last + 1) of the repeated blocks it holds (equal when it holds none)."""
+    time_per_microbatch_s: float
+    param_numel: float
+    """Parameters per device on this stage."""
+    memory_bytes: dict[str, float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    step_time_s: float
+    breakdown_s: dict[str, float]
+    """compute, recompute, tp.<collective>, pp.send_recv, bubble, dp.gradient_sync, optimizer."""
+    peak_memory_bytes: float
+    memory_bytes: dict[str, float]
+    """parameters, gradients, optimizer, activations, buffers, workspace (of the peak stage)."""
+    memory_budget_bytes: float
+    model_flops_per_step: float
+    """Forward + backward matmul FLOPs of one step (no recomputation)."""
+    tokens_per_s: float = 0.0
+    fits: bool = True
+    """Whether the peak stage fits in the memory budget."""
+
+    @property
+    def model_flops_per_s(self) -> float:
+        """Whole-cluster model FLOP/s (recomputation not counted)."""
+        return self.model_flops_per_step / self.step_time_s if self.step_time_s else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    schema_version: int
+    model: str
+    model_fingerprint: str
+    cluster: str
+    cluster_fingerprint: str
+    num_devices: int
+    global_batch: int
+    mesh: dict[str, int]
+    """{"pp": ..., "dp": ..., "tp": ...}; the mesh is laid out with tp fastest (inside a node)."""
+    microbatch_size: int
+    num_microbatches: int
+    schedule: str
+    virtual_stages: int
+    recompute: str
+    zero_stage: int
+    stages: tuple[StagePlan, ...]
+    placements: dict[str, str]
+    """Per graph node on the tp axis: "output|input0;input1;..." (R, S<dim>, P)."""
+    param_placements: dict[str, str]
+    """Per parameter/buffer name, its placement on the tp axis."""
+    predicted: Prediction
+    replicated_ops: tuple[tuple[str, int], ...] = ()
+    search: dict[str, Any] = field(default_factory=dict)
+    """How the plan was found: configurations priced, solver statistics, runners-up."""
+    notes: tuple[str, ...] = ()
+    precision: str = "bf16 compute, fp32 master weights, Adam"
+
+    @property
+    def model_tflops_per_device(self) -> float:
+        return self.predicted.model_flops_per_s / max(self.num_devices, 1) / 1e12
+
+    # --- serialisation -----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["predicted"]["model_tflops_per_device"] = self.model_tflops_per_device
+        return data
+
+    def to_json(self, *, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "<plan>") -> "Plan":
+        if not isinstance(data, dict):
+            raise PlanMismatchError(f"plan '{source}' is not a JSON object")
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise PlanMismatchError(f"plan '{source}' has schema_version {data.get('schema_version')!r}; this autopar "
+                                    f"reads version {SCHEMA_VERSION}: re-run `autopar plan`")
+        try:
+            predicted_fields = {f.name for f in fields(Prediction)}
+            predicted = Prediction(**{k: v for k, v in data["predicted"].items() if k in predicted_fields})
+            stages = tuple(StagePlan(**{**stage, "segments": tuple(stage["segments"]),
+                                        "layers": tuple(stage["layers"])}) for stage in data["stages"])
+            values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+            values.update(predicted=predicted, stages=stages,
+                          replicated_ops=tuple(tuple(item) for item in data.get("replicated_ops", ())),
+                          notes=tuple(data.get("notes", ())))
+            return cls(**values)
+        except (KeyError, TypeError) as error:
+            raise PlanMismatchError(f"plan '{source}' is missing or has a malformed field ({error}); "
+                                    "re-run `autopar plan`") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        try:
+            text = Path(path).read_text()
+        except OSError as error:
+            raise PlanMismatchError(f"cannot read plan '{path}': {error.strerror or error}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise PlanMismatchError(f"plan '{path}' is not valid JSON ({error.msg} at line {error.lineno})") from None
+        return cls.from_dict(data, source=str(path))
+
+    # --- checks ------------------------------------------------------------------------------
+
+    def check_matches(self, *, model_fingerprint: str, num_devices: int, model_name: str = "") -> None:
+        """Raise PlanMismatchError when applied to another model or world size."""
+        if model_fingerprint != self.model_fingerprint:
+            raise PlanMismatchError(
+                f"this plan was made for model '{self.model}' (fingerprint {self.model_fingerprint}), not for "
+                f"{model_name or 'this model'} (fingerprint {model_fingerprint}): plan the model you run")
+        if num_devices != self.num_devices:
+            raise PlanMismatchError(f"this plan is for {self.num_devices} devices (mesh {self.mesh}), but the job "
+                                    f"has {num_devices}: launch {self.num_devices} processes or re-plan")
+
+    def summary(self) -> str:
+        from autopar.plan_report import plan_summary
+
+        return plan_summary(self)

@@ -1,0 +1,100 @@
+"""Assembles a Plan from the search's estimate and the intra-op solution."""
+
+from __future__ import annotations
+
+from autopar.graph import OpGraph
+from autopar.plan import SCHEMA_VERSION, Plan, Prediction, StagePlan
+from autopar.solver.search import SearchResult
+from autopar.solver.sharding import ShardingResult
+from autopar.solver.step_model import Estimate
+
+
+def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate, sharding: ShardingResult,
+              memory_budget_bytes: float, search: SearchResult | None = None, notes: tuple[str, ...] = ()) -> Plan:
+    config = estimate.config
+    model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch / graph.batch_size
+    tokens = global_batch * _sequence_length(graph)
+    prediction = Prediction(step_time_s=estimate.step_time_s, breakdown_s=dict(estimate.breakdown_s),
+                            peak_memory_bytes=estimate.peak_memory_bytes, memory_bytes=dict(estimate.memory_bytes),
+                            memory_budget_bytes=memory_budget_bytes, model_flops_per_step=model_flops,
+                            tokens_per_s=tokens / estimate.step_time_s if estimate.step_time_s else 0.0,
+                            fits=estimate.fits)
+    return Plan(
+        schema_version=SCHEMA_VERSION,
+        model=graph.model_name,
+        model_fingerprint=graph.fingerprint(),
+        cluster=cluster.name,
+        cluster_fingerprint=cluster.fingerprint(),
+        num_devices=cluster.num_devices,
+        global_batch=global_batch,
+        mesh={"pp": config.pp, "dp": config.dp, "tp": config.tp},
+        microbatch_size=config.microbatch_size,
+        num_microbatches=config.num_microbatches,
+        schedule=config.schedule if config.pp > 1 else "none",
+        virtual_stages=config.virtual_stages,
+        recompute=config.recompute,
+        zero_stage=config.zero_stage,
+        stages=tuple(_stage_plans(graph, estimate)),
+        placements=_placements(graph, sharding),
+        param_placements={param.name: ",".join(sharding.strategies[param.node].output)
+                          for param in graph.params if param.node in sharding.strategies},
+        predicted=prediction,
+        replicated_ops=sharding.replicated_ops,
+        search=_search_stats(estimate, sharding, search),
+        notes=tuple(graph.notes) + tuple(notes),
+    )
+
+
+def _sequence_length(graph: OpGraph) -> int:
+    """Tokens per sample: dim 1 of the first integer input (token ids), else 1."""
+    for node in graph.nodes:
+        if node.kind == "input" and node.outputs and node.output.dtype.startswith("int") and len(node.output.shape) > 1:
+            return node.output.shape[1]
+    return 1
+
+
+def _stage_plans(graph: OpGraph, estimate: Estimate) -> list[StagePlan]:
+    block_index = {}
+    for segment in graph.segments:
+        if segment.block_group is not None:
+            block_index[segment.name] = len(block_index)
+    stages = []
+    for stage in estimate.stages:
+        blocks = [block_index[name] for name in stage.segment_names if name in block_index]
+        layers = (min(blocks), max(blocks) + 1) if blocks else (0, 0)
+        stages.append(StagePlan(index=stage.index, segments=stage.segment_names, layers=layers,
+                                time_per_microbatch_s=stage.time_per_microbatch_s, param_numel=stage.param_numel,
+                                memory_bytes=dict(stage.memory_bytes)))
+    return stages
+
+
+def _placements(graph: OpGraph, sharding: ShardingResult) -> dict[str, str]:
+    placements = {}
+    for node in graph.nodes:
+        strategy = sharding.strategies.get(node.name)
+        if strategy is None:
+            continue
+        output = ",".join(strategy.output)
+        inputs = ";".join(",".join(p) for p in strategy.inputs)
+        placements[node.name] = f"{output}|{inputs}" if inputs else output
+    return placements
+
+
+def _search_stats(estimate: Estimate, sharding: ShardingResult, search: SearchResult | None) -> dict:
+    stats = {
+        "sharding": {
+            "variables": sharding.num_variables,
+            "edges": sharding.num_edges,
+            "status": sharding.solution.status,
+            "gap": sharding.solution.gap,
+            "build_time_s": sharding.build_time_s,
+            "solve_time_s": sharding.solve_time_s,
+        },
+    }
+    if search is not None:
+        stats.update(configs_priced=search.num_configs, sharding_solves=search.num_sharding_solves,
+                     search_time_s=search.search_time_s,
+                     runners_up=[{"config": other.config.describe(), "step_time_s": other.step_time_s,
+                                  "peak_memory_bytes": other.peak_memory_bytes}
+                                 for other in search.ranked[1:]])
+    return stats

@@ -1,0 +1,97 @@
+"""The readable report of a Plan (`autopar plan`, `Plan.summary()`)."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from autopar.graph_report import human_bytes
+
+if TYPE_CHECKING:
+    from autopar.plan import Plan
+
+_BLOCK_INDEX = re.compile(r"\.(\d+)(?=\.)")
+_ROLE = {"S0": "column-parallel (output features split)", "S1": "row-parallel (input features split)",
+         "R": "replicated"}
+
+
+def plan_summary(plan: "Plan", *, max_stages: int = 8, max_params: int = 12) -> str:
+    predicted = plan.predicted
+    lines = [
+        f"autopar plan for {plan.model or 'model'} on {plan.cluster} ({plan.num_devices} devices), "
+        f"global batch {plan.global_batch}",
+        f"  mesh          pp={plan.mesh['pp']} x dp={plan.mesh['dp']} x tp={plan.mesh['tp']} "
+        f"(tp inside a node, then dp, then pp)",
+        f"  microbatches  {plan.num_microbatches} of {plan.microbatch_size}, schedule {_schedule(plan)}",
+        f"  memory saving recompute={plan.recompute}, ZeRO stage {plan.zero_stage}",
+        f"  predicted     {predicted.step_time_s:.4g} s per step, {plan.model_tflops_per_device:.1f} model "
+        f"TFLOP/s per device" + (f", {predicted.tokens_per_s:,.0f} tokens/s" if predicted.tokens_per_s else ""),
+        "  step time breakdown:",
+    ]
+    total = predicted.step_time_s or 1.0
+    for name, seconds in sorted(predicted.breakdown_s.items(), key=lambda item: -item[1]):
+        if seconds > 0:
+            lines.append(f"    {name:<20} {seconds:10.4g} s  {100 * seconds / total:5.1f}%")
+    lines.append(f"  memory per device (peak stage): {human_bytes(predicted.peak_memory_bytes)} of "
+                 f"{human_bytes(predicted.memory_budget_bytes)} usable")
+    for name, size in predicted.memory_bytes.items():
+        if size > 0:
+            lines.append(f"    {name:<20} {human_bytes(size):>12}")
+    lines += _stages(plan, max_stages)
+    lines += _tensor_parallel(plan, max_params)
+    if plan.replicated_ops:
+        ops = ", ".join(f"{name} x{count}" for name, count in plan.replicated_ops[:8])
+        lines.append(f"  replicated (no sharding rule): {ops}")
+    lines += _runners_up(plan)
+    for note in plan.notes[:6]:
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)
+
+
+def _schedule(plan: "Plan") -> str:
+    if plan.mesh["pp"] == 1:
+        return "none (no pipeline; gradients accumulate over microbatches)"
+    if plan.schedule == "interleaved":
+        return f"interleaved 1F1B with {plan.virtual_stages} model chunks per device"
+    return plan.schedule.upper() if plan.schedule == "gpipe" else "1F1B"
+
+
+def _stages(plan: "Plan", max_stages: int) -> list[str]:
+    if len(plan.stages) <= 1:
+        return []
+    lines = ["  pipeline stages:"]
+    for stage in plan.stages[:max_stages]:
+        first, last = stage.layers
+        blocks = f"layers {first}-{last - 1}" if last > first else "no layers"
+        extra = [name for name in stage.segments if name in ("prologue", "epilogue")]
+        memory = sum(stage.memory_bytes.values())
+        lines.append(f"    stage {stage.index}: {' + '.join(extra + [blocks])}, "
+                     f"{stage.time_per_microbatch_s * 1e3:.3g} ms per microbatch, {human_bytes(memory)}")
+    if len(plan.stages) > max_stages:
+        lines.append(f"    ... {len(plan.stages) - max_stages} more")
+    return lines
+
+
+def _tensor_parallel(plan: "Plan", max_params: int) -> list[str]:
+    if plan.mesh["tp"] == 1:
+        return []
+    shown = [(name, placement) for name, placement in plan.param_placements.items()
+             if all(index == "0" for index in _BLOCK_INDEX.findall(f".{name}."))]
+    lines = ["  tensor parallel (first block shown; identical blocks share it):"]
+    for name, placement in shown[:max_params]:
+        if name.endswith("weight"):
+            lines.append(f"    {name:<40} {placement:<4} {_ROLE.get(placement, '')}")
+    return lines
+
+
+def _runners_up(plan: "Plan") -> list[str]:
+    others = plan.search.get("runners_up") or []
+    if not others:
+        return []
+    best = plan.predicted.step_time_s
+    lines = [f"  alternatives considered ({plan.search.get('configs_priced', 0):,} priced in "
+             f"{plan.search.get('search_time_s', 0):.1f} s):"]
+    for other in others[:3]:
+        slower = 100 * (other["step_time_s"] / best - 1) if best else 0.0
+        lines.append(f"    {other['config']}: {other['step_time_s']:.4g} s (+{slower:.1f}%)")
+    return lines

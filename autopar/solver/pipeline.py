@@ -1,0 +1,132 @@
+"""Pipeline stage boundaries: split a chain of segments into contiguous stages.
+
+Minimises the slowest stage's time subject to each stage fitting in memory:
+
+    minimise   max_k  sum_{i in stage k} time_i
+    subject to sum_{i in stage k} state_bytes_i + in_flight(k) x sum_{i in stage k} activation_bytes_i
+               + fixed_bytes <= budget                                              for every k
+
+in_flight(k) falls with the stage index (1F1B: p - k), so filling early stages as full as the
+bound allows never hurts later ones: a greedy left-to-right packing decides whether a bound T is
+achievable, and bisection on T finds the smallest (to a relative 1e-4). With prefix sums each
+greedy pass costs O(p log n) for p stages over n segments. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StageSpan:
+    """Segments [start, stop) form one stage."""
+
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChainCosts:
+    """Per segment, for one microbatch on one device."""
+
+    time_s: Sequence[float]
+    state_bytes: Sequence[float]
+    """Parameters, gradients, optimizer states and buffers (independent of microbatches)."""
+    activation_bytes: Sequence[float]
+    """Kept for backward, per microbatch in flight."""
+    _prefix: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.time_s)
+
+    def prefix(self, name: str) -> np.ndarray:
+        if name not in self._prefix:
+            self._prefix[name] = np.concatenate(([0.0], np.cumsum(np.asarray(getattr(self, name), dtype=float))))
+        return self._prefix[name]
+
+    def total(self, name: str, span: StageSpan) -> float:
+        prefix = self.prefix(name)
+        return float(prefix[span.stop] - prefix[span.start])
+
+
+def stage_memory(costs: ChainCosts, span: StageSpan, in_flight: float, fixed_bytes: float = 0.0) -> float:
+    return costs.total("state_bytes", span) + in_flight * costs.total("activation_bytes", span) + fixed_bytes
+
+
+def partition(costs: ChainCosts, num_stages: int, *, in_flight: Callable[[int], float],
+              memory_budget_bytes: float | None = None, fixed_bytes: float = 0.0) -> list[StageSpan] | None:
+    """Best split into exactly `num_stages` stages, or None if no split fits in memory."""
+    count = len(costs)
+    if num_stages < 1 or num_stages > count:
+        return None
+    packer = _Packer(costs, num_stages, in_flight, memory_budget_bytes, fixed_bytes)
+    high = float(costs.prefix("time_s")[-1])
+    best = packer.pack(high)
+    if best is None:
+        return None
+    low = max(costs.time_s)
+    while high - low > 1e-4 * high:
+        middle = (low + high) / 2
+        found = packer.pack(middle)
+        if found is None:
+            low = middle
+        else:
+            high, best = middle, found
+    return _split_to(best, num_stages, costs)
+
+
+class _Packer:
+    """Greedy packing under a time bound, with per-stage memory limits."""
+
+    def __init__(self, costs: ChainCosts, num_stages: int, in_flight, budget, fixed_bytes) -> None:
+        self.costs = costs
+        self.num_stages = num_stages
+        self.time_prefix = costs.prefix("time_s")
+        self.budget = budget
+        self.memory_prefix: list[np.ndarray] = []
+        if budget is not None:
+            states, activations = costs.prefix("state_bytes"), costs.prefix("activation_bytes")
+            self.memory_prefix = [states + in_flight(k) * activations for k in range(num_stages)]
+            self.fixed = fixed_bytes
+
+    def pack(self, bound_s: float) -> list[StageSpan] | None:
+        spans: list[StageSpan] = []
+        start, count = 0, len(self.costs)
+        slack = bound_s * 1e-12
+        while start < count:
+            stage = len(spans)
+            if stage >= self.num_stages:
+                return None
+            stop = int(np.searchsorted(self.time_prefix, self.time_prefix[start] + bound_s + slack, side="right")) - 1
+            if self.budget is not None:
+                memory = self.memory_prefix[stage]
+                limit = memory[start] + self.budget - self.fixed
+                stop = min(stop, int(np.searchsorted(memory, limit, side="right")) - 1)
+            if stop <= start:
+                return None
+            spans.append(StageSpan(start, min(stop, count)))
+            start = min(stop, count)
+        return spans
+
+
+def _split_to(spans: list[StageSpan], num_stages: int, costs: ChainCosts) -> list[StageSpan]:
+    """Split the slowest multi-segment stages until there are exactly `num_stages`."""
+    spans = list(spans)
+    while len(spans) < num_stages:
+        candidates = [(costs.total("time_s", s), i) for i, s in enumerate(spans) if s.stop - s.start > 1]
+        _, index = max(candidates)
+        span = spans[index]
+        middle = _balanced_cut(costs, span)
+        spans[index:index + 1] = [StageSpan(span.start, middle), StageSpan(middle, span.stop)]
+    return spans
+
+
+def _balanced_cut(costs: ChainCosts, span: StageSpan) -> int:
+    prefix = costs.prefix("time_s")
+    half = (prefix[span.start] + prefix[span.stop]) / 2
+    cut = int(np.searchsorted(prefix, half))
+    candidates = [c for c in (cut - 1, cut, cut + 1) if span.start < c < span.stop]
+    return min(candidates, key=lambda c: abs(prefix[c] - half))

@@ -1,0 +1,310 @@
+"""Whole-cluster search: mesh shape, microbatching, schedule, recomputation and ZeRO stage.
+
+For every factorisation of the devices into pp x dp x tp (tensor parallel inside a node unless
+constrained otherwise), every microbatch size dividing the per-replica batch, the 1F1B and
+interleaved schedules, each recomputation mode and ZeRO stage, the step model (step_model.py)
+prices the configuration from the intra-op solution of the tensor-parallel mesh at that
+microbatch size (solved once per (tp, microbatch) and reused for every pp and dp). The fastest
+configuration that fits in memory wins; ties go to the leaner one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from autopar.condense import condense, expand_segments
+from autopar.errors import ConfigError, InfeasiblePlanError
+from autopar.graph import OpGraph
+from autopar.graph_report import human_bytes
+from autopar.mesh import Mesh
+from autopar.solver.evaluate import SegmentCost
+from autopar.solver.sharding import ShardingOptions, ShardingResult, cost_context, solve_sharding
+from autopar.solver.step_model import (RECOMPUTE_MODES, SCHEDULES, Estimate, ParallelConfig, PreparedSegments,
+                                       StepModel)
+from cost_model.comm import CommModel
+from cost_model.compute import ComputeModel
+from cost_model.memory import BF16_ADAM, PrecisionPolicy
+
+
+@dataclass(frozen=True, kw_only=True)
+class Constraints:
+    """Fixes any part of the configuration; None leaves it to the search."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    microbatch_size: int | None = None
+    schedule: str | None = None
+    """"1f1b", "gpipe" or "interleaved"."""
+    virtual_stages: int | None = None
+    """Model chunks per device (interleaved)."""
+    layers_per_virtual_stage: int | None = None
+    """Alternative to virtual_stages, as Megatron-LM's --num-layers-per-virtual-pipeline-stage."""
+    recompute: str | None = None
+    """"none", "selective" or "full"."""
+    zero_stage: int | None = None
+
+    @classmethod
+    def from_value(cls, value: "Constraints | dict | None") -> "Constraints":
+        if value is None:
+            return cls()
+        if isinstance(value, Constraints):
+            return value
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"unknown constraint(s) {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+        return cls(**value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchOptions:
+    usable_memory_fraction: float = 0.9
+    """Share of device memory the plan may use (the rest: CUDA context, allocator fragmentation)."""
+    max_microbatch_size: int = 64
+    sharding: ShardingOptions = ShardingOptions()
+
+
+@dataclass
+class SearchResult:
+    best: Estimate
+    sharding: ShardingResult
+    num_configs: int
+    num_sharding_solves: int
+    search_time_s: float
+    ranked: list[Estimate] = field(default_factory=list)
+    """The best few configurations, fastest first."""
+
+
+Progress = Callable[[str], None]
+
+
+class Planner:
+    """Plans one captured model on one cluster for one global batch size."""
+
+    def __init__(self, graph: OpGraph, cluster, *, global_batch: int, policy: PrecisionPolicy = BF16_ADAM,
+                 options: SearchOptions = SearchOptions(), progress: Progress | None = None) -> None:
+        if global_batch < 1:
+            raise ConfigError(f"global batch must be >= 1, got {global_batch}")
+        self.graph = graph
+        self.cluster = cluster
+        self.global_batch = global_batch
+        self.policy = policy
+        self.options = options
+        self.progress = progress or (lambda message: None)
+        self.step_model = StepModel(
+            devices_per_node=cluster.devices_per_node, compute=ComputeModel(cluster.device, cluster.profile),
+            comm=CommModel(cluster), policy=policy,
+            memory_budget_bytes=cluster.device.memory_bytes * options.usable_memory_fraction,
+            tied_param_numel=_tied_numel(graph))
+        self.condensed = condense(graph)
+        self._sharding: dict[tuple[int, int], ShardingResult] = {}
+        self._prepared: dict[tuple[int, int, str], PreparedSegments] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(1 for segment in self.graph.segments if segment.block_group is not None)
+
+    def sharding(self, tp: int, microbatch_size: int) -> ShardingResult:
+        """Intra-op solution on a tp mesh at one microbatch size (of the condensed graph)."""
+        key = (tp, microbatch_size)
+        if key not in self._sharding:
+            graph = self.condensed.with_batch(microbatch_size) if self.graph.batch_dynamic else self.condensed
+            mesh = Mesh(axis_names=("tp",), shape=(tp,), devices_per_node=self.cluster.devices_per_node)
+            ctx = cost_context(mesh, self.cluster, self.policy)
+            self._sharding[key] = solve_sharding(graph, mesh, self.cluster, self.options.sharding, ctx=ctx)
+        return self._sharding[key]
+
+    def segment_costs(self, tp: int, microbatch_size: int) -> list[SegmentCost]:
+        """Per segment of the full model (identical blocks share block 1's cost)."""
+        return expand_segments(self.graph, self.condensed, list(self.sharding(tp, microbatch_size).segments))
+
+    def prepared(self, tp: int, microbatch_size: int, recompute: str) -> PreparedSegments:
+        key = (tp, microbatch_size, recompute)
+        if key not in self._prepared:
+            self._prepared[key] = PreparedSegments.build(self.segment_costs(tp, microbatch_size), recompute)
+        return self._prepared[key]
+
+    # --- evaluate one configuration ----------------------------------------------------------
+
+    def evaluate(self, config: ParallelConfig) -> tuple[Estimate, ShardingResult]:
+        self.check(config)
+        sharding = self.sharding(config.tp, config.microbatch_size)
+        estimate = self.step_model.estimate(self.prepared(config.tp, config.microbatch_size, config.recompute), config)
+        if estimate is None:
+            raise ConfigError(f"{config.describe()}: the model has {len(self.graph.segments)} segments, too few "
+                              f"for {config.pp * config.virtual_stages} pipeline chunks")
+        return estimate, sharding
+
+    def check(self, config: ParallelConfig) -> None:
+        devices = self.cluster.num_devices
+        if config.dp * config.tp * config.pp != devices:
+            raise ConfigError(f"dp x tp x pp = {config.dp} x {config.tp} x {config.pp} = "
+                              f"{config.dp * config.tp * config.pp}, but the cluster has {devices} devices")
+        if config.microbatch_size * config.num_microbatches * config.dp != self.global_batch:
+            raise ConfigError(f"global batch {self.global_batch} is not dp x microbatch size x microbatches = "
+                              f"{config.dp} x {config.microbatch_size} x {config.num_microbatches}")
+        if config.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule '{config.schedule}'; use one of {', '.join(SCHEDULES)}")
+        if config.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"unknown recompute mode '{config.recompute}'; use one of {', '.join(RECOMPUTE_MODES)}")
+        if config.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero stage must be 0, 1, 2 or 3, got {config.zero_stage}")
+        if config.schedule == "interleaved" and (config.virtual_stages < 2 or config.pp < 2):
+            raise ConfigError("the interleaved schedule needs pp >= 2 and at least 2 model chunks per device")
+        if not self.graph.batch_dynamic and config.microbatch_size != self.graph.batch_size:
+            raise ConfigError(f"the model was captured with a fixed batch of {self.graph.batch_size}; "
+                              f"microbatch size {config.microbatch_size} cannot be priced")
+
+    # --- search ------------------------------------------------------------------------------
+
+    def search(self, constraints: Constraints = Constraints(), *, keep: int = 5) -> SearchResult:
+        started = time.perf_counter()
+        ranked: list[Estimate] = []
+        count = 0
+        least_memory: Estimate | None = None
+        for tp, pp, dp in self._meshes(constraints):
+            for microbatch in self._microbatches(dp, constraints):
+                self.progress(f"planning: tp={tp} pp={pp} dp={dp} microbatch={microbatch}")
+                fitted_any = False
+                for config in self._configs(tp, pp, dp, microbatch, constraints):
+                    prepared = self.prepared(tp, microbatch, config.recompute)
+                    cutoff = ranked[keep - 1].step_time_s if len(ranked) >= keep else float("inf")
+                    if _lower_bound_s(prepared, config) > cutoff:
+                        fitted_any = True  # not priced, but a faster one is known: keep looking
+                        continue
+                    estimate = self.step_model.estimate(prepared, config)
+                    if estimate is None:
+                        continue
+                    count += 1
+                    if least_memory is None or estimate.peak_memory_bytes < least_memory.peak_memory_bytes:
+                        least_memory = estimate
+                    if estimate.fits:
+                        fitted_any = True
+                        ranked.append(estimate)
+                ranked = sorted(ranked, key=lambda e: (e.step_time_s, e.peak_memory_bytes))[:keep]
+                if not fitted_any and constraints.microbatch_size is None:
+                    break  # larger microbatches need more memory still
+        if not ranked:
+            raise self._infeasible(least_memory, constraints)
+        best = ranked[0]
+        return SearchResult(best=best, sharding=self.sharding(best.config.tp, best.config.microbatch_size),
+                            num_configs=count, num_sharding_solves=len(self._sharding),
+                            search_time_s=time.perf_counter() - started, ranked=ranked)
+
+    def _meshes(self, constraints: Constraints):
+        devices = self.cluster.num_devices
+        tps = [constraints.tp] if constraints.tp else [t for t in _divisors(devices) if t <= self.cluster.devices_per_node]
+        found = []
+        for tp in tps:
+            if devices % tp:
+                raise ConfigError(f"tp={tp} does not divide the {devices} devices of the cluster")
+            rest = devices // tp
+            pps = [constraints.pp] if constraints.pp else [p for p in _divisors(rest) if p <= len(self.graph.segments)]
+            for pp in pps:
+                if rest % pp:
+                    raise ConfigError(f"tp x pp = {tp * pp} does not divide the {devices} devices of the cluster")
+                dp = rest // pp
+                if constraints.dp and dp != constraints.dp:
+                    continue
+                if self.global_batch % dp == 0:
+                    found.append((tp, pp, dp))
+        if not found:
+            raise ConfigError(self._no_mesh_message(constraints))
+        return found
+
+    def _no_mesh_message(self, constraints: Constraints) -> str:
+        fixed = {k: v for k, v in (("dp", constraints.dp), ("tp", constraints.tp), ("pp", constraints.pp)) if v}
+        return (f"no mesh of {self.cluster.num_devices} devices matches {fixed or 'the cluster'} with a data-parallel "
+                f"degree dividing the global batch {self.global_batch}; change the global batch or the constraints")
+
+    def _microbatches(self, dp: int, constraints: Constraints) -> list[int]:
+        local = self.global_batch // dp
+        if constraints.microbatch_size:
+            if local % constraints.microbatch_size:
+                raise ConfigError(f"microbatch size {constraints.microbatch_size} does not divide the per-replica "
+                                  f"batch {local} (global batch {self.global_batch} / dp {dp})")
+            return [constraints.microbatch_size]
+        if not self.graph.batch_dynamic:
+            return [self.graph.batch_size] if local % self.graph.batch_size == 0 else []
+        return [b for b in _divisors(local) if b <= self.options.max_microbatch_size]
+
+    def _configs(self, tp: int, pp: int, dp: int, microbatch: int, constraints: Constraints):
+        m = self.global_batch // (dp * microbatch)
+        schedules = self._schedules(pp, constraints)
+        modes = [constraints.recompute] if constraints.recompute else list(RECOMPUTE_MODES)
+        zeros = [constraints.zero_stage] if constraints.zero_stage is not None else ([0] if dp == 1 else [0, 1, 2, 3])
+        for schedule, virtual in schedules:
+            for recompute in modes:
+                for zero in zeros:
+                    yield ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch, num_microbatches=m,
+                                         schedule=schedule, virtual_stages=virtual, recompute=recompute,
+                                         zero_stage=zero)
+
+    def _schedules(self, pp: int, constraints: Constraints) -> list[tuple[str, int]]:
+        virtual = self.virtual_stages(pp, constraints)
+        if constraints.schedule:
+            if constraints.schedule == "interleaved":
+                return [("interleaved", v) for v in (virtual or self._interleavings(pp))]
+            return [(constraints.schedule, 1)]
+        if pp == 1:
+            return [("1f1b", 1)]
+        return [("1f1b", 1)] + [("interleaved", v) for v in (virtual or self._interleavings(pp))]
+
+    def virtual_stages(self, pp: int, constraints: Constraints) -> list[int]:
+        if constraints.virtual_stages:
+            return [constraints.virtual_stages]
+        if constraints.layers_per_virtual_stage:
+            per_stage = self.num_blocks / pp
+            virtual = per_stage / constraints.layers_per_virtual_stage
+            if virtual != int(virtual) or virtual < 1:
+                raise ConfigError(f"{self.num_blocks} layers on {pp} stages cannot be cut into chunks of "
+                                  f"{constraints.layers_per_virtual_stage} layers")
+            return [int(virtual)]
+        return []
+
+    def _interleavings(self, pp: int) -> list[int]:
+        per_stage = self.num_blocks // pp if pp else 0
+        return [v for v in (2, 3, 4) if per_stage >= v and self.num_blocks % (pp * v) == 0]
+
+    def _infeasible(self, least: Estimate | None, constraints: Constraints) -> InfeasiblePlanError:
+        budget = self.step_model.memory_budget_bytes
+        if least is None:
+            return InfeasiblePlanError(f"no configuration matches the constraints {constraints}")
+        parts = ", ".join(f"{name} {human_bytes(size)}" for name, size in least.memory_bytes.items() if size)
+        return InfeasiblePlanError(
+            f"the model does not fit: the leanest configuration found ({least.config.describe()}) needs "
+            f"{human_bytes(least.peak_memory_bytes)} per device ({parts}), more than the "
+            f"{human_bytes(budget)} usable of {human_bytes(self.cluster.device.memory_bytes)}. "
+            "Use more devices, devices with more memory, or relax the constraints.")
+
+
+def _lower_bound_s(prepared: PreparedSegments, config: ParallelConfig) -> float:
+    """No stage is faster than an even share of the work: (m - 1 + p) / p x total (1F1B)."""
+    total = float(prepared.time_s.sum())
+    m, p = config.num_microbatches, config.pp
+    if config.schedule == "interleaved" and p > 1:
+        return (m + (p - 1) / config.virtual_stages) * total / p
+    return (m - 1 + p) * total / p
+
+
+def _divisors(value: int) -> list[int]:
+    return [d for d in range(1, value + 1) if value % d == 0]
+
+
+def _tied_numel(graph: OpGraph) -> float:
+    """Parameters read by both the first and the last segment (tied embeddings)."""
+    if len(graph.segments) < 2:
+        return 0.0
+    first, last = set(graph.segments[0].nodes), set(graph.segments[-1].nodes)
+    numel = 0.0
+    for param in graph.params:
+        users = set(graph.consumers.get(param.node, ()))
+        if param.trainable and users & first and users & last:
+            numel += param.meta.numel
+    return numel
+
+
+def with_constraints(config: ParallelConfig, **changes) -> ParallelConfig:
+    return replace(config, **changes)

@@ -1,0 +1,317 @@
+"""Step time and memory of a full configuration (pp x dp x tp, microbatching, schedule,
+recomputation, ZeRO) from the per-segment costs of the intra-op solution.
+
+Per segment, for one microbatch on one device of a tensor-parallel group:
+    f = forward compute + forward tensor-parallel collectives
+    b = backward compute + backward collectives
+    r = recompute: none 0 | selective: parameter-free ops' forward | full: f
+    a = activations kept: none: all saved | selective: see evaluate.py | full: the segment's input
+Stage k holds segments S_k:  t_k = sum_{S_k} (f + b + r) + p2p_k, where p2p_k sends the stage's
+output forward and receives its gradient back (x v for interleaving).
+
+Pipeline with m microbatches on p stages (Narayanan et al., SC21):
+    1F1B, GPipe     T = (m - 1) max_k t_k + sum_k t_k
+    interleaved     T = (m + (p - 1) / v) max_k t_k          (v model chunks per device)
+Data-parallel gradient synchronisation over the dp group (message = the stage's gradients):
+    ZeRO 0, 1   one all-reduce (ZeRO-1: reduce-scatter + all-gather, same volume) per step,
+                overlapped with the last microbatch's backward except the last layer's bucket
+    ZeRO 2      a reduce-scatter per microbatch (overlapped with its backward) + one all-gather
+    ZeRO 3      per microbatch all-gather before forward and backward, reduce-scatter after,
+                overlapped with compute by prefetching (exposed: what exceeds the compute)
+Step = T + exposed synchronisation + optimizer step (Adam, memory-bound, on the local shard)
+     + the all-reduce of weights tied across the first and last stage.
+Memory of stage k = model states (ZeRO, memory.py) + in_flight(k) x sum_{S_k} a + buffers
+     + workspace (one segment's saved tensors during recompute, ZeRO-3 gathered parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopar.mesh import Mesh
+from autopar.solver.evaluate import SegmentCost
+from autopar.solver.pipeline import ChainCosts, StageSpan, partition
+from cost_model.comm import CommModel
+from cost_model.compute import ComputeModel
+from cost_model.memory import PrecisionPolicy, microbatches_in_flight, model_state_memory
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """A fully fixed parallelization of one training step."""
+
+    dp: int
+    tp: int
+    pp: int
+    microbatch_size: int
+    num_microbatches: int
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    """Model chunks per device for the interleaved schedule (1 otherwise)."""
+    recompute: str = "none"
+    zero_stage: int = 0
+
+    def describe(self) -> str:
+        schedule = self.schedule + (f"(v={self.virtual_stages})" if self.schedule == "interleaved" else "")
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} microbatch={self.microbatch_size}x{self.num_microbatches} "
+                f"{schedule} recompute={self.recompute} zero={self.zero_stage}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageEstimate:
+    index: int
+    span: StageSpan
+    segment_names: tuple[str, ...]
+    time_per_microbatch_s: float
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    tp_comm_s: dict[str, float]
+    p2p_s: float
+    param_numel: float
+    memory_bytes: dict[str, float]
+
+    @property
+    def total_memory_bytes(self) -> float:
+        return sum(self.memory_bytes.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    config: ParallelConfig
+    step_time_s: float
+    breakdown_s: dict[str, float]
+    stages: tuple[StageEstimate, ...]
+    peak_memory_bytes: float
+    memory_bytes: dict[str, float]
+    """Breakdown of the stage with the peak."""
+    fits: bool
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class PreparedSegments:
+    """Per-segment arrays for one intra-op solution and recomputation mode (reused by every
+    pp, dp, schedule and ZeRO stage the search tries)."""
+
+    names: list[str]
+    recompute: str
+    forward_s: np.ndarray
+    backward_s: np.ndarray
+    recompute_s: np.ndarray
+    comm_by_op_s: dict[str, np.ndarray]
+    time_s: np.ndarray
+    activation_bytes: np.ndarray
+    param_numel: np.ndarray
+    buffer_bytes: np.ndarray
+    output_bytes: np.ndarray
+    max_saved_bytes: float
+    time_partitions: dict[int, list[StageSpan] | None] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, segments: list[SegmentCost], recompute: str) -> "PreparedSegments":
+        comm: dict[str, np.ndarray] = {}
+        for index, segment in enumerate(segments):
+            for event in segment.comm:
+                factor = 2 if (recompute == "full" and event.phase == "fwd") else 1
+                comm.setdefault(event.op, np.zeros(len(segments)))[index] += event.time_s * factor
+        array = lambda values: np.asarray(list(values), dtype=float)  # noqa: E731
+        forward = array(s.forward.total_s for s in segments)
+        backward = array(s.backward.total_s for s in segments)
+        recomputed = array(_recompute_s(s, recompute) for s in segments)
+        total_comm = sum(comm.values()) if comm else np.zeros(len(segments))
+        return cls(names=[s.name for s in segments], recompute=recompute, forward_s=forward, backward_s=backward,
+                   recompute_s=recomputed, comm_by_op_s=comm, time_s=forward + backward + recomputed + total_comm,
+                   activation_bytes=array(_activation_bytes(s, recompute) for s in segments),
+                   param_numel=array(s.param_numel for s in segments),
+                   buffer_bytes=array(s.buffer_bytes for s in segments),
+                   output_bytes=array(s.output_bytes for s in segments),
+                   max_saved_bytes=max((s.saved_bytes for s in segments), default=0.0))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@dataclass
+class StepModel:
+    """Prices configurations of one model on one cluster (segment costs come in per (tp, b))."""
+
+    devices_per_node: int
+    compute: ComputeModel
+    comm: CommModel
+    policy: PrecisionPolicy
+    memory_budget_bytes: float
+    optimizer_io_bytes_per_param: float = 32.0
+    tied_param_numel: float = 0.0
+    """Parameters used both in the first and last segment (tied embeddings)."""
+
+    def state_bytes_per_param(self, config: ParallelConfig) -> float:
+        return model_state_memory(1.0, dp=config.dp, zero_stage=config.zero_stage, policy=self.policy).total_bytes
+
+    def chain(self, prepared: PreparedSegments, config: ParallelConfig) -> ChainCosts:
+        states = prepared.param_numel * self.state_bytes_per_param(config) + prepared.buffer_bytes
+        return ChainCosts(time_s=prepared.time_s, state_bytes=states, activation_bytes=prepared.activation_bytes)
+
+    def estimate(self, prepared: PreparedSegments, config: ParallelConfig) -> Estimate | None:
+        """Prices `config`; None when the segments cannot be split into its stages."""
+        chain = self.chain(prepared, config)
+        num_chunks = config.pp * (config.virtual_stages if config.schedule == "interleaved" else 1)
+        workspace = self._workspace_bytes(prepared, config)
+
+        def in_flight(chunk: int) -> float:
+            return microbatches_in_flight(config.schedule, stage=chunk % config.pp, num_stages=config.pp,
+                                          num_microbatches=config.num_microbatches,
+                                          virtual_stages=config.virtual_stages)
+
+        if num_chunks not in prepared.time_partitions:
+            prepared.time_partitions[num_chunks] = partition(chain, num_chunks, in_flight=in_flight)
+        spans = prepared.time_partitions[num_chunks]
+        if spans is None:
+            return None
+        fits = self._fits(chain, spans, config, workspace)
+        if not fits:
+            lean = partition(chain, num_chunks, in_flight=in_flight, memory_budget_bytes=self.memory_budget_bytes,
+                             fixed_bytes=workspace)
+            if lean is not None:
+                spans, fits = lean, True
+        stages = self._stages(prepared, chain, spans, config, workspace)
+        return self._assemble(stages, config, fits)
+
+    def _fits(self, chain: ChainCosts, spans, config: ParallelConfig, workspace: float) -> bool:
+        for stage in range(config.pp):
+            own = spans[stage::config.pp]
+            in_flight = microbatches_in_flight(config.schedule, stage=stage, num_stages=config.pp,
+                                               num_microbatches=config.num_microbatches,
+                                               virtual_stages=config.virtual_stages)
+            memory = sum(chain.total("state_bytes", s) + in_flight * chain.total("activation_bytes", s) for s in own)
+            if memory + workspace > self.memory_budget_bytes:
+                return False
+        return True
+
+    def _workspace_bytes(self, prepared: PreparedSegments, config: ParallelConfig) -> float:
+        workspace = 0.0
+        if config.recompute != "none":
+            workspace += prepared.max_saved_bytes
+        if config.zero_stage == 3 and config.dp > 1:
+            workspace += 2 * float(prepared.param_numel.max(initial=0.0)) * self.policy.param_bytes
+        return workspace
+
+    def _stages(self, prepared, chain, spans, config, workspace) -> list[StageEstimate]:
+        """Per device (a device owns chunks k, k + p, ... when interleaved)."""
+        estimates = []
+        crosses_nodes = config.dp * config.tp >= self.devices_per_node
+        for stage in range(config.pp):
+            own = spans[stage::config.pp]
+            indices = [i for span in own for i in range(span.start, span.stop)]
+            p2p = sum(2 * self.comm.send_recv_s(float(prepared.output_bytes[span.stop - 1]), crosses_nodes=crosses_nodes)
+                      for span in own if span.stop < len(prepared))
+            in_flight = microbatches_in_flight(config.schedule, stage=stage, num_stages=config.pp,
+                                               num_microbatches=config.num_microbatches,
+                                               virtual_stages=config.virtual_stages)
+            estimates.append(self._stage(stage, own, indices, prepared, config, p2p, in_flight, workspace))
+        return estimates
+
+    def _stage(self, stage, own, indices, prepared: PreparedSegments, config, p2p, in_flight, workspace) -> StageEstimate:
+        pick = lambda values: float(values[indices].sum())  # noqa: E731
+        numel = pick(prepared.param_numel)
+        states = model_state_memory(numel, dp=config.dp, zero_stage=config.zero_stage, policy=self.policy)
+        memory = {
+            "parameters": states.params_bytes,
+            "gradients": states.grads_bytes,
+            "optimizer": states.optimizer_bytes,
+            "activations": in_flight * pick(prepared.activation_bytes),
+            "buffers": pick(prepared.buffer_bytes),
+            "workspace": workspace,
+        }
+        tp_comm = {op: pick(values) for op, values in prepared.comm_by_op_s.items()}
+        time_per_microbatch = pick(prepared.time_s) + p2p
+        return StageEstimate(index=stage, span=StageSpan(own[0].start, own[-1].stop),
+                             segment_names=tuple(prepared.names[i] for i in indices),
+                             time_per_microbatch_s=time_per_microbatch, forward_s=pick(prepared.forward_s),
+                             backward_s=pick(prepared.backward_s), recompute_s=pick(prepared.recompute_s),
+                             tp_comm_s=tp_comm, p2p_s=p2p, param_numel=numel, memory_bytes=memory)
+
+    def _assemble(self, stages: list[StageEstimate], config: ParallelConfig, fits: bool) -> Estimate:
+        m, p = config.num_microbatches, config.pp
+        slowest = max(stages, key=lambda s: s.time_per_microbatch_s)
+        t_max = slowest.time_per_microbatch_s
+        if config.schedule == "interleaved" and p > 1:
+            pipeline_s = (m + (p - 1) / config.virtual_stages) * t_max
+        else:
+            pipeline_s = (m - 1) * t_max + sum(s.time_per_microbatch_s for s in stages)
+        sync_s = max(self._dp_sync_exposed_s(stage, config) for stage in stages)
+        optimizer_s = max(self._optimizer_s(stage, config) for stage in stages)
+        tied_s = self._tied_sync_s(config)
+        breakdown = {"compute": m * (slowest.forward_s + slowest.backward_s), "recompute": m * slowest.recompute_s}
+        for op, seconds in sorted(slowest.tp_comm_s.items()):
+            breakdown[f"tp.{op}"] = m * seconds
+        breakdown["pp.send_recv"] = m * slowest.p2p_s
+        breakdown["bubble"] = pipeline_s - m * t_max
+        breakdown["dp.gradient_sync"] = sync_s
+        breakdown["optimizer"] = optimizer_s
+        if tied_s:
+            breakdown["pp.tied_weights"] = tied_s
+        peak = max(stages, key=lambda s: s.total_memory_bytes)
+        return Estimate(config=config, step_time_s=pipeline_s + sync_s + optimizer_s + tied_s,
+                        breakdown_s=breakdown, stages=tuple(stages), peak_memory_bytes=peak.total_memory_bytes,
+                        memory_bytes=dict(peak.memory_bytes),
+                        fits=fits and peak.total_memory_bytes <= self.memory_budget_bytes)
+
+    def _dp_group_time(self, op: str, message_bytes: float, config: ParallelConfig) -> float:
+        mesh = Mesh(axis_names=("pp", "dp", "tp"), shape=(config.pp, config.dp, config.tp),
+                    devices_per_node=self.devices_per_node)
+        return self.comm.time_s(op, message_bytes, mesh.group(1))
+
+    def _dp_sync_exposed_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
+        if config.dp <= 1:
+            return 0.0
+        grad_bytes = stage.param_numel * self.policy.grad_bytes
+        param_bytes = stage.param_numel * self.policy.param_bytes
+        num_buckets = max(1, len(stage.segment_names))
+        m = config.num_microbatches
+        backward_one = stage.backward_s + stage.recompute_s
+        forward_one = stage.forward_s
+        if config.zero_stage <= 1:
+            sync = self._dp_group_time("all_reduce", grad_bytes, config)
+            return max(sync - backward_one, sync / num_buckets)
+        if config.zero_stage == 2:
+            scatter = self._dp_group_time("reduce_scatter", grad_bytes, config)
+            gather = self._dp_group_time("all_gather", param_bytes, config)
+            return m * max(scatter - backward_one, scatter / num_buckets) + gather
+        gather = self._dp_group_time("all_gather", param_bytes, config)
+        scatter = self._dp_group_time("reduce_scatter", grad_bytes, config)
+        per_microbatch = max(gather - forward_one, gather / num_buckets) + max(gather + scatter - backward_one,
+                                                                                scatter / num_buckets)
+        return m * per_microbatch
+
+    def _optimizer_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
+        numel = stage.param_numel / (config.dp if config.zero_stage >= 1 else 1)
+        return numel * self.optimizer_io_bytes_per_param / self.compute.bandwidth_bytes_per_s
+
+    def _tied_sync_s(self, config: ParallelConfig) -> float:
+        if config.pp <= 1 or not self.tied_param_numel:
+            return 0.0
+        crosses = config.dp * config.tp * (config.pp - 1) >= self.devices_per_node
+        return 2 * self.comm.send_recv_s(self.tied_param_numel / config.tp * self.policy.grad_bytes, crosses_nodes=crosses)
+
+
+def _recompute_s(segment: SegmentCost, recompute: str) -> float:
+    """Compute time re-run in backward (the collectives of a full recompute count in tp comm)."""
+    if recompute == "full":
+        return segment.forward.total_s
+    if recompute == "selective":
+        return segment.selective_recompute.total_s
+    return 0.0
+
+
+def _activation_bytes(segment: SegmentCost, recompute: str) -> float:
+    if recompute == "full":
+        return segment.input_bytes
+    if recompute == "selective":
+        return segment.selective_saved_bytes
+    return segment.saved_bytes
