@@ -13,7 +13,38 @@ from autopar.errors import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """The API is imported lazily: `import autopar` stays cheap for the CLI."""
+    if name in ("plan", "evaluate", "capture_for_planning", "planner_for"):
+        from autopar import api
+
+        return getattr(api, name)
+    if name == "parallelize":
+        from autopar.codegen.parallelize import parallelize
+
+        return parallelize
+    if name == "Cluster":
+        from autopar.cluster import Cluster
+
+        return Cluster
+    if name == "Plan":
+        from autopar.plan import Plan
+
+        return Plan
+    if name == "capture":
+        from autopar.capture import capture
+
+        return capture
+    raise AttributeError(f"module 'autopar' has no attribute '{name}'")
+
 __all__ = [
+    "Cluster",
+    "Plan",
+    "capture",
+    "evaluate",
+    "parallelize",
+    "plan",
     "AutoparError",
     "CaptureError",
     "ClusterSpecError",

@@ -93,8 +93,8 @@ def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=No
     cluster = Cluster.from_spec(cluster)
     graph = capture_for_planning(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                                  precision=precision, verbose=verbose)
-    return Planner(graph, cluster, global_batch=global_batch, policy=policy, options=options or SearchOptions(),
-                   progress=_progress(verbose))
+    return Planner(graph, cluster, global_batch=global_batch, policy=policy, precision=precision,
+                   options=options or SearchOptions(), progress=_progress(verbose))
 
 
 def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constraints=None, loss_fn=None,
@@ -109,9 +109,11 @@ def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constr
 
 def plan_with(planner: Planner, constraints: Constraints = Constraints()) -> Plan:
     result = planner.search(constraints)
+    config = result.best.config
     return make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=result.best,
                      sharding=result.sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes,
-                     search=result)
+                     search=result, precision=planner.precision,
+                     segments=planner.segment_costs(config.tp, config.microbatch_size))
 
 
 def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp: int = 1, pp: int = 1,
@@ -155,4 +157,5 @@ def evaluate_with(planner: Planner, config: ParallelConfig) -> Plan:
         f"this configuration does not fit: {estimate.peak_memory_bytes / 2**30:.1f} GiB per device needed, "
         f"{planner.step_model.memory_budget_bytes / 2**30:.1f} GiB usable",)
     return make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
-                     sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes)
+                     sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes,
+                     precision=planner.precision, segments=planner.segment_costs(config.tp, config.microbatch_size))

@@ -88,7 +88,7 @@ class OpNode:
     name: str
     """Unique fx node name."""
     kind: str
-    """"input" (user input), "param", "buffer", "constant", "call" or "output"."""
+    """"input" (user input), "target" (the loss targets), "param", "buffer", "constant", "call" or "output"."""
     target: str = ""
     """aten overload for calls ("aten.linear.default", "getitem"); FQN for params/buffers."""
     inputs: tuple[str, ...] = ()
@@ -285,14 +285,28 @@ class OpGraph:
                       for node in self.nodes)
         return replace(self, nodes=nodes, batch_size=batch_size)
 
+    @cached_property
+    def loss_nodes(self) -> frozenset[str]:
+        """The loss part: the targets input and every node that depends on it."""
+        found = {node.name for node in self.nodes if node.kind == "target" or node.module_path == "<loss>"}
+        for node in self.nodes:
+            if node.kind != "output" and any(source in found for source in node.inputs):
+                found.add(node.name)
+        return frozenset(found)
+
     def fingerprint(self) -> str:
-        """Hash of the ops and shapes (at batch 1 when dynamic), not dtypes: identifies the model
-        whether it is captured in fp32 on CPU or as a bf16 replica on meta."""
+        """Hash of the model's ops and shapes (at batch 1 when dynamic): identifies the model
+        whether captured in fp32 on CPU or as a bf16 replica on meta, with or without its loss
+        (dtypes, node names and the loss part are left out)."""
         graph = self.with_batch(1) if self.batch_dynamic else self
+        model_nodes = [node for node in graph.nodes if node.name not in self.loss_nodes and node.kind != "output"]
+        position = {node.name: index for index, node in enumerate(model_nodes)}
         digest = hashlib.sha256()
-        for node in graph.nodes:
+        for node in model_nodes:
             shapes = [meta.shape for meta in node.outputs]
-            digest.update(repr((node.kind, node.target, node.inputs, shapes)).encode())
+            inputs = [position.get(source, -1) for source in node.inputs]
+            target = node.target if node.kind != "input" else ""  # input names differ under WithLoss
+            digest.update(repr((node.kind, target, inputs, shapes)).encode())
         return digest.hexdigest()[:16]
 
     def summary(self) -> str:

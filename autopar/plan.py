@@ -27,6 +27,8 @@ class StagePlan:
     """Segments it runs: "prologue", block module paths ("layers.3"), "epilogue"."""
     layers: tuple[int, int]
     """[first, last + 1) of the repeated blocks it holds (equal when it holds none)."""
+    chunks: tuple[tuple[str, ...], ...] = ()
+    """Its model chunks in pipeline order (several with the interleaved schedule)."""
     time_per_microbatch_s: float
     param_numel: float
     """Parameters per device on this stage."""
@@ -45,6 +47,8 @@ class Prediction:
     model_flops_per_step: float
     """Forward + backward matmul FLOPs of one step (no recomputation)."""
     tokens_per_s: float = 0.0
+    collectives_per_microbatch: dict[str, int] = field(default_factory=dict)
+    """Tensor-parallel collectives one microbatch's forward + backward runs, by kind."""
     fits: bool = True
     """Whether the peak stage fits in the memory budget."""
 
@@ -76,12 +80,15 @@ class Plan:
     """Per graph node on the tp axis: "output|input0;input1;..." (R, S<dim>, P)."""
     param_placements: dict[str, str]
     """Per parameter/buffer name, its placement on the tp axis."""
+    input_placements: tuple[str, ...] = ()
+    """Placement on the tp axis of each model input, in order."""
     predicted: Prediction
     replicated_ops: tuple[tuple[str, int], ...] = ()
     search: dict[str, Any] = field(default_factory=dict)
     """How the plan was found: configurations priced, solver statistics, runners-up."""
     notes: tuple[str, ...] = ()
-    precision: str = "bf16 compute, fp32 master weights, Adam"
+    precision: str = "bf16"
+    """"bf16": bf16 compute, fp32 master weights and Adam; "fp32": fp32 throughout."""
 
     @property
     def model_tflops_per_device(self) -> float:
@@ -110,10 +117,11 @@ class Plan:
         try:
             predicted_fields = {f.name for f in fields(Prediction)}
             predicted = Prediction(**{k: v for k, v in data["predicted"].items() if k in predicted_fields})
-            stages = tuple(StagePlan(**{**stage, "segments": tuple(stage["segments"]),
-                                        "layers": tuple(stage["layers"])}) for stage in data["stages"])
+            stages = tuple(StagePlan(**{**stage, "segments": tuple(stage["segments"]), "layers": tuple(stage["layers"]),
+                                        "chunks": tuple(tuple(chunk) for chunk in stage.get("chunks", ()))})
+                           for stage in data["stages"])
             values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
-            values.update(predicted=predicted, stages=stages,
+            values.update(predicted=predicted, stages=stages, input_placements=tuple(data.get("input_placements", ())),
                           replicated_ops=tuple(tuple(item) for item in data.get("replicated_ops", ())),
                           notes=tuple(data.get("notes", ())))
             return cls(**values)

@@ -10,7 +10,8 @@ from autopar.solver.step_model import Estimate
 
 
 def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate, sharding: ShardingResult,
-              memory_budget_bytes: float, search: SearchResult | None = None, notes: tuple[str, ...] = ()) -> Plan:
+              memory_budget_bytes: float, search: SearchResult | None = None, notes: tuple[str, ...] = (),
+              precision: str = "bf16", segments=None) -> Plan:
     config = estimate.config
     model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch / graph.batch_size
     tokens = global_batch * _sequence_length(graph)
@@ -18,7 +19,8 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
                             peak_memory_bytes=estimate.peak_memory_bytes, memory_bytes=dict(estimate.memory_bytes),
                             memory_budget_bytes=memory_budget_bytes, model_flops_per_step=model_flops,
                             tokens_per_s=tokens / estimate.step_time_s if estimate.step_time_s else 0.0,
-                            fits=estimate.fits)
+                            fits=estimate.fits,
+                            collectives_per_microbatch=_collective_counts(segments or sharding.segments))
     return Plan(
         schema_version=SCHEMA_VERSION,
         model=graph.model_name,
@@ -38,11 +40,22 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         placements=_placements(graph, sharding),
         param_placements={param.name: ",".join(sharding.strategies[param.node].output)
                           for param in graph.params if param.node in sharding.strategies},
+        input_placements=tuple(",".join(sharding.strategies[node.name].output) for node in graph.nodes
+                               if node.kind == "input" and node.name in sharding.strategies),
+        precision=precision,
         predicted=prediction,
         replicated_ops=sharding.replicated_ops,
         search=_search_stats(estimate, sharding, search),
         notes=tuple(graph.notes) + tuple(notes),
     )
+
+
+def _collective_counts(segments) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for segment in segments:
+        for event in segment.comm:
+            counts[event.op] = counts.get(event.op, 0) + 1
+    return counts
 
 
 def _sequence_length(graph: OpGraph) -> int:
@@ -62,7 +75,7 @@ def _stage_plans(graph: OpGraph, estimate: Estimate) -> list[StagePlan]:
     for stage in estimate.stages:
         blocks = [block_index[name] for name in stage.segment_names if name in block_index]
         layers = (min(blocks), max(blocks) + 1) if blocks else (0, 0)
-        stages.append(StagePlan(index=stage.index, segments=stage.segment_names, layers=layers,
+        stages.append(StagePlan(index=stage.index, segments=stage.segment_names, layers=layers, chunks=stage.chunks,
                                 time_per_microbatch_s=stage.time_per_microbatch_s, param_numel=stage.param_numel,
                                 memory_bytes=dict(stage.memory_bytes)))
     return stages

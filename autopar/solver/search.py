@@ -84,13 +84,16 @@ class Planner:
     """Plans one captured model on one cluster for one global batch size."""
 
     def __init__(self, graph: OpGraph, cluster, *, global_batch: int, policy: PrecisionPolicy = BF16_ADAM,
-                 options: SearchOptions = SearchOptions(), progress: Progress | None = None) -> None:
+                 precision: str = "bf16", options: SearchOptions = SearchOptions(),
+                 progress: Progress | None = None) -> None:
         if global_batch < 1:
             raise ConfigError(f"global batch must be >= 1, got {global_batch}")
         self.graph = graph
         self.cluster = cluster
         self.global_batch = global_batch
         self.policy = policy
+        self.precision = precision
+        """Name of the precision policy ("bf16" or "fp32"), recorded in plans."""
         self.options = options
         self.progress = progress or (lambda message: None)
         self.step_model = StepModel(

@@ -67,6 +67,8 @@ class StageEstimate:
     index: int
     span: StageSpan
     segment_names: tuple[str, ...]
+    chunks: tuple[tuple[str, ...], ...]
+    """Segment names per model chunk of this device, in pipeline order."""
     time_per_microbatch_s: float
     forward_s: float
     backward_s: float
@@ -230,8 +232,9 @@ class StepModel:
         }
         tp_comm = {op: pick(values) for op, values in prepared.comm_by_op_s.items()}
         time_per_microbatch = pick(prepared.time_s) + p2p
+        chunks = tuple(tuple(prepared.names[i] for i in range(span.start, span.stop)) for span in own)
         return StageEstimate(index=stage, span=StageSpan(own[0].start, own[-1].stop),
-                             segment_names=tuple(prepared.names[i] for i in indices),
+                             segment_names=tuple(prepared.names[i] for i in indices), chunks=chunks,
                              time_per_microbatch_s=time_per_microbatch, forward_s=pick(prepared.forward_s),
                              backward_s=pick(prepared.backward_s), recompute_s=pick(prepared.recompute_s),
                              tp_comm_s=tp_comm, p2p_s=p2p, param_numel=numel, memory_bytes=memory)

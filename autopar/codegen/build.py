@@ -1,0 +1,145 @@
+"""Builds this rank's StagePrograms from the exported graph and the plan.
+
+Values that cross a pipeline boundary are computed once: `live_in(c)` are the values produced
+before chunk c (model inputs count as produced before chunk 0) and read by chunk c or a later
+one; chunk c receives them from chunk c - 1 and passes on what later chunks still need.
+Python numbers (symbolic sizes) cross as 0-dim tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autopar.codegen.interpreter import PlannedInterpreter, RunStats
+from autopar.codegen.program import (GraphParts, SegmentModule, StageProgram, distribute_parameter,
+                                     recomputable_nodes)
+from autopar.plan import Plan
+
+
+@dataclass
+class ChunkSpec:
+    index: int
+    segments: list[str]
+    inputs: list[str]
+    outputs: list[str]
+
+
+def plan_chunks(plan: Plan, parts: GraphParts) -> list[list[str]]:
+    """Segment names of every pipeline chunk, in pipeline order (one chunk when pp = 1)."""
+    present = {segment.name for segment in parts.graph.segments}
+    if plan.mesh["pp"] == 1:
+        return [[segment.name for segment in parts.graph.segments]]
+    per_device = [list(stage.chunks or (stage.segments,)) for stage in plan.stages]
+    num_chunks = len(per_device[0])
+    ordered = [per_device[device][chunk] for chunk in range(num_chunks) for device in range(len(per_device))]
+    return [[name for name in chunk if name in present] for chunk in ordered]
+
+
+def chunk_specs(plan: Plan, parts: GraphParts) -> list[ChunkSpec]:
+    chunks = plan_chunks(plan, parts)
+    segment_of = parts.segment_of()
+    chunk_of_segment = {name: index for index, chunk in enumerate(chunks) for name in chunk}
+    produced_in: dict[str, int] = {name: -1 for name in parts.user_inputs}
+    for name, segment in segment_of.items():
+        produced_in[name] = chunk_of_segment[segment]
+    last_read: dict[str, int] = {}
+    for name, readers in parts.readers().items():
+        if name in produced_in:
+            positions = [len(chunks) - 1 if reader == "<output>" else chunk_of_segment[reader] for reader in readers]
+            last_read[name] = max(positions)
+    order = {node.name: position for position, node in enumerate(parts.program.graph.nodes)}
+    specs = []
+    for index, segments in enumerate(chunks):
+        inputs = sorted((name for name, made in produced_in.items() if made < index <= last_read.get(name, -2)),
+                        key=order.get)
+        if index == len(chunks) - 1:
+            outputs = list(parts.outputs)
+        else:
+            outputs = sorted((name for name, made in produced_in.items() if made <= index < last_read.get(name, -2)),
+                             key=order.get)
+        specs.append(ChunkSpec(index=index, segments=segments, inputs=inputs, outputs=outputs))
+    return specs
+
+
+def codegen_placements(plan: Plan, parts: GraphParts) -> dict[str, str]:
+    """The plan's placements keyed by this graph's names (model inputs are matched by position)."""
+    placements = dict(plan.placements)
+    for name, placement in zip(parts.user_inputs, plan.input_placements):
+        placements[name] = placement
+    return placements
+
+
+def _is_number(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (int, float, torch.SymInt, torch.SymFloat))
+
+
+class ProgramBuilder:
+    """Creates the segment modules and stage programs of the chunks this rank runs."""
+
+    def __init__(self, plan: Plan, parts: GraphParts, model: nn.Module, tp_mesh, device: torch.device,
+                 stats: RunStats) -> None:
+        self.plan = plan
+        self.parts = parts
+        self.model = model
+        self.device = device
+        self.placements = codegen_placements(plan, parts)
+        self.interpreter = PlannedInterpreter(self.placements, tp_mesh, stats)
+        self.recomputable = recomputable_nodes(parts.graph) if plan.recompute == "selective" else set()
+        self.readers = parts.readers()
+        self.segment_nodes = {segment.name: list(segment.nodes) for segment in parts.graph.segments}
+        self.params: dict[str, nn.Parameter] = {}
+        """FQN -> the distributed parameter (one object per FQN on this rank)."""
+
+    def build(self, spec: ChunkSpec, *, num_chunks: int) -> StageProgram:
+        segments = [self._segment(name, spec) for name in spec.segments]
+        pipelined = num_chunks > 1
+        last = spec.index == num_chunks - 1
+        mode = ("replicated" if last else "local") if pipelined else "dtensor"
+        boundary = set(spec.inputs) - (set(self.parts.user_inputs) if spec.index == 0 else set())
+        inputs = list(self.parts.user_inputs) + [name for name in spec.inputs if name not in self.parts.user_inputs] \
+            if spec.index == 0 else spec.inputs
+        scalars = {name for name in inputs + spec.outputs if _is_number(self.parts.fx_nodes[name])}
+        stage = StageProgram(segments, self.interpreter, inputs=inputs, boundary_inputs=boundary if pipelined else set(),
+                             outputs=spec.outputs, output_mode=mode, scalars=scalars,
+                             placements={name: self.placements.get(name, "R").split("|")[0] for name in inputs})
+        self._attach_params(stage, segments, spec)
+        return stage
+
+    def _segment(self, name: str, spec: ChunkSpec) -> SegmentModule:
+        node_names = self.segment_nodes[name]
+        fx_nodes = [self.parts.fx_nodes[n] for n in node_names]
+        inside = set(node_names)
+        inputs = sorted({source.name for node in fx_nodes for source in node.all_input_nodes if source.name not in inside})
+        produced = [n for n in node_names if self.readers.get(n, set()) - {name}]
+        return SegmentModule(name, fx_nodes, self.interpreter, inputs, produced, self.plan.recompute, self.recomputable)
+
+    def _attach_params(self, stage: StageProgram, segments: list[SegmentModule], spec: ChunkSpec) -> None:
+        """A parameter read by one segment belongs to it; one read by several, to the stage."""
+        by_name = {segment.segment_name: segment for segment in segments}
+        for placeholder, fqn in {**self.parts.param_of}.items():
+            readers = self.readers.get(placeholder, set()) & set(spec.segments)
+            if not readers:
+                continue
+            param = self._parameter(fqn)
+            if len(readers) == 1:
+                by_name[next(iter(readers))].own_parameter(placeholder, fqn, param)
+            else:
+                stage.own_parameter(placeholder, fqn, param)
+        for placeholder, fqn in {**self.parts.buffer_of, **self.parts.constant_of}.items():
+            if self.readers.get(placeholder, set()) & set(spec.segments):
+                stage.fixed_values[placeholder] = self._fixed_value(placeholder, fqn)
+
+    def _parameter(self, fqn: str) -> nn.Parameter:
+        if fqn not in self.params:
+            placement = self.plan.param_placements.get(fqn, "R")
+            self.params[fqn] = distribute_parameter(self.model.get_parameter(fqn), placement, self.interpreter.mesh,
+                                                    self.device)
+        return self.params[fqn]
+
+    def _fixed_value(self, placeholder: str, fqn: str) -> torch.Tensor:
+        if placeholder in self.parts.buffer_of:
+            return self.model.get_buffer(fqn).to(self.device)
+        return self.parts.program.constants[fqn].to(self.device)

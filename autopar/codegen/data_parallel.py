@@ -1,0 +1,59 @@
+"""Data parallelism and ZeRO on the dp axis, composed with tensor parallelism.
+
+    ZeRO 0  parameters replicated; gradients all-reduced (averaged) over dp once per step
+    ZeRO 1  FSDP2 fully_shard, parameters kept gathered between forward and backward, gradient
+            reduce-scatter only after the last microbatch (set_requires_gradient_sync)
+    ZeRO 2  as 1, but gradients reduce-scattered after every microbatch
+    ZeRO 3  FSDP2 with reshard_after_forward: parameters gathered before each use
+
+Every segment module (a transformer block) is one FSDP unit, the stage program the root unit
+for parameters shared by several segments, as torchtitan shards a model: the parameters are
+already tensor-parallel DTensors on the tp dimension of the same device mesh.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.codegen.program import StageProgram
+
+
+def uses_fsdp(zero_stage: int, dp: int) -> bool:
+    return zero_stage >= 1 and dp > 1
+
+
+def apply_fsdp(stages: list[StageProgram], dp_mesh, zero_stage: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = zero_stage == 3
+    for stage in stages:
+        for segment in stage.segments:
+            if next(segment.parameters(recurse=False), None) is not None:
+                fully_shard(segment, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard)
+
+
+def set_gradient_sync(stages: list[StageProgram], enabled: bool) -> None:
+    for stage in stages:
+        if hasattr(stage, "set_requires_gradient_sync"):
+            stage.set_requires_gradient_sync(enabled)
+
+
+def all_reduce_gradients(parameters: list[nn.Parameter], group, size: int) -> None:
+    """ZeRO 0: average each gradient's local shard over the data-parallel group."""
+    if size <= 1:
+        return
+    for param in parameters:
+        if param.grad is None:
+            continue
+        local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+        dist.all_reduce(local, group=group)
+        local.div_(size)
+
+
+def sum_over_group(value: torch.Tensor, group) -> torch.Tensor:
+    value = value.detach().clone()
+    dist.all_reduce(value, group=group)
+    return value

@@ -1,0 +1,95 @@
+"""Runs nodes of an exported graph on DTensors, redistributing where the plan says.
+
+Every tensor lives on the tensor-parallel mesh. Before an op runs, each tensor input is
+redistributed to the placement the plan chose for that op's input (once per producer and
+placement: the same redistributed tensor serves every consumer asking for it, as the ILP
+priced). After the op, DTensor's own output placement is checked against the plan's; a
+difference is redistributed away and counted (`mismatches`), so the collectives that run are
+those the plan priced. Autograd runs the backward through the same DTensor ops.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+from torch.fx.node import map_aggregate
+
+from autopar.codegen.placements import parse_node_placements, same_placement, to_dtensor_placement
+
+
+@dataclass
+class RunStats:
+    """What the interpreter did differently from the plan (for reports and tests)."""
+
+    mismatches: Counter = field(default_factory=Counter)
+    """Ops whose DTensor output placement differed from the plan's, by target."""
+
+
+class PlannedInterpreter:
+    def __init__(self, placements: dict[str, str], mesh, stats: RunStats | None = None):
+        self.placements = {name: parse_node_placements(text) for name, text in placements.items()}
+        self.mesh = mesh
+        self.stats = stats or RunStats()
+
+    def as_dtensor(self, value: torch.Tensor) -> DTensor:
+        """Plain tensors (factory outputs, buffers) are the same on every rank: replicated."""
+        if isinstance(value, DTensor):
+            return value
+        return DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
+
+    def place(self, value: torch.Tensor, placement: str) -> DTensor:
+        value = self.as_dtensor(value)
+        if same_placement(value.placements[0], placement):
+            return value
+        return value.redistribute(self.mesh, [to_dtensor_placement(placement)])
+
+    def run_nodes(self, nodes: list[torch.fx.Node], env: dict[str, Any]) -> None:
+        """Execute `nodes`, reading inputs from and writing outputs into `env`."""
+        cache: dict[tuple[str, str], DTensor] = {}
+        for node in nodes:
+            if node.op != "call_function":
+                continue
+            env[node.name] = self._call(node, env, cache)
+
+    def _call(self, node: torch.fx.Node, env: dict[str, Any], cache: dict) -> Any:
+        output_placement, input_placements = self.placements.get(node.name, (None, []))
+        position = 0
+
+        def load(arg):
+            nonlocal position
+            if not isinstance(arg, torch.fx.Node):
+                return arg
+            value = env[arg.name]
+            if not isinstance(value, torch.Tensor):
+                return value
+            wanted = input_placements[position] if position < len(input_placements) else None
+            position += 1
+            if wanted is None:
+                return self.as_dtensor(value)
+            key = (arg.name, wanted)
+            if key not in cache:
+                cache[key] = self.place(value, wanted)
+            return cache[key]
+
+        args = map_aggregate(node.args, load)
+        kwargs = map_aggregate(dict(node.kwargs), load)
+        result = node.target(*args, **kwargs)
+        if output_placement is None or node.target is operator.getitem:
+            return result
+        return self._check_output(node, result, output_placement)
+
+    def _check_output(self, node: torch.fx.Node, result: Any, placement: str) -> Any:
+        def fix(value):
+            if isinstance(value, DTensor) and not same_placement(value.placements[0], placement):
+                self.stats.mismatches[str(node.target)] += 1
+                return value.redistribute(self.mesh, [to_dtensor_placement(placement)])
+            return value
+
+        if isinstance(result, (list, tuple)):
+            return type(result)(fix(item) for item in result)
+        return fix(result)

@@ -1,0 +1,176 @@
+"""ParallelModule: the model as this rank runs it under a plan.
+
+    loss = pm.train_step(inputs, targets)   # forward + backward over every microbatch
+    optimizer.step()                        # an optimizer over pm.parameters()
+
+`train_step` takes the global batch (the same on every rank) and runs this rank's data-parallel
+share of it in `plan.num_microbatches` microbatches; the gradients it leaves are those of the
+mean loss over the global batch, as on one device. `pm(inputs)` runs the forward pass (plans
+without pipeline stages) and returns the whole output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from autopar.codegen.data_parallel import all_reduce_gradients, set_gradient_sync, sum_over_group, uses_fsdp
+from autopar.codegen.interpreter import RunStats
+from autopar.codegen.program import attribute_name
+from autopar.codegen.runtime import Runtime
+from autopar.errors import PlanMismatchError
+from autopar.plan import Plan
+
+
+class ParallelModule(nn.Module):
+    def __init__(self, *, plan: Plan, runtime: Runtime, stages: list[nn.Module], loss_fn: Callable | None,
+                 params: dict[str, nn.Parameter], listing: str, stats: RunStats, schedule=None,
+                 tied_groups: dict | None = None, has_first: bool = True, has_last: bool = True) -> None:
+        super().__init__()
+        self.plan = plan
+        self.runtime = runtime
+        self.stages = nn.ModuleList(stages)
+        self.loss_fn = loss_fn
+        self.fqn_of_attribute = {attribute_name(fqn): fqn for fqn in params}
+        self._listing = listing
+        self.stats = stats
+        self.schedule = schedule
+        self.tied_groups = tied_groups or {}
+        self.has_first = has_first
+        self.has_last = has_last
+
+    # --- public API ----------------------------------------------------------------------------
+
+    def generated_code(self) -> str:
+        """The rank-local program: ops with their placements and the collectives between them."""
+        return self._listing
+
+    def named_model_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's parameters by their name in the original model (the objects FSDP
+        registered, when it sharded them)."""
+        found = {}
+        for name, param in self.stages.named_parameters():
+            attribute = name.rsplit(".", 1)[-1]
+            found[self.fqn_of_attribute.get(attribute, attribute)] = param
+        return found
+
+    def forward(self, *inputs):
+        if self.plan.mesh["pp"] > 1:
+            raise PlanMismatchError("pm(inputs) runs plans without pipeline stages; use pm.train_step(inputs, "
+                                    "targets) with a pipelined plan")
+        local = [self._data_parallel_share(x) for x in inputs]
+        output = self.stages[0](*local)
+        return self._gather_batch(_replicated_local(output))
+
+    def train_step(self, inputs, targets) -> torch.Tensor:
+        """Forward and backward of the global batch; returns the mean loss (the same on every rank)."""
+        if self.loss_fn is None:
+            raise PlanMismatchError("train_step needs a loss: pass loss_fn to autopar.parallelize")
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        self._check_batch(inputs, targets)
+        local_inputs = [self._data_parallel_share(x) for x in inputs]
+        local_targets = self._data_parallel_share(targets)
+        if self.schedule is not None:
+            loss = self._pipelined_step(local_inputs, local_targets)
+        else:
+            loss = self._accumulated_step(local_inputs, local_targets)
+        self._sync_gradients()
+        return self._mean_over_data_parallel(loss)
+
+    # --- steps ---------------------------------------------------------------------------------
+
+    def _accumulated_step(self, inputs: list, targets) -> torch.Tensor:
+        m = self.plan.num_microbatches
+        split_inputs = [_split(x, m) for x in inputs]
+        split_targets = _split(targets, m)
+        total = torch.zeros((), device=self.runtime.device)
+        fsdp = uses_fsdp(self.plan.zero_stage, self.plan.mesh["dp"])
+        for index in range(m):
+            if fsdp and self.plan.zero_stage == 1:
+                set_gradient_sync(list(self.stages), index == m - 1)
+            output = self.stages[0](*[chunks[index] for chunks in split_inputs])
+            loss = self.loss_fn(_float(_replicated_local(output)), split_targets[index])
+            (loss / m).backward()
+            total += loss.detach()
+        return total / m
+
+    def _pipelined_step(self, inputs: list, targets) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        args = inputs if self.has_first else []
+        if self.has_last:
+            self.schedule.step(*args, target=targets, losses=losses)
+        else:
+            self.schedule.step(*args)
+        loss = torch.stack([value.detach().float() for value in losses]).mean() if losses else \
+            torch.zeros((), device=self.runtime.device)
+        last_rank = dist.get_global_rank(self.runtime.pp_group, self.plan.mesh["pp"] - 1)
+        dist.broadcast(loss, src=last_rank, group=self.runtime.pp_group)
+        return loss
+
+    def _sync_gradients(self) -> None:
+        dp = self.plan.mesh["dp"]
+        if not uses_fsdp(self.plan.zero_stage, dp):
+            all_reduce_gradients(list(self.parameters()), self.runtime.dp_mesh.get_group(), dp)
+        params = self.named_model_parameters()
+        for fqn, group in self.tied_groups.items():
+            grad = params[fqn].grad
+            if grad is not None:
+                dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+
+    # --- batches -------------------------------------------------------------------------------
+
+    def _check_batch(self, inputs: tuple, targets) -> None:
+        for value in list(inputs) + [targets]:
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] != self.plan.global_batch:
+                raise PlanMismatchError(f"the plan is for a global batch of {self.plan.global_batch}, but an input "
+                                        f"has batch {value.shape[0]} (shape {tuple(value.shape)}): pass the global "
+                                        "batch to train_step or re-plan")
+
+    def _data_parallel_share(self, value):
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        dp = self.plan.mesh["dp"]
+        value = value.to(self.runtime.device)
+        if dp == 1:
+            return value
+        share = value.shape[0] // dp
+        start = self.runtime.coordinate("dp") * share
+        return value[start:start + share]
+
+    def _gather_batch(self, output: torch.Tensor) -> torch.Tensor:
+        dp = self.plan.mesh["dp"]
+        if dp == 1:
+            return output
+        pieces = [torch.empty_like(output) for _ in range(dp)]
+        dist.all_gather(pieces, output.contiguous(), group=self.runtime.dp_mesh.get_group())
+        return torch.cat(pieces)
+
+    def _mean_over_data_parallel(self, loss: torch.Tensor) -> torch.Tensor:
+        dp = self.plan.mesh["dp"]
+        if dp == 1:
+            return loss
+        return sum_over_group(loss, self.runtime.dp_mesh.get_group()) / dp
+
+
+def _split(value, parts: int):
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return list(value.chunk(parts))
+    return [value] * parts
+
+
+def _replicated_local(value):
+    if isinstance(value, DTensor):
+        return value.redistribute(value.device_mesh, [Replicate()]).to_local()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_replicated_local(item) for item in value)
+    return value
+
+
+def _float(value):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.float()
+    return value

@@ -1,0 +1,98 @@
+"""Pipeline stages and schedules with torch.distributed.pipelining.
+
+Chunk c of the model runs on pipeline rank c mod pp (one chunk per rank, or several with the
+interleaved schedule). Stages exchange this rank's local shards; their shapes are known from
+the plan, so every PipelineStage gets example inputs and outputs and no shape inference runs.
+Weights read on several pipeline ranks (tied embeddings) are kept in one copy per rank whose
+gradients are all-reduced after the step, as Megatron-LM's embedding group does.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from autopar.codegen.build import ChunkSpec
+from autopar.codegen.program import GraphParts, StageProgram
+from autopar.graph import TensorMeta
+from autopar.plan import Plan
+from autopar.strategies.placement import local_shape
+
+
+def example_tensor(meta: TensorMeta, placement: str, tp: int, device, dtype_override=None) -> torch.Tensor:
+    shape = local_shape(meta.shape, [placement], (tp,)) if placement.startswith("S") else meta.shape
+    dtype = dtype_override or getattr(torch, meta.dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+class PipelineBuilder:
+    """PipelineStages for this rank's chunks and the schedule that drives them."""
+
+    def __init__(self, plan: Plan, parts: GraphParts, placements: dict[str, str], device, pp_group) -> None:
+        self.plan = plan
+        self.parts = parts
+        self.graph = parts.graph.with_batch(plan.microbatch_size) if parts.graph.batch_dynamic else parts.graph
+        self.placements = placements
+        self.device = device
+        self.pp_group = pp_group
+        self.tp = plan.mesh["tp"]
+
+    def _examples(self, names: list[str], *, replicated: bool = False) -> tuple[torch.Tensor, ...]:
+        examples = []
+        for name in names:
+            node = self.graph.by_name.get(name)
+            if node is None or not node.outputs:  # a Python number crossing the boundary
+                examples.append(torch.tensor(0, device=self.device))
+                continue
+            placement = "R" if replicated else self.placements.get(name, "R").split("|")[0]
+            example = example_tensor(node.output, placement, self.tp, self.device)
+            # PipelineStage sends gradients back only for inputs whose examples require them.
+            examples.append(example.requires_grad_(node.requires_grad and example.is_floating_point()))
+        return tuple(examples)
+
+    def stage(self, program: StageProgram, spec: ChunkSpec, num_chunks: int) -> PipelineStage:
+        user_inputs = set(self.parts.user_inputs) if spec.index == 0 else set()
+        inputs = [self._examples([name], replicated=name in user_inputs)[0] for name in program.input_names]
+        outputs = self._examples(spec.outputs, replicated=spec.index == num_chunks - 1)
+        return PipelineStage(program, spec.index, num_chunks, self.device, input_args=tuple(inputs),
+                             output_args=outputs if len(outputs) > 1 else outputs[0], group=self.pp_group)
+
+    def schedule(self, stages: list[PipelineStage], loss_fn):
+        m = self.plan.num_microbatches
+        if self.plan.schedule == "interleaved":
+            return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+        kind = ScheduleGPipe if self.plan.schedule == "gpipe" else Schedule1F1B
+        return kind(stages[0], m, loss_fn=loss_fn)
+
+
+def tied_weight_groups(plan: Plan, parts: GraphParts, chunk_segments: list[list[str]], mesh_shape, rank: int):
+    """For each parameter read on several pipeline ranks, the process group joining this rank's
+    copies (created on every rank in the same order, as new_group requires)."""
+    pp, dp, tp = mesh_shape
+    readers = parts.readers()
+    pp_ranks_of: dict[str, tuple[int, ...]] = {}
+    for placeholder, fqn in parts.param_of.items():
+        ranks = sorted({chunk % pp for chunk, segments in enumerate(chunk_segments)
+                        if readers.get(placeholder, set()) & set(segments)})
+        if len(ranks) > 1:
+            pp_ranks_of[fqn] = tuple(ranks)
+    groups: dict[tuple[int, ...], object] = {}
+    mine: dict[str, object] = {}
+    by_ranks: dict[tuple[int, ...], list[str]] = defaultdict(list)
+    for fqn, ranks in pp_ranks_of.items():
+        by_ranks[ranks].append(fqn)
+    for ranks in sorted(by_ranks):
+        for dp_index in range(dp):
+            for tp_index in range(tp):
+                members = [stage * dp * tp + dp_index * tp + tp_index for stage in ranks]
+                group = dist.new_group(ranks=members)
+                if rank in members:
+                    groups[ranks] = group
+    for ranks, names in by_ranks.items():
+        for fqn in names:
+            if ranks in groups:
+                mine[fqn] = groups[ranks]
+    return mine

@@ -1,0 +1,222 @@
+"""The rank-local program: one module per segment, grouped into pipeline stages.
+
+The exported graph is cut along the plan's segments (prologue, each block, epilogue). Each
+segment becomes an nn.Module that owns the parameters only it uses (as DTensors on the
+tensor-parallel mesh) and interprets its nodes; parameters used by several segments of a stage
+(tied embeddings) belong to the stage. Segment modules are the units of FSDP sharding and of
+activation checkpointing, as transformer blocks are in torchtitan. Parameters are read from the
+module attributes inside forward, so FSDP can gather them just in time and free them after.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.export.graph_signature import InputKind
+from torch.utils.checkpoint import checkpoint
+
+from autopar.codegen.interpreter import PlannedInterpreter
+from autopar.codegen.placements import to_dtensor_placement
+from autopar.graph import OpGraph
+from autopar.solver.evaluate import is_recomputable
+
+
+def attribute_name(fqn: str) -> str:
+    return fqn.replace(".", "__")
+
+
+@dataclass
+class GraphParts:
+    """The exported program, indexed for building stages."""
+
+    program: object
+    graph: OpGraph
+    fx_nodes: dict[str, torch.fx.Node]
+    param_of: dict[str, str] = field(default_factory=dict)
+    """placeholder -> parameter FQN."""
+    buffer_of: dict[str, str] = field(default_factory=dict)
+    constant_of: dict[str, str] = field(default_factory=dict)
+    user_inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+
+    @classmethod
+    def read(cls, program, graph: OpGraph) -> "GraphParts":
+        parts = cls(program=program, graph=graph, fx_nodes={node.name: node for node in program.graph.nodes})
+        for spec in program.graph_signature.input_specs:
+            name = spec.arg.name
+            if spec.kind == InputKind.PARAMETER:
+                parts.param_of[name] = spec.target
+            elif spec.kind == InputKind.BUFFER:
+                parts.buffer_of[name] = spec.target
+            elif spec.kind == InputKind.USER_INPUT:
+                parts.user_inputs.append(name)
+            else:
+                parts.constant_of[name] = spec.target
+        parts.outputs = [name for name in program.graph_signature.user_outputs if name in parts.fx_nodes]
+        return parts
+
+    def segment_of(self) -> dict[str, str]:
+        return {name: segment.name for segment in self.graph.segments for name in segment.nodes}
+
+    def readers(self) -> dict[str, set[str]]:
+        """Node -> the segments whose ops read it ("<output>" for the model outputs)."""
+        segment_of = self.segment_of()
+        found: dict[str, set[str]] = defaultdict(set)
+        for node in self.program.graph.nodes:
+            if node.op == "call_function" and node.name in segment_of:
+                for source in node.all_input_nodes:
+                    found[source.name].add(segment_of[node.name])
+        for name in self.outputs:
+            found[name].add("<output>")
+        return found
+
+
+class SegmentModule(nn.Module):
+    """Runs one segment's nodes; owns the parameters only it reads."""
+
+    def __init__(self, name: str, nodes: list[torch.fx.Node], interpreter: PlannedInterpreter,
+                 inputs: list[str], produced: list[str], recompute: str, recomputable: set[str]) -> None:
+        super().__init__()
+        self.segment_name = name
+        self.nodes = nodes
+        self.interpreter = interpreter
+        self.input_names = inputs
+        self.produced = produced
+        self.recompute = recompute
+        self.recomputable = recomputable
+        self.param_attrs: dict[str, str] = {}
+
+    def own_parameter(self, placeholder: str, fqn: str, param: nn.Parameter) -> None:
+        attr = attribute_name(fqn)
+        self.register_parameter(attr, param)
+        self.param_attrs[placeholder] = attr
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        return {placeholder: getattr(self, attr) for placeholder, attr in self.param_attrs.items()}
+
+    def forward(self, values: dict):
+        if self.recompute == "full":
+            names = [name for name, value in values.items() if isinstance(value, torch.Tensor)]
+            others = {name: value for name, value in values.items() if name not in names}
+            results = checkpoint(self._run_all, names, others, *[values[name] for name in names], use_reentrant=False)
+            return dict(zip(self.produced, results))
+        env = {**values, **self._params()}
+        if self.recompute == "selective":
+            self._run_selective(env)
+        else:
+            self.interpreter.run_nodes(self.nodes, env)
+        return {name: env[name] for name in self.produced}
+
+    def _run_all(self, names: list[str], others: dict, *tensors: torch.Tensor) -> tuple:
+        env = {**others, **dict(zip(names, tensors)), **self._params()}
+        self.interpreter.run_nodes(self.nodes, env)
+        return tuple(env[name] for name in self.produced)
+
+    def _run_selective(self, env: dict) -> None:
+        """Runs of parameter-free nodes are recomputed in backward; the rest is kept."""
+        for run, recompute in _runs(self.nodes, self.recomputable):
+            if not recompute:
+                self.interpreter.run_nodes(run, env)
+                continue
+            inside = {node.name for node in run}
+            needed = sorted({source.name for node in run for source in node.all_input_nodes
+                             if source.name not in inside and isinstance(env.get(source.name), torch.Tensor)})
+            produced = [node.name for node in run]
+
+            def body(*tensors, _run=run, _needed=needed, _produced=produced, _env=dict(env)):
+                local = {**_env, **dict(zip(_needed, tensors))}
+                self.interpreter.run_nodes(_run, local)
+                return tuple(local[name] for name in _produced)
+
+            env.update(zip(produced, checkpoint(body, *[env[name] for name in needed], use_reentrant=False)))
+
+
+def _runs(nodes: list[torch.fx.Node], recomputable: set[str]) -> list[tuple[list[torch.fx.Node], bool]]:
+    runs: list[tuple[list[torch.fx.Node], bool]] = []
+    for node in nodes:
+        flag = node.name in recomputable
+        if runs and runs[-1][1] == flag:
+            runs[-1][0].append(node)
+        else:
+            runs.append(([node], flag))
+    return runs
+
+
+class StageProgram(nn.Module):
+    """The segments of one pipeline stage (all of them when pp = 1).
+
+    Inputs arrive as plain tensors: user inputs (the same on every tensor-parallel rank) are
+    placed as the plan says; boundary tensors from the previous stage are this rank's local
+    shards. Outputs leave as DTensors (whole model), local shards (to the next stage) or
+    replicated local tensors (the model output, for the loss).
+    """
+
+    def __init__(self, segments: list[SegmentModule], interpreter: PlannedInterpreter, *, inputs: list[str],
+                 boundary_inputs: set[str], outputs: list[str], output_mode: str, placements: dict[str, str],
+                 scalars: set[str] = frozenset()) -> None:
+        super().__init__()
+        self.segments = nn.ModuleList(segments)
+        self.interpreter = interpreter
+        self.input_names = inputs
+        self.boundary_inputs = boundary_inputs
+        self.output_names = outputs
+        self.output_mode = output_mode
+        self.placements = placements
+        self.scalars = scalars
+        """Python numbers (symbolic sizes) that cross a pipeline boundary as 0-dim tensors."""
+        self.param_attrs: dict[str, str] = {}
+        self.fixed_values: dict[str, torch.Tensor] = {}
+        """Buffers and constants of the exported program, by placeholder."""
+
+    def own_parameter(self, placeholder: str, fqn: str, param: nn.Parameter) -> None:
+        attr = attribute_name(fqn)
+        self.register_parameter(attr, param)
+        self.param_attrs[placeholder] = attr
+
+    def forward(self, *inputs):
+        env: dict = dict(self.fixed_values)
+        for name, value in zip(self.input_names, inputs):
+            env[name] = self._enter(name, value)
+        env.update({placeholder: getattr(self, attr) for placeholder, attr in self.param_attrs.items()})
+        for segment in self.segments:
+            env.update(segment({name: env[name] for name in segment.input_names if name in env}))
+        outputs = tuple(self._leave(name, env[name]) for name in self.output_names)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def _enter(self, name: str, value):
+        if name in self.scalars and isinstance(value, torch.Tensor):
+            return value.item()
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            return value
+        placement = self.placements.get(name, "R")
+        if name in self.boundary_inputs:
+            return DTensor.from_local(value, self.interpreter.mesh, [to_dtensor_placement(placement)], run_check=False)
+        return self.interpreter.place(value, placement)
+
+    def _leave(self, name: str, value):
+        if name in self.scalars and self.output_mode != "dtensor":
+            return torch.tensor(value)
+        if not isinstance(value, DTensor) or self.output_mode == "dtensor":
+            return value
+        if self.output_mode == "replicated":
+            return value.redistribute(self.interpreter.mesh, [Replicate()]).to_local()
+        return value.to_local()
+
+
+def distribute_parameter(param: torch.Tensor, placement: str, mesh, device: torch.device) -> nn.Parameter:
+    """A parameter as a DTensor with the plan's tensor-parallel placement (sliced locally)."""
+    data = param.detach().to(device)
+    if placement not in ("R", "P") and mesh.size() > 1:
+        local = distribute_tensor(data, mesh, [to_dtensor_placement(placement)], src_data_rank=None).to_local()
+        tensor = DTensor.from_local(local.clone(), mesh, [to_dtensor_placement(placement)], run_check=False)
+    else:
+        tensor = DTensor.from_local(data.clone(), mesh, [Replicate()], run_check=False)
+    return nn.Parameter(tensor, requires_grad=param.requires_grad)
+
+
+def recomputable_nodes(graph: OpGraph) -> set[str]:
+    return {node.name for node in graph.calls() if is_recomputable(graph, node)}

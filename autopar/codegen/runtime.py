@@ -1,0 +1,111 @@
+"""Process groups, the device mesh, and agreement between ranks.
+
+`parallelize` runs on every rank of a torchrun job (or of processes started by
+torch.multiprocessing). Rank 0 plans and broadcasts the plan; every check that can fail is
+made on every rank with the same inputs, or its outcome is shared, so that a bad input stops
+all ranks with the same message instead of leaving some waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.errors import AutoparError, PlanMismatchError
+
+MESH_AXES = ("pp", "dp", "tp")
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh
+    """(pp, dp, tp) over all ranks, tp fastest."""
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.mesh["dp"]
+
+    @property
+    def pp_group(self):
+        return self.mesh["pp"].get_group()
+
+    def coordinate(self, axis: str) -> int:
+        return self.mesh[axis].get_local_rank()
+
+
+def ensure_process_group() -> tuple[int, int]:
+    """Join the torchrun job (env://), or start a one-process group when run standalone."""
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def local_device() -> torch.device:
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", dist.get_rank() % max(torch.cuda.device_count(), 1)))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def build_runtime(mesh_sizes: dict[str, int]) -> Runtime:
+    rank, world = ensure_process_group()
+    shape = tuple(mesh_sizes[axis] for axis in MESH_AXES)
+    if shape[0] * shape[1] * shape[2] != world:
+        raise PlanMismatchError(f"the plan's mesh pp x dp x tp = {shape} needs {shape[0] * shape[1] * shape[2]} "
+                                f"processes, but the job has {world}: launch that many or re-plan")
+    device = local_device()
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_AXES)
+    return Runtime(rank=rank, world_size=world, device=device, mesh=mesh)
+
+
+def broadcast_object(value, src: int = 0):
+    """Send a picklable value from `src` to every rank."""
+    if dist.get_world_size() == 1:
+        return value
+    holder = [value if dist.get_rank() == src else None]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def run_on_rank0(function):
+    """Run `function` on rank 0 and share its result, or its AutoparError, with every rank."""
+    outcome = None
+    if dist.get_rank() == 0:
+        try:
+            outcome = ("ok", function())
+        except AutoparError as error:
+            outcome = ("error", error)
+    kind, value = broadcast_object(outcome)
+    if kind == "error":
+        raise value
+    return value
+
+
+def agree(error: AutoparError | None) -> None:
+    """Raise on every rank if any rank hit an error (the first rank's message wins)."""
+    if dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((item for item in errors if item is not None), None)
+    if first is not None:
+        raise first
