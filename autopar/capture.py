@@ -11,12 +11,15 @@ the reasons.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
 import linecache
 import logging
+import math
 import operator
 import sys
+import sysconfig
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,33 +35,62 @@ from autopar.graph import OpGraph, OpNode, ParamInfo, Ref, TensorMeta
 from autopar.probe import InputSpec, ProbeResult, io_priced, probe_op
 
 LOSS_WRAPPER_PREFIX = "model."
+LOSS_MODULE_PATH = "<loss>"
+"""Module path of the ops that `loss_fn` runs (outside the model's modules)."""
 
 
 class WithLoss(nn.Module):
-    """Wraps model and loss so that the captured graph ends in the scalar loss."""
+    """Wraps model and loss so that the captured graph ends in the scalar loss.
 
-    def __init__(self, model: nn.Module, loss_fn: Callable) -> None:
+    The model's keyword inputs arrive as positional ones before the targets, named by
+    `keyword_names`: torch.export cannot take dynamic shapes for a `**kwargs` argument.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, keyword_names: Sequence[str] = ()) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.keyword_names = tuple(keyword_names)
 
     def forward(self, *inputs_and_targets):
         *inputs, targets = inputs_and_targets
-        return self.loss_fn(self.model(*inputs), targets)
+        split = len(inputs) - len(self.keyword_names)
+        keywords = dict(zip(self.keyword_names, inputs[split:]))
+        return self.loss_fn(self.model(*inputs[:split], **keywords), targets)
 
 
 def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None, *,
             loss_fn: Callable | None = None, example_targets: Any = None, dynamic_batch: bool = True,
             name: str = "", verbose: bool = False) -> OpGraph:
     """Trace `model(*example_inputs, **example_kwargs)` (plus `loss_fn(out, targets)` if given)."""
+    return capture_program(model, example_inputs, example_kwargs, loss_fn=loss_fn, example_targets=example_targets,
+                           dynamic_batch=dynamic_batch, name=name, verbose=verbose)[1]
+
+
+def capture_program(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None, *,
+                    loss_fn: Callable | None = None, example_targets: Any = None, dynamic_batch: bool = True,
+                    name: str = "", verbose: bool = False, allow_fallback: bool = True):
+    """Like `capture`, also returning the ExportedProgram (None after the fx fallback), which
+    codegen runs. The model is traced in training mode (dropout and friends included)."""
+    was_training = model.training
+    model.train()
+    try:
+        return _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dynamic_batch, name,
+                        verbose, allow_fallback)
+    finally:
+        model.train(was_training)
+
+
+def _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dynamic_batch, name, verbose,
+             allow_fallback):
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
     module, prefix = model, ""
     if loss_fn is not None:
         if example_targets is None:
             raise CaptureError("capture: loss_fn was given without example_targets; pass both or neither")
-        module, prefix = WithLoss(model, loss_fn), LOSS_WRAPPER_PREFIX
-        inputs = inputs + (example_targets,)
+        module, prefix = WithLoss(model, loss_fn, keyword_names=tuple(kwargs)), LOSS_WRAPPER_PREFIX
+        inputs, kwargs = inputs + tuple(kwargs.values()) + (example_targets,), {}
     inputs, kwargs = _inputs_on_model_device(model, inputs, kwargs)
     batch = _batch_size(inputs, kwargs)
     log = _logger(verbose)
@@ -71,21 +103,24 @@ def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None =
             with quiet_torch_logs():
                 program = _export(module, inputs, kwargs, batch if dynamic else None)
         except Exception as error:  # noqa: BLE001 - any tracing failure falls through to the next method
-            failures.append(f"torch.export ({'dynamic' if dynamic else 'static'} batch): {_reason(error, model)}")
+            method_name = f"torch.export ({'dynamic' if dynamic else 'static'} batch)"
+            failures.append(f"{method_name}: {failure_reason(error, model)}")
             continue
         log(f"capture: traced {len(program.graph.nodes)} nodes in {time.perf_counter() - started:.1f}s; probing ops...")
         graph = ExportConverter(program, model, prefix, batch or 1, dynamic, name).convert()
         log(f"capture: done in {time.perf_counter() - started:.1f}s")
-        return graph
+        return program, graph
+    if not allow_fallback:
+        raise CaptureError(f"could not export {name or type(model).__name__}:\n  - " + "\n  - ".join(failures))
     try:
         from autopar.capture_fx import capture_with_fx
 
         log("capture: torch.fx.symbolic_trace fallback...")
-        return capture_with_fx(module, model, prefix, inputs, kwargs, batch or 1, name)
+        return None, capture_with_fx(module, model, prefix, inputs, kwargs, batch or 1, name)
     except CaptureError as error:
         failures.append(f"torch.fx.symbolic_trace: {error}")
     except Exception as error:  # noqa: BLE001
-        failures.append(f"torch.fx.symbolic_trace: {_reason(error, model)}")
+        failures.append(f"torch.fx.symbolic_trace: {failure_reason(error, model)}")
     model_name = name or type(model).__name__
     raise CaptureError(f"could not capture {model_name}:\n  - " + "\n  - ".join(failures)
                        + "\nMake the forward pass traceable (no data-dependent Python control flow, "
@@ -140,7 +175,7 @@ def _repeat_batch(values: tuple, batch: int) -> tuple:
                  and value.shape[0] == batch else value for value in values)
 
 
-def _reason(error: BaseException, model: nn.Module) -> str:
+def failure_reason(error: BaseException, model: nn.Module) -> str:
     """One or two lines: the exception and the innermost model module on the stack."""
     message = str(error).strip().splitlines()
     first = next((line for line in message if line.strip()), type(error).__name__)
@@ -149,6 +184,7 @@ def _reason(error: BaseException, model: nn.Module) -> str:
 
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
 
 
 def _failing_location(error: BaseException, model: nn.Module) -> str:
@@ -162,7 +198,7 @@ def _failing_location(error: BaseException, model: nn.Module) -> str:
         if isinstance(owner, nn.Module) and id(owner) in names:
             module_text = f"module '{names[id(owner)] or '<root>'}' ({type(owner).__name__})"
         filename = frame.f_code.co_filename
-        if not filename.startswith(_TORCH_DIR) and not filename.startswith(str(Path(__file__).parent)):
+        if not filename.startswith((_TORCH_DIR, _STDLIB_DIR, str(Path(__file__).parent))):
             line = linecache.getline(filename, traceback.tb_lineno).strip()
             code_text = f"{filename}:{traceback.tb_lineno}: {line}"
         traceback = traceback.tb_next
@@ -202,11 +238,17 @@ def _size_hint(size, batch_symbol) -> tuple[int, int]:
         return size, 0
     node = size.node
     hint = node.hint if node.hint is not None else node.shape_env.size_hint(node.expr)
-    coef = 0
-    if batch_symbol is not None and batch_symbol in node.expr.free_symbols:
-        derivative = node.expr.diff(batch_symbol)
-        coef = int(derivative) if derivative.is_number else 0
+    coef = _batch_coef(node.expr, batch_symbol) if batch_symbol is not None else 0
     return int(hint), coef
+
+
+@functools.lru_cache(maxsize=4096)
+def _batch_coef(expr, batch_symbol) -> int:
+    """d size / d batch for an affine size (cached: a 96-layer graph repeats a few expressions)."""
+    if batch_symbol not in expr.free_symbols:
+        return 0
+    derivative = expr.diff(batch_symbol)
+    return int(derivative) if derivative.is_number else 0
 
 
 def concrete(value):
@@ -219,7 +261,29 @@ def concrete(value):
         return str(value)
     if isinstance(value, (list, tuple)):
         return type(value)(concrete(item) for item in value)
+    if isinstance(value, dict):
+        return {key: concrete(item) for key, item in value.items()}
     return value
+
+
+def _probe_value(value):
+    """Like `concrete` but for running the op: dtypes stay torch dtypes (`aten.to.dtype` needs one)
+    and devices become meta, so that a factory op of a CPU/GPU model allocates nothing."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return concrete(value)
+    if isinstance(value, torch.device):
+        return torch.device("meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_probe_value(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _probe_value(item) for key, item in value.items()}
+    return value
+
+
+def _hint_nbytes(value: torch.Tensor) -> int:
+    """Bytes at the example sizes. Arithmetic on a symbolic size (`t.numel()`) would add a guard
+    that specializes the batch symbol for every later node."""
+    return math.prod(_size_hint(size, None)[0] for size in value.shape) * value.element_size()
 
 
 class ExportConverter:
@@ -236,6 +300,11 @@ class ExportConverter:
         self.params: list[ParamInfo] = []
         self.requires_grad: dict[str, bool] = {}
         self.placeholder_kind: dict[str, tuple[str, str]] = {}
+        self.tied: dict[str, str] = {}  # placeholder of a tied parameter's second name -> the first
+        # Output strides from the probe (CUDA kernels' layouts). Export's own come from the capture
+        # device's kernels: on CPU, SDPA returns a (batch, seq, heads, dim) layout and on meta a
+        # contiguous one, which decides whether a later transpose + flatten is a view or a copy.
+        self.strides: dict[str, tuple[tuple[int, ...], ...]] = {}
         self.probe_cache: dict[Any, ProbeResult] = {}
         self.notes: list[str] = []
         self.batch_symbol = None
@@ -255,10 +324,21 @@ class ExportConverter:
 
         kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer", InputKind.USER_INPUT: "input",
                  InputKind.CONSTANT_TENSOR: "constant"}
+        # torch.export lifts a tied parameter once per name (GPT-2's lm_head.weight and
+        # transformer.wte.weight): keep the first placeholder, point the others at it.
+        first_of_tensor: dict[int, str] = {}
         for spec in self.program.graph_signature.input_specs:
             kind = kinds.get(spec.kind, "constant")
             target = (spec.target or spec.arg.name).removeprefix(self.prefix)
             self.placeholder_kind[spec.arg.name] = (kind, target)
+            tensor = self.program.state_dict.get(spec.target) if kind in ("param", "buffer") else None
+            if tensor is not None:
+                self.tied[spec.arg.name] = first_of_tensor.setdefault(id(tensor), spec.arg.name)
+        self.tied = {name: first for name, first in self.tied.items() if name != first}
+        user_inputs = [spec.arg.name for spec in self.program.graph_signature.input_specs
+                       if spec.kind == InputKind.USER_INPUT]
+        if self.prefix and user_inputs:  # WithLoss: the last input holds the targets of the loss
+            self.placeholder_kind[user_inputs[-1]] = ("target", user_inputs[-1])
         for fx_node in self.program.graph.nodes:
             if fx_node.op == "placeholder" and self.placeholder_kind.get(fx_node.name, ("",))[0] == "input":
                 value = fx_node.meta.get("val")
@@ -277,15 +357,17 @@ class ExportConverter:
         elif fx_node.op == "output":
             refs = [arg for arg in _flat_nodes(fx_node.args) if arg.name in self.requires_grad]
             self.nodes.append(OpNode(name=fx_node.name, kind="output", target="output",
-                                     inputs=tuple(arg.name for arg in refs)))
+                                     inputs=tuple(self.tied.get(arg.name, arg.name) for arg in refs)))
 
     def _placeholder(self, fx_node, value) -> None:
         kind, target = self.placeholder_kind.get(fx_node.name, ("input", fx_node.name))
         if not isinstance(value, torch.Tensor):
             return
-        meta = tensor_meta(value, self.batch_symbol)
         trainable = kind == "param" and self._is_trainable(target)
         self.requires_grad[fx_node.name] = trainable
+        if fx_node.name in self.tied:
+            return
+        meta = tensor_meta(value, self.batch_symbol)
         self.nodes.append(OpNode(name=fx_node.name, kind=kind, target=target, outputs=(meta,),
                                  requires_grad=trainable))
         if kind in ("param", "buffer"):
@@ -311,17 +393,23 @@ class ExportConverter:
         args = torch.fx.node.map_aggregate(fx_node.args, to_ref)
         kwargs = torch.fx.node.map_aggregate(dict(fx_node.kwargs), to_ref)
         outputs = tuple(tensor_meta(tensor, self.batch_symbol) for tensor in _tensor_list(value) if tensor is not None)
-        inputs = tuple(node.name for node in tensor_inputs)
+        inputs = tuple(self.tied.get(node.name, node.name) for node in tensor_inputs)
         common = dict(name=fx_node.name, kind="call", target=_target_name(fx_node.target), inputs=inputs,
                       args=concrete(args), kwargs=tuple(concrete(dict(kwargs)).items()), outputs=outputs,
                       module_path=self._module_path(fx_node))
         if fx_node.target is operator.getitem:
             grad = self.requires_grad[inputs[0]]
             self.requires_grad[fx_node.name] = grad
+            source_strides, index = self.strides.get(inputs[0], ()), fx_node.args[1]
+            if isinstance(index, int) and -len(source_strides) <= index < len(source_strides):
+                self.strides[fx_node.name] = (source_strides[index],)
             self.nodes.append(OpNode(**common, alias_input=0, requires_grad=grad))
             return
         result = self._probe(fx_node, args, kwargs, tensor_inputs)
         self.requires_grad[fx_node.name] = result.requires_grad
+        values, strides = _tensor_list(value), result.output_strides
+        if len(strides) == len(values) and all(t is not None and len(s) == t.dim() for t, s in zip(values, strides)):
+            self.strides[fx_node.name] = strides
         if result.note:
             self.notes.append(f"{common['target']}: {result.note}")
         self.nodes.append(OpNode(**common, fwd_kernels=result.fwd_kernels, bwd_kernels=result.bwd_kernels,
@@ -334,17 +422,21 @@ class ExportConverter:
         key = (fx_node.target, repr(concrete(args)), repr(sorted(concrete(kwargs).items())), specs)
         if key not in self.probe_cache:
             try:
-                self.probe_cache[key] = probe_op(fx_node.target, concrete(args), concrete(kwargs), specs)
+                self.probe_cache[key] = probe_op(fx_node.target, _probe_value(args), _probe_value(kwargs), specs)
             except Exception as error:  # noqa: BLE001 - an op without a meta kernel is priced by its I/O
                 values = _tensor_list(fx_node.meta.get("val")) or []
-                out_bytes = sum(t.numel() * t.element_size() for t in values if t is not None)
+                out_bytes = sum(_hint_nbytes(t) for t in values if t is not None)
                 self.probe_cache[key] = io_priced(_target_name(fx_node.target), specs, out_bytes, error)
         return self.probe_cache[key]
 
     def _input_spec(self, fx_node) -> InputSpec:
         value = fx_node.meta["val"]
         shape = tuple(_size_hint(size, None)[0] for size in value.shape)
-        stride = tuple(_size_hint(size, None)[0] for size in value.stride())
+        name = self.tied.get(fx_node.name, fx_node.name)
+        if name in self.strides:
+            stride = self.strides[name][0]
+        else:
+            stride = tuple(_size_hint(size, None)[0] for size in value.stride())
         kind = self.placeholder_kind.get(fx_node.name, ("call",))[0]
         return InputSpec(shape=shape, stride=stride, dtype=value.dtype, requires_grad=self.requires_grad[fx_node.name],
                          is_param=kind in ("param", "buffer"))
@@ -357,8 +449,8 @@ class ExportConverter:
         path = path.split("@")[0]
         if self.prefix and (path + ".").startswith(self.prefix):
             path = path[len(self.prefix):]
-        elif path == self.prefix.rstrip("."):
-            path = ""
+        elif self.prefix:
+            path = LOSS_MODULE_PATH  # ran in WithLoss.forward itself: part of loss_fn
         return path
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from autopar.blocks import find_blocks_and_segments
+from autopar.capture import LOSS_MODULE_PATH, WithLoss, failure_reason
 from autopar.errors import CaptureError
 from autopar.graph import OpGraph, OpNode, ParamInfo, Ref, TensorMeta
 from autopar.probe import InputSpec, io_priced, probe_op
@@ -27,6 +28,7 @@ _MODULE_TARGETS = {
     nn.LayerNorm: "aten.layer_norm.default", nn.Dropout: "aten.dropout.default", nn.GELU: "aten.gelu.default",
     nn.ReLU: "aten.relu.default", nn.SiLU: "aten.silu.default", nn.Tanh: "aten.tanh.default",
     nn.Conv2d: "aten.conv2d.default", nn.Softmax: "aten.softmax.int", nn.Identity: "aten.alias.default",
+    nn.MSELoss: "aten.mse_loss.default", nn.CrossEntropyLoss: "aten.cross_entropy_loss.default",
 }
 _FUNCTION_TARGETS = {
     operator.add: "aten.add.Tensor", torch.add: "aten.add.Tensor", operator.mul: "aten.mul.Tensor",
@@ -51,10 +53,12 @@ def capture_with_fx(module: nn.Module, model: nn.Module, prefix: str, inputs: tu
                     name: str) -> OpGraph:
     if kwargs:
         raise CaptureError("keyword inputs are not supported by the symbolic_trace fallback")
+    if isinstance(module, WithLoss):
+        module = _with_named_inputs(module, len(inputs))
     try:
         traced = torch.fx.symbolic_trace(module)
     except Exception as error:  # noqa: BLE001
-        raise CaptureError(f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}") from None
+        raise CaptureError(failure_reason(error, model)) from None
     metas = _propagate(traced, inputs)
     more_metas = _propagate(traced, _grow_batch(inputs, batch)) if batch else metas
     nodes = _FxConverter(traced, metas, more_metas, prefix).convert()
@@ -63,7 +67,25 @@ def capture_with_fx(module: nn.Module, model: nn.Module, prefix: str, inputs: tu
                    for node in nodes if node.kind in ("param", "buffer"))
     return OpGraph(nodes=tuple(nodes), params=params, blocks=blocks, segments=segments, batch_size=batch,
                    batch_dynamic=batch > 0 and metas is not more_metas, capture_method="symbolic_trace",
-                   model_name=name, notes=("captured with torch.fx.symbolic_trace: unmapped ops are replicated",))
+                   model_name=name, notes=("captured with torch.fx.symbolic_trace: unmapped ops are replicated",
+                                           *dict.fromkeys(f"{n.target}: {n.note}" for n in nodes if n.note)))
+
+
+def _with_named_inputs(module: WithLoss, num_inputs: int) -> WithLoss:
+    """symbolic_trace cannot unpack WithLoss's `*inputs_and_targets` (a Proxy is not iterable):
+    the same model and loss behind a forward with one named argument per input."""
+    keywords = module.keyword_names
+    if not all(keyword.isidentifier() for keyword in keywords):
+        raise CaptureError(f"keyword inputs {keywords} are not all Python identifiers")
+    names = [f"input_{index}" for index in range(num_inputs - 1)]
+    positional = names[:len(names) - len(keywords)]
+    call = ", ".join(positional + [f"{keyword}={name}" for keyword, name in zip(keywords, names[len(positional):])])
+    source = (f"def forward(self, {''.join(name + ', ' for name in names)}targets):\n"
+              f"    return self.loss_fn(self.model({call}), targets)\n")
+    namespace: dict[str, Any] = {}
+    exec(source, namespace)  # noqa: S102 - generated from the fixed template above
+    traceable = type("WithLoss", (WithLoss,), {"forward": namespace["forward"]})
+    return traceable(module.model, module.loss_fn, keywords)
 
 
 def _propagate(traced: torch.fx.GraphModule, inputs: tuple) -> dict[str, Any]:
@@ -98,18 +120,24 @@ class _FxConverter:
         self.meta_of: dict[str, TensorMeta] = {}
         self.param_nodes: dict[str, str] = {}
         self.kind_of: dict[str, str] = {}
+        self.alias: dict[str, str] = {}  # get_attr node -> the param/buffer node it reads
+        self.node_of_tensor: dict[int, str] = {}  # tied parameters (two names, one tensor) share a node
 
     def convert(self) -> list[OpNode]:
+        placeholders = [fx_node.name for fx_node in self.traced.graph.nodes if fx_node.op == "placeholder"]
+        targets = placeholders[-1] if self.prefix and placeholders else None  # WithLoss: the loss targets
         for fx_node in self.traced.graph.nodes:
             meta = _meta(self.metas.get(fx_node.name), self.more_metas.get(fx_node.name))
             if fx_node.op == "placeholder" and meta:
-                self._add(OpNode(name=fx_node.name, kind="input", target=fx_node.name, outputs=(meta,)), False)
+                kind = "target" if fx_node.name == targets else "input"
+                self._add(OpNode(name=fx_node.name, kind=kind, target=fx_node.name, outputs=(meta,)), False)
             elif fx_node.op == "get_attr":
-                self._attribute(fx_node.name, fx_node.target)
+                self.alias[fx_node.name] = self._attribute(fx_node.name, fx_node.target)
             elif fx_node.op in ("call_module", "call_function", "call_method") and meta:
                 self._call(fx_node, meta)
             elif fx_node.op == "output":
-                inputs = tuple(n.name for n in fx_node.all_input_nodes if n.name in self.grad)
+                names = (self.alias.get(n.name, n.name) for n in fx_node.all_input_nodes)
+                inputs = tuple(name for name in names if name in self.grad)
                 self.nodes.append(OpNode(name="output", kind="output", target="output", inputs=inputs))
         return self.nodes
 
@@ -124,21 +152,26 @@ class _FxConverter:
         fqn = target.removeprefix(self.prefix)
         if fqn in self.param_nodes:
             return self.param_nodes[fqn]
-        tensor = self.traced.get_parameter(target) if _is_param(self.traced, target) else self.traced.get_buffer(target)
-        kind = "param" if isinstance(tensor, nn.Parameter) else "buffer"
+        tensor = _attribute_tensor(self.traced, target)
+        if id(tensor) in self.node_of_tensor:
+            self.param_nodes[fqn] = self.node_of_tensor[id(tensor)]
+            return self.param_nodes[fqn]
+        is_buffer = _is_buffer(self.traced, target)
+        kind = "param" if isinstance(tensor, nn.Parameter) else "buffer" if is_buffer else "constant"
         trainable = kind == "param" and tensor.requires_grad
         meta = TensorMeta(shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."))
         node_name = name if name not in self.grad else f"p_{fqn.replace('.', '_')}"
         self._add(OpNode(name=node_name, kind=kind, target=fqn, outputs=(meta,), requires_grad=trainable), trainable)
-        self.param_nodes[fqn] = node_name
+        self.param_nodes[fqn] = self.node_of_tensor[id(tensor)] = node_name
         return node_name
 
     def _call(self, fx_node, meta: TensorMeta) -> None:
         inputs: list[str] = []
 
         def to_ref(item):
-            if isinstance(item, torch.fx.Node) and item.name in self.grad:
-                inputs.append(item.name)
+            name = self.alias.get(item.name, item.name) if isinstance(item, torch.fx.Node) else None
+            if name in self.grad:
+                inputs.append(name)
                 return Ref(index=len(inputs) - 1)
             return item
 
@@ -151,12 +184,16 @@ class _FxConverter:
         except Exception as error:  # noqa: BLE001 - priced by its input/output bytes instead
             result = io_priced(target, specs, meta.nbytes, error)
         module_path = fx_node.target if fx_node.op == "call_module" else _module_of(fx_node)
+        if self.prefix and module_path == self.prefix.rstrip("."):
+            module_path = ""  # the wrapped model's root
+        elif self.prefix and not module_path.startswith(self.prefix):
+            module_path = LOSS_MODULE_PATH  # ran in WithLoss.forward: part of loss_fn
         node = OpNode(name=fx_node.name, kind="call", target=target, inputs=tuple(inputs), args=tuple(args),
                       kwargs=tuple(kwargs.items()), outputs=(meta,), module_path=module_path.removeprefix(self.prefix),
                       fwd_kernels=result.fwd_kernels, bwd_kernels=result.bwd_kernels,
                       saved_inputs=result.saved_inputs, saved_output=result.saved_output,
                       saved_extra_bytes=result.saved_extra_bytes, alias_input=result.alias_input,
-                      requires_grad=result.requires_grad)
+                      requires_grad=result.requires_grad, note=result.note)
         self._add(node, result.requires_grad)
 
     def _target(self, fx_node, args: list, inputs: list[str]):
@@ -190,9 +227,15 @@ class _FxConverter:
                          requires_grad=self.grad[name], is_param=self.kind_of[name] in ("param", "buffer"))
 
 
-def _is_param(module: nn.Module, target: str) -> bool:
+def _attribute_tensor(module: nn.Module, target: str) -> torch.Tensor:
+    """A parameter, buffer or plain tensor attribute (a constant) by dotted path."""
+    owner_path, _, attribute = target.rpartition(".")
+    return getattr(module.get_submodule(owner_path), attribute)
+
+
+def _is_buffer(module: nn.Module, target: str) -> bool:
     try:
-        module.get_parameter(target)
+        module.get_buffer(target)
         return True
     except AttributeError:
         return False

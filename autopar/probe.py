@@ -28,6 +28,8 @@ _FREE_OPS = {
     aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.detach.default,
     aten.lift_fresh.default, aten.alias.default, aten.new_empty.default, aten.new_empty_strided.default,
     aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default,
+    # A view whose schema does not say so (matmul/linear reshape their result with it): no kernel.
+    aten._unsafe_view.default,
 }
 
 
@@ -52,6 +54,8 @@ class ProbeResult:
     alias_input: int | None
     requires_grad: bool
     note: str = ""
+    output_strides: tuple[tuple[int, ...], ...] = ()
+    """Strides of the outputs as the CUDA-equivalent kernels lay them out (empty: unknown)."""
 
 
 def _is_view_op(func) -> bool:
@@ -157,7 +161,8 @@ def probe_op(target, args, kwargs: dict, specs: Sequence[InputSpec]) -> ProbeRes
             bwd_kernels = tuple(fwd.kernels) * 2
     return ProbeResult(fwd_kernels=tuple(fwd.kernels), bwd_kernels=bwd_kernels, saved_inputs=saved_inputs,
                        saved_output=saved_output, saved_extra_bytes=extra_bytes, alias_input=alias_input,
-                       requires_grad=requires_grad, note=note)
+                       requires_grad=requires_grad, note=note,
+                       output_strides=tuple(tuple(t.stride()) for t in out_tensors))
 
 
 def _backward_kernels(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[Kernel]:
