@@ -29,7 +29,7 @@ def __getattr__(name: str):
 
         return Cluster
     if name == "Plan":
-        from autopar.plan import Plan
+        from autopar.plans import Plan
 
         return Plan
     if name == "capture":
@@ -41,7 +41,6 @@ def __getattr__(name: str):
 __all__ = [
     "Cluster",
     "Plan",
-    "capture",
     "evaluate",
     "parallelize",
     "plan",

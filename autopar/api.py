@@ -23,7 +23,7 @@ from autopar.capture import capture
 from autopar.cluster import Cluster
 from autopar.errors import ConfigError
 from autopar.graph import OpGraph
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.plan_build import make_plan
 from autopar.replica import meta_inputs, meta_replica
 from autopar.solver.search import Constraints, Planner, SearchOptions

@@ -137,7 +137,7 @@ def _profile(args) -> int:
 
 
 def _show(args) -> int:
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
     plan = Plan.load(args.plan_file)
     print(plan.to_json() if args.json else plan.summary())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autopar.graph import OpGraph
-from autopar.plan import SCHEMA_VERSION, Plan, Prediction, StagePlan
+from autopar.plans import SCHEMA_VERSION, Plan, Prediction, StagePlan
 from autopar.solver.search import SearchResult
 from autopar.solver.sharding import ShardingResult
 from autopar.solver.step_model import Estimate

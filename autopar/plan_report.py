@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from autopar.graph_report import human_bytes
 
 if TYPE_CHECKING:
-    from autopar.plan import Plan
+    from autopar.plans import Plan
 
 _BLOCK_INDEX = re.compile(r"\.(\d+)(?=\.)")
 _ROLE = {"S0": "column-parallel (output features split)", "S1": "row-parallel (input features split)",
@@ -61,15 +61,23 @@ def _stages(plan: "Plan", max_stages: int) -> list[str]:
         return []
     lines = ["  pipeline stages:"]
     for stage in plan.stages[:max_stages]:
-        first, last = stage.layers
-        blocks = f"layers {first}-{last - 1}" if last > first else "no layers"
-        extra = [name for name in stage.segments if name in ("prologue", "epilogue")]
+        chunks = stage.chunks or (stage.segments,)
+        parts = [_chunk_text(chunk) for chunk in chunks]
         memory = sum(stage.memory_bytes.values())
-        lines.append(f"    stage {stage.index}: {' + '.join(extra + [blocks])}, "
+        lines.append(f"    stage {stage.index}: {'; '.join(parts)}, "
                      f"{stage.time_per_microbatch_s * 1e3:.3g} ms per microbatch, {human_bytes(memory)}")
     if len(plan.stages) > max_stages:
         lines.append(f"    ... {len(plan.stages) - max_stages} more")
     return lines
+
+
+def _chunk_text(segments) -> str:
+    """"prologue + layers 0-11" for a chunk's segments."""
+    blocks = [int(name.rsplit(".", 1)[1]) for name in segments if name.rsplit(".", 1)[-1].isdigit()]
+    extra = [name for name in segments if name in ("prologue", "epilogue")]
+    described = extra + ([f"layers {min(blocks)}-{max(blocks)}" if len(blocks) > 1 else f"layer {blocks[0]}"]
+                         if blocks else [])
+    return " + ".join(described) or ", ".join(segments)
 
 
 def _tensor_parallel(plan: "Plan", max_params: int) -> list[str]:

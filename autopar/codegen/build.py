@@ -16,7 +16,7 @@ from torch import nn
 from autopar.codegen.interpreter import PlannedInterpreter, RunStats
 from autopar.codegen.program import (GraphParts, SegmentModule, StageProgram, distribute_parameter,
                                      recomputable_nodes)
-from autopar.plan import Plan
+from autopar.plans import Plan
 
 
 @dataclass

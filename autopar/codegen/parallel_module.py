@@ -23,7 +23,7 @@ from autopar.codegen.interpreter import RunStats
 from autopar.codegen.program import attribute_name
 from autopar.codegen.runtime import Runtime
 from autopar.errors import PlanMismatchError
-from autopar.plan import Plan
+from autopar.plans import Plan
 
 
 class ParallelModule(nn.Module):

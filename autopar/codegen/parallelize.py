@@ -24,7 +24,7 @@ from autopar.codegen.pipeline import PipelineBuilder, tied_weight_groups
 from autopar.codegen.program import GraphParts
 from autopar.codegen.runtime import agree, build_runtime, ensure_process_group, run_on_rank0
 from autopar.errors import AutoparError, ConfigError, PlanMismatchError
-from autopar.plan import Plan
+from autopar.plans import Plan
 
 _GPU_PRESETS = (("H200", "hgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100-80g"), ("V100", "p3-16xlarge"))
 

@@ -18,7 +18,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from autopar.codegen.build import ChunkSpec
 from autopar.codegen.program import GraphParts, StageProgram
 from autopar.graph import TensorMeta
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.strategies.placement import local_shape
 
 

@@ -1,0 +1,77 @@
+"""The `autopar` command: output contract and exit codes (a thin layer over the API)."""
+
+import json
+
+import pytest
+
+from autopar.cli import main
+
+TINY = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_plan_json_contract(capsys):
+    code, out, _ = run(capsys, "plan", TINY, "--cluster", "dgx-a100-80g:gpus_per_node=4", "--global-batch", "8", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert {"dp", "tp", "pp"} <= set(data["mesh"])
+    for key in ("microbatch_size", "num_microbatches", "schedule", "recompute", "zero_stage", "stages"):
+        assert key in data
+    for key in ("step_time_s", "breakdown_s", "peak_memory_bytes", "memory_bytes"):
+        assert key in data["predicted"]
+
+
+def test_plan_respects_constraints_and_saves(capsys, tmp_path):
+    out_file = tmp_path / "plan.json"
+    code, out, _ = run(capsys, "plan", TINY, "--cluster", "dgx-a100-80g:gpus_per_node=4", "--global-batch", "8",
+                       "--tp", "2", "--pp", "2", "--out", str(out_file))
+    assert code == 0
+    assert "tp=2" in out and "pp=2" in out
+    code, shown, _ = run(capsys, "show", str(out_file))
+    assert code == 0 and "pp=2" in shown
+
+
+def test_evaluate_prices_a_fixed_configuration(capsys):
+    code, out, _ = run(capsys, "evaluate", TINY, "--cluster", "dgx-a100-80g:gpus_per_node=4", "--global-batch", "8",
+                       "--tp", "2", "--pp", "2", "--microbatch-size", "2", "--recompute", "full", "--zero", "1",
+                       "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["mesh"] == {"pp": 2, "dp": 1, "tp": 2}
+    assert (data["microbatch_size"], data["num_microbatches"], data["recompute"], data["zero_stage"]) == (2, 4, "full", 1)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["plan", TINY, "--cluster", "dgx-a100-8g", "--global-batch", "8"], "did you mean 'dgx-a100-80g'"),
+    (["plan", "gtp:layers=2", "--cluster", "dgx-h100", "--global-batch", "8"], "did you mean 'gpt'"),
+    (["plan", TINY, "--cluster", "dgx-h100", "--global-batch", "8", "--tp", "3"], "tp=3"),
+    (["plan", TINY, "--cluster", "dgx-h100", "--global-batch", "6", "--dp", "4"], "global batch 6"),
+    (["evaluate", TINY, "--cluster", "dgx-h100", "--global-batch", "8", "--tp", "2", "--pp", "2",
+      "--microbatch-size", "3"], "not divisible"),
+    (["show", "no-such-plan.json"], "cannot read plan"),
+])
+def test_bad_input_exits_2_with_one_message(capsys, argv, fragment):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert err.startswith("autopar: error:")
+    assert fragment in err
+    assert "Traceback" not in err
+
+
+def test_model_that_cannot_fit_names_the_memory_it_needs(capsys):
+    code, _, err = run(capsys, "plan", "gpt3-175b:layers=8", "--cluster", "dgx-a100-40g:gpus_per_node=1",
+                       "--global-batch", "8")
+    assert code == 2
+    assert "does not fit" in err and "GiB per device" in err
+
+
+def test_models_and_graph(capsys):
+    code, out, _ = run(capsys, "models")
+    assert code == 0 and "gpt3-175b" in out and "llama3-8b" in out
+    code, out, _ = run(capsys, "graph", TINY)
+    assert code == 0 and "block 0" in out and "x2 identical" in out

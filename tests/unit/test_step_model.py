@@ -1,0 +1,102 @@
+"""The step-time and memory model on synthetic segments with known answers."""
+
+import pytest
+
+from autopar.cluster import Cluster
+from autopar.solver.costing import CommEvent
+from autopar.solver.evaluate import SegmentCost
+from autopar.solver.step_model import ParallelConfig, PreparedSegments, StepModel
+from cost_model.comm import CommModel
+from cost_model.compute import ComputeModel, ComputeTime
+from cost_model.memory import BF16_ADAM
+
+FORWARD_S, BACKWARD_S = 0.01, 0.02
+
+
+def segments(count: int = 8, *, tp_comm_s: float = 0.0) -> list[SegmentCost]:
+    made = []
+    for index in range(count):
+        segment = SegmentCost(name=f"layers.{index}", forward=ComputeTime(matmul_s=FORWARD_S),
+                              backward=ComputeTime(matmul_s=BACKWARD_S), param_numel=1e6, saved_bytes=1e8,
+                              input_bytes=1e6, output_bytes=0.0, selective_recompute=ComputeTime(memory_s=0.001))
+        segment.selective_kept["x"] = 5e7
+        if tp_comm_s:
+            segment.comm.append(CommEvent(op="all_reduce", axis=0, message_bytes=1e6, time_s=tp_comm_s, phase="fwd"))
+        made.append(segment)
+    return made
+
+
+def model(budget: float = 1e12) -> StepModel:
+    cluster = Cluster.from_spec("dgx-a100-80g:nodes=4")
+    return StepModel(devices_per_node=8, compute=ComputeModel(cluster.device), comm=CommModel(cluster),
+                     policy=BF16_ADAM, memory_budget_bytes=budget)
+
+
+def estimate(config: ParallelConfig, recompute: str | None = None, **kwargs):
+    items = segments(**kwargs)
+    return model().estimate(PreparedSegments.build(items, recompute or config.recompute), config)
+
+
+def test_no_pipeline_accumulates_microbatches():
+    config = ParallelConfig(dp=1, tp=1, pp=1, microbatch_size=1, num_microbatches=4)
+    result = estimate(config)
+    assert result.breakdown_s["bubble"] == pytest.approx(0.0, abs=1e-12)
+    assert result.breakdown_s["compute"] == pytest.approx(4 * 8 * (FORWARD_S + BACKWARD_S))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_1f1b_bubble_is_p_minus_1_over_m(schedule):
+    p, m = 4, 8
+    config = ParallelConfig(dp=1, tp=1, pp=p, microbatch_size=1, num_microbatches=m, schedule=schedule)
+    result = estimate(config)
+    per_stage = 2 * (FORWARD_S + BACKWARD_S)
+    assert result.breakdown_s["bubble"] / (m * per_stage) == pytest.approx((p - 1) / m, rel=1e-6)
+
+
+def test_interleaving_divides_the_bubble():
+    p, m, v = 2, 8, 2
+    plain = estimate(ParallelConfig(dp=1, tp=1, pp=p, microbatch_size=1, num_microbatches=m))
+    interleaved = estimate(ParallelConfig(dp=1, tp=1, pp=p, microbatch_size=1, num_microbatches=m,
+                                          schedule="interleaved", virtual_stages=v))
+    assert interleaved.breakdown_s["bubble"] == pytest.approx(plain.breakdown_s["bubble"] / v, rel=1e-6)
+    assert [len(stage.chunks) for stage in interleaved.stages] == [v, v]
+
+
+def test_recomputation_trades_time_for_memory():
+    config = ParallelConfig(dp=1, tp=1, pp=1, microbatch_size=1, num_microbatches=1)
+    none = estimate(config)
+    full = estimate(ParallelConfig(dp=1, tp=1, pp=1, microbatch_size=1, num_microbatches=1, recompute="full"))
+    selective = estimate(ParallelConfig(dp=1, tp=1, pp=1, microbatch_size=1, num_microbatches=1,
+                                        recompute="selective"))
+    assert full.breakdown_s["recompute"] == pytest.approx(8 * FORWARD_S)
+    assert none.memory_bytes["activations"] == pytest.approx(8e8)
+    assert full.memory_bytes["activations"] == pytest.approx(8e6)
+    assert selective.memory_bytes["activations"] == pytest.approx(4e8)
+    assert none.step_time_s < selective.step_time_s < full.step_time_s
+
+
+def test_full_recompute_repeats_forward_collectives():
+    plain = estimate(ParallelConfig(dp=1, tp=2, pp=1, microbatch_size=1, num_microbatches=1), tp_comm_s=0.001)
+    full = estimate(ParallelConfig(dp=1, tp=2, pp=1, microbatch_size=1, num_microbatches=1, recompute="full"),
+                    tp_comm_s=0.001)
+    assert plain.breakdown_s["tp.all_reduce"] == pytest.approx(8 * 0.001)
+    assert full.breakdown_s["tp.all_reduce"] == pytest.approx(16 * 0.001)
+
+
+@pytest.mark.parametrize("zero, params, grads, optimizer", [
+    (0, 2.0, 2.0, 12.0), (1, 2.0, 2.0, 12.0 / 8), (2, 2.0, 2.0 / 8, 12.0 / 8), (3, 2.0 / 8, 2.0 / 8, 12.0 / 8)])
+def test_zero_stage_memory(zero, params, grads, optimizer):
+    config = ParallelConfig(dp=8, tp=1, pp=1, microbatch_size=1, num_microbatches=1, zero_stage=zero)
+    result = estimate(config)
+    numel = 8e6
+    assert result.memory_bytes["parameters"] == pytest.approx(params * numel)
+    assert result.memory_bytes["gradients"] == pytest.approx(grads * numel)
+    assert result.memory_bytes["optimizer"] == pytest.approx(optimizer * numel)
+    assert result.breakdown_s["dp.gradient_sync"] > 0
+
+
+def test_memory_budget_marks_configurations_that_do_not_fit():
+    config = ParallelConfig(dp=1, tp=1, pp=1, microbatch_size=1, num_microbatches=1)
+    prepared = PreparedSegments.build(segments(), "none")
+    assert model(budget=1e12).estimate(prepared, config).fits
+    assert not model(budget=1e8).estimate(prepared, config).fits
