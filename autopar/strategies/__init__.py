@@ -56,11 +56,14 @@ class Strategy:
 
     def input_grad(self, index: int, axis: int, requires_grad: bool) -> str:
         """Placement of the gradient this op produces for input `index` on `axis`: a replicated
-        input of an op whose work is split receives a partial gradient from each device."""
+        input of an op whose work is split, or that meets a partial operand, receives a partial
+        gradient from each device."""
         placement = self.inputs[index][axis]
         if placement == PARTIAL:
             return REPLICATE
-        if placement == REPLICATE and self.split_axes[axis] and requires_grad:
+        # mul(P, R): the gradient of the replicated factor involves the partial one.
+        partial_neighbour = any(inputs[axis] == PARTIAL for i, inputs in enumerate(self.inputs) if i != index)
+        if placement == REPLICATE and requires_grad and (self.split_axes[axis] or partial_neighbour):
             return PARTIAL
         return placement
 

@@ -1,3 +1,13 @@
 """Imports every op-family module so that each registers its targets."""
 
-from autopar.strategies import matmul  # noqa: F401
+from autopar.strategies import (  # noqa: F401
+    attention,
+    conv,
+    embedding,
+    loss,
+    matmul,
+    norm,
+    pointwise,
+    reduction,
+    views,
+)

@@ -1,0 +1,60 @@
+"""Attention family: scaled_dot_product_attention(q[..., L, E], k[..., S, E], v[..., S, Ev],
+attn_mask=None, dropout_p, is_causal, scale, enable_gqa).
+
+Each (batch, head) pair attends independently, so any dim before the last two can be split, with
+q, k and v all sharded on it: dim 0 is the batch, dim 1 (of 4-d inputs) the heads (Megatron's
+tensor-parallel attention). The sequence dims cannot be split without ring attention. An
+attn_mask broadcasts against the [..., L, S] scores: it is sharded on its aligned dim when that
+dim is full-size and replicated where it is broadcast. With enable_gqa, k/v have fewer heads:
+splitting heads keeps every query head with its key/value head because both are cut into the
+same number of contiguous blocks (the framework checks both head counts divide evenly).
+
+DTensor (torch 2.13) realises this with the flash/efficient/cuDNN strategies on GPU (batch and
+heads). On CPU, sdpa dispatches (without dropout) to `_scaled_dot_product_flash_attention_for_cpu`,
+which has no DTensor strategy: DTensor falls back to propagating through its decomposition,
+which is slow (seconds per call) and all-gathers q/k/v when a mask is given. CPU runs should
+select the math backend (`torch.nn.attention.sdpa_kernel(SDPBackend.MATH)`), where every strategy
+here runs without communication; the math backend cannot run is_causal=True on DTensors (it
+builds the causal mask as a plain tensor), so CPU codegen should pass an explicit mask.
+
+sdpa is linear in v, but no DTensor kernel strategy accepts a Partial v: not offered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autopar.graph import OpNode, Ref, TensorMeta
+from autopar.strategies import Strategy1D, register
+from autopar.strategies.placement import REPLICATE, shard
+from autopar.strategies.pointwise import call_arg
+
+_ROLE = {0: "batch", 1: "heads"}
+
+
+@register("aten.scaled_dot_product_attention.default")
+def scaled_dot_product_attention(node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) -> list[Strategy1D]:
+    if tuple(node.args[:3]) != (Ref(index=0), Ref(index=1), Ref(index=2)):
+        return []
+    has_mask = isinstance(call_arg(node, 3, "attn_mask"), Ref)
+    query, key = inputs[0], inputs[1]
+    rank = len(query.shape)
+    if len(key.shape) != rank or len(inputs) != 3 + has_mask:
+        return []
+    strategies = []
+    for dim in range(rank - 2):
+        placements = (shard(dim),) * 3
+        if has_mask:
+            placements += (_mask_placement(inputs[3], dim, query, key),)
+        strategies.append(Strategy1D(inputs=placements, output=shard(dim), split=True,
+                                     name=_ROLE.get(dim, f"dim{dim}")))
+    return strategies
+
+
+def _mask_placement(mask: TensorMeta, dim: int, query: TensorMeta, key: TensorMeta) -> str:
+    """The mask broadcasts against scores [..., L, S] (aligned from the right)."""
+    scores_rank = len(query.shape)
+    mask_dim = dim - (scores_rank - len(mask.shape))
+    if mask_dim >= 0 and mask.shape[mask_dim] == query.shape[dim] and mask.shape[mask_dim] > 1:
+        return shard(mask_dim)
+    return REPLICATE

@@ -1,0 +1,77 @@
+"""Loss family: cross_entropy / nll_loss (class-index targets) and elementwise losses (mse, l1,
+smooth_l1, huber, binary_cross_entropy[_with_logits], kl_div).
+
+Samples (and, for elementwise losses, every element) are independent, so every dim but the
+class dim can be split, with the input and target sharded alike. With reduction="none" the
+output keeps that sharding; with "sum" or "mean" it is P. What DTensor does (torch 2.13):
+
+  - "mean" gives Partial("avg"), reported as P: exact because the framework keeps only even
+    shards, BUT for cross_entropy/nll_loss the local mean divides by the local count of targets
+    that are not ignore_index: if ignored targets are spread unevenly over the devices, DTensor's
+    loss differs from one device's. DTensor's own rule accepts this.
+  - cross_entropy with class weights and reduction="mean" returns a wrong value (the weighted mean
+    of local weighted means): not offered. With label_smoothing > 0 DTensor all-reduces inside
+    the op: not offered either.
+  - sharding the class dim (vocab-parallel loss) needs DTensor's `loss_parallel` context: not
+    offered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autopar.graph import OpNode, Ref, TensorMeta
+from autopar.strategies import Strategy1D, register
+from autopar.strategies.placement import PARTIAL, REPLICATE, shard
+from autopar.strategies.pointwise import broadcast_shape, broadcast_strategies, call_arg
+
+NONE, MEAN = 0, 1
+"""torch's Reduction enum values; SUM is 2."""
+CLASS_LOSSES = {"aten.cross_entropy_loss.default": 3, "aten.nll_loss.default": 3, "aten.nll_loss_nd.default": 3,
+                "aten.nll_loss2d.default": 3}
+"""Target -> position of the reduction argument."""
+ELEMENTWISE_LOSSES = {"aten.mse_loss.default": 2, "aten.l1_loss.default": 2, "aten.smooth_l1_loss.default": 2,
+                      "aten.huber_loss.default": 2, "aten.kl_div.default": 2, "aten.soft_margin_loss.default": 2,
+                      "aten.binary_cross_entropy.default": 3, "aten.binary_cross_entropy_with_logits.default": 4}
+
+
+def _reduction(node: OpNode, position: int) -> int:
+    return call_arg(node, position, "reduction", MEAN)
+
+
+def _reduced(strategies: list[Strategy1D], reduction: int) -> list[Strategy1D]:
+    """Reduced losses sum (or average) over the split samples: P."""
+    if reduction == NONE:
+        return strategies
+    return [Strategy1D(inputs=strategy.inputs, output=PARTIAL, split=True, name=strategy.name)
+            for strategy in strategies]
+
+
+@register(*CLASS_LOSSES)
+def class_loss(node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) -> list[Strategy1D]:
+    """input [N, C, d1...] (or [C]) and class indices target [N, d1...]: split any dim but C."""
+    if len(inputs) < 2 or tuple(node.args[:2]) != (Ref(index=0), Ref(index=1)) or inputs[1].is_float:
+        return []
+    reduction = _reduction(node, CLASS_LOSSES[node.target])
+    has_weight = isinstance(call_arg(node, 2, "weight"), Ref)
+    smoothing = call_arg(node, 5, "label_smoothing", 0.0) if node.target == "aten.cross_entropy_loss.default" else 0
+    if (has_weight and reduction == MEAN) or smoothing or len(inputs[0].shape) < 2:
+        return []
+    strategies = []
+    for dim in range(len(inputs[0].shape)):
+        if dim == 1:
+            continue
+        target_dim = dim if dim == 0 else dim - 1
+        placements = (shard(dim), shard(target_dim)) + (REPLICATE,) * (len(inputs) - 2)
+        strategies.append(Strategy1D(inputs=placements, output=shard(target_dim), split=True,
+                                     name="batch" if dim == 0 else f"dim{dim}"))
+    return _reduced(strategies, reduction)
+
+
+@register(*ELEMENTWISE_LOSSES)
+def elementwise_loss(node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) -> list[Strategy1D]:
+    """Pointwise on broadcast inputs, then reduced: split any dim of the broadcast shape."""
+    if not inputs:
+        return []
+    strategies = broadcast_strategies(inputs, broadcast_shape(inputs))
+    return _reduced(strategies, _reduction(node, ELEMENTWISE_LOSSES[node.target]))
