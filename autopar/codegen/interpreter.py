@@ -44,7 +44,9 @@ class PlannedInterpreter:
 
     def place(self, value: torch.Tensor, placement: str) -> DTensor:
         value = self.as_dtensor(value)
-        if same_placement(value.placements[0], placement):
+        # DTensor refuses a user redistribution to Partial ("internal use only"): the op's own rule
+        # makes that operand Partial (a row-parallel linear's replicated bias becomes bias / n).
+        if same_placement(value.placements[0], placement) or placement == "P":
             return value
         return value.redistribute(self.mesh, [to_dtensor_placement(placement)])
 

@@ -187,9 +187,13 @@ class IntraOpILP:
 
 def solve_choices(problem: ChoiceProblem, *, time_limit_s: float = 10.0, num_workers: int = 1) -> ChoiceSolution:
     """Solve exactly (up to the time limit). Trivial problems skip the solver."""
-    if problem.num_variables == 0:
-        return ChoiceSolution(choices=(), cost_s=0.0, memory_bytes=0.0, objective=0.0, best_bound=0.0,
-                              status="optimal", solve_time_s=0.0)
+    if all(len(costs) == 1 for costs in problem.node_cost_s):  # nothing to choose (e.g. a 1-device mesh)
+        choices = tuple(0 for _ in problem.node_cost_s)
+        cost, memory = problem.evaluate(choices)
+        feasible = problem.memory_budget_bytes is None or memory <= problem.memory_budget_bytes
+        return ChoiceSolution(choices=choices if feasible else (), cost_s=cost, memory_bytes=memory,
+                              objective=problem.objective(choices), best_bound=problem.objective(choices),
+                              status="optimal" if feasible else "infeasible", solve_time_s=0.0)
     return IntraOpILP(problem).build().solve(time_limit_s=time_limit_s, num_workers=num_workers)
 
 

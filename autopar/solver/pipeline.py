@@ -14,6 +14,7 @@ greedy pass costs O(p log n) for p stages over n segments. No torch here.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -79,36 +80,42 @@ def partition(costs: ChainCosts, num_stages: int, *, in_flight: Callable[[int], 
 
 
 class _Packer:
-    """Greedy packing under a time bound, with per-stage memory limits."""
+    """Greedy packing under a time bound, with per-stage memory limits (bisect on prefix sums;
+    plain lists, which beat numpy calls on arrays of a few hundred segments)."""
 
     def __init__(self, costs: ChainCosts, num_stages: int, in_flight, budget, fixed_bytes) -> None:
-        self.costs = costs
+        self.count = len(costs)
         self.num_stages = num_stages
-        self.time_prefix = costs.prefix("time_s")
+        self.time_prefix = costs.prefix("time_s").tolist()
         self.budget = budget
-        self.memory_prefix: list[np.ndarray] = []
+        self.memory_prefix: list[list[float]] = []
         if budget is not None:
             states, activations = costs.prefix("state_bytes"), costs.prefix("activation_bytes")
-            self.memory_prefix = [states + in_flight(k) * activations for k in range(num_stages)]
-            self.fixed = fixed_bytes
+            by_factor: dict[float, list[float]] = {}
+            for stage in range(num_stages):
+                factor = in_flight(stage)
+                if factor not in by_factor:
+                    by_factor[factor] = (states + factor * activations).tolist()
+                self.memory_prefix.append(by_factor[factor])
+            self.room = budget - fixed_bytes
 
     def pack(self, bound_s: float) -> list[StageSpan] | None:
         spans: list[StageSpan] = []
-        start, count = 0, len(self.costs)
-        slack = bound_s * 1e-12
-        while start < count:
+        start = 0
+        slack = bound_s * (1 + 1e-12)
+        while start < self.count:
             stage = len(spans)
             if stage >= self.num_stages:
                 return None
-            stop = int(np.searchsorted(self.time_prefix, self.time_prefix[start] + bound_s + slack, side="right")) - 1
+            stop = bisect.bisect_right(self.time_prefix, self.time_prefix[start] + slack) - 1
             if self.budget is not None:
                 memory = self.memory_prefix[stage]
-                limit = memory[start] + self.budget - self.fixed
-                stop = min(stop, int(np.searchsorted(memory, limit, side="right")) - 1)
+                stop = min(stop, bisect.bisect_right(memory, memory[start] + self.room) - 1)
             if stop <= start:
                 return None
-            spans.append(StageSpan(start, min(stop, count)))
-            start = min(stop, count)
+            stop = min(stop, self.count)
+            spans.append(StageSpan(start, stop))
+            start = stop
         return spans
 
 

@@ -54,6 +54,9 @@ class ShardingOptions:
     """Start CP-SAT from a greedy assignment."""
     num_workers: int = 1
     """CP-SAT search workers (1 is deterministic)."""
+    model_parallel_axes: tuple[str, ...] = ("tp",)
+    """Mesh axes on which batch dimensions stay whole: tensor parallelism splits the model, the dp
+    axis (or the planner's data parallelism) splits the batch."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,9 +89,10 @@ def solve_sharding(graph: OpGraph, mesh: Mesh, cluster, options: ShardingOptions
     started = time.perf_counter()
     ctx = ctx or cost_context(mesh, cluster, policy)
     quotient = fold_blocks(graph, enabled=options.fold_blocks)
+    axes = tuple(index for index, name in enumerate(mesh.axis_names) if name in options.model_parallel_axes)
     builder = ProblemBuilder(graph, quotient, ctx, memory_budget_bytes=options.memory_budget_bytes,
                              memory_weight_s_per_byte=options.memory_weight_s_per_byte,
-                             grad_sync_weight=options.grad_sync_weight, fixed=fixed)
+                             grad_sync_weight=options.grad_sync_weight, fixed=fixed, model_parallel_axes=axes)
     problem, layout = builder.build()
     if options.use_hint:
         problem = _with_hint(problem)

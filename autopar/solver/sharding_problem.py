@@ -26,7 +26,8 @@ from autopar.solver.costing import CostContext, total_time
 from autopar.solver.intra_op import ChoiceProblem, Edge
 from autopar.solver.quotient import Quotient, QuotientEdge
 from autopar.strategies import Strategy, mesh_strategies
-from autopar.strategies.placement import PARTIAL, REPLICATE, grad_placement, is_shard, shard, shard_factor, shard_dim
+from autopar.strategies.placement import (PARTIAL, REPLICATE, grad_placement, is_shard, shard, shard_dim, shard_factor,
+                                         transition)
 
 
 @dataclass
@@ -88,6 +89,21 @@ def placeholder_strategies(meta: TensorMeta, mesh_shape) -> list[Strategy]:
     return strategies
 
 
+FORBIDDEN_S = 1e6
+"""Cost of a choice that is never right (the solver avoids it whenever anything else exists)."""
+
+
+def _splits_batch(strategy: Strategy, inputs, outputs, axes) -> bool:
+    """Whether the strategy shards a batch dimension on one of `axes`."""
+    tensors = list(zip(strategy.inputs, inputs)) + [(strategy.output, meta) for meta in outputs]
+    for placements, meta in tensors:
+        for axis in axes:
+            placement = placements[axis]
+            if is_shard(placement) and shard_dim(placement) in meta.batch_dims:
+                return True
+    return False
+
+
 def _divides(meta: TensorMeta, placements, mesh_shape) -> bool:
     for dim in {shard_dim(p) for p in placements if is_shard(p)}:
         pieces = 1
@@ -104,7 +120,8 @@ class ProblemBuilder:
 
     def __init__(self, graph: OpGraph, quotient: Quotient, ctx: CostContext, *,
                  memory_budget_bytes: float | None = None, memory_weight_s_per_byte: float = 1e-15,
-                 grad_sync_weight: float = 1.0, fixed: dict[str, Strategy] | None = None) -> None:
+                 grad_sync_weight: float = 1.0, fixed: dict[str, Strategy] | None = None,
+                 model_parallel_axes: tuple[int, ...] = ()) -> None:
         self.graph = graph
         self.quotient = quotient
         self.ctx = ctx
@@ -113,6 +130,8 @@ class ProblemBuilder:
         self.memory_weight = memory_weight_s_per_byte
         self.grad_sync_weight = grad_sync_weight
         self.fixed = fixed or {}
+        self.model_parallel_axes = model_parallel_axes
+        """Mesh axes that split the model, never the batch (tensor parallelism; dp splits batches)."""
         self.candidates: dict[str, list[Strategy]] = {}
         self.variables: list[OpGroup | FanOut] = []
         self.group_of: dict[str, int] = {}
@@ -142,11 +161,35 @@ class ProblemBuilder:
     def _strategies(self, node: OpNode) -> list[Strategy]:
         if node.name in self.fixed:
             return [self.fixed[node.name]]
+        inputs = self.inputs_of(node)
         if node.kind == "call":
-            found = mesh_strategies(node, self.inputs_of(node), self.mesh_shape)
+            found = mesh_strategies(node, inputs, self.mesh_shape)
         else:
             found = placeholder_strategies(node.output, self.mesh_shape)
-        return found
+        if not self.model_parallel_axes:
+            return found
+        kept = [s for s in found if not _splits_batch(s, inputs, node.outputs, self.model_parallel_axes)
+                and not self._splits_tokens_of_weights(node, s)]
+        return kept or found[:1]
+
+    def _splits_tokens_of_weights(self, node: OpNode, strategy: Strategy) -> bool:
+        """On a model-parallel axis an op with a weight matrix splits that weight (column, row,
+        vocab) or runs whole; splitting its tokens instead would make the axis data parallel."""
+        if node.kind != "call":
+            return False
+        for index, source in enumerate(node.inputs):
+            producer = self.graph[source]
+            if producer.kind != "param" or not producer.requires_grad or len(producer.output.shape) < 2:
+                continue
+            for axis in self.model_parallel_axes:
+                if strategy.split_axes[axis] and not is_shard(strategy.inputs[index][axis]):
+                    return True
+        return False
+
+    def _moves_weight(self, producer: OpNode, source, target) -> bool:
+        """Weights are used where they live on model-parallel axes (gathering them is ZeRO's job)."""
+        return producer.kind == "param" and any(transition(source[axis], target[axis]) is not None
+                                                for axis in self.model_parallel_axes)
 
     def _place(self, node: OpNode) -> None:
         strategies = self._strategies(node)
@@ -331,6 +374,8 @@ class ProblemBuilder:
                 strategy = target_choice[edge.consumer]
                 events = self.edge_events(producer, source, consumer, strategy, edge.input_index, grad_target)
                 cost[s, t] = multiplicity * self._event_cost(events)
+                if self._moves_weight(producer, source, strategy.inputs[edge.input_index]):
+                    cost[s, t] += FORBIDDEN_S
                 target = strategy.inputs[edge.input_index]
                 if saves and not (isinstance(source_var, FanOut) and target == source):
                     memory[s, t] = multiplicity * meta.nbytes / shard_factor(target, self.mesh_shape)
@@ -354,6 +399,8 @@ class ProblemBuilder:
                 if producer.requires_grad and meta.is_float:
                     events += self.ctx.redistribute(meta, grad, tuple(grad_placement(p) for p in source), "bwd")
                 cost[s, t] = count * total_time(events)
+                if self._moves_weight(producer, source, placement):
+                    cost[s, t] += FORBIDDEN_S
         _accumulate(edges, group_index, fanout_index, cost, np.zeros_like(cost))
 
 

@@ -1,0 +1,797 @@
+"""`autopar profile`: measure this machine's devices and links and return a HardwareProfile.
+
+What is measured, and how it feeds the cost model (compute.py, comm.py):
+
+- kernel overhead: the per-call time of a tiny out-of-place op (`x.add(1)` on 16 elements),
+  timed over many back-to-back calls. On a CPU this is eager dispatch plus allocation; on a GPU
+  the launch rate, since the kernel itself is negligible.
+- memory bandwidth: a streaming element-wise op (`mul(x, 2, out=y)`) on tensors several times
+  larger than a last-level cache, read + write bytes counted (as the probe counts `io_bytes`).
+  The output is preallocated: a fresh CPU tensor of this size comes from mmap and is paid in
+  page faults (~5x slower than the copy itself), which would measure the allocator, not memory.
+- matmul: square (m = n = k) matmuls over a size sweep per dtype; achieved FLOP/s per size.
+  ComputeModel prices a kernel as overhead + flops / rate, so on a CPU (where the two add up)
+  the overhead is taken off the measured time first; on a GPU back-to-back launches hide behind
+  the previous kernel, so the per-call time is kept. "fp32" on a GPU is whatever torch runs for
+  float32 (TF32 if `torch.backends.cuda.matmul.allow_tf32` is set).
+- collectives (num_processes > 1): all_reduce, all_gather, reduce_scatter, all_to_all,
+  broadcast and send_recv (ping-pong, half the round trip) over message sizes, on groups of 2,
+  4, ... and all processes, in `torch.multiprocessing` workers (gloo on CPU, NCCL on CUDA).
+  Message sizes follow comm.py: all_gather the gathered size, reduce_scatter the input size,
+  all_to_all the per-device buffer. Each sample is the slowest rank's time; a point's time is the
+  median of samples. Under torchrun the launched processes are measured instead: groups inside
+  one node are "intra_node", groups of one process per node "inter_node".
+
+Order: collectives first, compute last (in both modes). Compute is measured in one process (rank
+0 under torchrun) with the torch threads each process of a `cpu:procs=N` cluster gets (cores / N)
+while the others are idle. The workers are spawned, so a script calling run_profile needs the
+`if __name__ == "__main__":` guard.
+
+Robustness on a shared machine: sizes are timed in interleaved rounds (matmul: the whole sweep;
+collectives: all message sizes of one op and group), so a burst of background load spreads over
+the sweep instead of bending the curve at one size; every figure is a median; each sample runs
+enough calls to last `min_sample_s`, so timer resolution and Python overhead do not count. A time
+budget caps the number of rounds (at least 3 are kept). Load that lasts (other jobs on the
+machine) still slows every figure: profile an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import queue as queue_module
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
+
+import torch
+
+from cost_model.errors import CostModelInputError
+from cost_model.profile import (COLLECTIVE_OPS, SCHEMA_VERSION, CollectivePoint, HardwareProfile,
+                                MatmulPoint)
+
+ProgressFn = Callable[[str, float], None]
+
+CPU_PROCESSES_PER_CORE = 4
+"""More gloo processes than this per core would measure the scheduler, not the links."""
+
+KIB, MIB = 2**10, 2**20
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Default sweeps. CPU matmuls step by ~sqrt(2) in size (2.8x in FLOPs) so that log-linear
+# interpolation between points stays within the curve's wiggles (cache-blocking steps).
+_CPU_MATMUL_SIZES = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+_CPU_MATMUL_SIZES_QUICK = (64, 128, 256, 512, 1024)
+_CUDA_MATMUL_SIZES = (256, 512, 1024, 2048, 4096, 8192, 16384)
+_CUDA_MATMUL_SIZES_QUICK = (256, 1024, 4096)
+_CPU_MESSAGES = tuple(4 * KIB * 4**step for step in range(8))  # 4 KiB .. 64 MiB
+_CPU_MESSAGES_QUICK = (4 * KIB, 64 * KIB, 1 * MIB, 4 * MIB)
+_CUDA_MESSAGES = tuple(4 * KIB * 4**step for step in range(10))  # 4 KiB .. 1 GiB
+_CUDA_MESSAGES_QUICK = (64 * KIB, 4 * MIB, 64 * MIB)
+_STREAM_ELEMENTS = {"cpu": 2**25, "cuda": 2**28}  # fp32: 128 MiB (4x a 32 MiB L3), 1 GiB (>> L2)
+_COMPUTE_SHARE = 0.45
+"""Share of the time budget left to the compute phase when collectives are measured too."""
+_BF16_SLOWDOWN_LIMIT = 4.0
+"""Default CPU sweeps drop bf16 when it runs this many times slower than fp32 (no native bf16)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileOptions:
+    """What `run_profile` measures; None fields take the device's defaults (see module)."""
+
+    device: str = "cpu"
+    """"cpu" or "cuda"."""
+    num_processes: int = 1
+    """Processes (devices) to measure collectives on; 1 measures compute only."""
+    quick: bool = False
+    """A smaller sweep with fewer repeats (tests, smoke runs): ~10 s on a laptop CPU."""
+    matmul_sizes: tuple[int, ...] | None = None
+    """Square matmul sizes m = n = k; default 64..2048 on CPU, 256..16384 on CUDA."""
+    matmul_dtypes: tuple[str, ...] | None = None
+    """dtype keys ("fp32", "bf16", "fp16"); default fp32 (+ bf16 unless very slow) on CPU,
+    bf16, fp16 and fp32 on CUDA."""
+    message_sizes_bytes: tuple[int, ...] | None = None
+    """Collective message sizes; default 4 KiB..64 MiB on CPU, 4 KiB..1 GiB on CUDA."""
+    collective_ops: tuple[str, ...] = COLLECTIVE_OPS
+    """Collectives to measure."""
+    warmup: int = 2
+    """Untimed calls before a measurement."""
+    repeats: int | None = None
+    """Timed samples (interleaved rounds) per point; default 9, quick 3."""
+    min_sample_s: float | None = None
+    """Each sample repeats the op until it lasts this long; default 20 ms, quick 5 ms."""
+    time_budget_s: float | None = None
+    """Wall-clock budget; rounds stop early (keeping 3) once spent. Default 90 s, quick 12 s."""
+    clock: str = "wall"
+    """"wall" (time.perf_counter) or "cpu": compute timed by the thread's CPU time, which leaves
+    out other jobs on a shared machine (CPU with one thread per process only; see Timer).
+    Collectives are timed by the wall clock either way."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise CostModelInputError(f"profile: device must be 'cpu' or 'cuda', got {self.device!r}")
+        if isinstance(self.num_processes, bool) or not isinstance(self.num_processes, int) or self.num_processes < 1:
+            raise CostModelInputError(f"profile: num_processes must be an integer >= 1, got {self.num_processes!r}")
+        for dtype in self.matmul_dtypes or ():
+            if dtype not in _TORCH_DTYPES:
+                raise CostModelInputError(f"profile: unknown matmul dtype {dtype!r}; use {', '.join(_TORCH_DTYPES)}")
+        for op in self.collective_ops:
+            if op not in COLLECTIVE_OPS:
+                raise CostModelInputError(f"profile: unknown collective {op!r}; use {', '.join(COLLECTIVE_OPS)}")
+        for name in ("matmul_sizes", "message_sizes_bytes"):
+            if any(size < 1 for size in getattr(self, name) or ()):
+                raise CostModelInputError(f"profile: {name} must be positive, got {getattr(self, name)}")
+        if self.clock not in ("wall", "cpu"):
+            raise CostModelInputError(f"profile: clock must be 'wall' or 'cpu', got {self.clock!r}")
+        if self.warmup < 0 or (self.repeats is not None and self.repeats < 1):
+            raise CostModelInputError("profile: warmup must be >= 0 and repeats >= 1")
+
+    def resolved(self) -> "ProfileOptions":
+        """The options with every default filled in for the device and mode."""
+        on_cpu, quick = self.device == "cpu", self.quick
+        sizes = (_CPU_MATMUL_SIZES_QUICK if quick else _CPU_MATMUL_SIZES) if on_cpu else (
+            _CUDA_MATMUL_SIZES_QUICK if quick else _CUDA_MATMUL_SIZES)
+        messages = (_CPU_MESSAGES_QUICK if quick else _CPU_MESSAGES) if on_cpu else (
+            _CUDA_MESSAGES_QUICK if quick else _CUDA_MESSAGES)
+        return replace(
+            self,
+            matmul_sizes=tuple(sorted(set(self.matmul_sizes or sizes))),
+            matmul_dtypes=self.matmul_dtypes or (("fp32", "bf16") if on_cpu else ("bf16", "fp16", "fp32")),
+            message_sizes_bytes=tuple(sorted(set(self.message_sizes_bytes or messages))),
+            repeats=self.repeats or (3 if quick else 9),
+            min_sample_s=self.min_sample_s or (0.005 if quick else 0.02),
+            time_budget_s=self.time_budget_s or (12.0 if quick else 90.0),
+        )
+
+
+# --- entry point ---------------------------------------------------------------------------
+
+
+def run_profile(options: ProfileOptions, *, progress: ProgressFn | None = None) -> HardwareProfile:
+    """Measure compute, memory and (with several processes) collectives; see the module docstring.
+
+    Under torchrun every launched process must call this; all of them return rank 0's profile.
+    """
+    launch = _torchrun_launch()
+    check_can_run(options, launch)
+    probe_bf16 = options.device == "cpu" and options.matmul_dtypes is None
+    options = options.resolved()
+    report = _Progress(progress if launch is None or launch.rank == 0 else None)
+    report(_busy_note(), 0.0)
+    started = time.perf_counter()
+    deadline_s = time.time() + options.time_budget_s
+    if launch is not None:
+        return _run_under_torchrun(options, launch, report, deadline_s, probe_bf16=probe_bf16)
+    num_processes = options.num_processes
+    collectives: tuple[CollectivePoint, ...] = ()
+    measures_collectives = num_processes > 1 and bool(options.collective_ops)
+    if measures_collectives:  # first, as under torchrun, so both modes end with the compute phase
+        collectives_deadline_s = deadline_s - _COMPUTE_SHARE * options.time_budget_s
+        collectives = _spawn_collectives(options, report.span(0.0, 1 - _COMPUTE_SHARE), collectives_deadline_s)
+    compute_start = 1 - _COMPUTE_SHARE if measures_collectives else 0.0
+    compute = _measure_compute(options, num_processes, report.span(compute_start, 1.0), deadline_s,
+                               probe_bf16=probe_bf16)
+    report(f"profile done in {time.perf_counter() - started:.1f} s", 1.0)
+    return _assemble(options, num_processes, compute, collectives, processes_per_node=num_processes)
+
+
+def _busy_note() -> str:
+    """A warning when other jobs keep the CPUs busy (they slow every figure), else a start line."""
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return "profiling"
+    if load > 0.5 * cores:
+        return (f"profiling on a busy machine (load average {load:.1f} on {cores} cores): other jobs will "
+                "make the figures slow and noisy")
+    return "profiling"
+
+
+def check_can_run(options: ProfileOptions, launch: "_Launch | None" = None) -> None:
+    """Raise CostModelInputError (before anything is spawned) if this machine cannot run `options`."""
+    if options.device == "cuda":
+        _check_cuda(options, launch)
+    elif launch is None:
+        cores = os.cpu_count() or 1
+        if options.num_processes > cores * CPU_PROCESSES_PER_CORE:
+            raise CostModelInputError(
+                f"profile: {options.num_processes} processes asked for, but this machine has {cores} CPU cores "
+                f"and at most {cores * CPU_PROCESSES_PER_CORE} processes ({CPU_PROCESSES_PER_CORE} per core) give "
+                f"meaningful timings; use num_processes <= {cores * CPU_PROCESSES_PER_CORE}, or run the profile "
+                "under torchrun across several machines")
+    if options.clock == "cpu":
+        processes = launch.local_world_size if launch is not None else options.num_processes
+        if options.device != "cpu" or threads_per_process("cpu", processes) != 1:
+            raise CostModelInputError(
+                f"profile: clock 'cpu' times one thread, but each process would run "
+                f"{threads_per_process(options.device, processes)} torch threads on {options.device}; use clock "
+                "'wall', or (on a CPU) at least as many processes as cores")
+    if launch is not None and options.num_processes not in (1, launch.local_world_size):
+        raise CostModelInputError(
+            f"profile: under torchrun the measured processes are those torchrun started "
+            f"(LOCAL_WORLD_SIZE={launch.local_world_size}); leave num_processes at 1 or set it to "
+            f"{launch.local_world_size}, not {options.num_processes}")
+
+
+def _check_cuda(options: ProfileOptions, launch: "_Launch | None") -> None:
+    if not torch.cuda.is_available():
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise CostModelInputError(
+            f"profile: device 'cuda' asked for, but CUDA is not available (torch {torch.__version__}, {built}); "
+            "run the profile on a GPU machine with a CUDA build of torch, or profile device 'cpu'")
+    needed = launch.local_world_size if launch is not None else options.num_processes
+    available = torch.cuda.device_count()
+    if needed > available:
+        raise CostModelInputError(
+            f"profile: {needed} processes need one GPU each, but this machine has {available} visible GPUs "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            f"use num_processes <= {available}")
+
+
+def _assemble(options: ProfileOptions, num_processes: int, compute: "_ComputeFigures",
+              collectives: Sequence[CollectivePoint], *, processes_per_node: int) -> HardwareProfile:
+    return HardwareProfile(
+        schema_version=SCHEMA_VERSION,
+        device_kind=options.device,
+        device_name=_device_name(options.device, processes_per_node),
+        num_processes=num_processes,
+        memory_bytes=_memory_bytes(options.device, processes_per_node),
+        memory_bandwidth_bytes_per_s=compute.bandwidth_bytes_per_s,
+        kernel_overhead_s=compute.overhead_s,
+        matmul=compute.matmul,
+        collectives=tuple(collectives),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        host=socket.gethostname(),
+    )
+
+
+# --- progress ------------------------------------------------------------------------------
+
+
+class _Progress:
+    """Maps a phase's own 0..1 progress into its span of the whole run."""
+
+    def __init__(self, callback: ProgressFn | None, start: float = 0.0, end: float = 1.0) -> None:
+        self.callback, self.start, self.end = callback, start, end
+
+    def __call__(self, message: str, fraction: float) -> None:
+        if self.callback is not None:
+            self.callback(message, self.start + (self.end - self.start) * min(max(fraction, 0.0), 1.0))
+
+    def span(self, start: float, end: float) -> "_Progress":
+        width = self.end - self.start
+        return _Progress(self.callback, self.start + width * start, self.start + width * end)
+
+
+# --- timing --------------------------------------------------------------------------------
+
+
+class Timer:
+    """Per-call time of `count` back-to-back calls; on CUDA, synchronized before and after.
+
+    clock "wall" is time.perf_counter. clock "cpu" is the calling thread's CPU time
+    (time.thread_time, user + system): on a machine shared with other jobs it leaves out the time
+    they held the core, so it estimates what a dedicated core would take. It sees only the
+    calling thread, so it is right only for single-threaded CPU work.
+    """
+
+    def __init__(self, device: str, clock: str = "wall") -> None:
+        self.synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        self.now = time.thread_time if clock == "cpu" else time.perf_counter
+
+    def per_call_s(self, function: Callable[[], object], count: int = 1) -> float:
+        self.synchronize()
+        start = self.now()
+        for _ in range(count):
+            function()
+        self.synchronize()
+        return (self.now() - start) / count
+
+    def warm_per_call_s(self, function: Callable[[], object], warmup: int) -> float:
+        """Warm up, then a first estimate of one call's time."""
+        for _ in range(warmup):
+            function()
+        once_s = self.per_call_s(function)
+        return self.per_call_s(function, 10) if once_s < 1e-3 else once_s
+
+    def calls_per_sample(self, function: Callable[[], object], warmup: int, min_sample_s: float) -> int:
+        """Warm up, then how many calls make one sample last `min_sample_s`."""
+        return calls_for(self.warm_per_call_s(function, warmup), min_sample_s)
+
+
+def calls_for(per_call_s: float, min_sample_s: float, limit: int = 100_000) -> int:
+    """Back-to-back calls that one sample needs to last `min_sample_s`."""
+    return max(1, min(limit, math.ceil(min_sample_s / max(per_call_s, 1e-9))))
+
+
+def interleaved_medians(timer: Timer, cases: Sequence[Callable[[], object]], *, warmup: int, repeats: int,
+                        min_sample_s: float, deadline_s: float, min_rounds: int = 3,
+                        on_round: Callable[[int], None] | None = None) -> list[float]:
+    """Median per-call time of each case over rounds that each time every case once."""
+    counts = [timer.calls_per_sample(case, warmup, min_sample_s) for case in cases]
+    samples: list[list[float]] = [[] for _ in cases]
+    for round_index in range(repeats):
+        for case, count, times in zip(cases, counts, samples):
+            times.append(timer.per_call_s(case, count))
+        if on_round is not None:
+            on_round(round_index + 1)
+        if round_index + 1 >= min_rounds and time.time() > deadline_s:
+            break
+    return [statistics.median(times) for times in samples]
+
+
+# --- compute -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ComputeFigures:
+    overhead_s: float
+    bandwidth_bytes_per_s: float
+    matmul: tuple[MatmulPoint, ...]
+
+
+def threads_per_process(device: str, num_processes: int) -> int:
+    """Torch threads each process gets: its share of the cores (GPU processes keep the default)."""
+    if device == "cuda":
+        return torch.get_num_threads()
+    return max(1, (os.cpu_count() or 1) // max(num_processes, 1))
+
+
+def _measure_compute(options: ProfileOptions, num_processes: int, report: _Progress,
+                     deadline_s: float, *, probe_bf16: bool) -> _ComputeFigures:
+    """Overhead, bandwidth and the matmul sweep, in this process with its share of the cores."""
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads_per_process(options.device, num_processes))
+    try:
+        device = _compute_device(options.device)
+        timer = Timer(options.device, options.clock)
+        report("kernel overhead", 0.0)
+        overhead_s = _measure_overhead(timer, device, options, deadline_s)
+        report(f"kernel overhead {overhead_s * 1e6:.1f} us; memory bandwidth", 0.05)
+        bandwidth = _measure_bandwidth(timer, device, options, overhead_s, deadline_s)
+        report(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s; matmul sweep", 0.15)
+        dtypes = _without_slow_bf16(timer, device, options.matmul_dtypes) if probe_bf16 else options.matmul_dtypes
+        matmul = _measure_matmuls(timer, device, replace(options, matmul_dtypes=dtypes), overhead_s,
+                                  report.span(0.15, 1.0), deadline_s)
+    finally:
+        torch.set_num_threads(previous_threads)
+    return _ComputeFigures(overhead_s=overhead_s, bandwidth_bytes_per_s=bandwidth, matmul=matmul)
+
+
+def _compute_device(device: str) -> torch.device:
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _measure_overhead(timer: Timer, device: torch.device, options: ProfileOptions, deadline_s: float) -> float:
+    tiny = torch.zeros(16, device=device)
+    [time_s] = interleaved_medians(timer, [lambda: tiny.add(1.0)], warmup=max(options.warmup, 10),
+                                   repeats=options.repeats, min_sample_s=options.min_sample_s,
+                                   deadline_s=deadline_s)
+    return time_s
+
+
+def _measure_bandwidth(timer: Timer, device: torch.device, options: ProfileOptions, overhead_s: float,
+                       deadline_s: float) -> float:
+    numel = _STREAM_ELEMENTS[options.device] // (2 if options.quick else 1)
+    source = torch.ones(numel, device=device)
+    target = torch.empty_like(source)
+    [time_s] = interleaved_medians(timer, [lambda: torch.mul(source, 2.0, out=target)], warmup=options.warmup,
+                                   repeats=options.repeats, min_sample_s=options.min_sample_s,
+                                   deadline_s=deadline_s)
+    moved_bytes = 2 * numel * source.element_size()
+    return moved_bytes / _compute_time_s(options.device, time_s, overhead_s)
+
+
+def _compute_time_s(device: str, call_s: float, overhead_s: float) -> float:
+    """The part of a measured call that ComputeModel prices besides its per-kernel overhead.
+
+    CPU calls are synchronous (overhead + work). GPU launches overlap the previous kernel, so
+    the call time is the kernel's. Half the call is kept in any case, against timing noise.
+    """
+    if device == "cuda":
+        return call_s
+    return max(call_s - overhead_s, 0.5 * call_s)
+
+
+def _measure_matmuls(timer: Timer, device: torch.device, options: ProfileOptions, overhead_s: float,
+                     report: _Progress, deadline_s: float) -> tuple[MatmulPoint, ...]:
+    cases, keys = [], []
+    for dtype in options.matmul_dtypes:
+        for size in options.matmul_sizes:
+            left, right = _matmul_operands(size, _TORCH_DTYPES[dtype], device)
+            cases.append(lambda left=left, right=right: torch.matmul(left, right))
+            keys.append((dtype, size))
+    repeats = options.repeats
+
+    def on_round(done: int) -> None:
+        report(f"matmul sweep round {done}/{repeats}", done / repeats)
+
+    times = interleaved_medians(timer, cases, warmup=options.warmup, repeats=repeats,
+                                min_sample_s=options.min_sample_s, deadline_s=deadline_s, on_round=on_round)
+    points = [MatmulPoint(dtype=dtype, flops=2.0 * size**3,
+                          achieved_flops_per_s=2.0 * size**3 / _compute_time_s(options.device, time_s, overhead_s))
+              for (dtype, size), time_s in zip(keys, times)]
+    return tuple(sorted(points, key=lambda point: (point.dtype, point.flops)))
+
+
+def _matmul_operands(size: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # Random normal data, made on the device: zeros or constants could take fast paths.
+    return (torch.randn(size, size, dtype=dtype, device=device), torch.randn(size, size, dtype=dtype, device=device))
+
+
+def _without_slow_bf16(timer: Timer, device: torch.device, dtypes: tuple[str, ...]) -> tuple[str, ...]:
+    """Drop bf16 from a default CPU sweep when the CPU has no native bf16 (it is then emulated,
+    many times slower than fp32, and nobody would train in it on that machine)."""
+    if "bf16" not in dtypes:
+        return dtypes
+    fp32_s, bf16_s = (_quick_median_s(timer, lambda pair=pair: torch.matmul(*pair))
+                      for pair in (_matmul_operands(256, dtype, device) for dtype in (torch.float32, torch.bfloat16)))
+    if bf16_s > _BF16_SLOWDOWN_LIMIT * fp32_s:
+        return tuple(dtype for dtype in dtypes if dtype != "bf16")
+    return dtypes
+
+
+def _quick_median_s(timer: Timer, function: Callable[[], object], samples: int = 5) -> float:
+    function()  # the first call may build a kernel (oneDNN primitives, cuBLAS handles)
+    return statistics.median(timer.per_call_s(function) for _ in range(samples))
+
+
+def _device_name(device: str, num_processes: int) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    cores, threads = os.cpu_count() or 1, threads_per_process("cpu", num_processes)
+    return f"CPU ({cores} cores, {_cpu_model()}, {threads} torch thread{'s' * (threads != 1)} per process)"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _memory_bytes(device: str, num_processes: int) -> float:
+    if device == "cuda":
+        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    try:
+        host_bytes = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        host_bytes = 16.0 * 2**30
+    return host_bytes / num_processes
+
+
+# --- collectives: the plan -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Launch:
+    """Where this process sits in a torchrun launch (read from the environment)."""
+
+    rank: int
+    world_size: int
+    local_world_size: int
+
+
+def _torchrun_launch() -> _Launch | None:
+    """The torchrun launch this process belongs to, if any (WORLD_SIZE > 1 and LOCAL_WORLD_SIZE set)."""
+    try:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+        rank = int(os.environ.get("RANK", "0"))
+    except (KeyError, ValueError):
+        return None
+    if world_size <= 1:
+        return None
+    return _Launch(rank=rank, world_size=world_size, local_world_size=local_world_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Case:
+    """One collective measurement: an op on a group of global ranks at one message size."""
+
+    op: str
+    level: str
+    ranks: tuple[int, ...]
+    message_bytes: int
+
+
+def _group_sizes(num_members: int) -> list[int]:
+    """2, 4, 8, ... up to num_members, and num_members itself."""
+    sizes = [2**power for power in range(1, num_members.bit_length()) if 2**power <= num_members]
+    return sorted(set(sizes + [num_members])) if num_members >= 2 else []
+
+
+def plan_collectives(options: ProfileOptions, ranks_by_node: Sequence[Sequence[int]]) -> list[_Case]:
+    """The cases to measure: groups inside the first node, then one rank per node (if several)."""
+    levels = [("intra_node", list(ranks_by_node[0]))]
+    if len(ranks_by_node) > 1:
+        levels.append(("inter_node", [node_ranks[0] for node_ranks in ranks_by_node]))
+    cases = []
+    for level, members in levels:
+        for op in options.collective_ops:
+            sizes = [2] if op == "send_recv" else _group_sizes(len(members))
+            for group_size in sizes:
+                if group_size > len(members):
+                    continue
+                cases += [_Case(op=op, level=level, ranks=tuple(members[:group_size]), message_bytes=message)
+                          for message in options.message_sizes_bytes]
+    return cases
+
+
+# --- collectives: spawning local workers ---------------------------------------------------
+
+
+def _spawn_collectives(options: ProfileOptions, report: _Progress, deadline_s: float) -> tuple[CollectivePoint, ...]:
+    """Run the collective sweep in `num_processes` local workers; rank 0 sends back the points."""
+    import torch.multiprocessing as torch_mp
+
+    context = torch_mp.get_context("spawn")
+    messages = context.Queue()
+    port = _free_port()
+    report(f"starting {options.num_processes} {'NCCL' if options.device == 'cuda' else 'gloo'} processes", 0.0)
+    workers = torch_mp.start_processes(_collective_worker, args=(options, port, deadline_s, messages),
+                                       nprocs=options.num_processes, join=False, start_method="spawn")
+    points: list[dict] = []
+    while True:
+        finished = workers.join(timeout=0.1)
+        points += _drain(messages, report)
+        if finished:
+            break
+    points += _drain(messages, report)
+    return tuple(CollectivePoint(**point) for point in points)
+
+
+def _drain(messages, report: _Progress) -> list[dict]:
+    points = []
+    while True:
+        try:
+            kind, payload = messages.get_nowait()
+        except queue_module.Empty:
+            return points
+        if kind == "progress":
+            report(*payload)
+        else:
+            points += payload
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _collective_worker(rank: int, options: ProfileOptions, port: int, deadline_s: float, messages) -> None:
+    """One spawned process: join the group, measure, and (rank 0) put the points on the queue."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    world_size = options.num_processes
+    torch.set_num_threads(threads_per_process(options.device, world_size))
+    if options.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if options.device == "cuda" else "gloo", rank=rank, world_size=world_size)
+    try:
+        def report(message: str, fraction: float) -> None:
+            messages.put(("progress", (message, fraction)))
+
+        cases = plan_collectives(options, [list(range(world_size))])
+        points = measure_collectives(options, cases, rank, deadline_s, report if rank == 0 else None)
+        if rank == 0:
+            messages.put(("points", [asdict(point) for point in points]))
+    finally:
+        dist.destroy_process_group()
+
+
+# --- collectives: under torchrun -----------------------------------------------------------
+
+
+def _run_under_torchrun(options: ProfileOptions, launch: _Launch, report: _Progress,
+                        deadline_s: float, *, probe_bf16: bool) -> HardwareProfile:
+    """Every torchrun process measures collectives; rank 0 also measures compute; all return
+    rank 0's profile."""
+    import torch.distributed as dist
+
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        if options.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if options.device == "cuda" else "gloo")
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads_per_process(options.device, launch.local_world_size))
+    try:
+        ranks_by_node = _ranks_by_node(launch)
+        cases = plan_collectives(options, ranks_by_node)
+        collectives_deadline_s = deadline_s - _COMPUTE_SHARE * options.time_budget_s
+        points = measure_collectives(options, cases, launch.rank, collectives_deadline_s,
+                                     report.span(0.0, 1 - _COMPUTE_SHARE))
+        profile = None
+        if launch.rank == 0:
+            compute = _measure_compute(options, launch.local_world_size, report.span(1 - _COMPUTE_SHARE, 1.0),
+                                       deadline_s, probe_bf16=probe_bf16)
+            profile = _assemble(options, launch.world_size, compute, points,
+                                processes_per_node=launch.local_world_size)
+        shared = [profile]
+        dist.broadcast_object_list(shared, src=0)
+        return shared[0]
+    finally:
+        torch.set_num_threads(previous_threads)
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _ranks_by_node(launch: _Launch) -> list[list[int]]:
+    """Global ranks grouped by host (torchrun's GROUP_RANK, else the host name), node 0 first."""
+    import torch.distributed as dist
+
+    node_key = os.environ.get("GROUP_RANK") or socket.gethostname()
+    keys: list[str | None] = [None] * launch.world_size
+    dist.all_gather_object(keys, node_key)
+    nodes: dict[str, list[int]] = {}
+    for rank, key in enumerate(keys):
+        nodes.setdefault(str(key), []).append(rank)
+    return sorted(nodes.values(), key=lambda ranks: ranks[0])
+
+
+# --- collectives: measuring ----------------------------------------------------------------
+
+
+def measure_collectives(options: ProfileOptions, cases: Sequence[_Case], rank: int, deadline_s: float,
+                        report: ProgressFn | None) -> list[CollectivePoint]:
+    """Every rank of the default group runs every case (non-members only join the bookkeeping);
+    returns the points (meaningful on rank 0). The message sizes of one op on one group form a
+    block, timed in interleaved rounds like the matmul sweep."""
+    import torch.distributed as dist
+
+    device = _compute_device(options.device)
+    groups = _make_groups(cases)
+    agreement = _Agreement(device, rank)
+    blocks = _blocks(cases)
+    points = []
+    for index, block in enumerate(blocks):
+        if report is not None:
+            first = block[0]
+            report(f"{first.op} {first.level} x{len(first.ranks)}", index / len(blocks))
+        budget_s = max(deadline_s - time.time(), 0.0) / (len(blocks) - index)
+        points += _measure_block(block, options, groups[block[0].ranks], agreement, device, budget_s)
+    dist.barrier()
+    return points
+
+
+def _blocks(cases: Sequence[_Case]) -> list[list[_Case]]:
+    blocks: dict[tuple, list[_Case]] = {}
+    for case in cases:
+        blocks.setdefault((case.op, case.level, case.ranks), []).append(case)
+    return list(blocks.values())
+
+
+def _make_groups(cases: Sequence[_Case]) -> dict[tuple[int, ...], object]:
+    """One process group per distinct rank set; every rank must create them, in the same order."""
+    import torch.distributed as dist
+
+    world = tuple(range(dist.get_world_size()))
+    groups: dict[tuple[int, ...], object] = {}
+    for ranks in sorted({case.ranks for case in cases}, key=lambda ranks: (len(ranks), ranks)):
+        groups[ranks] = dist.group.WORLD if ranks == world else dist.new_group(list(ranks))
+    return groups
+
+
+class _Agreement:
+    """All ranks of the default group agree on figures by taking the maximum: the slowest rank's
+    time, and rank 0's budget (the others contribute 0)."""
+
+    def __init__(self, device: torch.device, rank: int) -> None:
+        self.device, self.rank = device, rank
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        import torch.distributed as dist
+
+        tensor = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
+
+
+def _measure_block(block: Sequence[_Case], options: ProfileOptions, group, agreement: _Agreement,
+                   device: torch.device, budget_s: float) -> list[CollectivePoint]:
+    """Median over rounds of the slowest member's per-call time, for each case of the block."""
+    timer = Timer(options.device)
+    is_member = agreement.rank in block[0].ranks
+    calls = [_collective_call(case, group, device, agreement.rank) for case in block]
+    warm_s = [_warm_collective_s(timer, call, options.warmup) if is_member else 0.0 for call, _ in calls]
+    *warm_s, budget_s = agreement.max(warm_s + [budget_s if agreement.rank == 0 else 0.0])
+    counts = [calls_for(once_s, options.min_sample_s, limit=1000) for once_s in warm_s]
+    round_s = sum(once_s * count for once_s, count in zip(warm_s, counts))
+    rounds = max(3, min(options.repeats, int(budget_s / max(round_s, 1e-9))))
+    samples = [[0.0] * rounds for _ in block]
+    if is_member:
+        align = _aligner(group, device)
+        for round_index in range(rounds):
+            for case_samples, (call, _), count in zip(samples, calls, counts):
+                align()
+                case_samples[round_index] = timer.per_call_s(call, count)
+    slowest = agreement.max([sample for case_samples in samples for sample in case_samples])
+    points = []
+    for index, (case, (_, message_bytes)) in enumerate(zip(block, calls)):
+        time_s = statistics.median(slowest[index * rounds:(index + 1) * rounds])
+        points.append(CollectivePoint(op=case.op, level=case.level, num_devices=len(case.ranks),
+                                      message_bytes=float(message_bytes),
+                                      time_s=time_s / 2 if case.op == "send_recv" else time_s))
+    return points
+
+
+def _warm_collective_s(timer: Timer, call: Callable[[], object], warmup: int) -> float:
+    """Warm up and time two calls: fixed counts, since every member must issue the same calls."""
+    for _ in range(warmup):
+        call()
+    return timer.per_call_s(call, 2)
+
+
+def _aligner(group, device: torch.device) -> Callable[[], None]:
+    """A barrier on `group` that works on gloo and NCCL (a one-element all-reduce, synchronized)."""
+    import torch.distributed as dist
+
+    token = torch.zeros(1, device=device)
+
+    def align() -> None:
+        dist.all_reduce(token, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return align
+
+
+def _collective_call(case: _Case, group, device: torch.device, rank: int) -> tuple[Callable[[], object], int]:
+    """The call to time (a no-op for non-members) and the message size it really moves, in the
+    convention of comm.py. Buffers are zero-filled: sums stay finite, and pages are touched."""
+    group_size = len(case.ranks)
+    numel = max(group_size, round(case.message_bytes / 4 / group_size) * group_size)  # fp32
+    if rank not in case.ranks:
+        return (lambda: None), numel * 4
+    return _member_call(case.op, numel, group_size, group, device, case.ranks, rank), numel * 4
+
+
+def _member_call(op: str, numel: int, group_size: int, group, device: torch.device, ranks: tuple[int, ...],
+                 rank: int) -> Callable[[], object]:
+    import torch.distributed as dist
+
+    def zeros(count: int) -> torch.Tensor:
+        return torch.zeros(count, device=device)
+
+    full = zeros(numel)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if op == "broadcast":
+        return lambda: dist.broadcast(full, src=ranks[0], group=group)
+    if op == "send_recv":
+        return _ping_pong(full, ranks, rank)
+    if op == "all_to_all":
+        received = zeros(numel)
+        return lambda: dist.all_to_all_single(received, full, group=group)
+    part = zeros(numel // group_size)
+    if op == "all_gather":  # torch 2.13 renamed all_gather_into_tensor
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: all_gather(full, part, group=group)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return lambda: reduce_scatter(part, full, group=group)
+
+
+def _ping_pong(buffer: torch.Tensor, ranks: tuple[int, ...], rank: int) -> Callable[[], None]:
+    """First rank sends to the second and gets it back; the profile keeps half the round trip."""
+    import torch.distributed as dist
+
+    first, second = ranks[0], ranks[1]
+    if rank == first:
+        return lambda: (dist.send(buffer, second), dist.recv(buffer, second))
+    if rank == second:
+        return lambda: (dist.recv(buffer, first), dist.send(buffer, first))
+    return lambda: None
