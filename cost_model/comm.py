@@ -15,7 +15,8 @@ bandwidth that nccl-tests report on 2 x 8 H100). With B the message size:
 
 plus latency: alpha x steps, with 2(n-1) ring steps for all-reduce or 2 log2(n) + 2 for a tree,
 whichever is smaller, and n-1 for the others; alpha of the slowest level crossed. bw is the
-link bandwidth x efficiency, or fitted per collective and level from a profile.
+link bandwidth x efficiency, or fitted from a profile per collective and level (and per group size
+where that size was measured).
 """
 
 from __future__ import annotations
@@ -86,8 +87,12 @@ class CommModel:
         n = group.num_devices
         if n <= 1 or message_bytes <= 0:
             return 0.0
-        latency = self.link(op, "inter_node" if group.num_nodes > 1 else "intra_node").latency_s
+        level = "inter_node" if group.num_nodes > 1 else "intra_node"
         volume = volume_factor(op, n) * message_bytes
+        measured = self.fits.get((op, level, n))
+        if measured is not None:  # this very group size was profiled: t = alpha + volume / bw
+            return measured.latency_s + volume / measured.bandwidth_bytes_per_s
+        latency = self.link(op, level).latency_s
         return volume / self.bandwidth_bytes_per_s(op, group) + latency_steps(op, n) * latency
 
     def send_recv_s(self, message_bytes: float, *, crosses_nodes: bool) -> float:
@@ -114,14 +119,18 @@ def volume_factor(op: str, num_devices: int) -> float:
             "all_to_all": (n - 1) / n, "broadcast": 1.0, "send_recv": 1.0}[op]
 
 
-def _fit_profile(profile: HardwareProfile) -> dict[tuple[str, str], LinkFit]:
-    """Least-squares alpha-beta per (collective, level): t = alpha x steps + volume / bw."""
-    samples: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+def _fit_profile(profile: HardwareProfile) -> dict[tuple, LinkFit]:
+    """Alpha-beta fits from measurements, by (collective, level) and by (collective, level, group
+    size). Each minimises the *relative* error, t = a + b x, so small messages count as much as
+    large ones; a per-size fit is used for the group sizes that were measured (transports such as
+    gloo do not scale between group sizes as the ring formulas assume)."""
+    samples: dict[tuple, list[tuple[float, float, float]]] = {}
     for point in profile.collectives:
         n = point.num_devices
         steps = latency_steps(point.op, n)
         volume = volume_factor(point.op, n) * point.message_bytes
         samples.setdefault((point.op, point.level), []).append((steps, volume, point.time_s))
+        samples.setdefault((point.op, point.level, n), []).append((1.0, volume, point.time_s))
     fits = {}
     for key, rows in samples.items():
         fit = _least_squares(rows)
@@ -131,14 +140,15 @@ def _fit_profile(profile: HardwareProfile) -> dict[tuple[str, str], LinkFit]:
 
 
 def _least_squares(rows: list[tuple[float, float, float]]) -> LinkFit | None:
-    """Non-negative fit of t = a s + v / bw over rows (s, v, t)."""
+    """Non-negative fit of t = a s + v / bw over rows (s, v, t), weighting each row by 1/t."""
     if len(rows) < 2:
         return None
-    sxx = sum(s * s for s, _, _ in rows)
-    syy = sum(v * v for _, v, _ in rows)
-    sxy = sum(s * v for s, v, _ in rows)
-    sxt = sum(s * t for s, _, t in rows)
-    syt = sum(v * t for _, v, t in rows)
+    weighted = [(s / t, v / t, 1.0) for s, v, t in rows if t > 0]
+    sxx = sum(s * s for s, _, _ in weighted)
+    syy = sum(v * v for _, v, _ in weighted)
+    sxy = sum(s * v for s, v, _ in weighted)
+    sxt = sum(s * t for s, _, t in weighted)
+    syt = sum(v * t for _, v, t in weighted)
     det = sxx * syy - sxy * sxy
     if det <= 0:
         return None
