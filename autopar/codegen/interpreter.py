@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.fx.node import map_aggregate
 
 from autopar.codegen.placements import parse_node_placements, same_placement, to_dtensor_placement
@@ -28,6 +28,15 @@ class RunStats:
 
     mismatches: Counter = field(default_factory=Counter)
     """Ops whose DTensor output placement differed from the plan's, by target."""
+    details: list = field(default_factory=list)
+    """(node, planned output, DTensor's output) for each mismatch."""
+
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def _special_partial(placement) -> bool:
+    return isinstance(placement, Partial) and type(placement) is not Partial
 
 
 class PlannedInterpreter:
@@ -80,15 +89,40 @@ class PlannedInterpreter:
 
         args = map_aggregate(node.args, load)
         kwargs = map_aggregate(dict(node.kwargs), load)
-        result = node.target(*args, **kwargs)
+        if node.target is _SDPA and args[0].device.type == "cpu":
+            result = self._cpu_attention(*args, **kwargs)
+        else:
+            result = node.target(*args, **kwargs)
         if output_placement is None or node.target is operator.getitem:
             return result
         return self._check_output(node, result, output_placement)
 
+    def _cpu_attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                       enable_gqa=False):
+        """DTensor has no rule for the CPU flash kernel: run the math kernel with an explicit
+        causal mask (DTensor cannot build the implicit one)."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if is_causal:
+            rows, columns = query.shape[-2], key.shape[-2]
+            mask = torch.ones(rows, columns, dtype=torch.bool, device=query.device).tril()
+            attn_mask, is_causal = self.as_dtensor(mask), False
+        with sdpa_kernel(SDPBackend.MATH):
+            return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
     def _check_output(self, node: torch.fx.Node, result: Any, placement: str) -> Any:
         def fix(value):
+            if isinstance(value, DTensor) and _special_partial(value.placements[0]):
+                # A vocab-parallel embedding's masked partial: DTensor reduces it before any other
+                # op anyway; reduce it here, where the plan's later P -> R all-reduce would be.
+                value = value.redistribute(self.mesh, [Replicate()])
+                if placement == "P":
+                    return value
             if isinstance(value, DTensor) and not same_placement(value.placements[0], placement):
                 self.stats.mismatches[str(node.target)] += 1
+                self.stats.details.append((node.name, placement, str(value.placements[0])))
+                if placement == "P":  # DTensor allows no user redistribution to Partial
+                    return value
                 return value.redistribute(self.mesh, [to_dtensor_placement(placement)])
             return value
 

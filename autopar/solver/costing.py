@@ -14,10 +14,14 @@ from dataclasses import dataclass, field
 from autopar.graph import OpNode, TensorMeta
 from autopar.mesh import Mesh
 from autopar.strategies import Strategy
-from autopar.strategies.placement import is_shard, shard_factor, transition
+from autopar.strategies.placement import PARTIAL, is_shard, shard_factor, transition
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel, ComputeTime
 from cost_model.memory import BF16_ADAM, PrecisionPolicy
+
+
+IMPOSSIBLE_S = 1e6
+"""Price of a resharding the runtime cannot do (the solver never picks it when anything else exists)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,10 @@ class CostContext:
             return cached
         events = []
         for axis, (src, dst) in enumerate(zip(source, target)):
+            if dst == PARTIAL and src != PARTIAL and phase == "fwd":
+                # DTensor only makes Partial values inside an op's rule, never by redistribution.
+                events.append(CommEvent(op="impossible", axis=axis, message_bytes=0.0, time_s=IMPOSSIBLE_S, phase=phase))
+                continue
             op = transition(src, dst)
             if op is None:
                 continue

@@ -97,7 +97,15 @@ def strategies_1d(node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) ->
     found = generator(node, inputs, axis_size) if generator and axis_size > 1 else []
     replicated = replicate_all(node, inputs)[0]
     unique = list(dict.fromkeys([replicated] + found))
+    if _copies(node):  # DTensor all-reduces a Partial tensor before copying it
+        unique = [strategy for strategy in unique if PARTIAL not in strategy.inputs]
     return [strategy for strategy in unique if _fits(strategy, node, inputs, axis_size)]
+
+
+def _copies(node: OpNode) -> bool:
+    """Whether the op copies an input (a reshape of a non-contiguous tensor, matmul folding batch
+    dims): seen at capture as a clone kernel."""
+    return any(kernel.name.startswith("aten.clone") for kernel in node.fwd_kernels)
 
 
 def mesh_strategies(node: OpNode, inputs: Sequence[TensorMeta], mesh_shape: Sequence[int]) -> list[Strategy]:

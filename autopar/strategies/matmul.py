@@ -1,11 +1,11 @@
 """Matmul family (linear, mm, addmm, bmm, baddbmm, matmul, einsum) from einsum-like specs.
 
 Every op is written as operands' dimension letters -> output letters. Sharding one letter on an
-axis shards every operand that has it; an operand without it is replicated, except an additive
-operand (a bias) when the letter is contracted: then bias and output are Partial. A contracted
-letter gives a Partial output (Megatron's row-parallel linear); a letter kept in the output
-gives a sharded output (column-parallel, batch, heads). Matmuls are linear in each operand, so
-one Partial operand with the others replicated gives a Partial output.
+axis shards every operand that has it; an operand without it is replicated. A contracted letter
+gives a Partial output (Megatron's row-parallel linear); a letter kept in the output gives a
+sharded output (column-parallel, batch, heads). Matmuls are linear in each operand, so one
+Partial operand with the others replicated gives a Partial output. A replicated bias with a
+Partial output is added once: DTensor's rule divides it among the devices, with no collective.
 """
 
 from __future__ import annotations
@@ -40,17 +40,14 @@ def einsum_strategies(spec: EinsumSpec, inputs: Sequence[TensorMeta], axis_size:
             position = letters.find(letter)
             if position >= 0 and meta.shape[position] == sizes[letter]:
                 placements.append(shard(position))
-            elif additive and contracted:
-                placements.append(PARTIAL)
-            else:
-                placements.append(REPLICATE)
+            else:  # an additive operand of a contracted letter stays replicated: DTensor's rule
+                placements.append(REPLICATE)  # adds it once (bias / n on each device) without comm
         output = PARTIAL if contracted else shard(spec.output.index(letter))
         strategies.append(Strategy1D(inputs=tuple(placements), output=output, split=True,
                                      name=_role(letter, spec)))
     for index, additive in enumerate(spec.additive):
         if not additive:  # linear in this operand: Partial in, Partial out
-            placements = tuple(PARTIAL if i == index or spec.additive[i] else REPLICATE
-                               for i in range(len(spec.operands)))
+            placements = tuple(PARTIAL if i == index else REPLICATE for i in range(len(spec.operands)))
             strategies.append(Strategy1D(inputs=placements, output=PARTIAL, split=False, name="partial"))
     return strategies
 
@@ -122,7 +119,9 @@ def matmul(node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) -> list[S
     if len(inputs) != 2:
         return []
     spec = matmul_spec(inputs)
-    return einsum_strategies(spec, inputs, axis_size) if spec else []
+    if spec is None:
+        return []
+    return einsum_strategies(spec, inputs, axis_size)
 
 
 @register("aten.addmm.default", "aten.baddbmm.default")
