@@ -85,12 +85,12 @@ def broadcast_object(value, src: int = 0):
 
 
 def run_on_rank0(function):
-    """Run `function` on rank 0 and share its result, or its AutoparError, with every rank."""
+    """Run `function` on rank 0 and share its result, or its error, with every rank."""
     outcome = None
     if dist.get_rank() == 0:
         try:
             outcome = ("ok", function())
-        except AutoparError as error:
+        except Exception as error:  # any error, not only AutoparError: the other ranks wait in the broadcast
             outcome = ("error", error)
     kind, value = broadcast_object(outcome)
     if kind == "error":

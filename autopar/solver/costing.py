@@ -8,6 +8,8 @@ tensor's bytes divided by the shards of the other axes that stay sharded.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,8 +22,8 @@ from cost_model.compute import ComputeModel, ComputeTime
 from cost_model.memory import BF16_ADAM, PrecisionPolicy
 
 
-IMPOSSIBLE_S = 1e6
-"""Price of a resharding the runtime cannot do (the solver never picks it when anything else exists)."""
+IMPOSSIBLE_S = math.inf
+"""Price of a resharding the runtime cannot do: the ILP excludes the choice."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ choice per variable:
                       + sum_(u,v) sum_(s,t) (cost[u,v][s,t] + w mem[u,v][s,t]) e[u, v, s, t]
               cost: seconds of compute (forward + backward with sharded shapes), gradient and
               resharding collectives, optimizer step; w: a small price per byte so that of two
-              equally fast plans the leaner wins.
+              equally fast plans the leaner wins. An infinite cost marks a choice the runtime
+              cannot realise: add_one_choice / add_edge_coupling fix its variable to 0.
 
   constraints add_one_choice:    sum_s x[v, s] = 1                         for every v
               add_edge_coupling: sum_t e[u, v, s, t] = x[u, s]             for every edge, s
@@ -27,6 +28,7 @@ a ChoiceProblem.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -154,6 +156,9 @@ class IntraOpILP:
         self.model.Add(sum(coefficient * var for var, coefficient in self.memory_terms) <= budget)
 
     def _term(self, var, cost_s: float, memory_bytes: float) -> None:
+        if not math.isfinite(cost_s):  # a forbidden choice: excluded, not priced
+            self.model.Add(var == 0)
+            return
         coefficient = self._weighted(cost_s, memory_bytes)
         if coefficient:
             self.objective_terms.append((var, coefficient))
@@ -167,10 +172,15 @@ class IntraOpILP:
             for s, var in enumerate(self.x[v]):
                 self.model.AddHint(var, s == choice)
 
-    def solve(self, *, time_limit_s: float = 10.0, num_workers: int = 1) -> ChoiceSolution:
+    def solve(self, *, time_limit_s: float = 10.0, num_workers: int = 8, deterministic: bool = False) -> ChoiceSolution:
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = time_limit_s
         solver.parameters.num_workers = num_workers
+        # CP-SAT's portfolio (several search strategies) proves these problems optimal in a
+        # fraction of a second where one worker stalls. Parallel workers may return a different
+        # one of several equally good assignments from run to run; interleaving them in one
+        # thread (deterministic=True) does not, at several times the solve time.
+        solver.parameters.interleave_search = deterministic
         started = time.perf_counter()
         status = solver.Solve(self.model)
         elapsed = time.perf_counter() - started
@@ -185,7 +195,7 @@ class IntraOpILP:
                               status="optimal" if status == cp_model.OPTIMAL else "feasible", solve_time_s=elapsed)
 
 
-def solve_choices(problem: ChoiceProblem, *, time_limit_s: float = 10.0, num_workers: int = 1) -> ChoiceSolution:
+def solve_choices(problem: ChoiceProblem, *, time_limit_s: float = 10.0, num_workers: int = 8) -> ChoiceSolution:
     """Solve exactly (up to the time limit). Trivial problems skip the solver."""
     if all(len(costs) == 1 for costs in problem.node_cost_s):  # nothing to choose (e.g. a 1-device mesh)
         choices = tuple(0 for _ in problem.node_cost_s)
@@ -197,14 +207,20 @@ def solve_choices(problem: ChoiceProblem, *, time_limit_s: float = 10.0, num_wor
     return IntraOpILP(problem).build().solve(time_limit_s=time_limit_s, num_workers=num_workers)
 
 
+def _largest_finite(values: np.ndarray) -> float:
+    finite = values[np.isfinite(values)]
+    return float(np.max(np.abs(finite))) if finite.size else 0.0
+
+
 def _resolution(problem: ChoiceProblem) -> float:
+    """Seconds per integer unit: the largest finite coefficient maps to about 1e9."""
     largest = 0.0
     weight = problem.memory_weight_s_per_byte
     for costs, memories in zip(problem.node_cost_s, problem.node_memory_bytes):
-        largest = max(largest, float(np.max(np.abs(costs + weight * memories))) if len(costs) else 0.0)
+        largest = max(largest, _largest_finite(costs + weight * memories))
     for edge in problem.edges:
         memories = edge.memory_bytes if edge.memory_bytes is not None else 0.0
-        largest = max(largest, float(np.max(np.abs(edge.cost_s + weight * memories))))
+        largest = max(largest, _largest_finite(edge.cost_s + weight * memories))
     return max(largest / _TARGET_MAX_COEFFICIENT, 1e-15)
 
 

@@ -52,8 +52,8 @@ class ShardingOptions:
     """Weight of per-step work (gradient sync, optimizer) relative to one microbatch."""
     use_hint: bool = True
     """Start CP-SAT from a greedy assignment."""
-    num_workers: int = 1
-    """CP-SAT search workers (1 is deterministic)."""
+    num_workers: int = 8
+    """CP-SAT portfolio workers (interleaved in one thread: the result is deterministic)."""
     model_parallel_axes: tuple[str, ...] = ("tp",)
     """Mesh axes on which batch dimensions stay whole: tensor parallelism splits the model, the dp
     axis (or the planner's data parallelism) splits the batch."""

@@ -15,9 +15,11 @@ optimizer step) and are multiplied by how many original nodes/edges a folded blo
 
 from __future__ import annotations
 
+import math
+
 import itertools
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -89,8 +91,8 @@ def placeholder_strategies(meta: TensorMeta, mesh_shape) -> list[Strategy]:
     return strategies
 
 
-FORBIDDEN_S = 1e6
-"""Cost of a choice that is never right (the solver avoids it whenever anything else exists)."""
+FORBIDDEN_S = math.inf
+"""Cost of a choice the runtime must not make: the ILP fixes its variable to 0."""
 
 
 def _splits_batch(strategy: Strategy, inputs, outputs, axes) -> bool:
@@ -341,6 +343,8 @@ class ProblemBuilder:
         meta = producer.output
         target = strategy.inputs[index]
         events = list(self.ctx.redistribute(meta, source, target, "fwd"))
+        if producer.kind == "param":  # a sharded weight is gathered again for backward (ZeRO-3/FSDP)
+            events += [replace(event, phase="bwd") for event in events if event.op == "all_gather"]
         if producer.requires_grad and meta.is_float:
             grad = tuple(strategy.input_grad(index, axis, True) for axis in range(len(self.mesh_shape)))
             phase = "grad" if producer.kind == "param" else "bwd"
