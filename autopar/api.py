@@ -113,7 +113,8 @@ def plan_with(planner: Planner, constraints: Constraints = Constraints()) -> Pla
     return make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=result.best,
                      sharding=result.sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes,
                      search=result, precision=planner.precision,
-                     segments=planner.segment_costs(config.tp, config.microbatch_size))
+                     segments=planner.segment_costs(config.tp, config.microbatch_size),
+                     strategies=planner.strategies(config.tp, config.microbatch_size))
 
 
 def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp: int = 1, pp: int = 1,
@@ -158,4 +159,5 @@ def evaluate_with(planner: Planner, config: ParallelConfig) -> Plan:
         f"{planner.step_model.memory_budget_bytes / 2**30:.1f} GiB usable",)
     return make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
                      sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes,
-                     precision=planner.precision, segments=planner.segment_costs(config.tp, config.microbatch_size))
+                     precision=planner.precision, segments=planner.segment_costs(config.tp, config.microbatch_size),
+                     strategies=planner.strategies(config.tp, config.microbatch_size))

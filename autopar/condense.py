@@ -20,6 +20,7 @@ def condense(graph: OpGraph) -> OpGraph:
     redirect: dict[str, str] = {}
     weights: dict[str, int] = {}
     groups = []
+    stand_ins: dict[str, str] = {}
     for group in graph.blocks:
         if group.num_instances < 3:
             groups.append(group)
@@ -29,6 +30,7 @@ def condense(graph: OpGraph) -> OpGraph:
             redirect[name] = group.nodes[1][position]
         for names in group.nodes[2:]:
             dropped.update(names)
+            _stand_in(graph, names, group.nodes[1], stand_ins)
         for name in group.nodes[1]:
             weights[name] = group.num_instances - 1
         groups.append(replace(group, nodes=group.nodes[:2]))
@@ -45,7 +47,16 @@ def condense(graph: OpGraph) -> OpGraph:
     segments = tuple(segment for segment in graph.segments if not (set(segment.nodes) & dropped))
     params = tuple(param for param in graph.params if param.node not in params_dropped)
     return replace(graph, nodes=tuple(nodes), params=params, blocks=tuple(groups), segments=segments,
-                   node_weights=weights)
+                   node_weights=weights, stand_ins=stand_ins)
+
+
+def _stand_in(graph: OpGraph, names, kept_names, stand_ins: dict[str, str]) -> None:
+    """Each dropped node, and each parameter it reads, maps to the same place in block 1."""
+    for name, kept in zip(names, kept_names):
+        stand_ins[name] = kept
+        for source, kept_source in zip(graph[name].inputs, graph[kept].inputs):
+            if graph[source].kind in ("param", "buffer", "constant") and source != kept_source:
+                stand_ins.setdefault(source, kept_source)
 
 
 def _params_only_used_by(graph: OpGraph, dropped: set[str]) -> set[str]:

@@ -202,6 +202,8 @@ class OpGraph:
     """What capture could not do exactly (ops priced approximately, fallbacks)."""
     node_weights: dict[str, int] = field(default_factory=dict)
     """How many identical nodes a node stands for (condensed graphs, see condense.py); default 1."""
+    stand_ins: dict[str, str] = field(default_factory=dict)
+    """Condensed graphs: each dropped node (and parameter) -> the kept node that stands for it."""
 
     def weight(self, name: str) -> int:
         return self.node_weights.get(name, 1)

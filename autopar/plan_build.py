@@ -11,7 +11,9 @@ from autopar.solver.step_model import Estimate
 
 def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate, sharding: ShardingResult,
               memory_budget_bytes: float, search: SearchResult | None = None, notes: tuple[str, ...] = (),
-              precision: str = "bf16", segments=None) -> Plan:
+              precision: str = "bf16", segments=None, strategies: dict | None = None) -> Plan:
+    """`strategies` covers every node of `graph` (defaults to the sharding result's own)."""
+    strategies = strategies or sharding.strategies
     config = estimate.config
     model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch / graph.batch_size
     tokens = global_batch * _sequence_length(graph)
@@ -37,11 +39,11 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         recompute=config.recompute,
         zero_stage=config.zero_stage,
         stages=tuple(_stage_plans(graph, estimate)),
-        placements=_placements(graph, sharding),
-        param_placements={param.name: ",".join(sharding.strategies[param.node].output)
-                          for param in graph.params if param.node in sharding.strategies},
-        input_placements=tuple(",".join(sharding.strategies[node.name].output) for node in graph.nodes
-                               if node.kind == "input" and node.name in sharding.strategies),
+        placements=_placements(graph, strategies),
+        param_placements={param.name: ",".join(strategies[param.node].output)
+                          for param in graph.params if param.node in strategies},
+        input_placements=tuple(",".join(strategies[node.name].output) for node in graph.nodes
+                               if node.kind == "input" and node.name in strategies),
         precision=precision,
         predicted=prediction,
         replicated_ops=sharding.replicated_ops,
@@ -81,10 +83,10 @@ def _stage_plans(graph: OpGraph, estimate: Estimate) -> list[StagePlan]:
     return stages
 
 
-def _placements(graph: OpGraph, sharding: ShardingResult) -> dict[str, str]:
+def _placements(graph: OpGraph, strategies: dict) -> dict[str, str]:
     placements = {}
     for node in graph.nodes:
-        strategy = sharding.strategies.get(node.name)
+        strategy = strategies.get(node.name)
         if strategy is None:
             continue
         output = ",".join(strategy.output)

@@ -119,6 +119,15 @@ class Planner:
             self._sharding[key] = solve_sharding(graph, mesh, self.cluster, self.options.sharding, ctx=ctx)
         return self._sharding[key]
 
+    def strategies(self, tp: int, microbatch_size: int) -> dict:
+        """Strategy of every node of the full graph (dropped blocks take their stand-in's)."""
+        kept = self.sharding(tp, microbatch_size).strategies
+        found = dict(kept)
+        for name, stand_in in self.condensed.stand_ins.items():
+            if stand_in in kept:
+                found[name] = kept[stand_in]
+        return found
+
     def segment_costs(self, tp: int, microbatch_size: int) -> list[SegmentCost]:
         """Per segment of the full model (identical blocks share block 1's cost)."""
         return expand_segments(self.graph, self.condensed, list(self.sharding(tp, microbatch_size).segments))

@@ -1,0 +1,49 @@
+"""Saved activations of a GPT layer under tensor/sequence parallelism and recomputation, against
+Korthikanti et al. (arXiv 2205.05198; shared/reference/formulas.md), 16-bit, batch 1."""
+
+import pytest
+
+from autopar import api
+from autopar.cluster import Cluster
+from autopar.mesh import Mesh
+from autopar.solver.sharding import solve_sharding
+
+S, B, H, A = 2048, 1, 4096, 32
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return api.capture_for_planning(f"gpt:layers=3,hidden={H},heads={A},seq={S},vocab=51200").with_batch(B)
+
+
+def layer(graph, tp: int):
+    mesh = Mesh(axis_names=("tp",), shape=(tp,), devices_per_node=8)
+    result = solve_sharding(graph, mesh, Cluster.from_spec("dgx-a100-80g"))
+    return next(segment for segment in result.segments if segment.name == "layers.1")
+
+
+def test_no_parallelism(graph):
+    assert layer(graph, 1).saved_bytes == pytest.approx(S * B * H * (34 + 5 * A * S / H), rel=0.05)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tensor_and_sequence_parallel(graph, tp):
+    """The solver picks sequence parallelism; Korthikanti's s b h / t (34 + 5 a s / h) assumes the
+    column-parallel linears keep their sequence-sharded input and all-gather it again in backward.
+    DTensor's linear keeps the gathered input instead: 2 s b h (1 - 1/t) more for each of the two
+    gathers per layer (attention input, MLP input)."""
+    formula = S * B * H / tp * (34 + 5 * A * S / H)
+    gathered_inputs = 2 * 2 * S * B * H * (1 - 1 / tp)
+    assert layer(graph, tp).saved_bytes == pytest.approx(formula + gathered_inputs, rel=0.05)
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_full_recomputation_keeps_the_layer_input(graph, tp):
+    assert layer(graph, tp).input_bytes == pytest.approx(2 * S * B * H / tp, rel=1e-6)
+
+
+def test_selective_recomputation_drops_the_attention_matrices(graph):
+    kept = layer(graph, 1).selective_saved_bytes
+    assert kept < S * B * H * 40  # none of the 5 a s^2 b attention-score bytes
+    assert kept == pytest.approx(S * B * H * 34, rel=0.10)
