@@ -75,3 +75,18 @@ def test_models_and_graph(capsys):
     assert code == 0 and "gpt3-175b" in out and "llama3-8b" in out
     code, out, _ = run(capsys, "graph", TINY)
     assert code == 0 and "block 0" in out and "x2 identical" in out
+
+
+def test_profile_writes_a_profile_the_cluster_spec_loads(capsys, tmp_path):
+    out_file = tmp_path / "profile.json"
+    code, out, _ = run(capsys, "profile", "--device", "cpu", "--nproc", "1", "--quick", "--out", str(out_file))
+    assert code == 0 and "matmul" in out
+    code, out, _ = run(capsys, "plan", TINY, "--cluster", f"cpu:procs=1,profile={out_file}", "--global-batch", "2")
+    assert code == 0 and "predicted" in out
+
+
+def test_profile_refuses_impossible_requests(capsys, tmp_path):
+    code, _, err = run(capsys, "profile", "--device", "cuda", "--out", str(tmp_path / "p.json"))
+    assert code == 2 and "cuda" in err.lower()
+    code, _, err = run(capsys, "profile", "--device", "cpu", "--nproc", "100000", "--out", str(tmp_path / "p.json"))
+    assert code == 2 and "100000" in err
