@@ -1,10 +1,10 @@
-"""The intra-op sharding ILP, solved with OR-Tools CP-SAT.
+"""The intra-op sharding ILP, solved with OR-Tools (GLOP for the relaxation, SCIP to branch).
 
 Given variables v (op groups) with choices s in S_v (sharding strategies), choose exactly one
 choice per variable:
 
   variables   x[v, s] in {0, 1}          v chooses strategy s
-              e[u, v, s, t] in {0, 1}    on edge (u, v): u chooses s and v chooses t
+              e[u, v, s, t] in [0, 1]    on edge (u, v): u chooses s and v chooses t
 
   objective   minimise  sum_v sum_s (cost[v][s] + w mem[v][s]) x[v, s]
                       + sum_(u,v) sum_(s,t) (cost[u,v][s,t] + w mem[u,v][s,t]) e[u, v, s, t]
@@ -18,9 +18,12 @@ choice per variable:
                                  sum_s e[u, v, s, t] = x[v, t]             for every edge, t
               add_memory_limit:  sum mem[v][s] x[v, s] + sum mem[u,v][s,t] e[u, v, s, t] <= budget
 
-Costs are scaled to integers (CP-SAT is an integer solver) at a resolution chosen so that the
-largest coefficient is about 1e9. The solver starts from a hint when given (e.g. Megatron's
-column/row pattern), stops at a time limit, and reports the optimality gap.
+With binary x the coupling makes e binary too. This is the "local polytope" of a pairwise
+model: on graphs that are nearly trees, as layer graphs are, its LP relaxation is usually
+integral. So the relaxation is solved first (GLOP, milliseconds); an integral solution is
+optimal. Otherwise (e.g. under a tight memory limit) SCIP branches from there, starting from the
+hint when given, up to a time limit, and the optimality gap is reported. Choices that no
+neighbour can accept are pruned first (arc consistency).
 
 This module knows nothing of torch or graphs: see sharding_problem.py for how a graph becomes
 a ChoiceProblem.
@@ -33,10 +36,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from ortools.sat.python import cp_model
+from ortools.linear_solver import pywraplp
 
-_TARGET_MAX_COEFFICIENT = 1e9
-_TARGET_MAX_MEMORY_COEFFICIENT = 1e9  # larger coefficients made CP-SAT report false infeasibility
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,130 +104,149 @@ class ChoiceSolution:
 
 
 class IntraOpILP:
-    """Builds the CP-SAT model of a ChoiceProblem, one method per constraint family."""
+    """Builds the linear model of a ChoiceProblem, one method per constraint family."""
 
-    def __init__(self, problem: ChoiceProblem) -> None:
+    def __init__(self, problem: ChoiceProblem, *, integral: bool) -> None:
         self.problem = problem
-        self.model = cp_model.CpModel()
-        self.x: list[list[cp_model.IntVar]] = []
-        self.objective_terms: list[tuple[cp_model.IntVar, int]] = []
-        self.memory_terms: list[tuple[cp_model.IntVar, int]] = []
-        self.time_unit_s = _resolution(problem)
-        self.memory_unit_bytes = _memory_resolution(problem)
+        self.integral = integral
+        self.solver = pywraplp.Solver.CreateSolver("SCIP" if integral else "GLOP")
+        self.x: list[list] = []
+        self.objective = self.solver.Objective()
+        self.memory = None
 
     def build(self) -> "IntraOpILP":
+        if self.problem.memory_budget_bytes is not None:
+            self.memory = self.solver.Constraint(-self.solver.infinity(), float(self.problem.memory_budget_bytes))
         self.add_one_choice()
         self.add_edge_coupling()
         self.add_memory_limit()
-        self.model.Minimize(sum(coefficient * var for var, coefficient in self.objective_terms))
-        self._add_hint()
+        self.objective.SetMinimization()
         return self
 
-    def _weighted(self, cost_s: float, memory_bytes: float) -> int:
-        total = cost_s + self.problem.memory_weight_s_per_byte * memory_bytes
-        return int(round(total / self.time_unit_s))
+    def _variable(self, name: str, cost_s: float, memory_bytes: float, *, binary: bool):
+        allowed = math.isfinite(cost_s)  # a forbidden choice: fixed to 0, not priced
+        upper = 1.0 if allowed else 0.0
+        var = self.solver.IntVar(0.0, upper, name) if binary else self.solver.NumVar(0.0, upper, name)
+        if allowed:
+            self.objective.SetCoefficient(var, cost_s + self.problem.memory_weight_s_per_byte * memory_bytes)
+            if self.memory is not None and memory_bytes:
+                self.memory.SetCoefficient(var, memory_bytes)
+        return var
 
     def add_one_choice(self) -> None:
         for v, (costs, memories) in enumerate(zip(self.problem.node_cost_s, self.problem.node_memory_bytes)):
-            variables = [self.model.NewBoolVar(f"x[{v},{s}]") for s in range(len(costs))]
-            self.model.AddExactlyOne(variables)
-            self.x.append(variables)
-            for s, var in enumerate(variables):
-                self._term(var, float(costs[s]), float(memories[s]))
+            row = [self._variable(f"x[{v},{s}]", float(costs[s]), float(memories[s]), binary=self.integral)
+                   for s in range(len(costs))]
+            self.solver.Add(self.solver.Sum(row) == 1)
+            self.x.append(row)
 
     def add_edge_coupling(self) -> None:
         for index, edge in enumerate(self.problem.edges):
             num_u, num_v = edge.cost_s.shape
-            pair = [[self.model.NewBoolVar(f"e[{index},{s},{t}]") for t in range(num_v)] for s in range(num_u)]
+            memories = edge.memory_bytes if edge.memory_bytes is not None else np.zeros_like(edge.cost_s)
+            pair = [[self._variable(f"e[{index},{s},{t}]", float(edge.cost_s[s, t]), float(memories[s, t]),
+                                    binary=False) for t in range(num_v)] for s in range(num_u)]
             for s in range(num_u):
-                self.model.Add(sum(pair[s]) == self.x[edge.u][s])
+                self.solver.Add(self.solver.Sum(pair[s]) == self.x[edge.u][s])
             for t in range(num_v):
-                self.model.Add(sum(pair[s][t] for s in range(num_u)) == self.x[edge.v][t])
-            for s in range(num_u):
-                for t in range(num_v):
-                    memory = float(edge.memory_bytes[s, t]) if edge.memory_bytes is not None else 0.0
-                    self._term(pair[s][t], float(edge.cost_s[s, t]), memory)
+                self.solver.Add(self.solver.Sum([pair[s][t] for s in range(num_u)]) == self.x[edge.v][t])
 
     def add_memory_limit(self) -> None:
-        if self.problem.memory_budget_bytes is None:
-            return
-        # Terms are rounded to the nearest unit; allowing one unit per term keeps a budget that
-        # is met exactly feasible (a unit is 1e-9 of the largest figure).
-        budget = int(self.problem.memory_budget_bytes // self.memory_unit_bytes) + len(self.memory_terms)
-        self.model.Add(sum(coefficient * var for var, coefficient in self.memory_terms) <= budget)
-
-    def _term(self, var, cost_s: float, memory_bytes: float) -> None:
-        if not math.isfinite(cost_s):  # a forbidden choice: excluded, not priced
-            self.model.Add(var == 0)
-            return
-        coefficient = self._weighted(cost_s, memory_bytes)
-        if coefficient:
-            self.objective_terms.append((var, coefficient))
-        if memory_bytes and self.problem.memory_budget_bytes is not None:
-            self.memory_terms.append((var, int(round(memory_bytes / self.memory_unit_bytes))))
+        """The budget row was opened in build(); each variable added its bytes to it."""
 
     def _add_hint(self) -> None:
         if self.problem.hint is None:
             return
-        for v, choice in enumerate(self.problem.hint):
-            for s, var in enumerate(self.x[v]):
-                self.model.AddHint(var, s == choice)
+        variables, values = [], []
+        for row, choice in zip(self.x, self.problem.hint):
+            for s, var in enumerate(row):
+                variables.append(var)
+                values.append(1.0 if s == choice else 0.0)
+        self.solver.SetHint(variables, values)
 
-    def solve(self, *, time_limit_s: float = 10.0, num_workers: int = 8, deterministic: bool = False) -> ChoiceSolution:
-        solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = time_limit_s
-        solver.parameters.num_workers = num_workers
-        # CP-SAT's portfolio (several search strategies) proves these problems optimal in a
-        # fraction of a second where one worker stalls. Parallel workers may return a different
-        # one of several equally good assignments from run to run; interleaving them in one
-        # thread (deterministic=True) does not, at several times the solve time.
-        solver.parameters.interleave_search = deterministic
+    def solve(self, *, time_limit_s: float = 10.0) -> ChoiceSolution:
+        """Returns status "fractional" when the relaxation has no integral optimum."""
+        if self.integral:
+            self._add_hint()
+            self.solver.SetTimeLimit(int(time_limit_s * 1000))
         started = time.perf_counter()
-        status = solver.Solve(self.model)
+        status = self.solver.Solve()
         elapsed = time.perf_counter() - started
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return ChoiceSolution(choices=(), cost_s=float("inf"), memory_bytes=float("inf"), objective=float("inf"),
-                                  best_bound=float("inf"), status="infeasible", solve_time_s=elapsed)
-        choices = tuple(next(s for s, var in enumerate(row) if solver.Value(var)) for row in self.x)
+        if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+            return ChoiceSolution(choices=(), cost_s=math.inf, memory_bytes=math.inf, objective=math.inf,
+                                  best_bound=math.inf, status="infeasible", solve_time_s=elapsed)
+        values = [[var.solution_value() for var in row] for row in self.x]
+        if not self.integral and any(1e-6 < value < 1 - 1e-6 for row in values for value in row):
+            return ChoiceSolution(choices=(), cost_s=math.inf, memory_bytes=math.inf, objective=math.inf,
+                                  best_bound=self.objective.Value(), status="fractional", solve_time_s=elapsed)
+        choices = tuple(int(np.argmax(row)) for row in values)
         cost, memory = self.problem.evaluate(choices)
-        bound = solver.BestObjectiveBound() * self.time_unit_s
-        return ChoiceSolution(choices=choices, cost_s=cost, memory_bytes=memory,
-                              objective=self.problem.objective(choices), best_bound=min(bound, self.problem.objective(choices)),
-                              status="optimal" if status == cp_model.OPTIMAL else "feasible", solve_time_s=elapsed)
+        objective = self.problem.objective(choices)
+        bound = self.objective.BestBound() if self.integral else self.objective.Value()
+        optimal = status == pywraplp.Solver.OPTIMAL
+        return ChoiceSolution(choices=choices, cost_s=cost, memory_bytes=memory, objective=objective,
+                              best_bound=min(bound, objective), status="optimal" if optimal else "feasible",
+                              solve_time_s=elapsed)
 
 
-def solve_choices(problem: ChoiceProblem, *, time_limit_s: float = 10.0, num_workers: int = 8) -> ChoiceSolution:
-    """Solve exactly (up to the time limit). Trivial problems skip the solver."""
-    if all(len(costs) == 1 for costs in problem.node_cost_s):  # nothing to choose (e.g. a 1-device mesh)
-        choices = tuple(0 for _ in problem.node_cost_s)
-        cost, memory = problem.evaluate(choices)
-        feasible = problem.memory_budget_bytes is None or memory <= problem.memory_budget_bytes
-        return ChoiceSolution(choices=choices if feasible else (), cost_s=cost, memory_bytes=memory,
-                              objective=problem.objective(choices), best_bound=problem.objective(choices),
-                              status="optimal" if feasible else "infeasible", solve_time_s=0.0)
-    return IntraOpILP(problem).build().solve(time_limit_s=time_limit_s, num_workers=num_workers)
+def solve_choices(problem: ChoiceProblem, *, time_limit_s: float = 10.0) -> ChoiceSolution:
+    """Solve exactly (up to the time limit), after dropping choices that no neighbour can accept."""
+    started = time.perf_counter()
+    reduced, kept = prune(problem)
+    if reduced is None:
+        return ChoiceSolution(choices=(), cost_s=math.inf, memory_bytes=math.inf, objective=math.inf,
+                              best_bound=math.inf, status="infeasible", solve_time_s=time.perf_counter() - started)
+    if all(len(costs) == 1 for costs in reduced.node_cost_s):  # nothing left to choose
+        solution = _only_assignment(reduced)
+    else:
+        solution = IntraOpILP(reduced, integral=False).build().solve()
+        if solution.status == "fractional":
+            solution = IntraOpILP(reduced, integral=True).build().solve(time_limit_s=time_limit_s)
+    if solution.status == "infeasible":
+        return solution
+    choices = tuple(int(indices[choice]) for indices, choice in zip(kept, solution.choices))
+    return ChoiceSolution(choices=choices, cost_s=solution.cost_s, memory_bytes=solution.memory_bytes,
+                          objective=solution.objective, best_bound=solution.best_bound, status=solution.status,
+                          solve_time_s=time.perf_counter() - started)
 
 
-def _largest_finite(values: np.ndarray) -> float:
-    finite = values[np.isfinite(values)]
-    return float(np.max(np.abs(finite))) if finite.size else 0.0
+def _only_assignment(problem: ChoiceProblem) -> ChoiceSolution:
+    choices = tuple(0 for _ in problem.node_cost_s)
+    cost, memory = problem.evaluate(choices)
+    feasible = problem.memory_budget_bytes is None or memory <= problem.memory_budget_bytes
+    return ChoiceSolution(choices=choices if feasible else (), cost_s=cost, memory_bytes=memory,
+                          objective=problem.objective(choices), best_bound=problem.objective(choices),
+                          status="optimal" if feasible else "infeasible", solve_time_s=0.0)
 
 
-def _resolution(problem: ChoiceProblem) -> float:
-    """Seconds per integer unit: the largest finite coefficient maps to about 1e9."""
-    largest = 0.0
-    weight = problem.memory_weight_s_per_byte
-    for costs, memories in zip(problem.node_cost_s, problem.node_memory_bytes):
-        largest = max(largest, _largest_finite(costs + weight * memories))
-    for edge in problem.edges:
-        memories = edge.memory_bytes if edge.memory_bytes is not None else 0.0
-        largest = max(largest, _largest_finite(edge.cost_s + weight * memories))
-    return max(largest / _TARGET_MAX_COEFFICIENT, 1e-15)
-
-
-def _memory_resolution(problem: ChoiceProblem) -> float:
-    largest = max((float(np.max(m)) for m in problem.node_memory_bytes if len(m)), default=0.0)
-    largest = max([largest] + [float(np.max(e.memory_bytes)) for e in problem.edges if e.memory_bytes is not None])
-    if problem.memory_budget_bytes:
-        largest = max(largest, problem.memory_budget_bytes)
-    return max(largest / _TARGET_MAX_MEMORY_COEFFICIENT, 1e-9)
+def prune(problem: ChoiceProblem) -> tuple[ChoiceProblem | None, list[np.ndarray]]:
+    """Arc consistency: a choice is dropped when it is forbidden (infinite cost) or when some
+    edge forbids it with every remaining choice of the neighbour; repeated to a fixed point.
+    Returns the smaller problem (None if a variable loses every choice) and, per variable, the
+    original indices of the choices kept."""
+    alive = [np.isfinite(costs) for costs in problem.node_cost_s]
+    allowed = [(edge, np.isfinite(edge.cost_s)) for edge in problem.edges]
+    changed = True
+    while changed:
+        changed = False
+        for edge, finite in allowed:
+            supported_u = alive[edge.u] & (finite & alive[edge.v][None, :]).any(axis=1)
+            supported_v = alive[edge.v] & (finite & alive[edge.u][:, None]).any(axis=0)
+            if (supported_u != alive[edge.u]).any() or (supported_v != alive[edge.v]).any():
+                alive[edge.u], alive[edge.v], changed = supported_u, supported_v, True
+    if any(not mask.any() for mask in alive):
+        return None, []
+    kept = [np.flatnonzero(mask) for mask in alive]
+    edges = tuple(Edge(u=edge.u, v=edge.v, cost_s=edge.cost_s[np.ix_(kept[edge.u], kept[edge.v])],
+                       memory_bytes=None if edge.memory_bytes is None
+                       else edge.memory_bytes[np.ix_(kept[edge.u], kept[edge.v])]) for edge in problem.edges)
+    hint = None
+    if problem.hint is not None:
+        hint = tuple(int(np.searchsorted(indices, choice)) if choice in indices else 0
+                     for indices, choice in zip(kept, problem.hint))
+    reduced = ChoiceProblem(node_cost_s=tuple(c[k] for c, k in zip(problem.node_cost_s, kept)),
+                            node_memory_bytes=tuple(m[k] for m, k in zip(problem.node_memory_bytes, kept)),
+                            edges=edges, memory_budget_bytes=problem.memory_budget_bytes,
+                            memory_weight_s_per_byte=problem.memory_weight_s_per_byte, hint=hint,
+                            names=problem.names)
+    return reduced, kept

@@ -45,15 +45,13 @@ class ShardingOptions:
     memory_weight_s_per_byte: float = 1e-15
     """Tie-break: of two equally fast plans prefer the leaner (1 GB counts as 1 us)."""
     time_limit_s: float = 10.0
-    """CP-SAT time limit; the gap is reported when it is hit."""
+    """Branch-and-bound time limit (when the relaxation is fractional); the gap is reported."""
     fold_blocks: bool = True
     """Solve one block per group of identical blocks and reuse it."""
     grad_sync_weight: float = 1.0
     """Weight of per-step work (gradient sync, optimizer) relative to one microbatch."""
     use_hint: bool = True
-    """Start CP-SAT from a greedy assignment."""
-    num_workers: int = 8
-    """CP-SAT portfolio workers (interleaved in one thread: the result is deterministic)."""
+    """Start branch-and-bound from a greedy assignment."""
     model_parallel_axes: tuple[str, ...] = ("tp",)
     """Mesh axes on which batch dimensions stay whole: tensor parallelism splits the model, the dp
     axis (or the planner's data parallelism) splits the batch."""
@@ -97,7 +95,7 @@ def solve_sharding(graph: OpGraph, mesh: Mesh, cluster, options: ShardingOptions
     if options.use_hint:
         problem = _with_hint(problem)
     build_time = time.perf_counter() - started
-    solution = solve_choices(problem, time_limit_s=options.time_limit_s, num_workers=options.num_workers)
+    solution = solve_choices(problem, time_limit_s=options.time_limit_s)
     if solution.status == "infeasible":
         raise _infeasible(graph, problem, layout, options.memory_budget_bytes)
     assignment = layout.decode(solution.choices)
