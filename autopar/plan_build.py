@@ -42,6 +42,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         placements=_placements(graph, strategies),
         param_placements={param.name: ",".join(strategies[param.node].output)
                           for param in graph.params if param.node in strategies},
+        param_roles=_param_roles(graph, strategies),
         input_placements=tuple(",".join(strategies[node.name].output) for node in graph.nodes
                                if node.kind == "input" and node.name in strategies),
         precision=precision,
@@ -50,6 +51,17 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         search=_search_stats(estimate, sharding, search),
         notes=tuple(graph.notes) + tuple(notes),
     )
+
+
+def _param_roles(graph: OpGraph, strategies: dict) -> dict[str, str]:
+    """The strategy of each parameter's first reader: "linear col", "embedding vocab"..."""
+    roles = {}
+    for param in graph.params:
+        readers = [name for name in graph.consumers.get(param.node, ()) if graph[name].kind == "call"]
+        if readers and readers[0] in strategies:
+            op = graph[readers[0]].target.removeprefix("aten.").split(".")[0]
+            roles[param.name] = f"{op} {strategies[readers[0]].name}"
+    return roles
 
 
 def _collective_counts(segments) -> dict[str, int]:

@@ -11,11 +11,12 @@ if TYPE_CHECKING:
     from autopar.plans import Plan
 
 _BLOCK_INDEX = re.compile(r"\.(\d+)(?=\.)")
-_ROLE = {"S0": "column-parallel (output features split)", "S1": "row-parallel (input features split)",
-         "R": "replicated"}
+_ROLE_WORDS = {"col": "column-parallel", "row": "row-parallel", "vocab": "vocab-parallel",
+               "hidden": "hidden-parallel", "replicate": "replicated", "batch": "batch/heads split",
+               "partial": "on partial sums", "channels": "channel split"}
 
 
-def plan_summary(plan: "Plan", *, max_stages: int = 8, max_params: int = 12) -> str:
+def plan_summary(plan: "Plan", *, max_stages: int = 8, max_params: int = 14) -> str:
     predicted = plan.predicted
     lines = [
         f"autopar plan for {plan.model or 'model'} on {plan.cluster} ({plan.num_devices} devices), "
@@ -84,12 +85,20 @@ def _tensor_parallel(plan: "Plan", max_params: int) -> list[str]:
     if plan.mesh["tp"] == 1:
         return []
     shown = [(name, placement) for name, placement in plan.param_placements.items()
-             if all(index == "0" for index in _BLOCK_INDEX.findall(f".{name}."))]
-    lines = ["  tensor parallel (first block shown; identical blocks share it):"]
+             if all(index == "0" for index in _BLOCK_INDEX.findall(f".{name}.")) and not name.endswith("bias")]
+    lines = ["  tensor parallel, weights of the first block (identical blocks share it; biases follow):"]
     for name, placement in shown[:max_params]:
-        if name.endswith("weight"):
-            lines.append(f"    {name:<40} {placement:<4} {_ROLE.get(placement, '')}")
+        role = plan.param_roles.get(name, "")
+        op, _, strategy = role.partition(" ")
+        words = " ".join(_role_words(part) for part in strategy.split("+")) if strategy else ""
+        lines.append(f"    {name:<40} {placement:<4} {op} {words}".rstrip())
     return lines
+
+
+def _role_words(strategy: str) -> str:
+    if strategy.startswith("dim") and strategy[3:].isdigit():
+        return f"split on dim {strategy[3:]}"
+    return _ROLE_WORDS.get(strategy, strategy)
 
 
 def _runners_up(plan: "Plan") -> list[str]:

@@ -80,6 +80,8 @@ class Plan:
     """Per graph node on the tp axis: "output|input0;input1;..." (R, S<dim>, P)."""
     param_placements: dict[str, str]
     """Per parameter/buffer name, its placement on the tp axis."""
+    param_roles: dict[str, str] = field(default_factory=dict)
+    """Per parameter, how the op that reads it runs on the tp axis, e.g. "linear col"."""
     input_placements: tuple[str, ...] = ()
     """Placement on the tp axis of each model input, in order."""
     predicted: Prediction
