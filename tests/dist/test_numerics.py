@@ -1,0 +1,299 @@
+"""Same numerics as one device: loss, every gradient and a short SGD run, under forced plans.
+
+Each case builds a model with a fixed seed, runs it on one device (the reference, on every rank)
+and with `autopar.parallelize` under a forced configuration (dp, tp, pp, ZeRO stage,
+recomputation, schedule), then compares:
+  - the first step's loss, and every parameter gradient, gathered with `full_tensor()` and
+    matched by its name in the original model (with pp, each rank checks the parameters it holds;
+    together the ranks must cover all of them);
+  - the losses of 5 SGD steps (same learning rate, different batches each step).
+Everything runs in fp32, so the tolerance is float round-off: 1e-5.
+
+Plans are made for `tiny_model_cluster` (see harness.py), on which the planner gives these tiny
+models real tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness import KnownBugError, case_outcome, fail, tiny_model_cluster  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.dist
+
+GLOBAL_BATCH = 8
+NUM_STEPS = 5
+LEARNING_RATE = 0.5
+TOLERANCE = 1e-5
+GPT_SPEC = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64,dropout=0.0"
+LLAMA_SPEC = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn_hidden=64,seq=16,vocab=64"
+
+
+# --- models (built identically on every rank) -----------------------------------------------------
+
+class ResidualBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc_in = nn.Linear(width, 4 * width)
+        self.fc_out = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc_out(F.gelu(self.fc_in(self.norm(x))))
+
+
+class UserMLP(nn.Module):
+    """A user's model, not from autopar's registry: residual MLP blocks in a ModuleList."""
+
+    def __init__(self, *, features: int = 16, width: int = 32, depth: int = 4, classes: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Linear(features, width)
+        self.blocks = nn.ModuleList(ResidualBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        x = self.embed(features)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class OuterResidualMLP(UserMLP):
+    """The same blocks without their residual, which the parent adds: `x = x + block(x)`."""
+
+    def __init__(self, *, width: int = 32, depth: int = 4) -> None:
+        super().__init__(width=width, depth=depth)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(depth))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        x = self.embed(features)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+class HFCausalLM(nn.Module):
+    """Hugging Face GPT-2 (tiny) returning the logits tensor instead of a ModelOutput."""
+
+    def __init__(self, attention: str = "eager") -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+                            attn_implementation=attention)
+        self.model = GPT2LMHeadModel(config)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=token_ids).logits
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+@dataclass
+class Workload:
+    model: nn.Module
+    loss_fn: object
+    batches: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]
+    """NUM_STEPS global batches (inputs, targets), the same on every rank."""
+
+
+def _token_batches(vocab: int, seq: int, generator: torch.Generator):
+    return [((torch.randint(0, vocab, (GLOBAL_BATCH, seq), generator=generator),),
+             torch.randint(0, vocab, (GLOBAL_BATCH, seq), generator=generator)) for _ in range(NUM_STEPS)]
+
+
+def make_workload(name: str) -> Workload:
+    from autopar.models import build_model
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    if name in ("gpt", "llama"):
+        bundle = build_model(GPT_SPEC if name == "gpt" else LLAMA_SPEC, device="cpu", seed=0, batch_size=GLOBAL_BATCH)
+        return Workload(bundle.model, bundle.loss_fn, _token_batches(64, 16, generator))
+    if name in ("mlp", "mlp_outer_residual"):
+        batches = [((torch.randn(GLOBAL_BATCH, 16, generator=generator),),
+                    torch.randint(0, 8, (GLOBAL_BATCH,), generator=generator)) for _ in range(NUM_STEPS)]
+        return Workload(UserMLP() if name == "mlp" else OuterResidualMLP(), F.cross_entropy, batches)
+    if name in ("hf_gpt2", "hf_gpt2_sdpa"):
+        model = HFCausalLM("eager" if name == "hf_gpt2" else "sdpa")
+        return Workload(model, token_cross_entropy, _token_batches(64, 16, generator))
+    raise ValueError(f"unknown model '{name}'")
+
+
+# --- one case, on every rank -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    world_size: int
+    constraints: dict = field(default_factory=dict)
+    known_error: str = ""
+    """What the failure of a case marked with a known bug says."""
+
+    @property
+    def cluster(self) -> str:
+        return tiny_model_cluster(self.world_size)
+
+
+def _reference(workload: Workload) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = copy.deepcopy(workload.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    losses, grads = [], {}
+    for step, (inputs, targets) in enumerate(workload.batches):
+        loss = workload.loss_fn(model(*inputs), targets)
+        loss.backward()
+        if step == 0:
+            grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def _full(grad):
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
+def numerics_case(case: Case) -> dict:
+    import autopar
+
+    workload = make_workload(case.model)
+    reference_losses, reference_grads = _reference(workload)
+    (inputs, targets), *_ = workload.batches
+    module = autopar.parallelize(workload.model, case.cluster, inputs, loss_fn=workload.loss_fn,
+                                 example_targets=targets, constraints=case.constraints)
+    optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
+    losses, grad_errors = [], {}
+    for step, (inputs, targets) in enumerate(workload.batches):
+        losses.append(module.train_step(inputs, targets).item())
+        if step == 0:
+            for name, param in module.named_model_parameters().items():
+                grad = None if param.grad is None else _full(param.grad)
+                grad_errors[name] = None if grad is None else _error(grad, reference_grads[name])
+        optimizer.step()
+        optimizer.zero_grad()
+    plan = module.plan
+    return dict(losses=losses, reference_losses=reference_losses, grad_errors=grad_errors,
+                all_parameters=sorted(reference_grads), mismatches=dict(module.stats.mismatches),
+                plan=dict(mesh=plan.mesh, microbatch_size=plan.microbatch_size, schedule=plan.schedule,
+                          virtual_stages=plan.virtual_stages, recompute=plan.recompute, zero_stage=plan.zero_stage,
+                          sharded_parameters=sorted(name for name, placement in plan.param_placements.items()
+                                                    if placement != "R")))
+
+
+def _error(grad: torch.Tensor, reference: torch.Tensor) -> dict:
+    difference = grad.detach().float() - reference.float()
+    return dict(max_abs=difference.abs().max().item(), norm=difference.norm().item(),
+                reference_norm=reference.norm().item())
+
+
+# --- the cases --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Bug:
+    reason: str
+    error: str
+    """A piece of the failure's text: any other failure of the case is a real one."""
+
+
+def _case(model: str, world_size: int, bug: Bug | None = None, **constraints):
+    marks = [pytest.mark.xfail(strict=True, raises=KnownBugError, reason=bug.reason)] if bug else []
+    case = Case(model, world_size, constraints, known_error=bug.error if bug else "")
+    return pytest.param(case, marks=marks, id=f"{model}-{world_size}-" + "-".join(
+        f"{key}{value}" for key, value in constraints.items()))
+
+
+OUTER_RESIDUAL_BUG = Bug(error="KeyError: 'linear_", reason=(
+    "planner bug: with 4+ blocks in a ModuleList whose residual add is in the parent (x = x + block(x)), "
+    "the block-folded graph keeps an add reading a node of a folded block, and OpGraph.with_batch raises "
+    "KeyError (e.g. 'linear_6') in autopar.plan"))
+SYM_SIZE_BUG = Bug(error="KeyError: 'sym_size_int", reason=(
+    "codegen bug: an aten.sym_size.int node (HF GPT-2 reads input_ids.shape with a dynamic batch) belongs to "
+    "no segment of the OpGraph, so no segment computes it and the interpreter raises KeyError "
+    "('sym_size_int_2') in train_step"))
+ONE_MICROBATCH_BUG = Bug(error="Number of microbatches (1) must be greater than or equal", reason=(
+    "planner bug: left to choose the microbatch size with pp=2 (global batch 8), the search picks one "
+    "microbatch, which torch.distributed.pipelining refuses: Schedule1F1B raises 'Number of microbatches (1) "
+    "must be greater than or equal to the number of stages (2)' in parallelize"))
+HF_SDPA_BUG = Bug(error="PlanMismatchError: this plan was made for model 'HFCausalLM'", reason=(
+    "capture bug: HF GPT-2 with SDPA attention gets another fingerprint on the meta replica the planner "
+    "captures (an aten.contiguous after SDPA's transpose is kept: meta strides) than on the real CPU model "
+    "(no-op contiguous elided), so parallelize raises PlanMismatchError on every rank"))
+
+# Every configuration at least once, every model at least twice, the built-in GPT the most.
+# Constraints fix the whole mesh (and the microbatch size where pipelining needs several
+# microbatches) so each case tests what its name says.
+_PARAMS = [
+    # 2 processes
+    _case("gpt", 2, dp=2, tp=1, pp=1, zero_stage=0),
+    _case("gpt", 2, dp=1, tp=2, pp=1),
+    _case("gpt", 2, dp=1, tp=1, pp=2, microbatch_size=2, schedule="1f1b"),
+    _case("gpt", 2, dp=2, tp=1, pp=1, zero_stage=1, microbatch_size=2),
+    _case("gpt", 2, dp=2, tp=1, pp=1, zero_stage=2, microbatch_size=2),
+    _case("gpt", 2, dp=2, tp=1, pp=1, zero_stage=3, microbatch_size=2),
+    _case("gpt", 2, dp=1, tp=1, pp=2, microbatch_size=2, schedule="gpipe"),
+    _case("gpt", 2, dp=1, tp=1, pp=2, microbatch_size=1, schedule="interleaved", virtual_stages=2),
+    _case("gpt", 2, dp=1, tp=2, pp=1, recompute="full"),
+    _case("gpt", 2, dp=1, tp=2, pp=1, recompute="selective"),
+    _case("llama", 2, dp=1, tp=2, pp=1),
+    _case("llama", 2, dp=2, tp=1, pp=1, zero_stage=3),
+    _case("mlp", 2, dp=2, tp=1, pp=1, zero_stage=0),
+    _case("mlp", 2, dp=1, tp=2, pp=1),
+    _case("mlp", 2, dp=1, tp=1, pp=2, microbatch_size=2, schedule="gpipe"),
+    # 4 processes
+    _case("gpt", 4, dp=1, tp=4, pp=1),
+    _case("gpt", 4, dp=2, tp=2, pp=1, zero_stage=0),
+    _case("gpt", 4, dp=2, tp=2, pp=1, zero_stage=3),
+    _case("gpt", 4, dp=1, tp=2, pp=2, microbatch_size=2),
+    _case("gpt", 4, dp=2, tp=1, pp=2, microbatch_size=1),
+    _case("gpt", 4, dp=1, tp=2, pp=2, microbatch_size=1, schedule="interleaved", virtual_stages=2),
+    _case("gpt", 4, dp=2, tp=2, pp=1, zero_stage=1, microbatch_size=2, recompute="full"),
+    _case("llama", 4, dp=1, tp=2, pp=2, microbatch_size=2, recompute="selective"),
+    _case("mlp", 4, dp=2, tp=1, pp=2, microbatch_size=1, zero_stage=1),
+    # known bugs (run last: a failure ends its job)
+    _case("hf_gpt2", 2, SYM_SIZE_BUG, dp=1, tp=2, pp=1),
+    _case("hf_gpt2", 4, SYM_SIZE_BUG, dp=2, tp=2, pp=1, zero_stage=3),
+    _case("gpt", 4, ONE_MICROBATCH_BUG, dp=1, tp=2, pp=2),
+    _case("mlp_outer_residual", 2, OUTER_RESIDUAL_BUG, dp=2, tp=1, pp=1),
+    _case("hf_gpt2_sdpa", 2, HF_SDPA_BUG, dp=2, tp=1, pp=1),
+]
+CASES = {param.id: param.values[0] for param in _PARAMS}
+
+
+@pytest.mark.parametrize("case_name", [pytest.param(param.id, marks=param.marks, id=param.id) for param in _PARAMS])
+def test_matches_one_device(case_name, case_outcome):
+    case = CASES[case_name]
+    outcome = case_outcome(numerics_case, CASES, case_name)
+    if not outcome.ok:
+        fail(outcome.error, case.known_error)
+    results = outcome.values
+    plan = results[0]["plan"]
+    for axis in ("dp", "tp", "pp"):
+        assert plan["mesh"][axis] == case.constraints[axis], plan
+    for key in ("zero_stage", "recompute", "microbatch_size", "schedule"):
+        if key in case.constraints:
+            assert plan[key] == case.constraints[key], plan
+    if case.constraints["tp"] > 1:
+        assert plan["sharded_parameters"], "the plan shards no parameter: the tp case tests nothing"
+
+    reference = results[0]["reference_losses"]
+    for rank, result in enumerate(results):
+        assert result["losses"] == pytest.approx(reference, rel=TOLERANCE, abs=TOLERANCE), f"rank {rank}'s losses"
+        for name, error in result["grad_errors"].items():
+            assert error is not None, f"rank {rank}: {name} has no gradient"
+            assert error["max_abs"] <= TOLERANCE, f"rank {rank}: gradient of {name} differs: {error}"
+            assert error["norm"] <= TOLERANCE * max(error["reference_norm"], 1.0), f"rank {rank}: {name}: {error}"
+    checked = set().union(*(result["grad_errors"] for result in results))
+    assert checked == set(results[0]["all_parameters"]), "parameters no rank holds: " \
+        f"{sorted(set(results[0]['all_parameters']) - checked)}"
