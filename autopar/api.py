@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from torch import nn
 
 from autopar.capture import capture
 from autopar.cluster import Cluster
-from autopar.errors import ConfigError
+from autopar.errors import CaptureError, ConfigError
 from autopar.graph import OpGraph
 from autopar.plans import Plan
 from autopar.plan_build import make_plan
@@ -72,8 +72,22 @@ def capture_for_planning(model, example_inputs=None, *, loss_fn=None, example_ta
     dtype = torch.bfloat16 if precision == "bf16" else None
     replica = meta_replica(spec.model, dtype)
     targets = meta_inputs(spec.example_targets) if spec.example_targets is not None else None
-    return capture(replica, meta_inputs(spec.example_inputs, dtype), loss_fn=spec.loss_fn, example_targets=targets,
-                   name=spec.name, verbose=verbose)
+    try:
+        return capture(replica, meta_inputs(spec.example_inputs, dtype), loss_fn=spec.loss_fn,
+                       example_targets=targets, name=spec.name, verbose=verbose)
+    except CaptureError as error:
+        if "device" not in str(error) or _on_meta(spec.model):
+            raise
+    # The forward makes tensors on a fixed device (torch.ones(n) on the CPU), which meets the
+    # meta replica's tensors: trace the model itself (export still allocates no activations).
+    graph = capture(spec.model, spec.example_inputs, loss_fn=spec.loss_fn, example_targets=spec.example_targets,
+                    name=spec.name, verbose=verbose)
+    note = "captured on the model's own device and dtype: its forward creates tensors on a fixed device"
+    return replace(graph, notes=graph.notes + (note,))
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(param.device.type == "meta" for param in model.parameters())
 
 
 def _policy(precision: str) -> PrecisionPolicy:

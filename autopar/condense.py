@@ -22,7 +22,7 @@ def condense(graph: OpGraph) -> OpGraph:
     groups = []
     stand_ins: dict[str, str] = {}
     for group in graph.blocks:
-        if group.num_instances < 3:
+        if group.num_instances < 3 or not _only_last_read_from_outside(graph, group):
             groups.append(group)
             continue
         last = group.nodes[-1]
@@ -48,6 +48,19 @@ def condense(graph: OpGraph) -> OpGraph:
     params = tuple(param for param in graph.params if param.node not in params_dropped)
     return replace(graph, nodes=tuple(nodes), params=params, blocks=tuple(groups), segments=segments,
                    node_weights=weights, stand_ins=stand_ins)
+
+
+def _only_last_read_from_outside(graph: OpGraph, group: BlockGroup) -> bool:
+    """Blocks 1..N-2 must feed only the next block: ops between blocks (a residual add in the
+    parent's forward) would lose their inputs, so such a group is kept whole."""
+    middle = {name for names in group.nodes[1:-1] for name in names}
+    inside = {name for names in group.nodes for name in names}
+    for node in graph.nodes:
+        if node.name in inside:
+            continue
+        if any(source in middle for source in node.inputs):
+            return False
+    return True
 
 
 def _stand_in(graph: OpGraph, names, kept_names, stand_ins: dict[str, str]) -> None:

@@ -17,6 +17,8 @@ ITEMSIZE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
     "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
+_LAYOUT_ONLY = frozenset({"aten.contiguous.default", "aten.clone.default", "aten.alias.default",
+                          "aten.detach.default", "aten.lift_fresh_copy.default"})
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 
 
@@ -302,11 +304,21 @@ class OpGraph:
         (dtypes, node names and the loss part are left out)."""
         graph = self.with_batch(1) if self.batch_dynamic else self
         model_nodes = [node for node in graph.nodes if node.name not in self.loss_nodes and node.kind != "output"]
+        # Layout-only copies come and go with the device a model is traced on (Hugging Face
+        # code makes tensors contiguous on some devices only): they are not part of the identity.
+        alias = {node.name: node.inputs[0] for node in model_nodes if node.target in _LAYOUT_ONLY and node.inputs}
+        model_nodes = [node for node in model_nodes if node.name not in alias]
         position = {node.name: index for index, node in enumerate(model_nodes)}
+
+        def resolve(name: str) -> str:
+            while name in alias:
+                name = alias[name]
+            return name
+
         digest = hashlib.sha256()
         for node in model_nodes:
             shapes = [meta.shape for meta in node.outputs]
-            inputs = [position.get(source, -1) for source in node.inputs]
+            inputs = [position.get(resolve(source), -1) for source in node.inputs]
             target = node.target if node.kind != "input" else ""  # input names differ under WithLoss
             digest.update(repr((node.kind, target, inputs, shapes)).encode())
         return digest.hexdigest()[:16]

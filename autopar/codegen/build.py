@@ -89,7 +89,7 @@ class ProgramBuilder:
         self.interpreter = PlannedInterpreter(self.placements, tp_mesh, stats)
         self.recomputable = recomputable_nodes(parts.graph) if plan.recompute == "selective" else set()
         self.readers = parts.readers()
-        self.segment_nodes = {segment.name: list(segment.nodes) for segment in parts.graph.segments}
+        self.segment_nodes = parts.segment_nodes
         self.params: dict[str, nn.Parameter] = {}
         """FQN -> the distributed parameter (one object per FQN on this rank)."""
 
@@ -113,7 +113,7 @@ class ProgramBuilder:
         fx_nodes = [self.parts.fx_nodes[n] for n in node_names]
         inside = set(node_names)
         inputs = sorted({source.name for node in fx_nodes for source in node.all_input_nodes if source.name not in inside})
-        produced = [n for n in node_names if self.readers.get(n, set()) - {name}]
+        produced = [n for n in node_names if n not in self.parts.helpers and self.readers.get(n, set()) - {name}]
         return SegmentModule(name, fx_nodes, self.interpreter, inputs, produced, self.plan.recompute, self.recomputable)
 
     def _attach_params(self, stage: StageProgram, segments: list[SegmentModule], spec: ChunkSpec) -> None:

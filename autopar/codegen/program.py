@@ -42,14 +42,23 @@ class GraphParts:
     constant_of: dict[str, str] = field(default_factory=dict)
     user_inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
+    segment_nodes: dict[str, list[str]] = field(default_factory=dict)
+    """Per segment, the nodes it runs: its ops, each preceded by the size arithmetic it reads
+    (sym_size and friends are not ops of the graph: every segment computes its own copy)."""
+    helpers: set[str] = field(default_factory=set)
 
     @classmethod
     def read(cls, program, graph: OpGraph) -> "GraphParts":
         parts = cls(program=program, graph=graph, fx_nodes={node.name: node for node in program.graph.nodes})
+        parts._find_helpers()
+        first_name: dict[int, str] = {}
         for spec in program.graph_signature.input_specs:
             name = spec.arg.name
             if spec.kind == InputKind.PARAMETER:
-                parts.param_of[name] = spec.target
+                # A tied weight is lifted once per name: every name maps to the first, one Parameter.
+                tensor = program.state_dict.get(spec.target)
+                parts.param_of[name] = first_name.setdefault(id(tensor), spec.target) if tensor is not None \
+                    else spec.target
             elif spec.kind == InputKind.BUFFER:
                 parts.buffer_of[name] = spec.target
             elif spec.kind == InputKind.USER_INPUT:
@@ -59,17 +68,33 @@ class GraphParts:
         parts.outputs = [name for name in program.graph_signature.user_outputs if name in parts.fx_nodes]
         return parts
 
+    def _find_helpers(self) -> None:
+        known = self.graph.by_name
+        for segment in self.graph.segments:
+            ordered: list[str] = []
+            for name in segment.nodes:
+                self._add_helpers(self.fx_nodes[name], known, ordered)
+                ordered.append(name)
+            self.segment_nodes[segment.name] = ordered
+
+    def _add_helpers(self, node, known, ordered: list[str]) -> None:
+        for source in node.all_input_nodes:
+            if source.op == "call_function" and source.name not in known and source.name not in ordered:
+                self._add_helpers(source, known, ordered)
+                ordered.append(source.name)
+                self.helpers.add(source.name)
+
     def segment_of(self) -> dict[str, str]:
         return {name: segment.name for segment in self.graph.segments for name in segment.nodes}
 
     def readers(self) -> dict[str, set[str]]:
         """Node -> the segments whose ops read it ("<output>" for the model outputs)."""
-        segment_of = self.segment_of()
         found: dict[str, set[str]] = defaultdict(set)
-        for node in self.program.graph.nodes:
-            if node.op == "call_function" and node.name in segment_of:
-                for source in node.all_input_nodes:
-                    found[source.name].add(segment_of[node.name])
+        for segment, names in self.segment_nodes.items():
+            for name in names:
+                for source in self.fx_nodes[name].all_input_nodes:
+                    if source.name not in self.helpers:
+                        found[source.name].add(segment)
         for name in self.outputs:
             found[name].add("<output>")
         return found

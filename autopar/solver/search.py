@@ -165,6 +165,10 @@ class Planner:
             raise ConfigError(f"zero stage must be 0, 1, 2 or 3, got {config.zero_stage}")
         if config.schedule == "interleaved" and (config.virtual_stages < 2 or config.pp < 2):
             raise ConfigError("the interleaved schedule needs pp >= 2 and at least 2 model chunks per device")
+        if not schedule_accepts(config.schedule, config.pp, config.num_microbatches):
+            raise ConfigError(f"{config.num_microbatches} microbatches cannot fill a {config.schedule} pipeline of "
+                              f"{config.pp} stages: 1F1B needs at least as many microbatches as stages and the "
+                              "interleaved schedule a multiple of them; use a smaller microbatch or a larger batch")
         if not self.graph.batch_dynamic and config.microbatch_size != self.graph.batch_size:
             raise ConfigError(f"the model was captured with a fixed batch of {self.graph.batch_size}; "
                               f"microbatch size {config.microbatch_size} cannot be priced")
@@ -216,7 +220,9 @@ class Planner:
             pps = [constraints.pp] if constraints.pp else [p for p in _divisors(rest) if p <= len(self.graph.segments)]
             for pp in pps:
                 if rest % pp:
-                    raise ConfigError(f"tp x pp = {tp * pp} does not divide the {devices} devices of the cluster")
+                    if constraints.tp:
+                        raise ConfigError(f"tp x pp = {tp * pp} does not divide the {devices} devices of the cluster")
+                    continue  # this tp leaves no room for the requested pp; another tp may
                 dp = rest // pp
                 if constraints.dp and dp != constraints.dp:
                     continue
@@ -249,6 +255,8 @@ class Planner:
         modes = [constraints.recompute] if constraints.recompute else list(RECOMPUTE_MODES)
         zeros = [constraints.zero_stage] if constraints.zero_stage is not None else ([0] if dp == 1 else [0, 1, 2, 3])
         for schedule, virtual in schedules:
+            if not schedule_accepts(schedule, pp, m):
+                continue
             for recompute in modes:
                 for zero in zeros:
                     yield ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch, num_microbatches=m,
@@ -291,6 +299,16 @@ class Planner:
             f"{human_bytes(least.peak_memory_bytes)} per device ({parts}), more than the "
             f"{human_bytes(budget)} usable of {human_bytes(self.cluster.device.memory_bytes)}. "
             "Use more devices, devices with more memory, or relax the constraints.")
+
+
+def schedule_accepts(schedule: str, num_stages: int, num_microbatches: int) -> bool:
+    """What torch.distributed.pipelining's schedules run: 1F1B needs m >= p, interleaved a
+    multiple of p."""
+    if num_stages <= 1 or schedule == "gpipe":
+        return True
+    if schedule == "interleaved":
+        return num_microbatches % num_stages == 0
+    return num_microbatches >= num_stages
 
 
 def _lower_bound_s(prepared: PreparedSegments, config: ParallelConfig) -> float:

@@ -56,14 +56,17 @@ class Strategy:
 
     def input_grad(self, index: int, axis: int, requires_grad: bool) -> str:
         """Placement of the gradient this op produces for input `index` on `axis`: a replicated
-        input of an op whose work is split, or that meets a partial operand, receives a partial
-        gradient from each device."""
+        input of an op whose work is split into shards, or that meets a partial operand, receives
+        a partial gradient from each device."""
         placement = self.inputs[index][axis]
         if placement == PARTIAL:
             return REPLICATE
-        # mul(P, R): the gradient of the replicated factor involves the partial one.
+        # mul(P, R): the gradient of the replicated factor involves the partial one. A split op
+        # with a Partial output (row-parallel linear) gets a replicated output gradient, so a
+        # replicated operand of it (the bias) has a replicated gradient.
         partial_neighbour = any(inputs[axis] == PARTIAL for i, inputs in enumerate(self.inputs) if i != index)
-        if placement == REPLICATE and requires_grad and (self.split_axes[axis] or partial_neighbour):
+        split_into_shards = self.split_axes[axis] and self.output[axis] != PARTIAL
+        if placement == REPLICATE and requires_grad and (split_into_shards or partial_neighbour):
             return PARTIAL
         return placement
 

@@ -68,18 +68,13 @@ def count_case(case: Case) -> dict:
                 sharded=[name for name, placement in module.plan.param_placements.items() if placement != "R"])
 
 
-PREDICTION_BUG = pytest.mark.xfail(strict=True, raises=KnownBugError, reason=(
-    "planner over-predicts: for a row-parallel linear with a replicated bias (fc_out: input S2, weight S1, "
-    "output P) it prices a 'grad'-phase all_reduce of the bias gradient (1 KiB per block here), which DTensor "
-    "never runs (the bias gradient comes from the replicated output gradient): predicted all_reduce 8, ran 6"))
-
 _PARAMS = [
     pytest.param(Case(TINY_GPT, 2, "tiny"), id="gpt-tp2"),
     pytest.param(Case(TINY_GPT, 4, "tiny"), id="gpt-tp4"),
     # On real A100 figures a tiny model is replicated: nothing predicted, nothing may run.
     pytest.param(Case(TINY_GPT, 4, "dgx-a100-80g:gpus_per_node=4"), id="gpt-tp4-dgx-replicated"),
     pytest.param(Case(MEDIUM_GPT, 2, "dgx-a100-80g:gpus_per_node=2", known_error="predicted - ran: {'all_reduce': 2}"),
-                 id="gpt256-tp2-dgx", marks=PREDICTION_BUG),
+                 id="gpt256-tp2-dgx"),
 ]
 CASES = {param.id: param.values[0] for param in _PARAMS}
 
