@@ -218,7 +218,7 @@ class StageProgram(nn.Module):
         if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
             return value
         placement = self.placements.get(name, "R")
-        if name in self.boundary_inputs:
+        if name in self.boundary_inputs and self.interpreter.distributed:
             return DTensor.from_local(value, self.interpreter.mesh, [to_dtensor_placement(placement)], run_check=False)
         return self.interpreter.place(value, placement)
 
@@ -235,7 +235,9 @@ class StageProgram(nn.Module):
 def distribute_parameter(param: torch.Tensor, placement: str, mesh, device: torch.device) -> nn.Parameter:
     """A parameter as a DTensor with the plan's tensor-parallel placement (sliced locally)."""
     data = param.detach().to(device)
-    if placement not in ("R", "P") and mesh.size() > 1:
+    if mesh.size() == 1:  # no tensor parallelism: a plain parameter
+        return nn.Parameter(data.clone(), requires_grad=param.requires_grad)
+    if placement not in ("R", "P"):
         local = distribute_tensor(data, mesh, [to_dtensor_placement(placement)], src_data_rank=None).to_local()
         tensor = DTensor.from_local(local.clone(), mesh, [to_dtensor_placement(placement)], run_check=False)
     else:
