@@ -4,6 +4,7 @@ import csv
 from pathlib import Path
 
 import pytest
+import torch
 
 REFERENCE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
 
@@ -15,3 +16,12 @@ def reference_rows(name: str) -> list[dict[str, str]]:
         pytest.skip(f"reference data {path} not present")
     lines = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
     return list(csv.DictReader(lines))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads; on a busy CPU, OpenMP spin-waits double the time."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

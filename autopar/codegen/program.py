@@ -100,7 +100,24 @@ class GraphParts:
         return found
 
 
-class SegmentModule(nn.Module):
+class ParameterOwner(nn.Module):
+    """Registers plan parameters under safe attribute names and reads them back in forward
+    (where FSDP has swapped in the gathered ones)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.param_attrs: dict[str, str] = {}
+
+    def own_parameter(self, placeholder: str, fqn: str, param: nn.Parameter) -> None:
+        attr = attribute_name(fqn)
+        self.register_parameter(attr, param)
+        self.param_attrs[placeholder] = attr
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        return {placeholder: getattr(self, attr) for placeholder, attr in self.param_attrs.items()}
+
+
+class SegmentModule(ParameterOwner):
     """Runs one segment's nodes; owns the parameters only it reads."""
 
     def __init__(self, name: str, nodes: list[torch.fx.Node], interpreter: PlannedInterpreter,
@@ -113,15 +130,6 @@ class SegmentModule(nn.Module):
         self.produced = produced
         self.recompute = recompute
         self.recomputable = recomputable
-        self.param_attrs: dict[str, str] = {}
-
-    def own_parameter(self, placeholder: str, fqn: str, param: nn.Parameter) -> None:
-        attr = attribute_name(fqn)
-        self.register_parameter(attr, param)
-        self.param_attrs[placeholder] = attr
-
-    def _params(self) -> dict[str, torch.Tensor]:
-        return {placeholder: getattr(self, attr) for placeholder, attr in self.param_attrs.items()}
 
     def forward(self, values: dict):
         if self.recompute == "full":
@@ -171,7 +179,7 @@ def _runs(nodes: list[torch.fx.Node], recomputable: set[str]) -> list[tuple[list
     return runs
 
 
-class StageProgram(nn.Module):
+class StageProgram(ParameterOwner):
     """The segments of one pipeline stage (all of them when pp = 1).
 
     Inputs arrive as plain tensors: user inputs (the same on every tensor-parallel rank) are
@@ -193,20 +201,14 @@ class StageProgram(nn.Module):
         self.placements = placements
         self.scalars = scalars
         """Python numbers (symbolic sizes) that cross a pipeline boundary as 0-dim tensors."""
-        self.param_attrs: dict[str, str] = {}
         self.fixed_values: dict[str, torch.Tensor] = {}
         """Buffers and constants of the exported program, by placeholder."""
-
-    def own_parameter(self, placeholder: str, fqn: str, param: nn.Parameter) -> None:
-        attr = attribute_name(fqn)
-        self.register_parameter(attr, param)
-        self.param_attrs[placeholder] = attr
 
     def forward(self, *inputs):
         env: dict = dict(self.fixed_values)
         for name, value in zip(self.input_names, inputs):
             env[name] = self._enter(name, value)
-        env.update({placeholder: getattr(self, attr) for placeholder, attr in self.param_attrs.items()})
+        env.update(self._params())
         for segment in self.segments:
             env.update(segment({name: env[name] for name in segment.input_names if name in env}))
         outputs = tuple(self._leave(name, env[name]) for name in self.output_names)

@@ -28,14 +28,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 FAMILY_NAMES = sorted(FAMILIES)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads; on a busy CPU, OpenMP spin-waits double the time."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def num_parameters(model: nn.Module) -> int:
     return sum(param.numel() for param in model.parameters())  # tied weights once

@@ -16,13 +16,6 @@ from autopar.models import build_model
 BUILTIN_BLOCK_MODELS = ["gpt", "llama", "bert", "vit", "moe", "mlp"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 @functools.lru_cache(maxsize=None)
 def captured(spec: str, batch_size: int = 2, dtype: torch.dtype | None = None, with_loss: bool = True):

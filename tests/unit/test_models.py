@@ -16,14 +16,6 @@ from conftest import reference_rows  # tests/conftest.py (pytest puts tests/ on 
 FAMILY_NAMES = sorted(FAMILIES)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads; on a busy CPU, OpenMP spin-waits double the time."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def expected_output_shape(bundle, batch_size):
     config = bundle.config
