@@ -106,6 +106,9 @@ class ProgramBuilder:
                              outputs=spec.outputs, output_mode=mode, scalars=scalars,
                              placements={name: self.placements.get(name, "R").split("|")[0] for name in inputs})
         self._attach_params(stage, segments, spec)
+        if self.plan.precision == "bf16":  # bf16 compute, fp32 master weights and gradients
+            for module in [stage, *segments]:
+                module.compute_dtype = torch.bfloat16
         return stage
 
     def _segment(self, name: str, spec: ChunkSpec) -> SegmentModule:

@@ -107,6 +107,8 @@ class ParameterOwner(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.param_attrs: dict[str, str] = {}
+        self.compute_dtype: torch.dtype | None = None
+        """Mixed precision: fp32 parameters are used in this dtype (autograd keeps fp32 grads)."""
 
     def own_parameter(self, placeholder: str, fqn: str, param: nn.Parameter) -> None:
         attr = attribute_name(fqn)
@@ -114,7 +116,12 @@ class ParameterOwner(nn.Module):
         self.param_attrs[placeholder] = attr
 
     def _params(self) -> dict[str, torch.Tensor]:
-        return {placeholder: getattr(self, attr) for placeholder, attr in self.param_attrs.items()}
+        return {placeholder: self.in_compute_dtype(getattr(self, attr)) for placeholder, attr in self.param_attrs.items()}
+
+    def in_compute_dtype(self, value):
+        if self.compute_dtype is not None and isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+            return value.to(self.compute_dtype)
+        return value
 
 
 class SegmentModule(ParameterOwner):
@@ -217,6 +224,7 @@ class StageProgram(ParameterOwner):
     def _enter(self, name: str, value):
         if name in self.scalars and isinstance(value, torch.Tensor):
             return value.item()
+        value = self.in_compute_dtype(value)
         if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
             return value
         placement = self.placements.get(name, "R")
