@@ -135,7 +135,7 @@ def nothing_may_run(monkeypatch):
         raise AssertionError("the profiler started work before validating its options")
 
     monkeypatch.setattr(profiler, "_measure_compute", forbidden)
-    monkeypatch.setattr(profiler, "_spawn_collectives", forbidden)
+    monkeypatch.setattr(profiler, "spawn_collectives", forbidden)
 
 
 def test_too_many_processes_raise_before_anything_runs(nothing_may_run):
@@ -161,11 +161,11 @@ def test_torchrun_environment_is_recognised(monkeypatch, nothing_may_run):
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "5")
-    assert profiler._torchrun_launch() == profiler._Launch(rank=5, world_size=8, local_world_size=4)
+    assert profiler.torchrun_launch() == profiler.Launch(rank=5, world_size=8, local_world_size=4)
     with pytest.raises(CostModelInputError, match="LOCAL_WORLD_SIZE=4"):
         run_profile(ProfileOptions(num_processes=3))
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert profiler._torchrun_launch() is None
+    assert profiler.torchrun_launch() is None
 
 
 def test_options_are_checked():
