@@ -15,12 +15,13 @@ bandwidth that nccl-tests report on 2 x 8 H100). With B the message size:
 
 plus latency: alpha x steps, with 2(n-1) ring steps for all-reduce or 2 log2(n) + 2 for a tree,
 whichever is smaller, and n-1 for the others; alpha of the slowest level crossed. bw is the
-link bandwidth x efficiency, or fitted from a profile per collective and level (and per group size
-where that size was measured).
+link bandwidth x efficiency, or fitted from a profile per collective and level; for a group size
+the profile measured, its measurements are interpolated directly (log-log in the message size).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -64,6 +65,7 @@ class CommModel:
     def __init__(self, cluster: ClusterLike) -> None:
         self.cluster = cluster
         self.fits = _fit_profile(cluster.profile) if cluster.profile is not None else {}
+        self.tables = _measured_tables(cluster.profile) if cluster.profile is not None else {}
 
     def link(self, op: str, level: str) -> LinkFit:
         fitted = self.fits.get((op, level)) or self.fits.get(("all_reduce", level))
@@ -89,9 +91,9 @@ class CommModel:
             return 0.0
         level = "inter_node" if group.num_nodes > 1 else "intra_node"
         volume = volume_factor(op, n) * message_bytes
-        measured = self.fits.get((op, level, n))
-        if measured is not None:  # this very group size was profiled: t = alpha + volume / bw
-            return measured.latency_s + volume / measured.bandwidth_bytes_per_s
+        table = self.tables.get((op, level, n))
+        if table is not None:  # this very group size was profiled: interpolate the measurements
+            return _interpolate(table, message_bytes)
         latency = self.link(op, level).latency_s
         return volume / self.bandwidth_bytes_per_s(op, group) + latency_steps(op, n) * latency
 
@@ -119,18 +121,39 @@ def volume_factor(op: str, num_devices: int) -> float:
             "all_to_all": (n - 1) / n, "broadcast": 1.0, "send_recv": 1.0}[op]
 
 
+def _measured_tables(profile: HardwareProfile) -> dict[tuple, tuple[list[float], list[float]]]:
+    """(op, level, group size) -> measured (message bytes, seconds), sorted by size."""
+    points: dict[tuple, list[tuple[float, float]]] = {}
+    for point in profile.collectives:
+        points.setdefault((point.op, point.level, point.num_devices), []).append((point.message_bytes, point.time_s))
+    return {key: ([b for b, _ in sorted(rows)], [t for _, t in sorted(rows)])
+            for key, rows in points.items() if len(rows) >= 2}
+
+
+def _interpolate(table: tuple[list[float], list[float]], message_bytes: float) -> float:
+    """Log-log between measured sizes; below the smallest its time (latency-bound), above the
+    largest its time scaled with the bytes (bandwidth-bound)."""
+    sizes, times = table
+    if message_bytes <= sizes[0]:
+        return times[0]
+    if message_bytes >= sizes[-1]:
+        return times[-1] * message_bytes / sizes[-1]
+    index = bisect.bisect_right(sizes, message_bytes)
+    x0, x1 = math.log(sizes[index - 1]), math.log(sizes[index])
+    y0, y1 = math.log(times[index - 1]), math.log(times[index])
+    return math.exp(y0 + (y1 - y0) * (math.log(message_bytes) - x0) / (x1 - x0))
+
+
 def _fit_profile(profile: HardwareProfile) -> dict[tuple, LinkFit]:
-    """Alpha-beta fits from measurements, by (collective, level) and by (collective, level, group
-    size). Each minimises the *relative* error, t = a + b x, so small messages count as much as
-    large ones; a per-size fit is used for the group sizes that were measured (transports such as
-    gloo do not scale between group sizes as the ring formulas assume)."""
+    """Alpha-beta fits from measurements, by (collective, level), for the group sizes the profile
+    did not measure. Each minimises the *relative* error, so small messages count as much as large
+    ones."""
     samples: dict[tuple, list[tuple[float, float, float]]] = {}
     for point in profile.collectives:
         n = point.num_devices
         steps = latency_steps(point.op, n)
         volume = volume_factor(point.op, n) * point.message_bytes
         samples.setdefault((point.op, point.level), []).append((steps, volume, point.time_s))
-        samples.setdefault((point.op, point.level, n), []).append((1.0, volume, point.time_s))
     fits = {}
     for key, rows in samples.items():
         fit = _least_squares(rows)

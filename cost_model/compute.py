@@ -2,11 +2,14 @@
 
     time = max(flops / (peak(dtype) x matmul_efficiency(flops)), bytes / (bandwidth x memory_eff))
            + kernel_overhead                                    (matmul-class kernels)
-    time = bytes / (bandwidth x memory_eff) + kernel_overhead   (memory-bound kernels)
+    time = max(bytes / (bandwidth x memory_eff), elements / element_rate(kind)) + kernel_overhead
+                                                                (element-wise kernels)
 
 Without a profile, matmul efficiency saturates with size: eff(f) = eff_max x f / (f + f_half),
 so a large GEMM runs near (not at) peak and a tiny one is overhead-bound. With a profile the
-measured throughput is interpolated in log(FLOPs) for the kernel's dtype.
+measured throughput is interpolated in log(FLOPs) for the kernel's dtype, and element-wise
+kernels heavy in arithmetic (GELU, softmax, norms) meet their kind's measured element rate: on
+a GPU that ceiling is far above bandwidth, on a CPU it is what bounds them.
 """
 
 from __future__ import annotations
@@ -26,10 +29,28 @@ _DTYPE_KEYS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float6
 
 
 class KernelLike(Protocol):
+    name: str
     flops: float
     io_bytes: float
     is_matmul: bool
     dtype: str
+
+
+# Element-wise kernels whose arithmetic, not memory traffic, can bound them (on CPUs): their
+# kind's measured element rate is a second ceiling. Names are aten overloads without "aten.".
+_KERNEL_KINDS = {
+    **{name: "transcendental" for name in ("gelu", "gelu_backward", "silu", "silu_backward", "tanh",
+                                           "tanh_backward", "sigmoid", "sigmoid_backward", "exp", "log", "erf",
+                                           "pow", "rsqrt", "sqrt", "sin", "cos")},
+    **{name: "normalize" for name in ("_softmax", "_softmax_backward_data", "_log_softmax",
+                                      "_log_softmax_backward_data", "native_layer_norm",
+                                      "native_layer_norm_backward", "native_group_norm", "_fused_rms_norm")},
+}
+
+
+def kernel_kind(name: str) -> str | None:
+    """"transcendental", "normalize" or None for an aten overload name like "aten.gelu.default"."""
+    return _KERNEL_KINDS.get(name.removeprefix("aten.").split(".")[0])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +90,7 @@ class ComputeModel:
             self.bandwidth_bytes_per_s = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
             self.overhead_s = device.kernel_overhead_s
         self._tables = _matmul_tables(profile) if profile is not None else {}
+        self.element_rates = {point.kind: point.elements_per_s for point in profile.elementwise} if profile else {}
 
     def matmul_rate(self, flops: float, dtype: str) -> float:
         """Achieved FLOP/s of a matmul of `flops` FLOPs."""
@@ -79,9 +101,13 @@ class ComputeModel:
         efficiency = self.device.matmul_efficiency * flops / (flops + self.device.matmul_half_efficiency_flops)
         return self.device.peak_flops(key) * max(efficiency, 1e-6)
 
-    def kernel(self, flops: float, io_bytes: float, is_matmul: bool, dtype: str = "bfloat16") -> ComputeTime:
+    def kernel(self, flops: float, io_bytes: float, is_matmul: bool, dtype: str = "bfloat16",
+               name: str = "") -> ComputeTime:
         memory_s = io_bytes / self.bandwidth_bytes_per_s
         if not is_matmul or flops <= 0:
+            rate = self.element_rates.get(kernel_kind(name)) if name else None
+            if rate:  # flops of an element-wise kernel count its output elements
+                memory_s = max(memory_s, flops / rate)
             return ComputeTime(memory_s=memory_s, overhead_s=self.overhead_s)
         matmul_s = flops / self.matmul_rate(flops, dtype)
         if matmul_s >= memory_s:
@@ -93,7 +119,7 @@ class ComputeModel:
         total = ComputeTime()
         for kernel in kernels:
             total = total + self.kernel(kernel.flops * flops_scale, kernel.io_bytes * bytes_scale,
-                                        kernel.is_matmul, kernel.dtype)
+                                        kernel.is_matmul, kernel.dtype, kernel.name)
         return total
 
 

@@ -18,6 +18,7 @@ from cost_model.errors import CostModelInputError
 SCHEMA_VERSION = 1
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 LINK_LEVELS = ("intra_node", "inter_node")
+ELEMENTWISE_KINDS = ("transcendental", "normalize")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +31,16 @@ class MatmulPoint:
     """FLOPs of the measured matmul (2 m n k)."""
     achieved_flops_per_s: float
     """Measured throughput."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElementwisePoint:
+    """Arithmetic throughput of element-wise kernels of one kind (a ceiling besides bandwidth)."""
+
+    kind: str
+    """One of ELEMENTWISE_KINDS."""
+    elements_per_s: float
+    """Output elements per second, measured on a tensor that streams from memory."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +81,8 @@ class HardwareProfile:
     """Matmul throughput sweep."""
     collectives: tuple[CollectivePoint, ...] = ()
     """Collective sweep (empty when measured with one process)."""
+    elementwise: tuple[ElementwisePoint, ...] = ()
+    """Element rates of arithmetic-heavy kernels (GELU, softmax...); absent in older profiles."""
     created: str = ""
     """ISO timestamp."""
     host: str = ""
@@ -115,6 +128,8 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfil
         raise CostModelInputError(f"profile '{source}': field 'matmul' is empty; re-run `autopar profile`")
     collectives = tuple(
         _collective_point(item, source, index) for index, item in enumerate(reader.list("collectives", required=False)))
+    elementwise = tuple(_elementwise_point(item, source, index)
+                        for index, item in enumerate(reader.list("elementwise", required=False)))
     device_kind = reader.text("device_kind")
     if device_kind not in ("cpu", "cuda"):
         raise CostModelInputError(f"profile '{source}': field 'device_kind' must be 'cpu' or 'cuda', got {device_kind!r}")
@@ -128,6 +143,7 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfil
         kernel_overhead_s=reader.non_negative("kernel_overhead_s"),
         matmul=matmul,
         collectives=collectives,
+        elementwise=elementwise,
         created=str(data.get("created", "")),
         host=str(data.get("host", "")),
     )
@@ -191,3 +207,11 @@ def _collective_point(item: Any, source: str, index: int) -> CollectivePoint:
         raise CostModelInputError(f"profile '{source}': collectives[{index}].level {level!r} is not one of {LINK_LEVELS}")
     return CollectivePoint(op=op, level=level, num_devices=int(reader.positive("num_devices")),
                            message_bytes=reader.positive("message_bytes"), time_s=reader.positive("time_s"))
+
+
+def _elementwise_point(item: Any, source: str, index: int) -> ElementwisePoint:
+    reader = _FieldReader(item if isinstance(item, dict) else {}, f"{source}: elementwise[{index}]")
+    kind = reader.text("kind")
+    if kind not in ELEMENTWISE_KINDS:
+        raise CostModelInputError(f"profile '{source}': elementwise[{index}].kind {kind!r} is not one of {ELEMENTWISE_KINDS}")
+    return ElementwisePoint(kind=kind, elements_per_s=reader.positive("elements_per_s"))

@@ -9,6 +9,8 @@ What is measured, and how it feeds the cost model (compute.py, comm.py):
   larger than a last-level cache, read + write bytes counted (as the probe counts `io_bytes`).
   The output is preallocated: a fresh CPU tensor of this size comes from mmap and is paid in
   page faults (~5x slower than the copy itself), which would measure the allocator, not memory.
+- element-wise rates: output elements per second of GELU and of softmax over rows, a second
+  ceiling for arithmetic-heavy element-wise kernels (what bounds them on a CPU).
 - matmul: square (m = n = k) matmuls over a size sweep per dtype; achieved FLOP/s per size.
   ComputeModel prices a kernel as overhead + flops / rate, so on a CPU (where the two add up)
   the overhead is taken off the measured time first; on a GPU back-to-back launches hide behind
@@ -49,7 +51,7 @@ from datetime import datetime, timezone
 import torch
 
 from cost_model.errors import CostModelInputError
-from cost_model.profile import (COLLECTIVE_OPS, SCHEMA_VERSION, CollectivePoint, HardwareProfile,
+from cost_model.profile import (COLLECTIVE_OPS, SCHEMA_VERSION, CollectivePoint, ElementwisePoint, HardwareProfile,
                                 MatmulPoint)
 from cost_model.profile_collectives import (Launch, measure_collectives, plan_collectives, ranks_by_node,
                                             spawn_collectives, torchrun_launch)
@@ -245,6 +247,7 @@ def _assemble(options: ProfileOptions, num_processes: int, compute: "_ComputeFig
         kernel_overhead_s=compute.overhead_s,
         matmul=compute.matmul,
         collectives=tuple(collectives),
+        elementwise=compute.elementwise,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         host=socket.gethostname(),
     )
@@ -258,6 +261,7 @@ class _ComputeFigures:
     overhead_s: float
     bandwidth_bytes_per_s: float
     matmul: tuple[MatmulPoint, ...]
+    elementwise: tuple[ElementwisePoint, ...] = ()
 
 
 def _measure_compute(options: ProfileOptions, num_processes: int, report: Progress,
@@ -272,13 +276,16 @@ def _measure_compute(options: ProfileOptions, num_processes: int, report: Progre
         overhead_s = _measure_overhead(timer, device, options, deadline_s)
         report(f"kernel overhead {overhead_s * 1e6:.1f} us; memory bandwidth", 0.05)
         bandwidth = _measure_bandwidth(timer, device, options, overhead_s, deadline_s)
-        report(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s; matmul sweep", 0.15)
+        report(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s; element-wise rates", 0.1)
+        elementwise = _measure_elementwise(timer, device, options, overhead_s, deadline_s)
+        report("matmul sweep", 0.15)
         dtypes = _without_slow_bf16(timer, device, options.matmul_dtypes) if probe_bf16 else options.matmul_dtypes
         matmul = _measure_matmuls(timer, device, replace(options, matmul_dtypes=dtypes), overhead_s,
                                   report.span(0.15, 1.0), deadline_s)
     finally:
         torch.set_num_threads(previous_threads)
-    return _ComputeFigures(overhead_s=overhead_s, bandwidth_bytes_per_s=bandwidth, matmul=matmul)
+    return _ComputeFigures(overhead_s=overhead_s, bandwidth_bytes_per_s=bandwidth, matmul=matmul,
+                           elementwise=elementwise)
 
 
 def _measure_overhead(timer: Timer, device: torch.device, options: ProfileOptions, deadline_s: float) -> float:
@@ -299,6 +306,22 @@ def _measure_bandwidth(timer: Timer, device: torch.device, options: ProfileOptio
                                    deadline_s=deadline_s)
     moved_bytes = 2 * numel * source.element_size()
     return moved_bytes / _compute_time_s(options.device, time_s, overhead_s)
+
+
+def _measure_elementwise(timer: Timer, device: torch.device, options: ProfileOptions, overhead_s: float,
+                         deadline_s: float) -> tuple[ElementwisePoint, ...]:
+    """Output elements per second of GELU ("transcendental") and softmax over rows of 1024
+    ("normalize"), into preallocated outputs like the bandwidth kernel."""
+    numel = 2**22 // (2 if options.quick else 1)
+    source = torch.randn(numel, device=device)
+    target = torch.empty_like(source)
+    rows, row_target = source.view(-1, 1024), target.view(-1, 1024)
+    cases = {"transcendental": lambda: torch.ops.aten.gelu.out(source, out=target),
+             "normalize": lambda: torch.ops.aten._softmax.out(rows, -1, False, out=row_target)}
+    times = interleaved_medians(timer, list(cases.values()), warmup=options.warmup, repeats=options.repeats,
+                                min_sample_s=options.min_sample_s, deadline_s=deadline_s)
+    return tuple(ElementwisePoint(kind=kind, elements_per_s=numel / _compute_time_s(options.device, time_s, overhead_s))
+                 for kind, time_s in zip(cases, times))
 
 
 def _compute_time_s(device: str, call_s: float, overhead_s: float) -> float:
