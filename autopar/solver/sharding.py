@@ -26,7 +26,6 @@ from autopar.solver.intra_op import ChoiceProblem, ChoiceSolution, solve_choices
 from autopar.solver.quotient import fold_blocks
 from autopar.solver.sharding_problem import Assignment, Layout, ProblemBuilder
 from autopar.strategies import Strategy, has_rule
-from autopar.strategies.placement import shard_factor
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
 from cost_model.memory import BF16_ADAM, PrecisionPolicy

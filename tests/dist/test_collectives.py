@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from harness import KnownBugError, case_outcome, fail, tiny_model_cluster  # noqa: F401 (a fixture)
+from harness import case_outcome, fail, tiny_model_cluster  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.dist
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness import KnownBugError, case_outcome, fail, tiny_model_cluster  # noqa: F401 (a fixture)
+from harness import case_outcome, fail, tiny_model_cluster  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.dist
 
@@ -200,17 +200,9 @@ def _error(grad: torch.Tensor, reference: torch.Tensor) -> dict:
 
 # --- the cases --------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Bug:
-    reason: str
-    error: str
-    """A piece of the failure's text: any other failure of the case is a real one."""
-
-
-def _case(model: str, world_size: int, bug: Bug | None = None, **constraints):
-    marks = [pytest.mark.xfail(strict=True, raises=KnownBugError, reason=bug.reason)] if bug else []
-    case = Case(model, world_size, constraints, known_error=bug.error if bug else "")
-    return pytest.param(case, marks=marks, id=f"{model}-{world_size}-" + "-".join(
+def _case(model: str, world_size: int, **constraints):
+    case = Case(model, world_size, constraints)
+    return pytest.param(case, id=f"{model}-{world_size}-" + "-".join(
         f"{key}{value}" for key, value in constraints.items()))
 
 
