@@ -72,6 +72,8 @@ def capture_for_planning(model, example_inputs=None, *, loss_fn=None, example_ta
     dtype = torch.bfloat16 if precision == "bf16" else None
     replica = meta_replica(spec.model, dtype)
     targets = meta_inputs(spec.example_targets) if spec.example_targets is not None else None
+    if spec.loss_fn is not None and targets is None:
+        targets = _output_like(replica, meta_inputs(spec.example_inputs, dtype))
     try:
         return capture(replica, meta_inputs(spec.example_inputs, dtype), loss_fn=spec.loss_fn,
                        example_targets=targets, name=spec.name, verbose=verbose)
@@ -84,6 +86,19 @@ def capture_for_planning(model, example_inputs=None, *, loss_fn=None, example_ta
                     name=spec.name, verbose=verbose)
     note = "captured on the model's own device and dtype: its forward creates tensors on a fixed device"
     return replace(graph, notes=graph.notes + (note,))
+
+
+def _output_like(model: nn.Module, inputs: tuple):
+    """Targets shaped like the model's output (meta, no compute): a loss given without example
+    targets is priced on those (a loss that wants class indices needs real example targets)."""
+    try:
+        with torch.no_grad():
+            output = model(*inputs)
+    except Exception as error:  # noqa: BLE001 - reported as the missing targets
+        raise ConfigError(f"loss_fn was given without example_targets, and the model's output could not be "
+                          f"computed on meta to stand in for them ({type(error).__name__}: {error}); pass "
+                          "example_targets") from None
+    return torch.zeros_like(output) if isinstance(output, torch.Tensor) else None
 
 
 def _on_meta(model: nn.Module) -> bool:

@@ -73,11 +73,11 @@ def _collective_counts(segments) -> dict[str, int]:
 
 
 def _sequence_length(graph: OpGraph) -> int:
-    """Tokens per sample: dim 1 of the first integer input (token ids), else 1."""
+    """Tokens per sample: dim 1 of the first integer input (token ids); 0 without token ids."""
     for node in graph.nodes:
         if node.kind == "input" and node.outputs and node.output.dtype.startswith("int") and len(node.output.shape) > 1:
             return node.output.shape[1]
-    return 1
+    return 0
 
 
 def _stage_plans(graph: OpGraph, estimate: Estimate) -> list[StagePlan]:

@@ -26,7 +26,8 @@ def plan_summary(plan: "Plan", *, max_stages: int = 8, max_params: int = 14) -> 
         f"  microbatches  {plan.num_microbatches} of {plan.microbatch_size}, schedule {_schedule(plan)}",
         f"  memory saving recompute={plan.recompute}, ZeRO stage {plan.zero_stage}",
         f"  predicted     {predicted.step_time_s:.4g} s per step, {plan.model_tflops_per_device:.1f} model "
-        f"TFLOP/s per device" + (f", {predicted.tokens_per_s:,.0f} tokens/s" if predicted.tokens_per_s else ""),
+        f"TFLOP/s per device, " + (f"{predicted.tokens_per_s:,.0f} tokens/s" if predicted.tokens_per_s
+                                    else f"{plan.global_batch / max(predicted.step_time_s, 1e-12):,.0f} samples/s"),
         "  step time breakdown:",
     ]
     total = predicted.step_time_s or 1.0

@@ -269,8 +269,8 @@ def require_probability(config: Any, *names: str) -> None:
 
 FACTORY_CONTRACT = (
     "a factory takes no arguments and returns (model, example_inputs), "
-    "(model, example_inputs, loss_fn) or a dict with keys 'model', 'example_inputs' and optionally "
-    "'loss_fn', 'example_targets'"
+    "(model, example_inputs, loss_fn), (model, example_inputs, loss_fn, example_targets) or a dict "
+    "with keys 'model', 'example_inputs' and optionally 'loss_fn', 'example_targets'"
 )
 
 
@@ -333,7 +333,7 @@ def call_factory(factory: Callable, where: str) -> FactoryResult:
 
 
 def normalize_factory_result(result: Any, where: str) -> FactoryResult:
-    """Accepts a tuple of 2 or 3 items or a dict; anything else raises with the contract."""
+    """Accepts a tuple of 2 to 4 items or a dict; anything else raises with the contract."""
     if isinstance(result, Mapping):
         unknown = set(result) - {"model", "example_inputs", "loss_fn", "example_targets"}
         if unknown or "model" not in result or "example_inputs" not in result:
@@ -342,7 +342,7 @@ def normalize_factory_result(result: Any, where: str) -> FactoryResult:
             )
         model, inputs = result["model"], result["example_inputs"]
         loss_fn, targets = result.get("loss_fn"), result.get("example_targets")
-    elif isinstance(result, tuple) and len(result) in (2, 3):
+    elif isinstance(result, tuple) and len(result) in (2, 3, 4):
         model, inputs, loss_fn, targets = *result, *([None] * (4 - len(result)))
     else:
         raise ModelSpecError(f"factory {where} returned {_summarize(result)}; {FACTORY_CONTRACT}")
