@@ -29,7 +29,8 @@ from autopar.plans import Plan
 class ParallelModule(nn.Module):
     def __init__(self, *, plan: Plan, runtime: Runtime, stages: list[nn.Module], loss_fn: Callable | None,
                  params: dict[str, nn.Parameter], listing: str, stats: RunStats, schedule=None,
-                 tied_groups: dict | None = None, has_first: bool = True, has_last: bool = True) -> None:
+                 tied_groups: dict | None = None, has_first: bool = True, has_last: bool = True,
+                 input_shapes: tuple = ()) -> None:
         super().__init__()
         self.plan = plan
         self.runtime = runtime
@@ -42,6 +43,8 @@ class ParallelModule(nn.Module):
         self.tied_groups = tied_groups or {}
         self.has_first = has_first
         self.has_last = has_last
+        self.input_shapes = input_shapes
+        """Shapes of the model inputs as traced (dim 0 is the batch)."""
 
     # --- public API ----------------------------------------------------------------------------
 
@@ -124,6 +127,11 @@ class ParallelModule(nn.Module):
     # --- batches -------------------------------------------------------------------------------
 
     def _check_batch(self, inputs: tuple, targets) -> None:
+        for index, (value, shape) in enumerate(zip(inputs, self.input_shapes)):
+            if isinstance(value, torch.Tensor) and tuple(value.shape[1:]) != tuple(shape[1:]):
+                raise PlanMismatchError(f"input {index} has shape {tuple(value.shape)}, but the plan and the traced "
+                                        f"program are for (batch, {', '.join(map(str, shape[1:]))}): pass inputs "
+                                        "of the traced shape or parallelize again with such example inputs")
         for value in list(inputs) + [targets]:
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] != self.plan.global_batch:
                 raise PlanMismatchError(f"the plan is for a global batch of {self.plan.global_batch}, but an input "

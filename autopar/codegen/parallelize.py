@@ -105,7 +105,9 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn) 
                                   (pp, plan.mesh["dp"], plan.mesh["tp"]), runtime.rank)
     coordinate = {axis: runtime.coordinate(axis) for axis in ("pp", "dp", "tp")}
     listing = program_listing(plan, parts, builder.placements, mine, coordinate)
+    input_shapes = tuple(tuple(value.shape) if isinstance(value, torch.Tensor) else () for value in inputs)
     return ParallelModule(plan=plan, runtime=runtime, stages=stages, loss_fn=loss_fn, params=builder.params,
+                          input_shapes=input_shapes,
                           listing=listing, stats=stats, schedule=schedule, tied_groups=tied,
                           has_first=mine[0].index == 0, has_last=mine[-1].index == len(specs) - 1)
 

@@ -75,6 +75,10 @@ def error_case(case: Case) -> dict:
             module = _parallelize(bundle, constraints={"dp": WORLD_SIZE})
             smaller = _bundle(batch_size=GLOBAL_BATCH // 2)
             module.train_step(smaller.example_inputs, smaller.example_targets)
+        elif case.kind == "sequence_not_the_traced_one":
+            module = _parallelize(bundle, constraints={"dp": WORLD_SIZE})
+            tokens = bundle.example_inputs[0][:, : bundle.example_inputs[0].shape[1] // 2]
+            module.train_step((tokens,), bundle.example_targets[:, : tokens.shape[1]])
         elif case.kind == "missing_plan_file":
             _parallelize(bundle, plan=str(Path(case.folder) / "no-such-plan.json"))
         elif case.kind == "corrupt_plan_file":
@@ -115,6 +119,7 @@ KINDS = {
     "plan_for_another_model": ("PlanMismatchError", "fingerprint"),
     "plan_for_another_world_size": ("PlanMismatchError", "4 devices"),
     "batch_not_the_planned_one": ("PlanMismatchError", "global batch of 8"),
+    "sequence_not_the_traced_one": ("PlanMismatchError", "traced shape"),
     "missing_plan_file": ("PlanMismatchError", "no-such-plan.json"),
     "corrupt_plan_file": ("PlanMismatchError", "not valid JSON"),
     "plan_file_missing_fields": ("PlanMismatchError", "re-run `autopar plan`"),
