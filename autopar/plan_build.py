@@ -90,6 +90,7 @@ def _stage_plans(graph: OpGraph, estimate: Estimate) -> list[StagePlan]:
         blocks = [block_index[name] for name in stage.segment_names if name in block_index]
         layers = (min(blocks), max(blocks) + 1) if blocks else (0, 0)
         stages.append(StagePlan(index=stage.index, segments=stage.segment_names, layers=layers, chunks=stage.chunks,
+                                recompute=stage.recompute,
                                 time_per_microbatch_s=stage.time_per_microbatch_s, param_numel=stage.param_numel,
                                 memory_bytes=dict(stage.memory_bytes)))
     return stages

@@ -24,7 +24,7 @@ def plan_summary(plan: "Plan", *, max_stages: int = 8, max_params: int = 14) -> 
         f"  mesh          pp={plan.mesh['pp']} x dp={plan.mesh['dp']} x tp={plan.mesh['tp']} "
         f"(tp inside a node, then dp, then pp)",
         f"  microbatches  {plan.num_microbatches} of {plan.microbatch_size}, schedule {_schedule(plan)}",
-        f"  memory saving recompute={plan.recompute}, ZeRO stage {plan.zero_stage}",
+        f"  memory saving recompute={plan.recompute}{_lighter_stages(plan)}, ZeRO stage {plan.zero_stage}",
         f"  predicted     {predicted.step_time_s:.4g} s per step, {plan.model_tflops_per_device:.1f} model "
         f"TFLOP/s per device, " + (f"{predicted.tokens_per_s:,.0f} tokens/s" if predicted.tokens_per_s
                                     else f"{plan.global_batch / max(predicted.step_time_s, 1e-12):,.0f} samples/s"),
@@ -50,6 +50,11 @@ def plan_summary(plan: "Plan", *, max_stages: int = 8, max_params: int = 14) -> 
     return "\n".join(lines)
 
 
+def _lighter_stages(plan: "Plan") -> str:
+    lighter = [stage.index for stage in plan.stages if stage.recompute and stage.recompute != plan.recompute]
+    return f" (stages {', '.join(map(str, lighter))} need less)" if lighter else ""
+
+
 def _schedule(plan: "Plan") -> str:
     if plan.mesh["pp"] == 1:
         return "none (no pipeline; gradients accumulate over microbatches)"
@@ -66,8 +71,9 @@ def _stages(plan: "Plan", max_stages: int) -> list[str]:
         chunks = stage.chunks or (stage.segments,)
         parts = [_chunk_text(chunk) for chunk in chunks]
         memory = sum(stage.memory_bytes.values())
+        recompute = f", recompute {stage.recompute}" if stage.recompute and stage.recompute != plan.recompute else ""
         lines.append(f"    stage {stage.index}: {'; '.join(parts)}, "
-                     f"{stage.time_per_microbatch_s * 1e3:.3g} ms per microbatch, {human_bytes(memory)}")
+                     f"{stage.time_per_microbatch_s * 1e3:.3g} ms per microbatch, {human_bytes(memory)}{recompute}")
     if len(plan.stages) > max_stages:
         lines.append(f"    ... {len(plan.stages) - max_stages} more")
     return lines

@@ -29,6 +29,8 @@ class StagePlan:
     """[first, last + 1) of the repeated blocks it holds (equal when it holds none)."""
     chunks: tuple[tuple[str, ...], ...] = ()
     """Its model chunks in pipeline order (several with the interleaved schedule)."""
+    recompute: str = ""
+    """This stage's recomputation ("" means the plan's)."""
     time_per_microbatch_s: float
     param_numel: float
     """Parameters per device on this stage."""
@@ -74,6 +76,7 @@ class Plan:
     schedule: str
     virtual_stages: int
     recompute: str
+    """Recomputation of the stage that needs the most (stages may need less: see stages)."""
     zero_stage: int
     stages: tuple[StagePlan, ...]
     placements: dict[str, str]
@@ -144,6 +147,9 @@ class Plan:
         return cls.from_dict(data, source=str(path))
 
     # --- checks ------------------------------------------------------------------------------
+
+    def stage_recompute(self, index: int) -> str:
+        return (self.stages[index].recompute if index < len(self.stages) else "") or self.recompute
 
     def check_matches(self, *, model_fingerprint: str, num_devices: int, model_name: str = "") -> None:
         """Raise PlanMismatchError when applied to another model or world size."""

@@ -87,14 +87,15 @@ class ProgramBuilder:
         self.device = device
         self.placements = codegen_placements(plan, parts)
         self.interpreter = PlannedInterpreter(self.placements, tp_mesh, stats)
-        self.recomputable = recomputable_nodes(parts.graph) if plan.recompute == "selective" else set()
+        self.recomputable = recomputable_nodes(parts.graph)
         self.readers = parts.readers()
         self.segment_nodes = parts.segment_nodes
         self.params: dict[str, nn.Parameter] = {}
         """FQN -> the distributed parameter (one object per FQN on this rank)."""
 
     def build(self, spec: ChunkSpec, *, num_chunks: int) -> StageProgram:
-        segments = [self._segment(name, spec) for name in spec.segments]
+        recompute = self.plan.stage_recompute(spec.index % self.plan.mesh["pp"])
+        segments = [self._segment(name, spec, recompute) for name in spec.segments]
         pipelined = num_chunks > 1
         last = spec.index == num_chunks - 1
         mode = ("replicated" if last else "local") if pipelined else "dtensor"
@@ -111,13 +112,13 @@ class ProgramBuilder:
                 module.compute_dtype = torch.bfloat16
         return stage
 
-    def _segment(self, name: str, spec: ChunkSpec) -> SegmentModule:
+    def _segment(self, name: str, spec: ChunkSpec, recompute: str) -> SegmentModule:
         node_names = self.segment_nodes[name]
         fx_nodes = [self.parts.fx_nodes[n] for n in node_names]
         inside = set(node_names)
         inputs = sorted({source.name for node in fx_nodes for source in node.all_input_nodes if source.name not in inside})
         produced = [n for n in node_names if n not in self.parts.helpers and self.readers.get(n, set()) - {name}]
-        return SegmentModule(name, fx_nodes, self.interpreter, inputs, produced, self.plan.recompute, self.recomputable)
+        return SegmentModule(name, fx_nodes, self.interpreter, inputs, produced, recompute, self.recomputable)
 
     def _attach_params(self, stage: StageProgram, segments: list[SegmentModule], spec: ChunkSpec) -> None:
         """A parameter read by one segment belongs to it; one read by several, to the stage."""

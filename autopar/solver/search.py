@@ -138,11 +138,19 @@ class Planner:
             self._prepared[key] = PreparedSegments.build(self.segment_costs(tp, microbatch_size), recompute)
         return self._prepared[key]
 
+    def _lighter(self, config: ParallelConfig) -> dict[str, PreparedSegments]:
+        """Cheaper recomputation modes than the configuration's, for stages that can afford them."""
+        if config.pp == 1:
+            return {}
+        modes = RECOMPUTE_MODES[:RECOMPUTE_MODES.index(config.recompute)]
+        return {mode: self.prepared(config.tp, config.microbatch_size, mode) for mode in modes}
+
     # --- evaluate one configuration ----------------------------------------------------------
 
     def evaluate(self, config: ParallelConfig) -> tuple[Estimate, ShardingResult]:
         self.check(config)
         sharding = self.sharding(config.tp, config.microbatch_size)
+        # A configuration given by hand is priced as given: its recompute mode on every stage.
         estimate = self.step_model.estimate(self.prepared(config.tp, config.microbatch_size, config.recompute), config)
         if estimate is None:
             raise ConfigError(f"{config.describe()}: the model has {len(self.graph.segments)} segments, too few "
@@ -190,7 +198,7 @@ class Planner:
                     if _lower_bound_s(prepared, config) > cutoff:
                         fitted_any = True  # not priced, but a faster one is known: keep looking
                         continue
-                    estimate = self.step_model.estimate(prepared, config)
+                    estimate = self.step_model.estimate(prepared, config, self._lighter(config))
                     if estimate is None:
                         continue
                     count += 1

@@ -77,6 +77,8 @@ class StageEstimate:
     p2p_s: float
     param_numel: float
     memory_bytes: dict[str, float]
+    recompute: str = "none"
+    """This stage's recomputation (stages with fewer microbatches in flight may need less)."""
 
     @property
     def total_memory_bytes(self) -> float:
@@ -159,8 +161,13 @@ class StepModel:
         states = prepared.param_numel * self.state_bytes_per_param(config) + prepared.buffer_bytes
         return ChainCosts(time_s=prepared.time_s, state_bytes=states, activation_bytes=prepared.activation_bytes)
 
-    def estimate(self, prepared: PreparedSegments, config: ParallelConfig) -> Estimate | None:
-        """Prices `config`; None when the segments cannot be split into its stages."""
+    def estimate(self, prepared: PreparedSegments, config: ParallelConfig,
+                 lighter: dict[str, PreparedSegments] | None = None) -> Estimate | None:
+        """Prices `config`; None when the segments cannot be split into its stages.
+
+        `config.recompute` applies to every stage unless `lighter` offers cheaper modes (by
+        name): then each stage takes the cheapest that still fits its memory (1F1B's last stages
+        hold fewer microbatches than the first)."""
         chain = self.chain(prepared, config)
         num_chunks = config.pp * (config.virtual_stages if config.schedule == "interleaved" else 1)
         workspace = self._workspace_bytes(prepared, config)
@@ -182,7 +189,21 @@ class StepModel:
             if lean is not None:
                 spans, fits = lean, True
         stages = self._stages(prepared, chain, spans, config, workspace)
+        if fits and lighter:
+            stages = [self._lightest(stage, spans, config, workspace, lighter) for stage in stages]
         return self._assemble(stages, config, fits)
+
+    def _lightest(self, stage: StageEstimate, spans, config: ParallelConfig, workspace: float,
+                  lighter: dict[str, PreparedSegments]) -> StageEstimate:
+        for mode in RECOMPUTE_MODES:
+            if mode == config.recompute:
+                return stage
+            if mode not in lighter:
+                continue
+            candidate = self._stages(lighter[mode], None, spans, config, workspace, only=stage.index)[0]
+            if candidate.total_memory_bytes <= self.memory_budget_bytes:
+                return candidate
+        return stage
 
     def _fits(self, chain: ChainCosts, spans, config: ParallelConfig, workspace: float) -> bool:
         for stage in range(config.pp):
@@ -203,11 +224,11 @@ class StepModel:
             workspace += 2 * float(prepared.param_numel.max(initial=0.0)) * self.policy.param_bytes
         return workspace
 
-    def _stages(self, prepared, chain, spans, config, workspace) -> list[StageEstimate]:
+    def _stages(self, prepared, chain, spans, config, workspace, only: int | None = None) -> list[StageEstimate]:
         """Per device (a device owns chunks k, k + p, ... when interleaved)."""
         estimates = []
         crosses_nodes = config.dp * config.tp >= self.devices_per_node
-        for stage in range(config.pp):
+        for stage in range(config.pp) if only is None else [only]:
             own = spans[stage::config.pp]
             indices = [i for span in own for i in range(span.start, span.stop)]
             p2p = sum(2 * self.comm.send_recv_s(float(prepared.output_bytes[span.stop - 1]), crosses_nodes=crosses_nodes)
@@ -237,7 +258,8 @@ class StepModel:
                              segment_names=tuple(prepared.names[i] for i in indices), chunks=chunks,
                              time_per_microbatch_s=time_per_microbatch, forward_s=pick(prepared.forward_s),
                              backward_s=pick(prepared.backward_s), recompute_s=pick(prepared.recompute_s),
-                             tp_comm_s=tp_comm, p2p_s=p2p, param_numel=numel, memory_bytes=memory)
+                             tp_comm_s=tp_comm, p2p_s=p2p, param_numel=numel, memory_bytes=memory,
+                             recompute=prepared.recompute)
 
     def _assemble(self, stages: list[StageEstimate], config: ParallelConfig, fits: bool) -> Estimate:
         m, p = config.num_microbatches, config.pp

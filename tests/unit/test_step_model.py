@@ -100,3 +100,17 @@ def test_memory_budget_marks_configurations_that_do_not_fit():
     prepared = PreparedSegments.build(segments(), "none")
     assert model(budget=1e12).estimate(prepared, config).fits
     assert not model(budget=1e8).estimate(prepared, config).fits
+
+
+def test_later_pipeline_stages_recompute_less_when_they_fit():
+    """1F1B's stage s holds pp - s microbatches, so the last stages may keep their activations."""
+    config = ParallelConfig(dp=1, tp=1, pp=4, microbatch_size=1, num_microbatches=8, recompute="full")
+    items = segments()
+    prepared = {mode: PreparedSegments.build(items, mode) for mode in ("none", "selective", "full")}
+    step_model = model(budget=5e8)
+    uniform = step_model.estimate(prepared["full"], config)
+    mixed = step_model.estimate(prepared["full"], config, {m: prepared[m] for m in ("none", "selective")})
+    assert [stage.recompute for stage in uniform.stages] == ["full"] * 4
+    assert [stage.recompute for stage in mixed.stages] == ["full", "selective", "selective", "none"]
+    assert all(stage.total_memory_bytes <= 5e8 for stage in mixed.stages)
+    assert mixed.step_time_s < uniform.step_time_s
