@@ -129,10 +129,25 @@ class Plan:
             values.update(predicted=predicted, stages=stages, input_placements=tuple(data.get("input_placements", ())),
                           replicated_ops=tuple(tuple(item) for item in data.get("replicated_ops", ())),
                           notes=tuple(data.get("notes", ())))
-            return cls(**values)
+            plan = cls(**values)
         except (KeyError, TypeError) as error:
             raise PlanMismatchError(f"plan '{source}' is missing or has a malformed field ({error}); "
                                     "re-run `autopar plan`") from None
+        plan._check_choices(source)
+        return plan
+
+    def _check_choices(self, source: str) -> None:
+        """Fields that name a choice must name a known one (a hand-edited plan may not)."""
+        from autopar.solver.step_model import RECOMPUTE_MODES, SCHEDULES
+
+        choices = [("schedule", self.schedule, ("none",) + SCHEDULES), ("recompute", self.recompute, RECOMPUTE_MODES),
+                   ("zero_stage", self.zero_stage, (0, 1, 2, 3)), ("precision", self.precision, ("bf16", "fp32"))]
+        choices += [(f"stages[{i}].recompute", stage.recompute, ("",) + RECOMPUTE_MODES)
+                    for i, stage in enumerate(self.stages)]
+        for name, value, allowed in choices:
+            if value not in allowed:
+                raise PlanMismatchError(f"plan '{source}' has {name}={value!r}; expected one of "
+                                        f"{', '.join(repr(a) for a in allowed)}: fix the file or re-run `autopar plan`")
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

@@ -1,5 +1,6 @@
 """Plan data: JSON round trip, validation of plan files, matching a plan to a model."""
 
+import dataclasses
 import json
 
 import pytest
@@ -70,3 +71,20 @@ def test_bad_plan_files(tmp_path, content, fragment):
 def test_missing_plan_file(tmp_path):
     with pytest.raises(PlanMismatchError, match="cannot read plan"):
         Plan.load(tmp_path / "nope.json")
+
+
+def test_stage_recompute_falls_back_to_the_plans_and_survives_json(plan):
+    stages = (dataclasses.replace(plan.stages[0], recompute="none"),) + plan.stages[1:]
+    edited = dataclasses.replace(plan, recompute="full", stages=stages)
+    assert edited.stage_recompute(0) == "none"
+    assert edited.stage_recompute(len(stages)) == "full"
+    loaded = Plan.from_dict(json.loads(edited.to_json()))
+    assert loaded.stage_recompute(0) == "none"
+
+
+@pytest.mark.parametrize("field, value", [("recompute", "sometimes"), ("schedule", "zigzag"), ("zero_stage", 4)])
+def test_plan_file_with_an_unknown_choice(plan, field, value):
+    data = json.loads(plan.to_json())
+    data[field] = value
+    with pytest.raises(PlanMismatchError, match=f"{field}={value!r}"):
+        Plan.from_dict(data, source="edited.json")
