@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from autopar.graph_report import human_bytes
 
 if TYPE_CHECKING:
-    from autopar.plans import Plan
+    from autopar.plans import Plan, StagePlan
 
 _BLOCK_INDEX = re.compile(r"\.(\d+)(?=\.)")
 _ROLE_WORDS = {"col": "column-parallel", "row": "row-parallel", "vocab": "vocab-parallel",
@@ -50,8 +50,13 @@ def plan_summary(plan: "Plan", *, max_stages: int = 8, max_params: int = 14) -> 
     return "\n".join(lines)
 
 
+def _own_recompute(plan: "Plan", stage: "StagePlan") -> str:
+    """The stage's recomputation where it differs from the plan's, else ""."""
+    return stage.recompute if stage.recompute not in ("", plan.recompute) else ""
+
+
 def _lighter_stages(plan: "Plan") -> str:
-    lighter = [stage.index for stage in plan.stages if stage.recompute and stage.recompute != plan.recompute]
+    lighter = [stage.index for stage in plan.stages if _own_recompute(plan, stage)]
     return f" (stages {', '.join(map(str, lighter))} need less)" if lighter else ""
 
 
@@ -71,7 +76,7 @@ def _stages(plan: "Plan", max_stages: int) -> list[str]:
         chunks = stage.chunks or (stage.segments,)
         parts = [_chunk_text(chunk) for chunk in chunks]
         memory = sum(stage.memory_bytes.values())
-        recompute = f", recompute {stage.recompute}" if stage.recompute and stage.recompute != plan.recompute else ""
+        recompute = f", recompute {own}" if (own := _own_recompute(plan, stage)) else ""
         lines.append(f"    stage {stage.index}: {'; '.join(parts)}, "
                      f"{stage.time_per_microbatch_s * 1e3:.3g} ms per microbatch, {human_bytes(memory)}{recompute}")
     if len(plan.stages) > max_stages:

@@ -173,9 +173,7 @@ class StepModel:
         workspace = self._workspace_bytes(prepared, config)
 
         def in_flight(chunk: int) -> float:
-            return microbatches_in_flight(config.schedule, stage=chunk % config.pp, num_stages=config.pp,
-                                          num_microbatches=config.num_microbatches,
-                                          virtual_stages=config.virtual_stages)
+            return _in_flight(config, chunk % config.pp)
 
         if num_chunks not in prepared.time_partitions:
             prepared.time_partitions[num_chunks] = partition(chain, num_chunks, in_flight=in_flight)
@@ -188,7 +186,7 @@ class StepModel:
                              fixed_bytes=workspace)
             if lean is not None:
                 spans, fits = lean, True
-        stages = self._stages(prepared, chain, spans, config, workspace)
+        stages = [self._stage_at(prepared, spans, config, workspace, stage) for stage in range(config.pp)]
         if fits and lighter:
             stages = [self._lightest(stage, spans, config, workspace, lighter) for stage in stages]
         return self._assemble(stages, config, fits)
@@ -200,7 +198,7 @@ class StepModel:
                 return stage
             if mode not in lighter:
                 continue
-            candidate = self._stages(lighter[mode], None, spans, config, workspace, only=stage.index)[0]
+            candidate = self._stage_at(lighter[mode], spans, config, workspace, stage.index)
             if candidate.total_memory_bytes <= self.memory_budget_bytes:
                 return candidate
         return stage
@@ -208,9 +206,7 @@ class StepModel:
     def _fits(self, chain: ChainCosts, spans, config: ParallelConfig, workspace: float) -> bool:
         for stage in range(config.pp):
             own = spans[stage::config.pp]
-            in_flight = microbatches_in_flight(config.schedule, stage=stage, num_stages=config.pp,
-                                               num_microbatches=config.num_microbatches,
-                                               virtual_stages=config.virtual_stages)
+            in_flight = _in_flight(config, stage)
             memory = sum(chain.total("state_bytes", s) + in_flight * chain.total("activation_bytes", s) for s in own)
             if memory + workspace > self.memory_budget_bytes:
                 return False
@@ -224,20 +220,15 @@ class StepModel:
             workspace += 2 * float(prepared.param_numel.max(initial=0.0)) * self.policy.param_bytes
         return workspace
 
-    def _stages(self, prepared, chain, spans, config, workspace, only: int | None = None) -> list[StageEstimate]:
-        """Per device (a device owns chunks k, k + p, ... when interleaved)."""
-        estimates = []
+    def _stage_at(self, prepared: PreparedSegments, spans, config: ParallelConfig, workspace: float,
+                  stage: int) -> StageEstimate:
+        """One device's stage (a device owns chunks k, k + p, ... when interleaved)."""
         crosses_nodes = config.dp * config.tp >= self.devices_per_node
-        for stage in range(config.pp) if only is None else [only]:
-            own = spans[stage::config.pp]
-            indices = [i for span in own for i in range(span.start, span.stop)]
-            p2p = sum(2 * self.comm.send_recv_s(float(prepared.output_bytes[span.stop - 1]), crosses_nodes=crosses_nodes)
-                      for span in own if span.stop < len(prepared))
-            in_flight = microbatches_in_flight(config.schedule, stage=stage, num_stages=config.pp,
-                                               num_microbatches=config.num_microbatches,
-                                               virtual_stages=config.virtual_stages)
-            estimates.append(self._stage(stage, own, indices, prepared, config, p2p, in_flight, workspace))
-        return estimates
+        own = spans[stage::config.pp]
+        indices = [i for span in own for i in range(span.start, span.stop)]
+        p2p = sum(2 * self.comm.send_recv_s(float(prepared.output_bytes[span.stop - 1]), crosses_nodes=crosses_nodes)
+                  for span in own if span.stop < len(prepared))
+        return self._stage(stage, own, indices, prepared, config, p2p, _in_flight(config, stage), workspace)
 
     def _stage(self, stage, own, indices, prepared: PreparedSegments, config, p2p, in_flight, workspace) -> StageEstimate:
         pick = lambda values: float(values[indices].sum())  # noqa: E731
@@ -340,3 +331,9 @@ def _activation_bytes(segment: SegmentCost, recompute: str) -> float:
     if recompute == "selective":
         return segment.selective_saved_bytes
     return segment.saved_bytes
+
+
+def _in_flight(config: ParallelConfig, stage: int) -> float:
+    """Microbatches whose activations `stage` holds at its peak under the configuration's schedule."""
+    return microbatches_in_flight(config.schedule, stage=stage, num_stages=config.pp,
+                                  num_microbatches=config.num_microbatches, virtual_stages=config.virtual_stages)
