@@ -103,6 +103,10 @@ class ChoiceSolution:
         return max(0.0, (self.objective - self.best_bound) / self.objective)
 
 
+_SCIP_PARAMETERS = "misc/allowweakdualreds = FALSE\n"
+_RELATIVE_GAP = 1e-9
+
+
 class IntraOpILP:
     """Builds the linear model of a ChoiceProblem, one method per constraint family."""
 
@@ -166,11 +170,17 @@ class IntraOpILP:
 
     def solve(self, *, time_limit_s: float = 10.0) -> ChoiceSolution:
         """Returns status "fractional" when the relaxation has no integral optimum."""
+        parameters = pywraplp.MPSolverParameters()
         if self.integral:
             self._add_hint()
             self.solver.SetTimeLimit(int(time_limit_s * 1000))
+            # SCIP's weak dual reductions can cut off every optimum of this model (its edge
+            # variables are continuous): seen on 5-variable problems, tests/unit/test_intra_op.py.
+            self.solver.SetSolverSpecificParametersAsString(_SCIP_PARAMETERS)
+            # "optimal" means proven, not OR-Tools' default of within 1e-4.
+            parameters.SetDoubleParam(parameters.RELATIVE_MIP_GAP, _RELATIVE_GAP)
         started = time.perf_counter()
-        status = self.solver.Solve()
+        status = self.solver.Solve(parameters)
         elapsed = time.perf_counter() - started
         if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
             return ChoiceSolution(choices=(), cost_s=math.inf, memory_bytes=math.inf, objective=math.inf,
