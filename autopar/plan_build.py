@@ -6,7 +6,7 @@ from autopar.graph import OpGraph
 from autopar.plans import SCHEMA_VERSION, Plan, Prediction, StagePlan
 from autopar.solver.search import SearchResult
 from autopar.solver.sharding import ShardingResult
-from autopar.solver.step_model import Estimate
+from autopar.solver.step_model import Estimate, StageEstimate
 
 
 def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate, sharding: ShardingResult,
@@ -14,6 +14,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
               precision: str = "bf16", segments=None, strategies: dict | None = None) -> Plan:
     """`strategies` covers every node of `graph` (defaults to the sharding result's own)."""
     strategies = strategies or sharding.strategies
+    segments = segments or sharding.segments
     config = estimate.config
     model_flops = (graph.fwd_flops + graph.bwd_flops) * global_batch / graph.batch_size
     tokens = global_batch * _sequence_length(graph)
@@ -22,7 +23,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
                             memory_budget_bytes=memory_budget_bytes, model_flops_per_step=model_flops,
                             tokens_per_s=tokens / estimate.step_time_s if estimate.step_time_s else 0.0,
                             fits=estimate.fits,
-                            collectives_per_microbatch=_collective_counts(segments or sharding.segments))
+                            collectives_per_microbatch=_collective_counts(segments))
     return Plan(
         schema_version=SCHEMA_VERSION,
         model=graph.model_name,
@@ -38,7 +39,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         virtual_stages=config.virtual_stages,
         recompute=config.recompute,
         zero_stage=config.zero_stage,
-        stages=tuple(_stage_plans(graph, estimate)),
+        stages=tuple(_stage_plans(graph, estimate, segments)),
         placements=_placements(graph, strategies),
         param_placements={param.name: ",".join(strategies[param.node].output)
                           for param in graph.params if param.node in strategies},
@@ -80,11 +81,13 @@ def _sequence_length(graph: OpGraph) -> int:
     return 0
 
 
-def _stage_plans(graph: OpGraph, estimate: Estimate) -> list[StagePlan]:
+def _stage_plans(graph: OpGraph, estimate: Estimate, segments) -> list[StagePlan]:
     block_index = {}
     for segment in graph.segments:
         if segment.block_group is not None:
             block_index[segment.name] = len(block_index)
+    costs = {segment.name: segment for segment in segments}
+    last_segment = graph.segments[-1].name if graph.segments else ""
     stages = []
     for stage in estimate.stages:
         blocks = [block_index[name] for name in stage.segment_names if name in block_index]
@@ -92,8 +95,54 @@ def _stage_plans(graph: OpGraph, estimate: Estimate) -> list[StagePlan]:
         stages.append(StagePlan(index=stage.index, segments=stage.segment_names, layers=layers, chunks=stage.chunks,
                                 recompute=stage.recompute,
                                 time_per_microbatch_s=stage.time_per_microbatch_s, param_numel=stage.param_numel,
-                                memory_bytes=dict(stage.memory_bytes)))
+                                memory_bytes=dict(stage.memory_bytes),
+                                chunk_times_s=_chunk_times(stage, costs, last_segment)))
     return stages
+
+
+_PHASES = {"fwd": "forward", "bwd": "backward", "grad": "backward"}
+
+
+def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str) -> tuple[dict[str, float], ...]:
+    """Per chunk, one microbatch's time by part, as the step model adds it up (timeline pictures
+    lay blocks out from these): compute per phase, tensor-parallel collectives per phase (a full
+    recompute replays the forward's), and the stage's pipeline sends split over the chunks that
+    send (by bytes sent). Empty when the segment costs do not cover the stage."""
+    chunks = stage.chunks or (stage.segment_names,)
+    if not all(name in costs for chunk in chunks for name in chunk):
+        return ()
+    senders = {index: costs[chunk[-1]].output_bytes for index, chunk in enumerate(chunks) if chunk[-1] != last_segment}
+    sent_bytes = sum(senders.values())
+    times = []
+    for index, chunk in enumerate(chunks):
+        parts: dict[str, float] = {"forward": 0.0, "backward": 0.0, "recompute": 0.0}
+        for segment in (costs[name] for name in chunk):
+            parts["forward"] += segment.forward.total_s
+            parts["backward"] += segment.backward.total_s
+            parts["recompute"] += _recompute_compute_s(segment, stage.recompute)
+            for event in segment.comm:
+                phase = _PHASES.get(event.phase, "backward")
+                _add(parts, f"tp.{event.op}.{phase}", event.time_s)
+                if stage.recompute == "full" and event.phase == "fwd":
+                    _add(parts, f"tp.{event.op}.recompute", event.time_s)
+        if index in senders and stage.p2p_s:
+            share = stage.p2p_s * (senders[index] / sent_bytes if sent_bytes else 1 / len(senders))
+            _add(parts, "pp.send_recv.forward", share / 2)
+            _add(parts, "pp.send_recv.backward", share / 2)
+        times.append(parts)
+    return tuple(times)
+
+
+def _add(parts: dict[str, float], key: str, seconds: float) -> None:
+    parts[key] = parts.get(key, 0.0) + seconds
+
+
+def _recompute_compute_s(segment, recompute: str) -> float:
+    if recompute == "full":
+        return segment.forward.total_s
+    if recompute == "selective":
+        return segment.selective_recompute.total_s
+    return 0.0
 
 
 def _placements(graph: OpGraph, strategies: dict) -> dict[str, str]:
@@ -122,7 +171,18 @@ def _search_stats(estimate: Estimate, sharding: ShardingResult, search: SearchRe
     if search is not None:
         stats.update(configs_priced=search.num_configs, sharding_solves=search.num_sharding_solves,
                      search_time_s=search.search_time_s,
-                     runners_up=[{"config": other.config.describe(), "step_time_s": other.step_time_s,
-                                  "peak_memory_bytes": other.peak_memory_bytes}
-                                 for other in search.ranked[1:]])
+                     runners_up=[_runner_up(other) for other in search.ranked[1:]])
     return stats
+
+
+def _runner_up(estimate: Estimate) -> dict:
+    """An alternative the search ranked, with the terms `autopar explain` compares."""
+    config = estimate.config
+    return {"config": config.describe(), "step_time_s": estimate.step_time_s,
+            "peak_memory_bytes": estimate.peak_memory_bytes,
+            "breakdown_s": dict(estimate.breakdown_s), "memory_bytes": dict(estimate.memory_bytes),
+            "settings": {"dp": config.dp, "tp": config.tp, "pp": config.pp, "microbatch_size": config.microbatch_size,
+                         "num_microbatches": config.num_microbatches, "schedule": config.schedule,
+                         "virtual_stages": config.virtual_stages, "recompute": config.recompute,
+                         "zero_stage": config.zero_stage},
+            "stage_recompute": [stage.recompute for stage in estimate.stages]}

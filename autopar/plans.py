@@ -35,6 +35,10 @@ class StagePlan:
     param_numel: float
     """Parameters per device on this stage."""
     memory_bytes: dict[str, float]
+    chunk_times_s: tuple[dict[str, float], ...] = ()
+    """Per model chunk, one microbatch's exposed time by part: "forward", "backward", "recompute"
+    (compute) and "<axis>.<collective>.<phase>" ("tp.all_reduce.forward", "pp.send_recv.backward");
+    the parts of all chunks add up to time_per_microbatch_s (empty in plans from older versions)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +127,8 @@ class Plan:
             predicted_fields = {f.name for f in fields(Prediction)}
             predicted = Prediction(**{k: v for k, v in data["predicted"].items() if k in predicted_fields})
             stages = tuple(StagePlan(**{**stage, "segments": tuple(stage["segments"]), "layers": tuple(stage["layers"]),
-                                        "chunks": tuple(tuple(chunk) for chunk in stage.get("chunks", ()))})
+                                        "chunks": tuple(tuple(chunk) for chunk in stage.get("chunks", ())),
+                                        "chunk_times_s": tuple(stage.get("chunk_times_s", ()))})
                            for stage in data["stages"])
             values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
             values.update(predicted=predicted, stages=stages, input_placements=tuple(data.get("input_placements", ())),
