@@ -3,7 +3,10 @@
     autopar plan MODEL --cluster SPEC --global-batch B [--dp D] [--tp T] [--pp P] [--json]
     autopar evaluate MODEL --cluster SPEC --global-batch B --tp T --pp P --microbatch-size b ...
     autopar profile [--device cpu|cuda] [--nproc N] [--out profile.json]
-    autopar show PLAN.json
+    autopar show PLAN.json [--timeline out.png|out.html] [--memory out.png] [--html report.html]
+    autopar explain PLAN.json
+    autopar diff A.json B.json
+    autopar compare MODEL --global-batch B --clusters SPEC1 SPEC2 ... [--price-per-gpu-hour P1 P2 ...]
     autopar graph MODEL
     autopar models
 
@@ -17,6 +20,7 @@ import argparse
 import sys
 
 from autopar import api
+from autopar.report import commands as report_commands
 from autopar.errors import AutoparError
 
 EXIT_INPUT_ERROR = 2
@@ -44,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show", help="print the report of a saved plan")
     show.add_argument("plan_file", metavar="PLAN.json")
     show.add_argument("--json", action="store_true", help="print the plan as JSON")
+    report_commands.add_show_options(show)
     show.set_defaults(handler=_show)
+    report_commands.add_parsers(commands)
     graph = commands.add_parser("graph", help="capture a model and summarise its op graph")
     graph.add_argument("model", metavar="MODEL")
     graph.set_defaults(handler=_graph)
@@ -140,7 +146,8 @@ def _show(args) -> int:
     from autopar.plans import Plan
 
     plan = Plan.load(args.plan_file)
-    print(plan.to_json() if args.json else plan.summary())
+    written = report_commands.write_pictures(plan, timeline=args.timeline, memory=args.memory, html_path=args.html)
+    print("\n".join(written) if written and not args.json else plan.to_json() if args.json else plan.summary())
     return 0
 
 

@@ -47,6 +47,8 @@ class Cluster:
     """Link between nodes, per device (InfiniBand rail, Ethernet share)."""
     profile: HardwareProfile | None = None
     """Measured figures that refine the device and link defaults."""
+    price_per_gpu_hour: float | None = None
+    """What the user pays for one device for one hour (TOML `price_per_gpu_hour`; `autopar compare`)."""
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1:
@@ -80,6 +82,7 @@ class Cluster:
     def fingerprint(self) -> str:
         """Stable hash of everything that changes a plan's prediction."""
         data = asdict(replace(self, name=""))
+        data.pop("price_per_gpu_hour")  # a price changes no prediction
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -195,12 +198,14 @@ _LINK_FIELDS = {
     "latency_us": ("latency_s", float, 1e-6),
     "efficiency": ("efficiency", float, 1.0),
 }
-_TOML_TOP_KEYS = ("preset", "nodes", "gpus_per_node", "procs", "profile", "device", "intra_node", "inter_node")
+_TOML_TOP_KEYS = ("preset", "nodes", "gpus_per_node", "procs", "profile", "price_per_gpu_hour", "device", "intra_node",
+                  "inter_node")
 
 
 def cluster_from_toml(path: Path) -> Cluster:
-    """A cluster file: `preset = "dgx-h100"`, `nodes = 2`, and optional [device], [intra_node],
-    [inter_node] tables overriding figures (memory_gib, bf16_tflops, bandwidth_gbs, latency_us...)."""
+    """A cluster file: `preset = "dgx-h100"`, `nodes = 2`, optional `price_per_gpu_hour = 2.5`, and
+    optional [device], [intra_node], [inter_node] tables overriding figures (memory_gib,
+    bf16_tflops, bandwidth_gbs, latency_us...)."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python < 3.11
@@ -222,7 +227,10 @@ def cluster_from_toml(path: Path) -> Cluster:
                                f"(one of {', '.join(hardware.PRESET_NAMES)}) and override figures in [device]")
     options = {key: data[key] for key in SPEC_KEYS if key in data}
     overrides = {key: data[key] for key in ("device", "intra_node", "inter_node") if key in data}
-    return _build(spec, preset, options, base_dir=path.parent, overrides=overrides)
+    cluster = _build(spec, preset, options, base_dir=path.parent, overrides=overrides)
+    if "price_per_gpu_hour" in data:
+        cluster = replace(cluster, price_per_gpu_hour=_number(spec, "price_per_gpu_hour", data["price_per_gpu_hour"]))
+    return cluster
 
 
 def _apply_overrides(spec: str, device: DeviceSpec, intra: LinkSpec, inter: LinkSpec,

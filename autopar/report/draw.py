@@ -8,7 +8,6 @@ Uses the Agg canvas directly (no pyplot state, no display).
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 from autopar.graph_report import human_bytes
@@ -40,7 +39,7 @@ def timeline_figure(plan: Plan, timeline: Timeline | None = None, *, zoom: bool 
     passes = sum(1 for block in timeline.blocks if block.kind == "forward" and block.rank == 0)
     zoomed = zoom and passes > 24
     rows = timeline.num_ranks
-    height = 1.6 + 0.32 * rows * (2 if zoomed else 1)
+    height = 2.0 + max(0.32 * rows, 0.8) * (2 if zoomed else 1)
     figure = Figure(figsize=(14, height), dpi=110, layout="constrained")
     axes = figure.subplots(2 if zoomed else 1, 1, squeeze=False)[:, 0]
     _draw_timeline(axes[0], timeline, 0.0, timeline.end_s, labels=not zoomed)
@@ -57,10 +56,14 @@ def _timeline_title(plan: Plan, timeline: Timeline) -> str:
     mesh = plan.mesh
     schedule = {"interleaved": f"interleaved 1F1B, {timeline.num_chunks} chunks per rank", "gpipe": "GPipe",
                 "1f1b": "1F1B", "none": "no pipeline"}.get(plan.schedule, plan.schedule)
-    return (f"{plan.model} on {plan.cluster}: pp={mesh['pp']} x dp={mesh['dp']} x tp={mesh['tp']}, {schedule}, "
+    return (f"{_short(plan.model)} on {plan.cluster}\npp={mesh['pp']} x dp={mesh['dp']} x tp={mesh['tp']}, {schedule}, "
             f"{plan.num_microbatches} microbatches of {plan.microbatch_size}, recompute={plan.recompute}, "
-            f"ZeRO {plan.zero_stage}\nstep as drawn {timeline.end_s:.4g} s, predicted {plan.predicted.step_time_s:.4g} s "
+            f"ZeRO {plan.zero_stage}; step as drawn {timeline.end_s:.4g} s, predicted {plan.predicted.step_time_s:.4g} s "
             f"({100 * timeline.mismatch:+.2f}%)")
+
+
+def _short(name: str, limit: int = 60) -> str:
+    return name if len(name) <= limit else name[:limit - 3] + "..."
 
 
 def _zoom_window(timeline: Timeline) -> float:
@@ -175,7 +178,7 @@ def memory_figure(plan: Plan, chart: MemoryChart | None = None):
     ax.set_xlabel("pipeline stage (and its recomputation: sele. = selective, full. = full)", fontsize=8)
     ax.set_ylim(0, max(max(bottoms), chart.usable_bytes / gib) * 1.12)
     peak = chart.bars[chart.peak_stage]
-    ax.set_title(f"{plan.model} on {plan.cluster}: memory per device by pipeline stage (peak stage {peak.stage}: "
+    ax.set_title(f"{_short(plan.model)} on {plan.cluster}\nmemory per device by pipeline stage (peak stage {peak.stage}: "
                  f"{human_bytes(peak.total_bytes)} of {human_bytes(chart.usable_bytes)} usable)", fontsize=9, loc="left")
     handles, _ = ax.get_legend_handles_labels()
     ax.legend(handles=handles[::-1], fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
@@ -187,19 +190,8 @@ def _stage_label(bar) -> str:
 
 
 def save_figure(figure, path: str | Path) -> None:
-    """PNG or SVG by the file's suffix."""
+    """PNG, SVG or PDF by the file's suffix."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(figure)
     figure.savefig(str(path))
-
-
-def figure_svg(figure) -> str:
-    """The figure as inline SVG text (for self-contained HTML)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(figure)
-    buffer = io.StringIO()
-    figure.savefig(buffer, format="svg")
-    text = buffer.getvalue()
-    return text[text.index("<svg"):]
