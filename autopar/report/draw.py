@@ -62,7 +62,7 @@ def _timeline_title(plan: Plan, timeline: Timeline) -> str:
             f"({100 * timeline.mismatch:+.2f}%)")
 
 
-def _short(name: str, limit: int = 60) -> str:
+def _short(name: str, limit: int = 48) -> str:
     return name if len(name) <= limit else name[:limit - 3] + "..."
 
 
@@ -149,7 +149,7 @@ def memory_figure(plan: Plan, chart: MemoryChart | None = None):
 
     chart = chart or memory_layout(plan)
     num = len(chart.bars)
-    figure = Figure(figsize=(max(6.0, 0.55 * num + 3), 4.6), dpi=110, layout="constrained")
+    figure = Figure(figsize=(max(8.0, 0.55 * num + 3), 4.6), dpi=110, layout="constrained")
     ax = figure.subplots()
     gib = 2.0 ** 30
     bottoms = [0.0] * num

@@ -1,0 +1,46 @@
+"""`autopar explain`: the runners-up's terms against the chosen plan's, in one table."""
+
+import json
+
+import pytest
+
+from autopar.cli import main
+from autopar.report.explain import explain, explain_text
+from report_plans import evaluated, searched
+
+
+def test_rows_are_the_differences_of_each_term():
+    plan = searched()
+    others = plan.search["runners_up"]
+    assert others, "the search keeps runners-up"
+    explanation = explain(plan, max_alternatives=2)
+    assert len(explanation.alternatives) == min(2, len(others))
+    rows = {(row.term, row.unit): row for row in explanation.rows}
+    for index, other in enumerate(others[:2]):
+        assert rows[("step time", "s")].deltas[index] == pytest.approx(other["step_time_s"] - plan.predicted.step_time_s)
+        for term, seconds in other["breakdown_s"].items():
+            if (term, "s") in rows:
+                assert rows[(term, "s")].deltas[index] == pytest.approx(seconds - plan.predicted.breakdown_s.get(term, 0))
+        for part, size in other["memory_bytes"].items():
+            if (part, "bytes") in rows:
+                assert rows[(part, "bytes")].deltas[index] == pytest.approx(size - plan.predicted.memory_bytes.get(part, 0))
+        # what differs is named from the settings of both
+        for change in explanation.alternatives[index].changes:
+            name, before, _, after = change.split(" ")
+            assert str(other["settings"][name]) == after and before != after
+
+
+def test_text_names_each_alternative_and_why_it_lost(capsys, tmp_path):
+    plan = searched()
+    text = explain_text(plan)
+    assert "#1" in text and "chosen" in text and "step time" in text and "peak memory" in text
+    assert "slower" in text or "faster" in text
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert main(["explain", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["alternatives"][0]["config"] == plan.search["runners_up"][0]["config"]
+
+
+def test_an_evaluated_plan_has_no_runners_up():
+    assert "no runners-up" in explain_text(evaluated())
