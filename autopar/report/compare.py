@@ -111,6 +111,13 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds:.3g} s"
 
 
+def _count(amount: float) -> str:
+    for size, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if amount >= size:
+            return f"{amount / size:.4g}{suffix}"
+    return f"{amount:.4g}"
+
+
 def _money(value: float | None) -> str:
     return "-" if value is None else f"{value:,.2f}"
 
@@ -121,7 +128,7 @@ def comparison_text(comparison: Comparison) -> str:
     header = ["cluster", "devices", "mesh (pp x dp x tp)", "step time", f"{unit}/s", "price/h",
               f"cost per 1M {unit}"]
     if comparison.amount:
-        header += [f"time for {comparison.amount:,.4g}", "cost"]
+        header += [f"time for {_count(comparison.amount)} {unit}", "cost"]
     rows = []
     for option in comparison.options:
         if option.plan is None:
