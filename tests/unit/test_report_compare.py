@@ -75,8 +75,8 @@ def test_a_cluster_the_model_does_not_fit_is_a_row_not_a_crash(tmp_path):
 
 
 def test_cli_json(capsys):
-    code = main(["compare", "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128", "--global-batch", str(GLOBAL_BATCH), "--clusters", SMALL,
-                 "--price-per-gpu-hour", "2", "--tokens", "1e9", "--json"])
+    code = main(["compare", "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128", "--global-batch", str(GLOBAL_BATCH),
+                 "--clusters", SMALL, "--price-per-gpu-hour", "2", "--tokens", "1e9", "--json"])
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert data["fastest"] == data["cheapest"] == SMALL
