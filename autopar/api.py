@@ -11,6 +11,7 @@ the user's weights nor their dtype matter.
 
 from __future__ import annotations
 
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -26,6 +27,7 @@ from autopar.graph import OpGraph
 from autopar.plans import Plan
 from autopar.plan_build import make_plan
 from autopar.replica import meta_inputs, meta_replica
+from autopar.solver.overheads import overheads_for
 from autopar.solver.search import Constraints, Planner, SearchOptions
 from autopar.solver.step_model import ParallelConfig
 from cost_model.memory import BF16_ADAM, FP32_ADAM, PrecisionPolicy
@@ -116,14 +118,20 @@ def _progress(verbose: bool):
 
 
 def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=None, example_targets=None,
-                precision: str = "bf16", options: SearchOptions | None = None, verbose: bool = False) -> Planner:
-    """Capture once and return a Planner that can search and price many configurations."""
+                precision: str = "bf16", options: SearchOptions | None = None, verbose: bool = False,
+                calibrated: bool = True) -> Planner:
+    """Capture once and return a Planner that can search and price many configurations.
+
+    With `calibrated` (the default) the profile's whole-step calibration, if it has one, adds
+    its terms to every prediction (autopar/solver/overheads.py)."""
     policy = _policy(precision)
     cluster = Cluster.from_spec(cluster)
+    overheads = overheads_for(cluster, torch_version=torch.__version__, host=socket.gethostname()) if calibrated \
+        else None
     graph = capture_for_planning(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                                  precision=precision, verbose=verbose)
     return Planner(graph, cluster, global_batch=global_batch, policy=policy, precision=precision,
-                   options=options or SearchOptions(), progress=_progress(verbose))
+                   options=options or SearchOptions(), progress=_progress(verbose), overheads=overheads)
 
 
 def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constraints=None, loss_fn=None,
@@ -137,13 +145,46 @@ def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constr
 
 
 def plan_with(planner: Planner, constraints: Constraints = Constraints()) -> Plan:
-    result = planner.search(constraints)
-    config = result.best.config
-    return make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=result.best,
-                     sharding=result.sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes,
-                     search=result, precision=planner.precision,
-                     segments=planner.segment_costs(config.tp, config.microbatch_size),
-                     strategies=planner.strategies(config.tp, config.microbatch_size))
+    return candidates_with(planner, constraints, num_candidates=1)[0]
+
+
+def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: int, num_candidates: int,
+                    constraints=None, loss_fn=None, example_targets=None, precision: str = "bf16",
+                    options: SearchOptions | None = None, verbose: bool = False) -> list[Plan]:
+    """The `num_candidates` fastest predicted plans, fastest first (what trials measure)."""
+    planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
+                          example_targets=example_targets, precision=precision, options=options, verbose=verbose)
+    return candidates_with(planner, Constraints.from_value(constraints), num_candidates=num_candidates)
+
+
+def candidates_with(planner: Planner, constraints: Constraints = Constraints(), *,
+                    num_candidates: int = 1) -> list[Plan]:
+    if num_candidates < 1:
+        raise ConfigError(f"the number of candidate plans must be >= 1, got {num_candidates}")
+    result = planner.search(constraints, keep=max(5, num_candidates))
+    plans = []
+    for estimate in result.ranked[:num_candidates]:
+        config = estimate.config
+        plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
+                         sharding=planner.sharding(config.tp, config.microbatch_size),
+                         memory_budget_bytes=planner.step_model.memory_budget_bytes,
+                         search=result if estimate is result.best else None, precision=planner.precision,
+                         segments=planner.segment_costs(config.tp, config.microbatch_size),
+                         strategies=planner.strategies(config.tp, config.microbatch_size))
+        plans.append(_with_error_bar(plan, planner))
+    return plans
+
+
+def _with_error_bar(plan: Plan, planner: Planner) -> Plan:
+    """Record the calibration's expected error of the prediction (0 when uncalibrated)."""
+    if planner.overheads is None:
+        return plan
+    calibration = planner.overheads.calibration
+    note = (f"calibrated step time (profile calibration of {calibration.model} on {calibration.num_processes} "
+            f"processes): expected error +-{100 * calibration.expected_error:.0f}% "
+            f"(worst seen {100 * calibration.worst_error:.0f}%)")
+    return replace(plan, predicted=replace(plan.predicted, expected_error=calibration.expected_error),
+                   notes=plan.notes + (note,))
 
 
 def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp: int = 1, pp: int = 1,
@@ -186,7 +227,8 @@ def evaluate_with(planner: Planner, config: ParallelConfig) -> Plan:
     notes = () if estimate.fits else (
         f"this configuration does not fit: {estimate.peak_memory_bytes / 2**30:.1f} GiB per device needed, "
         f"{planner.step_model.memory_budget_bytes / 2**30:.1f} GiB usable",)
-    return make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
+    plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
                      sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes,
                      precision=planner.precision, segments=planner.segment_costs(config.tp, config.microbatch_size),
                      strategies=planner.strategies(config.tp, config.microbatch_size))
+    return _with_error_bar(plan, planner)

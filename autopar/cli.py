@@ -3,6 +3,8 @@
     autopar plan MODEL --cluster SPEC --global-batch B [--dp D] [--tp T] [--pp P] [--json]
     autopar evaluate MODEL --cluster SPEC --global-batch B --tp T --pp P --microbatch-size b ...
     autopar profile [--device cpu|cuda] [--nproc N] [--out profile.json]
+    autopar profile --calibrate MODEL --nproc N [--out profile.json]   (fit whole-step terms)
+    torchrun --nproc-per-node N -m autopar.cli tune MODEL --cluster SPEC --global-batch B --trials k
     autopar show PLAN.json [--timeline out.png|out.html] [--memory out.png] [--html report.html]
     autopar explain PLAN.json
     autopar diff A.json B.json
@@ -21,7 +23,7 @@ import sys
 
 from autopar import api
 from autopar.report import commands as report_commands
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, ConfigError
 
 EXIT_INPUT_ERROR = 2
 
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_parser(commands)
     _evaluate_parser(commands)
     _profile_parser(commands)
+    _tune_parser(commands)
     show = commands.add_parser("show", help="print the report of a saved plan")
     show.add_argument("plan_file", metavar="PLAN.json")
     show.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -105,7 +108,23 @@ def _profile_parser(commands) -> None:
     parser.add_argument("--nproc", type=int, default=1, help="processes for the collective sweep (default 1)")
     parser.add_argument("--out", default="profile.json", metavar="FILE")
     parser.add_argument("--quick", action="store_true", help="a smaller sweep")
+    parser.add_argument("--calibrate", metavar="MODEL",
+                        help="run a fixed set of configurations of MODEL on --nproc processes and store the fitted "
+                             "whole-step terms in the profile (an existing --out file is calibrated, else measured first)")
+    parser.add_argument("--global-batch", type=int, metavar="B", help="batch of the calibration runs (default 4 x nproc)")
     parser.set_defaults(handler=_profile)
+
+
+def _tune_parser(commands) -> None:
+    parser = commands.add_parser("tune", help="run the k best predicted plans for a few steps (under torchrun) and "
+                                              "keep the measured fastest")
+    _common(parser)
+    parser.add_argument("--trials", type=int, default=4, metavar="K", help="candidate plans to run (default 4)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per candidate (after 2 warm-up steps)")
+    for axis in ("dp", "tp", "pp"):
+        parser.add_argument(f"--{axis}", type=int, help=f"fix the {axis} degree")
+    parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+    parser.set_defaults(handler=_tune)
 
 
 def _emit(plan, args) -> int:
@@ -134,12 +153,40 @@ def _evaluate(args) -> int:
 
 
 def _profile(args) -> int:
+    from pathlib import Path
+
     from autopar.profiling import profile_machine
 
+    if args.calibrate:
+        return _calibrate(args, exists=Path(args.out).exists())
     profile = profile_machine(device=args.device, num_processes=args.nproc, out=args.out, quick=args.quick)
     print(f"wrote {args.out}: {profile.device_name}, {len(profile.matmul)} matmul and "
           f"{len(profile.collectives)} collective measurements")
     return 0
+
+
+def _calibrate(args, *, exists: bool) -> int:
+    from autopar.profiling import profile_machine
+    from autopar.tune.calibrate import calibrate_profile, describe_calibration
+
+    if args.nproc < 2:
+        raise ConfigError("--calibrate runs parallel configurations: give --nproc N with N >= 2")
+    if not exists:
+        profile_machine(device=args.device, num_processes=args.nproc, out=args.out, quick=args.quick)
+    profile = calibrate_profile(args.calibrate, args.out, num_processes=args.nproc, global_batch=args.global_batch)
+    calibration = next(c for c in profile.calibrations if c.num_processes == args.nproc)
+    print(describe_calibration(calibration))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _tune(args) -> int:
+    from autopar.tune.command import tune
+
+    constraints = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "zero_stage": args.zero}
+    return tune(args.model, cluster=args.cluster, global_batch=args.global_batch, num_trials=args.trials,
+                steps=args.steps, constraints={k: v for k, v in constraints.items() if v is not None},
+                precision=args.precision, out=args.out, as_json=args.json)
 
 
 def _show(args) -> int:

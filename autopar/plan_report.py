@@ -27,13 +27,14 @@ def plan_summary(plan: "Plan", *, max_stages: int = 8, max_params: int = 14) -> 
         f"  memory saving recompute={plan.recompute}{_lighter_stages(plan)}, ZeRO stage {plan.zero_stage}",
         f"  predicted     {predicted.step_time_s:.4g} s per step, {plan.model_tflops_per_device:.1f} model "
         f"TFLOP/s per device, " + (f"{predicted.tokens_per_s:,.0f} tokens/s" if predicted.tokens_per_s
-                                    else f"{plan.global_batch / max(predicted.step_time_s, 1e-12):,.0f} samples/s"),
+                                    else f"{plan.global_batch / max(predicted.step_time_s, 1e-12):,.0f} samples/s")
+        + _error_bar(plan),
         "  step time breakdown:",
     ]
     total = predicted.step_time_s or 1.0
     for name, seconds in sorted(predicted.breakdown_s.items(), key=lambda item: -item[1]):
-        if seconds > 0:
-            lines.append(f"    {name:<20} {seconds:10.4g} s  {100 * seconds / total:5.1f}%")
+        if seconds > 0 or (seconds < 0 and name in _CALIBRATED_TERMS):  # a multiplier below 1 subtracts
+            lines.append(f"    {name:<26} {seconds:10.4g} s  {100 * seconds / total:5.1f}%")
     lines.append(f"  memory per device (peak stage): {human_bytes(predicted.peak_memory_bytes)} of "
                  f"{human_bytes(predicted.memory_budget_bytes)} usable")
     for name, size in predicted.memory_bytes.items():
@@ -45,9 +46,37 @@ def plan_summary(plan: "Plan", *, max_stages: int = 8, max_params: int = 14) -> 
         ops = ", ".join(f"{name} x{count}" for name, count in plan.replicated_ops[:8])
         lines.append(f"  replicated (no sharding rule): {ops}")
     lines += _runners_up(plan)
+    lines += trials_table(plan)
     for note in plan.notes[:6]:
         lines.append(f"  note: {note}")
     return "\n".join(lines)
+
+
+_CALIBRATED_TERMS = ("compute.in_step", "comm.pattern")
+
+
+def _error_bar(plan: "Plan") -> str:
+    error = plan.predicted.expected_error
+    if error:
+        return f" (calibrated; expected error +-{100 * error:.0f}%)"
+    return ""
+
+
+def trials_table(plan: "Plan") -> list[str]:
+    """Per candidate of the trials: predicted and measured step time side by side."""
+    if not plan.trials:
+        return []
+    lines = ["  trials (measured on this job, slowest rank, median after warm-up):",
+             f"    {'candidate':<66} {'predicted':>10} {'measured':>10} {'error':>7}"]
+    for row in plan.trials:
+        measured = row.get("measured_s")
+        error = row.get("error")
+        mark = "  <- chosen" if row.get("chosen") else ""
+        shown = f"{measured * 1e3:8.1f}ms" if measured else "  failed  "
+        extra = " (stopped early)" if row.get("stopped_early") else (f" ({row['failure']})" if row.get("failure") else "")
+        lines.append(f"    {row['config']:<66} {row['predicted_s'] * 1e3:8.1f}ms {shown} "
+                     f"{'' if error is None else f'{100 * error:+6.0f}%'}{mark}{extra}")
+    return lines
 
 
 def _own_recompute(plan: "Plan", stage: "StagePlan") -> str:

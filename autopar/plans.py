@@ -57,6 +57,9 @@ class Prediction:
     """Tensor-parallel collectives one microbatch's forward + backward runs, by kind."""
     fits: bool = True
     """Whether the peak stage fits in the memory budget."""
+    expected_error: float = 0.0
+    """Typical |predicted / measured - 1| of this prediction, from the profile's calibration
+    residuals (held out); 0 when the profile has no calibration (error unknown)."""
 
     @property
     def model_flops_per_s(self) -> float:
@@ -98,6 +101,9 @@ class Plan:
     notes: tuple[str, ...] = ()
     precision: str = "bf16"
     """"bf16": bf16 compute, fp32 master weights and Adam; "fp32": fp32 throughout."""
+    trials: tuple[dict[str, Any], ...] = ()
+    """Trial runs that chose this plan among candidates (autopar.tune): per candidate its
+    config, predicted_s, measured_s (None when it failed), error and chosen."""
 
     @property
     def model_tflops_per_device(self) -> float:
@@ -133,7 +139,7 @@ class Plan:
             values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
             values.update(predicted=predicted, stages=stages, input_placements=tuple(data.get("input_placements", ())),
                           replicated_ops=tuple(tuple(item) for item in data.get("replicated_ops", ())),
-                          notes=tuple(data.get("notes", ())))
+                          notes=tuple(data.get("notes", ())), trials=tuple(data.get("trials", ())))
             plan = cls(**values)
         except (KeyError, TypeError) as error:
             raise PlanMismatchError(f"plan '{source}' is missing or has a malformed field ({error}); "

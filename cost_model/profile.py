@@ -13,9 +13,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cost_model.calibration import Calibration, calibration_from_dict
 from cost_model.errors import CostModelInputError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Version 2 added `calibrations`; version 1 files (without them) are still read."""
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 LINK_LEVELS = ("intra_node", "inter_node")
 ELEMENTWISE_KINDS = ("transcendental", "normalize")
@@ -87,6 +90,8 @@ class HardwareProfile:
     """ISO timestamp."""
     host: str = ""
     """Host name where it was measured."""
+    calibrations: tuple[Calibration, ...] = ()
+    """Whole-step calibrations (`autopar profile --calibrate`), one per process count."""
 
     def dtypes(self) -> tuple[str, ...]:
         return tuple(sorted({point.dtype for point in self.matmul}))
@@ -118,10 +123,10 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfil
     if not isinstance(data, dict):
         raise CostModelInputError(f"profile '{source}': expected a JSON object, got {type(data).__name__}")
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CostModelInputError(
-            f"profile '{source}': schema_version is {version!r}, this autopar reads version "
-            f"{SCHEMA_VERSION}; re-create it with `autopar profile --out FILE`")
+            f"profile '{source}': schema_version is {version!r}, this autopar reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}; re-create it with `autopar profile --out FILE`")
     reader = _FieldReader(data, source)
     matmul = tuple(_matmul_point(item, source, index) for index, item in enumerate(reader.list("matmul")))
     if not matmul:
@@ -134,7 +139,7 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfil
     if device_kind not in ("cpu", "cuda"):
         raise CostModelInputError(f"profile '{source}': field 'device_kind' must be 'cpu' or 'cuda', got {device_kind!r}")
     return HardwareProfile(
-        schema_version=version,
+        schema_version=SCHEMA_VERSION,
         device_kind=device_kind,
         device_name=reader.text("device_name"),
         num_processes=int(reader.positive("num_processes")),
@@ -146,6 +151,8 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfil
         elementwise=elementwise,
         created=str(data.get("created", "")),
         host=str(data.get("host", "")),
+        calibrations=tuple(calibration_from_dict(item, source=source)
+                           for item in reader.list("calibrations", required=False)),
     )
 
 

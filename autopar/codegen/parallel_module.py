@@ -11,6 +11,8 @@ without pipeline stages) and returns the whole output.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -45,6 +47,8 @@ class ParallelModule(nn.Module):
         self.has_last = has_last
         self.input_shapes = input_shapes
         """Shapes of the model inputs as traced (dim 0 is the batch)."""
+        self._step_starts_s: deque[float] = deque(maxlen=4096)
+        self._step_durations_s: deque[float] = deque(maxlen=4096)
 
     # --- public API ----------------------------------------------------------------------------
 
@@ -69,8 +73,22 @@ class ParallelModule(nn.Module):
         output = self.stages[0](*local)
         return self._gather_batch(_replicated_local(output))
 
+    def timing_report(self, *, skip: int = 2):
+        """Measured step time (interval between train_step starts, slowest rank) against the
+        plan's prediction; every rank must call it. `print(pm.timing_report())`."""
+        from autopar.tune.timing import timing_report
+
+        return timing_report(list(self._step_starts_s), list(self._step_durations_s), self.plan, skip=skip)
+
     def train_step(self, inputs, targets) -> torch.Tensor:
         """Forward and backward of the global batch; returns the mean loss (the same on every rank)."""
+        started = time.perf_counter()
+        self._step_starts_s.append(started)
+        loss = self._train_step(inputs, targets)
+        self._step_durations_s.append(time.perf_counter() - started)
+        return loss
+
+    def _train_step(self, inputs, targets) -> torch.Tensor:
         if self.loss_fn is None:
             raise PlanMismatchError("train_step needs a loss: pass loss_fn to autopar.parallelize")
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)

@@ -43,8 +43,14 @@ def default_cluster(world_size: int) -> str:
 
 def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Plan | str | Path | None = None,
                 loss_fn: Callable | None = None, example_targets=None, global_batch: int | None = None,
-                constraints=None, precision: str | None = None) -> ParallelModule:
-    """Plan (on rank 0) or take `plan`, and return this rank's ParallelModule."""
+                constraints=None, precision: str | None = None, trials: int = 1, trial_options=None,
+                progress=None) -> ParallelModule:
+    """Plan (on rank 0) or take `plan`, and return this rank's ParallelModule.
+
+    With `trials=k` > 1 the k best predicted plans each run a few training steps on a copy of
+    the model in this job (autopar.tune.trials) and the measured fastest is built; the plan
+    records every candidate's predicted and measured step time. `trial_options` is a
+    TrialOptions; `progress(message)` receives trial progress on rank 0 (default: stderr)."""
     from autopar import api
 
     _, world = ensure_process_group()
@@ -60,11 +66,40 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
                         constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
                         precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"))
 
-    chosen = run_on_rank0(make_plan)
+    if trials > 1 and plan is None:
+        chosen = _chosen_by_trials(model, inputs, cluster or default_cluster(world), batch, trials,
+                                   loss_fn=loss_fn, example_targets=example_targets, constraints=constraints,
+                                   precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"),
+                                   trial_options=trial_options, progress=progress)
+    elif trials < 1:
+        raise ConfigError(f"trials must be >= 1 (1: no trial runs), got {trials}")
+    else:
+        chosen = run_on_rank0(make_plan)
     if chosen.num_devices != world:
         raise PlanMismatchError(f"this plan is for {chosen.num_devices} devices (mesh {chosen.mesh}), but the job "
                                 f"has {world} processes: launch {chosen.num_devices} or re-plan")
     return build_parallel_module(model, inputs, chosen, loss_fn)
+
+
+def _chosen_by_trials(model, inputs, cluster, batch: int, trials: int, *, loss_fn, example_targets, constraints,
+                      precision: str, trial_options, progress) -> Plan:
+    import sys
+
+    from autopar import api
+    from autopar.tune.trials import TrialOptions, record_trials, run_trials, select_winner
+
+    candidates = run_on_rank0(lambda: api.candidate_plans(
+        model, inputs, cluster, global_batch=batch, num_candidates=trials, constraints=constraints, loss_fn=loss_fn,
+        example_targets=example_targets, precision=precision))
+    for candidate in candidates:
+        if candidate.num_devices != dist.get_world_size():
+            raise PlanMismatchError(f"the candidate plans are for {candidate.num_devices} devices, but the job has "
+                                    f"{dist.get_world_size()} processes: plan for this job's cluster")
+    say = progress or (lambda message: print(f"autopar: {message}", file=sys.stderr, flush=True))
+    results = run_trials(model, inputs, example_targets, loss_fn, candidates, options=trial_options or TrialOptions(),
+                         progress=say)
+    winner = select_winner(results)
+    return record_trials(candidates[winner], results, winner)
 
 
 def _batch_of(inputs: tuple) -> int:

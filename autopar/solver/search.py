@@ -20,6 +20,7 @@ from autopar.graph import OpGraph
 from autopar.graph_report import human_bytes
 from autopar.mesh import Mesh
 from autopar.solver.evaluate import SegmentCost
+from autopar.solver.overheads import Overheads, SegmentCounts, segment_counts, step_features
 from autopar.solver.sharding import ShardingOptions, ShardingResult, cost_context, solve_sharding
 from autopar.solver.step_model import (RECOMPUTE_MODES, SCHEDULES, Estimate, ParallelConfig, PreparedSegments,
                                        StepModel)
@@ -85,7 +86,7 @@ class Planner:
 
     def __init__(self, graph: OpGraph, cluster, *, global_batch: int, policy: PrecisionPolicy = BF16_ADAM,
                  precision: str = "bf16", options: SearchOptions = SearchOptions(),
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, overheads: Overheads | None = None) -> None:
         if global_batch < 1:
             raise ConfigError(f"global batch must be >= 1, got {global_batch}")
         self.graph = graph
@@ -101,7 +102,10 @@ class Planner:
             comm=CommModel(cluster), policy=policy,
             memory_budget_bytes=cluster.device.memory_bytes * options.usable_memory_fraction,
             tied_param_numel=_tied_numel(graph))
+        self.overheads = overheads
+        """Calibrated whole-step terms (overheads.py), or None to price kernels and collectives only."""
         self.condensed = condense(graph)
+        self._counts: dict[tuple[int, int], dict[str, SegmentCounts]] = {}
         self._sharding: dict[tuple[int, int], ShardingResult] = {}
         self._prepared: dict[tuple[int, int, str], PreparedSegments] = {}
 
@@ -145,6 +149,22 @@ class Planner:
         modes = RECOMPUTE_MODES[:RECOMPUTE_MODES.index(config.recompute)]
         return {mode: self.prepared(config.tp, config.microbatch_size, mode) for mode in modes}
 
+    def counts(self, tp: int, microbatch_size: int) -> dict[str, SegmentCounts]:
+        key = (tp, microbatch_size)
+        if key not in self._counts:
+            self._counts[key] = segment_counts(self.graph, self.segment_costs(tp, microbatch_size))
+        return self._counts[key]
+
+    def features(self, estimate: Estimate) -> dict[str, float]:
+        """Features of the calibrated terms for a priced configuration (overheads.py)."""
+        config = estimate.config
+        return step_features(estimate, self.counts(config.tp, config.microbatch_size), self.step_model)
+
+    def _calibrated(self, estimate: Estimate | None) -> Estimate | None:
+        if estimate is None or self.overheads is None:
+            return estimate
+        return self.overheads.apply(estimate, self.features(estimate))
+
     # --- evaluate one configuration ----------------------------------------------------------
 
     def evaluate(self, config: ParallelConfig) -> tuple[Estimate, ShardingResult]:
@@ -152,6 +172,7 @@ class Planner:
         sharding = self.sharding(config.tp, config.microbatch_size)
         # A configuration given by hand is priced as given: its recompute mode on every stage.
         estimate = self.step_model.estimate(self.prepared(config.tp, config.microbatch_size, config.recompute), config)
+        estimate = self._calibrated(estimate)
         if estimate is None:
             raise ConfigError(f"{config.describe()}: the model has {len(self.graph.segments)} segments, too few "
                               f"for {config.pp * config.virtual_stages} pipeline chunks")
@@ -188,6 +209,7 @@ class Planner:
         ranked: list[Estimate] = []
         count = 0
         least_memory: Estimate | None = None
+        bound_factor = self.overheads.lower_bound_factor if self.overheads else 1.0
         for tp, pp, dp in self._meshes(constraints):
             for microbatch in self._microbatches(dp, constraints):
                 self.progress(f"planning: tp={tp} pp={pp} dp={dp} microbatch={microbatch}")
@@ -195,10 +217,10 @@ class Planner:
                 for config in self._configs(tp, pp, dp, microbatch, constraints):
                     prepared = self.prepared(tp, microbatch, config.recompute)
                     cutoff = ranked[keep - 1].step_time_s if len(ranked) >= keep else float("inf")
-                    if _lower_bound_s(prepared, config) > cutoff:
+                    if _lower_bound_s(prepared, config) * bound_factor > cutoff:
                         fitted_any = True  # not priced, but a faster one is known: keep looking
                         continue
-                    estimate = self.step_model.estimate(prepared, config, self._lighter(config))
+                    estimate = self._calibrated(self.step_model.estimate(prepared, config, self._lighter(config)))
                     if estimate is None:
                         continue
                     count += 1

@@ -1,0 +1,189 @@
+"""`autopar profile --calibrate MODEL`: measure whole steps and fit the terms the model lacks.
+
+A fixed set of configurations of MODEL on N processes of this machine (every mesh pp x dp x tp
+of N that the model allows, each with one and with more microbatches, ZeRO-3 where dp > 1,
+ZeRO-1 for pure data parallelism, and full recomputation once: `calibration_configs`) is priced
+without calibration and run for a few steps (autopar.tune.trials, the same measurement as
+`trials=`); the terms of cost_model/calibration.py are fitted to the measured step times
+(fit.py) and stored in the profile, replacing an earlier calibration for the same number of
+processes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+
+from autopar.errors import ConfigError, ProfileError
+from autopar.tune.fit import Observation, fit
+from autopar.tune.trials import TrialOptions
+from cost_model.calibration import CALIBRATION_VERSION, Calibration, CalibrationPoint, core_sharing_factor
+from cost_model.errors import CostModelInputError
+from cost_model.profile import HardwareProfile, load_profile
+
+CALIBRATION_STEPS = TrialOptions(warmup_steps=2, steps=4, give_up_ratio=1e9)
+"""Every configuration runs to the end (a slow one is as informative as a fast one)."""
+MAX_CONFIGS = 12
+
+
+def calibration_configs(num_processes: int, global_batch: int, *, num_layers: int, num_heads: int) -> list[dict]:
+    """The fixed set: constraint dicts for `api.fixed_config` (at most MAX_CONFIGS)."""
+    configs: list[dict] = []
+    for pp in _divisors(num_processes):
+        for tp in _divisors(num_processes // pp):
+            dp = num_processes // (pp * tp)
+            if (num_heads and num_heads % tp) or pp > num_layers or global_batch % dp:
+                continue
+            local = global_batch // dp
+            fewest = pp  # 1F1B needs at least as many microbatches as stages
+            for m in sorted({fewest, 2 * fewest}):
+                if local % m == 0:
+                    configs.append(dict(dp=dp, tp=tp, pp=pp, microbatch_size=local // m, zero_stage=0))
+            if dp > 1 and local % fewest == 0:
+                configs.append(dict(dp=dp, tp=tp, pp=pp, microbatch_size=local // fewest, zero_stage=3))
+                if tp == 1 and pp == 1:
+                    configs.append(dict(dp=dp, tp=1, pp=1, microbatch_size=local, zero_stage=1))
+    if configs:
+        configs.append({**configs[0], "recompute": "full"})
+    # Keep the variety when there are too many: every mesh's first, then the rest in order.
+    firsts = [c for i, c in enumerate(configs) if i == 0 or _mesh(c) != _mesh(configs[i - 1])]
+    rest = [c for c in configs if c not in firsts]
+    return (firsts + rest)[:MAX_CONFIGS]
+
+
+def _mesh(config: dict) -> tuple:
+    return config["dp"], config["tp"], config["pp"]
+
+
+def _divisors(value: int) -> list[int]:
+    return [d for d in range(1, value + 1) if value % d == 0]
+
+
+def measure_configs(model_spec: str, profile_path: str, global_batch: int, options: TrialOptions,
+                    configs: list[dict] | None = None, precision: str = "fp32") -> list[dict]:
+    """Every rank: price (rank 0) and run each configuration; returns per configuration its
+    config, uncalibrated prediction, features and measured time (None when it failed)."""
+    import torch.distributed as dist
+
+    from autopar import api
+    from autopar.codegen.runtime import run_on_rank0
+    from autopar.models import build_model
+    from autopar.tune.trials import run_trials
+
+    world = dist.get_world_size()
+    bundle = build_model(model_spec, device="cpu", seed=0, batch_size=global_batch)
+    cluster = f"cpu:procs={world},profile={profile_path}"
+
+    def price():
+        planner = api.planner_for(bundle.model, bundle.example_inputs, cluster, global_batch=global_batch,
+                                  loss_fn=bundle.loss_fn, example_targets=bundle.example_targets,
+                                  precision=precision, calibrated=False)
+        chosen = configs if configs is not None else calibration_configs(
+            world, global_batch, num_layers=getattr(bundle.config, "layers", 1),
+            num_heads=getattr(bundle.config, "heads", 0))
+        priced = []
+        for constraints in chosen:
+            config = api.fixed_config(planner, tp=constraints["tp"], pp=constraints["pp"], dp=constraints["dp"],
+                                      microbatch_size=constraints["microbatch_size"], schedule="1f1b",
+                                      virtual_stages=None, layers_per_virtual_stage=None,
+                                      recompute=constraints.get("recompute", "none"),
+                                      zero_stage=constraints.get("zero_stage", 0))
+            plan = api.evaluate_with(planner, config)
+            estimate, _ = planner.evaluate(config)
+            priced.append((plan, planner.features(estimate)))
+        return priced
+
+    priced = run_on_rank0(price)
+    plans = [plan for plan, _ in priced]
+    say = (lambda message: print(f"calibrate: {message}", file=sys.stderr, flush=True))
+    # The job's first steps pay one-time costs (imports, thread pools, allocator growth) that a
+    # per-candidate warm-up does not absorb: one untimed run of the first candidate first.
+    run_trials(bundle.model, tuple(bundle.example_inputs), bundle.example_targets, bundle.loss_fn, plans[:1],
+               options=replace(options, warmup_steps=1, steps=1))
+    results = run_trials(bundle.model, tuple(bundle.example_inputs), bundle.example_targets, bundle.loss_fn, plans,
+                         options=options, progress=say)
+    return [dict(config=result.config, predicted_s=plan.predicted.step_time_s, features=features,
+                 measured_s=result.measured_s, failure=result.error)
+            for (plan, features), result in zip(priced, results)]
+
+
+def calibrate_profile(model_spec: str, profile_path: str, *, num_processes: int, global_batch: int | None = None,
+                      options: TrialOptions = CALIBRATION_STEPS, out: str | None = None) -> HardwareProfile:
+    """Run the calibration set on `num_processes` spawned gloo processes and store the fit in
+    the profile (written to `out`, default: back to `profile_path`)."""
+    from autopar.tune.launch import spawn
+
+    try:
+        profile = load_profile(profile_path)
+    except CostModelInputError as error:
+        raise ProfileError(str(error)) from None
+    if profile.device_kind != "cpu":
+        raise ProfileError("`autopar profile --calibrate` spawns gloo processes on this machine's CPUs; on GPUs run "
+                           "the calibration under torchrun (not supported yet)")
+    if profile.host and profile.host != socket.gethostname():
+        raise ProfileError(f"profile '{profile_path}' was measured on {profile.host}, not on this machine "
+                           f"({socket.gethostname()}): calibrate with a profile of this machine")
+    batch = global_batch or 4 * num_processes
+    load = _load_average()
+    started = time.perf_counter()
+    outcome = spawn(measure_configs, num_processes=num_processes,
+                    args=(model_spec, str(profile_path), batch, options))
+    rows = outcome.value
+    notes = [] if outcome.clean_exit else [
+        f"the processes exited with codes {outcome.exit_codes} after the measurements (an abort at exit); the "
+        "measurements were saved before"]
+    failed = [row for row in rows if row["measured_s"] is None]
+    notes += [f"{row['config']} failed: {row['failure']}" for row in failed]
+    observations = [Observation(config=row["config"], predicted_s=row["predicted_s"], measured_s=row["measured_s"],
+                                features=row["features"]) for row in rows if row["measured_s"] is not None]
+    cores = os.cpu_count() or 1
+    result = fit(observations, sharing=core_sharing_factor(num_processes, cores))
+    import torch
+
+    calibration = Calibration(
+        version=CALIBRATION_VERSION, model=model_spec, num_processes=num_processes, num_cores=cores,
+        host=profile.host, device_name=profile.device_name, torch_version=torch.__version__,
+        coefficients=result.coefficients, expected_error=result.expected_error, worst_error=result.worst_error,
+        points=tuple(CalibrationPoint(config=o.config, predicted_s=o.predicted_s, measured_s=o.measured_s,
+                                      features=o.features, fitted_s=f, held_out_s=h)
+                     for o, f, h in zip(observations, result.fitted_s, result.held_out_s)),
+        load_average=load, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        notes=tuple(notes) + (f"global batch {batch}; {len(observations)} configurations in "
+                              f"{time.perf_counter() - started:.0f} s",))
+    kept = tuple(c for c in profile.calibrations if c.num_processes != num_processes)
+    calibrated = replace(profile, calibrations=kept + (calibration,))
+    calibrated.save(out or profile_path)
+    return calibrated
+
+
+def _load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def describe_calibration(calibration: Calibration) -> str:
+    lines = [f"calibration of {calibration.model} on {calibration.num_processes} processes "
+             f"({calibration.num_cores} cores, load average {calibration.load_average:.1f} at the start):"]
+    for term, value in calibration.coefficients.items():
+        lines.append(f"  {term:<28} {value:.4g}")
+    lines.append(f"  expected error (median held-out) {100 * calibration.expected_error:.0f}%, "
+                 f"worst {100 * calibration.worst_error:.0f}%")
+    lines.append("  config                                                        predicted ms  held-out ms  measured ms")
+    for point in calibration.points:
+        lines.append(f"  {point.config:<62}{point.predicted_s * 1e3:10.1f}{point.held_out_s * 1e3:13.1f}"
+                     f"{point.measured_s * 1e3:13.1f}")
+    for note in calibration.notes:
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)
+
+
+def check_calibration_model(model_spec: str) -> None:
+    """The calibration builds MODEL with real weights from the registry."""
+    if not isinstance(model_spec, str) or not model_spec:
+        raise ConfigError("--calibrate needs a model spec, e.g. gpt:layers=4,hidden=256,heads=4")

@@ -1,0 +1,191 @@
+"""Predicted against measured whole steps, and autopar's pick with and without trials (issue 10).
+
+    .venv/bin/autopar profile --nproc 4 --quick --out /tmp/p.json
+    .venv/bin/autopar profile --calibrate CALIBRATION_MODEL --nproc 4 --out /tmp/p.json
+    .venv/bin/autopar profile --calibrate CALIBRATION_MODEL --nproc 2 --out /tmp/p.json
+    .venv/bin/python benchmarks/real_ranking.py --profile /tmp/p.json [--steps 6 --warmup 3] [--markdown]
+
+For 4 and then 2 gloo processes of this machine (one job each), the GPT below at global batch
+16, fp32, SGD: each configuration of the table (fixed mesh and ZeRO stage; microbatching left to
+the planner) is planned on `cpu:procs=N,profile=...`, priced with the profile's calibration and
+without it, and run for `warmup + steps` steps (train_step + optimizer.step(), slowest rank,
+median after warm-up: autopar.tune.trials, no early stop). Then autopar's own pick without
+trials (calibrated, and uncalibrated for comparison), and `trials=4` (the four best predicted
+candidates, with early stopping, as `parallelize(..., trials=4)` runs them; its wall time
+includes building every candidate). The calibration ran on another model (CALIBRATION_MODEL)
+and its own fixed set of configurations (`autopar profile --calibrate`), so every row here is
+held out. Prints per N: the table, the rank correlation (Spearman) of predicted and measured
+over the table's configurations, the median |predicted / measured - 1|, and the measured time
+of each pick over the best measured configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+MODEL = "gpt:layers=4,hidden=256,heads=4,seq=128,vocab=512,dropout=0.0"
+CALIBRATION_MODEL = "gpt:layers=4,hidden=128,heads=4,seq=128,vocab=512,dropout=0.0"
+GLOBAL_BATCH = 16
+TABLE = {
+    4: [("dp=4", dict(dp=4, tp=1, pp=1, zero_stage=0)),
+        ("dp=4 ZeRO-3", dict(dp=4, tp=1, pp=1, zero_stage=3)),
+        ("dp=2 tp=2", dict(dp=2, tp=2, pp=1, zero_stage=0)),
+        ("tp=4", dict(dp=1, tp=4, pp=1)),
+        ("dp=2 pp=2 1F1B", dict(dp=2, tp=1, pp=2, zero_stage=0, schedule="1f1b")),
+        ("pp=4 1F1B", dict(dp=1, tp=1, pp=4, schedule="1f1b")),
+        ("tp=2 pp=2 1F1B", dict(dp=1, tp=2, pp=2, schedule="1f1b"))],
+    2: [("dp=2", dict(dp=2, tp=1, pp=1, zero_stage=0)),
+        ("tp=2", dict(dp=1, tp=2, pp=1)),
+        ("pp=2 1F1B", dict(dp=1, tp=1, pp=2, schedule="1f1b"))],
+}
+NUM_TRIALS = 4
+
+
+def worker(num_processes: int, profile: str, steps: int, warmup: int) -> dict:
+    """Every rank: plan (rank 0), run every configuration, the picks and the trials."""
+    from dataclasses import replace
+
+    from autopar import api
+    from autopar.codegen.runtime import run_on_rank0
+    from autopar.models import build_model
+    from autopar.solver.search import Constraints, Planner
+    from autopar.tune.trials import TrialOptions, run_trials, select_winner
+
+    bundle = build_model(MODEL, device="cpu", seed=0, batch_size=GLOBAL_BATCH)
+    cluster = f"cpu:procs={num_processes},profile={profile}"
+
+    def plan_all():
+        calibrated = api.planner_for(bundle.model, bundle.example_inputs, cluster, global_batch=GLOBAL_BATCH,
+                                     loss_fn=bundle.loss_fn, example_targets=bundle.example_targets, precision="fp32")
+        if calibrated.overheads is None:
+            raise SystemExit(f"{profile} has no calibration for {num_processes} processes: run "
+                             f"`autopar profile --calibrate {CALIBRATION_MODEL} --nproc {num_processes} --out {profile}`")
+        raw = Planner(calibrated.graph, calibrated.cluster, global_batch=GLOBAL_BATCH, policy=calibrated.policy,
+                      precision="fp32")
+        rows = []
+        for label, constraints in TABLE[num_processes]:
+            plan = api.plan_with(calibrated, Constraints(**constraints))
+            rows.append((label, plan, _raw_prediction(raw, plan)))
+        pick = api.plan_with(calibrated)
+        raw_pick = api.plan_with(raw)
+        rows.append(("autopar's pick, calibrated, no trials", pick, _raw_prediction(raw, pick)))
+        rows.append(("autopar's pick, uncalibrated, no trials", raw_pick, raw_pick.predicted.step_time_s))
+        candidates = api.candidates_with(calibrated, num_candidates=NUM_TRIALS)
+        return rows, candidates
+
+    rows, candidates = run_on_rank0(plan_all)
+    measure = TrialOptions(warmup_steps=warmup, steps=steps, give_up_ratio=1e9)
+    results = run_trials(bundle.model, tuple(bundle.example_inputs), bundle.example_targets, bundle.loss_fn,
+                         [plan for _, plan, _ in rows], options=measure, progress=_say)
+    started = time.perf_counter()
+    trial_results = run_trials(bundle.model, tuple(bundle.example_inputs), bundle.example_targets, bundle.loss_fn,
+                               candidates, options=replace(measure, give_up_ratio=1.5), progress=_say)
+    trials_wall_s = time.perf_counter() - started
+    winner = select_winner(trial_results)
+    return dict(
+        rows=[dict(label=label, config=result.config, raw_s=raw_s, predicted_s=plan.predicted.step_time_s,
+                   measured_s=result.measured_s, failure=result.error, expected_error=plan.predicted.expected_error)
+              for (label, plan, raw_s), result in zip(rows, results)],
+        trials=[dict(config=r.config, predicted_s=r.predicted_s, measured_s=r.measured_s, stopped=r.stopped_early,
+                     setup_s=r.setup_s, steps=len(r.step_times_s)) for r in trial_results],
+        winner=winner, trials_wall_s=trials_wall_s)
+
+
+def _raw_prediction(raw, plan) -> float:
+    from autopar.solver.step_model import ParallelConfig
+
+    config = ParallelConfig(dp=plan.mesh["dp"], tp=plan.mesh["tp"], pp=plan.mesh["pp"],
+                            microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
+                            schedule=plan.schedule if plan.mesh["pp"] > 1 else "1f1b",
+                            virtual_stages=plan.virtual_stages, recompute=plan.recompute, zero_stage=plan.zero_stage)
+    estimate, _ = raw.evaluate(config)
+    return estimate.step_time_s
+
+
+def _say(message: str) -> None:
+    import sys
+
+    print(f"  {message}", file=sys.stderr, flush=True)
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values):
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        result = [0.0] * len(values)
+        for rank, index in enumerate(order):
+            result[index] = float(rank)
+        return result
+
+    rx, ry = ranks(xs), ranks(ys)
+    mean_x, mean_y = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mean_x) * (b - mean_y) for a, b in zip(rx, ry))
+    norm = (sum((a - mean_x) ** 2 for a in rx) * sum((b - mean_y) ** 2 for b in ry)) ** 0.5
+    return cov / norm if norm else 0.0
+
+
+def report(num_processes: int, outcome: dict, markdown: bool, exit_codes: list[int]) -> str:
+    rows, trials = outcome["rows"], outcome["trials"]
+    table_rows = [row for row in rows if not row["label"].startswith("autopar")]
+    measured = [row for row in table_rows if row["measured_s"]]
+    all_measured = [row["measured_s"] for row in rows if row["measured_s"]] + \
+                   [t["measured_s"] for t in trials if t["measured_s"] and not t["stopped"]]
+    best = min(all_measured)
+    lines = [f"### {num_processes} processes", "",
+             "| configuration | plan | uncalibrated ms | calibrated ms | measured ms | error (calibrated) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for row in rows:
+        shown = f"{row['measured_s'] * 1e3:.0f}" if row["measured_s"] else f"failed: {row['failure']}"
+        error = f"{100 * (row['predicted_s'] / row['measured_s'] - 1):+.0f}%" if row["measured_s"] else ""
+        lines.append(f"| {row['label']} | {row['config']} | {row['raw_s'] * 1e3:.0f} | {row['predicted_s'] * 1e3:.0f} | "
+                     f"{shown} | {error} |")
+    winner = trials[outcome["winner"]]
+    lines.append(f"| autopar's pick with trials={NUM_TRIALS} | {winner['config']} | | {winner['predicted_s'] * 1e3:.0f} | "
+                 f"{winner['measured_s'] * 1e3:.0f} | |")
+    lines.append("")
+    lines.append("trials: " + "; ".join(
+        f"{t['config']} predicted {t['predicted_s'] * 1e3:.0f} ms, measured "
+        + (f"{t['measured_s'] * 1e3:.0f} ms" if t["measured_s"] else "failed")
+        + (" (stopped early)" if t["stopped"] else "") + f" in {t['steps']} steps, set-up {t['setup_s']:.0f} s"
+        for t in trials) + f"; wall time of the trials {outcome['trials_wall_s']:.0f} s")
+    lines.append("")
+    for kind, key in (("calibrated", "predicted_s"), ("uncalibrated", "raw_s")):
+        errors = [abs(row[key] / row["measured_s"] - 1) for row in measured]
+        rho = spearman([row[key] for row in measured], [row["measured_s"] for row in measured])
+        lines.append(f"- {kind}: median |error| {100 * statistics.median(errors):.0f}%, rank correlation {rho:.2f} "
+                     f"over {len(measured)} configurations")
+    for row in rows:
+        if row["label"].startswith("autopar") and row["measured_s"]:
+            lines.append(f"- {row['label']}: {row['measured_s'] / best:.2f} x the best measured")
+    lines.append(f"- pick with trials={NUM_TRIALS}: {winner['measured_s'] / best:.2f} x the best measured "
+                 f"(best measured: {best * 1e3:.0f} ms)")
+    if any(code != 0 for code in exit_codes):
+        lines.append(f"- the job's processes exited with codes {exit_codes} after the results were saved")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", required=True, help="a profile calibrated for 2 and 4 processes")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--procs", type=int, nargs="*", default=[4, 2])
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    from autopar.tune.launch import spawn
+
+    started = time.perf_counter()
+    load = os.getloadavg()[0]
+    for num_processes in args.procs:
+        outcome = spawn(worker, num_processes=num_processes,
+                        args=(num_processes, os.path.abspath(args.profile), args.steps, args.warmup))
+        print(report(num_processes, outcome.value, args.markdown, outcome.exit_codes), flush=True)
+        print(flush=True)
+    print(f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
+          f"{time.perf_counter() - started:.0f} s in all")
+
+
+if __name__ == "__main__":
+    main()
