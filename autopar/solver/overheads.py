@@ -8,13 +8,14 @@ and its unit):
     framework.eager_ops         c_op x ops           ops executed on the critical path per step
     framework.dtensor_dispatch  c_dt x ops           the same ops, when they run on DTensors (tp > 1)
     comm.pattern                (c - 1) x C          C: the collective time the model predicts
-    comm.calls                  c_call x calls       collective calls issued per step
+    comm.calls                  c_call x latencies   every collective call of the step at the
+                                                     profile's small-message latency
     pp.schedule                 c_pp x actions       forward/backward actions of the pipeline schedule
     dp.hooks                    c_hook x units x m   FSDP units x microbatches
     dp.overlap                  c_ov x hidden        synchronisation the model assumes hidden
     optimizer.per_tensor        c_opt x tensors      parameter tensors the optimizer steps
-    cpu.core_sharing            (s - 1) x CPU work   s = processes / cores when processes outnumber
-                                                     cores (not fitted: the CPU work terms above)
+    cpu.core_sharing            (s - 1) x CPU work   s: how much CPU work stretches when processes
+                                                     outnumber cores (derived, not fitted: _sharing)
 
 `step_features` computes the features of one priced configuration (used by the planner to add
 the terms, and by the calibration to fit the coefficients); `with_overheads` adds the terms to
@@ -33,8 +34,8 @@ from cost_model.calibration import CPU_WORK_TERMS, TERMS, Calibration, core_shar
 
 COMM_BREAKDOWN_PREFIXES = ("tp.", "pp.send_recv", "pp.tied_weights", "dp.gradient_sync")
 WORK_BREAKDOWN_KEYS = ("compute", "recompute", "bubble", "optimizer")
-_STEP_COLLECTIVES = 2
-"""Collectives every step issues besides gradients: the loss averaged over dp, a pipeline's loss broadcast."""
+_SMALL_MESSAGE_BYTES = 4096.0
+"""A message whose time is the collective's latency (the profile's smallest size)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,8 +44,8 @@ class SegmentCounts:
 
     num_ops: float
     """Ops executed: forward calls plus backward calls of ops that need a gradient."""
-    num_collectives: float
-    """Tensor-parallel collectives, forward + backward."""
+    collectives: dict[str, float]
+    """Tensor-parallel collective calls by kind, forward + backward."""
     num_param_tensors: int
     """Trainable parameter tensors it holds (the optimizer steps each)."""
 
@@ -69,13 +70,18 @@ def segment_counts(graph: OpGraph, segments: list[SegmentCost]) -> dict[str, Seg
         cost = costs.get(segment.name, SegmentCost(name=segment.name))
         calls = [by_name[name] for name in segment.nodes if by_name[name].kind == "call"]
         ops = len(calls) + sum(1 for node in calls if node.requires_grad)
-        counts[cost.name] = SegmentCounts(num_ops=float(ops), num_collectives=float(len(cost.comm)),
-                                          num_param_tensors=tensors.get(segment.name, 0))
+        collectives: dict[str, float] = {}
+        for event in cost.comm:
+            collectives[event.op] = collectives.get(event.op, 0.0) + 1.0
+        counts[segment.name] = SegmentCounts(num_ops=float(ops), collectives=collectives,
+                                             num_param_tensors=tensors.get(segment.name, 0))
     return counts
 
 
-def step_features(estimate: Estimate, counts: dict[str, SegmentCounts], step_model: StepModel) -> dict[str, float]:
-    """Feature of each calibrated term (cost_model.calibration.TERMS) for one configuration."""
+def step_features(estimate: Estimate, counts: dict[str, SegmentCounts], step_model: StepModel,
+                  *, processes_per_node: int = 1, num_cores: int = 0) -> dict[str, float]:
+    """Feature of each calibrated term (cost_model.calibration.TERMS) for one configuration,
+    and "cpu.sharing": the factor by which CPU work stretches when processes share cores."""
     config, breakdown = estimate.config, estimate.breakdown_s
     m = config.num_microbatches
     slowest = max(estimate.stages, key=lambda stage: stage.time_per_microbatch_s)
@@ -89,22 +95,64 @@ def step_features(estimate: Estimate, counts: dict[str, SegmentCounts], step_mod
                    for stage in estimate.stages), default=0)
     chunks = len(slowest.chunks) or 1
     actions = 2.0 * m * chunks if config.pp > 1 else 0.0
-    calls = m * sum(c.num_collectives for c in mine) + _dp_calls(config, units, tensors) + _STEP_COLLECTIVES
-    calls += 2.0 * m * chunks if config.pp > 1 else 0.0
     exposed = breakdown.get("dp.gradient_sync", 0.0)
     hidden = max(0.0, max((_raw_dp_sync_s(stage, estimate, step_model) for stage in estimate.stages),
                           default=0.0) - exposed)
+    work_s = sum(breakdown.get(key, 0.0) for key in WORK_BREAKDOWN_KEYS)
     return {
-        "compute.in_step": sum(breakdown.get(key, 0.0) for key in WORK_BREAKDOWN_KEYS),
+        "compute.in_step": work_s,
         "framework.eager_ops": ops,
         "framework.dtensor_dispatch": ops if config.tp > 1 else 0.0,
         "comm.pattern": sum(seconds for name, seconds in breakdown.items() if name.startswith(COMM_BREAKDOWN_PREFIXES)),
-        "comm.calls": calls,
+        "comm.calls": _call_latencies_s(config, mine, m, units, tensors, actions, step_model),
         "pp.schedule": actions,
         "dp.hooks": float(units * m) if fsdp else 0.0,
         "dp.overlap": hidden,
         "optimizer.per_tensor": float(tensors),
+        "cpu.sharing": _sharing(estimate, work_s, processes_per_node, num_cores),
     }
+
+
+def _sharing(estimate: Estimate, work_s: float, processes_per_node: int, num_cores: int) -> float:
+    """How much the step's CPU work stretches when the node's processes outnumber its cores.
+
+    Every rank does about the slowest stage's work (busy = m x its compute + optimizer); the
+    node's cores run at most `cores` of them at once, so the step takes at least s x busy with
+    s = processes / cores. A pipeline's bubble is idle time other ranks can use, so it only
+    stretches by what s x busy exceeds the pipeline's own length (`work_s`)."""
+    s = core_sharing_factor(processes_per_node, num_cores)
+    if s <= 1.0 or work_s <= 0:
+        return 1.0
+    bubble_s = estimate.breakdown_s.get("bubble", 0.0)
+    busy_s = work_s - bubble_s
+    return max(work_s, s * busy_s) / work_s
+
+
+def _call_latencies_s(config, mine: list[SegmentCounts], m: int, units: int, tensors: int, actions: float,
+                      step_model: StepModel) -> float:
+    """Every collective call the step issues, each at the latency of a small message of its kind
+    and group (the profile's): the fitted coefficient says how many such latencies a call costs
+    inside a step, where its peers arrive late (they compute, or wait for a core)."""
+    mesh = Mesh(axis_names=("pp", "dp", "tp"), shape=(config.pp, config.dp, config.tp),
+                devices_per_node=step_model.devices_per_node)
+    comm = step_model.comm
+
+    def latency(op: str, axis: int) -> float:
+        return comm.time_s(op, _SMALL_MESSAGE_BYTES, mesh.group(axis))
+
+    total = 0.0
+    for segment in mine:
+        for op, count in segment.collectives.items():
+            total += m * count * latency(op, 2)
+    if config.dp > 1:
+        for op, count in _dp_calls(config, units, tensors).items():
+            total += count * latency(op, 1)
+        total += latency("all_reduce", 1)  # the loss averaged over dp
+    if config.pp > 1:
+        crosses = config.dp * config.tp >= step_model.devices_per_node
+        total += actions * comm.send_recv_s(_SMALL_MESSAGE_BYTES, crosses_nodes=crosses)
+        total += latency("broadcast", 0)  # the loss from the last stage
+    return total
 
 
 def _fsdp_units(stage: StageEstimate, counts: dict[str, SegmentCounts]) -> int:
@@ -112,20 +160,19 @@ def _fsdp_units(stage: StageEstimate, counts: dict[str, SegmentCounts]) -> int:
     return 1 + sum(1 for name in stage.segment_names if name in counts and counts[name].num_param_tensors)
 
 
-def _dp_calls(config, units: int, tensors: int) -> float:
-    """Gradient-synchronisation calls per step: ZeRO 0 all-reduces each gradient; FSDP issues
-    per unit an all-gather and a reduce-scatter (ZeRO 3: both per microbatch, the all-gather
-    twice)."""
-    if config.dp <= 1:
-        return 0.0
+def _dp_calls(config, units: int, tensors: int) -> dict[str, float]:
+    """Gradient-synchronisation calls per step by kind: ZeRO 0 all-reduces each gradient (as
+    codegen/data_parallel.py does); FSDP issues per unit an all-gather and a reduce-scatter
+    (ZeRO 2: the reduce-scatter per microbatch; ZeRO 3: all per microbatch, the all-gather
+    again for the backward)."""
     m = config.num_microbatches
     if config.zero_stage == 0:
-        return float(tensors)
+        return {"all_reduce": float(tensors)}
     if config.zero_stage == 1:
-        return 2.0 * units
+        return {"all_gather": float(units), "reduce_scatter": float(units)}
     if config.zero_stage == 2:
-        return float(units * (m + 1))
-    return 3.0 * units * m
+        return {"all_gather": float(units), "reduce_scatter": float(units * m)}
+    return {"all_gather": 2.0 * units * m, "reduce_scatter": float(units * m)}
 
 
 def _raw_dp_sync_s(stage: StageEstimate, estimate: Estimate, step_model: StepModel) -> float:
@@ -156,10 +203,6 @@ class Overheads:
     """Processes (devices) per node of the cluster being planned."""
 
     @property
-    def sharing(self) -> float:
-        return core_sharing_factor(self.processes_per_node, self.calibration.num_cores)
-
-    @property
     def lower_bound_factor(self) -> float:
         """No calibrated step is faster than the uncalibrated one times this (multipliers may be < 1)."""
         return min(1.0, *(self.calibration.coefficient(term) for term in TERMS if is_multiplier(term)))
@@ -174,7 +217,7 @@ class Overheads:
             if term in CPU_WORK_TERMS:
                 cpu_work_s += value
             terms[term] = value - feature if is_multiplier(term) else value
-        terms["cpu.core_sharing"] = (self.sharing - 1.0) * cpu_work_s
+        terms["cpu.core_sharing"] = (features.get("cpu.sharing", 1.0) - 1.0) * cpu_work_s
         return terms
 
     def apply(self, estimate: Estimate, features: dict[str, float]) -> Estimate:

@@ -158,7 +158,9 @@ class Planner:
     def features(self, estimate: Estimate) -> dict[str, float]:
         """Features of the calibrated terms for a priced configuration (overheads.py)."""
         config = estimate.config
-        return step_features(estimate, self.counts(config.tp, config.microbatch_size), self.step_model)
+        cores = self.overheads.calibration.num_cores if self.overheads else 0
+        return step_features(estimate, self.counts(config.tp, config.microbatch_size), self.step_model,
+                             processes_per_node=self.cluster.devices_per_node, num_cores=cores or _cpu_cores(self))
 
     def _calibrated(self, estimate: Estimate | None) -> Estimate | None:
         if estimate is None or self.overheads is None:
@@ -348,6 +350,13 @@ def _lower_bound_s(prepared: PreparedSegments, config: ParallelConfig) -> float:
     if config.schedule == "interleaved" and p > 1:
         return (m + (p - 1) / config.virtual_stages) * total / p
     return (m - 1 + p) * total / p
+
+
+def _cpu_cores(planner: "Planner") -> int:
+    """Cores of this machine for a CPU cluster (its processes share them), else 0 (GPUs)."""
+    import os
+
+    return (os.cpu_count() or 1) if planner.cluster.device_kind == "cpu" else 0
 
 
 def _divisors(value: int) -> list[int]:

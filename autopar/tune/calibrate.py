@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from autopar.errors import ConfigError, ProfileError
 from autopar.tune.fit import Observation, fit
 from autopar.tune.trials import TrialOptions
-from cost_model.calibration import CALIBRATION_VERSION, Calibration, CalibrationPoint, core_sharing_factor
+from cost_model.calibration import CALIBRATION_VERSION, Calibration, CalibrationPoint
 from cost_model.errors import CostModelInputError
 from cost_model.profile import HardwareProfile, load_profile
 
@@ -141,7 +141,7 @@ def calibrate_profile(model_spec: str, profile_path: str, *, num_processes: int,
     observations = [Observation(config=row["config"], predicted_s=row["predicted_s"], measured_s=row["measured_s"],
                                 features=row["features"]) for row in rows if row["measured_s"] is not None]
     cores = os.cpu_count() or 1
-    result = fit(observations, sharing=core_sharing_factor(num_processes, cores))
+    result = fit(observations)
     import torch
 
     calibration = Calibration(

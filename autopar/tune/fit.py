@@ -5,7 +5,8 @@ f_ij (autopar/solver/overheads.py), the calibrated prediction is linear in the c
 
     T_i(c) = R_i + sum_j c_j x s_ij x f_ij
 
-where s_ij is the core-sharing factor for CPU work terms (1 otherwise) and R_i is what the
+where s_ij is the configuration's core-sharing factor (feature "cpu.sharing") for CPU work
+terms (1 otherwise) and R_i is what the
 multiplier terms do not cover (P_i minus their features). The fit minimises
 sum_i ((T_i - M_i) / M_i)^2 over c >= 0 (Lawson-Hanson active set): relative, because the plan's
 error is judged relative, and non-negative, because every term costs time (a multiplier of
@@ -45,12 +46,13 @@ class FitResult:
     worst_error: float
 
 
-def design(observations: list[Observation], sharing: float) -> tuple[np.ndarray, np.ndarray]:
+def design(observations: list[Observation]) -> tuple[np.ndarray, np.ndarray]:
     """Columns per term (TERMS order) and the part of each prediction no term covers."""
     columns = np.zeros((len(observations), len(TERMS)))
     rest = np.zeros(len(observations))
     for row, observation in enumerate(observations):
         rest[row] = observation.predicted_s
+        sharing = observation.features.get("cpu.sharing", 1.0)
         for column, term in enumerate(TERMS):
             feature = observation.features.get(term, 0.0)
             columns[row, column] = feature * (sharing if term in CPU_WORK_TERMS else 1.0)
@@ -59,10 +61,10 @@ def design(observations: list[Observation], sharing: float) -> tuple[np.ndarray,
     return columns, rest
 
 
-def fit(observations: list[Observation], *, sharing: float = 1.0) -> FitResult:
+def fit(observations: list[Observation]) -> FitResult:
     if len(observations) < 3:
         raise ConfigError(f"calibration needs at least 3 measured configurations, got {len(observations)}")
-    columns, rest = design(observations, sharing)
+    columns, rest = design(observations)
     measured = np.array([o.measured_s for o in observations])
     coefficients = _solve(columns, rest, measured)
     fitted = rest + columns @ coefficients

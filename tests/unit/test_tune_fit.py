@@ -29,10 +29,11 @@ def _observations(coefficients: dict, sharing: float, count: int = 10) -> list[O
     for index in range(count):
         features = {"compute.in_step": rng.uniform(0.05, 0.2), "comm.pattern": rng.uniform(0.0, 0.05),
                     "framework.eager_ops": rng.uniform(200, 2000), "comm.calls": rng.uniform(5, 200),
-                    "pp.schedule": float(rng.integers(0, 3)) * 8}
+                    "pp.schedule": float(rng.integers(0, 3)) * 8, "cpu.sharing": sharing}
         predicted = features["compute.in_step"] + features["comm.pattern"] + 0.01
         measured = 0.01 + sum(coefficients.get(term, 0.0) * value * (sharing if term in ("compute.in_step",
-                              "framework.eager_ops", "pp.schedule") else 1.0) for term, value in features.items())
+                              "framework.eager_ops", "pp.schedule") else 1.0) for term, value in features.items()
+                              if term in TERMS)
         found.append(Observation(config=f"c{index}", predicted_s=predicted, measured_s=measured, features=features))
     return found
 
@@ -40,7 +41,7 @@ def _observations(coefficients: dict, sharing: float, count: int = 10) -> list[O
 def test_fit_recovers_the_coefficients_that_made_the_steps():
     truth = {"compute.in_step": 1.3, "comm.pattern": 2.0, "framework.eager_ops": 4e-5, "comm.calls": 1e-4,
              "pp.schedule": 2e-3}
-    result = fit(_observations(truth, sharing=2.0), sharing=2.0)
+    result = fit(_observations(truth, sharing=2.0))
     for term, value in truth.items():
         assert result.coefficients[term] == pytest.approx(value, rel=1e-6), term
     assert result.expected_error < 1e-6 and set(result.coefficients) == set(TERMS)
