@@ -9,7 +9,8 @@ For 4 and then 2 gloo processes of this machine (one job each), the GPT below at
 16, fp32, SGD: each configuration of the table (fixed mesh and ZeRO stage; microbatching left to
 the planner) is planned on `cpu:procs=N,profile=...`, priced with the profile's calibration and
 without it, and run for `warmup + steps` steps (train_step + optimizer.step(), slowest rank,
-median after warm-up: autopar.tune.trials, no early stop). Then autopar's own pick without
+median after warm-up: autopar.tune.trials), all configurations of one N built first and run in
+interleaved rounds, so that load from other jobs falls on each alike. Then autopar's own pick without
 trials (calibrated, and uncalibrated for comparison), and `trials=4` (the four best predicted
 candidates, with early stopping, as `parallelize(..., trials=4)` runs them; its wall time
 includes building every candidate). The calibration ran on another model (CALIBRATION_MODEL)
@@ -77,12 +78,12 @@ def worker(num_processes: int, profile: str, steps: int, warmup: int) -> dict:
         return rows, candidates
 
     rows, candidates = run_on_rank0(plan_all)
-    measure = TrialOptions(warmup_steps=warmup, steps=steps, give_up_ratio=1e9)
+    measure = TrialOptions(warmup_steps=warmup, steps=steps, interleave=True)
     results = run_trials(bundle.model, tuple(bundle.example_inputs), bundle.example_targets, bundle.loss_fn,
                          [plan for _, plan, _ in rows], options=measure, progress=_say)
     started = time.perf_counter()
     trial_results = run_trials(bundle.model, tuple(bundle.example_inputs), bundle.example_targets, bundle.loss_fn,
-                               candidates, options=replace(measure, give_up_ratio=1.5), progress=_say)
+                               candidates, options=replace(measure, interleave=False), progress=_say)
     trials_wall_s = time.perf_counter() - started
     winner = select_winner(trial_results)
     return dict(

@@ -4,7 +4,7 @@ A fixed set of configurations of MODEL on N processes of this machine (every mes
 of N that the model allows, each with one and with more microbatches, ZeRO-3 where dp > 1,
 ZeRO-1 for pure data parallelism, and full recomputation once: `calibration_configs`) is priced
 without calibration and run for a few steps (autopar.tune.trials, the same measurement as
-`trials=`); the terms of cost_model/calibration.py are fitted to the measured step times
+`trials=`, in interleaved rounds); the terms of cost_model/calibration.py are fitted to the measured step times
 (fit.py) and stored in the profile, replacing an earlier calibration for the same number of
 processes.
 """
@@ -25,8 +25,8 @@ from cost_model.calibration import CALIBRATION_VERSION, Calibration, Calibration
 from cost_model.errors import CostModelInputError
 from cost_model.profile import HardwareProfile, load_profile
 
-CALIBRATION_STEPS = TrialOptions(warmup_steps=2, steps=4, give_up_ratio=1e9)
-"""Every configuration runs to the end (a slow one is as informative as a fast one)."""
+CALIBRATION_STEPS = TrialOptions(warmup_steps=2, steps=5, interleave=True)
+"""Interleaved rounds (load from other jobs falls on every configuration alike), each to the end."""
 MAX_CONFIGS = 12
 
 
@@ -100,10 +100,6 @@ def measure_configs(model_spec: str, profile_path: str, global_batch: int, optio
     priced = run_on_rank0(price)
     plans = [plan for plan, _ in priced]
     say = (lambda message: print(f"calibrate: {message}", file=sys.stderr, flush=True))
-    # The job's first steps pay one-time costs (imports, thread pools, allocator growth) that a
-    # per-candidate warm-up does not absorb: one untimed run of the first candidate first.
-    run_trials(bundle.model, tuple(bundle.example_inputs), bundle.example_targets, bundle.loss_fn, plans[:1],
-               options=replace(options, warmup_steps=1, steps=1))
     results = run_trials(bundle.model, tuple(bundle.example_inputs), bundle.example_targets, bundle.loss_fn, plans,
                          options=options, progress=say)
     return [dict(config=result.config, predicted_s=plan.predicted.step_time_s, features=features,

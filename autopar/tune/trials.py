@@ -49,6 +49,10 @@ class TrialOptions:
     """Timed steps a candidate always gets."""
     optimizer: Callable | None = None
     """Factory `optimizer(parameters)` for the copy's optimizer; default SGD(lr=1e-3)."""
+    interleave: bool = False
+    """Build every candidate first, then run the steps in rounds (one step of each candidate
+    per round, the order rotating), so that load from other jobs that comes and goes falls on
+    all candidates alike. Holds all candidates' copies at once, and never stops one early."""
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0 or self.steps < 1:
@@ -123,6 +127,8 @@ def run_trials(model: torch.nn.Module, inputs: tuple, targets, loss_fn: Callable
     results: list[TrialResult] = []
     best_s = float("inf")
     try:
+        if options.interleave:
+            return _interleaved(model, inputs, targets, loss_fn, plans, options, build, say)
         for index, plan in enumerate(plans):
             config = describe(plan)
             say(f"trial {index + 1}/{len(plans)}: {config} (predicted {plan.predicted.step_time_s * 1e3:.1f} ms)")
@@ -171,6 +177,51 @@ def _one_trial(model, inputs, targets, loss_fn, plan: Plan, options: TrialOption
         return TrialResult(config=config, predicted_s=predicted, measured_s=None, setup_s=setup_s, error=error)
     return TrialResult(config=config, predicted_s=predicted, measured_s=statistics.median(times),
                        step_times_s=tuple(times), setup_s=setup_s, stopped_early=stopped)
+
+
+def _interleaved(model, inputs, targets, loss_fn, plans: list[Plan], options: TrialOptions, build: Callable,
+                 say: Callable[[str], None]) -> list[TrialResult]:
+    """Every candidate built, then rounds of one step each (see TrialOptions.interleave)."""
+    built: list[tuple | None] = []
+    setups, errors = [], []
+    for index, plan in enumerate(plans):
+        say(f"building {index + 1}/{len(plans)}: {describe(plan)}")
+        started, error, entry = time.perf_counter(), "", None
+        try:
+            pm = build(copy.deepcopy(model), inputs, plan, loss_fn)
+            entry = (pm, (options.optimizer or _default_optimizer)(pm.parameters()))
+        except Exception as caught:  # noqa: BLE001 - recorded; the other candidates still run
+            error = f"{type(caught).__name__}: {caught}".splitlines()[0][:300]
+        error = _agree_on_failure(error)
+        built.append(None if error else entry)
+        setups.append(time.perf_counter() - started)
+        errors.append(error)
+    times: list[list[float]] = [[] for _ in plans]
+    rounds = options.warmup_steps + options.steps
+    for round_index in range(rounds):
+        say(f"round {round_index + 1}/{rounds}")
+        for offset in range(len(plans)):
+            index = (round_index + offset) % len(plans)
+            if built[index] is None:
+                continue
+            try:
+                step_s = _timed_step(built[index][0], built[index][1], inputs, targets)
+                failure = ""
+            except Exception as caught:  # noqa: BLE001
+                failure = f"{type(caught).__name__}: {caught}".splitlines()[0][:300]
+            failure = _agree_on_failure(failure)
+            if failure:
+                built[index], errors[index] = None, failure
+            elif round_index >= options.warmup_steps:
+                times[index].append(step_s)
+    results = []
+    for plan, step_times, setup_s, error in zip(plans, times, setups, errors):
+        measured = statistics.median(step_times) if step_times and not error else None
+        results.append(TrialResult(config=describe(plan), predicted_s=plan.predicted.step_time_s, measured_s=measured,
+                                   step_times_s=tuple(step_times), setup_s=setup_s, error=error))
+    del built
+    gc.collect()
+    return results
 
 
 def _timed_step(pm, optimizer, inputs, targets) -> float:

@@ -137,3 +137,30 @@ def test_trials_option_checks():
         TrialOptions(steps=0)
     with pytest.raises(ConfigError):
         TrialOptions(give_up_ratio=1.0)
+
+
+def test_tune_and_calibrate_refuse_what_they_cannot_run(monkeypatch, capsys, tmp_path):
+    from autopar.cli import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["tune", MODEL, "--cluster", "cpu:procs=2", "--global-batch", "8", "--trials", "2"]) == 2
+    assert "torchrun" in capsys.readouterr().err
+    assert main(["profile", "--calibrate", MODEL, "--nproc", "1", "--out", str(tmp_path / "p.json")]) == 2
+    assert "--nproc N with N >= 2" in capsys.readouterr().err
+
+
+def test_interleaved_trials_run_in_rotating_rounds(candidates, one_process_group, monkeypatch):
+    order = []
+
+    def timed(pm, optimizer, inputs, targets):
+        order.append(trials.describe(pm.plan))
+        return {0: 0.3, 1: 0.1, 2: 0.2}[[trials.describe(p) for p in candidates].index(order[-1])]
+
+    monkeypatch.setattr(trials, "_timed_step", timed)
+    results = run_trials(torch.nn.Linear(2, 2), (torch.zeros(8, 2),), torch.zeros(8, 2),
+                         torch.nn.functional.mse_loss, candidates,
+                         options=TrialOptions(warmup_steps=1, steps=3, interleave=True),
+                         build=lambda model, inputs, plan, loss_fn: _FakeModule(plan))
+    names = [trials.describe(p) for p in candidates]
+    assert order[:3] == names and order[3:6] == names[1:] + names[:1]  # each round starts one later
+    assert [len(r.step_times_s) for r in results] == [3, 3, 3] and select_winner(results) == 1
