@@ -161,9 +161,9 @@ def candidates_with(planner: Planner, constraints: Constraints = Constraints(), 
                     num_candidates: int = 1) -> list[Plan]:
     if num_candidates < 1:
         raise ConfigError(f"the number of candidate plans must be >= 1, got {num_candidates}")
-    result = planner.search(constraints, keep=max(5, num_candidates))
+    result = planner.search(constraints, keep=max(5, 4 * num_candidates))
     plans = []
-    for estimate in result.ranked[:num_candidates]:
+    for estimate in _distinct(result.ranked)[:num_candidates]:
         config = estimate.config
         plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
                          sharding=planner.sharding(config.tp, config.microbatch_size),
@@ -173,6 +173,20 @@ def candidates_with(planner: Planner, constraints: Constraints = Constraints(), 
                          strategies=planner.strategies(config.tp, config.microbatch_size))
         plans.append(_with_error_bar(plan, planner))
     return plans
+
+
+def _distinct(ranked: list) -> list:
+    """Estimates that differ in more than the recomputation mode (the fastest of each): trials
+    of two configurations that run alike would spend the trial budget on one choice twice."""
+    seen, kept = set(), []
+    for estimate in ranked:
+        config = estimate.config
+        key = (config.dp, config.tp, config.pp, config.microbatch_size, config.schedule, config.virtual_stages,
+               config.zero_stage)
+        if key not in seen:
+            seen.add(key)
+            kept.append(estimate)
+    return kept
 
 
 def _with_error_bar(plan: Plan, planner: Planner) -> Plan:
