@@ -19,6 +19,11 @@ from cost_model.profile import SCHEMA_VERSION, HardwareProfile, MatmulPoint, loa
 TINY_GPT = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=96,dropout=0.0"
 
 
+@pytest.fixture(scope="module")
+def graph():
+    return autopar.capture_for_planning(TINY_GPT, precision="fp32")
+
+
 def make_calibration(**changes) -> Calibration:
     values = dict(version=CALIBRATION_VERSION, model=TINY_GPT, num_processes=4, num_cores=2, host=socket.gethostname(),
                   device_name="CPU (2 cores)", torch_version=torch.__version__,
@@ -84,12 +89,12 @@ def test_a_calibration_of_another_machine_or_torch_is_refused():
                            **{**args, "torch_version": torch.__version__})
 
 
-def test_planning_on_another_host_refuses_the_calibration(tmp_path, monkeypatch):
+def test_planning_on_another_host_refuses_the_calibration(graph, tmp_path, monkeypatch):
     path = tmp_path / "p.json"
     make_profile([make_calibration()]).save(path)
     monkeypatch.setattr(socket, "gethostname", lambda: "some-other-machine")
     with pytest.raises(ProfileError, match="calibrat"):
-        autopar.plan(TINY_GPT, cluster=f"cpu:procs=4,profile={path}", global_batch=8, precision="fp32")
+        autopar.plan(graph, cluster=f"cpu:procs=4,profile={path}", global_batch=8, precision="fp32")
 
 
 def test_core_sharing():
@@ -107,11 +112,11 @@ def test_cost_model_imports_no_autopar():
                 assert not any(alias.name.startswith("autopar") for alias in node.names), path
 
 
-def test_a_calibrated_plan_names_each_term_and_its_error_bar(tmp_path):
+def test_a_calibrated_plan_names_each_term_and_its_error_bar(graph, tmp_path):
     path, raw = tmp_path / "p.json", tmp_path / "raw.json"
     make_profile([make_calibration()]).save(path)
     make_profile().save(raw)
-    plans = {name: autopar.plan(TINY_GPT, cluster=f"cpu:procs=4,profile={file}", global_batch=8, precision="fp32",
+    plans = {name: autopar.plan(graph, cluster=f"cpu:procs=4,profile={file}", global_batch=8, precision="fp32",
                                 constraints={"tp": 2, "pp": 2, "microbatch_size": 2, "recompute": "none", "schedule": "1f1b"})
              for name, file in (("cal", path), ("raw", raw))}
     plan, uncalibrated = plans["cal"], plans["raw"]
@@ -127,10 +132,10 @@ def test_a_calibrated_plan_names_each_term_and_its_error_bar(tmp_path):
     assert not any(term in uncalibrated.predicted.breakdown_s for term in TERMS)
 
 
-def test_terms_follow_the_configuration(tmp_path):
+def test_terms_follow_the_configuration(graph, tmp_path):
     path = tmp_path / "p.json"
     make_profile([make_calibration(num_cores=4)]).save(path)
-    plan = autopar.plan(TINY_GPT, cluster=f"cpu:procs=4,profile={path}", global_batch=8, precision="fp32",
+    plan = autopar.plan(graph, cluster=f"cpu:procs=4,profile={path}", global_batch=8, precision="fp32",
                         constraints={"dp": 4, "zero_stage": 3, "microbatch_size": 2, "recompute": "none"})
     breakdown = plan.predicted.breakdown_s
     assert breakdown["dp.hooks"] > 0
