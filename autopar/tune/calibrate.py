@@ -156,6 +156,17 @@ def calibrate_profile(model_spec: str, profile_path: str, *, num_processes: int,
     return calibrated
 
 
+def refit(calibration: Calibration) -> Calibration:
+    """The calibration fitted again from its stored points (after a change to the fit)."""
+    observations = [Observation(config=p.config, predicted_s=p.predicted_s, measured_s=p.measured_s,
+                                features=p.features) for p in calibration.points]
+    result = fit(observations)
+    points = tuple(replace(point, fitted_s=f, held_out_s=h)
+                   for point, f, h in zip(calibration.points, result.fitted_s, result.held_out_s))
+    return replace(calibration, coefficients=result.coefficients, expected_error=result.expected_error,
+                   worst_error=result.worst_error, points=points)
+
+
 def _load_average() -> float:
     try:
         return os.getloadavg()[0]

@@ -8,9 +8,10 @@ f_ij (autopar/solver/overheads.py), the calibrated prediction is linear in the c
 where s_ij is the configuration's core-sharing factor (feature "cpu.sharing") for CPU work
 terms (1 otherwise) and R_i is what the
 multiplier terms do not cover (P_i minus their features). The fit minimises
-sum_i ((T_i - M_i) / M_i)^2 over c >= 0 (Lawson-Hanson active set): relative, because the plan's
-error is judged relative, and non-negative, because every term costs time (a multiplier of
-0.8 is still >= 0). The expected error is the median leave-one-out |T_i / M_i - 1|: each point
+sum_i ((T_i - M_i) / M_i)^2 over c >= floor (Lawson-Hanson active set on c - floor): relative,
+because the plan's error is judged relative; bounded, because every term costs time and a
+multiplier of what the profile measured alone is at least 1 (else the fit trades the measured
+compute or collective time against a collinear count term, as noisy points invite). The expected error is the median leave-one-out |T_i / M_i - 1|: each point
 predicted by the fit of the others, so the error bar is not the fit's own residual.
 """
 
@@ -79,16 +80,18 @@ def fit(observations: list[Observation]) -> FitResult:
 
 
 def _solve(columns: np.ndarray, rest: np.ndarray, measured: np.ndarray) -> np.ndarray:
-    """min_c ||(rest + columns c - measured) / measured|| subject to c >= 0; unused columns
-    (all zero) keep the neutral value (1 for multipliers, 0 otherwise)."""
+    """min_c ||(rest + columns c - measured) / measured|| subject to c >= floor, where the floor
+    is 1 for multipliers (a kernel or collective inside a step is not faster than the profile
+    measured it alone) and 0 for the other terms; unused columns (all zero) keep the floor."""
+    floor = np.array([1.0 if is_multiplier(term) else 0.0 for term in TERMS])
     weights = 1.0 / measured
     matrix = columns * weights[:, None]
-    target = (measured - rest) * weights
+    target = (measured - rest - columns @ floor) * weights
     used = np.abs(matrix).sum(axis=0) > 0
-    solution = np.array([1.0 if is_multiplier(term) else 0.0 for term in TERMS])
+    solution = floor.copy()
     if used.any():
         scale = np.linalg.norm(matrix[:, used], axis=0)
-        solution[used] = nnls(matrix[:, used] / scale, target) / scale
+        solution[used] += nnls(matrix[:, used] / scale, target) / scale
     return solution
 
 
