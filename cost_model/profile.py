@@ -3,6 +3,7 @@
 A profile holds raw measurements (matmul throughput by size and dtype, streaming bandwidth,
 kernel overhead, collective times by group size and message size). The cost model interpolates
 the matmul table and fits an alpha-beta line per collective and link level (see comm.py).
+Version 2 adds `calibrations`: whole-step terms fitted to measured steps (calibration.py).
 """
 
 from __future__ import annotations
