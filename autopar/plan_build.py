@@ -50,7 +50,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         predicted=prediction,
         replicated_ops=sharding.replicated_ops,
         search=_search_stats(estimate, sharding, search),
-        notes=tuple(graph.notes) + tuple(notes),
+        notes=tuple(graph.notes) + tuple(estimate.notes) + tuple(notes),
     )
 
 
