@@ -32,7 +32,7 @@ Memory of stage k = model states (ZeRO, memory.py) + in_flight(k) x sum_{S_k} a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -91,8 +91,9 @@ class StageEstimate:
     """One microbatch's FSDP2 communication on this stage (ZeRO >= 1 with dp > 1)."""
     fsdp_exposed_s: dict[str, float] = field(default_factory=dict)
     """Exposed FSDP2 communication per microbatch, by collective (included in time_per_microbatch_s)."""
-    fsdp_step_end_s: float = 0.0
-    """ZeRO-1: the reduce-scatter of the last microbatch, exposed beyond the per-microbatch cost."""
+    fsdp_step_end_s: dict[str, float] = field(default_factory=dict)
+    """Exposed FSDP2 communication once per step, by collective (ZeRO-1/2 gathers, reductions
+    made only in the last microbatch)."""
 
     @property
     def total_memory_bytes(self) -> float:
@@ -264,6 +265,9 @@ class StepModel:
         pick = lambda values: float(values[indices].sum())  # noqa: E731
         numel = pick(prepared.param_numel)
         states = model_state_memory(numel, dp=config.dp, zero_stage=config.zero_stage, policy=self.policy)
+        if config.pp > 1 and config.zero_stage >= 2 and config.dp > 1:
+            # Without gradient sync until the last microbatch FSDP2 accumulates unsharded gradients.
+            states = replace(states, grads_bytes=numel * self.policy.dp_reduce_bytes)
         activations = in_flight * pick(prepared.activation_bytes)
         extra = self._workspace_terms(prepared, config, indices)
         extra["fragmentation"] += self.allocator.fragmentation_bytes(activations)
@@ -288,9 +292,9 @@ class StepModel:
                              fsdp_step_end_s=step_end)
 
     def _fsdp(self, prepared: PreparedSegments, indices: list[int], config: ParallelConfig):
-        """(timeline, exposed seconds per microbatch by collective, ZeRO-1's extra at the step end)."""
+        """(timeline, exposed seconds by collective per microbatch, and once per step)."""
         if config.zero_stage < 1 or config.dp <= 1:
-            return None, {}, 0.0
+            return None, {}, {}
         group = Mesh(axis_names=("pp", "dp", "tp"), shape=(config.pp, config.dp, config.tp),
                      devices_per_node=self.devices_per_node).group(1)
         priced: dict[tuple[str, float], float] = {}
@@ -310,14 +314,17 @@ class StepModel:
         reshard = config.zero_stage == 3
         gathers_only = fsdp_timeline(units, reshard_after_forward=reshard, reduce_scatter=False)
         timeline = fsdp_timeline(units, reshard_after_forward=reshard, reduce_scatter=True)
-        if config.zero_stage == 1 or config.pp > 1:
-            # Gradients reduce-scattered in the last microbatch only (ZeRO-1; under pipelining
-            # codegen's FSDP reduces once per step).
-            exposed = {"all_gather": gathers_only.exposed_s}
-            return timeline, exposed, max(0.0, timeline.exposed_s - gathers_only.exposed_s)
-        exposed = {"all_gather": gathers_only.exposed_s,
-                   "reduce_scatter": max(0.0, timeline.exposed_s - gathers_only.exposed_s)}
-        return timeline, exposed, 0.0
+        scatter_s = max(0.0, timeline.exposed_s - gathers_only.exposed_s)
+        per_microbatch: dict[str, float] = {}
+        step_end: dict[str, float] = {}
+        # ZeRO-3 gathers in every microbatch; ZeRO-1/2 keep parameters gathered from the first
+        # forward to the last backward (codegen's set_reshard_after_backward, and what
+        # torch.distributed.pipelining does under FSDP2), so their gathers are exposed once.
+        (per_microbatch if reshard else step_end)["all_gather"] = gathers_only.exposed_s
+        # Gradients are reduce-scattered every microbatch by ZeRO-2/3 without pipelining; ZeRO-1
+        # and any ZeRO under pipelining (set_requires_gradient_sync) reduce once, in the last.
+        (per_microbatch if config.zero_stage >= 2 and config.pp == 1 else step_end)["reduce_scatter"] = scatter_s
+        return timeline, per_microbatch, step_end
 
     def _assemble(self, stages: list[StageEstimate], config: ParallelConfig, fits: bool) -> Estimate:
         m, p = config.num_microbatches, config.pp
@@ -334,13 +341,14 @@ class StepModel:
         for op, seconds in sorted(slowest.tp_comm_s.items()):
             breakdown[f"tp.{op}"] = m * seconds
         breakdown["pp.send_recv"] = m * slowest.p2p_s
-        for op, seconds in sorted(slowest.fsdp_exposed_s.items()):
-            breakdown[f"dp.{op}"] = m * seconds
         breakdown["bubble"] = pipeline_s - m * t_max
         if config.zero_stage == 0:
             breakdown["dp.gradient_sync"] = sync_s
-        else:
-            breakdown["dp.reduce_scatter"] = breakdown.get("dp.reduce_scatter", 0.0) + sync_s
+        synced = max(stages, key=lambda s: sum(s.fsdp_step_end_s.values()))
+        for op in ("all_gather", "reduce_scatter"):
+            seconds = m * slowest.fsdp_exposed_s.get(op, 0.0) + synced.fsdp_step_end_s.get(op, 0.0)
+            if op in slowest.fsdp_exposed_s or op in synced.fsdp_step_end_s:
+                breakdown[f"dp.{op}"] = seconds
         breakdown["optimizer"] = optimizer_s
         if tied_s:
             breakdown["pp.tied_weights"] = tied_s
@@ -362,7 +370,7 @@ class StepModel:
         if config.dp <= 1:
             return 0.0
         if config.zero_stage >= 1:
-            return stage.fsdp_step_end_s
+            return sum(stage.fsdp_step_end_s.values())
         grad_bytes = stage.param_numel * self.policy.dp_reduce_bytes
         num_buckets = max(1, len(stage.segment_names))
         backward_one = stage.backward_s + stage.recompute_s
@@ -409,12 +417,14 @@ def fsdp_notes(stage: StageEstimate, config: ParallelConfig) -> tuple[str, ...]:
         return ()
     m = config.num_microbatches
     gathers = "forward and backward" if config.zero_stage == 3 else "forward"
-    return (f"FSDP2 (ZeRO-{config.zero_stage}, dp={config.dp}) on stage {stage.index}, per microbatch: all-gathers "
+    per_step = [op.replace("_", "-") + "s" for op in ("all_gather", "reduce_scatter") if op in stage.fsdp_step_end_s]
+    once = f"; {' and '.join(per_step)} once per step, the rest" if per_step and m > 1 else ""
+    return (f"FSDP2 (ZeRO-{config.zero_stage}, dp={config.dp}) on stage {stage.index}, one pass: all-gathers "
             f"({gathers}) {timeline.gather_s * 1e3:.3g} ms and reduce-scatters {timeline.reduce_scatter_s * 1e3:.3g} ms "
             f"against {timeline.compute_s * 1e3:.3g} ms of compute; exposed {timeline.exposed_s * 1e3:.3g} ms "
             f"({100 * timeline.hidden_fraction:.0f}% hidden): the first unit's gather {timeline.first_gather_s * 1e3:.3g} ms, "
             f"the last reduce-scatter {timeline.last_reduce_scatter_s * 1e3:.3g} ms; worst unit's communication is "
-            f"{timeline.worst_unit_ratio:.2f}x its compute; x{m} microbatches",)
+            f"{timeline.worst_unit_ratio:.2f}x its compute{once} x{m} microbatches",)
 
 
 def _in_flight(config: ParallelConfig, stage: int) -> float:
