@@ -76,57 +76,79 @@ class FsdpTimeline:
 def fsdp_timeline(units: Sequence[FsdpUnit], *, reshard_after_forward: bool,
                   reduce_scatter: bool = True) -> FsdpTimeline:
     """Simulates one microbatch's forward and backward (module docstring)."""
-    count = len(units)
-    if count == 0:
+    return timeline_of_arrays([unit.forward_s for unit in units], [unit.backward_s for unit in units],
+                              [unit.all_gather_s for unit in units], [unit.reduce_scatter_s for unit in units],
+                              reshard_after_forward=reshard_after_forward, reduce_scatter=reduce_scatter)
+
+
+def timeline_of_arrays(forward_s: list[float], backward_s: list[float], gather_s: list[float],
+                       scatter_s: list[float], *, reshard_after_forward: bool,
+                       reduce_scatter: bool = True) -> FsdpTimeline:
+    """`fsdp_timeline` on per-unit lists (the planner's fast path: no objects per unit)."""
+    return timelines_of_arrays(forward_s, backward_s, gather_s, scatter_s, reshard_after_forward=reshard_after_forward,
+                               reduce_scatter=reduce_scatter)[0]
+
+
+def timelines_of_arrays(forward_s: list[float], backward_s: list[float], gather_s: list[float],
+                        scatter_s: list[float], *, reshard_after_forward: bool,
+                        reduce_scatter: bool = True) -> tuple[FsdpTimeline, float]:
+    """(the timeline, and what would be exposed without any reduce-scatter), in one forward pass."""
+    if not forward_s:
         return FsdpTimeline(forward_gather_exposed_s=0.0, backward_exposed_s=0.0, first_gather_s=0.0,
                             last_reduce_scatter_s=0.0, gather_s=0.0, reduce_scatter_s=0.0, compute_s=0.0,
-                            worst_unit_ratio=0.0)
-    forward_end, queue_free = _forward(units)
-    backward_end = _backward(units, forward_end, queue_free, reshard_after_forward, reduce_scatter)
-    forward_compute = sum(unit.forward_s for unit in units)
-    backward_compute = sum(unit.backward_s for unit in units)
-    gathers = sum(unit.all_gather_s for unit in units) * (2 if reshard_after_forward else 1)
-    scatters = sum(unit.reduce_scatter_s for unit in units) if reduce_scatter else 0.0
-    ratios = [(unit.all_gather_s * (2 if reshard_after_forward else 1) + (unit.reduce_scatter_s if reduce_scatter
-                                                                           else 0.0))
-              / max(unit.forward_s + unit.backward_s, 1e-30) for unit in units if unit.all_gather_s > 0]
-    return FsdpTimeline(forward_gather_exposed_s=max(0.0, forward_end - forward_compute),
-                        backward_exposed_s=max(0.0, backward_end - forward_end - backward_compute),
-                        first_gather_s=units[0].all_gather_s,
-                        last_reduce_scatter_s=units[0].reduce_scatter_s if reduce_scatter else 0.0,
-                        gather_s=gathers, reduce_scatter_s=scatters, compute_s=forward_compute + backward_compute,
-                        worst_unit_ratio=max(ratios, default=0.0))
+                            worst_unit_ratio=0.0), 0.0
+    scatters = scatter_s if reduce_scatter else [0.0] * len(scatter_s)
+    forward_end, queue_free = _forward(forward_s, gather_s)
+    backward_end = _backward(backward_s, gather_s, scatters, forward_end, queue_free, reshard_after_forward)
+    forward_compute, backward_compute = sum(forward_s), sum(backward_s)
+    forward_exposed = max(0.0, forward_end - forward_compute)
+    gathers_only = forward_exposed
+    if reduce_scatter:
+        no_scatter = _backward(backward_s, gather_s, [0.0] * len(gather_s), forward_end, queue_free,
+                               reshard_after_forward)
+        gathers_only += max(0.0, no_scatter - forward_end - backward_compute)
+    passes = 2 if reshard_after_forward else 1
+    ratios = [(passes * gather + scatter) / max(forward + backward, 1e-30)
+              for forward, backward, gather, scatter in zip(forward_s, backward_s, gather_s, scatters) if gather > 0]
+    timeline = FsdpTimeline(forward_gather_exposed_s=forward_exposed,
+                            backward_exposed_s=max(0.0, backward_end - forward_end - backward_compute),
+                            first_gather_s=gather_s[0], last_reduce_scatter_s=scatters[0],
+                            gather_s=passes * sum(gather_s), reduce_scatter_s=sum(scatters),
+                            compute_s=forward_compute + backward_compute, worst_unit_ratio=max(ratios, default=0.0))
+    return timeline, (gathers_only if reduce_scatter else timeline.exposed_s)
 
 
-def _forward(units: Sequence[FsdpUnit]) -> tuple[float, float]:
+def _forward(forward_s: list[float], gather_s: list[float]) -> tuple[float, float]:
     """(end of the last unit's forward, time the communication queue is free)."""
-    gathered = [0.0] * len(units)
-    gathered[0] = queue = units[0].all_gather_s
+    count = len(forward_s)
+    gathered = [0.0] * count
+    gathered[0] = queue = gather_s[0]
     clock = 0.0
-    for index, unit in enumerate(units):
-        start = max(clock, gathered[index])
-        if index + 1 < len(units):  # prefetch: the next unit's gather is queued as this one starts
-            queue = max(queue, start) + units[index + 1].all_gather_s
+    for index in range(count):
+        start = clock if clock > gathered[index] else gathered[index]
+        if index + 1 < count:  # prefetch: the next unit's gather is queued as this one starts
+            queue = (queue if queue > start else start) + gather_s[index + 1]
             gathered[index + 1] = queue
-        clock = start + unit.forward_s
+        clock = start + forward_s[index]
     return clock, queue
 
 
-def _backward(units: Sequence[FsdpUnit], clock: float, queue: float, reshard: bool, reduce_scatter: bool) -> float:
+def _backward(backward_s: list[float], gather_s: list[float], scatter_s: list[float], clock: float, queue: float,
+              reshard: bool) -> float:
     """End of the backward, when the last reduce-scatter is done."""
-    last = len(units) - 1
-    gathered = [clock] * len(units)
+    last = len(backward_s) - 1
+    gathered = [clock] * len(backward_s)
     if reshard:
-        queue = max(queue, clock) + units[last].all_gather_s
+        queue = max(queue, clock) + gather_s[last]
         gathered[last] = queue
     for index in range(last, -1, -1):
-        start = max(clock, gathered[index])
+        start = clock if clock > gathered[index] else gathered[index]
         if reshard and index > 0:
-            queue = max(queue, start) + units[index - 1].all_gather_s
+            queue = (queue if queue > start else start) + gather_s[index - 1]
             gathered[index - 1] = queue
-        clock = start + units[index].backward_s
-        if reduce_scatter:
-            queue = max(queue, clock) + units[index].reduce_scatter_s
+        clock = start + backward_s[index]
+        if scatter_s[index]:
+            queue = (queue if queue > clock else clock) + scatter_s[index]
     return max(clock, queue)
 
 
@@ -137,5 +159,5 @@ def unsharded_bytes(unit_param_numel: Sequence[float], *, param_bytes: float, gr
     sizes = list(unit_param_numel)
     if not sizes:
         return 0.0
-    pairs = [sizes[i] + sizes[i + 1] for i in range(len(sizes) - 1)] or [sizes[0]]
-    return max(pairs) * param_bytes + max(sizes) * grad_bytes
+    pair = max(map(sum, zip(sizes, sizes[1:])), default=sizes[0])
+    return pair * param_bytes + max(sizes) * grad_bytes

@@ -42,7 +42,7 @@ from autopar.solver.pipeline import ChainCosts, StageSpan, partition
 from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
-from cost_model.fsdp import FsdpTimeline, FsdpUnit, fsdp_timeline, unsharded_bytes
+from cost_model.fsdp import FsdpTimeline, timelines_of_arrays, unsharded_bytes
 from cost_model.memory import PrecisionPolicy, microbatches_in_flight, model_state_memory
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -243,7 +243,7 @@ class StepModel:
         recompute = prepared.max_recomputed_bytes if config.recompute != "none" else 0.0
         fsdp = 0.0
         if config.zero_stage >= 2 and config.dp > 1:
-            numel = [float(prepared.param_numel[i]) for i in indices]
+            numel = prepared.param_numel[list(indices)].tolist()
             # ZeRO-2 keeps parameters gathered (counted as "parameters"): only a unit's gradients.
             param_bytes = self.policy.fsdp_gather_bytes if config.zero_stage == 3 else 0.0
             fsdp = unsharded_bytes(numel, param_bytes=param_bytes, grad_bytes=self.policy.dp_reduce_bytes)
@@ -297,30 +297,23 @@ class StepModel:
             return None, {}, {}
         group = Mesh(axis_names=("pp", "dp", "tp"), shape=(config.pp, config.dp, config.tp),
                      devices_per_node=self.devices_per_node).group(1)
-        priced: dict[tuple[str, float], float] = {}
-
-        def collective_s(op: str, message_bytes: float) -> float:
-            if (op, message_bytes) not in priced:
-                priced[(op, message_bytes)] = self.comm.time_s(op, message_bytes, group)
-            return priced[(op, message_bytes)]
-
-        units = [FsdpUnit(forward_s=float(prepared.forward_s[i]),
-                          backward_s=float(prepared.time_s[i] - prepared.forward_s[i]),
-                          all_gather_s=collective_s("all_gather",
-                                                    float(prepared.param_numel[i]) * self.policy.fsdp_gather_bytes),
-                          reduce_scatter_s=collective_s("reduce_scatter",
-                                                        float(prepared.param_numel[i]) * self.policy.dp_reduce_bytes))
-                 for i in indices]
+        numel = prepared.param_numel[indices]
+        sizes, inverse = np.unique(numel, return_inverse=True)  # identical blocks: price each size once
+        gather = [self.comm.time_s("all_gather", float(size) * self.policy.fsdp_gather_bytes, group) for size in sizes]
+        scatter = [self.comm.time_s("reduce_scatter", float(size) * self.policy.dp_reduce_bytes, group)
+                   for size in sizes]
+        forward = prepared.forward_s[indices]
+        arrays = dict(forward_s=forward.tolist(), backward_s=(prepared.time_s[indices] - forward).tolist(),
+                      gather_s=[gather[i] for i in inverse.tolist()], scatter_s=[scatter[i] for i in inverse.tolist()])
         reshard = config.zero_stage == 3
-        gathers_only = fsdp_timeline(units, reshard_after_forward=reshard, reduce_scatter=False)
-        timeline = fsdp_timeline(units, reshard_after_forward=reshard, reduce_scatter=True)
-        scatter_s = max(0.0, timeline.exposed_s - gathers_only.exposed_s)
+        timeline, gathers_only_s = timelines_of_arrays(**arrays, reshard_after_forward=reshard)
+        scatter_s = max(0.0, timeline.exposed_s - gathers_only_s)
         per_microbatch: dict[str, float] = {}
         step_end: dict[str, float] = {}
         # ZeRO-3 gathers in every microbatch; ZeRO-1/2 keep parameters gathered from the first
         # forward to the last backward (codegen's set_reshard_after_backward, and what
         # torch.distributed.pipelining does under FSDP2), so their gathers are exposed once.
-        (per_microbatch if reshard else step_end)["all_gather"] = gathers_only.exposed_s
+        (per_microbatch if reshard else step_end)["all_gather"] = gathers_only_s
         # Gradients are reduce-scattered every microbatch by ZeRO-2/3 without pipelining; ZeRO-1
         # and any ZeRO under pipelining (set_requires_gradient_sync) reduce once, in the last.
         (per_microbatch if config.zero_stage >= 2 and config.pp == 1 else step_end)["reduce_scatter"] = scatter_s
