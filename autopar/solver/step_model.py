@@ -337,11 +337,13 @@ class StepModel:
         breakdown["bubble"] = pipeline_s - m * t_max
         if config.zero_stage == 0:
             breakdown["dp.gradient_sync"] = sync_s
+        # dp.<op>: exposed inside every microbatch (part of the stage time); dp.<op>.once: once
+        # per step, after the pipeline (ZeRO-1/2 gathers, reductions made in the last microbatch).
         synced = max(stages, key=lambda s: sum(s.fsdp_step_end_s.values()))
-        for op in ("all_gather", "reduce_scatter"):
-            seconds = m * slowest.fsdp_exposed_s.get(op, 0.0) + synced.fsdp_step_end_s.get(op, 0.0)
-            if op in slowest.fsdp_exposed_s or op in synced.fsdp_step_end_s:
-                breakdown[f"dp.{op}"] = seconds
+        for op, seconds in sorted(slowest.fsdp_exposed_s.items()):
+            breakdown[f"dp.{op}"] = m * seconds
+        for op, seconds in sorted(synced.fsdp_step_end_s.items()):
+            breakdown[f"dp.{op}.once"] = seconds
         breakdown["optimizer"] = optimizer_s
         if tied_s:
             breakdown["pp.tied_weights"] = tied_s
