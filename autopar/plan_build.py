@@ -50,7 +50,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         predicted=prediction,
         replicated_ops=sharding.replicated_ops,
         search=_search_stats(estimate, sharding, search),
-        notes=tuple(graph.notes) + tuple(notes),
+        notes=tuple(graph.notes) + tuple(estimate.notes) + tuple(notes),
     )
 
 
@@ -125,12 +125,26 @@ def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str) -> tuple[
                 _add(parts, f"tp.{event.op}.{phase}", event.time_s)
                 if stage.recompute == "full" and event.phase == "fwd":
                     _add(parts, f"tp.{event.op}.recompute", event.time_s)
+        for key, seconds in _fsdp_parts(stage).items():
+            _add(parts, key, seconds / len(chunks))
         if index in senders and stage.p2p_s:
             share = stage.p2p_s * (senders[index] / sent_bytes if sent_bytes else 1 / len(senders))
             _add(parts, "pp.send_recv.forward", share / 2)
             _add(parts, "pp.send_recv.backward", share / 2)
         times.append(parts)
     return tuple(times)
+
+
+def _fsdp_parts(stage: StageEstimate) -> dict[str, float]:
+    """The stage's exposed FSDP2 collectives per microbatch, by pass: gathers waited for in the
+    forward, the rest of the gathers (ZeRO-3 re-gathers) and the reduce-scatters in the backward."""
+    exposed = getattr(stage, "fsdp_exposed_s", None) or {}
+    if not exposed or stage.fsdp is None:
+        return {}
+    gather = exposed.get("all_gather", 0.0)
+    forward = min(gather, stage.fsdp.forward_gather_exposed_s)
+    return {"dp.all_gather.forward": forward, "dp.all_gather.backward": gather - forward,
+            "dp.reduce_scatter.backward": exposed.get("reduce_scatter", 0.0)}
 
 
 def _add(parts: dict[str, float], key: str, seconds: float) -> None:

@@ -45,10 +45,13 @@ class StagePlan:
 class Prediction:
     step_time_s: float
     breakdown_s: dict[str, float]
-    """compute, recompute, tp.<collective>, pp.send_recv, bubble, dp.gradient_sync, optimizer."""
+    """compute, recompute, tp.<collective>, pp.send_recv, bubble, optimizer, and the exposed
+    data-parallel synchronisation: dp.gradient_sync (ZeRO 0) or dp.all_gather, dp.reduce_scatter
+    (every microbatch) and dp.all_gather.once, dp.reduce_scatter.once (once per step)."""
     peak_memory_bytes: float
     memory_bytes: dict[str, float]
-    """parameters, gradients, optimizer, activations, buffers, workspace (of the peak stage)."""
+    """parameters, gradients, optimizer, activations, buffers, recompute_workspace, fsdp_unsharded,
+    fragmentation, cuda_context (of the peak stage)."""
     memory_budget_bytes: float
     model_flops_per_step: float
     """Forward + backward matmul FLOPs of one step (no recomputation)."""

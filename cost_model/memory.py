@@ -32,14 +32,32 @@ class PrecisionPolicy:
     """fp32 master weights + Adam first and second moments."""
     activation_dtype: str = "bfloat16"
     """dtype activations are stored in."""
+    gather_bytes: float | None = None
+    """Bytes per parameter FSDP all-gathers (the sharded storage's dtype, or its param_dtype
+    under a mixed-precision policy); None: param_bytes."""
+    reduce_bytes: float | None = None
+    """Bytes per gradient element reduced over data parallel (the reduce dtype); None: grad_bytes."""
 
     @property
     def model_state_bytes(self) -> float:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
+    @property
+    def fsdp_gather_bytes(self) -> float:
+        return self.param_bytes if self.gather_bytes is None else self.gather_bytes
 
-BF16_ADAM = PrecisionPolicy()
+    @property
+    def dp_reduce_bytes(self) -> float:
+        return self.grad_bytes if self.reduce_bytes is None else self.reduce_bytes
+
+
+# autopar's codegen keeps fp32 parameters and casts them to bf16 where they are used, so FSDP2
+# gathers fp32 and gradients (fp32, autograd's upcast) are reduced in fp32.
+BF16_ADAM = PrecisionPolicy(gather_bytes=4.0, reduce_bytes=4.0)
 FP32_ADAM = PrecisionPolicy(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0, activation_dtype="float32")
+FSDP2_BF16_FP32_REDUCE = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0)
+"""torchtitan's FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathers,
+fp32 reduce-scatters (for pricing runs made that way)."""
 
 
 @dataclass(frozen=True, kw_only=True)

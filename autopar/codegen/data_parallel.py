@@ -1,9 +1,10 @@
 """Data parallelism and ZeRO on the dp axis, composed with tensor parallelism.
 
     ZeRO 0  parameters replicated; gradients all-reduced (averaged) over dp once per step
-    ZeRO 1  FSDP2 fully_shard, parameters kept gathered between forward and backward, gradient
-            reduce-scatter only after the last microbatch (set_requires_gradient_sync)
-    ZeRO 2  as 1, but gradients reduce-scattered after every microbatch
+    ZeRO 1  FSDP2 fully_shard, parameters gathered once per step and kept until the last
+            microbatch's backward (set_reshard_after_backward), gradient reduce-scatter only
+            after the last microbatch (set_requires_gradient_sync)
+    ZeRO 2  as 1, but gradients reduce-scattered after every microbatch (without pipelining)
     ZeRO 3  FSDP2 with reshard_after_forward: parameters gathered before each use
 
 Every segment module (a transformer block) is one FSDP unit, the stage program the root unit
@@ -39,6 +40,14 @@ def set_gradient_sync(stages: list[StageProgram], enabled: bool) -> None:
     for stage in stages:
         if hasattr(stage, "set_requires_gradient_sync"):
             stage.set_requires_gradient_sync(enabled)
+
+
+def set_reshard_after_backward(stages: list[StageProgram], enabled: bool) -> None:
+    """ZeRO-1/2 keep parameters gathered from the first microbatch's forward to the last one's
+    backward (one all-gather per step, as torch.distributed.pipelining does under FSDP2)."""
+    for stage in stages:
+        if hasattr(stage, "set_reshard_after_backward"):
+            stage.set_reshard_after_backward(enabled)
 
 
 def all_reduce_gradients(parameters: list[nn.Parameter], group, size: int) -> None:

@@ -63,6 +63,21 @@ class PlannedInterpreter:
             return value
         return value.redistribute(self.mesh, [to_dtensor_placement(placement)])
 
+    def wanted_inputs(self, node: torch.fx.Node, env: dict[str, Any]) -> list[tuple[str, str | None]]:
+        """(producer, planned placement) of each tensor input of `node`, in `_call`'s order."""
+        _, input_placements = self.placements.get(node.name, (None, []))
+        found: list[tuple[str, str | None]] = []
+
+        def visit(arg):
+            if isinstance(arg, torch.fx.Node) and isinstance(env.get(arg.name), torch.Tensor):
+                position = len(found)
+                found.append((arg.name, input_placements[position] if position < len(input_placements) else None))
+            return arg
+
+        map_aggregate(node.args, visit)
+        map_aggregate(dict(node.kwargs), visit)
+        return found
+
     def run_nodes(self, nodes: list[torch.fx.Node], env: dict[str, Any]) -> None:
         """Execute `nodes`, reading inputs from and writing outputs into `env`."""
         cache: dict[tuple[str, str], DTensor] = {}

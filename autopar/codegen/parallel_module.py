@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar.codegen.data_parallel import all_reduce_gradients, set_gradient_sync, sum_over_group, uses_fsdp
+from autopar.codegen.data_parallel import (all_reduce_gradients, set_gradient_sync, set_reshard_after_backward,
+                                          sum_over_group, uses_fsdp)
 from autopar.codegen.interpreter import RunStats
 from autopar.codegen.program import attribute_name
 from autopar.codegen.runtime import Runtime
@@ -113,6 +114,8 @@ class ParallelModule(nn.Module):
         for index in range(m):
             if fsdp and self.plan.zero_stage == 1:
                 set_gradient_sync(list(self.stages), index == m - 1)
+            if fsdp and self.plan.zero_stage in (1, 2):
+                set_reshard_after_backward(list(self.stages), index == m - 1)
             output = self.stages[0](*[chunks[index] for chunks in split_inputs])
             loss = self.loss_fn(_float(_replicated_local(output)), split_targets[index])
             (loss / m).backward()

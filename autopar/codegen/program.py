@@ -172,7 +172,24 @@ class SegmentModule(ParameterOwner):
                 self.interpreter.run_nodes(_run, local)
                 return tuple(local[name] for name in _produced)
 
-            env.update(zip(produced, checkpoint(body, *[env[name] for name in needed], use_reentrant=False)))
+            kept = [self._shard_before_checkpoint(run, name, env) for name in needed]
+            env.update(zip(produced, checkpoint(body, *kept, use_reentrant=False)))
+
+    def _shard_before_checkpoint(self, run: list[torch.fx.Node], name: str, env: dict) -> torch.Tensor:
+        """The input a recomputed run keeps: sharded first where every op of the run wants it
+        sharded (a row-parallel output reduce-scattered onto the sequence keeps 1/tp of it, as
+        Korthikanti et al.'s sequence parallelism does; the cost model prices the same)."""
+        value = env[name]
+        if not self.interpreter.distributed or not isinstance(value, DTensor):
+            return value
+        wanted = {placement for node in run for source, placement in self.interpreter.wanted_inputs(node, env)
+                  if source == name}
+        if len(wanted) != 1:
+            return value
+        placement = wanted.pop()
+        if placement is None or not placement.startswith("S") or value.placements[0].is_shard():
+            return value
+        return self.interpreter.place(value, placement)
 
 
 def _runs(nodes: list[torch.fx.Node], recomputable: set[str]) -> list[tuple[list[torch.fx.Node], bool]]:

@@ -226,5 +226,8 @@ def example_targets(config: GPTConfig, batch_size: int, device: torch.device | s
 
 
 def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over all positions; logits (..., classes), integer targets (...)."""
-    return F.cross_entropy(output.flatten(0, -2), targets.flatten())
+    """Mean cross-entropy over all positions; logits (..., classes), integer targets (...).
+
+    Computed in fp32 from 16-bit logits, as Megatron-LM and torchtitan do: the planner then
+    prices (and the memory breakdown counts) the fp32 copy of the logits and its softmax."""
+    return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten())

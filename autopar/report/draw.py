@@ -19,11 +19,12 @@ PASS_COLORS = {"forward": ("#1f5fa8", "#4f8fd8", "#8db9ea", "#bcd6f4"),
                "backward": ("#1d7a46", "#3fa86b", "#7fcb9b", "#b5e3c4"),
                "recompute": ("#c77d12", "#e0a13f", "#eec47e", "#f6dfb6")}
 """Per pass kind, one shade per model chunk (darkest: the rank's first chunk)."""
-TAIL_COLORS = {"dp.gradient_sync": "#d9622b", "pp.tied_weights": "#b04a9c", "optimizer": "#6b6b6b"}
+TAIL_COLORS = {"dp.gradient_sync": "#d9622b", "dp.all_gather.once": "#e8894f", "dp.reduce_scatter.once": "#c2481a", "pp.tied_weights": "#b04a9c", "optimizer": "#6b6b6b"}
 AXIS_COLORS = {"tp": "#7b3fb5", "pp": "#c0392b", "dp": "#d9622b"}
 BUBBLE_COLOR = "#eeeeee"
 MEMORY_COLORS = {"parameters": "#1f5fa8", "gradients": "#3fa86b", "optimizer": "#8e6bbf",
-                 "activations": "#e0a13f", "buffers": "#8c8c8c", "workspace": "#c0392b"}
+                 "activations": "#e0a13f", "buffers": "#8c8c8c", "recompute_workspace": "#c0392b",
+                 "fsdp_unsharded": "#2a9d9d", "fragmentation": "#b8b8b8", "cuda_context": "#555555"}
 _BAR_HEIGHT = 0.8
 _COMM_HEIGHT = 0.18
 _MIN_LABEL_FRACTION = 0.012

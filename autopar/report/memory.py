@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from autopar.plans import Plan
 
-MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers", "workspace")
+MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers", "recompute_workspace",
+                "fsdp_unsharded", "fragmentation", "cuda_context")
 
 
 @dataclass(frozen=True, kw_only=True)

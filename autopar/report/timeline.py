@@ -28,7 +28,7 @@ from autopar.plans import Plan
 from autopar.report.schedules import rank_order
 
 PASS_KINDS = ("forward", "recompute", "backward")
-TAIL_KINDS = ("dp.gradient_sync", "pp.tied_weights", "optimizer")
+TAIL_KINDS = ("dp.gradient_sync", "dp.all_gather.once", "dp.reduce_scatter.once", "pp.tied_weights", "optimizer")
 """What the step model adds after the pipeline, in the order it is drawn."""
 
 

@@ -101,7 +101,8 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                 size = producer.output.nbytes / shard_factor(strategy.inputs[index], mesh_shape)
                 segment.saved_bytes += size
                 _keep_if(segment, source, size, not recomputable[node.name])
-            _keep_chain_input(segment, node, source, producer, source_strategy.output, recomputable, mesh_shape)
+            _keep_chain_input(segment, node, source, producer, source_strategy.output, recomputable, mesh_shape,
+                              wanted=strategy.inputs[index])
     _add_boundaries(graph, costs, segment_of, strategy_of, mesh_shape)
     return [costs[segment.name] for segment in graph.segments] or list(costs.values())
 
@@ -119,11 +120,18 @@ def _keep_if(segment: SegmentCost, key: str, size: float, kept: bool) -> None:
         segment.selective_kept[key] = max(segment.selective_kept.get(key, 0.0), size)
 
 
-def _keep_chain_input(segment: SegmentCost, node, source: str, producer, placement, recomputable, mesh_shape) -> None:
-    """A recomputed op needs its inputs that are not themselves recomputed."""
+def _keep_chain_input(segment: SegmentCost, node, source: str, producer, placement, recomputable, mesh_shape,
+                      wanted=None) -> None:
+    """A recomputed op needs its inputs that are not themselves recomputed. Where the op wants
+    its input more sharded than it was produced (a row-parallel output reduce-scattered onto the
+    sequence, Korthikanti's sequence parallelism), codegen redistributes before the checkpoint
+    and keeps the shard, so the kept size is the smaller of the two placements."""
     if recomputable.get(node.name) and not recomputable.get(source) and producer.kind in ("call", "input") \
             and producer.outputs:
-        _keep_if(segment, source, producer.output.nbytes / shard_factor(placement, mesh_shape), True)
+        factor = shard_factor(placement, mesh_shape)
+        if wanted is not None:
+            factor = max(factor, shard_factor(wanted, mesh_shape))
+        _keep_if(segment, source, producer.output.nbytes / factor, True)
 
 
 def _add_node(builder: ProblemBuilder, node, strategy, segment: SegmentCost, mesh_shape, recomputable: bool) -> None:

@@ -24,6 +24,7 @@ from autopar.solver.overheads import Overheads, SegmentCounts, segment_counts, s
 from autopar.solver.sharding import ShardingOptions, ShardingResult, cost_context, solve_sharding
 from autopar.solver.step_model import (RECOMPUTE_MODES, SCHEDULES, Estimate, ParallelConfig, PreparedSegments,
                                        StepModel)
+from cost_model.allocator import DEFAULT_ALLOCATOR, NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
 from cost_model.memory import BF16_ADAM, PrecisionPolicy
@@ -61,8 +62,11 @@ class Constraints:
 
 @dataclass(frozen=True, kw_only=True)
 class SearchOptions:
-    usable_memory_fraction: float = 0.9
-    """Share of device memory the plan may use (the rest: CUDA context, allocator fragmentation)."""
+    usable_memory_fraction: float = 1.0
+    """Share of device memory the plan may use; the CUDA context, NCCL buffers and allocator
+    fragmentation are terms of the memory breakdown (`allocator`), not a margin here."""
+    allocator: AllocatorModel | None = None
+    """Memory beyond the plan's tensors; None: cost_model.allocator's defaults on GPUs, none on CPUs."""
     max_microbatch_size: int = 64
     sharding: ShardingOptions = ShardingOptions()
 
@@ -101,7 +105,7 @@ class Planner:
             devices_per_node=cluster.devices_per_node, compute=ComputeModel(cluster.device, cluster.profile),
             comm=CommModel(cluster), policy=policy,
             memory_budget_bytes=cluster.device.memory_bytes * options.usable_memory_fraction,
-            tied_param_numel=_tied_numel(graph))
+            tied_param_numel=_tied_numel(graph), allocator=_allocator(cluster, options))
         self.overheads = overheads
         """Calibrated whole-step terms (overheads.py), or None to price kernels and collectives only."""
         self.condensed = condense(graph)
@@ -309,17 +313,19 @@ class Planner:
         if constraints.virtual_stages:
             return [constraints.virtual_stages]
         if constraints.layers_per_virtual_stage:
-            per_stage = self.num_blocks / pp
-            virtual = per_stage / constraints.layers_per_virtual_stage
-            if virtual != int(virtual) or virtual < 1:
+            # Chunks need not be equal: the stage partition (pipeline.py) may give the first and
+            # last chunks fewer layers (they also hold the embedding and the head), as Llama 3's
+            # 126 layers on 16 stages did. What must hold is at least one layer per chunk.
+            virtual = round(self.num_blocks / (pp * constraints.layers_per_virtual_stage))
+            if virtual < 1 or pp * virtual > len(self.graph.segments):
                 raise ConfigError(f"{self.num_blocks} layers on {pp} stages cannot be cut into chunks of "
                                   f"{constraints.layers_per_virtual_stage} layers")
-            return [int(virtual)]
+            return [virtual]
         return []
 
     def _interleavings(self, pp: int) -> list[int]:
-        per_stage = self.num_blocks // pp if pp else 0
-        return [v for v in (2, 3, 4) if per_stage >= v and self.num_blocks % (pp * v) == 0]
+        """Chunks per device with at least two layers per chunk on average (uneven chunks allowed)."""
+        return [v for v in (2, 3, 4) if pp and self.num_blocks >= 2 * pp * v]
 
     def _infeasible(self, least: Estimate | None, constraints: Constraints) -> InfeasiblePlanError:
         budget = self.step_model.memory_budget_bytes
@@ -361,6 +367,12 @@ def _cpu_cores(planner: "Planner") -> int:
 
 def _divisors(value: int) -> list[int]:
     return [d for d in range(1, value + 1) if value % d == 0]
+
+
+def _allocator(cluster, options: SearchOptions) -> AllocatorModel:
+    if options.allocator is not None:
+        return options.allocator
+    return NO_OVERHEAD if cluster.device_kind == "cpu" else DEFAULT_ALLOCATOR
 
 
 def _tied_numel(graph: OpGraph) -> float:

@@ -12,29 +12,37 @@ output forward and receives its gradient back (x v for interleaving).
 Pipeline with m microbatches on p stages (Narayanan et al., SC21):
     1F1B, GPipe     T = (m - 1) max_k t_k + sum_k t_k
     interleaved     T = (m + (p - 1) / v) max_k t_k          (v model chunks per device)
-Data-parallel gradient synchronisation over the dp group (message = the stage's gradients):
-    ZeRO 0, 1   one all-reduce (ZeRO-1: reduce-scatter + all-gather, same volume) per step,
-                overlapped with the last microbatch's backward except the last layer's bucket
-    ZeRO 2      a reduce-scatter per microbatch (overlapped with its backward) + one all-gather
-    ZeRO 3      per microbatch all-gather before forward and backward, reduce-scatter after,
-                overlapped with compute by prefetching (exposed: what exceeds the compute)
+Data-parallel gradient synchronisation over the dp group:
+    ZeRO 0      one all-reduce of the stage's gradients per step, overlapped with the last
+                microbatch's backward except the last layer's bucket
+    ZeRO 1-3    FSDP2 as codegen applies it, one unit per segment (cost_model/fsdp.py): each
+                microbatch gathers every unit before its forward (ZeRO-3 again before its
+                backward, in reverse order) with one unit prefetched; ZeRO-2/3 reduce-scatter
+                each unit's gradients (in the reduce dtype) after its backward,
+                ZeRO-1 (and any ZeRO under pipelining) only in the last microbatch. What the compute does not hide (the first
+                unit's gather, gathers longer than the unit they hide behind, the last
+                reduce-scatter) slows every microbatch of the stage: t_k += exposed_k.
 Step = T + exposed synchronisation + optimizer step (Adam, memory-bound, on the local shard)
      + the all-reduce of weights tied across the first and last stage.
 Memory of stage k = model states (ZeRO, memory.py) + in_flight(k) x sum_{S_k} a + buffers
-     + workspace (one segment's saved tensors during recompute, ZeRO-3 gathered parameters).
+     + recompute workspace (what one segment regenerates: saved - kept) + FSDP2's gathered units (the largest
+     two consecutive units' parameters + one unit's unsharded gradients) + allocator terms
+     (cost_model/allocator.py: fragmentation of the dynamic bytes, CUDA context, NCCL buffers).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from autopar.mesh import Mesh
 from autopar.solver.evaluate import SegmentCost
 from autopar.solver.pipeline import ChainCosts, StageSpan, partition
+from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
+from cost_model.fsdp import FsdpTimeline, timelines_of_arrays, unsharded_bytes
 from cost_model.memory import PrecisionPolicy, microbatches_in_flight, model_state_memory
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -79,6 +87,13 @@ class StageEstimate:
     memory_bytes: dict[str, float]
     recompute: str = "none"
     """This stage's recomputation (stages with fewer microbatches in flight may need less)."""
+    fsdp: FsdpTimeline | None = None
+    """One microbatch's FSDP2 communication on this stage (ZeRO >= 1 with dp > 1)."""
+    fsdp_exposed_s: dict[str, float] = field(default_factory=dict)
+    """Exposed FSDP2 communication per microbatch, by collective (included in time_per_microbatch_s)."""
+    fsdp_step_end_s: dict[str, float] = field(default_factory=dict)
+    """Exposed FSDP2 communication once per step, by collective (ZeRO-1/2 gathers, reductions
+    made only in the last microbatch)."""
 
     @property
     def total_memory_bytes(self) -> float:
@@ -115,6 +130,8 @@ class PreparedSegments:
     buffer_bytes: np.ndarray
     output_bytes: np.ndarray
     max_saved_bytes: float
+    max_recomputed_bytes: float = 0.0
+    """Largest set of tensors one segment regenerates in backward (saved minus kept)."""
     time_partitions: dict[int, list[StageSpan] | None] = field(default_factory=dict)
 
     @classmethod
@@ -135,7 +152,9 @@ class PreparedSegments:
                    param_numel=array(s.param_numel for s in segments),
                    buffer_bytes=array(s.buffer_bytes for s in segments),
                    output_bytes=array(s.output_bytes for s in segments),
-                   max_saved_bytes=max((s.saved_bytes for s in segments), default=0.0))
+                   max_saved_bytes=max((s.saved_bytes for s in segments), default=0.0),
+                   max_recomputed_bytes=max((s.saved_bytes - _activation_bytes(s, recompute) for s in segments),
+                                            default=0.0))
 
     def __len__(self) -> int:
         return len(self.names)
@@ -153,13 +172,16 @@ class StepModel:
     optimizer_io_bytes_per_param: float = 32.0
     tied_param_numel: float = 0.0
     """Parameters used both in the first and last segment (tied embeddings)."""
+    allocator: AllocatorModel = NO_OVERHEAD
+    """CUDA context, NCCL buffers and caching-allocator fragmentation (none for CPU/gloo)."""
 
     def state_bytes_per_param(self, config: ParallelConfig) -> float:
         return model_state_memory(1.0, dp=config.dp, zero_stage=config.zero_stage, policy=self.policy).total_bytes
 
     def chain(self, prepared: PreparedSegments, config: ParallelConfig) -> ChainCosts:
         states = prepared.param_numel * self.state_bytes_per_param(config) + prepared.buffer_bytes
-        return ChainCosts(time_s=prepared.time_s, state_bytes=states, activation_bytes=prepared.activation_bytes)
+        activations = prepared.activation_bytes * (1 + self.allocator.fragmentation_fraction)
+        return ChainCosts(time_s=prepared.time_s, state_bytes=states, activation_bytes=activations)
 
     def estimate(self, prepared: PreparedSegments, config: ParallelConfig,
                  lighter: dict[str, PreparedSegments] | None = None) -> Estimate | None:
@@ -213,12 +235,21 @@ class StepModel:
         return True
 
     def _workspace_bytes(self, prepared: PreparedSegments, config: ParallelConfig) -> float:
-        workspace = 0.0
-        if config.recompute != "none":
-            workspace += prepared.max_saved_bytes
-        if config.zero_stage == 3 and config.dp > 1:
-            workspace += 2 * float(prepared.param_numel.max(initial=0.0)) * self.policy.param_bytes
-        return workspace
+        """Memory every stage holds besides states and activations (an upper bound over stages)."""
+        terms = self._workspace_terms(prepared, config, range(len(prepared)))
+        return sum(terms.values())
+
+    def _workspace_terms(self, prepared: PreparedSegments, config: ParallelConfig, indices) -> dict[str, float]:
+        recompute = prepared.max_recomputed_bytes if config.recompute != "none" else 0.0
+        fsdp = 0.0
+        if config.zero_stage >= 2 and config.dp > 1:
+            numel = prepared.param_numel[list(indices)].tolist()
+            # ZeRO-2 keeps parameters gathered (counted as "parameters"): only a unit's gradients.
+            param_bytes = self.policy.fsdp_gather_bytes if config.zero_stage == 3 else 0.0
+            fsdp = unsharded_bytes(numel, param_bytes=param_bytes, grad_bytes=self.policy.dp_reduce_bytes)
+        fragmentation = self.allocator.fragmentation_bytes(recompute + fsdp)
+        return {"recompute_workspace": recompute, "fsdp_unsharded": fsdp, "fragmentation": fragmentation,
+                "cuda_context": self.allocator.context_bytes(_num_communicators(config))}
 
     def _stage_at(self, prepared: PreparedSegments, spans, config: ParallelConfig, workspace: float,
                   stage: int) -> StageEstimate:
@@ -234,23 +265,59 @@ class StepModel:
         pick = lambda values: float(values[indices].sum())  # noqa: E731
         numel = pick(prepared.param_numel)
         states = model_state_memory(numel, dp=config.dp, zero_stage=config.zero_stage, policy=self.policy)
+        if config.pp > 1 and config.zero_stage >= 2 and config.dp > 1:
+            # Without gradient sync until the last microbatch FSDP2 accumulates unsharded gradients.
+            states = replace(states, grads_bytes=numel * self.policy.dp_reduce_bytes)
+        activations = in_flight * pick(prepared.activation_bytes)
+        extra = self._workspace_terms(prepared, config, indices)
+        extra["fragmentation"] += self.allocator.fragmentation_bytes(activations)
         memory = {
             "parameters": states.params_bytes,
             "gradients": states.grads_bytes,
             "optimizer": states.optimizer_bytes,
-            "activations": in_flight * pick(prepared.activation_bytes),
+            "activations": activations,
             "buffers": pick(prepared.buffer_bytes),
-            "workspace": workspace,
+            **extra,
         }
         tp_comm = {op: pick(values) for op, values in prepared.comm_by_op_s.items()}
-        time_per_microbatch = pick(prepared.time_s) + p2p
+        timeline, exposed, step_end = self._fsdp(prepared, indices, config)
+        time_per_microbatch = pick(prepared.time_s) + p2p + sum(exposed.values())
         chunks = tuple(tuple(prepared.names[i] for i in range(span.start, span.stop)) for span in own)
         return StageEstimate(index=stage, span=StageSpan(own[0].start, own[-1].stop),
                              segment_names=tuple(prepared.names[i] for i in indices), chunks=chunks,
                              time_per_microbatch_s=time_per_microbatch, forward_s=pick(prepared.forward_s),
                              backward_s=pick(prepared.backward_s), recompute_s=pick(prepared.recompute_s),
                              tp_comm_s=tp_comm, p2p_s=p2p, param_numel=numel, memory_bytes=memory,
-                             recompute=prepared.recompute)
+                             recompute=prepared.recompute, fsdp=timeline, fsdp_exposed_s=exposed,
+                             fsdp_step_end_s=step_end)
+
+    def _fsdp(self, prepared: PreparedSegments, indices: list[int], config: ParallelConfig):
+        """(timeline, exposed seconds by collective per microbatch, and once per step)."""
+        if config.zero_stage < 1 or config.dp <= 1:
+            return None, {}, {}
+        group = Mesh(axis_names=("pp", "dp", "tp"), shape=(config.pp, config.dp, config.tp),
+                     devices_per_node=self.devices_per_node).group(1)
+        numel = prepared.param_numel[indices]
+        sizes, inverse = np.unique(numel, return_inverse=True)  # identical blocks: price each size once
+        gather = [self.comm.time_s("all_gather", float(size) * self.policy.fsdp_gather_bytes, group) for size in sizes]
+        scatter = [self.comm.time_s("reduce_scatter", float(size) * self.policy.dp_reduce_bytes, group)
+                   for size in sizes]
+        forward = prepared.forward_s[indices]
+        arrays = dict(forward_s=forward.tolist(), backward_s=(prepared.time_s[indices] - forward).tolist(),
+                      gather_s=[gather[i] for i in inverse.tolist()], scatter_s=[scatter[i] for i in inverse.tolist()])
+        reshard = config.zero_stage == 3
+        timeline, gathers_only_s = timelines_of_arrays(**arrays, reshard_after_forward=reshard)
+        scatter_s = max(0.0, timeline.exposed_s - gathers_only_s)
+        per_microbatch: dict[str, float] = {}
+        step_end: dict[str, float] = {}
+        # ZeRO-3 gathers in every microbatch; ZeRO-1/2 keep parameters gathered from the first
+        # forward to the last backward (codegen's set_reshard_after_backward, and what
+        # torch.distributed.pipelining does under FSDP2), so their gathers are exposed once.
+        (per_microbatch if reshard else step_end)["all_gather"] = gathers_only_s
+        # Gradients are reduce-scattered every microbatch by ZeRO-2/3 without pipelining; ZeRO-1
+        # and any ZeRO under pipelining (set_requires_gradient_sync) reduce once, in the last.
+        (per_microbatch if config.zero_stage >= 2 and config.pp == 1 else step_end)["reduce_scatter"] = scatter_s
+        return timeline, per_microbatch, step_end
 
     def _assemble(self, stages: list[StageEstimate], config: ParallelConfig, fits: bool) -> Estimate:
         m, p = config.num_microbatches, config.pp
@@ -268,7 +335,15 @@ class StepModel:
             breakdown[f"tp.{op}"] = m * seconds
         breakdown["pp.send_recv"] = m * slowest.p2p_s
         breakdown["bubble"] = pipeline_s - m * t_max
-        breakdown["dp.gradient_sync"] = sync_s
+        if config.zero_stage == 0:
+            breakdown["dp.gradient_sync"] = sync_s
+        # dp.<op>: exposed inside every microbatch (part of the stage time); dp.<op>.once: once
+        # per step, after the pipeline (ZeRO-1/2 gathers, reductions made in the last microbatch).
+        synced = max(stages, key=lambda s: sum(s.fsdp_step_end_s.values()))
+        for op, seconds in sorted(slowest.fsdp_exposed_s.items()):
+            breakdown[f"dp.{op}"] = m * seconds
+        for op, seconds in sorted(synced.fsdp_step_end_s.items()):
+            breakdown[f"dp.{op}.once"] = seconds
         breakdown["optimizer"] = optimizer_s
         if tied_s:
             breakdown["pp.tied_weights"] = tied_s
@@ -276,7 +351,8 @@ class StepModel:
         return Estimate(config=config, step_time_s=pipeline_s + sync_s + optimizer_s + tied_s,
                         breakdown_s=breakdown, stages=tuple(stages), peak_memory_bytes=peak.total_memory_bytes,
                         memory_bytes=dict(peak.memory_bytes),
-                        fits=fits and peak.total_memory_bytes <= self.memory_budget_bytes)
+                        fits=fits and peak.total_memory_bytes <= self.memory_budget_bytes,
+                        notes=fsdp_notes(slowest, config))
 
     def _dp_group_time(self, op: str, message_bytes: float, config: ParallelConfig) -> float:
         mesh = Mesh(axis_names=("pp", "dp", "tp"), shape=(config.pp, config.dp, config.tp),
@@ -284,26 +360,17 @@ class StepModel:
         return self.comm.time_s(op, message_bytes, mesh.group(1))
 
     def _dp_sync_exposed_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
+        """Synchronisation after the pipeline: ZeRO-0's all-reduce tail, ZeRO-1's last
+        reduce-scatter (ZeRO-2/3 are inside each microbatch's stage time)."""
         if config.dp <= 1:
             return 0.0
-        grad_bytes = stage.param_numel * self.policy.grad_bytes
-        param_bytes = stage.param_numel * self.policy.param_bytes
+        if config.zero_stage >= 1:
+            return sum(stage.fsdp_step_end_s.values())
+        grad_bytes = stage.param_numel * self.policy.dp_reduce_bytes
         num_buckets = max(1, len(stage.segment_names))
-        m = config.num_microbatches
         backward_one = stage.backward_s + stage.recompute_s
-        forward_one = stage.forward_s
-        if config.zero_stage <= 1:
-            sync = self._dp_group_time("all_reduce", grad_bytes, config)
-            return max(sync - backward_one, sync / num_buckets)
-        if config.zero_stage == 2:
-            scatter = self._dp_group_time("reduce_scatter", grad_bytes, config)
-            gather = self._dp_group_time("all_gather", param_bytes, config)
-            return m * max(scatter - backward_one, scatter / num_buckets) + gather
-        gather = self._dp_group_time("all_gather", param_bytes, config)
-        scatter = self._dp_group_time("reduce_scatter", grad_bytes, config)
-        per_microbatch = max(gather - forward_one, gather / num_buckets) + max(gather + scatter - backward_one,
-                                                                                scatter / num_buckets)
-        return m * per_microbatch
+        sync = self._dp_group_time("all_reduce", grad_bytes, config)
+        return max(sync - backward_one, sync / num_buckets)
 
     def _optimizer_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
         numel = stage.param_numel / (config.dp if config.zero_stage >= 1 else 1)
@@ -331,6 +398,28 @@ def _activation_bytes(segment: SegmentCost, recompute: str) -> float:
     if recompute == "selective":
         return segment.selective_saved_bytes
     return segment.saved_bytes
+
+
+def _num_communicators(config: ParallelConfig) -> int:
+    """Process groups a rank talks on: one per mesh axis of size > 1."""
+    return sum(1 for size in (config.dp, config.tp, config.pp) if size > 1)
+
+
+def fsdp_notes(stage: StageEstimate, config: ParallelConfig) -> tuple[str, ...]:
+    """What the report says about FSDP2's overlap on the slowest stage."""
+    timeline = stage.fsdp
+    if timeline is None or timeline.gather_s + timeline.reduce_scatter_s <= 0:
+        return ()
+    m = config.num_microbatches
+    gathers = "forward and backward" if config.zero_stage == 3 else "forward"
+    per_step = [op.replace("_", "-") + "s" for op in ("all_gather", "reduce_scatter") if op in stage.fsdp_step_end_s]
+    once = f"; {' and '.join(per_step)} once per step, the rest" if per_step and m > 1 else ""
+    return (f"FSDP2 (ZeRO-{config.zero_stage}, dp={config.dp}) on stage {stage.index}, one pass: all-gathers "
+            f"({gathers}) {timeline.gather_s * 1e3:.3g} ms and reduce-scatters {timeline.reduce_scatter_s * 1e3:.3g} ms "
+            f"against {timeline.compute_s * 1e3:.3g} ms of compute; exposed {timeline.exposed_s * 1e3:.3g} ms "
+            f"({100 * timeline.hidden_fraction:.0f}% hidden): the first unit's gather {timeline.first_gather_s * 1e3:.3g} ms, "
+            f"the last reduce-scatter {timeline.last_reduce_scatter_s * 1e3:.3g} ms; worst unit's communication is "
+            f"{timeline.worst_unit_ratio:.2f}x its compute{once} x{m} microbatches",)
 
 
 def _in_flight(config: ParallelConfig, stage: int) -> float:

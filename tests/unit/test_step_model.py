@@ -92,7 +92,7 @@ def test_zero_stage_memory(zero, params, grads, optimizer):
     assert result.memory_bytes["parameters"] == pytest.approx(params * numel)
     assert result.memory_bytes["gradients"] == pytest.approx(grads * numel)
     assert result.memory_bytes["optimizer"] == pytest.approx(optimizer * numel)
-    assert result.breakdown_s["dp.gradient_sync"] > 0
+    assert sum(seconds for name, seconds in result.breakdown_s.items() if name.startswith("dp.")) > 0
 
 
 def test_memory_budget_marks_configurations_that_do_not_fit():
@@ -107,10 +107,13 @@ def test_later_pipeline_stages_recompute_less_when_they_fit():
     config = ParallelConfig(dp=1, tp=1, pp=4, microbatch_size=1, num_microbatches=8, recompute="full")
     items = segments()
     prepared = {mode: PreparedSegments.build(items, mode) for mode in ("none", "selective", "full")}
-    step_model = model(budget=5e8)
+    # Stage s, 2 segments: states 3.2e7 + (4 - s) in flight x (2e8 none | 1e8 selective | 2e6 full)
+    # + the recompute workspace of one segment (1e8 - kept): 4.5e8 fits full, then selective,
+    # then none twice.
+    step_model = model(budget=4.5e8)
     uniform = step_model.estimate(prepared["full"], config)
     mixed = step_model.estimate(prepared["full"], config, {m: prepared[m] for m in ("none", "selective")})
     assert [stage.recompute for stage in uniform.stages] == ["full"] * 4
-    assert [stage.recompute for stage in mixed.stages] == ["full", "selective", "selective", "none"]
-    assert all(stage.total_memory_bytes <= 5e8 for stage in mixed.stages)
+    assert [stage.recompute for stage in mixed.stages] == ["full", "selective", "none", "none"]
+    assert all(stage.total_memory_bytes <= 4.5e8 for stage in mixed.stages)
     assert mixed.step_time_s < uniform.step_time_s

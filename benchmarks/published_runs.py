@@ -1,0 +1,240 @@
+"""Published, measured training runs (shared/reference/published_runs.csv) against autopar's
+prediction of the same configuration.
+
+    .venv/bin/python benchmarks/published_runs.py [--rows kor-22b-sel,tt-8b-fsdp-8] [--markdown]
+
+Each row's model, cluster (with the figures the source states, as a cluster TOML) and
+configuration (tp, pp, dp, microbatch, interleaving, ZeRO/FSDP stage, recomputation) is priced
+with `Planner.evaluate`, exactly as `autopar evaluate` would; the prediction is converted to the
+source's unit (step time, tokens/s per GPU, or TFLOP/s per GPU by the formula the row names) and,
+where the source measured memory ("NN GiB used" in its notes), the predicted peak is shown
+beside it. The reference numbers are only read here, to compare; the product never sees them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from autopar import api
+from autopar.cluster import Cluster
+from autopar.solver.search import Planner
+from autopar.solver.step_model import Estimate, ParallelConfig
+from cost_model.memory import BF16_ADAM, FP32_ADAM, FSDP2_BF16_FP32_REDUCE, PrecisionPolicy
+
+REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_runs.csv"
+_MEMORY_NOTE = re.compile(r"(\d+(?:\.\d+)?)\s*(GiB|GB)\s+(?:used|measured)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """One row of the reference file."""
+
+    id: str
+    source: str
+    family: str
+    shape: dict[str, int]
+    gpus: int
+    cluster: str
+    cluster_overrides: dict[str, dict[str, float]]
+    global_batch: int
+    microbatch: int
+    tp: int
+    pp: int
+    dp: int
+    virtual_stages: int
+    zero: int
+    recompute: str
+    precision: str
+    metric: str
+    published: float
+    flop_formula: str
+    measured_memory_bytes: float | None
+    notes: str
+
+    @property
+    def model(self) -> str:
+        return f"{self.family}:" + ",".join(f"{key}={value}" for key, value in self.shape.items())
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.gpus // 8)
+
+    def cluster_spec(self, directory: Path) -> str:
+        """A spec string, or a TOML file in `directory` when the source states figures."""
+        if not self.cluster_overrides:
+            return f"{self.cluster}:nodes={self.num_nodes}"
+        lines = [f'preset = "{self.cluster}"', f"nodes = {self.num_nodes}"]
+        for table, values in self.cluster_overrides.items():
+            lines.append(f"[{table}]")
+            lines += [f"{key} = {value}" for key, value in values.items()]
+        path = directory / f"{self.id}.toml"
+        path.write_text("\n".join(lines) + "\n")
+        return str(path)
+
+    def config(self, planner) -> ParallelConfig:
+        interleaved = self.virtual_stages > 1
+        return api.fixed_config(planner, tp=self.tp, pp=self.pp, dp=self.dp, microbatch_size=self.microbatch,
+                                schedule="interleaved" if interleaved else "1f1b",
+                                virtual_stages=self.virtual_stages if interleaved else None,
+                                layers_per_virtual_stage=None, recompute=self.recompute, zero_stage=self.zero)
+
+    def predicted(self, step_time_s: float) -> float:
+        """The prediction in the source's unit."""
+        if self.metric == "step_time_s":
+            return step_time_s
+        if self.metric == "tokens_per_s_per_gpu":
+            return self.global_batch * self.shape["seq"] / step_time_s / self.gpus
+        if self.metric == "tflops_per_gpu":
+            return self.flops_per_step() / step_time_s / self.gpus / 1e12
+        raise ValueError(f"{self.id}: unknown metric '{self.metric}'")
+
+    def flops_per_step(self) -> float:
+        """Megatron's model-FLOP formulas (formulas.md): 72 (no recompute) or 96 (full)."""
+        b, s = self.global_batch, self.shape["seq"]
+        layers, h, v = self.shape["layers"], self.shape["hidden"], self.shape["vocab"]
+        factor = {"megatron-72": 72, "megatron-96": 96}.get(self.flop_formula)
+        if factor is None:
+            raise ValueError(f"{self.id}: metric tflops_per_gpu needs flop_formula megatron-72 or megatron-96")
+        return factor * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+
+
+_SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq")
+
+
+def read_runs(path: Path = REFERENCE) -> list[Run]:
+    lines = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    return [_run(item) for item in csv.DictReader(lines)]
+
+
+def _run(item: dict[str, str]) -> Run:
+    shape = {key: int(item[key]) for key in _SHAPE_KEYS if item.get(key)}
+    memory = _MEMORY_NOTE.search(item.get("notes", ""))
+    memory_bytes = None
+    if memory:
+        memory_bytes = float(memory.group(1)) * (2**30 if memory.group(2) == "GiB" else 1e9)
+    return Run(id=item["id"], source=item["source"], family=item["family"], shape=shape, gpus=int(item["gpus"]), cluster=item["cluster"],
+               cluster_overrides=_overrides(item.get("cluster_overrides", "")),
+               global_batch=int(item["global_batch"]), microbatch=int(item["microbatch"]), tp=int(item["tp"]),
+               pp=int(item["pp"]), dp=int(item["dp"]), virtual_stages=int(item["virtual_stages"] or 1),
+               zero=int(item["zero"] or 0), recompute=item["recompute"], precision=item["precision"],
+               metric=item["metric"], published=float(item["published"]), flop_formula=item["flop_formula"],
+               measured_memory_bytes=memory_bytes, notes=item.get("notes", ""))
+
+
+def _overrides(text: str) -> dict[str, dict[str, float]]:
+    """"device.memory_gib=95;device.memory_bandwidth_gbs=2400" -> {"device": {...}}."""
+    tables: dict[str, dict[str, float]] = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        key, _, value = item.partition("=")
+        table, _, name = key.partition(".")
+        tables.setdefault(table, {})[name] = float(value)
+    return tables
+
+
+def precision_of(run: Run) -> str:
+    """fp16 mixed precision is priced as bf16 (same bytes, same tensor-core rate)."""
+    return "fp32" if run.precision == "fp32" else "bf16"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    run: Run
+    estimate: Estimate
+    predicted: float
+    error: float
+    """Relative error of the prediction in the source's unit: predicted / published - 1."""
+    seconds: float
+
+
+_PLANNERS: dict[tuple, object] = {}
+
+
+def planner_for(run: Run, directory: Path):
+    """One capture per (model, cluster, batch, precision): rows that differ only in their
+    configuration (Korthikanti's baseline and SP + selective rows) share it."""
+    key = (run.model, run.cluster, tuple(sorted((t, tuple(sorted(v.items()))) for t, v in run.cluster_overrides.items())),
+           run.num_nodes, run.global_batch, precision_of(run))
+    if key not in _PLANNERS:
+        graph = api.capture_for_planning(run.model, precision=precision_of(run))
+        _PLANNERS[key] = Planner(graph, Cluster.from_spec(run.cluster_spec(directory)), global_batch=run.global_batch,
+                                 policy=policy_of(run), precision=precision_of(run))
+    return _PLANNERS[key]
+
+
+def policy_of(run: Run) -> PrecisionPolicy:
+    """How the run's framework holds and reduces its states: torchtitan's FSDP2 gathers bf16 and
+    reduce-scatters fp32 (MixedPrecisionPolicy); Megatron-LM's rows here have no data parallelism."""
+    if run.precision == "fp32":
+        return FP32_ADAM
+    return FSDP2_BF16_FP32_REDUCE if "torchtitan" in run.source.lower() else BF16_ADAM
+
+
+def evaluate_run(run: Run, directory: Path) -> Outcome:
+    started = time.perf_counter()
+    planner = planner_for(run, directory)
+    estimate, _ = planner.evaluate(run.config(planner))
+    predicted = run.predicted(estimate.step_time_s)
+    return Outcome(run=run, estimate=estimate, predicted=predicted, error=predicted / run.published - 1,
+                   seconds=time.perf_counter() - started)
+
+
+def evaluate_all(runs: list[Run]) -> list[Outcome]:
+    with tempfile.TemporaryDirectory() as directory:
+        return [evaluate_run(run, Path(directory)) for run in runs]
+
+
+def _row(outcome: Outcome) -> str:
+    run, estimate = outcome.run, outcome.estimate
+    gib = 2**30
+    measured = f"{run.measured_memory_bytes / gib:.1f}" if run.measured_memory_bytes else "-"
+    memory_error = (f"{100 * (estimate.peak_memory_bytes / run.measured_memory_bytes - 1):+.0f}%"
+                    if run.measured_memory_bytes else "-")
+    return (f"| {run.id} | {run.metric} | {run.published:g} | {outcome.predicted:.4g} | {100 * outcome.error:+.1f}% | "
+            f"{estimate.peak_memory_bytes / gib:.1f} | {measured} | {memory_error} | "
+            f"{'yes' if estimate.fits else 'NO'} | {outcome.seconds:.1f} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", help="comma-separated row ids (default: all)")
+    parser.add_argument("--breakdown", action="store_true", help="also print each row's time and memory breakdown")
+    args = parser.parse_args()
+    runs = read_runs()
+    if args.rows:
+        wanted = args.rows.split(",")
+        runs = [run for run in runs if run.id in wanted]
+    print("| run | unit | published | predicted | error | predicted peak GiB | measured GiB | memory error | fits | "
+          "time (s) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    outcomes = []
+    with tempfile.TemporaryDirectory() as directory:
+        for run in runs:
+            outcome = evaluate_run(run, Path(directory))
+            outcomes.append(outcome)
+            print(_row(outcome), flush=True)
+            if args.breakdown:
+                _print_breakdown(outcome.estimate)
+    errors = [abs(outcome.error) for outcome in outcomes]
+    if errors:
+        print(f"\nmedian absolute error {100 * statistics.median(errors):.1f}%, "
+              f"largest {100 * max(errors):.1f}%, {sum(e <= 0.10 for e in errors)}/{len(errors)} within 10%")
+    return 0
+
+
+def _print_breakdown(estimate: Estimate) -> None:
+    parts = ", ".join(f"{name} {seconds:.3g}" for name, seconds in estimate.breakdown_s.items() if seconds)
+    memory = ", ".join(f"{name} {size / 2**30:.2f}" for name, size in estimate.memory_bytes.items() if size)
+    print(f"|   | step {estimate.step_time_s:.4g} s: {parts} |")
+    print(f"|   | memory GiB: {memory} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
