@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import socket
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from autopar.capture import capture
+from autopar.capture import capture, targets_like_output
 from autopar.cluster import Cluster
 from autopar.errors import CaptureError, ConfigError
 from autopar.graph import OpGraph
@@ -42,13 +42,26 @@ class ModelInput:
     name: str
     model: nn.Module
     example_inputs: tuple
+    example_kwargs: dict = field(default_factory=dict)
+    """Keyword inputs of the forward (`input_ids=`, `attention_mask=`...), in call order."""
     loss_fn: Callable | None = None
     example_targets: Any = None
 
 
-def resolve_model(model, example_inputs=None, *, loss_fn=None, example_targets=None,
+def split_inputs(example_inputs, example_kwargs=None) -> tuple[tuple, dict]:
+    """(positional, keyword) inputs: `example_inputs` is a tuple, one tensor, or a mapping of
+    keyword inputs (`dict(input_ids=..., attention_mask=...)`, a tokenizer's batch)."""
+    keywords = dict(example_kwargs or {})
+    if isinstance(example_inputs, Mapping):
+        return (), {**dict(example_inputs), **keywords}
+    if example_inputs is None:
+        return (), keywords
+    return (tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)), keywords
+
+
+def resolve_model(model, example_inputs=None, *, loss_fn=None, example_targets=None, example_kwargs=None,
                   batch_size: int = 2) -> ModelInput:
-    """Accepts an nn.Module with example inputs, or a registry spec string."""
+    """Accepts an nn.Module with example inputs (positional and/or keyword), or a registry spec string."""
     if isinstance(model, str):
         from autopar.models import build_model
 
@@ -58,49 +71,42 @@ def resolve_model(model, example_inputs=None, *, loss_fn=None, example_targets=N
                           example_targets=example_targets if example_targets is not None else bundle.example_targets)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be an nn.Module, a model spec string or an OpGraph, got {type(model).__name__}")
-    if example_inputs is None:
-        raise ConfigError("example_inputs are required with an nn.Module: a tuple of tensors like one training batch")
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    return ModelInput(name=type(model).__name__, model=model, example_inputs=inputs, loss_fn=loss_fn,
-                      example_targets=example_targets)
+    if example_inputs is None and not example_kwargs:
+        raise ConfigError("example_inputs are required with an nn.Module: a tuple of tensors like one training batch "
+                          "(or a dict of keyword inputs, or example_kwargs=)")
+    inputs, keywords = split_inputs(example_inputs, example_kwargs)
+    return ModelInput(name=type(model).__name__, model=model, example_inputs=inputs, example_kwargs=keywords,
+                      loss_fn=loss_fn, example_targets=example_targets)
 
 
-def capture_for_planning(model, example_inputs=None, *, loss_fn=None, example_targets=None,
+def capture_for_planning(model, example_inputs=None, *, loss_fn=None, example_targets=None, example_kwargs=None,
                          precision: str = "bf16", verbose: bool = False) -> OpGraph:
     """Capture a weightless replica of the model in the compute precision."""
     if isinstance(model, OpGraph):
         return model
-    spec = resolve_model(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
+    spec = resolve_model(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
+                         example_kwargs=example_kwargs)
     dtype = torch.bfloat16 if precision == "bf16" else None
     replica = meta_replica(spec.model, dtype)
+    inputs, keywords = meta_inputs(spec.example_inputs, dtype), meta_inputs(spec.example_kwargs, dtype)
     targets = meta_inputs(spec.example_targets) if spec.example_targets is not None else None
-    if spec.loss_fn is not None and targets is None:
-        targets = _output_like(replica, meta_inputs(spec.example_inputs, dtype))
     try:
-        return capture(replica, meta_inputs(spec.example_inputs, dtype), loss_fn=spec.loss_fn,
-                       example_targets=targets, name=spec.name, verbose=verbose)
+        if spec.loss_fn is not None and targets is None:
+            targets = targets_like_output(replica, inputs, keywords)
+        return capture(replica, inputs, keywords, loss_fn=spec.loss_fn, example_targets=targets, name=spec.name,
+                       verbose=verbose)
     except CaptureError as error:
         if "device" not in str(error) or _on_meta(spec.model):
             raise
     # The forward makes tensors on a fixed device (torch.ones(n) on the CPU), which meets the
     # meta replica's tensors: trace the model itself (export still allocates no activations).
-    graph = capture(spec.model, spec.example_inputs, loss_fn=spec.loss_fn, example_targets=spec.example_targets,
-                    name=spec.name, verbose=verbose)
+    targets = spec.example_targets
+    if spec.loss_fn is not None and targets is None:
+        targets = targets_like_output(spec.model, spec.example_inputs, spec.example_kwargs)
+    graph = capture(spec.model, spec.example_inputs, spec.example_kwargs, loss_fn=spec.loss_fn,
+                    example_targets=targets, name=spec.name, verbose=verbose)
     note = "captured on the model's own device and dtype: its forward creates tensors on a fixed device"
     return replace(graph, notes=graph.notes + (note,))
-
-
-def _output_like(model: nn.Module, inputs: tuple):
-    """Targets shaped like the model's output (meta, no compute): a loss given without example
-    targets is priced on those (a loss that wants class indices needs real example targets)."""
-    try:
-        with torch.no_grad():
-            output = model(*inputs)
-    except Exception as error:  # noqa: BLE001 - reported as the missing targets
-        raise ConfigError(f"loss_fn was given without example_targets, and the model's output could not be "
-                          f"computed on meta to stand in for them ({type(error).__name__}: {error}); pass "
-                          "example_targets") from None
-    return torch.zeros_like(output) if isinstance(output, torch.Tensor) else None
 
 
 def _on_meta(model: nn.Module) -> bool:
@@ -119,7 +125,7 @@ def _progress(verbose: bool):
 
 def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=None, example_targets=None,
                 precision: str = "bf16", options: SearchOptions | None = None, verbose: bool = False,
-                calibrated: bool = True) -> Planner:
+                calibrated: bool = True, example_kwargs=None) -> Planner:
     """Capture once and return a Planner that can search and price many configurations.
 
     With `calibrated` (the default) the profile's whole-step calibration, if it has one, adds
@@ -129,18 +135,20 @@ def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=No
     overheads = overheads_for(cluster, torch_version=torch.__version__, host=socket.gethostname()) if calibrated \
         else None
     graph = capture_for_planning(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
-                                 precision=precision, verbose=verbose)
+                                 example_kwargs=example_kwargs, precision=precision, verbose=verbose)
     return Planner(graph, cluster, global_batch=global_batch, policy=policy, precision=precision,
                    options=options or SearchOptions(), progress=_progress(verbose), overheads=overheads)
 
 
 def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constraints=None, loss_fn=None,
          example_targets=None, precision: str = "bf16", options: SearchOptions | None = None,
-         verbose: bool = False) -> Plan:
+         verbose: bool = False, example_kwargs=None) -> Plan:
     """Search the best parallelization; `constraints` may fix dp, tp, pp, microbatch_size,
-    schedule, virtual_stages / layers_per_virtual_stage, recompute and zero_stage."""
+    schedule, virtual_stages / layers_per_virtual_stage, recompute and zero_stage.
+    `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones."""
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
-                          example_targets=example_targets, precision=precision, options=options, verbose=verbose)
+                          example_targets=example_targets, precision=precision, options=options, verbose=verbose,
+                          example_kwargs=example_kwargs)
     return plan_with(planner, Constraints.from_value(constraints))
 
 
@@ -205,10 +213,11 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
              dp: int | None = None, microbatch_size: int = 1, schedule: str = "1f1b",
              virtual_stages: int | None = None, layers_per_virtual_stage: int | None = None,
              recompute: str = "none", zero_stage: int = 0, loss_fn=None, example_targets=None,
-             precision: str = "bf16", verbose: bool = False) -> Plan:
+             precision: str = "bf16", verbose: bool = False, example_kwargs=None) -> Plan:
     """Price one fully fixed configuration (no search)."""
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
-                          example_targets=example_targets, precision=precision, verbose=verbose)
+                          example_targets=example_targets, precision=precision, verbose=verbose,
+                          example_kwargs=example_kwargs)
     config = fixed_config(planner, tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                           virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
                           recompute=recompute, zero_stage=zero_stage)

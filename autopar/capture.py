@@ -127,6 +127,32 @@ def _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dy
                        "no .item()/.tolist(), no printing of tensor values) or capture a simpler model.")
 
 
+def targets_like_output(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None):
+    """Stand-in targets for a loss given without example targets: zeros (meta) shaped like the
+    model's output, or like its first tensor when it returns a tuple or a ModelOutput.
+
+    The shape comes from tracing the model (no compute, no ops probed): running it on meta
+    instead fails on a `.item()` or other data-dependent step that export traces symbolically.
+    A loss that wants class indices needs real example targets."""
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    inputs, kwargs = _inputs_on_model_device(model, inputs, kwargs)
+    try:
+        with quiet_torch_logs():
+            program = _export(model, inputs, kwargs, None)
+    except Exception as error:  # noqa: BLE001 - reported as the missing targets
+        raise CaptureError(f"loss_fn was given without example_targets, and the model could not be traced to "
+                           f"learn its output's shape ({failure_reason(error, model)}); pass example_targets") from None
+    output = next(node for node in program.graph.nodes if node.op == "output")
+    values = [value.meta.get("val") for value in _flat_nodes(output.args)]
+    first = next((value for value in values if isinstance(value, torch.Tensor)), None)
+    if first is None:
+        raise CaptureError("loss_fn was given without example_targets, and the model returns no tensor to shape "
+                           "them like: pass example_targets")
+    shape = [_size_hint(size, None)[0] for size in first.shape]
+    return torch.zeros(shape, dtype=first.dtype, device="meta")
+
+
 def _logger(verbose: bool) -> Callable[[str], None]:
     return (lambda message: print(message, file=sys.stderr, flush=True)) if verbose else (lambda message: None)
 

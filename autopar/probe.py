@@ -80,15 +80,35 @@ class KernelRecorder(TorchDispatchMode):
         if func in _FREE_OPS or _is_view_op(func):
             return out
         packet = func._overloadpacket
-        is_matmul = packet in flop_registry
-        if is_matmul:
+        is_matmul = packet in flop_registry or _is_grouped_mm(func)
+        if packet in flop_registry:
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif is_matmul:
+            flops = _grouped_mm_flops(args)
         else:
             flops = float(sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)))
         io_bytes = _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out)
         self.kernels.append(Kernel(name=str(func), flops=flops, io_bytes=float(io_bytes), is_matmul=is_matmul,
                                    dtype=_compute_dtype(args, out)))
         return out
+
+
+def _is_grouped_mm(func) -> bool:
+    """Grouped expert matmuls (MoE): torch's `_grouped_mm` and transformers' fallback op and its
+    backward, which torch's FLOP counter does not know."""
+    name = str(func)
+    return "grouped_mm" in name
+
+
+def _grouped_mm_flops(args) -> float:
+    """Every row meets one expert: 2 S K N for out[S, N] = in[S, K] @ w[e, K, N]; the backward
+    op (input, weight, offsets, grad_output) does two of those."""
+    tensors = [t for t in args if isinstance(t, torch.Tensor)]
+    if len(tensors) < 2 or tensors[0].dim() != 2 or tensors[1].dim() != 3:
+        return 0.0
+    rows, inner = tensors[0].shape
+    flops = 2.0 * rows * inner * tensors[1].shape[-1]
+    return 2 * flops if len(tensors) >= 4 else flops
 
 
 def _compute_dtype(args, out) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from autopar.codegen.align import align_names
 from autopar.codegen.interpreter import PlannedInterpreter, RunStats
 from autopar.codegen.program import (GraphParts, SegmentModule, StageProgram, distribute_parameter,
                                      recomputable_nodes)
@@ -65,8 +66,13 @@ def chunk_specs(plan: Plan, parts: GraphParts) -> list[ChunkSpec]:
 
 
 def codegen_placements(plan: Plan, parts: GraphParts) -> dict[str, str]:
-    """The plan's placements keyed by this graph's names (model inputs are matched by position)."""
-    placements = dict(plan.placements)
+    """The plan's placements keyed by this graph's names: ops by aligning the two graphs (see
+    align.py), model inputs by position."""
+    calls = [node.name for node in parts.graph.nodes if node.kind == "call"]
+    matched = align_names(list(plan.placements), calls)
+    placements = {name: plan.placements[source] for name, source in matched.items()}
+    placements.update({node.name: plan.placements[node.name] for node in parts.graph.nodes
+                       if node.kind != "call" and node.name in plan.placements})
     for name, placement in zip(parts.user_inputs, plan.input_placements):
         placements[name] = placement
     return placements

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.fx.node import map_aggregate
 
+from autopar.codegen.local_ops import has_local_rule, no_dtensor_strategy, run_replicated, run_sharded
 from autopar.codegen.placements import parse_node_placements, same_placement, to_dtensor_placement
 
 
@@ -30,9 +31,39 @@ class RunStats:
     """Ops whose DTensor output placement differed from the plan's, by target."""
     details: list = field(default_factory=list)
     """(node, planned output, DTensor's output) for each mismatch."""
+    replicated: Counter = field(default_factory=Counter)
+    """Ops DTensor has no strategy for, run replicated on whole tensors, by target."""
 
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_RESHAPES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous.
+
+    DTensor's reshape of a non-contiguous gradient can fail ("view size is not compatible") where
+    a plain tensor's would copy: the backward of a view op (q/k/v split from a fused projection,
+    then transposed for attention) and of an all-gather on dim d > 0 (whose backward slices the
+    gradient into non-contiguous shards) get contiguous gradients."""
+
+    @staticmethod
+    def forward(ctx, value):
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def contiguous_grad(value):
+    """`value`, whose gradient will be made contiguous: a plain tensor's, or a DTensor's when it is
+    sharded on a dim > 0 (and it needs a gradient)."""
+    if not isinstance(value, torch.Tensor) or not value.requires_grad:
+        return value
+    if not isinstance(value, DTensor) or any(isinstance(p, Shard) and p.dim > 0 for p in value.placements):
+        return _ContiguousGrad.apply(value)
+    return value
 
 
 def _special_partial(placement) -> bool:
@@ -45,6 +76,8 @@ class PlannedInterpreter:
         self.mesh = mesh
         self.stats = stats or RunStats()
         self.distributed = mesh.size() > 1
+        self.replicated_targets: set = set()
+        """Targets found to have no DTensor strategy (run replicated from then on)."""
         """Without tensor parallelism ops run on plain tensors (DTensor dispatch costs ~20% on CPU)."""
 
     def as_dtensor(self, value: torch.Tensor) -> DTensor:
@@ -61,7 +94,7 @@ class PlannedInterpreter:
         # makes that operand Partial (a row-parallel linear's replicated bias becomes bias / n).
         if same_placement(value.placements[0], placement) or placement == "P":
             return value
-        return value.redistribute(self.mesh, [to_dtensor_placement(placement)])
+        return contiguous_grad(value).redistribute(self.mesh, [to_dtensor_placement(placement)])
 
     def wanted_inputs(self, node: torch.fx.Node, env: dict[str, Any]) -> list[tuple[str, str | None]]:
         """(producer, planned placement) of each tensor input of `node`, in `_call`'s order."""
@@ -110,8 +143,23 @@ class PlannedInterpreter:
         kwargs = map_aggregate(dict(node.kwargs), load)
         if node.target is _SDPA and isinstance(args[0], DTensor) and args[0].device.type == "cpu":
             result = self._cpu_attention(*args, **kwargs)
+        elif self.distributed and has_local_rule(node.target):
+            result = run_sharded(node.target, args, kwargs, self.mesh, output_placement or "R")
+        elif self.distributed and node.target in self.replicated_targets:
+            result = run_replicated(node.target, args, kwargs, self.mesh)
         else:
-            result = node.target(*args, **kwargs)
+            try:
+                result = node.target(*args, **kwargs)
+            except NotImplementedError as error:
+                if not self.distributed or not no_dtensor_strategy(error):
+                    raise
+                # An op DTensor has no strategy for runs replicated, as the plan priced an op
+                # without a rule (the error is raised before any compute or communication).
+                self.replicated_targets.add(node.target)
+                self.stats.replicated[str(node.target)] += 1
+                result = run_replicated(node.target, args, kwargs, self.mesh)
+        if node.target in _RESHAPES and isinstance(result, DTensor) and result.requires_grad:
+            result = _ContiguousGrad.apply(result)
         if output_placement is None or node.target is operator.getitem or not self.distributed:
             return result
         return self._check_output(node, result, output_placement)
@@ -142,7 +190,7 @@ class PlannedInterpreter:
                 self.stats.details.append((node.name, placement, str(value.placements[0])))
                 if placement == "P":  # DTensor allows no user redistribution to Partial
                     return value
-                return value.redistribute(self.mesh, [to_dtensor_placement(placement)])
+                return contiguous_grad(value).redistribute(self.mesh, [to_dtensor_placement(placement)])
             return value
 
         if isinstance(result, (list, tuple)):

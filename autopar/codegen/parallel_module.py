@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from autopar.codegen.data_parallel import (all_reduce_gradients, set_gradient_sync, set_reshard_after_backward,
                                           sum_over_group, uses_fsdp)
-from autopar.codegen.interpreter import RunStats
+from autopar.codegen.interpreter import RunStats, contiguous_grad
 from autopar.codegen.program import attribute_name
 from autopar.codegen.runtime import Runtime
 from autopar.errors import PlanMismatchError
@@ -33,7 +33,8 @@ class ParallelModule(nn.Module):
     def __init__(self, *, plan: Plan, runtime: Runtime, stages: list[nn.Module], loss_fn: Callable | None,
                  params: dict[str, nn.Parameter], listing: str, stats: RunStats, schedule=None,
                  tied_groups: dict | None = None, has_first: bool = True, has_last: bool = True,
-                 input_shapes: tuple = ()) -> None:
+                 input_shapes: tuple = (), keyword_names: tuple[str, ...] = (),
+                 model_output: Callable | None = None) -> None:
         super().__init__()
         self.plan = plan
         self.runtime = runtime
@@ -47,7 +48,11 @@ class ParallelModule(nn.Module):
         self.has_first = has_first
         self.has_last = has_last
         self.input_shapes = input_shapes
-        """Shapes of the model inputs as traced (dim 0 is the batch)."""
+        """Shapes of the model inputs as traced (dim 0 is the batch), keyword inputs last."""
+        self.keyword_names = keyword_names
+        """The keyword inputs the model was traced with, in the traced order."""
+        self.model_output = model_output or (lambda values: values[0] if len(values) == 1 else values)
+        """Rebuilds the model's return value (tensor, tuple, ModelOutput) from the program's tensors."""
         self._step_starts_s: deque[float] = deque(maxlen=4096)
         self._step_durations_s: deque[float] = deque(maxlen=4096)
 
@@ -66,13 +71,14 @@ class ParallelModule(nn.Module):
             found[self.fqn_of_attribute.get(attribute, attribute)] = param
         return found
 
-    def forward(self, *inputs):
+    def forward(self, *inputs, **keyword_inputs):
         if self.plan.mesh["pp"] > 1:
             raise PlanMismatchError("pm(inputs) runs plans without pipeline stages; use pm.train_step(inputs, "
                                     "targets) with a pipelined plan")
-        local = [self._data_parallel_share(x) for x in inputs]
+        local = [self._data_parallel_share(x) for x in self._flat_inputs(inputs, keyword_inputs)]
         output = self.stages[0](*local)
-        return self._gather_batch(_replicated_local(output))
+        flat = output if isinstance(output, tuple) else (output,)
+        return self.model_output(tuple(self._gather_batch(value) for value in _replicated_local(flat)))
 
     def timing_report(self, *, skip: int = 2):
         """Measured step time (interval between train_step starts, slowest rank) against the
@@ -82,7 +88,8 @@ class ParallelModule(nn.Module):
         return timing_report(list(self._step_starts_s), list(self._step_durations_s), self.plan, skip=skip)
 
     def train_step(self, inputs, targets) -> torch.Tensor:
-        """Forward and backward of the global batch; returns the mean loss (the same on every rank)."""
+        """Forward and backward of the global batch; returns the mean loss (the same on every rank).
+        `inputs` is a tuple of positional inputs, one tensor, or a dict of keyword inputs."""
         started = time.perf_counter()
         self._step_starts_s.append(started)
         loss = self._train_step(inputs, targets)
@@ -92,7 +99,10 @@ class ParallelModule(nn.Module):
     def _train_step(self, inputs, targets) -> torch.Tensor:
         if self.loss_fn is None:
             raise PlanMismatchError("train_step needs a loss: pass loss_fn to autopar.parallelize")
-        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        if isinstance(inputs, Mapping):
+            inputs = self._flat_inputs((), inputs)
+        else:
+            inputs = self._flat_inputs(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {})
         self._check_batch(inputs, targets)
         local_inputs = [self._data_parallel_share(x) for x in inputs]
         local_targets = self._data_parallel_share(targets)
@@ -102,6 +112,18 @@ class ParallelModule(nn.Module):
             loss = self._accumulated_step(local_inputs, local_targets)
         self._sync_gradients()
         return self._mean_over_data_parallel(loss)
+
+    def _flat_inputs(self, positional: tuple, keywords) -> tuple:
+        """Positional inputs, then the keyword inputs in the order the model was traced with."""
+        keywords = dict(keywords)
+        num_positional = len(self.input_shapes) - len(self.keyword_names)
+        if set(keywords) != set(self.keyword_names) or (self.input_shapes and len(positional) != num_positional):
+            traced = ", ".join(self.keyword_names) or "none"
+            raise PlanMismatchError(f"the model was traced with keyword inputs ({traced}) and "
+                                    f"{num_positional} positional ones, but got "
+                                    f"keywords ({', '.join(keywords) or 'none'}) and {len(positional)} positional: "
+                                    "pass the inputs as they were given to parallelize")
+        return tuple(positional) + tuple(keywords[name] for name in self.keyword_names)
 
     # --- steps ---------------------------------------------------------------------------------
 
@@ -117,7 +139,9 @@ class ParallelModule(nn.Module):
             if fsdp and self.plan.zero_stage in (1, 2):
                 set_reshard_after_backward(list(self.stages), index == m - 1)
             output = self.stages[0](*[chunks[index] for chunks in split_inputs])
-            loss = self.loss_fn(_float(_replicated_local(output)), split_targets[index])
+            flat = output if isinstance(output, tuple) else (output,)
+            loss = self.loss_fn(self.model_output(tuple(_float(value) for value in _replicated_local(flat))),
+                                split_targets[index])
             (loss / m).backward()
             total += loss.detach()
         return total / m
@@ -143,7 +167,7 @@ class ParallelModule(nn.Module):
         for fqn, group in self.tied_groups.items():
             grad = params[fqn].grad
             if grad is not None:
-                dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+                params[fqn].grad = _all_reduce_tied(grad, group)
 
     # --- batches -------------------------------------------------------------------------------
 
@@ -185,6 +209,31 @@ class ParallelModule(nn.Module):
         return sum_over_group(loss, self.runtime.dp_mesh.get_group()) / dp
 
 
+@torch.no_grad()
+def _all_reduce_tied(grad: torch.Tensor, group) -> torch.Tensor:
+    """Sum a tied weight's gradient over the pipeline ranks that hold a copy of it.
+
+    The copies may be placed differently on each stage (a replicated embedding on the first, a
+    vocab-parallel head on the last) and a gradient may still be partial, so the local pieces
+    differ: the whole gradient is reduced, and each rank keeps its shard of the sum (a partial
+    gradient becomes the replicated sum)."""
+    if not isinstance(grad, DTensor):
+        dist.all_reduce(grad, group=group)
+        return grad
+    if all(isinstance(placement, Replicate) for placement in grad.placements):
+        dist.all_reduce(grad.to_local(), group=group)
+        return grad
+    full = grad.full_tensor()
+    dist.all_reduce(full, group=group)
+    mesh = grad.device_mesh
+    placements = [Replicate() if isinstance(placement, Partial) else placement for placement in grad.placements]
+    mine = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(mesh, placements)
+    if tuple(placements) == tuple(grad.placements):
+        grad.to_local().copy_(mine.to_local())
+        return grad
+    return mine
+
+
 def _split(value, parts: int):
     if isinstance(value, torch.Tensor) and value.dim() > 0:
         return list(value.chunk(parts))
@@ -193,7 +242,7 @@ def _split(value, parts: int):
 
 def _replicated_local(value):
     if isinstance(value, DTensor):
-        return value.redistribute(value.device_mesh, [Replicate()]).to_local()
+        return contiguous_grad(value).redistribute(value.device_mesh, [Replicate()]).to_local()
     if isinstance(value, (tuple, list)):
         return type(value)(_replicated_local(item) for item in value)
     return value

@@ -43,9 +43,11 @@ def default_cluster(world_size: int) -> str:
 
 def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Plan | str | Path | None = None,
                 loss_fn: Callable | None = None, example_targets=None, global_batch: int | None = None,
-                constraints=None, precision: str | None = None, trials: int = 1, trial_options=None,
-                progress=None) -> ParallelModule:
-    """Plan (on rank 0) or take `plan`, and return this rank's ParallelModule.
+                constraints=None, precision: str | None = None, example_kwargs: dict | None = None,
+                trials: int = 1, trial_options=None, progress=None) -> ParallelModule:
+    """Plan (on rank 0) or take `plan`, and return this rank's ParallelModule. `example_inputs`
+    is a tuple of positional inputs or a dict of keyword inputs (`input_ids=`, `attention_mask=`);
+    `example_kwargs` adds keyword inputs to positional ones.
 
     With `trials=k` > 1 the k best predicted plans each run a few training steps on a copy of
     the model in this job (autopar.tune.trials) and the measured fastest is built; the plan
@@ -54,18 +56,22 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
     from autopar import api
 
     _, world = ensure_process_group()
-    if example_inputs is None:
-        raise ConfigError("parallelize needs example_inputs: a tuple of tensors like one global batch")
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    batch = global_batch or _batch_of(inputs)
+    if example_inputs is None and not example_kwargs:
+        raise ConfigError("parallelize needs example_inputs: a tuple of tensors like one global batch "
+                          "(or a dict of keyword inputs)")
+    inputs, keywords = api.split_inputs(example_inputs, example_kwargs)
+    batch = global_batch or _batch_of(inputs + tuple(keywords.values()))
 
     def make_plan() -> Plan:
         if plan is not None:
             return plan if isinstance(plan, Plan) else Plan.load(plan)
         return api.plan(model, inputs, cluster or default_cluster(world), global_batch=batch,
                         constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
+                        example_kwargs=keywords,
                         precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"))
 
+    if trials > 1 and plan is None and keywords:
+        raise ConfigError("trials=k does not take keyword inputs yet: pass the inputs positionally, or trials=1")
     if trials > 1 and plan is None:
         chosen = _chosen_by_trials(model, inputs, cluster or default_cluster(world), batch, trials,
                                    loss_fn=loss_fn, example_targets=example_targets, constraints=constraints,
@@ -78,7 +84,7 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
     if chosen.num_devices != world:
         raise PlanMismatchError(f"this plan is for {chosen.num_devices} devices (mesh {chosen.mesh}), but the job "
                                 f"has {world} processes: launch {chosen.num_devices} or re-plan")
-    return build_parallel_module(model, inputs, chosen, loss_fn)
+    return build_parallel_module(model, inputs, chosen, loss_fn, keywords)
 
 
 def _chosen_by_trials(model, inputs, cluster, batch: int, trials: int, *, loss_fn, example_targets, constraints,
@@ -109,13 +115,17 @@ def _batch_of(inputs: tuple) -> int:
     raise ConfigError("could not tell the batch size from example_inputs: pass global_batch=")
 
 
-def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn) -> ParallelModule:
+def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, keywords: dict | None = None, *,
+                          captured: tuple | None = None) -> ParallelModule:
+    """This rank's module for `plan`. `captured` is `capture_program(model, inputs, keywords)`'s
+    result when the caller has it already (building the same model for several plans)."""
     from autopar.capture import capture_program
 
+    keywords = dict(keywords or {})
     error: AutoparError | None = None
     parts = None
     try:
-        program, graph = capture_program(model, inputs, allow_fallback=False)
+        program, graph = captured or capture_program(model, inputs, keywords, allow_fallback=False)
         plan.check_matches(model_fingerprint=graph.fingerprint(), num_devices=dist.get_world_size(),
                            model_name=type(model).__name__)
         parts = GraphParts.read(program, graph)
@@ -135,23 +145,33 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn) 
     if len(specs) > 1:
         pipeline = PipelineBuilder(plan, parts, builder.placements, runtime.device, runtime.pp_group)
         pipeline_stages = [pipeline.stage(stage, spec, len(specs)) for stage, spec in zip(stages, mine)]
-        schedule = pipeline.schedule(pipeline_stages, _pipeline_loss(loss_fn))
+        schedule = pipeline.schedule(pipeline_stages, _pipeline_loss(loss_fn, parts.model_output))
         tied = tied_weight_groups(plan, parts, [spec.segments for spec in specs],
                                   (pp, plan.mesh["dp"], plan.mesh["tp"]), runtime.rank)
     coordinate = {axis: runtime.coordinate(axis) for axis in ("pp", "dp", "tp")}
     listing = program_listing(plan, parts, builder.placements, mine, coordinate)
-    input_shapes = tuple(tuple(value.shape) if isinstance(value, torch.Tensor) else () for value in inputs)
+    flat_inputs = inputs + tuple(keywords.values())
+    input_shapes = tuple(tuple(value.shape) if isinstance(value, torch.Tensor) else () for value in flat_inputs)
     return ParallelModule(plan=plan, runtime=runtime, stages=stages, loss_fn=loss_fn, params=builder.params,
-                          input_shapes=input_shapes,
+                          input_shapes=input_shapes, keyword_names=tuple(keywords), model_output=parts.model_output,
                           listing=listing, stats=stats, schedule=schedule, tied_groups=tied,
                           has_first=mine[0].index == 0, has_last=mine[-1].index == len(specs) - 1)
 
 
-def _pipeline_loss(loss_fn):
+def _pipeline_loss(loss_fn, model_output):
+    """The schedule's loss: the last stage's tensors become the model's own output object
+    (a ModelOutput, a tuple...), which `loss_fn` receives as it does in planning."""
     if loss_fn is None:
         return None
 
     def loss(output, target):
-        return loss_fn(output.float() if output.is_floating_point() else output, target)
+        flat = output if isinstance(output, tuple) else (output,)
+        return loss_fn(model_output(tuple(_float(value) for value in flat)), target)
 
     return loss
+
+
+def _float(value):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.float()
+    return value

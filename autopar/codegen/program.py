@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils._pytree import tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from autopar.codegen.interpreter import PlannedInterpreter
+from autopar.codegen.interpreter import PlannedInterpreter, contiguous_grad
 from autopar.codegen.placements import to_dtensor_placement
 from autopar.graph import OpGraph
 from autopar.solver.evaluate import is_recomputable
@@ -42,6 +43,11 @@ class GraphParts:
     constant_of: dict[str, str] = field(default_factory=dict)
     user_inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
+    """The model's tensor outputs, in the order of its flattened return value."""
+    output_specs: list = field(default_factory=list)
+    """Per flattened output: its node name, or ("constant", value) for a non-tensor one."""
+    out_spec: object = None
+    """pytree spec of what the model returns (a tensor, tuple, dict, ModelOutput...)."""
     segment_nodes: dict[str, list[str]] = field(default_factory=dict)
     """Per segment, the nodes it runs: its ops, each preceded by the size arithmetic it reads
     (sym_size and friends are not ops of the graph: every segment computes its own copy)."""
@@ -66,7 +72,21 @@ class GraphParts:
             else:
                 parts.constant_of[name] = spec.target
         parts.outputs = [name for name in program.graph_signature.user_outputs if name in parts.fx_nodes]
+        for spec in program.graph_signature.output_specs:
+            if spec.kind != OutputKind.USER_OUTPUT:
+                continue
+            name = getattr(spec.arg, "name", None)
+            parts.output_specs.append(name if name in parts.fx_nodes else ("constant", getattr(spec.arg, "value", None)))
+        parts.out_spec = program.call_spec.out_spec
         return parts
+
+    def model_output(self, values: tuple):
+        """The model's return value rebuilt from its tensor outputs (in `outputs` order)."""
+        remaining = iter(values)
+        leaves = [next(remaining) if isinstance(spec, str) else spec[1] for spec in self.output_specs]
+        if self.out_spec is None:
+            return leaves[0] if len(leaves) == 1 else tuple(leaves)
+        return tree_unflatten(leaves, self.out_spec)
 
     def _find_helpers(self) -> None:
         known = self.graph.by_name
@@ -245,6 +265,8 @@ class StageProgram(ParameterOwner):
         if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
             return value
         placement = self.placements.get(name, "R")
+        if name in self.boundary_inputs:
+            value = contiguous_grad(value)  # its gradient is sent back to the previous stage
         if name in self.boundary_inputs and self.interpreter.distributed:
             return DTensor.from_local(value, self.interpreter.mesh, [to_dtensor_placement(placement)], run_check=False)
         return self.interpreter.place(value, placement)
@@ -252,11 +274,15 @@ class StageProgram(ParameterOwner):
     def _leave(self, name: str, value):
         if name in self.scalars and self.output_mode != "dtensor":
             return torch.tensor(value)
-        if not isinstance(value, DTensor) or self.output_mode == "dtensor":
+        if self.output_mode == "dtensor":
             return value
-        if self.output_mode == "replicated":
-            return value.redistribute(self.interpreter.mesh, [Replicate()]).to_local()
-        return value.to_local()
+        if isinstance(value, DTensor) and self.output_mode == "replicated":
+            value = contiguous_grad(value).redistribute(self.interpreter.mesh, [Replicate()]).to_local()
+        elif isinstance(value, DTensor):
+            value = value.to_local()
+        # Pipeline stages send what leaves them (isend takes contiguous tensors only): a transpose
+        # or a slice that ends a stage is copied here.
+        return value.contiguous() if isinstance(value, torch.Tensor) else value
 
 
 def distribute_parameter(param: torch.Tensor, placement: str, mesh, device: torch.device) -> nn.Parameter:

@@ -4,6 +4,7 @@ from autopar.strategies import (  # noqa: F401
     attention,
     conv,
     embedding,
+    grouped_mm,
     loss,
     matmul,
     norm,

@@ -287,7 +287,9 @@ def case_outcome(request) -> Callable[[Callable, dict, str], CaseOutcome]:
             group = [other for other in _selected(request, cases)
                      if cases[other].world_size == world_size and (key[0], other) not in _OUTCOMES]
             group = group if name in group else [name] + group
-            results = run_cases(case_fn, world_size, {other: cases[other] for other in group})
+            timeout_s = max(getattr(cases[other], "timeout_s", 45.0) for other in group)
+            results = run_cases(case_fn, world_size, {other: cases[other] for other in group},
+                                timeout_per_case_s=timeout_s)
             _OUTCOMES.update({(key[0], other): outcome for other, outcome in results.items()})
         return _OUTCOMES[key]
 

@@ -1,0 +1,42 @@
+"""Grouped expert matmuls: out[S, N] = input[S, K] @ weight[e(row), K, N], rows sorted by expert.
+
+Mixture-of-experts layers (Hugging Face's Mixtral, Qwen-MoE...) run every expert's matmul as one
+op: `aten._grouped_mm(input, weight, offs)` on GPUs, or the custom op
+`transformers.grouped_mm_fallback(input, weight, offs)`, where `offs[e]` is the end row of
+expert e's tokens. On one mesh axis:
+
+    col     input R,  weight S2 (N), offs R  -> out S1       each device computes N / n columns
+    row     input S1, weight S1 (K), offs R  -> out P        partial sums over K
+    expert  input R,  weight S0 (E), offs R  -> out P        each device runs its experts' rows
+                                                             (zeros elsewhere: the sum is the op)
+
+DTensor has no strategy for these ops: codegen runs them on the local shards (see
+codegen/local_ops.py), which is exact for each of these placements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autopar.graph import OpNode, Ref, TensorMeta
+from autopar.strategies import Strategy1D, register
+from autopar.strategies.placement import PARTIAL, REPLICATE, shard
+
+# The graph names a custom op by its bare name ("grouped_mm_fallback.default", see
+# capture._target_name); both spellings are registered.
+GROUPED_MM_TARGETS = ("aten._grouped_mm.default", "grouped_mm_fallback.default",
+                      "transformers.grouped_mm_fallback.default")
+
+
+@register(*GROUPED_MM_TARGETS)
+def grouped_mm(node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) -> list[Strategy1D]:
+    if len(inputs) != 3 or tuple(node.args[:3]) != (Ref(index=0), Ref(index=1), Ref(index=2)):
+        return []
+    tokens, weight, offsets = inputs
+    if len(tokens.shape) != 2 or len(weight.shape) != 3 or len(offsets.shape) != 1:
+        return []
+    return [
+        Strategy1D(inputs=(REPLICATE, shard(2), REPLICATE), output=shard(1), split=True, name="col"),
+        Strategy1D(inputs=(shard(1), shard(1), REPLICATE), output=PARTIAL, split=True, name="row"),
+        Strategy1D(inputs=(REPLICATE, shard(0), REPLICATE), output=PARTIAL, split=True, name="expert"),
+    ]

@@ -1,0 +1,137 @@
+"""Plan Hugging Face models at their real sizes, on meta (no weights, nothing downloaded).
+
+    .venv/bin/python benchmarks/hf_real_sizes.py                 # every model below
+    .venv/bin/python benchmarks/hf_real_sizes.py Llama-3-8B ...  # some of them
+
+Each model is built with `from_config` under `torch.device("meta")` from the figures of its
+public config.json (written out below), with transformers' defaults otherwise (SDPA attention),
+and planned with `autopar.plan` for CLUSTER at GLOBAL_BATCH, its loss reading `out.logits`.
+Each runs in a fresh process (peak RSS is per process). Columns: capture time (export + probing
+of the model with its loss), planning time (search), parameters, and the plan chosen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = "dgx-h100:nodes=16"
+GLOBAL_BATCH = 512
+
+# config class, model class, sequence length, fields from the model's public config.json.
+MODELS = {
+    "Llama-3-8B": ("LlamaConfig", "LlamaForCausalLM", 4096, dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "Mistral-7B": ("MistralConfig", "MistralForCausalLM", 4096, dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, sliding_window=4096,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "Mixtral-8x7B": ("MixtralConfig", "MixtralForCausalLM", 4096, dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, num_local_experts=8,
+        num_experts_per_tok=2, rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "Qwen2-72B": ("Qwen2Config", "Qwen2ForCausalLM", 4096, dict(
+        hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "Gemma2-27B": ("Gemma2Config", "Gemma2ForCausalLM", 4096, dict(
+        hidden_size=4608, intermediate_size=36864, num_hidden_layers=46, num_attention_heads=32,
+        num_key_value_heads=16, head_dim=128, vocab_size=256000, max_position_embeddings=8192,
+        sliding_window=4096, query_pre_attn_scalar=144, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, rms_norm_eps=1e-6)),
+    "T5-11B": ("T5Config", "T5ForConditionalGeneration", 512, dict(
+        d_model=1024, d_ff=65536, d_kv=128, num_heads=128, num_layers=24, vocab_size=32128,
+        feed_forward_proj="relu", relative_attention_num_buckets=32, decoder_start_token_id=0)),
+}
+
+
+def _token_loss(output, targets):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(output.logits.flatten(0, -2).float(), targets.flatten())
+
+
+def measure(name: str) -> dict:
+    """Runs in the child process."""
+    sys.path.insert(0, str(REPO_ROOT))
+    import torch
+    import transformers
+
+    from autopar.api import PRECISIONS, capture_for_planning, plan_with
+    from autopar.cluster import Cluster
+    from autopar.solver.search import Planner, SearchOptions
+
+    torch.set_num_threads(1)
+    config_name, model_name, seq, fields = MODELS[name]
+    config = getattr(transformers, config_name)(use_cache=False, **fields)
+    with torch.device("meta"):
+        model = getattr(transformers, model_name)(config)
+    batch = 1
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    inputs = dict(input_ids=tokens)
+    if "decoder_start_token_id" in fields:
+        inputs["decoder_input_ids"] = tokens
+    started = time.perf_counter()
+    graph = capture_for_planning(model, inputs, loss_fn=_token_loss, example_targets=tokens)
+    captured = time.perf_counter()
+    planner = Planner(graph, Cluster.from_spec(CLUSTER), global_batch=GLOBAL_BATCH, policy=PRECISIONS["bf16"],
+                      precision="bf16", options=SearchOptions())
+    plan = plan_with(planner)
+    planned = time.perf_counter()
+    return dict(name=name, attention=config._attn_implementation, seq=seq, capture_s=captured - started,
+                plan_s=planned - captured, num_params=graph.num_params, mesh=plan.mesh,
+                microbatch_size=plan.microbatch_size, schedule=plan.schedule, recompute=plan.recompute,
+                zero_stage=plan.zero_stage, step_time_s=plan.predicted.step_time_s,
+                peak_gib=plan.predicted.peak_memory_bytes / 2**30, fits=plan.predicted.fits,
+                peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)
+
+
+def run_child(name: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True, env=env,
+                            cwd=REPO_ROOT, check=False)
+    if result.returncode != 0:
+        return dict(name=name, error=result.stderr.strip().splitlines()[-1][:200])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def table(rows: list[dict]) -> str:
+    header = ("model", "attention", "seq", "capture (s)", "plan (s)", "parameters", "mesh pp x dp x tp",
+              "microbatch", "schedule", "recompute", "ZeRO", "step (s)", "peak (GiB)", "peak RSS (GB)")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['name']} | failed: {row['error']} |")
+            continue
+        mesh = row["mesh"]
+        cells = (row["name"], row["attention"], str(row["seq"]), f"{row['capture_s']:.1f}", f"{row['plan_s']:.1f}",
+                 f"{row['num_params'] / 1e9:.2f} B", f"{mesh['pp']} x {mesh['dp']} x {mesh['tp']}",
+                 str(row["microbatch_size"]), row["schedule"], row["recompute"], str(row["zero_stage"]),
+                 f"{row['step_time_s']:.2f}", f"{row['peak_gib']:.1f}", f"{row['peak_rss_gb']:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--child"]:
+        print(json.dumps(measure(argv[1])))
+        return
+    rows = [run_child(name) for name in (argv or list(MODELS))]
+    print(table(rows))
+    import torch
+    import transformers
+
+    print(f"\n{CLUSTER}, global batch {GLOBAL_BATCH}, bf16; torch {torch.__version__}, transformers "
+          f"{transformers.__version__}, {os.cpu_count()} CPUs, one torch thread, each model in a fresh process")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,171 @@
+"""The Hugging Face model zoo: tiny `transformers` models as users build them.
+
+Every architecture is built from its config class with its defaults (SDPA attention included),
+at a tiny size (hidden 64, 2 layers, vocab 256, sequence 32), and called as users call it:
+keyword inputs (`input_ids=`, `attention_mask=`, `decoder_input_ids=`, `pixel_values=`) and a
+loss that reads the model's own output object (`out.logits`). Nothing here is special-cased in
+autopar: this file only describes models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN = 64
+LAYERS = 2
+HEADS = 4
+VOCAB = 256
+SEQ = 32
+FFN = 128
+IMAGE = 32
+PATCH = 8
+CLASSES = 10
+
+
+@dataclass(frozen=True, kw_only=True)
+class Architecture:
+    """One model family of the zoo."""
+
+    name: str
+    """transformers' name for it (the model class without its head)."""
+    kind: str
+    """causal LM, encoder, encoder-decoder, vision or MoE (for the README table)."""
+    build: Callable[[], torch.nn.Module]
+    """Builds the model (call under a fixed seed)."""
+    inputs: str = "tokens"
+    """Which batch it reads: tokens, masked tokens, seq2seq or pixels."""
+
+
+def token_loss(output, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy on the logits of a Hugging Face ModelOutput, as a user writes it."""
+    return F.cross_entropy(output.logits.flatten(0, -2).float(), targets.flatten())
+
+
+def class_loss(output, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.logits.float(), targets)
+
+
+def batch(arch: Architecture, batch_size: int, generator: torch.Generator) -> tuple[dict, torch.Tensor]:
+    """(keyword inputs, targets) of one global batch."""
+    if arch.inputs == "pixels":
+        return (dict(pixel_values=torch.randn(batch_size, 3, IMAGE, IMAGE, generator=generator)),
+                torch.randint(0, CLASSES, (batch_size,), generator=generator))
+    tokens = torch.randint(0, VOCAB, (batch_size, SEQ), generator=generator)
+    targets = torch.randint(0, VOCAB, (batch_size, SEQ), generator=generator)
+    inputs = dict(input_ids=tokens)
+    if arch.inputs in ("masked", "seq2seq"):
+        inputs["attention_mask"] = torch.ones(batch_size, SEQ, dtype=torch.long)
+    if arch.inputs == "seq2seq":
+        inputs["decoder_input_ids"] = torch.randint(0, VOCAB, (batch_size, SEQ), generator=generator)
+    return inputs, targets
+
+
+def loss_for(arch: Architecture) -> Callable:
+    return class_loss if arch.inputs == "pixels" else token_loss
+
+
+def _causal(config_name: str, model_name: str, **fields) -> Callable[[], torch.nn.Module]:
+    def build():
+        import transformers
+
+        config = getattr(transformers, config_name)(vocab_size=VOCAB, use_cache=False,
+                                                    **{"bos_token_id": 0, "eos_token_id": 0, **fields})
+        return getattr(transformers, model_name)(config)
+
+    return build
+
+
+_LLAMA_LIKE = dict(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                   num_key_value_heads=2, max_position_embeddings=SEQ)
+_MOE = dict(num_experts_per_tok=2)
+
+
+def _build_t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=FFN, num_layers=LAYERS,
+                      num_heads=HEADS, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0)
+    return T5ForConditionalGeneration(config)
+
+
+def _build_bart():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS,
+                        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=FFN,
+                        decoder_ffn_dim=FFN, max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0,
+                        use_cache=False)
+    return BartForConditionalGeneration(config)
+
+
+def _build_vit():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN,
+                       image_size=IMAGE, patch_size=PATCH, num_labels=CLASSES, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)
+    return ViTForImageClassification(config)
+
+
+_BERT_LIKE = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN,
+                  max_position_embeddings=SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+ARCHITECTURES = [
+    Architecture(name="GPT-2", kind="causal LM", build=_causal(
+        "GPT2Config", "GPT2LMHeadModel", n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=SEQ,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    Architecture(name="GPT-J", kind="causal LM", build=_causal(
+        "GPTJConfig", "GPTJForCausalLM", n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=SEQ, rotary_dim=8,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    Architecture(name="GPT-NeoX", kind="causal LM", build=_causal(
+        "GPTNeoXConfig", "GPTNeoXForCausalLM", hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=SEQ)),
+    Architecture(name="OPT", kind="causal LM", build=_causal(
+        "OPTConfig", "OPTForCausalLM", hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        ffn_dim=FFN, max_position_embeddings=SEQ, word_embed_proj_dim=HIDDEN, dropout=0.0)),
+    Architecture(name="BLOOM", kind="causal LM", build=_causal(
+        "BloomConfig", "BloomForCausalLM", hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS)),
+    Architecture(name="Falcon", kind="causal LM", build=_causal(
+        "FalconConfig", "FalconForCausalLM", hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        max_position_embeddings=SEQ)),
+    Architecture(name="Llama", kind="causal LM", build=_causal("LlamaConfig", "LlamaForCausalLM", **_LLAMA_LIKE)),
+    Architecture(name="Mistral", kind="causal LM", build=_causal("MistralConfig", "MistralForCausalLM", **_LLAMA_LIKE)),
+    Architecture(name="Qwen2", kind="causal LM", build=_causal("Qwen2Config", "Qwen2ForCausalLM", **_LLAMA_LIKE)),
+    Architecture(name="Qwen3", kind="causal LM", build=_causal(
+        "Qwen3Config", "Qwen3ForCausalLM", head_dim=HIDDEN // HEADS, **_LLAMA_LIKE)),
+    Architecture(name="Gemma", kind="causal LM", build=_causal(
+        "GemmaConfig", "GemmaForCausalLM", head_dim=HIDDEN // HEADS, **_LLAMA_LIKE)),
+    Architecture(name="Gemma2", kind="causal LM", build=_causal(
+        "Gemma2Config", "Gemma2ForCausalLM", head_dim=HIDDEN // HEADS, sliding_window=16, **_LLAMA_LIKE)),
+    Architecture(name="Phi", kind="causal LM", build=_causal(
+        "PhiConfig", "PhiForCausalLM", hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, max_position_embeddings=SEQ, resid_pdrop=0.0, embd_pdrop=0.0)),
+    Architecture(name="Phi-3", kind="causal LM", build=_causal(
+        "Phi3Config", "Phi3ForCausalLM", pad_token_id=0, **_LLAMA_LIKE)),
+    Architecture(name="StableLM", kind="causal LM", build=_causal("StableLmConfig", "StableLmForCausalLM",
+                                                                  **_LLAMA_LIKE)),
+    Architecture(name="OLMo2", kind="causal LM", build=_causal("Olmo2Config", "Olmo2ForCausalLM", **_LLAMA_LIKE)),
+    Architecture(name="GPTBigCode", kind="causal LM", build=_causal(
+        "GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=SEQ,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    Architecture(name="Mixtral", kind="MoE", build=_causal(
+        "MixtralConfig", "MixtralForCausalLM", num_local_experts=4, **_MOE, **_LLAMA_LIKE)),
+    Architecture(name="Qwen2-MoE", kind="MoE", build=_causal(
+        "Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4, moe_intermediate_size=FFN // 2,
+        shared_expert_intermediate_size=FFN, **_MOE, **_LLAMA_LIKE)),
+    Architecture(name="BERT", kind="encoder", inputs="masked",
+                 build=_causal("BertConfig", "BertForMaskedLM", **_BERT_LIKE)),
+    Architecture(name="RoBERTa", kind="encoder", inputs="masked", build=_causal(
+        "RobertaConfig", "RobertaForMaskedLM", pad_token_id=1, **{**_BERT_LIKE, "max_position_embeddings": SEQ + 2})),
+    Architecture(name="DistilBERT", kind="encoder", inputs="masked", build=_causal(
+        "DistilBertConfig", "DistilBertForMaskedLM", dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS, hidden_dim=FFN,
+        max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0)),
+    Architecture(name="T5", kind="encoder-decoder", inputs="seq2seq", build=_build_t5),
+    Architecture(name="BART", kind="encoder-decoder", inputs="seq2seq", build=_build_bart),
+    Architecture(name="ViT", kind="vision", inputs="pixels", build=_build_vit),
+]
+BY_NAME = {arch.name: arch for arch in ARCHITECTURES}

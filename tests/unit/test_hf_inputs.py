@@ -1,0 +1,41 @@
+"""Hugging Face models as users call them: keyword inputs, a loss on the ModelOutput, no targets."""
+
+import pytest
+import torch
+
+import autopar
+from autopar.api import capture_for_planning, split_inputs
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny_llama():
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=16, use_cache=False,
+                                      bos_token_id=0, eos_token_id=0)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
+
+
+def test_a_dict_of_inputs_is_keyword_inputs() -> None:
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    assert split_inputs(dict(input_ids=tokens)) == ((), {"input_ids": tokens})
+    assert split_inputs((tokens,), {"attention_mask": tokens}) == ((tokens,), {"attention_mask": tokens})
+    assert split_inputs(tokens) == ((tokens,), {})
+
+
+def test_loss_without_targets_is_priced_on_the_traced_output_shape() -> None:
+    # transformers' mask code calls .item()-like checks that fail when the model runs on meta:
+    # the targets' shape comes from the traced graph instead.
+    model = _tiny_llama()
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    seen = []
+
+    def loss_fn(output, targets):
+        seen.append(type(output).__name__)
+        return ((output.logits.float() - targets) ** 2).mean()
+
+    graph = capture_for_planning(model, dict(input_ids=tokens), loss_fn=loss_fn, precision="fp32")
+    assert graph.loss_nodes and seen == ["CausalLMOutputWithPast"]
+    plan = autopar.plan(graph, cluster="cpu:procs=2", global_batch=2, constraints={"dp": 1, "tp": 2, "pp": 1})
+    assert plan.mesh["tp"] == 2
