@@ -325,7 +325,7 @@ def _run_job(mode: str, world_size: int = 2) -> list[tuple[int, str]]:
     return results
 
 
-@pytest.mark.parametrize("mode", ["atexit", "with"])
+@pytest.mark.parametrize("mode", ["atexit"])  # "with" and "close" end the same way, earlier
 def test_finished_job_exits_zero(mode):
     """A job that trained and ended exits 0 on every rank (pipelined plan; no destroy by the user)."""
     for rank, (code, output) in enumerate(_run_job(mode)):
