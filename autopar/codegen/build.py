@@ -17,6 +17,7 @@ from autopar.codegen.align import align_names
 from autopar.codegen.interpreter import PlannedInterpreter, RunStats
 from autopar.codegen.program import (GraphParts, SegmentModule, StageProgram, distribute_parameter,
                                      recomputable_nodes)
+from autopar.errors import ConfigError
 from autopar.plans import Plan
 
 
@@ -98,6 +99,10 @@ class ProgramBuilder:
         self.segment_nodes = parts.segment_nodes
         self.params: dict[str, nn.Parameter] = {}
         """FQN -> the distributed parameter (one object per FQN on this rank)."""
+        self.buffers: dict[str, torch.Tensor] = {}
+        """FQN -> this rank's copy of each buffer its stages read."""
+        self.meta_born: set[str] = set()
+        """FQNs of the parameters and buffers that were on meta (their storage is still unset)."""
 
     def build(self, spec: ChunkSpec, *, num_chunks: int) -> StageProgram:
         recompute = self.plan.stage_recompute(spec.index % self.plan.mesh["pp"])
@@ -145,11 +150,27 @@ class ProgramBuilder:
     def _parameter(self, fqn: str) -> nn.Parameter:
         if fqn not in self.params:
             placement = self.plan.param_placements.get(fqn, "R")
-            self.params[fqn] = distribute_parameter(self.model.get_parameter(fqn), placement, self.interpreter.mesh,
-                                                    self.device)
+            original = self.model.get_parameter(fqn)
+            if original.device.type == "meta":
+                self.meta_born.add(fqn)
+            self.params[fqn] = distribute_parameter(original, placement, self.interpreter.mesh, self.device)
         return self.params[fqn]
 
     def _fixed_value(self, placeholder: str, fqn: str) -> torch.Tensor:
         if placeholder in self.parts.buffer_of:
-            return self.model.get_buffer(fqn).to(self.device)
-        return self.parts.program.constants[fqn].to(self.device)
+            if fqn not in self.buffers:
+                original = self.model.get_buffer(fqn)
+                if original.device.type == "meta":
+                    from autopar.codegen.init import empty_buffer
+
+                    self.meta_born.add(fqn)
+                    self.buffers[fqn] = empty_buffer(original, self.device)
+                else:
+                    self.buffers[fqn] = original.to(self.device)
+            return self.buffers[fqn]
+        constant = self.parts.program.constants[fqn]
+        if constant.device.type == "meta":
+            raise ConfigError(f"the model's tensor constant '{fqn}' is on meta, and a constant (not a parameter or "
+                              "buffer) cannot be initialised later: register it as a buffer, or build the model on "
+                              "a real device")
+        return constant.to(self.device)

@@ -75,10 +75,11 @@ class ParallelModule(nn.Module):
         if self.plan.mesh["pp"] > 1:
             raise PlanMismatchError("pm(inputs) runs plans without pipeline stages; use pm.train_step(inputs, "
                                     "targets) with a pipelined plan")
-        local = [self._data_parallel_share(x) for x in self._flat_inputs(inputs, keyword_inputs)]
-        output = self.stages[0](*local)
-        flat = output if isinstance(output, tuple) else (output,)
-        return self.model_output(tuple(self._gather_batch(value) for value in _replicated_local(flat)))
+        flat_inputs = self._flat_inputs(inputs, keyword_inputs)
+        local = self._is_local_batch(flat_inputs)
+        output = self.stages[0](*[self._data_parallel_share(x, local) for x in flat_inputs])
+        values = _replicated_local(output if isinstance(output, tuple) else (output,))
+        return self.model_output(tuple(values if local else (self._gather_batch(value) for value in values)))
 
     def timing_report(self, *, skip: int = 2):
         """Measured step time (interval between train_step starts, slowest rank) against the
@@ -99,13 +100,7 @@ class ParallelModule(nn.Module):
     def _train_step(self, inputs, targets) -> torch.Tensor:
         if self.loss_fn is None:
             raise PlanMismatchError("train_step needs a loss: pass loss_fn to autopar.parallelize")
-        if isinstance(inputs, Mapping):
-            inputs = self._flat_inputs((), inputs)
-        else:
-            inputs = self._flat_inputs(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {})
-        self._check_batch(inputs, targets)
-        local_inputs = [self._data_parallel_share(x) for x in inputs]
-        local_targets = self._data_parallel_share(targets)
+        local_inputs, local_targets = self._local_batch(inputs, targets)
         if self.schedule is not None:
             loss = self._pipelined_step(local_inputs, local_targets)
         else:
@@ -127,6 +122,22 @@ class ParallelModule(nn.Module):
 
     # --- steps ---------------------------------------------------------------------------------
 
+    def _local_batch(self, inputs, targets) -> tuple[list, object]:
+        """This rank's share of the inputs (a tuple, one tensor or a dict of keyword inputs, global
+        or already this rank's dp share) and of the targets, on this rank's device."""
+        if isinstance(inputs, Mapping):
+            inputs = self._flat_inputs((), inputs)
+        else:
+            inputs = self._flat_inputs(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {})
+        local = self._check_batch(inputs, targets)
+        return [self._data_parallel_share(x, local) for x in inputs], self._data_parallel_share(targets, local)
+
+    def _microbatch_loss(self, inputs: list, targets) -> torch.Tensor:
+        """`loss_fn` of one microbatch, given the model's own output object (tensor, tuple, ModelOutput)."""
+        output = self.stages[0](*inputs)
+        flat = output if isinstance(output, tuple) else (output,)
+        return self.loss_fn(self.model_output(tuple(_float(value) for value in _replicated_local(flat))), targets)
+
     def _accumulated_step(self, inputs: list, targets) -> torch.Tensor:
         m = self.plan.num_microbatches
         split_inputs = [_split(x, m) for x in inputs]
@@ -138,10 +149,7 @@ class ParallelModule(nn.Module):
                 set_gradient_sync(list(self.stages), index == m - 1)
             if fsdp and self.plan.zero_stage in (1, 2):
                 set_reshard_after_backward(list(self.stages), index == m - 1)
-            output = self.stages[0](*[chunks[index] for chunks in split_inputs])
-            flat = output if isinstance(output, tuple) else (output,)
-            loss = self.loss_fn(self.model_output(tuple(_float(value) for value in _replicated_local(flat))),
-                                split_targets[index])
+            loss = self._microbatch_loss([chunks[index] for chunks in split_inputs], split_targets[index])
             (loss / m).backward()
             total += loss.detach()
         return total / m
@@ -171,24 +179,38 @@ class ParallelModule(nn.Module):
 
     # --- batches -------------------------------------------------------------------------------
 
-    def _check_batch(self, inputs: tuple, targets) -> None:
+    def _check_batch(self, inputs: tuple, targets) -> bool:
+        """Checks shapes; True when the batch is this rank's data-parallel share (per-rank data)."""
+        local = self._is_local_batch(tuple(inputs) + (targets,))
+        expected = self.plan.global_batch // self.plan.mesh["dp"] if local else self.plan.global_batch
         for index, (value, shape) in enumerate(zip(inputs, self.input_shapes)):
             if isinstance(value, torch.Tensor) and tuple(value.shape[1:]) != tuple(shape[1:]):
                 raise PlanMismatchError(f"input {index} has shape {tuple(value.shape)}, but the plan and the traced "
                                         f"program are for (batch, {', '.join(map(str, shape[1:]))}): pass inputs "
                                         "of the traced shape or parallelize again with such example inputs")
         for value in list(inputs) + [targets]:
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] != self.plan.global_batch:
-                raise PlanMismatchError(f"the plan is for a global batch of {self.plan.global_batch}, but an input "
-                                        f"has batch {value.shape[0]} (shape {tuple(value.shape)}): pass the global "
-                                        "batch to train_step or re-plan")
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] != expected:
+                dp = self.plan.mesh["dp"]
+                local_form = f" or this rank's share of {self.plan.global_batch // dp} (dp = {dp})" if dp > 1 else ""
+                raise PlanMismatchError(f"the plan is for a global batch of {self.plan.global_batch}{local_form}, "
+                                        f"but an input has batch {value.shape[0]} (shape {tuple(value.shape)}): "
+                                        "pass batches of one size to train_step, or re-plan")
+        return local
 
-    def _data_parallel_share(self, value):
+    def _is_local_batch(self, values: tuple) -> bool:
+        """The first batched tensor decides: global batch, or this rank's dp share of it."""
+        dp = self.plan.mesh["dp"]
+        for value in values:
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                return dp > 1 and value.shape[0] == self.plan.global_batch // dp != self.plan.global_batch
+        return False
+
+    def _data_parallel_share(self, value, local: bool = False):
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             return value
         dp = self.plan.mesh["dp"]
         value = value.to(self.runtime.device)
-        if dp == 1:
+        if dp == 1 or local:
             return value
         share = value.shape[0] // dp
         start = self.runtime.coordinate("dp") * share
@@ -207,6 +229,123 @@ class ParallelModule(nn.Module):
         if dp == 1:
             return loss
         return sum_over_group(loss, self.runtime.dp_mesh.get_group()) / dp
+
+
+    # --- training-loop pieces: per-rank data, evaluation, checkpoints, clipping, shutdown -----------
+
+    def eval_step(self, inputs, targets) -> torch.Tensor:
+        """The mean loss of a batch (global, or this rank's share) without backward, under any
+        plan (pipelined ones included); the same on every rank. The program runs as it was
+        traced (in training mode): a model's dropout ops still drop under `pm.eval()`."""
+        if self.loss_fn is None:
+            raise PlanMismatchError("eval_step needs a loss: pass loss_fn to autopar.parallelize")
+        local_inputs, local_targets = self._local_batch(inputs, targets)
+        with torch.no_grad():
+            if self.schedule is None:
+                m = self.plan.num_microbatches
+                split_inputs, split_targets = [_split(x, m) for x in local_inputs], _split(local_targets, m)
+                losses = [self._microbatch_loss([chunks[i] for chunks in split_inputs], split_targets[i])
+                          for i in range(m)]
+                loss = torch.stack([value.float() for value in losses]).mean()
+            else:
+                loss = self._pipelined_eval(local_inputs, local_targets)
+        return self._mean_over_data_parallel(loss)
+
+    def _pipelined_eval(self, inputs: list, targets) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        args = inputs if self.has_first else []
+        if self.has_last:
+            self.schedule.eval(*args, target=targets, losses=losses)
+        else:
+            self.schedule.eval(*args)
+        loss = torch.stack([value.detach().float() for value in losses]).mean() if losses else \
+            torch.zeros((), device=self.runtime.device)
+        last_rank = dist.get_global_rank(self.runtime.pp_group, self.plan.mesh["pp"] - 1)
+        dist.broadcast(loss, src=last_rank, group=self.runtime.pp_group)
+        return loss
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index on the data-parallel axis (`DistributedSampler(rank=pm.dp_rank)`)."""
+        return self.runtime.coordinate("dp")
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas (`DistributedSampler(num_replicas=pm.dp_size)`);
+        `train_step` takes a batch of `plan.global_batch // pm.dp_size` from each."""
+        return self.plan.mesh["dp"]
+
+    def original_names(self) -> dict[str, str]:
+        """Rank-local parameter name (as `self.named_parameters()` says) -> original model name."""
+        return {name: self.fqn_of_attribute.get(name.rsplit(".", 1)[-1], name)
+                for name, _ in self.named_parameters()}
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # noqa: ARG002 - nn.Module's signature
+        """This rank's parameters and persistent buffers by their original names, full shapes
+        (DTensors where sharded): what DCP saves and loads."""
+        state = dict(self.named_model_parameters())
+        state.update(getattr(self, "persistent_buffers", {}))
+        return state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # noqa: ARG002
+        """Copy full tensors (or DTensors) keyed by original names into this rank's shards."""
+        from autopar.codegen.checkpoint import copy_into
+
+        mine = self.state_dict()
+        missing = sorted(set(mine) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(mine) - set(self.parameter_aliases_flat()))
+        if strict and missing:
+            raise PlanMismatchError(f"load_state_dict: no value for {', '.join(missing[:5])}"
+                                    f"{' and more' if len(missing) > 5 else ''}: pass the original model's state "
+                                    "dict (keys are its parameter names), or strict=False")
+        for name, target in mine.items():
+            source = state_dict.get(name)
+            if source is None:
+                source = next((state_dict[alias] for alias in self.parameter_aliases.get(name, [])
+                               if alias in state_dict), None)
+            if source is not None:
+                copy_into(target, source)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def parameter_aliases_flat(self) -> list[str]:
+        return [alias for aliases in getattr(self, "parameter_aliases", {}).values() for alias in aliases]
+
+    def save(self, path, *, optimizer=None, extra: dict | None = None):
+        """Save model (and optimizer) state with DCP into the folder `path`, atomically; loadable
+        under any plan and world size. Every rank must call it."""
+        from autopar.codegen.checkpoint import save
+
+        return save(self, path, optimizer=optimizer, extra=extra)
+
+    def load(self, path, *, optimizer=None, prefix: str = "") -> dict:
+        """Load a checkpoint saved by `save` under any plan (or Hugging Face safetensors, whose
+        key K fills parameter `prefix + K`); returns the saved `extra`. Every rank must call it."""
+        from autopar.codegen.checkpoint import load
+
+        return load(self, path, optimizer=optimizer, prefix=prefix)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every gradient so that their total norm over the whole model is at most
+        `max_norm`, as `torch.nn.utils.clip_grad_norm_` does on one device; returns the norm."""
+        from autopar.codegen.clipping import clip_grad_norm
+
+        return clip_grad_norm(self, max_norm, norm_type)
+
+    def close(self) -> None:
+        """Release what this module holds of the job: waits for peers, then ends the process group
+        (see `runtime.shutdown`). Idempotent; also run by `with` and, for unclosed modules, at exit."""
+        from autopar.codegen.runtime import shutdown
+
+        self.schedule = None
+        self.tied_groups = {}
+        shutdown()
+
+    def __enter__(self) -> "ParallelModule":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if exc_info[0] is None:
+            self.close()
 
 
 @torch.no_grad()

@@ -22,7 +22,8 @@ from autopar.codegen.listing import program_listing
 from autopar.codegen.parallel_module import ParallelModule
 from autopar.codegen.pipeline import PipelineBuilder, tied_weight_groups
 from autopar.codegen.program import GraphParts
-from autopar.codegen.runtime import agree, build_runtime, ensure_process_group, run_on_rank0
+from autopar.codegen.init import all_names
+from autopar.codegen.runtime import agree, build_runtime, ensure_process_group, register_shutdown, run_on_rank0
 from autopar.errors import AutoparError, ConfigError, PlanMismatchError
 from autopar.plans import Plan
 
@@ -44,10 +45,14 @@ def default_cluster(world_size: int) -> str:
 def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Plan | str | Path | None = None,
                 loss_fn: Callable | None = None, example_targets=None, global_batch: int | None = None,
                 constraints=None, precision: str | None = None, example_kwargs: dict | None = None,
-                trials: int = 1, trial_options=None, progress=None) -> ParallelModule:
+                init_fn=None, trials: int = 1, trial_options=None, progress=None) -> ParallelModule:
     """Plan (on rank 0) or take `plan`, and return this rank's ParallelModule. `example_inputs`
     is a tuple of positional inputs or a dict of keyword inputs (`input_ids=`, `attention_mask=`);
     `example_kwargs` adds keyword inputs to positional ones.
+
+    A model on meta gets storage for this rank's shards only, initialised by `init_fn(model)`,
+    else its `init_weights()` / `reset_parameters()`; `init_fn` may instead be a checkpoint path
+    (a DCP folder saved by `pm.save`, or a `.safetensors` file / folder) to load.
 
     With `trials=k` > 1 the k best predicted plans each run a few training steps on a copy of
     the model in this job (autopar.tune.trials) and the measured fastest is built; the plan
@@ -84,7 +89,7 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
     if chosen.num_devices != world:
         raise PlanMismatchError(f"this plan is for {chosen.num_devices} devices (mesh {chosen.mesh}), but the job "
                                 f"has {world} processes: launch {chosen.num_devices} or re-plan")
-    return build_parallel_module(model, inputs, chosen, loss_fn, keywords)
+    return build_parallel_module(model, inputs, chosen, loss_fn, keywords, init_fn=init_fn)
 
 
 def _chosen_by_trials(model, inputs, cluster, batch: int, trials: int, *, loss_fn, example_targets, constraints,
@@ -116,9 +121,10 @@ def _batch_of(inputs: tuple) -> int:
 
 
 def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, keywords: dict | None = None, *,
-                          captured: tuple | None = None) -> ParallelModule:
+                          captured: tuple | None = None, init_fn=None) -> ParallelModule:
     """This rank's module for `plan`. `captured` is `capture_program(model, inputs, keywords)`'s
-    result when the caller has it already (building the same model for several plans)."""
+    result when the caller has it already (building the same model for several plans); `init_fn`
+    initialises meta-born storage (see `parallelize`)."""
     from autopar.capture import capture_program
 
     keywords = dict(keywords or {})
@@ -133,6 +139,7 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
         error = caught
     agree(error)
     runtime = build_runtime(plan.mesh)
+    _factories_on(parts.program, runtime.device)
     stats = RunStats()
     builder = ProgramBuilder(plan, parts, model, runtime.tp_mesh, runtime.device, stats)
     specs = chunk_specs(plan, parts)
@@ -152,10 +159,71 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
     listing = program_listing(plan, parts, builder.placements, mine, coordinate)
     flat_inputs = inputs + tuple(keywords.values())
     input_shapes = tuple(tuple(value.shape) if isinstance(value, torch.Tensor) else () for value in flat_inputs)
-    return ParallelModule(plan=plan, runtime=runtime, stages=stages, loss_fn=loss_fn, params=builder.params,
-                          input_shapes=input_shapes, keyword_names=tuple(keywords), model_output=parts.model_output,
-                          listing=listing, stats=stats, schedule=schedule, tied_groups=tied,
-                          has_first=mine[0].index == 0, has_last=mine[-1].index == len(specs) - 1)
+    module = ParallelModule(plan=plan, runtime=runtime, stages=stages, loss_fn=loss_fn, params=builder.params,
+                            input_shapes=input_shapes, keyword_names=tuple(keywords), model_output=parts.model_output,
+                            listing=listing, stats=stats, schedule=schedule, tied_groups=tied,
+                            has_first=mine[0].index == 0, has_last=mine[-1].index == len(specs) - 1)
+    module.persistent_buffers = {fqn: tensor for fqn, tensor in builder.buffers.items()
+                                 if fqn in _persistent_buffer_names(model)}
+    module.parameter_aliases = {first: names[1:] for first, names in all_names(model).items() if len(names) > 1}
+    _initialise(module, model, builder, init_fn)
+    register_shutdown()
+    return module
+
+
+def _factories_on(program, device: torch.device) -> None:
+    """A model captured on meta bakes `device=meta` into the tensors its forward creates
+    (`torch.ones(n, device=x.device)`): make them on this rank's device instead."""
+    for node in program.graph.nodes:
+        if node.op == "call_function" and isinstance(node.kwargs.get("device"), torch.device) \
+                and node.kwargs["device"].type == "meta":
+            node.update_kwarg("device", device)
+
+
+def _persistent_buffer_names(model: nn.Module) -> set[str]:
+    return {f"{prefix}.{name}" if prefix else name for prefix, owner in model.named_modules()
+            for name in owner._buffers if name not in owner._non_persistent_buffers_set}
+
+
+def _initialise(module: ParallelModule, model: nn.Module, builder: ProgramBuilder, init_fn) -> None:
+    """Fill the storage of meta-born tensors by running the model's init on this rank's shards,
+    then load the checkpoint when `init_fn` names one (every rank takes part: both are collective)."""
+    checkpoint = init_fn if isinstance(init_fn, (str, Path)) else None
+    init_fn = None if checkpoint is not None else init_fn
+    if init_fn is not None or agree_any(bool(builder.meta_born), module.runtime.device):
+        _run_init(module, model, builder, init_fn)
+    if checkpoint is not None:  # after the init: buffers that are not saved (rotary tables) come from it
+        module.load(checkpoint)
+
+
+def _run_init(module: ParallelModule, model: nn.Module, builder: ProgramBuilder, init_fn) -> None:
+    from autopar.codegen.init import initialise
+    from autopar.codegen.runtime import broadcast_object
+
+    seed = broadcast_object(torch.initial_seed())
+    params = module.named_model_parameters()
+    everything = init_fn is not None
+    mine = {fqn: tensor for fqn, tensor in params.items() if everything or fqn in builder.meta_born}
+    buffers = {fqn: tensor for fqn, tensor in builder.buffers.items() if everything or fqn in builder.meta_born}
+    # Real tensors the init must not overwrite are hidden behind meta stand-ins.
+    for fqn, tensor in params.items():
+        if fqn not in mine:
+            mine[fqn] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    error: AutoparError | None = None
+    try:
+        initialise(model, mine, buffers, init_fn=init_fn, seed=seed)
+    except AutoparError as caught:
+        error = caught
+    agree(error)
+
+
+def agree_any(flag: bool, device: torch.device) -> bool:
+    """True on every rank when it is true on any (ranks of other pipeline stages see other tensors)."""
+    if dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value)
+    return bool(value.item())
 
 
 def _pipeline_loss(loss_fn, model_output):

@@ -286,7 +286,15 @@ class StageProgram(ParameterOwner):
 
 
 def distribute_parameter(param: torch.Tensor, placement: str, mesh, device: torch.device) -> nn.Parameter:
-    """A parameter as a DTensor with the plan's tensor-parallel placement (sliced locally)."""
+    """A parameter as a DTensor with the plan's tensor-parallel placement (sliced locally); a
+    meta parameter gets empty (NaN) storage for this rank's shard only, filled by codegen/init."""
+    if param.device.type == "meta":
+        from autopar.codegen.init import empty_shard
+
+        distributed = mesh.size() > 1
+        placements = [to_dtensor_placement(placement if placement not in ("R", "P") else "R")]
+        shard = empty_shard(param.detach(), placements, mesh if distributed else None, device)
+        return nn.Parameter(shard, requires_grad=param.requires_grad)
     data = param.detach().to(device)
     if mesh.size() == 1:  # no tensor parallelism: a plain parameter
         return nn.Parameter(data.clone(), requires_grad=param.requires_grad)

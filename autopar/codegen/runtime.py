@@ -109,3 +109,59 @@ def agree(error: AutoparError | None) -> None:
     first = next((item for item in errors if item is not None), None)
     if first is not None:
         raise first
+
+
+# --- shutdown ----------------------------------------------------------------------------------
+
+_SHUTDOWN_BARRIER_TIMEOUT_S = 300.0
+"""How long a finished rank waits at exit for its peers to finish too (then ends anyway)."""
+
+_state = {"registered": False, "failed": False}
+
+
+def shutdown() -> None:
+    """End this rank's part of the job in order, once: (1) wait until every rank got here, so no
+    peer is still sending to us or waiting for us in a collective; (2) destroy every process
+    group (the device mesh's sub-groups and the world group) while the interpreter is whole, so
+    gloo's worker threads are joined by their owners instead of being torn down in whatever
+    order the interpreter frees objects at exit. A no-op when no process group is left."""
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1 and not _state["failed"]:
+        _barrier_with_timeout()
+    dist.destroy_process_group()
+
+
+def _barrier_with_timeout() -> None:
+    from datetime import timedelta
+
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=_SHUTDOWN_BARRIER_TIMEOUT_S))
+        else:
+            dist.barrier()
+    except RuntimeError:
+        pass  # a peer failed or left: nothing to wait for, still release our groups
+
+
+def register_shutdown() -> None:
+    """Run `shutdown` at interpreter exit, unless the script failed (its peers may never arrive)."""
+    if _state["registered"]:
+        return
+    import atexit
+    import sys
+
+    previous_hook = sys.excepthook
+
+    def mark_failed(*info):
+        _state["failed"] = True
+        previous_hook(*info)
+
+    sys.excepthook = mark_failed
+    atexit.register(_shutdown_at_exit)
+    _state["registered"] = True
+
+
+def _shutdown_at_exit() -> None:
+    if not _state["failed"]:
+        shutdown()
