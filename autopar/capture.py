@@ -107,7 +107,12 @@ def _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dy
             failures.append(f"{method_name}: {failure_reason(error, model)}")
             continue
         log(f"capture: traced {len(program.graph.nodes)} nodes in {time.perf_counter() - started:.1f}s; probing ops...")
-        graph = ExportConverter(program, model, prefix, batch or 1, dynamic, name).convert()
+        try:
+            graph = ExportConverter(program, model, prefix, batch or 1, dynamic, name).convert()
+        except Exception as error:  # noqa: BLE001 - only a data-dependent shape is the user's to fix
+            if not is_data_dependent(error):
+                raise
+            raise CaptureError(data_dependent_message(name or type(model).__name__, error)) from None
         log(f"capture: done in {time.perf_counter() - started:.1f}s")
         return program, graph
     if not allow_fallback:
@@ -122,9 +127,63 @@ def _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dy
     except Exception as error:  # noqa: BLE001
         failures.append(f"torch.fx.symbolic_trace: {failure_reason(error, model)}")
     model_name = name or type(model).__name__
+    eager_error = _eager_failure(module, model, inputs, kwargs)
+    if eager_error is not None and is_data_dependent(eager_error):
+        raise CaptureError(data_dependent_message(model_name, eager_error))
+    if eager_error is not None:
+        shapes = ", ".join(str(tuple(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
+                           for value in inputs)
+        raise CaptureError(f"{model_name} rejects its example inputs: running model(*example_inputs) itself fails, "
+                           f"before any tracing, with {failure_reason(eager_error, model)}. The inputs (and "
+                           f"targets) have shapes {shapes}: give example_inputs of the shapes and dtypes the "
+                           "model takes (and example_targets the loss takes)")
+    if any(is_data_dependent_text(failure) for failure in failures):
+        raise CaptureError(data_dependent_message(model_name, None, failures))
     raise CaptureError(f"could not capture {model_name}:\n  - " + "\n  - ".join(failures)
                        + "\nMake the forward pass traceable (no data-dependent Python control flow, "
                        "no .item()/.tolist(), no printing of tensor values) or capture a simpler model.")
+
+
+_DATA_DEPENDENT_MARKS = ("data-dependent", "datadependent", "data dependent", "unbacked", "nonzero",
+                         "masked_select", "dynamic output shape")
+
+
+def is_data_dependent_text(text: str) -> bool:
+    lowered = text.lower()
+    return any(mark in lowered for mark in _DATA_DEPENDENT_MARKS)
+
+
+def is_data_dependent(error: BaseException) -> bool:
+    """An error raised because a shape depends on tensor values (y[y > 0], nonzero, unique...)."""
+    seen = 0
+    while error is not None and seen < 8:
+        if is_data_dependent_text(f"{type(error).__name__} {str(error)[:2000]}"):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def data_dependent_message(model_name: str, error: BaseException | None, failures: list[str] = ()) -> str:
+    detail = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}" \
+        if error is not None else next(
+        (failure for failure in failures if is_data_dependent_text(failure)), "")
+    return (f"could not capture {model_name}: its forward is data-dependent, a shape or a branch follows tensor "
+            f"values (boolean-mask indexing like y[y > 0], nonzero, unique, or `if x.sum() > 0`, .item()), and "
+            f"autopar prices ops from shapes alone ({detail[:300]}). Keep shapes fixed: torch.where(y > 0, y, 0) "
+            "instead of y[y > 0], torch.where or torch.cond instead of an `if` on a tensor")
+
+
+def _eager_failure(module: nn.Module, model: nn.Module, inputs: tuple, kwargs: dict) -> BaseException | None:
+    """The error of running the (wrapped) model once on its example inputs, or None if it runs:
+    tells inputs the model rejects apart from code that only tracing cannot follow."""
+    try:
+        with torch.no_grad(), quiet_torch_logs():
+            module(*inputs, **kwargs)
+    except NotImplementedError as error:
+        return None if "meta" in str(error).lower() and not is_data_dependent(error) else error
+    except Exception as error:  # noqa: BLE001 - reported by the caller
+        return error
+    return None
 
 
 def _logger(verbose: bool) -> Callable[[str], None]:

@@ -47,9 +47,8 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
     """Plan (on rank 0) or take `plan`, and return this rank's ParallelModule."""
     from autopar import api
 
+    _check_arguments(model, example_inputs, plan, global_batch)
     _, world = ensure_process_group()
-    if example_inputs is None:
-        raise ConfigError("parallelize needs example_inputs: a tuple of tensors like one global batch")
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     batch = global_batch or _batch_of(inputs)
 
@@ -65,6 +64,27 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
         raise PlanMismatchError(f"this plan is for {chosen.num_devices} devices (mesh {chosen.mesh}), but the job "
                                 f"has {world} processes: launch {chosen.num_devices} or re-plan")
     return build_parallel_module(model, inputs, chosen, loss_fn)
+
+
+def _check_arguments(model, example_inputs, plan, global_batch) -> None:
+    """Before joining the process group: a wrong argument fails alike on every rank, at once."""
+    from autopar.api import check_model_arguments
+    from autopar.validation import check_global_batch, shorten, type_name
+
+    if not isinstance(model, nn.Module) or isinstance(model, type):
+        hint = " (build it first, e.g. build_model('gpt').model)" if isinstance(model, str) else ""
+        raise ConfigError(f"parallelize takes the model itself, an nn.Module instance, got {type_name(model)} "
+                          f"{shorten(model)}{hint}")
+    if example_inputs is None:
+        raise ConfigError("parallelize needs example_inputs: a tuple of tensors like one global batch")
+    check_model_arguments(model, example_inputs)
+    if global_batch is not None:
+        check_global_batch(global_batch)
+    if isinstance(plan, Plan):
+        plan.validate()
+    elif plan is not None and not isinstance(plan, (str, Path)):
+        raise ConfigError(f"plan must be a Plan, the path of a plan file or None, got {type_name(plan)} "
+                          f"{shorten(plan)}")
 
 
 def _batch_of(inputs: tuple) -> int:
