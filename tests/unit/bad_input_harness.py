@@ -12,7 +12,13 @@ import signal
 from dataclasses import dataclass
 
 import pytest
+import torch._dynamo  # noqa: F401 - imported here, never under a case's alarm (an interrupted
+import torch.export  # noqa: F401   import leaves torch half-initialised for every later case)
 
+import autopar.api  # noqa: F401
+import autopar.capture_fx  # noqa: F401
+import autopar.codegen.parallelize  # noqa: F401
+import autopar.profiling  # noqa: F401
 from autopar.cli import main
 from autopar.errors import AutoparError
 

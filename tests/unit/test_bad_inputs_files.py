@@ -313,3 +313,13 @@ def test_model_file_missing(capsys, tmp_path):
 
 def test_model_file_name_too_long(capsys):
     cli_error(capsys, ["plan", "m" * 5000 + ".py:make", "--cluster", "cpu", "--global-batch", "4"], "too long")
+
+
+def test_model_file_that_prints_keeps_json_stdout_clean(capsys, tmp_path):
+    path = tmp_path / "chatty.py"
+    path.write_text(MODEL_HEADER + "print('importing chatty')\n"
+                    "def make():\n    print('building')\n    return nn.Linear(8, 4), (torch.randn(4, 8),)\n")
+    outcome = run_cli(capsys, ["plan", f"{path}:make", "--cluster", "cpu:procs=2", "--global-batch", "4", "--json"])
+    assert outcome.code == 0, outcome.err
+    json.loads(outcome.out)  # one JSON object, the file's prints are not in it
+    assert "importing chatty" in outcome.err and "building" in outcome.err
