@@ -130,13 +130,20 @@ PLAN_ARGUMENT_CASES = [
     (["--microbatch-size", "3"], ["microbatch size 3"]),
     (["--layers-per-virtual-stage", "3", "--schedule", "interleaved", "--pp", "2"], ["layers"]),
     (["--schedule", "interleaved", "--pp", "1"], ["interleaved", "pp"]),
+    (["--schedule", "interleaved", "--pp", "2"], ["interleaved", "chunks", "pp=2"]),
 ]
 
 
 @pytest.mark.parametrize("extra, fragments", PLAN_ARGUMENT_CASES,
                          ids=[f"plan{i}" for i in range(len(PLAN_ARGUMENT_CASES))])
 def test_bad_plan_argument(capsys, extra, fragments):
-    cli_error(capsys, plan_argv(*extra), *fragments)
+    outcome = cli_error(capsys, plan_argv(*extra), *fragments)
+    assert "Constraints(" not in outcome.err  # a reason, not a dataclass dump
+
+
+def test_pipeline_the_batch_cannot_fill(capsys):
+    outcome = cli_error(capsys, plan_argv("--pp", "4", "--dp", "1", "--tp", "1", batch="2"), "pp=4", "microbatches")
+    assert "Constraints(" not in outcome.err
 
 
 def test_tp_larger_than_a_node_is_refused(capsys):
