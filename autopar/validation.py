@@ -361,6 +361,11 @@ class _PlanFields:
             self.fail(f"{path} must be >= 0, got {value}")
         return value
 
+    def finite(self, value: Any, path: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            self.fail(f"{path} must be a finite number, got {type_name(value)} {shorten(value)}")
+        return value
+
     def text(self, value: Any, path: str) -> str:
         if not isinstance(value, str):
             self.fail(f"{path} must be a string, got {type_name(value)} {shorten(value)}")
@@ -455,6 +460,9 @@ def _check_stage(fields: _PlanFields, stage: Any, index: int) -> None:
                   f"{path}.time_per_microbatch_s")
     fields.number(fields.get(stage, "param_numel", f"{path}.param_numel"), f"{path}.param_numel")
     fields.mapping(fields.get(stage, "memory_bytes", f"{path}.memory_bytes"), f"{path}.memory_bytes", fields.number)
+    for chunk_index, times in enumerate(fields.list(fields.get(stage, "chunk_times_s", f"{path}.chunk_times_s", []),
+                                                    f"{path}.chunk_times_s")):
+        fields.mapping(times, f"{path}.chunk_times_s[{chunk_index}]", fields.finite)
 
 
 def _check_prediction(fields: _PlanFields, predicted: Any) -> None:
