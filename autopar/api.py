@@ -30,6 +30,8 @@ from autopar.replica import meta_inputs, meta_replica
 from autopar.solver.overheads import overheads_for
 from autopar.solver.search import Constraints, Planner, SearchOptions
 from autopar.solver.step_model import ParallelConfig
+from autopar.validation import (check_choice, check_constraint_values, check_degrees, check_fixed_config,
+                                check_global_batch, check_pipeline_depth, shorten, type_name)
 from cost_model.memory import BF16_ADAM, FP32_ADAM, PrecisionPolicy
 
 PRECISIONS = {"bf16": BF16_ADAM, "fp32": FP32_ADAM}
@@ -70,7 +72,7 @@ def resolve_model(model, example_inputs=None, *, loss_fn=None, example_targets=N
                           loss_fn=loss_fn or bundle.loss_fn,
                           example_targets=example_targets if example_targets is not None else bundle.example_targets)
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model must be an nn.Module, a model spec string or an OpGraph, got {type(model).__name__}")
+        raise ConfigError(f"model must be an nn.Module, a model spec string or an OpGraph, got {type_name(model)}")
     if example_inputs is None and not example_kwargs:
         raise ConfigError("example_inputs are required with an nn.Module: a tuple of tensors like one training batch "
                           "(or a dict of keyword inputs, or example_kwargs=)")
@@ -79,9 +81,30 @@ def resolve_model(model, example_inputs=None, *, loss_fn=None, example_targets=N
                       loss_fn=loss_fn, example_targets=example_targets)
 
 
+def check_model_arguments(model, example_inputs=None, loss_fn=None, example_targets=None) -> None:
+    """What a model and its example batch must be, said before anything is traced (a str given
+    as inputs is a mistake to name, not a capture failure)."""
+    if isinstance(model, type) or not isinstance(model, (str, nn.Module, OpGraph)):
+        raise ConfigError(f"model must be an nn.Module instance, a model spec string such as 'gpt:layers=4' or an "
+                          f"OpGraph, got {type_name(model)} {shorten(model) if not isinstance(model, type) else ''}")
+    if example_inputs is not None and not isinstance(example_inputs, (torch.Tensor, tuple, list, Mapping)):
+        raise ConfigError(f"example_inputs must be a tensor, a tuple of tensors like one training batch (the "
+                          f"model is called as model(*example_inputs)) or a dict of keyword inputs, got "
+                          f"{type_name(example_inputs)} "
+                          f"{shorten(example_inputs)}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigError(f"loss_fn must be a callable loss_fn(output, targets) such as "
+                          f"torch.nn.functional.mse_loss, got {type_name(loss_fn)} {shorten(loss_fn)}")
+    if example_targets is not None and not isinstance(example_targets, (torch.Tensor, tuple, list, dict)):
+        raise ConfigError(f"example_targets must be a tensor (or a tuple of them) like the targets of one batch, "
+                          f"got {type_name(example_targets)} {shorten(example_targets)}")
+
+
 def capture_for_planning(model, example_inputs=None, *, loss_fn=None, example_targets=None, example_kwargs=None,
                          precision: str = "bf16", verbose: bool = False) -> OpGraph:
     """Capture a weightless replica of the model in the compute precision."""
+    check_model_arguments(model, example_inputs, loss_fn, example_targets)
+    _policy(precision)
     if isinstance(model, OpGraph):
         return model
     spec = resolve_model(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
@@ -114,9 +137,7 @@ def _on_meta(model: nn.Module) -> bool:
 
 
 def _policy(precision: str) -> PrecisionPolicy:
-    if precision not in PRECISIONS:
-        raise ConfigError(f"unknown precision '{precision}'; use one of {', '.join(PRECISIONS)}")
-    return PRECISIONS[precision]
+    return PRECISIONS[check_choice(precision, "precision", tuple(PRECISIONS))]
 
 
 def _progress(verbose: bool):
@@ -131,6 +152,12 @@ def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=No
     With `calibrated` (the default) the profile's whole-step calibration, if it has one, adds
     its terms to every prediction (autopar/solver/overheads.py)."""
     policy = _policy(precision)
+    global_batch = check_global_batch(global_batch)
+    if options is not None and not isinstance(options, SearchOptions):
+        raise ConfigError(f"options must be a SearchOptions or None, got {type_name(options)} {shorten(options)}")
+    if not isinstance(verbose, bool):
+        raise ConfigError(f"verbose must be a bool, got {type_name(verbose)} {shorten(verbose)}")
+    check_model_arguments(model, example_inputs, loss_fn, example_targets)
     cluster = Cluster.from_spec(cluster)
     overheads = overheads_for(cluster, torch_version=torch.__version__, host=socket.gethostname()) if calibrated \
         else None
@@ -146,10 +173,19 @@ def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constr
     """Search the best parallelization; `constraints` may fix dp, tp, pp, microbatch_size,
     schedule, virtual_stages / layers_per_virtual_stage, recompute and zero_stage.
     `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones."""
+    constraints = Constraints.from_value(check_constraint_values(constraints))
+    check_model_arguments(model, example_inputs, loss_fn, example_targets)
+    cluster = Cluster.from_spec(cluster)
+    _check_constraints(cluster, check_global_batch(global_batch), constraints)
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
                           example_targets=example_targets, precision=precision, options=options, verbose=verbose,
                           example_kwargs=example_kwargs)
-    return plan_with(planner, Constraints.from_value(constraints))
+    return plan_with(planner, constraints)
+
+
+def _check_constraints(cluster: Cluster, global_batch: int, constraints: Constraints) -> None:
+    check_degrees(cluster, global_batch, dp=constraints.dp, tp=constraints.tp, pp=constraints.pp,
+                  microbatch_size=constraints.microbatch_size, schedule=constraints.schedule)
 
 
 def plan_with(planner: Planner, constraints: Constraints = Constraints()) -> Plan:
@@ -160,15 +196,21 @@ def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: 
                     constraints=None, loss_fn=None, example_targets=None, precision: str = "bf16",
                     options: SearchOptions | None = None, verbose: bool = False) -> list[Plan]:
     """The `num_candidates` fastest predicted plans, fastest first (what trials measure)."""
+    constraints = Constraints.from_value(check_constraint_values(constraints))
+    check_model_arguments(model, example_inputs, loss_fn, example_targets)
+    cluster = Cluster.from_spec(cluster)
+    _check_constraints(cluster, check_global_batch(global_batch), constraints)
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
                           example_targets=example_targets, precision=precision, options=options, verbose=verbose)
-    return candidates_with(planner, Constraints.from_value(constraints), num_candidates=num_candidates)
+    return candidates_with(planner, constraints, num_candidates=num_candidates)
 
 
 def candidates_with(planner: Planner, constraints: Constraints = Constraints(), *,
                     num_candidates: int = 1) -> list[Plan]:
     if num_candidates < 1:
         raise ConfigError(f"the number of candidate plans must be >= 1, got {num_candidates}")
+    _check_constraints(planner.cluster, planner.global_batch, constraints)
+    check_pipeline_depth(planner.graph, constraints.pp)
     result = planner.search(constraints, keep=max(5, 4 * num_candidates))
     plans = []
     for estimate in _distinct(result.ranked)[:num_candidates]:
@@ -215,6 +257,13 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
              recompute: str = "none", zero_stage: int = 0, loss_fn=None, example_targets=None,
              precision: str = "bf16", verbose: bool = False, example_kwargs=None) -> Plan:
     """Price one fully fixed configuration (no search)."""
+    check_fixed_config(tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
+                       virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
+                       recompute=recompute, zero_stage=zero_stage)
+    check_model_arguments(model, example_inputs, loss_fn, example_targets)
+    cluster = Cluster.from_spec(cluster)
+    check_degrees(cluster, check_global_batch(global_batch), dp=dp, tp=tp, pp=pp,
+                  microbatch_size=microbatch_size, schedule=schedule)
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
                           example_targets=example_targets, precision=precision, verbose=verbose,
                           example_kwargs=example_kwargs)
@@ -227,6 +276,7 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
 def fixed_config(planner: Planner, *, tp: int, pp: int, dp: int | None, microbatch_size: int, schedule: str,
                  virtual_stages: int | None, layers_per_virtual_stage: int | None, recompute: str,
                  zero_stage: int) -> ParallelConfig:
+    check_pipeline_depth(planner.graph, pp)
     devices = planner.cluster.num_devices
     if tp < 1 or pp < 1 or devices % (tp * pp):
         raise ConfigError(f"tp x pp = {tp} x {pp} must divide the cluster's {devices} devices")

@@ -107,7 +107,13 @@ def _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dy
             failures.append(f"{method_name}: {failure_reason(error, model)}")
             continue
         log(f"capture: traced {len(program.graph.nodes)} nodes in {time.perf_counter() - started:.1f}s; probing ops...")
-        graph = ExportConverter(program, model, prefix, batch or 1, dynamic, name).convert()
+        try:
+            graph = ExportConverter(program, model, prefix, batch or 1, dynamic, name).convert()
+        except Exception as error:  # noqa: BLE001 - only a data-dependent shape is the user's to fix
+            if not is_data_dependent(error):
+                raise
+            raise CaptureError(f"could not capture {name or type(model).__name__}:\n  - converting the exported "
+                               f"graph: {failure_reason(error, model)}\n{DATA_DEPENDENT_ADVICE}") from None
         log(f"capture: done in {time.perf_counter() - started:.1f}s")
         return program, graph
     if not allow_fallback:
@@ -122,9 +128,55 @@ def _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dy
     except Exception as error:  # noqa: BLE001
         failures.append(f"torch.fx.symbolic_trace: {failure_reason(error, model)}")
     model_name = name or type(model).__name__
-    raise CaptureError(f"could not capture {model_name}:\n  - " + "\n  - ".join(failures)
-                       + "\nMake the forward pass traceable (no data-dependent Python control flow, "
-                       "no .item()/.tolist(), no printing of tensor values) or capture a simpler model.")
+    eager_error = _eager_failure(module, model, inputs, kwargs)
+    if eager_error is not None and not is_data_dependent(eager_error):
+        shapes = ", ".join(str(tuple(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
+                           for value in inputs)
+        raise CaptureError(f"{model_name} rejects its example inputs: running model(*example_inputs) itself fails, "
+                           f"before any tracing, with {failure_reason(eager_error, model)}. The inputs (and "
+                           f"targets) have shapes {shapes}: give example_inputs of the shapes and dtypes the "
+                           "model takes (and example_targets the loss takes)")
+    data_dependent = eager_error is not None or any(is_data_dependent_text(failure) for failure in failures)
+    raise CaptureError(f"could not capture {model_name}:\n  - " + "\n  - ".join(failures) + "\n"
+                       + (DATA_DEPENDENT_ADVICE if data_dependent else
+                          "Make the forward pass traceable (no data-dependent Python control flow, "
+                          "no .item()/.tolist(), no printing of tensor values) or capture a simpler model."))
+
+
+DATA_DEPENDENT_ADVICE = (
+    "The forward is data-dependent: a shape or a branch follows tensor values (boolean-mask indexing like "
+    "y[y > 0], nonzero, unique; an `if` on a tensor, .item()), and autopar prices ops from shapes alone. Keep "
+    "shapes fixed (torch.where(y > 0, y, 0) instead of y[y > 0]) and branch with torch.where or torch.cond.")
+_DATA_DEPENDENT_MARKS = ("data-dependent", "datadependent", "data dependent", "unbacked", "nonzero",
+                         "masked_select", "dynamic output shape")
+
+
+def is_data_dependent_text(text: str) -> bool:
+    lowered = text.lower()
+    return any(mark in lowered for mark in _DATA_DEPENDENT_MARKS)
+
+
+def is_data_dependent(error: BaseException) -> bool:
+    """An error raised because a shape depends on tensor values (y[y > 0], nonzero, unique...)."""
+    seen = 0
+    while error is not None and seen < 8:
+        if is_data_dependent_text(f"{type(error).__name__} {str(error)[:2000]}"):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def _eager_failure(module: nn.Module, model: nn.Module, inputs: tuple, kwargs: dict) -> BaseException | None:
+    """The error of running the (wrapped) model once on its example inputs, or None if it runs:
+    tells inputs the model rejects apart from code that only tracing cannot follow."""
+    try:
+        with torch.no_grad(), quiet_torch_logs():
+            module(*inputs, **kwargs)
+    except NotImplementedError as error:
+        return None if "meta" in str(error).lower() and not is_data_dependent(error) else error
+    except Exception as error:  # noqa: BLE001 - reported by the caller
+        return error
+    return None
 
 
 def targets_like_output(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None):
@@ -211,6 +263,8 @@ def failure_reason(error: BaseException, model: nn.Module) -> str:
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"]
+_LIBRARY_DIRS = (_TORCH_DIR, _STDLIB_DIR, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
+"""Code that is not the user's: a failure's location is the last line outside these."""
 
 
 def _failing_location(error: BaseException, model: nn.Module) -> str:
@@ -224,7 +278,7 @@ def _failing_location(error: BaseException, model: nn.Module) -> str:
         if isinstance(owner, nn.Module) and id(owner) in names:
             module_text = f"module '{names[id(owner)] or '<root>'}' ({type(owner).__name__})"
         filename = frame.f_code.co_filename
-        if not filename.startswith((_TORCH_DIR, _STDLIB_DIR, str(Path(__file__).parent))):
+        if not filename.startswith((*_LIBRARY_DIRS, str(Path(__file__).parent))):
             line = linecache.getline(filename, traceback.tb_lineno).strip()
             code_text = f"{filename}:{traceback.tb_lineno}: {line}"
         traceback = traceback.tb_next

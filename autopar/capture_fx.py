@@ -89,10 +89,14 @@ def _with_named_inputs(module: WithLoss, num_inputs: int) -> WithLoss:
 
 
 def _propagate(traced: torch.fx.GraphModule, inputs: tuple) -> dict[str, Any]:
+    from autopar.capture import failure_reason, quiet_torch_logs
+
     try:
-        ShapeProp(traced).propagate(*inputs)
+        with quiet_torch_logs():  # ShapeProp prints the whole traceback of a failing node to stderr
+            ShapeProp(traced).propagate(*inputs)
     except Exception as error:  # noqa: BLE001
-        raise CaptureError(f"shape propagation failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}") from None
+        cause = error.__cause__ or error.__context__ or error  # ShapeProp wraps the op's own error
+        raise CaptureError(f"shape propagation failed: {failure_reason(cause, traced)}") from None
     return {node.name: node.meta.get("tensor_meta") for node in traced.graph.nodes}
 
 

@@ -24,13 +24,17 @@ import sys
 from autopar import api
 from autopar.report import commands as report_commands
 from autopar.errors import AutoparError, ConfigError
+from autopar.validation import MAX_DEVICES, MAX_DEVICES_PER_NODE, MAX_GLOBAL_BATCH, check_output_path, parse_int
 
 EXIT_INPUT_ERROR = 2
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # argparse has printed its usage error (exit 2) or the help (exit 0)
+        return stop.code if isinstance(stop.code, int) else EXIT_INPUT_ERROR
     try:
         return args.handler(args)
     except AutoparError as error:
@@ -39,6 +43,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)
         return 130
+
+
+def count(maximum: int = MAX_DEVICES):
+    """argparse type: an integer in [1, maximum]; 0 is refused, not read as "not set"."""
+    def parse(text: str) -> int:
+        try:
+            return parse_int(text, "value", maximum=maximum, error=AutoparError)
+        except AutoparError as error:
+            raise argparse.ArgumentTypeError(str(error).replace("value ", "", 1)) from None
+    parse.__name__ = "count"  # argparse names the type in some messages
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +82,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="registry name with overrides (gpt:layers=96,hidden=12288,heads=96) or file.py:factory")
     parser.add_argument("--cluster", required=True, metavar="SPEC",
                         help="e.g. dgx-a100-80g:nodes=16, dgx-h100:nodes=2,gpus_per_node=4, cpu:procs=4, or a TOML file")
-    parser.add_argument("--global-batch", type=int, required=True, metavar="B", help="samples per optimizer step")
+    parser.add_argument("--global-batch", type=count(MAX_GLOBAL_BATCH), required=True, metavar="B",
+                        help="samples per optimizer step")
     parser.add_argument("--precision", choices=sorted(api.PRECISIONS), default="bf16")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument("--out", metavar="FILE", help="also save the plan as JSON")
@@ -77,12 +93,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _plan_parser(commands) -> None:
     parser = commands.add_parser("plan", help="search the fastest parallelization that fits")
     _common(parser)
-    parser.add_argument("--dp", type=int, help="fix the data-parallel degree")
-    parser.add_argument("--tp", type=int, help="fix the tensor-parallel degree")
-    parser.add_argument("--pp", type=int, help="fix the pipeline-parallel degree")
-    parser.add_argument("--microbatch-size", type=int)
+    parser.add_argument("--dp", type=count(), help="fix the data-parallel degree")
+    parser.add_argument("--tp", type=count(), help="fix the tensor-parallel degree")
+    parser.add_argument("--pp", type=count(), help="fix the pipeline-parallel degree")
+    parser.add_argument("--microbatch-size", type=count(MAX_GLOBAL_BATCH))
     parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"])
-    parser.add_argument("--layers-per-virtual-stage", type=int)
+    parser.add_argument("--layers-per-virtual-stage", type=count())
     parser.add_argument("--recompute", choices=["none", "selective", "full"])
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     parser.set_defaults(handler=_plan)
@@ -91,12 +107,12 @@ def _plan_parser(commands) -> None:
 def _evaluate_parser(commands) -> None:
     parser = commands.add_parser("evaluate", help="price one fixed configuration")
     _common(parser)
-    parser.add_argument("--tp", type=int, required=True)
-    parser.add_argument("--pp", type=int, required=True)
-    parser.add_argument("--dp", type=int, help="default: devices / (tp x pp)")
-    parser.add_argument("--microbatch-size", type=int, required=True)
+    parser.add_argument("--tp", type=count(), required=True)
+    parser.add_argument("--pp", type=count(), required=True)
+    parser.add_argument("--dp", type=count(), help="default: devices / (tp x pp)")
+    parser.add_argument("--microbatch-size", type=count(MAX_GLOBAL_BATCH), required=True)
     parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default="1f1b")
-    parser.add_argument("--layers-per-virtual-stage", type=int)
+    parser.add_argument("--layers-per-virtual-stage", type=count())
     parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     parser.set_defaults(handler=_evaluate)
@@ -105,13 +121,14 @@ def _evaluate_parser(commands) -> None:
 def _profile_parser(commands) -> None:
     parser = commands.add_parser("profile", help="measure this machine's devices and links for the cost model")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    parser.add_argument("--nproc", type=int, default=1, help="processes for the collective sweep (default 1)")
+    parser.add_argument("--nproc", type=count(MAX_DEVICES_PER_NODE), default=1,
+                        help="processes for the collective sweep (default 1)")
     parser.add_argument("--out", default="profile.json", metavar="FILE")
     parser.add_argument("--quick", action="store_true", help="a smaller sweep")
     parser.add_argument("--calibrate", metavar="MODEL",
                         help="run a fixed set of configurations of MODEL on --nproc processes and store the fitted "
                              "whole-step terms in the profile (an existing --out file is calibrated, else measured first)")
-    parser.add_argument("--global-batch", type=int, metavar="B", help="batch of the calibration runs (default 4 x nproc)")
+    parser.add_argument("--global-batch", type=count(MAX_GLOBAL_BATCH), metavar="B", help="batch of the calibration runs (default 4 x nproc)")
     parser.set_defaults(handler=_profile)
 
 
@@ -119,22 +136,24 @@ def _tune_parser(commands) -> None:
     parser = commands.add_parser("tune", help="run the k best predicted plans for a few steps (under torchrun) and "
                                               "keep the measured fastest")
     _common(parser)
-    parser.add_argument("--trials", type=int, default=4, metavar="K", help="candidate plans to run (default 4)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per candidate (after 2 warm-up steps)")
+    parser.add_argument("--trials", type=count(64), default=4, metavar="K", help="candidate plans to run (default 4)")
+    parser.add_argument("--steps", type=count(1000), default=5, help="timed steps per candidate (after 2 warm-up steps)")
     for axis in ("dp", "tp", "pp"):
-        parser.add_argument(f"--{axis}", type=int, help=f"fix the {axis} degree")
+        parser.add_argument(f"--{axis}", type=count(), help=f"fix the {axis} degree")
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     parser.set_defaults(handler=_tune)
 
 
 def _emit(plan, args) -> int:
-    if args.out:
+    if args.out is not None:
         plan.save(args.out)
     print(plan.to_json() if args.json else plan.summary())
     return 0
 
 
 def _plan(args) -> int:
+    if args.out is not None:  # before planning: a typo in the path should not cost the search
+        check_output_path(args.out)
     constraints = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "microbatch_size": args.microbatch_size,
                    "schedule": args.schedule, "layers_per_virtual_stage": args.layers_per_virtual_stage,
                    "recompute": args.recompute, "zero_stage": args.zero}
@@ -145,6 +164,8 @@ def _plan(args) -> int:
 
 
 def _evaluate(args) -> int:
+    if args.out is not None:
+        check_output_path(args.out)
     plan = api.evaluate(args.model, cluster=args.cluster, global_batch=args.global_batch, tp=args.tp, pp=args.pp,
                         dp=args.dp, microbatch_size=args.microbatch_size, schedule=args.schedule,
                         layers_per_virtual_stage=args.layers_per_virtual_stage, recompute=args.recompute,
@@ -157,6 +178,7 @@ def _profile(args) -> int:
 
     from autopar.profiling import profile_machine
 
+    check_output_path(args.out)
     if args.calibrate:
         return _calibrate(args, exists=Path(args.out).exists())
     profile = profile_machine(device=args.device, num_processes=args.nproc, out=args.out, quick=args.quick)

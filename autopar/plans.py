@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import PlanMismatchError
+from autopar.validation import check_plan_data, parse_json, read_text_file, shorten
 
 SCHEMA_VERSION = 1
 
@@ -128,10 +129,12 @@ class Plan:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "<plan>") -> "Plan":
         if not isinstance(data, dict):
-            raise PlanMismatchError(f"plan '{source}' is not a JSON object")
+            raise PlanMismatchError(f"plan {shorten(source)} is not a JSON object (got {type(data).__name__}): give "
+                                    "the file `autopar plan --out` wrote")
         if data.get("schema_version") != SCHEMA_VERSION:
-            raise PlanMismatchError(f"plan '{source}' has schema_version {data.get('schema_version')!r}; this autopar "
-                                    f"reads version {SCHEMA_VERSION}: re-run `autopar plan`")
+            raise PlanMismatchError(f"plan {shorten(source)} has schema_version {shorten(data.get('schema_version'))}; "
+                                    f"this autopar reads version {SCHEMA_VERSION}: re-run `autopar plan`")
+        check_plan_data(data, source)
         try:
             predicted_fields = {f.name for f in fields(Prediction)}
             predicted = Prediction(**{k: v for k, v in data["predicted"].items() if k in predicted_fields})
@@ -145,7 +148,7 @@ class Plan:
                           notes=tuple(data.get("notes", ())), trials=tuple(data.get("trials", ())))
             plan = cls(**values)
         except (KeyError, TypeError) as error:
-            raise PlanMismatchError(f"plan '{source}' is missing or has a malformed field ({error}); "
+            raise PlanMismatchError(f"plan {shorten(source)} is missing or has a malformed field ({error}); "
                                     "re-run `autopar plan`") from None
         plan._check_choices(source)
         return plan
@@ -160,20 +163,21 @@ class Plan:
                     for i, stage in enumerate(self.stages)]
         for name, value, allowed in choices:
             if value not in allowed:
-                raise PlanMismatchError(f"plan '{source}' has {name}={value!r}; expected one of "
+                raise PlanMismatchError(f"plan {shorten(source)} has {name}={shorten(value)}; expected one of "
                                         f"{', '.join(repr(a) for a in allowed)}: fix the file or re-run `autopar plan`")
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        try:
-            text = Path(path).read_text()
-        except OSError as error:
-            raise PlanMismatchError(f"cannot read plan '{path}': {error.strerror or error}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise PlanMismatchError(f"plan '{path}' is not valid JSON ({error.msg} at line {error.lineno})") from None
+        """Read and validate a plan file (types, ranges, mesh product, batch arithmetic)."""
+        text = read_text_file(path, "plan", error=PlanMismatchError)
+        data = parse_json(text, str(path), "plan", error=PlanMismatchError)
         return cls.from_dict(data, source=str(path))
+
+    def validate(self, source: str = "<plan>") -> "Plan":
+        """The checks of `load`, for a plan built or changed in Python; returns the plan."""
+        check_plan_data(asdict(self), source)
+        self._check_choices(source)
+        return self
 
     # --- checks ------------------------------------------------------------------------------
 

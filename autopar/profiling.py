@@ -33,12 +33,16 @@ def profile_machine(*, device: str | None = None, num_processes: int = 1, out: s
 
     from cost_model.profiler import ProfileOptions, run_profile
 
+    from autopar.validation import check_output_path
+
+    if out is not None:  # before measuring: a sweep takes minutes, a typo in the path a second
+        check_output_path(out, "out")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         options = ProfileOptions(device=device, num_processes=num_processes, quick=quick)
         profile = run_profile(options, progress=ProgressBar() if show_progress else None)
     except CostModelInputError as error:
         raise ProfileError(str(error)) from None
-    if out:
+    if out is not None:
         profile.save(out)
     return profile

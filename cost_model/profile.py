@@ -20,6 +20,11 @@ from cost_model.errors import CostModelInputError
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 """Version 2 added `calibrations`; version 1 files (without them) are still read."""
+MAX_TEXT_CHARS = 1_000
+"""Longest device name, host or dtype a profile may hold."""
+MAX_COUNT = 1 << 20
+"""Largest process or group count a profile may hold."""
+SHOWN_CHARS = 80
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 LINK_LEVELS = ("intra_node", "inter_node")
 ELEMENTWISE_KINDS = ("transcendental", "normalize")
@@ -107,26 +112,47 @@ class HardwareProfile:
 def load_profile(path: str | Path) -> HardwareProfile:
     """Read and validate a profile; raises CostModelInputError naming the file and field."""
     path = Path(path)
+    shown = _shorten(str(path))
+    redo = "re-create it with `autopar profile --out FILE`"
     try:
-        text = path.read_text()
+        if path.is_dir():
+            raise CostModelInputError(f"profile {shown} is a folder, not a file; give the JSON file of a profile")
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise CostModelInputError(f"profile {shown} is not UTF-8 text (a binary file?); a profile is the JSON "
+                                  f"file `autopar profile` writes: {redo}") from None
     except OSError as error:
-        raise CostModelInputError(f"cannot read profile '{path}': {error.strerror or error}") from None
+        reason = "the file name is too long" if error.errno == 36 else error.strerror or str(error)
+        raise CostModelInputError(f"cannot read profile {shown}: {reason}") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
         raise CostModelInputError(
-            f"profile '{path}' is not valid JSON ({error.msg} at line {error.lineno}); "
-            "re-create it with `autopar profile --out FILE`") from None
+            f"profile {shown} is not valid JSON ({error.msg} at line {error.lineno}); {redo}") from None
+    except RecursionError:
+        raise CostModelInputError(f"profile {shown} is nested too deeply to be a profile; {redo}") from None
     return profile_from_dict(data, source=str(path))
 
 
+def _shorten(text: str) -> str:
+    """'text' quoted, cut to SHOWN_CHARS with its length said (no 10 MB value in a message)."""
+    return repr(text) if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]!r}... ({len(text):,} characters)"
+
+
+def _shown(value: Any) -> str:
+    """repr(value), cut to SHOWN_CHARS."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
+
+
 def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfile:
+    source = source if len(source) <= SHOWN_CHARS else f"{source[:SHOWN_CHARS]}..."
     if not isinstance(data, dict):
         raise CostModelInputError(f"profile '{source}': expected a JSON object, got {type(data).__name__}")
     version = data.get("schema_version")
     if version not in READABLE_VERSIONS:
         raise CostModelInputError(
-            f"profile '{source}': schema_version is {version!r}, this autopar reads versions "
+            f"profile '{source}': schema_version is {_shown(version)}, this autopar reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}; re-create it with `autopar profile --out FILE`")
     reader = _FieldReader(data, source)
     matmul = tuple(_matmul_point(item, source, index) for index, item in enumerate(reader.list("matmul")))
@@ -138,20 +164,21 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfil
                         for index, item in enumerate(reader.list("elementwise", required=False)))
     device_kind = reader.text("device_kind")
     if device_kind not in ("cpu", "cuda"):
-        raise CostModelInputError(f"profile '{source}': field 'device_kind' must be 'cpu' or 'cuda', got {device_kind!r}")
+        raise CostModelInputError(f"profile '{source}': field 'device_kind' must be 'cpu' or 'cuda', "
+                                  f"got {_shorten(device_kind)}")
     return HardwareProfile(
         schema_version=SCHEMA_VERSION,
         device_kind=device_kind,
         device_name=reader.text("device_name"),
-        num_processes=int(reader.positive("num_processes")),
+        num_processes=reader.count("num_processes"),
         memory_bytes=reader.positive("memory_bytes"),
         memory_bandwidth_bytes_per_s=reader.positive("memory_bandwidth_bytes_per_s"),
         kernel_overhead_s=reader.non_negative("kernel_overhead_s"),
         matmul=matmul,
         collectives=collectives,
         elementwise=elementwise,
-        created=str(data.get("created", "")),
-        host=str(data.get("host", "")),
+        created=str(data.get("created", ""))[:MAX_TEXT_CHARS],
+        host=str(data.get("host", ""))[:MAX_TEXT_CHARS],
         calibrations=tuple(calibration_from_dict(item, source=source)
                            for item in reader.list("calibrations", required=False)),
     )
@@ -170,14 +197,29 @@ class _FieldReader:
     def text(self, name: str) -> str:
         value = self._get(name)
         if not isinstance(value, str):
-            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be a string")
+            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be a string, "
+                                      f"got {type(value).__name__}")
+        if len(value) > MAX_TEXT_CHARS:
+            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be at most {MAX_TEXT_CHARS:,} "
+                                      f"characters, got {_shorten(value)}")
         return value
 
     def number(self, name: str) -> float:
         value = self._get(name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be a finite number, got {value!r}")
+            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be a finite number, "
+                                      f"got {_shown(value)}")
         return float(value)
+
+    def count(self, name: str) -> int:
+        value = self._get(name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be an integer, "
+                                      f"got {_shown(value)}")
+        if not 1 <= value <= MAX_COUNT:
+            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be >= 1 and at most "
+                                      f"{MAX_COUNT:,}, got {_shown(value)}")
+        return value
 
     def positive(self, name: str) -> float:
         value = self.number(name)
@@ -196,30 +238,41 @@ class _FieldReader:
             return []
         value = self._get(name)
         if not isinstance(value, list):
-            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be a list")
+            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be a list, "
+                                      f"got {type(value).__name__}")
         return value
 
 
+def _item_reader(item: Any, source: str, field: str, index: int) -> _FieldReader:
+    if not isinstance(item, dict):
+        raise CostModelInputError(f"profile '{source}': {field}[{index}] must be an object with named fields, "
+                                  f"got {type(item).__name__}")
+    return _FieldReader(item, f"{source}: {field}[{index}]")
+
+
 def _matmul_point(item: Any, source: str, index: int) -> MatmulPoint:
-    reader = _FieldReader(item if isinstance(item, dict) else {}, f"{source}: matmul[{index}]")
+    reader = _item_reader(item, source, "matmul", index)
     return MatmulPoint(dtype=reader.text("dtype"), flops=reader.positive("flops"),
                        achieved_flops_per_s=reader.positive("achieved_flops_per_s"))
 
 
 def _collective_point(item: Any, source: str, index: int) -> CollectivePoint:
-    reader = _FieldReader(item if isinstance(item, dict) else {}, f"{source}: collectives[{index}]")
+    reader = _item_reader(item, source, "collectives", index)
     op, level = reader.text("op"), reader.text("level")
     if op not in COLLECTIVE_OPS:
-        raise CostModelInputError(f"profile '{source}': collectives[{index}].op {op!r} is not one of {COLLECTIVE_OPS}")
+        raise CostModelInputError(f"profile '{source}': collectives[{index}].op {_shorten(op)} is not one of "
+                                  f"{COLLECTIVE_OPS}")
     if level not in LINK_LEVELS:
-        raise CostModelInputError(f"profile '{source}': collectives[{index}].level {level!r} is not one of {LINK_LEVELS}")
-    return CollectivePoint(op=op, level=level, num_devices=int(reader.positive("num_devices")),
+        raise CostModelInputError(f"profile '{source}': collectives[{index}].level {_shorten(level)} is not one of "
+                                  f"{LINK_LEVELS}")
+    return CollectivePoint(op=op, level=level, num_devices=reader.count("num_devices"),
                            message_bytes=reader.positive("message_bytes"), time_s=reader.positive("time_s"))
 
 
 def _elementwise_point(item: Any, source: str, index: int) -> ElementwisePoint:
-    reader = _FieldReader(item if isinstance(item, dict) else {}, f"{source}: elementwise[{index}]")
+    reader = _item_reader(item, source, "elementwise", index)
     kind = reader.text("kind")
     if kind not in ELEMENTWISE_KINDS:
-        raise CostModelInputError(f"profile '{source}': elementwise[{index}].kind {kind!r} is not one of {ELEMENTWISE_KINDS}")
+        raise CostModelInputError(f"profile '{source}': elementwise[{index}].kind {_shorten(kind)} is not one of "
+                                  f"{ELEMENTWISE_KINDS}")
     return ElementwisePoint(kind=kind, elements_per_s=reader.positive("elements_per_s"))

@@ -60,10 +60,8 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
     TrialOptions; `progress(message)` receives trial progress on rank 0 (default: stderr)."""
     from autopar import api
 
+    _check_arguments(model, example_inputs, example_kwargs, plan, global_batch)
     _, world = ensure_process_group()
-    if example_inputs is None and not example_kwargs:
-        raise ConfigError("parallelize needs example_inputs: a tuple of tensors like one global batch "
-                          "(or a dict of keyword inputs)")
     inputs, keywords = api.split_inputs(example_inputs, example_kwargs)
     batch = global_batch or _batch_of(inputs + tuple(keywords.values()))
 
@@ -111,6 +109,28 @@ def _chosen_by_trials(model, inputs, cluster, batch: int, trials: int, *, loss_f
                          progress=say)
     winner = select_winner(results)
     return record_trials(candidates[winner], results, winner)
+
+
+def _check_arguments(model, example_inputs, example_kwargs, plan, global_batch) -> None:
+    """Before joining the process group: a wrong argument fails alike on every rank, at once."""
+    from autopar.api import check_model_arguments
+    from autopar.validation import check_global_batch, shorten, type_name
+
+    if not isinstance(model, nn.Module) or isinstance(model, type):
+        hint = " (build it first, e.g. build_model('gpt').model)" if isinstance(model, str) else ""
+        raise ConfigError(f"parallelize takes the model itself, an nn.Module instance, got {type_name(model)} "
+                          f"{shorten(model)}{hint}")
+    if example_inputs is None and not example_kwargs:
+        raise ConfigError("parallelize needs example_inputs: a tuple of tensors like one global batch "
+                          "(or a dict of keyword inputs)")
+    check_model_arguments(model, example_inputs)
+    if global_batch is not None:
+        check_global_batch(global_batch)
+    if isinstance(plan, Plan):
+        plan.validate()
+    elif plan is not None and not isinstance(plan, (str, Path)):
+        raise ConfigError(f"plan must be a Plan, the path of a plan file or None, got {type_name(plan)} "
+                          f"{shorten(plan)}")
 
 
 def _batch_of(inputs: tuple) -> int:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from autopar.errors import ModelSpecError
+from autopar.validation import MAX_GLOBAL_BATCH, shorten
 from autopar.models import bert, gpt, llama, mlp, moe, vit
 from autopar.models.spec import (
     call_factory,
@@ -167,7 +168,9 @@ def build_model(
     """
     resolved = resolve_spec(spec)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ModelSpecError(f"batch_size must be a positive int, got {batch_size!r}")
+        raise ModelSpecError(f"batch_size must be a positive int, got {shorten(batch_size)}")
+    if batch_size > MAX_GLOBAL_BATCH:
+        raise ModelSpecError(f"batch_size must be at most {MAX_GLOBAL_BATCH:,}, got {batch_size:,}")
     device = _parse_device(device)
     if seed is not None and device.type != "meta":
         torch.manual_seed(seed)

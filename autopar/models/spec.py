@@ -14,8 +14,10 @@ helpers are what the family configs call from `__post_init__`. Every mistake rai
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import io
 import functools
 import hashlib
 import importlib.util
@@ -31,9 +33,19 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from autopar.errors import ModelSpecError
+from autopar.validation import shorten
 
 _FILE_SPEC = re.compile(r"(?P<path>.+?\.py)\s*(?::(?P<factory>.*))?", re.DOTALL)  # path.py[:factory]
 SPEC_EXAMPLES = "e.g. 'gpt', 'gpt:layers=4,hidden=256', 'gpt3-175b' or 'path/to/model.py:factory'"
+
+_WIDTH_LIMIT = 1 << 20
+SIZE_LIMITS: dict[str, int] = {
+    "layers": 1024, "seq": 1 << 20, "vocab": 1 << 22, "num_experts": 4096, "image_size": 1 << 16,
+    "token_types": 1 << 22, "num_classes": 1 << 22,
+}
+"""Largest value of an int config field, by name (other int fields: _WIDTH_LIMIT). Checked before
+anything is built: a 100,000-layer model would be built block by block on meta for minutes, and
+require_divisible enumerates divisors. The deepest published models have about 130 layers."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,7 +74,7 @@ def parse_spec(spec: str) -> ParsedSpec:
     name, _, override_text = text.partition(":")
     name = name.strip().lower()
     if not name:
-        raise ModelSpecError(f"model spec '{spec}' has no model name before ':'; {SPEC_EXAMPLES}")
+        raise ModelSpecError(f"model spec {shorten(spec)} has no model name before ':'; {SPEC_EXAMPLES}")
     return ParsedSpec(name=name, overrides=_parse_overrides(override_text, spec))
 
 
@@ -95,13 +107,14 @@ def _parse_overrides(text: str, spec: str) -> tuple[tuple[str, str], ...]:
         key, equals, value = (part.strip() for part in item.partition("="))
         if not equals or not key:
             raise ModelSpecError(
-                f"override '{item}' in model spec '{spec}' is not key=value; "
+                f"override {shorten(item)} in model spec {shorten(spec)} is not key=value; "
                 "write e.g. 'gpt:layers=4,hidden=256'"
             )
         if not value:
-            raise ModelSpecError(f"field '{key}' in model spec '{spec}' has no value; write '{key}=<value>'")
+            raise ModelSpecError(f"field {shorten(key)} in model spec {shorten(spec)} has no value; "
+                                 f"write '{key}=<value>'")
         if key in pairs:
-            raise ModelSpecError(f"field '{key}' is set twice in model spec '{spec}'; keep one")
+            raise ModelSpecError(f"field '{key}' is set twice in model spec {shorten(spec)}; keep one")
         pairs[key] = value
     return tuple(pairs.items())
 
@@ -149,7 +162,7 @@ def parse_value(owner: str, field: str, annotation: Any, raw: str) -> Any:
         if raw in choices:
             return raw
         raise ModelSpecError(
-            f"{owner} field '{field}' expects one of {', '.join(map(repr, choices))}, got '{raw}'"
+            f"{owner} field '{field}' expects one of {', '.join(map(repr, choices))}, got {shorten(raw)}"
             f"{did_you_mean(raw, choices)}"
         )
     parsers: dict[Any, Callable[[str], Any]] = {int: int, float: float, str: str, bool: _parse_bool}
@@ -159,7 +172,7 @@ def parse_value(owner: str, field: str, annotation: Any, raw: str) -> Any:
         expected = {int: "an int", float: "a number", bool: "true or false"}[annotation]
         if inner is not None:
             expected += " or 'none'"
-        raise ModelSpecError(f"{owner} field '{field}' expects {expected}, got '{raw}'") from None
+        raise ModelSpecError(f"{owner} field '{field}' expects {expected}, got {shorten(raw)}") from None
 
 
 def _parse_bool(raw: str) -> bool:
@@ -211,7 +224,13 @@ def check_field_types(config: Any) -> None:
             annotation = inner
         if not _matches(value, annotation):
             raise ModelSpecError(
-                f"{config.family} field '{name}' expects {_describe(annotation)}, got {value!r}"
+                f"{config.family} field '{name}' expects {_describe(annotation)}, got {shorten(value)}"
+            )
+        limit = SIZE_LIMITS.get(name, _WIDTH_LIMIT)
+        if annotation is int and value > limit:
+            raise ModelSpecError(
+                f"{config.family} field '{name}' must be at most {limit:,}, got {shorten(value)}; "
+                "autopar bounds model sizes so that a typo does not build for minutes"
             )
 
 
@@ -286,7 +305,12 @@ class FactoryResult(NamedTuple):
 def import_factory(path_text: str, factory_name: str) -> Callable:
     """Imports the Python file at `path_text` and returns its callable `factory_name`."""
     path = Path(path_text).expanduser()
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except (OSError, ValueError) as error:  # a name the OS refuses: too long, a NUL byte
+        reason = "the file name is too long" if getattr(error, "errno", None) == 36 else str(error)[:200]
+        raise ModelSpecError(f"model file {shorten(path_text)} cannot be looked up: {reason}") from None
+    if not found:
         raise ModelSpecError(
             f"model file '{path_text}' not found (looked at {path.resolve()}); give the path of a Python "
             f"file that defines {factory_name}()"
@@ -299,12 +323,15 @@ def import_factory(path_text: str, factory_name: str) -> Callable:
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
     try:
-        module_spec.loader.exec_module(module)
+        with user_code(f"importing model file {shorten(path_text)}"):
+            module_spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(module_name, None)
-        raise ModelSpecError(
-            f"importing model file '{path_text}' failed: {type(exc).__name__}: {exc}; fix the file"
-        ) from exc
+        if isinstance(exc, ModelSpecError):
+            raise
+        reason = "it is not UTF-8 text" if isinstance(exc, (UnicodeDecodeError, SyntaxError)) and \
+            "utf-8" in str(exc).lower() else f"{type(exc).__name__}: {str(exc)[:300]}"
+        raise ModelSpecError(f"importing model file {shorten(path_text)} failed: {reason}; fix the file") from None
     factory = getattr(module, factory_name, None)
     if factory is None:
         functions = [name for name, value in vars(module).items() if callable(value) and not name.startswith("_")]
@@ -324,12 +351,36 @@ def import_factory(path_text: str, factory_name: str) -> Callable:
 def call_factory(factory: Callable, where: str) -> FactoryResult:
     """Calls a user factory and checks what it returned; `where` names it in messages."""
     try:
-        result = factory()
+        with user_code(f"factory {where}"):
+            result = factory()
+    except ModelSpecError:
+        raise
     except Exception as exc:
         raise ModelSpecError(
-            f"factory {where} raised {type(exc).__name__}: {exc}; fix the factory ({FACTORY_CONTRACT})"
-        ) from exc
+            f"factory {where} raised {type(exc).__name__}: {str(exc)[:300]}; fix the factory ({FACTORY_CONTRACT})"
+        ) from None
     return normalize_factory_result(result, where)
+
+
+@contextlib.contextmanager
+def user_code(what: str):
+    """Runs a user's file or factory: what it prints goes to stderr (stdout is for autopar's
+    report or its one JSON object), and a sys.exit() there (argparse's parse_args() meeting
+    autopar's own arguments does one) becomes a ModelSpecError instead of ending autopar."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            yield
+    except Exception:
+        sys.stderr.write(printed.getvalue())
+        raise
+    except SystemExit as stop:  # what it printed is its usage message, not autopar's: dropped
+        raise ModelSpecError(
+            f"{what} called sys.exit({shorten(stop.code)}), which would end autopar; a module-level "
+            "argparse parse_args() does this when it meets autopar's command line. Put the script part of "
+            "the file under `if __name__ == \"__main__\":` and let the factory only build the model"
+        ) from None
+    sys.stderr.write(printed.getvalue())
 
 
 def normalize_factory_result(result: Any, where: str) -> FactoryResult:

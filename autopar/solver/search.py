@@ -330,13 +330,32 @@ class Planner:
     def _infeasible(self, least: Estimate | None, constraints: Constraints) -> InfeasiblePlanError:
         budget = self.step_model.memory_budget_bytes
         if least is None:
-            return InfeasiblePlanError(f"no configuration matches the constraints {constraints}")
+            return InfeasiblePlanError(self._no_config_message(constraints))
         parts = ", ".join(f"{name} {human_bytes(size)}" for name, size in least.memory_bytes.items() if size)
         return InfeasiblePlanError(
             f"the model does not fit: the leanest configuration found ({least.config.describe()}) needs "
             f"{human_bytes(least.peak_memory_bytes)} per device ({parts}), more than the "
             f"{human_bytes(budget)} usable of {human_bytes(self.cluster.device.memory_bytes)}. "
             "Use more devices, devices with more memory, or relax the constraints.")
+
+
+    def _no_config_message(self, constraints: Constraints) -> str:
+        """Why no configuration was left to price, in the terms of the constraints given."""
+        fixed = ", ".join(f"{name}={value}" for name, value in vars(constraints).items() if value is not None)
+        reasons: list[str] = []
+        for tp, pp, dp in self._meshes(constraints):
+            most = self.global_batch // dp
+            if pp > 1 and constraints.schedule != "gpipe" and most < pp:
+                reasons.append(f"pp={pp} with dp={dp} leaves at most {most} microbatches of the global batch "
+                               f"{self.global_batch}, fewer than the {pp} stages a 1F1B pipeline must fill "
+                               "(use a larger batch, a smaller pp, or --schedule gpipe)")
+            if constraints.schedule == "interleaved" and not (self.virtual_stages(pp, constraints)
+                                                              or self._interleavings(pp)):
+                reasons.append(f"the interleaved schedule needs at least 2 chunks of layers per stage, and the "
+                               f"{self.num_blocks} layers do not split into pp={pp} x 2, 3 or 4 chunks")
+        unique = list(dict.fromkeys(reasons))[:2]
+        return (f"no configuration satisfies {fixed or 'the search'}: "
+                f"{'; '.join(unique) or 'every candidate was ruled out'}; relax a constraint")
 
 
 def schedule_accepts(schedule: str, num_stages: int, num_microbatches: int) -> bool:
