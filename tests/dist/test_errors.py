@@ -73,8 +73,9 @@ def error_case(case: Case) -> dict:
             _parallelize(bundle, plan=_plan_file(case, GPT_SPEC, 2 * WORLD_SIZE))
         elif case.kind == "batch_not_the_planned_one":
             module = _parallelize(bundle, constraints={"dp": WORLD_SIZE})
-            smaller = _bundle(batch_size=GLOBAL_BATCH // 2)
-            module.train_step(smaller.example_inputs, smaller.example_targets)
+            # Neither the global batch nor one rank's data-parallel share of it (per-rank data).
+            other = _bundle(batch_size=GLOBAL_BATCH + GLOBAL_BATCH // 2)
+            module.train_step(other.example_inputs, other.example_targets)
         elif case.kind == "sequence_not_the_traced_one":
             module = _parallelize(bundle, constraints={"dp": WORLD_SIZE})
             tokens = bundle.example_inputs[0][:, : bundle.example_inputs[0].shape[1] // 2]
