@@ -10,6 +10,7 @@ making progress and reports where each rank was).
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,20 +85,27 @@ def error_case(case: Case) -> dict:
             _parallelize(bundle, plan=str(Path(case.folder) / "no-such-plan.json"))
         elif case.kind == "corrupt_plan_file":
             path = Path(case.folder) / "corrupt.plan.json"
-            path.write_text('{"schema_version": 1, "model": "GPT", "mesh": {"pp": 1,')  # cut short
+            _write_whole(path, '{"schema_version": 1, "model": "GPT", "mesh": {"pp": 1,')  # cut short
             _parallelize(bundle, plan=str(path))
         elif case.kind == "internal_error_while_planning":
             with _broken_planner():
                 _parallelize(bundle)
         elif case.kind == "plan_file_missing_fields":
             path = Path(case.folder) / "partial.plan.json"
-            path.write_text('{"schema_version": 1, "model": "GPT"}')
+            _write_whole(path, '{"schema_version": 1, "model": "GPT"}')
             _parallelize(bundle, plan=str(path))
         else:
             raise ValueError(f"unknown case {case.kind}")
     except Exception as error:  # noqa: BLE001 - the error is the result
         return dict(type=type(error).__name__, message=str(error))
     return dict(type=None, message="")
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Every rank writes the same file: replace it whole, so no rank reads another's half-written copy."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 @contextmanager
