@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from autopar.errors import ConfigError, ProfileError
 from autopar.tune.fit import Observation, fit
 from autopar.tune.trials import TrialOptions
-from cost_model.calibration import CALIBRATION_VERSION, Calibration, CalibrationPoint
+from cost_model.calibration import CALIBRATION_VERSION, Calibration
 from cost_model.errors import CostModelInputError
 from cost_model.profile import HardwareProfile, load_profile
 
@@ -144,9 +144,8 @@ def calibrate_profile(model_spec: str, profile_path: str, *, num_processes: int,
         version=CALIBRATION_VERSION, model=model_spec, num_processes=num_processes, num_cores=cores,
         host=profile.host, device_name=profile.device_name, torch_version=torch.__version__,
         coefficients=result.coefficients, expected_error=result.expected_error, worst_error=result.worst_error,
-        points=tuple(CalibrationPoint(config=o.config, predicted_s=o.predicted_s, measured_s=o.measured_s,
-                                      features=o.features, fitted_s=f, held_out_s=h)
-                     for o, f, h in zip(observations, result.fitted_s, result.held_out_s)),
+        points=tuple(replace(point, fitted_s=f, held_out_s=h)
+                     for point, f, h in zip(observations, result.fitted_s, result.held_out_s)),
         load_average=load, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         notes=tuple(notes) + (f"global batch {batch}; {len(observations)} configurations in "
                               f"{time.perf_counter() - started:.0f} s",))
@@ -158,9 +157,7 @@ def calibrate_profile(model_spec: str, profile_path: str, *, num_processes: int,
 
 def refit(calibration: Calibration) -> Calibration:
     """The calibration fitted again from its stored points (after a change to the fit)."""
-    observations = [Observation(config=p.config, predicted_s=p.predicted_s, measured_s=p.measured_s,
-                                features=p.features) for p in calibration.points]
-    result = fit(observations)
+    result = fit(list(calibration.points))
     points = tuple(replace(point, fitted_s=f, held_out_s=h)
                    for point, f, h in zip(calibration.points, result.fitted_s, result.held_out_s))
     return replace(calibration, coefficients=result.coefficients, expected_error=result.expected_error,

@@ -23,18 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.errors import ConfigError
-from cost_model.calibration import CPU_WORK_TERMS, TERMS, is_multiplier
+from cost_model.calibration import CPU_WORK_TERMS, TERMS, CalibrationPoint, is_multiplier
 
 
-@dataclass(frozen=True, kw_only=True)
-class Observation:
-    """One measured configuration."""
-
-    config: str
-    predicted_s: float
-    """Uncalibrated prediction."""
-    measured_s: float
-    features: dict[str, float]
+Observation = CalibrationPoint
+"""One measured configuration: the point the calibration stores (its fitted times unset)."""
 
 
 @dataclass(frozen=True, kw_only=True)
