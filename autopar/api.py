@@ -194,14 +194,15 @@ def plan_with(planner: Planner, constraints: Constraints = Constraints()) -> Pla
 
 def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: int, num_candidates: int,
                     constraints=None, loss_fn=None, example_targets=None, precision: str = "bf16",
-                    options: SearchOptions | None = None, verbose: bool = False) -> list[Plan]:
+                    options: SearchOptions | None = None, verbose: bool = False, example_kwargs=None) -> list[Plan]:
     """The `num_candidates` fastest predicted plans, fastest first (what trials measure)."""
     constraints = Constraints.from_value(check_constraint_values(constraints))
     check_model_arguments(model, example_inputs, loss_fn, example_targets)
     cluster = Cluster.from_spec(cluster)
     _check_constraints(cluster, check_global_batch(global_batch), constraints)
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
-                          example_targets=example_targets, precision=precision, options=options, verbose=verbose)
+                          example_targets=example_targets, precision=precision, options=options, verbose=verbose,
+                          example_kwargs=example_kwargs)
     return candidates_with(planner, constraints, num_candidates=num_candidates)
 
 

@@ -39,7 +39,9 @@ TERMS: dict[str, str] = {
     "pp.schedule": "seconds per pipeline schedule action (one microbatch forward or backward on a stage, "
                    "with its send/recv)",
     "dp.hooks": "seconds per FSDP unit and microbatch (pre/post forward and backward hooks)",
-    "dp.overlap": "share of the gradient synchronisation the model assumes hidden that is not",
+    "dp.overlap": "seconds in the step per second of gradient synchronisation the model assumes hidden: the "
+                  "share not hidden, times how much slower the synchronisation runs beside compute than alone "
+                  "(so it can exceed 1)",
     "optimizer.per_tensor": "seconds per parameter tensor of the optimizer step",
 }
 """Calibrated terms by name (the step-time breakdown uses these names)."""

@@ -73,10 +73,8 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
                         example_kwargs=keywords,
                         precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"))
 
-    if trials > 1 and plan is None and keywords:
-        raise ConfigError("trials=k does not take keyword inputs yet: pass the inputs positionally, or trials=1")
     if trials > 1 and plan is None:
-        chosen = _chosen_by_trials(model, inputs, cluster or default_cluster(world), batch, trials,
+        chosen = _chosen_by_trials(model, inputs, keywords, cluster or default_cluster(world), batch, trials,
                                    loss_fn=loss_fn, example_targets=example_targets, constraints=constraints,
                                    precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"),
                                    trial_options=trial_options, progress=progress)
@@ -90,7 +88,7 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
     return build_parallel_module(model, inputs, chosen, loss_fn, keywords, init_fn=init_fn)
 
 
-def _chosen_by_trials(model, inputs, cluster, batch: int, trials: int, *, loss_fn, example_targets, constraints,
+def _chosen_by_trials(model, inputs, keywords, cluster, batch: int, trials: int, *, loss_fn, example_targets, constraints,
                       precision: str, trial_options, progress) -> Plan:
     import sys
 
@@ -99,14 +97,14 @@ def _chosen_by_trials(model, inputs, cluster, batch: int, trials: int, *, loss_f
 
     candidates = run_on_rank0(lambda: api.candidate_plans(
         model, inputs, cluster, global_batch=batch, num_candidates=trials, constraints=constraints, loss_fn=loss_fn,
-        example_targets=example_targets, precision=precision))
+        example_targets=example_targets, precision=precision, example_kwargs=keywords))
     for candidate in candidates:
         if candidate.num_devices != dist.get_world_size():
             raise PlanMismatchError(f"the candidate plans are for {candidate.num_devices} devices, but the job has "
                                     f"{dist.get_world_size()} processes: plan for this job's cluster")
     say = progress or (lambda message: print(f"autopar: {message}", file=sys.stderr, flush=True))
     results = run_trials(model, inputs, example_targets, loss_fn, candidates, options=trial_options or TrialOptions(),
-                         progress=say)
+                         progress=say, keywords=keywords)
     winner = select_winner(results)
     return record_trials(candidates[winner], results, winner)
 

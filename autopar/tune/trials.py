@@ -115,13 +115,19 @@ def record_trials(plan: Plan, results: list[TrialResult], chosen: int) -> Plan:
 
 def run_trials(model: torch.nn.Module, inputs: tuple, targets, loss_fn: Callable, plans: list[Plan], *,
                options: TrialOptions = TrialOptions(), progress: Callable[[str], None] | None = None,
-               build: Callable | None = None) -> list[TrialResult]:
-    """Measure each plan on this job (call on every rank with the same arguments)."""
+               build: Callable | None = None, keywords: dict | None = None) -> list[TrialResult]:
+    """Measure each plan on this job (call on every rank with the same arguments). `inputs` are
+    the positional inputs and `keywords` the keyword inputs, as the plans were made with."""
     from autopar.codegen.parallelize import build_parallel_module
 
     if loss_fn is None or targets is None:
         raise ConfigError("trials run training steps: pass loss_fn and example_targets")
+    if inputs and keywords:
+        raise ConfigError("trials take positional inputs or keyword inputs, not both: pass every input by keyword "
+                          "(a dict), or trials=1")
     build = build or build_parallel_module
+    if keywords:
+        build, inputs = _built_from_keywords(build, dict(keywords)), dict(keywords)
     say = progress if (progress and dist.get_rank() == 0) else (lambda message: None)
     saved_rng = _rng_state()
     results: list[TrialResult] = []
@@ -144,6 +150,14 @@ def run_trials(model: torch.nn.Module, inputs: tuple, targets, loss_fn: Callable
     finally:
         _restore_rng(saved_rng)
     return results
+
+
+def _built_from_keywords(build: Callable, keywords: dict) -> Callable:
+    """`build` for a model called with keyword inputs only: the module is built from them, and
+    its steps take them as one dict (the `inputs` the trial loops pass around)."""
+    def build_with_keywords(model, _step_inputs, plan, loss_fn):
+        return build(model, (), plan, loss_fn, keywords)
+    return build_with_keywords
 
 
 def _one_trial(model, inputs, targets, loss_fn, plan: Plan, options: TrialOptions, best_s: float,

@@ -76,3 +76,41 @@ def test_trials_leave_the_users_state_bit_equal_and_record_the_candidates():
         assert "predicted" in result["report"] and "timing over 2 steps" in result["report"]
         if rank == 0:
             assert any("trial 1/2" in message for message in result["messages"])
+
+
+def keyword_trials_worker() -> dict:
+    import torch
+    from torch import nn
+
+    import autopar
+    from autopar.tune.trials import TrialOptions
+
+    class KeywordModel(nn.Module):
+        """Called as users call Hugging Face models: every input by keyword."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 4)
+
+        def forward(self, *, features: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return self.down(torch.relu(self.up(features))) * scale
+
+    torch.manual_seed(0)
+    model = KeywordModel()
+    inputs = dict(features=torch.randn(GLOBAL_BATCH, 16), scale=torch.ones(GLOBAL_BATCH, 1))
+    targets = torch.randn(GLOBAL_BATCH, 4)
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    pm = autopar.parallelize(model, tiny_model_cluster(2), inputs, loss_fn=nn.functional.mse_loss,
+                             example_targets=targets, precision="fp32", trials=2,
+                             trial_options=TrialOptions(warmup_steps=1, steps=1), progress=lambda message: None)
+    loss = pm.train_step(inputs, targets)
+    same = all(torch.equal(before[name], param) for name, param in model.named_parameters())
+    return dict(same=same, trials=list(pm.plan.trials), loss=float(loss))
+
+
+def test_trials_take_keyword_inputs():
+    for result in run_workers(keyword_trials_worker, world_size=2, timeout_s=300):
+        assert result["same"]
+        assert len(result["trials"]) >= 1 and sum(row["chosen"] for row in result["trials"]) == 1
+        assert all(row["measured_s"] for row in result["trials"]), result["trials"]
+        assert result["loss"] > 0

@@ -1,6 +1,5 @@
 """Built-in model families: build, forward, train, meta, export, shapes from the papers."""
 
-import time
 
 import pytest
 import torch
@@ -131,10 +130,9 @@ def test_gpt_formula_holds_for_any_shape(layers, head_dim, heads, seq, vocab):
     assert num_parameters(model) - 2 * config.hidden == parameter_count_formula(config)
 
 
-def test_gpt3_175b_builds_on_meta_in_seconds():
-    start = time.perf_counter()
+def test_gpt3_175b_builds_on_meta_without_allocating():
     bundle = build_model("gpt3-175b")
-    assert time.perf_counter() - start < 5.0
+    assert all(tensor.is_meta for tensor in [*bundle.model.parameters(), *bundle.model.buffers()])
     hidden, layers = 12288, 96
     formula = 12 * layers * hidden**2 * (1 + 13 / (12 * hidden) + (51200 + 2048) / (12 * layers * hidden))
     count = num_parameters(bundle.model) - 2 * hidden
