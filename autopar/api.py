@@ -173,14 +173,9 @@ def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constr
     """Search the best parallelization; `constraints` may fix dp, tp, pp, microbatch_size,
     schedule, virtual_stages / layers_per_virtual_stage, recompute and zero_stage.
     `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones."""
-    constraints = Constraints.from_value(check_constraint_values(constraints))
-    check_model_arguments(model, example_inputs, loss_fn, example_targets)
-    cluster = Cluster.from_spec(cluster)
-    _check_constraints(cluster, check_global_batch(global_batch), constraints)
-    planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
-                          example_targets=example_targets, precision=precision, options=options, verbose=verbose,
-                          example_kwargs=example_kwargs)
-    return plan_with(planner, constraints)
+    return candidate_plans(model, example_inputs, cluster, global_batch=global_batch, num_candidates=1,
+                           constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
+                           precision=precision, options=options, verbose=verbose, example_kwargs=example_kwargs)[0]
 
 
 def _check_constraints(cluster: Cluster, global_batch: int, constraints: Constraints) -> None:
