@@ -129,6 +129,9 @@ def _profile_parser(commands) -> None:
                         help="run a fixed set of configurations of MODEL on --nproc processes and store the fitted "
                              "whole-step terms in the profile (an existing --out file is calibrated, else measured first)")
     parser.add_argument("--global-batch", type=count(MAX_GLOBAL_BATCH), metavar="B", help="batch of the calibration runs (default 4 x nproc)")
+    parser.add_argument("--cluster", metavar="SPEC",
+                        help="with --calibrate under torchrun: this job's cluster, with profile=FILE (needed on GPUs, "
+                             "e.g. dgx-h100:nodes=1,profile=p.json)")
     parser.set_defaults(handler=_profile)
 
 
@@ -188,9 +191,16 @@ def _profile(args) -> int:
 
 
 def _calibrate(args, *, exists: bool) -> int:
+    import os
+
     from autopar.profiling import profile_machine
     from autopar.tune.calibrate import calibrate_profile, describe_calibration
 
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _calibrate_in_job(args, exists=exists)
+    if args.cluster is not None:
+        raise ConfigError("--cluster is for --calibrate inside a torchrun job (every process of the job runs the "
+                          "configurations); without torchrun give --nproc N and the processes are spawned here")
     if args.nproc < 2:
         raise ConfigError("--calibrate runs parallel configurations: give --nproc N with N >= 2")
     if not exists:
@@ -199,6 +209,26 @@ def _calibrate(args, *, exists: bool) -> int:
     calibration = next(c for c in profile.calibrations if c.num_processes == args.nproc)
     print(describe_calibration(calibration))
     print(f"wrote {args.out}")
+    return 0
+
+
+def _calibrate_in_job(args, *, exists: bool) -> int:
+    import os
+
+    import torch.distributed as dist
+
+    from autopar.tune.calibrate import calibrate_in_job, describe_calibration
+
+    if not exists:
+        raise ConfigError(f"--calibrate inside a torchrun job calibrates an existing profile, and '{args.out}' does "
+                          f"not exist: measure it first with `autopar profile --out {args.out}` on one of the nodes")
+    profile = calibrate_in_job(args.calibrate, args.out, cluster=args.cluster, global_batch=args.global_batch)
+    if profile is not None:
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        print(describe_calibration(next(c for c in profile.calibrations if c.num_processes == processes)))
+        print(f"wrote {args.out}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
     return 0
 
 

@@ -63,10 +63,12 @@ def _divisors(value: int) -> list[int]:
     return [d for d in range(1, value + 1) if value % d == 0]
 
 
-def measure_configs(model_spec: str, profile_path: str, global_batch: int, options: TrialOptions,
+def measure_configs(model_spec: str, cluster: str, global_batch: int, options: TrialOptions,
                     configs: list[dict] | None = None, precision: str = "fp32") -> list[dict]:
-    """Every rank: price (rank 0) and run each configuration; returns per configuration its
-    config, uncalibrated prediction, features and measured time (None when it failed)."""
+    """Every rank of a process group: price (rank 0, on `cluster`, whose profile is the one to
+    calibrate) and run each configuration; returns per configuration its config, uncalibrated
+    prediction, features and measured time (None when it failed)."""
+    import torch
     import torch.distributed as dist
 
     from autopar import api
@@ -75,13 +77,16 @@ def measure_configs(model_spec: str, profile_path: str, global_batch: int, optio
     from autopar.tune.trials import run_trials
 
     world = dist.get_world_size()
-    bundle = build_model(model_spec, device="cpu", seed=0, batch_size=global_batch)
-    cluster = f"cpu:procs={world},profile={profile_path}"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bundle = build_model(model_spec, device=device, seed=0, batch_size=global_batch)
 
     def price():
         planner = api.planner_for(bundle.model, bundle.example_inputs, cluster, global_batch=global_batch,
                                   loss_fn=bundle.loss_fn, example_targets=bundle.example_targets,
                                   precision=precision, calibrated=False)
+        if planner.cluster.num_devices != world:
+            raise ConfigError(f"the calibration cluster '{cluster}' has {planner.cluster.num_devices} devices but the "
+                              f"job has {world} processes: give the cluster of this job")
         chosen = configs if configs is not None else calibration_configs(
             world, global_batch, num_layers=getattr(bundle.config, "layers", 1),
             num_heads=getattr(bundle.config, "heads", 0))
@@ -113,46 +118,90 @@ def calibrate_profile(model_spec: str, profile_path: str, *, num_processes: int,
     the profile (written to `out`, default: back to `profile_path`)."""
     from autopar.tune.launch import spawn
 
+    profile = _profile_of_this_host(profile_path)
+    if profile.device_kind != "cpu":
+        raise ProfileError(f"profile '{profile_path}' is of {profile.device_name}: `autopar profile --calibrate` on "
+                           "its own spawns gloo processes on this machine's CPUs; calibrate the GPUs inside a torchrun "
+                           f"job: `torchrun --nproc-per-node N -m autopar.cli profile --calibrate MODEL --out "
+                           f"{profile_path} --cluster PRESET:nodes=1,profile={profile_path}`")
+    batch = global_batch or 4 * num_processes
+    load, started = _load_average(), time.perf_counter()
+    outcome = spawn(measure_configs, num_processes=num_processes,
+                    args=(model_spec, f"cpu:procs={num_processes},profile={profile_path}", batch, options))
+    notes = [] if outcome.clean_exit else [
+        f"the processes exited with codes {outcome.exit_codes} after the measurements (an abort at exit); the "
+        "measurements were saved before"]
+    calibrated = _with_calibration(profile, outcome.value, model_spec=model_spec, num_processes=num_processes,
+                                   batch=batch, load=load, seconds=time.perf_counter() - started, notes=notes)
+    calibrated.save(out or profile_path)
+    return calibrated
+
+
+def calibrate_in_job(model_spec: str, profile_path: str, *, cluster: str | None = None,
+                     global_batch: int | None = None, options: TrialOptions = CALIBRATION_STEPS,
+                     out: str | None = None) -> HardwareProfile | None:
+    """The calibration inside this process group (a torchrun job: GPUs with NCCL, or CPUs with
+    gloo), every rank calling it; `cluster` is the job's cluster with profile=`profile_path`
+    (default for a CPU profile: cpu:procs=WORLD). Rank 0 fits, writes the profile and returns
+    it; the other ranks return None."""
+    import torch
+    import torch.distributed as dist
+
+    from autopar.codegen.runtime import ensure_process_group
+
+    rank, world = ensure_process_group()
+    processes_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes_per_node))
+    profile = _profile_of_this_host(profile_path)
+    if cluster is None:
+        if profile.device_kind != "cpu":
+            raise ConfigError(f"calibrating {profile.device_name} needs the job's cluster: give --cluster "
+                              f"PRESET:nodes=N,profile={profile_path} (the preset of these GPUs)")
+        cluster = f"cpu:procs={world},profile={profile_path}"
+    batch = global_batch or 4 * world
+    load, started = _load_average(), time.perf_counter()
+    rows = measure_configs(model_spec, cluster, batch, options,
+                           precision="bf16" if profile.device_kind != "cpu" else "fp32")
+    calibrated = None
+    if rank == 0:
+        calibrated = _with_calibration(profile, rows, model_spec=model_spec, num_processes=processes_per_node,
+                                       batch=batch, load=load, seconds=time.perf_counter() - started, notes=[])
+        calibrated.save(out or profile_path)
+    dist.barrier()
+    return calibrated
+
+
+def _profile_of_this_host(profile_path: str) -> HardwareProfile:
     try:
         profile = load_profile(profile_path)
     except CostModelInputError as error:
         raise ProfileError(str(error)) from None
-    if profile.device_kind != "cpu":
-        raise ProfileError("`autopar profile --calibrate` spawns gloo processes on this machine's CPUs; on GPUs run "
-                           "the calibration under torchrun (not supported yet)")
     if profile.host and profile.host != socket.gethostname():
         raise ProfileError(f"profile '{profile_path}' was measured on {profile.host}, not on this machine "
                            f"({socket.gethostname()}): calibrate with a profile of this machine")
-    batch = global_batch or 4 * num_processes
-    load = _load_average()
-    started = time.perf_counter()
-    outcome = spawn(measure_configs, num_processes=num_processes,
-                    args=(model_spec, str(profile_path), batch, options))
-    rows = outcome.value
-    notes = [] if outcome.clean_exit else [
-        f"the processes exited with codes {outcome.exit_codes} after the measurements (an abort at exit); the "
-        "measurements were saved before"]
-    failed = [row for row in rows if row["measured_s"] is None]
-    notes += [f"{row['config']} failed: {row['failure']}" for row in failed]
-    observations = [Observation(config=row["config"], predicted_s=row["predicted_s"], measured_s=row["measured_s"],
-                                features=row["features"]) for row in rows if row["measured_s"] is not None]
-    cores = os.cpu_count() or 1
-    result = fit(observations)
+    return profile
+
+
+def _with_calibration(profile: HardwareProfile, rows: list[dict], *, model_spec: str, num_processes: int,
+                      batch: int, load: float, seconds: float, notes: list[str]) -> HardwareProfile:
+    """`profile` with the fit of `rows` as its calibration for `num_processes` processes per node."""
     import torch
 
+    notes = list(notes) + [f"{row['config']} failed: {row['failure']}" for row in rows if row["measured_s"] is None]
+    observations = [Observation(config=row["config"], predicted_s=row["predicted_s"], measured_s=row["measured_s"],
+                                features=row["features"]) for row in rows if row["measured_s"] is not None]
+    result = fit(observations)
     calibration = Calibration(
-        version=CALIBRATION_VERSION, model=model_spec, num_processes=num_processes, num_cores=cores,
+        version=CALIBRATION_VERSION, model=model_spec, num_processes=num_processes, num_cores=os.cpu_count() or 1,
         host=profile.host, device_name=profile.device_name, torch_version=torch.__version__,
         coefficients=result.coefficients, expected_error=result.expected_error, worst_error=result.worst_error,
         points=tuple(replace(point, fitted_s=f, held_out_s=h)
                      for point, f, h in zip(observations, result.fitted_s, result.held_out_s)),
         load_average=load, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        notes=tuple(notes) + (f"global batch {batch}; {len(observations)} configurations in "
-                              f"{time.perf_counter() - started:.0f} s",))
+        notes=tuple(notes) + (f"global batch {batch}; {len(observations)} configurations in {seconds:.0f} s",))
     kept = tuple(c for c in profile.calibrations if c.num_processes != num_processes)
-    calibrated = replace(profile, calibrations=kept + (calibration,))
-    calibrated.save(out or profile_path)
-    return calibrated
+    return replace(profile, calibrations=kept + (calibration,))
 
 
 def refit(calibration: Calibration) -> Calibration:

@@ -32,6 +32,7 @@ import os
 import pickle
 import signal
 import socket
+import subprocess
 import tempfile
 import time
 import traceback
@@ -306,3 +307,26 @@ def _selected(request, cases: dict) -> list[str]:
         if name in cases and name not in passing + failing:
             (failing if item.get_closest_marker("xfail") else passing).append(name)
     return passing + failing
+
+
+def launch_like_torchrun(command: list[str], world_size: int, *, timeout_s: float = 240.0,
+                         cwd: str | None = None) -> list[tuple[int, str]]:
+    """Start `world_size` processes of `command` with the environment torchrun gives each rank;
+    their exit codes and output (stdout and stderr), in rank order."""
+    port = free_port()
+    processes = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
+        processes.append(subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+    results = []
+    for process in processes:
+        try:
+            output, _ = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()  # only processes this call started
+            output, _ = process.communicate()
+        results.append((process.returncode, output))
+    return results

@@ -12,7 +12,6 @@ A resumed run must continue the uninterrupted run's loss curve (fp32, 1e-5).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -304,25 +303,9 @@ def test_safetensors_file_loads_into_a_sharded_model(outcomes):
 
 def _run_job(mode: str, world_size: int = 2) -> list[tuple[int, str]]:
     """Start `world_size` processes of exit_job.py as torchrun would; their exit codes and output."""
-    from harness import free_port
+    from harness import launch_like_torchrun
 
-    script = Path(__file__).with_name("exit_job.py")
-    port = free_port()
-    processes = []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        processes.append(subprocess.Popen([sys.executable, str(script), mode], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-    results = []
-    for process in processes:
-        try:
-            output, _ = process.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            process.kill()  # only processes this test started
-            output, _ = process.communicate()
-        results.append((process.returncode, output))
-    return results
+    return launch_like_torchrun([sys.executable, str(Path(__file__).with_name("exit_job.py")), mode], world_size)
 
 
 @pytest.mark.parametrize("mode", ["atexit"])  # "with" and "close" end the same way, earlier
