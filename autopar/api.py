@@ -171,7 +171,7 @@ def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constr
          example_targets=None, precision: str = "bf16", options: SearchOptions | None = None,
          verbose: bool = False, example_kwargs=None) -> Plan:
     """Search the best parallelization; `constraints` may fix dp, tp, pp, microbatch_size,
-    schedule, virtual_stages / layers_per_virtual_stage, recompute and zero_stage.
+    schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage and ep.
     `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones."""
     return candidate_plans(model, example_inputs, cluster, global_batch=global_batch, num_candidates=1,
                            constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
@@ -228,7 +228,7 @@ def _distinct(ranked: list) -> list:
     for estimate in ranked:
         config = estimate.config
         key = (config.dp, config.tp, config.pp, config.microbatch_size, config.schedule, config.virtual_stages,
-               config.zero_stage)
+               config.zero_stage, config.ep)
         if key not in seen:
             seen.add(key)
             kept.append(estimate)
@@ -251,11 +251,12 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
              dp: int | None = None, microbatch_size: int = 1, schedule: str = "1f1b",
              virtual_stages: int | None = None, layers_per_virtual_stage: int | None = None,
              recompute: str = "none", zero_stage: int = 0, loss_fn=None, example_targets=None,
-             precision: str = "bf16", verbose: bool = False, example_kwargs=None) -> Plan:
-    """Price one fully fixed configuration (no search)."""
+             precision: str = "bf16", verbose: bool = False, example_kwargs=None, ep: int = 1) -> Plan:
+    """Price one fully fixed configuration (no search); `ep` splits the experts of an MoE over
+    groups of ep data-parallel ranks."""
     check_fixed_config(tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                        virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
-                       recompute=recompute, zero_stage=zero_stage)
+                       recompute=recompute, zero_stage=zero_stage, ep=ep)
     check_model_arguments(model, example_inputs, loss_fn, example_targets)
     cluster = Cluster.from_spec(cluster)
     check_degrees(cluster, check_global_batch(global_batch), dp=dp, tp=tp, pp=pp,
@@ -265,13 +266,13 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
                           example_kwargs=example_kwargs)
     config = fixed_config(planner, tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                           virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
-                          recompute=recompute, zero_stage=zero_stage)
+                          recompute=recompute, zero_stage=zero_stage, ep=ep)
     return evaluate_with(planner, config)
 
 
 def fixed_config(planner: Planner, *, tp: int, pp: int, dp: int | None, microbatch_size: int, schedule: str,
                  virtual_stages: int | None, layers_per_virtual_stage: int | None, recompute: str,
-                 zero_stage: int) -> ParallelConfig:
+                 zero_stage: int, ep: int = 1) -> ParallelConfig:
     check_pipeline_depth(planner.graph, pp)
     devices = planner.cluster.num_devices
     if tp < 1 or pp < 1 or devices % (tp * pp):
@@ -286,7 +287,7 @@ def fixed_config(planner: Planner, *, tp: int, pp: int, dp: int | None, microbat
         virtual = (planner.virtual_stages(pp, constraints) or [2])[0]
     config = ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
                             num_microbatches=planner.global_batch // (dp * microbatch_size), schedule=schedule,
-                            virtual_stages=virtual, recompute=recompute, zero_stage=zero_stage)
+                            virtual_stages=virtual, recompute=recompute, zero_stage=zero_stage, ep=ep)
     planner.check(config)
     return config
 

@@ -101,6 +101,7 @@ def _plan_parser(commands) -> None:
     parser.add_argument("--layers-per-virtual-stage", type=count())
     parser.add_argument("--recompute", choices=["none", "selective", "full"])
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+    parser.add_argument("--ep", type=count(), help="fix the expert-parallel degree (divides dp; MoE models)")
     parser.set_defaults(handler=_plan)
 
 
@@ -115,6 +116,7 @@ def _evaluate_parser(commands) -> None:
     parser.add_argument("--layers-per-virtual-stage", type=count())
     parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
+    parser.add_argument("--ep", type=count(), default=1, help="expert-parallel degree (divides dp; MoE models)")
     parser.set_defaults(handler=_evaluate)
 
 
@@ -159,7 +161,7 @@ def _plan(args) -> int:
         check_output_path(args.out)
     constraints = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "microbatch_size": args.microbatch_size,
                    "schedule": args.schedule, "layers_per_virtual_stage": args.layers_per_virtual_stage,
-                   "recompute": args.recompute, "zero_stage": args.zero}
+                   "recompute": args.recompute, "zero_stage": args.zero, "ep": args.ep}
     plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
                     constraints={key: value for key, value in constraints.items() if value is not None},
                     precision=args.precision, verbose=args.verbose)
@@ -172,7 +174,7 @@ def _evaluate(args) -> int:
     plan = api.evaluate(args.model, cluster=args.cluster, global_batch=args.global_batch, tp=args.tp, pp=args.pp,
                         dp=args.dp, microbatch_size=args.microbatch_size, schedule=args.schedule,
                         layers_per_virtual_stage=args.layers_per_virtual_stage, recompute=args.recompute,
-                        zero_stage=args.zero, precision=args.precision, verbose=args.verbose)
+                        zero_stage=args.zero, precision=args.precision, verbose=args.verbose, ep=args.ep)
     return _emit(plan, args)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from autopar.graph import OpGraph
 from autopar.plans import SCHEMA_VERSION, Plan, Prediction, StagePlan
+from autopar.solver.experts import expert_param_names, find_expert_ops
 from autopar.solver.search import SearchResult
 from autopar.solver.sharding import ShardingResult
 from autopar.solver.step_model import Estimate, StageEstimate
@@ -23,7 +24,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
                             memory_budget_bytes=memory_budget_bytes, model_flops_per_step=model_flops,
                             tokens_per_s=tokens / estimate.step_time_s if estimate.step_time_s else 0.0,
                             fits=estimate.fits,
-                            collectives_per_microbatch=_collective_counts(segments))
+                            collectives_per_microbatch=_collective_counts(segments, config.ep))
     return Plan(
         schema_version=SCHEMA_VERSION,
         model=graph.model_name,
@@ -51,6 +52,8 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         replicated_ops=sharding.replicated_ops,
         search=_search_stats(estimate, sharding, search),
         notes=tuple(graph.notes) + tuple(estimate.notes) + tuple(notes),
+        ep=config.ep,
+        ep_params=expert_param_names(graph, find_expert_ops(graph)) if config.ep > 1 else (),
     )
 
 
@@ -65,11 +68,16 @@ def _param_roles(graph: OpGraph, strategies: dict) -> dict[str, str]:
     return roles
 
 
-def _collective_counts(segments) -> dict[str, int]:
+def _collective_counts(segments, ep: int = 1) -> dict[str, int]:
+    """Tensor-parallel collectives, and with ep > 1 expert parallelism's all-to-alls (each expert
+    op's dispatch and combine, forward and backward: ExpertExchange.messages)."""
     counts: dict[str, int] = {}
     for segment in segments:
         for event in segment.comm:
             counts[event.op] = counts.get(event.op, 0) + 1
+        if ep > 1:
+            for exchange in segment.expert_exchanges:
+                counts["all_to_all"] = counts.get("all_to_all", 0) + len(exchange.messages())
     return counts
 
 
@@ -127,6 +135,11 @@ def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str) -> tuple[
                     _add(parts, f"tp.{event.op}.recompute", event.time_s)
         for key, seconds in _fsdp_parts(stage).items():
             _add(parts, key, seconds / len(chunks))
+        in_chunk = set(chunk)
+        for name, forward_s, backward_s in stage.ep_segment_s:
+            if name in in_chunk:
+                _add(parts, "ep.all_to_all.forward", forward_s)
+                _add(parts, "ep.all_to_all.backward", backward_s)
         if index in senders and stage.p2p_s:
             share = stage.p2p_s * (senders[index] / sent_bytes if sent_bytes else 1 / len(senders))
             _add(parts, "pp.send_recv.forward", share / 2)
@@ -198,5 +211,5 @@ def _runner_up(estimate: Estimate) -> dict:
             "settings": {"dp": config.dp, "tp": config.tp, "pp": config.pp, "microbatch_size": config.microbatch_size,
                          "num_microbatches": config.num_microbatches, "schedule": config.schedule,
                          "virtual_stages": config.virtual_stages, "recompute": config.recompute,
-                         "zero_stage": config.zero_stage},
+                         "zero_stage": config.zero_stage, "ep": config.ep},
             "stage_recompute": [stage.recompute for stage in estimate.stages]}

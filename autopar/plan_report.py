@@ -22,7 +22,7 @@ def plan_summary(plan: "Plan", *, max_stages: int = 8, max_params: int = 14) -> 
         f"autopar plan for {plan.model or 'model'} on {plan.cluster} ({plan.num_devices} devices), "
         f"global batch {plan.global_batch}",
         f"  mesh          pp={plan.mesh['pp']} x dp={plan.mesh['dp']} x tp={plan.mesh['tp']} "
-        f"(tp inside a node, then dp, then pp)",
+        f"(tp inside a node, then dp, then pp)" + _experts(plan),
         f"  microbatches  {plan.num_microbatches} of {plan.microbatch_size}, schedule {_schedule(plan)}",
         f"  memory saving recompute={plan.recompute}{_lighter_stages(plan)}, ZeRO stage {plan.zero_stage}",
         f"  predicted     {predicted.step_time_s:.4g} s per step, {plan.model_tflops_per_device:.1f} model "
@@ -120,6 +120,13 @@ def _chunk_text(segments) -> str:
     described = extra + ([f"layers {min(blocks)}-{max(blocks)}" if len(blocks) > 1 else f"layer {blocks[0]}"]
                          if blocks else [])
     return " + ".join(described) or ", ".join(segments)
+
+
+def _experts(plan: "Plan") -> str:
+    if plan.ep <= 1:
+        return ""
+    return (f"\n  experts       split over ep={plan.ep} of the dp ranks ({len(plan.ep_params)} expert weights, "
+            f"tokens exchanged by all-to-all; their gradients reduced over dp/ep={plan.mesh['dp'] // plan.ep})")
 
 
 def _tensor_parallel(plan: "Plan", max_params: int) -> list[str]:

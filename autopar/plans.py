@@ -108,6 +108,11 @@ class Plan:
     trials: tuple[dict[str, Any], ...] = ()
     """Trial runs that chose this plan among candidates (autopar.tune): per candidate its
     config, predicted_s, measured_s (None when it failed), error and chosen."""
+    ep: int = 1
+    """Expert-parallel degree: each group of ep consecutive dp ranks splits the expert weights
+    (`ep_params`) by expert, exchanging tokens by all-to-all (1: no expert parallelism)."""
+    ep_params: tuple[str, ...] = ()
+    """The expert weights split over the ep group (dim 0, after their tensor-parallel placement)."""
 
     @property
     def model_tflops_per_device(self) -> float:
@@ -145,7 +150,8 @@ class Plan:
             values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
             values.update(predicted=predicted, stages=stages, input_placements=tuple(data.get("input_placements", ())),
                           replicated_ops=tuple(tuple(item) for item in data.get("replicated_ops", ())),
-                          notes=tuple(data.get("notes", ())), trials=tuple(data.get("trials", ())))
+                          notes=tuple(data.get("notes", ())), trials=tuple(data.get("trials", ())),
+                          ep_params=tuple(data.get("ep_params", ())))
             plan = cls(**values)
         except (KeyError, TypeError) as error:
             raise PlanMismatchError(f"plan {shorten(source)} is missing or has a malformed field ({error}); "

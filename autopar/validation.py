@@ -209,7 +209,7 @@ def check_output_path(path: Any, flag: str = "--out") -> Path:
 
 PRECISION_NAMES = ("bf16", "fp32")
 _DEGREES = ("dp", "tp", "pp")
-_POSITIVE_CONSTRAINTS = ("dp", "tp", "pp", "microbatch_size", "virtual_stages", "layers_per_virtual_stage")
+_POSITIVE_CONSTRAINTS = ("dp", "tp", "pp", "microbatch_size", "virtual_stages", "layers_per_virtual_stage", "ep")
 
 
 def check_global_batch(value: Any, name: str = "global_batch") -> int:
@@ -247,11 +247,11 @@ def check_constraint_values(value: Any) -> dict[str, Any]:
 
 
 def check_fixed_config(*, tp: Any, pp: Any, dp: Any, microbatch_size: Any, schedule: Any, virtual_stages: Any,
-                       layers_per_virtual_stage: Any, recompute: Any, zero_stage: Any) -> None:
+                       layers_per_virtual_stage: Any, recompute: Any, zero_stage: Any, ep: Any = 1) -> None:
     """The arguments of `evaluate`: types and ranges, before anything is captured."""
     from autopar.solver.step_model import RECOMPUTE_MODES, SCHEDULES
 
-    for name, value in (("tp", tp), ("pp", pp), ("microbatch_size", microbatch_size)):
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("microbatch_size", microbatch_size)):
         check_int(value, name, maximum=MAX_DEVICES if name != "microbatch_size" else MAX_GLOBAL_BATCH)
     for name, value in (("dp", dp), ("virtual_stages", virtual_stages),
                         ("layers_per_virtual_stage", layers_per_virtual_stage)):
@@ -403,6 +403,11 @@ def check_plan_data(data: dict, source: str) -> None:
                     f"{mesh['dp'] * microbatch * count}, but global_batch is {global_batch}")
     fields.integer(fields.get(data, "virtual_stages", "virtual_stages"), "virtual_stages", maximum=MAX_DEVICES)
     fields.integer(fields.get(data, "zero_stage", "zero_stage"), "zero_stage", minimum=0)  # choices: Plan
+    ep = fields.integer(fields.get(data, "ep", "ep", 1), "ep", maximum=MAX_DEVICES)
+    if mesh["dp"] % ep:
+        fields.fail(f"ep={ep} does not divide mesh dp={mesh['dp']}: experts are split over groups of ep "
+                    "data-parallel ranks")
+    fields.texts(fields.get(data, "ep_params", "ep_params", []), "ep_params")
     stages = fields.list(fields.get(data, "stages", "stages"), "stages")
     if len(stages) != mesh["pp"]:
         fields.fail(f"stages lists {len(stages)} pipeline stages, but mesh pp is {mesh['pp']}")

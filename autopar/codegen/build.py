@@ -17,7 +17,7 @@ from autopar.codegen.align import align_names
 from autopar.codegen.interpreter import PlannedInterpreter, RunStats
 from autopar.codegen.program import (GraphParts, SegmentModule, StageProgram, distribute_parameter,
                                      recomputable_nodes)
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, PlanMismatchError
 from autopar.plans import Plan
 
 
@@ -103,6 +103,22 @@ class ProgramBuilder:
         """FQN -> this rank's copy of each buffer its stages read."""
         self.meta_born: set[str] = set()
         """FQNs of the parameters and buffers that were on meta (their storage is still unset)."""
+        self.expert_mesh = None
+        """The (tp, ep) mesh of expert weights under expert parallelism (else None)."""
+
+    def use_expert_parallelism(self, runtime) -> None:
+        """Run the plan's expert ops expert-parallel and place its expert weights on the (tp, ep)
+        mesh (codegen/experts.py); the expert ops are found in this graph as the planner found them."""
+        from autopar.codegen.experts import ExpertRunner
+        from autopar.solver.experts import expert_param_names, find_expert_ops
+
+        ops = find_expert_ops(self.parts.graph)
+        names = expert_param_names(self.parts.graph, ops)
+        if set(names) != set(self.plan.ep_params):
+            raise PlanMismatchError(f"the plan splits the expert weights {sorted(self.plan.ep_params)} over ep="
+                                    f"{self.plan.ep}, but this model's expert ops read {sorted(names)}: re-plan")
+        self.interpreter.experts = ExpertRunner({op.node: op for op in ops}, runtime.ep_group, self.plan.ep)
+        self.expert_mesh = runtime.expert_mesh
 
     def build(self, spec: ChunkSpec, *, num_chunks: int) -> StageProgram:
         recompute = self.plan.stage_recompute(spec.index % self.plan.mesh["pp"])
@@ -153,7 +169,12 @@ class ProgramBuilder:
             original = self.model.get_parameter(fqn)
             if original.device.type == "meta":
                 self.meta_born.add(fqn)
-            self.params[fqn] = distribute_parameter(original, placement, self.interpreter.mesh, self.device)
+            if self.expert_mesh is not None and fqn in self.plan.ep_params:
+                from autopar.codegen.experts import distribute_expert_parameter
+
+                self.params[fqn] = distribute_expert_parameter(original, placement, self.expert_mesh, self.device)
+            else:
+                self.params[fqn] = distribute_parameter(original, placement, self.interpreter.mesh, self.device)
         return self.params[fqn]
 
     def _fixed_value(self, placeholder: str, fqn: str) -> torch.Tensor:

@@ -51,14 +51,16 @@ def set_reshard_after_backward(stages: list[StageProgram], enabled: bool) -> Non
 
 
 def all_reduce_gradients(parameters: list[nn.Parameter], group, size: int) -> None:
-    """ZeRO 0: average each gradient's local shard over the data-parallel group."""
+    """ZeRO 0: sum each gradient's local shard over `group` and divide by `size` (the dp degree:
+    the group is the dp group, or for expert weights the dp ranks holding the same experts)."""
     if size <= 1:
         return
     for param in parameters:
         if param.grad is None:
             continue
         local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-        dist.all_reduce(local, group=group)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(local, group=group)
         local.div_(size)
 
 

@@ -78,6 +78,8 @@ class PlannedInterpreter:
         self.distributed = mesh.size() > 1
         self.replicated_targets: set = set()
         """Targets found to have no DTensor strategy (run replicated from then on)."""
+        self.experts = None
+        """ExpertRunner (codegen/experts.py) of an expert-parallel plan, else None."""
         """Without tensor parallelism ops run on plain tensors (DTensor dispatch costs ~20% on CPU)."""
 
     def as_dtensor(self, value: torch.Tensor) -> DTensor:
@@ -121,6 +123,10 @@ class PlannedInterpreter:
 
     def _call(self, node: torch.fx.Node, env: dict[str, Any], cache: dict) -> Any:
         output_placement, input_placements = self.placements.get(node.name, (None, []))
+        if self.experts is not None and node.name in self.experts.ops:
+            return self._expert_call(node, env, cache, output_placement, input_placements)
+        if self.experts is not None and node.name in self.experts.views:
+            return self.experts.run_view(node, env)
         position = 0
 
         def load(arg):
@@ -163,6 +169,34 @@ class PlannedInterpreter:
         if output_placement is None or node.target is operator.getitem or not self.distributed:
             return result
         return self._check_output(node, result, output_placement)
+
+    def _expert_call(self, node: torch.fx.Node, env: dict[str, Any], cache: dict, output_placement,
+                     input_placements: list[str]) -> Any:
+        """An expert op of an expert-parallel plan: the weight is taken as stored (on the (tp, ep)
+        mesh), the tokens placed as planned, and codegen/experts.py exchanges them."""
+        op = self.experts.ops[node.name]
+        position = 0
+
+        def load(arg):
+            nonlocal position
+            if not isinstance(arg, torch.fx.Node) or not isinstance(env[arg.name], torch.Tensor):
+                return env[arg.name] if isinstance(arg, torch.fx.Node) else arg
+            index, position = position, position + 1
+            value = env[arg.name]
+            wanted = input_placements[index] if index < len(input_placements) else None
+            if index == op.weight_input or not self.distributed or wanted is None:
+                return value
+            key = (arg.name, wanted)
+            if key not in cache:
+                cache[key] = self.place(value, wanted)
+            return cache[key]
+
+        args = map_aggregate(node.args, load)
+        kwargs = map_aggregate(dict(node.kwargs), load)
+        placements = list(input_placements) + ["R"] * 2
+        partial_grad = placements[op.token_input] == "R" and placements[op.weight_input] != "R"
+        return self.experts.run(node, args, kwargs, self.mesh if self.distributed else None, output_placement,
+                                partial_grad)
 
     def _cpu_attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                        enable_gqa=False):

@@ -34,7 +34,7 @@ class ParallelModule(nn.Module):
                  params: dict[str, nn.Parameter], listing: str, stats: RunStats, schedule=None,
                  tied_groups: dict | None = None, has_first: bool = True, has_last: bool = True,
                  input_shapes: tuple = (), keyword_names: tuple[str, ...] = (),
-                 model_output: Callable | None = None) -> None:
+                 model_output: Callable | None = None, expert_params: frozenset = frozenset()) -> None:
         super().__init__()
         self.plan = plan
         self.runtime = runtime
@@ -53,6 +53,9 @@ class ParallelModule(nn.Module):
         """The keyword inputs the model was traced with, in the traced order."""
         self.model_output = model_output or (lambda values: values[0] if len(values) == 1 else values)
         """Rebuilds the model's return value (tensor, tuple, ModelOutput) from the program's tensors."""
+        self.expert_params = expert_params
+        """FQNs of the weights split by expert over the ep group (their gradients are reduced over
+        the dp ranks holding the same experts)."""
         self._step_starts_s: deque[float] = deque(maxlen=4096)
         self._step_durations_s: deque[float] = deque(maxlen=4096)
 
@@ -169,9 +172,14 @@ class ParallelModule(nn.Module):
 
     def _sync_gradients(self) -> None:
         dp = self.plan.mesh["dp"]
-        if not uses_fsdp(self.plan.zero_stage, dp):
-            all_reduce_gradients(list(self.parameters()), self.runtime.dp_mesh.get_group(), dp)
         params = self.named_model_parameters()
+        if not uses_fsdp(self.plan.zero_stage, dp):
+            experts = [param for fqn, param in params.items() if fqn in self.expert_params]
+            expert_ids = {id(param) for param in experts}
+            others = [param for param in self.parameters() if id(param) not in expert_ids]
+            all_reduce_gradients(others, self.runtime.dp_mesh.get_group(), dp)
+            if experts:  # complete within the expert group: summed over its replicas, averaged over dp
+                all_reduce_gradients(experts, self.runtime.expert_replica_group, dp)
         for fqn, group in self.tied_groups.items():
             grad = params[fqn].grad
             if grad is not None:

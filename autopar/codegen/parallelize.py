@@ -156,10 +156,15 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
     except AutoparError as caught:
         error = caught
     agree(error)
-    runtime = build_runtime(plan.mesh)
+    if plan.ep > 1 and plan.zero_stage != 0:
+        raise ConfigError(f"the plan has ep={plan.ep} with ZeRO-{plan.zero_stage}: expert parallelism runs with "
+                          "ZeRO-0 only (FSDP of expert-sharded weights is not built); re-plan with zero_stage=0")
+    runtime = build_runtime(plan.mesh, ep=plan.ep)
     _factories_on(parts.program, runtime.device)
     stats = RunStats()
     builder = ProgramBuilder(plan, parts, model, runtime.tp_mesh, runtime.device, stats)
+    if plan.ep > 1:
+        builder.use_expert_parallelism(runtime)
     specs = chunk_specs(plan, parts)
     pp, pp_rank = plan.mesh["pp"], runtime.coordinate("pp")
     mine = [spec for spec in specs if spec.index % pp == pp_rank]
@@ -178,6 +183,7 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
     flat_inputs = inputs + tuple(keywords.values())
     input_shapes = tuple(tuple(value.shape) if isinstance(value, torch.Tensor) else () for value in flat_inputs)
     module = ParallelModule(plan=plan, runtime=runtime, stages=stages, loss_fn=loss_fn, params=builder.params,
+                            expert_params=frozenset(plan.ep_params),
                             input_shapes=input_shapes, keyword_names=tuple(keywords), model_output=parts.model_output,
                             listing=listing, stats=stats, schedule=schedule, tied_groups=tied,
                             has_first=mine[0].index == 0, has_last=mine[-1].index == len(specs) - 1)

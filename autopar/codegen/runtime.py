@@ -27,6 +27,23 @@ class Runtime:
     device: torch.device
     mesh: DeviceMesh
     """(pp, dp, tp) over all ranks, tp fastest."""
+    experts: DeviceMesh | None = None
+    """With expert parallelism: (pp, dp_rep, tp, ep) over the same ranks, where dp = dp_rep x ep
+    with ep fastest (codegen/experts.py); None without."""
+
+    @property
+    def expert_mesh(self) -> DeviceMesh:
+        """The (tp, ep) mesh expert weights are placed on."""
+        return self.experts["tp", "ep"]
+
+    @property
+    def ep_group(self):
+        return self.experts["ep"].get_group()
+
+    @property
+    def expert_replica_group(self):
+        """The dp ranks holding the same experts (over which their gradients are reduced)."""
+        return self.experts["dp_rep"].get_group()
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -64,7 +81,7 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_runtime(mesh_sizes: dict[str, int]) -> Runtime:
+def build_runtime(mesh_sizes: dict[str, int], ep: int = 1) -> Runtime:
     rank, world = ensure_process_group()
     shape = tuple(mesh_sizes[axis] for axis in MESH_AXES)
     if shape[0] * shape[1] * shape[2] != world:
@@ -72,7 +89,12 @@ def build_runtime(mesh_sizes: dict[str, int]) -> Runtime:
                                 f"processes, but the job has {world}: launch that many or re-plan")
     device = local_device()
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_AXES)
-    return Runtime(rank=rank, world_size=world, device=device, mesh=mesh)
+    experts = None
+    if ep > 1:
+        pp, dp, tp = shape
+        ranks = torch.arange(world).reshape(pp, dp // ep, ep, tp).permute(0, 1, 3, 2)
+        experts = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "dp_rep", "tp", "ep"))
+    return Runtime(rank=rank, world_size=world, device=device, mesh=mesh, experts=experts)
 
 
 def broadcast_object(value, src: int = 0):

@@ -13,7 +13,7 @@ from autopar.graph_report import human_bytes
 from autopar.plans import Plan
 
 SETTINGS = ("pp", "dp", "tp", "microbatch_size", "num_microbatches", "schedule", "virtual_stages", "recompute",
-            "zero_stage")
+            "zero_stage", "ep")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,12 +56,14 @@ def plan_settings(plan: Plan) -> dict:
     return {"pp": plan.mesh["pp"], "dp": plan.mesh["dp"], "tp": plan.mesh["tp"],
             "microbatch_size": plan.microbatch_size, "num_microbatches": plan.num_microbatches,
             "schedule": plan.schedule if plan.mesh["pp"] > 1 else "1f1b",
-            "virtual_stages": plan.virtual_stages, "recompute": plan.recompute, "zero_stage": plan.zero_stage}
+            "virtual_stages": plan.virtual_stages, "recompute": plan.recompute, "zero_stage": plan.zero_stage,
+            "ep": plan.ep}
 
 
 def describe_settings(settings: dict) -> str:
     schedule = settings["schedule"] + (f"(v={settings['virtual_stages']})" if settings["schedule"] == "interleaved" else "")
-    return (f"dp={settings['dp']} tp={settings['tp']} pp={settings['pp']} "
+    experts = f" ep={settings['ep']}" if settings.get("ep", 1) > 1 else ""
+    return (f"dp={settings['dp']}{experts} tp={settings['tp']} pp={settings['pp']} "
             f"microbatch={settings['microbatch_size']}x{settings['num_microbatches']} {schedule} "
             f"recompute={settings['recompute']} zero={settings['zero_stage']}")
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from autopar.graph import OpGraph
 from autopar.solver.costing import CommEvent
+from autopar.solver.experts import ExpertExchange, find_expert_ops
 from autopar.solver.quotient import Quotient
 from autopar.solver.sharding_problem import Assignment, ProblemBuilder
 from autopar.strategies.placement import grad_placement, shard_factor
@@ -42,6 +43,10 @@ class SegmentCost:
     """Under selective recompute, bytes kept per producing tensor (deduplicated by name)."""
     selective_recompute: ComputeTime = field(default_factory=ComputeTime)
     """Forward time of the parameter-free ops that selective recompute re-runs."""
+    expert_param_numel: float = 0.0
+    """Of param_numel, the expert weights (sharded further by expert parallelism)."""
+    expert_exchanges: list[ExpertExchange] = field(default_factory=list)
+    """Per expert op, what expert parallelism would exchange (solver/experts.py)."""
 
     @property
     def selective_saved_bytes(self) -> float:
@@ -62,12 +67,18 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
     mesh_shape = builder.mesh_shape
     recomputable = {node.name: is_recomputable(graph, node) for node in graph.nodes}
     fanout_done: set[str] = set()
+    expert_ops = {op.node: op for op in find_expert_ops(graph)}
+    expert_params = {op.param for op in expert_ops.values()}
     for node in graph.nodes:
         strategy = strategy_of[node.name]
         if strategy is None:
             continue
         segment = costs[segment_of.get(node.name, consumers_segment.get(node.name, first_segment))]
         _add_node(builder, node, strategy, segment, mesh_shape, recomputable[node.name])
+        if node.name in expert_params:
+            segment.expert_param_numel += node.output.numel / shard_factor(strategy.output, mesh_shape)
+        if node.name in expert_ops:
+            segment.expert_exchanges.append(_exchange(graph, builder, node, strategy, expert_ops[node.name]))
         for index, source in enumerate(node.inputs):
             producer = graph[source]
             source_strategy = strategy_of.get(source)
@@ -105,6 +116,17 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                               wanted=strategy.inputs[index])
     _add_boundaries(graph, costs, segment_of, strategy_of, mesh_shape)
     return [costs[segment.name] for segment in graph.segments] or list(costs.values())
+
+
+def _exchange(graph: OpGraph, builder: ProblemBuilder, node, strategy, op) -> ExpertExchange:
+    tokens = graph[node.inputs[op.token_input]]
+    forward, backward = builder.ctx.node_compute(node, strategy, builder.inputs_of(node))
+    return ExpertExchange(
+        token_bytes=tokens.output.nbytes / shard_factor(strategy.inputs[op.token_input], builder.mesh_shape),
+        output_bytes=node.output.nbytes / shard_factor(strategy.output, builder.mesh_shape),
+        token_grad=tokens.requires_grad and tokens.output.is_float, dropless=op.dropless,
+        compute_s=forward.total_s + backward.total_s,
+        count_bytes=8.0 * op.num_experts if op.kind == "grouped_mm" else 0.0)
 
 
 def is_recomputable(graph: OpGraph, node) -> bool:

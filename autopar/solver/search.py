@@ -2,7 +2,9 @@
 
 For every factorisation of the devices into pp x dp x tp (tensor parallel inside a node unless
 constrained otherwise), every microbatch size dividing the per-replica batch, the 1F1B and
-interleaved schedules, each recomputation mode and ZeRO stage, the step model (step_model.py)
+interleaved schedules, each recomputation mode and ZeRO stage, and for a model with expert
+matmuls every expert-parallel degree dividing dp (experts sharded over ep of the dp ranks,
+solver/experts.py; with ZeRO-0, the one codegen runs it with), the step model (step_model.py)
 prices the configuration from the intra-op solution of the tensor-parallel mesh at that
 microbatch size (solved once per (tp, microbatch) and reused for every pp and dp). The fastest
 configuration that fits in memory wins; ties go to the leaner one.
@@ -20,6 +22,7 @@ from autopar.graph import OpGraph
 from autopar.graph_report import human_bytes
 from autopar.mesh import Mesh
 from autopar.solver.evaluate import SegmentCost
+from autopar.solver.experts import ExpertPricing, ep_degrees, find_expert_ops
 from autopar.solver.overheads import Overheads, SegmentCounts, segment_counts, step_features
 from autopar.solver.sharding import ShardingOptions, ShardingResult, cost_context, solve_sharding
 from autopar.solver.step_model import (RECOMPUTE_MODES, SCHEDULES, Estimate, ParallelConfig, PreparedSegments,
@@ -47,6 +50,8 @@ class Constraints:
     recompute: str | None = None
     """"none", "selective" or "full"."""
     zero_stage: int | None = None
+    ep: int | None = None
+    """Expert-parallel degree (divides dp; 1: experts not split over data-parallel ranks)."""
 
     @classmethod
     def from_value(cls, value: "Constraints | dict | None") -> "Constraints":
@@ -69,6 +74,8 @@ class SearchOptions:
     """Memory beyond the plan's tensors; None: cost_model.allocator's defaults on GPUs, none on CPUs."""
     max_microbatch_size: int = 64
     sharding: ShardingOptions = ShardingOptions()
+    experts: ExpertPricing = ExpertPricing()
+    """Assumptions of the expert-parallel price (the load imbalance of dropless routing)."""
 
 
 @dataclass
@@ -105,10 +112,13 @@ class Planner:
             devices_per_node=cluster.devices_per_node, compute=ComputeModel(cluster.device, cluster.profile),
             comm=CommModel(cluster), policy=policy,
             memory_budget_bytes=cluster.device.memory_bytes * options.usable_memory_fraction,
-            tied_param_numel=_tied_numel(graph), allocator=_allocator(cluster, options))
+            tied_param_numel=_tied_numel(graph), allocator=_allocator(cluster, options),
+            expert_pricing=options.experts)
         self.overheads = overheads
         """Calibrated whole-step terms (overheads.py), or None to price kernels and collectives only."""
         self.condensed = condense(graph)
+        self.expert_ops = find_expert_ops(self.condensed)
+        """The expert matmuls expert parallelism can split (solver/experts.py)."""
         self._counts: dict[tuple[int, int], dict[str, SegmentCounts]] = {}
         self._sharding: dict[tuple[int, int], ShardingResult] = {}
         self._prepared: dict[tuple[int, int, str], PreparedSegments] = {}
@@ -204,9 +214,35 @@ class Planner:
             raise ConfigError(f"{config.num_microbatches} microbatches cannot fill a {config.schedule} pipeline of "
                               f"{config.pp} stages: 1F1B needs at least as many microbatches as stages and the "
                               "interleaved schedule a multiple of them; use a smaller microbatch or a larger batch")
+        self._check_ep(config)
         if not self.graph.batch_dynamic and config.microbatch_size != self.graph.batch_size:
             raise ConfigError(f"the model was captured with a fixed batch of {self.graph.batch_size}; "
                               f"microbatch size {config.microbatch_size} cannot be priced")
+
+    def ep_options(self, tp: int, dp: int, microbatch_size: int) -> list[int]:
+        """Expert-parallel degrees > 1 this model allows on a dp x tp mesh (none without expert ops)."""
+        if not self.expert_ops or dp < 2:
+            return []
+        strategies = self.sharding(tp, microbatch_size).strategies
+        return ep_degrees(self.condensed, self.expert_ops, strategies, dp, tp)
+
+    def _check_ep(self, config: ParallelConfig) -> None:
+        if config.ep == 1:
+            return
+        if config.ep < 1 or config.dp % config.ep:
+            raise ConfigError(f"ep={config.ep} must divide dp={config.dp}: expert parallelism splits the experts over "
+                              "groups of ep data-parallel ranks")
+        if config.zero_stage != 0:
+            raise ConfigError(f"ep={config.ep} runs with ZeRO-0 only (FSDP of expert-sharded weights is not built): "
+                              "use zero_stage=0 or ep=1")
+        if not self.expert_ops:
+            raise ConfigError(f"ep={config.ep}: the model has no expert matmuls that expert parallelism can split "
+                              "(an einsum or bmm over a 3-D expert weight read only by such ops); use ep=1")
+        if config.ep not in self.ep_options(config.tp, config.dp, config.microbatch_size):
+            counts = sorted({op.num_experts for op in self.expert_ops})
+            raise ConfigError(f"ep={config.ep} with tp={config.tp}: the experts ({counts} per layer, split over tp where "
+                              f"the plan shards them) do not split evenly into {config.ep} groups, or the "
+                              "tensor-parallel plan leaves the expert tokens partial; use another ep or tp")
 
     # --- search ------------------------------------------------------------------------------
 
@@ -290,14 +326,25 @@ class Planner:
         schedules = self._schedules(pp, constraints)
         modes = [constraints.recompute] if constraints.recompute else list(RECOMPUTE_MODES)
         zeros = [constraints.zero_stage] if constraints.zero_stage is not None else ([0] if dp == 1 else [0, 1, 2, 3])
+        if constraints.ep and constraints.ep > 1:
+            if constraints.zero_stage or not self.expert_ops:  # wrong for every mesh: say why now
+                self._check_ep(ParallelConfig(dp=constraints.ep, tp=tp, pp=pp, microbatch_size=microbatch,
+                                              num_microbatches=m, zero_stage=constraints.zero_stage or 0,
+                                              ep=constraints.ep))
+            eps = [constraints.ep] if constraints.ep in self.ep_options(tp, dp, microbatch) else []
+        elif constraints.ep == 1:
+            eps = [1]
+        else:
+            eps = [1] + self.ep_options(tp, dp, microbatch)
         for schedule, virtual in schedules:
             if not schedule_accepts(schedule, pp, m):
                 continue
             for recompute in modes:
-                for zero in zeros:
-                    yield ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch, num_microbatches=m,
-                                         schedule=schedule, virtual_stages=virtual, recompute=recompute,
-                                         zero_stage=zero)
+                for ep in eps:
+                    for zero in (zeros if ep == 1 else [0]):
+                        yield ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch, num_microbatches=m,
+                                             schedule=schedule, virtual_stages=virtual, recompute=recompute,
+                                             zero_stage=zero, ep=ep)
 
     def _schedules(self, pp: int, constraints: Constraints) -> list[tuple[str, int]]:
         virtual = self.virtual_stages(pp, constraints)
@@ -353,6 +400,9 @@ class Planner:
                                                               or self._interleavings(pp)):
                 reasons.append(f"the interleaved schedule needs at least 2 chunks of layers per stage, and the "
                                f"{self.num_blocks} layers do not split into pp={pp} x 2, 3 or 4 chunks")
+        if constraints.ep and constraints.ep > 1:
+            reasons.append(f"ep={constraints.ep} must divide dp and the experts of every expert layer per "
+                           "tensor-parallel rank")
         unique = list(dict.fromkeys(reasons))[:2]
         return (f"no configuration satisfies {fixed or 'the search'}: "
                 f"{'; '.join(unique) or 'every candidate was ruled out'}; relax a constraint")

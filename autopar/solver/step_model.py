@@ -22,6 +22,11 @@ Data-parallel gradient synchronisation over the dp group:
                 ZeRO-1 (and any ZeRO under pipelining) only in the last microbatch. What the compute does not hide (the first
                 unit's gather, gathers longer than the unit they hide behind, the last
                 reduce-scatter) slows every microbatch of the stage: t_k += exposed_k.
+Expert parallelism (ep > 1, solver/experts.py): ep consecutive dp ranks split every expert
+weight by expert; each expert matmul adds its all-to-alls (dispatch and combine, forward and
+backward) over the ep group to t_k, plus the load imbalance of dropless expert ops (the busiest
+rank computes load_imbalance x its share); expert weights' states are 1/ep per device and their
+gradients are all-reduced over the dp / ep ranks holding the same experts (ZeRO-0 only).
 Step = T + exposed synchronisation + optimizer step (Adam, memory-bound, on the local shard)
      + the all-reduce of weights tied across the first and last stage.
 Memory of stage k = model states (ZeRO, memory.py) + in_flight(k) x sum_{S_k} a + buffers
@@ -38,6 +43,7 @@ import numpy as np
 
 from autopar.mesh import Mesh
 from autopar.solver.evaluate import SegmentCost
+from autopar.solver.experts import ExpertPricing
 from autopar.solver.pipeline import ChainCosts, StageSpan, partition
 from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
@@ -63,11 +69,14 @@ class ParallelConfig:
     """Model chunks per device for the interleaved schedule (1 otherwise)."""
     recompute: str = "none"
     zero_stage: int = 0
+    ep: int = 1
+    """Expert-parallel degree: experts split over groups of ep consecutive dp ranks (divides dp)."""
 
     def describe(self) -> str:
         schedule = self.schedule + (f"(v={self.virtual_stages})" if self.schedule == "interleaved" else "")
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} microbatch={self.microbatch_size}x{self.num_microbatches} "
-                f"{schedule} recompute={self.recompute} zero={self.zero_stage}")
+        experts = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"dp={self.dp}{experts} tp={self.tp} pp={self.pp} microbatch={self.microbatch_size}x"
+                f"{self.num_microbatches} {schedule} recompute={self.recompute} zero={self.zero_stage}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +103,12 @@ class StageEstimate:
     fsdp_step_end_s: dict[str, float] = field(default_factory=dict)
     """Exposed FSDP2 communication once per step, by collective (ZeRO-1/2 gathers, reductions
     made only in the last microbatch)."""
+    expert_param_numel: float = 0.0
+    """Of param_numel, the expert weights this device holds (1/ep of them)."""
+    ep_s: dict[str, float] = field(default_factory=dict)
+    """Expert parallelism per microbatch (in time_per_microbatch_s): "all_to_all", "load_imbalance"."""
+    ep_segment_s: tuple[tuple[str, float, float], ...] = ()
+    """Per segment with expert ops: (name, forward, backward) seconds of expert parallelism."""
 
     @property
     def total_memory_bytes(self) -> float:
@@ -133,6 +148,15 @@ class PreparedSegments:
     max_recomputed_bytes: float = 0.0
     """Largest set of tensors one segment regenerates in backward (saved minus kept)."""
     time_partitions: dict[int, list[StageSpan] | None] = field(default_factory=dict)
+    expert_numel: np.ndarray | None = None
+    """Per segment, the expert weights among param_numel (None: no expert ops)."""
+    ep_messages: tuple[tuple[tuple[float, str, bool], ...], ...] = ()
+    """Per segment, its expert ops' all-to-alls: (bytes, "fwd" | "bwd", dropless); a full
+    recompute repeats the forward ones."""
+    ep_dropless_compute_s: np.ndarray | None = None
+    """Per segment, compute of its dropless expert ops (what load imbalance stretches)."""
+    ep_times: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    """Cache per (ep, tp, devices per node): all-to-all forward, backward, load imbalance seconds."""
 
     @classmethod
     def build(cls, segments: list[SegmentCost], recompute: str) -> "PreparedSegments":
@@ -146,7 +170,16 @@ class PreparedSegments:
         backward = array(s.backward.total_s for s in segments)
         recomputed = array(_recompute_s(s, recompute) for s in segments)
         total_comm = sum(comm.values()) if comm else np.zeros(len(segments))
+        experts = any(s.expert_exchanges for s in segments)
+        repeat = 2 if recompute == "full" else 1
+        messages = tuple(tuple((size, phase, exchange.dropless) for exchange in s.expert_exchanges
+                               for size, phase in exchange.messages() for _ in range(repeat if phase == "fwd" else 1))
+                         for s in segments)
         return cls(names=[s.name for s in segments], recompute=recompute, forward_s=forward, backward_s=backward,
+                   expert_numel=array(s.expert_param_numel for s in segments) if experts else None,
+                   ep_messages=messages if experts else (),
+                   ep_dropless_compute_s=array(sum(e.compute_s for e in s.expert_exchanges if e.dropless)
+                                               for s in segments) if experts else None,
                    recompute_s=recomputed, comm_by_op_s=comm, time_s=forward + backward + recomputed + total_comm,
                    activation_bytes=array(_activation_bytes(s, recompute) for s in segments),
                    param_numel=array(s.param_numel for s in segments),
@@ -174,14 +207,45 @@ class StepModel:
     """Parameters used both in the first and last segment (tied embeddings)."""
     allocator: AllocatorModel = NO_OVERHEAD
     """CUDA context, NCCL buffers and caching-allocator fragmentation (none for CPU/gloo)."""
+    expert_pricing: ExpertPricing = ExpertPricing()
+    """Assumptions of the expert-parallel price (load imbalance)."""
 
     def state_bytes_per_param(self, config: ParallelConfig) -> float:
         return model_state_memory(1.0, dp=config.dp, zero_stage=config.zero_stage, policy=self.policy).total_bytes
 
     def chain(self, prepared: PreparedSegments, config: ParallelConfig) -> ChainCosts:
         states = prepared.param_numel * self.state_bytes_per_param(config) + prepared.buffer_bytes
+        time_s = prepared.time_s
+        if config.ep > 1 and prepared.expert_numel is not None:
+            per_expert = model_state_memory(1.0, dp=config.dp // config.ep, zero_stage=config.zero_stage,
+                                            policy=self.policy).total_bytes / config.ep
+            states = states + prepared.expert_numel * (per_expert - self.state_bytes_per_param(config))
+            forward, backward, imbalance = self.ep_times(prepared, config)
+            time_s = time_s + forward + backward + imbalance
         activations = prepared.activation_bytes * (1 + self.allocator.fragmentation_fraction)
-        return ChainCosts(time_s=prepared.time_s, state_bytes=states, activation_bytes=activations)
+        return ChainCosts(time_s=time_s, state_bytes=states, activation_bytes=activations)
+
+    def ep_group(self, config: ParallelConfig):
+        """The devices of one expert group: ep consecutive dp ranks (stride tp)."""
+        return Mesh(axis_names=("pp", "dp_rep", "ep", "tp"), shape=(config.pp, config.dp // config.ep, config.ep,
+                                                                     config.tp),
+                    devices_per_node=self.devices_per_node).group(2)
+
+    def ep_times(self, prepared: PreparedSegments, config: ParallelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per segment: expert parallelism's all-to-alls forward and backward, and the extra compute
+        of the busiest rank under load imbalance (dropless ops)."""
+        key = (config.ep, config.tp, self.devices_per_node)
+        if key not in prepared.ep_times:
+            group = self.ep_group(config)
+            imbalance = self.expert_pricing.load_imbalance
+            times = {"fwd": np.zeros(len(prepared)), "bwd": np.zeros(len(prepared))}
+            for index, messages in enumerate(prepared.ep_messages):
+                for size, phase, dropless in messages:
+                    times[phase][index] += self.comm.time_s("all_to_all", size * (imbalance if dropless else 1.0),
+                                                            group)
+            compute = prepared.ep_dropless_compute_s * (imbalance - 1.0)
+            prepared.ep_times[key] = (times["fwd"], times["bwd"], compute)
+        return prepared.ep_times[key]
 
     def estimate(self, prepared: PreparedSegments, config: ParallelConfig,
                  lighter: dict[str, PreparedSegments] | None = None) -> Estimate | None:
@@ -264,7 +328,15 @@ class StepModel:
     def _stage(self, stage, own, indices, prepared: PreparedSegments, config, p2p, in_flight, workspace) -> StageEstimate:
         pick = lambda values: float(values[indices].sum())  # noqa: E731
         numel = pick(prepared.param_numel)
-        states = model_state_memory(numel, dp=config.dp, zero_stage=config.zero_stage, policy=self.policy)
+        expert_numel = pick(prepared.expert_numel) if config.ep > 1 and prepared.expert_numel is not None else 0.0
+        states = model_state_memory(numel - expert_numel, dp=config.dp, zero_stage=config.zero_stage,
+                                    policy=self.policy)
+        expert_states = model_state_memory(expert_numel / config.ep, dp=config.dp // config.ep,
+                                           zero_stage=config.zero_stage, policy=self.policy)
+        states = replace(states, params_bytes=states.params_bytes + expert_states.params_bytes,
+                         grads_bytes=states.grads_bytes + expert_states.grads_bytes,
+                         optimizer_bytes=states.optimizer_bytes + expert_states.optimizer_bytes)
+        numel -= expert_numel * (1 - 1 / config.ep)
         if config.pp > 1 and config.zero_stage >= 2 and config.dp > 1:
             # Without gradient sync until the last microbatch FSDP2 accumulates unsharded gradients.
             states = replace(states, grads_bytes=numel * self.policy.dp_reduce_bytes)
@@ -281,7 +353,8 @@ class StepModel:
         }
         tp_comm = {op: pick(values) for op, values in prepared.comm_by_op_s.items()}
         timeline, exposed, step_end = self._fsdp(prepared, indices, config)
-        time_per_microbatch = pick(prepared.time_s) + p2p + sum(exposed.values())
+        ep_s, ep_segments = self._ep_parts(prepared, indices, config)
+        time_per_microbatch = pick(prepared.time_s) + p2p + sum(exposed.values()) + sum(ep_s.values())
         chunks = tuple(tuple(prepared.names[i] for i in range(span.start, span.stop)) for span in own)
         return StageEstimate(index=stage, span=StageSpan(own[0].start, own[-1].stop),
                              segment_names=tuple(prepared.names[i] for i in indices), chunks=chunks,
@@ -289,7 +362,20 @@ class StepModel:
                              backward_s=pick(prepared.backward_s), recompute_s=pick(prepared.recompute_s),
                              tp_comm_s=tp_comm, p2p_s=p2p, param_numel=numel, memory_bytes=memory,
                              recompute=prepared.recompute, fsdp=timeline, fsdp_exposed_s=exposed,
-                             fsdp_step_end_s=step_end)
+                             fsdp_step_end_s=step_end, expert_param_numel=expert_numel / config.ep,
+                             ep_s=ep_s, ep_segment_s=ep_segments)
+
+    def _ep_parts(self, prepared: PreparedSegments, indices: list[int], config: ParallelConfig):
+        """Expert parallelism on a stage: seconds per microbatch by part, and per segment."""
+        if config.ep <= 1 or prepared.expert_numel is None:
+            return {}, ()
+        forward, backward, imbalance = self.ep_times(prepared, config)
+        parts = {"all_to_all": float(forward[indices].sum() + backward[indices].sum())}
+        if imbalance[indices].any():
+            parts["load_imbalance"] = float(imbalance[indices].sum())
+        segments = tuple((prepared.names[i], float(forward[i] + imbalance[i] / 3), float(backward[i] + 2 * imbalance[i] / 3))
+                         for i in indices if forward[i] or backward[i] or imbalance[i])
+        return parts, segments
 
     def _fsdp(self, prepared: PreparedSegments, indices: list[int], config: ParallelConfig):
         """(timeline, exposed seconds by collective per microbatch, and once per step)."""
@@ -333,6 +419,8 @@ class StepModel:
         breakdown = {"compute": m * (slowest.forward_s + slowest.backward_s), "recompute": m * slowest.recompute_s}
         for op, seconds in sorted(slowest.tp_comm_s.items()):
             breakdown[f"tp.{op}"] = m * seconds
+        for part, seconds in sorted(slowest.ep_s.items()):
+            breakdown[f"ep.{part}"] = m * seconds
         breakdown["pp.send_recv"] = m * slowest.p2p_s
         breakdown["bubble"] = pipeline_s - m * t_max
         if config.zero_stage == 0:
@@ -366,10 +454,17 @@ class StepModel:
             return 0.0
         if config.zero_stage >= 1:
             return sum(stage.fsdp_step_end_s.values())
-        grad_bytes = stage.param_numel * self.policy.dp_reduce_bytes
+        grad_bytes = (stage.param_numel - stage.expert_param_numel) * self.policy.dp_reduce_bytes
         num_buckets = max(1, len(stage.segment_names))
         backward_one = stage.backward_s + stage.recompute_s
         sync = self._dp_group_time("all_reduce", grad_bytes, config)
+        if stage.expert_param_numel and config.dp > config.ep:
+            # Expert gradients are complete within the expert group: reduced over the dp / ep
+            # ranks that hold the same experts (stride ep x tp).
+            replicas = Mesh(axis_names=("pp", "dp_rep", "ep", "tp"),
+                            shape=(config.pp, config.dp // config.ep, config.ep, config.tp),
+                            devices_per_node=self.devices_per_node).group(1)
+            sync += self.comm.time_s("all_reduce", stage.expert_param_numel * self.policy.dp_reduce_bytes, replicas)
         return max(sync - backward_one, sync / num_buckets)
 
     def _optimizer_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
@@ -402,7 +497,7 @@ def _activation_bytes(segment: SegmentCost, recompute: str) -> float:
 
 def _num_communicators(config: ParallelConfig) -> int:
     """Process groups a rank talks on: one per mesh axis of size > 1."""
-    return sum(1 for size in (config.dp, config.tp, config.pp) if size > 1)
+    return sum(1 for size in (config.dp, config.tp, config.pp, config.ep) if size > 1)
 
 
 def fsdp_notes(stage: StageEstimate, config: ParallelConfig) -> tuple[str, ...]:

@@ -33,6 +33,9 @@ class Strategy1D:
     """The op's work is divided among the axis' devices (False: every device does all of it)."""
     name: str = ""
     """Short label for reports: "batch", "col", "row", "heads", "vocab"..."""
+    input_grads: tuple[str, ...] = ()
+    """Per input, the placement of the gradient the op produces for it where `Strategy.input_grad`'s
+    rule does not tell ("" or empty: the rule)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,9 @@ class Strategy:
     split_axes: tuple[bool, ...]
     """Per mesh axis, whether the work is divided on it."""
     name: str = ""
+    input_grads: tuple[tuple[str, ...], ...] = ()
+    """Per tensor input, per mesh axis, its gradient's placement when the op's rule states it
+    ("": derived by `input_grad`'s rule); empty: derived everywhere."""
 
     def work_divisor(self, mesh_shape: Sequence[int]) -> int:
         divisor = 1
@@ -58,6 +64,8 @@ class Strategy:
         """Placement of the gradient this op produces for input `index` on `axis`: a replicated
         input of an op whose work is split into shards, or that meets a partial operand, receives
         a partial gradient from each device."""
+        if self.input_grads and self.input_grads[index][axis]:
+            return self.input_grads[index][axis]
         placement = self.inputs[index][axis]
         if placement == PARTIAL:
             return REPLICATE
@@ -121,10 +129,18 @@ def mesh_strategies(node: OpNode, inputs: Sequence[TensorMeta], mesh_shape: Sequ
             output=tuple(axis.output for axis in choice),
             split_axes=tuple(axis.split for axis in choice),
             name="+".join(axis.name for axis in choice),
+            input_grads=_input_grads(choice, len(inputs)),
         )
         if _fits_mesh(strategy, node, inputs, mesh_shape):
             combined.append(strategy)
     return combined
+
+
+def _input_grads(choice: Sequence[Strategy1D], num_inputs: int) -> tuple[tuple[str, ...], ...]:
+    """The per-axis gradient placements the 1-D rules state, or () when none does."""
+    if not any(axis.input_grads for axis in choice):
+        return ()
+    return tuple(tuple(axis.input_grads[i] if axis.input_grads else "" for axis in choice) for i in range(num_inputs))
 
 
 def _fits(strategy: Strategy1D, node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) -> bool:

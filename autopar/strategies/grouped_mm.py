@@ -10,6 +10,11 @@ expert e's tokens. On one mesh axis:
     expert  input R,  weight S0 (E), offs R  -> out P        each device runs its experts' rows
                                                              (zeros elsewhere: the sum is the op)
 
+The expert strategy's token gradient is partial (each device has its experts' rows of it only),
+which the general rule (a split op with a Partial output gives its replicated operands replicated
+gradients, true of a row-parallel bias) would miss: the rule states it, so the planner prices the
+backward all-reduce that codegen runs.
+
 DTensor has no strategy for these ops: codegen runs them on the local shards (see
 codegen/local_ops.py), which is exact for each of these placements.
 """
@@ -38,5 +43,6 @@ def grouped_mm(node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) -> li
     return [
         Strategy1D(inputs=(REPLICATE, shard(2), REPLICATE), output=shard(1), split=True, name="col"),
         Strategy1D(inputs=(shard(1), shard(1), REPLICATE), output=PARTIAL, split=True, name="row"),
-        Strategy1D(inputs=(REPLICATE, shard(0), REPLICATE), output=PARTIAL, split=True, name="expert"),
+        Strategy1D(inputs=(REPLICATE, shard(0), REPLICATE), output=PARTIAL, split=True, name="expert",
+                   input_grads=(PARTIAL, "", "")),
     ]

@@ -1,0 +1,216 @@
+"""Expert parallelism at run time: expert weights split by expert over an ep group of dp ranks,
+tokens exchanged by all-to-all around each expert matmul (the plan's `ep`, solver/experts.py).
+
+Mesh. The ranks are laid out (pp, dp, tp) with tp fastest; dp = dp_rep x ep with ep fastest, so an
+expert group is ep consecutive dp ranks. An expert weight is a DTensor on the (tp, ep) sub-mesh,
+placed (its tensor-parallel placement, Shard(0)): tp first, so that with experts also split on
+tp (Shard(0) twice) rank (t, c) holds block t x ep + c, the c-th ep block of tp rank t's experts,
+which is what the dispatch below sends it.
+
+One expert op (an einsum/bmm whose weight operand is an expert weight) runs as
+    tokens  (this rank's tensor-parallel shard) --dispatch--> the tokens of every rank of the
+            group for this rank's experts: split along the expert dim into ep blocks, block j to
+            rank j (all_to_all_single), the received blocks stacked along the token dim
+    the op  on the local expert weights
+    output  --combine--> this rank's tokens for every expert (the inverse exchange)
+Both exchanges are even (every block the same size: the shapes are static), so each is one
+`all_to_all_single`, supported by gloo and NCCL; its backward is the same exchange reversed.
+
+A grouped matmul (rows sorted by expert, `offs[e]` the end of expert e's rows) is dropless: each
+rank first sends every other rank how many of its rows go to each of that rank's experts (an
+all-to-all of counts), then the rows (uneven splits), reorders what it received from
+source-major to expert-major, runs the grouped matmul on its experts, and sends the rows back in
+the order they came (the backward exchanges the gradients alike).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.fx.node import map_aggregate
+
+from autopar.codegen.placements import to_dtensor_placement
+from autopar.solver.experts import ExpertOp
+
+
+class _AllToAll(torch.autograd.Function):
+    """Block j of dim 0 goes to rank j of `group`; block j of the result came from rank j."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        received = torch.empty_like(value)
+        dist.all_to_all_single(received, value.contiguous(), group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        returned = torch.empty_like(grad)
+        dist.all_to_all_single(returned, grad.contiguous(), group=ctx.group)
+        return returned, None
+
+
+class _AllToAllUneven(torch.autograd.Function):
+    """Rows [0, sent[0]) go to rank 0, the next sent[1] to rank 1...; received[j] rows come from rank j."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, received: list[int], sent: list[int], group) -> torch.Tensor:
+        ctx.received, ctx.sent, ctx.group = received, sent, group
+        output = rows.new_empty((sum(received), *rows.shape[1:]))
+        dist.all_to_all_single(output, rows.contiguous(), received, sent, group=group)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        returned = grad.new_empty((sum(ctx.sent), *grad.shape[1:]))
+        dist.all_to_all_single(returned, grad.contiguous(), ctx.sent, ctx.received, group=ctx.group)
+        return returned, None, None, None
+
+
+def grouped_mm_expert_parallel(target, tokens: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, group,
+                               ep: int, rest=(), kwargs=None) -> torch.Tensor:
+    """`target(tokens, whole weight, offsets)` where this rank holds experts [c E/ep, (c+1) E/ep)
+    of the weight (`weight`) and every rank of `group` its own tokens."""
+    num_experts = offsets.shape[0]
+    local_experts = num_experts // ep
+    used = int(offsets[-1])
+    counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
+    received_counts = torch.empty_like(counts)
+    dist.all_to_all_single(received_counts, counts, group=group)  # [source][my expert], flattened
+    by_source = received_counts.view(ep, local_experts)
+    sent = counts.view(ep, local_experts).sum(dim=1).tolist()
+    received = by_source.sum(dim=1).tolist()
+    rows = _AllToAllUneven.apply(tokens[:used], received, sent, group)
+    order = _expert_major(by_source)
+    local_offsets = by_source.sum(dim=0).cumsum(dim=0).to(offsets.dtype)
+    output = target(rows[order], weight, local_offsets, *rest, **(kwargs or {}))
+    back = torch.empty_like(output).index_copy(0, order, output)  # the rows in the order they came
+    mine = _AllToAllUneven.apply(back, sent, received, group)
+    if used == tokens.shape[0]:
+        return mine
+    return torch.cat([mine, mine.new_zeros((tokens.shape[0] - used, *mine.shape[1:]))])
+
+
+def _expert_major(by_source: torch.Tensor) -> torch.Tensor:
+    """Positions, in rows received source after source (each sorted by expert), of the rows in
+    expert-major order (every source's rows of expert 0, then of expert 1...)."""
+    counts = by_source.tolist()
+    starts, position = [], 0
+    for source_counts in counts:
+        row = []
+        for count in source_counts:
+            row.append(position)
+            position += count
+        starts.append(row)
+    pieces = [torch.arange(starts[source][expert], starts[source][expert] + counts[source][expert])
+              for expert in range(len(counts[0])) for source in range(len(counts))]
+    return torch.cat(pieces).to(by_source.device) if pieces else by_source.new_zeros(0)
+
+
+def dispatch(tokens: torch.Tensor, expert_dim: int, token_dim: int, group, ep: int) -> torch.Tensor:
+    """[.., E, .., B, ..] on each rank -> [.., E / ep, .., ep B, ..]: rank c's experts, every rank's tokens."""
+    return join_blocks(_AllToAll.apply(split_blocks(tokens, expert_dim, ep), group), token_dim)
+
+
+def combine(outputs: torch.Tensor, expert_dim: int, token_dim: int, group, ep: int) -> torch.Tensor:
+    """The inverse of `dispatch`: [.., E / ep, .., ep B, ..] -> this rank's [.., E, .., B, ..]."""
+    return join_blocks(_AllToAll.apply(split_blocks(outputs, token_dim, ep), group), expert_dim)
+
+
+def split_blocks(value: torch.Tensor, dim: int, ep: int) -> torch.Tensor:
+    """`value` cut into ep blocks along `dim`, stacked on a new dim 0 (block j is for rank j)."""
+    return value.unflatten(dim, (ep, value.shape[dim] // ep)).movedim(dim, 0)
+
+
+def join_blocks(received: torch.Tensor, dim: int) -> torch.Tensor:
+    """The blocks received from each rank (dim 0) laid end to end along `dim`, rank-major."""
+    return received.movedim(0, dim).flatten(dim, dim + 1)
+
+
+def expert_placements(tp_placement: str) -> list:
+    """DTensor placements of an expert weight on the (tp, ep) mesh."""
+    tp = to_dtensor_placement(tp_placement if tp_placement not in ("R", "P") else "R")
+    return [tp, Shard(0)]
+
+
+def distribute_expert_parameter(param: torch.Tensor, tp_placement: str, mesh, device: torch.device) -> nn.Parameter:
+    """This rank's block of an expert weight as a DTensor on the (tp, ep) mesh (meta: NaN storage)."""
+    placements = expert_placements(tp_placement)
+    if param.device.type == "meta":
+        from autopar.codegen.init import empty_shard
+
+        return nn.Parameter(empty_shard(param.detach(), placements, mesh, device), requires_grad=param.requires_grad)
+    local = distribute_tensor(param.detach().to(device), mesh, placements, src_data_rank=None).to_local()
+    tensor = DTensor.from_local(local.clone(), mesh, placements, run_check=False)
+    return nn.Parameter(tensor, requires_grad=param.requires_grad)
+
+
+class ExpertRunner:
+    """Runs the plan's expert ops expert-parallel (see the module docstring)."""
+
+    def __init__(self, ops: dict[str, ExpertOp], group, ep: int) -> None:
+        self.ops = ops
+        """Expert op by node name (of the graph codegen runs)."""
+        self.views = {view for op in ops.values() for view in op.weight_views}
+        """Nodes between an expert weight and its op (run on the local expert block)."""
+        self.group = group
+        self.ep = ep
+
+    @staticmethod
+    def run_view(node: torch.fx.Node, env: dict):
+        """A transpose of an expert weight, on this rank's block of it."""
+        def local(value):
+            if isinstance(value, torch.fx.Node):
+                value = env[value.name]
+            return value.to_local() if isinstance(value, DTensor) else value
+
+        return node.target(*map_aggregate(node.args, local), **map_aggregate(dict(node.kwargs), local))
+
+    def run(self, node: torch.fx.Node, args: tuple, kwargs: dict, tp_mesh, output_placement: str | None,
+            partial_token_grad: bool):
+        """`args` hold the token operand as the plan placed it on tp and the expert weight (a
+        DTensor on the (tp, ep) mesh) as it is. Replicated tokens of an op whose weight is split on
+        tp (column or row parallel) get partial gradients from each tp rank: `partial_token_grad`."""
+        op = self.ops[node.name]
+        position = 0
+        if op.kind == "grouped_mm":
+            return self._grouped_mm(node, args, kwargs, tp_mesh, output_placement, partial_token_grad)
+
+        def local(value):
+            nonlocal position
+            if not isinstance(value, torch.Tensor):
+                return value
+            index, position = position, position + 1
+            if index == op.weight_input:
+                return value.to_local() if isinstance(value, DTensor) else value
+            if index == op.token_input:
+                return dispatch(_token_local(value, partial_token_grad), op.token_expert_dim, op.token_split_dim,
+                                self.group, self.ep)
+            return value.to_local() if isinstance(value, DTensor) else value
+
+        output = node.target(*map_aggregate(args, local), **map_aggregate(kwargs, local))
+        output = combine(output, op.output_expert_dim, op.output_split_dim, self.group, self.ep)
+        if tp_mesh is None:
+            return output
+        return DTensor.from_local(output, tp_mesh, [to_dtensor_placement(output_placement or "R")], run_check=False)
+
+
+    def _grouped_mm(self, node, args, kwargs, tp_mesh, output_placement, partial_token_grad: bool):
+        tokens, weight, offsets, *rest = args
+        tokens = _token_local(tokens, partial_token_grad)
+        local = [value.to_local() if isinstance(value, DTensor) else value for value in (weight, offsets)]
+        output = grouped_mm_expert_parallel(node.target, tokens, *local, self.group, self.ep, rest, kwargs)
+        if tp_mesh is None:
+            return output
+        return DTensor.from_local(output, tp_mesh, [to_dtensor_placement(output_placement or "R")], run_check=False)
+
+
+def _token_local(value, partial_grad: bool) -> torch.Tensor:
+    if not isinstance(value, DTensor):
+        return value
+    replicated = isinstance(value.placements[0], Replicate)
+    if replicated and value.requires_grad and partial_grad:
+        return value.to_local(grad_placements=[Partial()])
+    return value.to_local()

@@ -1,0 +1,225 @@
+"""Expert parallelism: which ops are an MoE layer's expert matmuls, and what sharding them by
+expert over an `ep` group costs.
+
+Expert parallelism borrows the ranks of the data-parallel group (torchtitan does the same): ep
+consecutive dp ranks form an expert group, each holding num_experts / ep of every expert
+weight. An expert matmul then runs in three steps on each rank (codegen/experts.py):
+
+    dispatch   all-to-all over the ep group: the slice of the token operand that belongs to
+               expert block j goes to rank j, which receives its experts' tokens of every rank
+    compute    the matmul of those tokens with the rank's own experts (the same FLOPs as the
+               whole matmul of its own tokens when the load is even)
+    combine    all-to-all back: every rank gets its own tokens' outputs
+
+and in the backward the same two all-to-alls in reverse (the output gradient is dispatched,
+the token gradient combined). Each expert matmul exchanges its own input and output: a layer
+with two expert matmuls (in and out projections) runs four all-to-alls forward, four backward.
+Expert weights' gradients are complete on their owner (the tokens of every rank of the group
+reached it), so data parallelism reduces them over the dp / ep ranks that hold the same experts,
+not over the whole dp group.
+
+Recognised expert matmuls (an op of the graph reading a 3-D trainable parameter, only read by
+such ops, whose dim 0 is the expert dim):
+    einsum/bmm  the parameter's first letter (the expert letter) is kept in the output and in the
+                token operand, and the token operand has a letter the parameter lacks that the
+                output keeps (the tokens: GShard's capacity-padded "egcm,emf->egcf"); the tokens
+                are exchanged along that letter. Shapes are static, so the load is what the shapes
+                say: capacity padding is already in the FLOPs and bytes, overflow is dropped.
+    grouped mm  `grouped_mm(tokens[S, K], weight[E, K, N], offs[E])` over tokens sorted by expert
+                (Hugging Face's Mixtral, Qwen2-MoE), the weight a parameter or a transpose of one
+                keeping dim 0. Dropless: how many tokens each expert gets follows the routing, so
+                each op first exchanges its per-expert counts (one more small all-to-all), then
+                the rows themselves (uneven splits).
+
+Load imbalance: under dropless routing the busiest rank receives and computes more than the even
+share; its price is `ExpertPricing.load_imbalance` times the even share, a parameter (Switch
+Transformer and GShard train with a capacity factor of 1.25), not fitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.graph import OpGraph, OpNode
+
+EINSUM_TARGETS = ("aten.einsum.default",)
+BMM_TARGETS = ("aten.bmm.default",)
+GROUPED_MM_TARGETS = ("aten._grouped_mm.default", "grouped_mm_fallback.default",
+                      "transformers.grouped_mm_fallback.default")
+WEIGHT_VIEWS = ("aten.transpose.int", "aten.t.default")
+"""Ops between an expert weight and a grouped mm that keep dim 0 (checked by shape)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertOp:
+    """One expert matmul and how its operands are exchanged over the ep group."""
+
+    node: str
+    """The op's node name."""
+    param: str
+    """Node name of the expert weight (a trainable parameter)."""
+    weight_input: int
+    """Index into the op's tensor inputs of the expert weight."""
+    token_input: int
+    """Index into the op's tensor inputs of the token operand."""
+    num_experts: int
+    token_expert_dim: int
+    """Dim of the token operand indexed by expert (split into ep blocks by the dispatch)."""
+    token_split_dim: int
+    """Dim of the token operand along which the ranks' tokens are stacked after the dispatch."""
+    output_expert_dim: int
+    output_split_dim: int
+    dropless: bool = False
+    """Tokens per expert follow the routing (priced with the load imbalance); False: static shapes."""
+    kind: str = "einsum"
+    """"einsum" (einsum or bmm, even exchanges) or "grouped_mm" (rows sorted by expert, uneven)."""
+    weight_views: tuple[str, ...] = ()
+    """Nodes from the parameter to the op (a transpose), run on the local expert block."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertPricing:
+    """Assumptions of the expert-parallel price."""
+
+    load_imbalance: float = 1.25
+    """Tokens the busiest ep rank receives and computes, over the even share, for dropless expert
+    ops (capacity-padded ones have static shapes). Switch/GShard's capacity factor 1.25."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertExchange:
+    """What one expert op moves over the ep group per microbatch, per device (before ep)."""
+
+    token_bytes: float
+    """The token operand on this device (its tensor-parallel shard)."""
+    output_bytes: float
+    token_grad: bool
+    """The token operand needs a gradient (the backward combines it)."""
+    dropless: bool
+    compute_s: float
+    """The op's forward + backward compute on this device."""
+    count_bytes: float = 0.0
+    """Per-expert token counts exchanged before a dropless op's rows (0: static shapes, none)."""
+
+    def messages(self) -> tuple[tuple[float, str], ...]:
+        """(bytes each rank sends and receives, phase) of its all-to-alls: the counts (dropless),
+        dispatch and combine forward; the output gradient dispatched and the token gradient
+        combined backward."""
+        counts = ((self.count_bytes, "fwd"),) if self.count_bytes else ()
+        backward = ((self.output_bytes, "bwd"),) + (((self.token_bytes, "bwd"),) if self.token_grad else ())
+        return counts + ((self.token_bytes, "fwd"), (self.output_bytes, "fwd")) + backward
+
+
+def find_expert_ops(graph: OpGraph) -> tuple[ExpertOp, ...]:
+    """The expert matmuls of `graph` that can run expert-parallel (see the module docstring)."""
+    found = []
+    for node in graph.calls():
+        op = _einsum_expert_op(graph, node) or _grouped_mm_expert_op(graph, node)
+        if op is not None:
+            found.append(op)
+    readers_ok = _params_read_only_by(graph, found)
+    return tuple(op for op in found if op.param in readers_ok)
+
+
+def expert_param_names(graph: OpGraph, ops: tuple[ExpertOp, ...]) -> tuple[str, ...]:
+    """FQNs of the expert weights, in graph order."""
+    nodes = {op.param for op in ops}
+    return tuple(param.name for param in graph.params if param.node in nodes)
+
+
+def _params_read_only_by(graph: OpGraph, ops: list[ExpertOp]) -> set[str]:
+    """Expert weights every reader of which is an expert op (or a view leading only to one)."""
+    by_param: dict[str, set[str]] = {}
+    for op in ops:
+        chain = op.weight_views + (op.node,)
+        by_param.setdefault(op.param, set()).add(chain[0])
+        for view, after in zip(chain, chain[1:]):
+            if set(graph.consumers.get(view, ())) != {after}:
+                by_param[op.param].add("<other reader>")
+    return {param for param, readers in by_param.items()
+            if "<other reader>" not in readers and set(graph.consumers.get(param, ())) <= readers}
+
+
+def _grouped_mm_expert_op(graph: OpGraph, node: OpNode) -> ExpertOp | None:
+    if node.target not in GROUPED_MM_TARGETS or len(node.inputs) != 3:
+        return None
+    tokens, weight, offsets = (graph[name] for name in node.inputs)
+    if len(tokens.output.shape) != 2 or len(weight.output.shape) != 3 or len(offsets.output.shape) != 1:
+        return None
+    views: list[str] = []
+    while weight.kind == "call" and weight.target in WEIGHT_VIEWS and len(weight.inputs) == 1:
+        source = graph[weight.inputs[0]]
+        if len(source.output.shape) != 3 or source.output.shape[0] != weight.output.shape[0]:
+            return None
+        views.insert(0, weight.name)
+        weight = source
+    if weight.kind != "param" or not weight.requires_grad or weight.output.shape[0] < 2:
+        return None
+    return ExpertOp(node=node.name, param=weight.name, weight_input=1, token_input=0,
+                    num_experts=weight.output.shape[0], token_expert_dim=0, token_split_dim=0, output_expert_dim=0,
+                    output_split_dim=0, dropless=True, kind="grouped_mm", weight_views=tuple(views))
+
+
+def _einsum_expert_op(graph: OpGraph, node: OpNode) -> ExpertOp | None:
+    spec = _letters(node)
+    if spec is None or len(node.inputs) != 2:
+        return None
+    operands, output = spec
+    shapes = [graph[name].output.shape for name in node.inputs]
+    if any(len(letters) != len(shape) for letters, shape in zip(operands, shapes)):
+        return None
+    for weight_input in (0, 1):
+        param = graph[node.inputs[weight_input]]
+        if param.kind != "param" or not param.requires_grad or len(param.output.shape) != 3:
+            continue
+        token_input = 1 - weight_input
+        if graph[node.inputs[token_input]].kind in ("param", "buffer", "constant"):
+            continue
+        weight_letters, token_letters = operands[weight_input], operands[token_input]
+        expert = weight_letters[0]
+        if expert not in token_letters or expert not in output or param.output.shape[0] < 2:
+            continue
+        token_only = [letter for letter in token_letters if letter in output and letter not in weight_letters]
+        if not token_only:
+            continue
+        return ExpertOp(node=node.name, param=param.name, weight_input=weight_input, token_input=token_input,
+                        num_experts=param.output.shape[0], token_expert_dim=token_letters.index(expert),
+                        token_split_dim=token_letters.index(token_only[0]),
+                        output_expert_dim=output.index(expert), output_split_dim=output.index(token_only[0]))
+    return None
+
+
+def _letters(node: OpNode) -> tuple[tuple[str, str], str] | None:
+    """(operand letters, output letters) of an einsum or bmm node."""
+    if node.target in EINSUM_TARGETS:
+        equation = node.args[0] if node.args and isinstance(node.args[0], str) else ""
+        if "->" not in equation or "..." in equation:
+            return None
+        left, output = equation.replace(" ", "").split("->")
+        operands = tuple(left.split(","))
+        return ((operands[0], operands[1]), output) if len(operands) == 2 else None
+    if node.target in BMM_TARGETS:
+        return ("emk", "ekn"), "emn"
+    return None
+
+
+def ep_degrees(graph: OpGraph, ops: tuple[ExpertOp, ...], strategies: dict, dp: int, tp: int) -> list[int]:
+    """Expert-parallel degrees (> 1) that divide dp and every expert op's experts per tp rank,
+    under the tensor-parallel strategies chosen for the ops (tokens must not be Partial on tp:
+    the exchange moves whole values)."""
+    if not ops:
+        return []
+    local_experts = []
+    for op in ops:
+        strategy = strategies.get(op.node)
+        if strategy is None:
+            return []
+        if any(placement == "P" for placement in strategy.inputs[op.token_input]):
+            return []
+        weight = strategy.inputs[op.weight_input]
+        if op.kind == "grouped_mm" and "S0" in weight:
+            return []  # rows of other tp ranks' experts would need zeros: not combined with ep
+        if any(strategy.input_grad(op.weight_input, axis, True) == "P" for axis in range(len(weight))):
+            return []  # the weight's gradient would be partial on tp
+        local_experts.append(op.num_experts // (tp if "S0" in weight else 1))
+    return [ep for ep in range(2, dp + 1) if dp % ep == 0 and all(n % ep == 0 for n in local_experts)]

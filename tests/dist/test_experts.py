@@ -1,0 +1,136 @@
+"""Expert parallelism against one process: MoE models with their experts split over ep ranks.
+
+Each case trains a tiny MoE for a few SGD steps under a forced expert-parallel plan and compares
+the losses and the first step's gradients with one process (fp32: round-off tolerance), and
+counts the all-to-alls the first step runs (one microbatch): they must be the plan's predicted
+all-to-alls. Models: the built-in MoE (4 experts, top-2, capacity-padded GShard routing: even
+exchanges) and Hugging Face Mixtral from the zoo (4 experts, top-2, dropless grouped matmuls:
+uneven exchanges).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from harness import case_outcome, fail, tiny_model_cluster  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.dist
+
+GLOBAL_BATCH = 8
+NUM_STEPS = 3
+LEARNING_RATE = 0.5
+TOLERANCE = 1e-5
+MOE_SPEC = "moe:layers=2,hidden=32,heads=4,seq=16,vocab=64,num_experts=4,dropout=0.0"
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    """"moe" (built-in) or an architecture of hf_zoo.py ("Mixtral")."""
+    world_size: int
+    constraints: dict = field(default_factory=dict)
+    known_error: str = ""
+
+
+def _batches(generator: torch.Generator):
+    return [((torch.randint(0, 64, (GLOBAL_BATCH, 16), generator=generator),),
+             torch.randint(0, 64, (GLOBAL_BATCH, 16), generator=generator)) for _ in range(NUM_STEPS)]
+
+
+def _workload(name: str):
+    """(model, loss_fn, batches of (inputs, targets)); inputs a tuple or a dict of keywords."""
+    generator = torch.Generator().manual_seed(1)
+    if name == "moe":
+        from autopar.models import build_model
+
+        bundle = build_model(MOE_SPEC, device="cpu", seed=0, batch_size=GLOBAL_BATCH)
+        return bundle.model, bundle.loss_fn, _batches(generator)
+    import hf_zoo
+
+    arch = next(arch for arch in hf_zoo.ARCHITECTURES if arch.name == name)
+    torch.manual_seed(0)
+    model = arch.build()
+    return model, hf_zoo.loss_for(arch), [hf_zoo.batch(arch, GLOBAL_BATCH, generator) for _ in range(NUM_STEPS)]
+
+
+def _call(model, inputs):
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def experts_case(case: Case) -> dict:
+    import copy
+
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import autopar
+
+    model, loss_fn, batches = _workload(case.model)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LEARNING_RATE)
+    reference_losses, reference_grads = [], {}
+    for step, (inputs, targets) in enumerate(batches):
+        loss = loss_fn(_call(reference, inputs), targets)
+        loss.backward()
+        if step == 0:
+            reference_grads = {name: param.grad.clone() for name, param in reference.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_losses.append(loss.item())
+
+    (inputs, targets), *_ = batches
+    module = autopar.parallelize(model, tiny_model_cluster(case.world_size), inputs, loss_fn=loss_fn,
+                                 example_targets=targets, constraints=case.constraints)
+    optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
+    losses, grad_errors, ran = [], {}, Counter()
+    for step, (inputs, targets) in enumerate(batches):
+        if step == 0:
+            counter = CommDebugMode()
+            with counter:
+                losses.append(module.train_step(inputs, targets).item())
+            for op, count in counter.get_comm_counts().items():
+                if "alltoall" in str(op) or "all_to_all" in str(op):
+                    ran["all_to_all"] += count
+            for name, param in module.named_model_parameters().items():
+                grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+                grad_errors[name] = None if grad is None else (grad - reference_grads[name]).abs().max().item()
+        else:
+            losses.append(module.train_step(inputs, targets).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    plan = module.plan
+    return dict(losses=losses, reference_losses=reference_losses, grad_errors=grad_errors,
+                all_parameters=sorted(reference_grads), ep=plan.ep, ep_params=list(plan.ep_params),
+                mesh=dict(plan.mesh), num_microbatches=plan.num_microbatches,
+                predicted_all_to_all=plan.predicted.collectives_per_microbatch.get("all_to_all", 0),
+                ran_all_to_all=ran["all_to_all"])
+
+
+_PARAMS = [
+    pytest.param(Case("moe", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)), id="moe-dp2-ep2"),
+    pytest.param(Case("Mixtral", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)),
+                 id="mixtral-dp2-ep2"),
+]
+CASES = {param.id: param.values[0] for param in _PARAMS}
+
+
+@pytest.mark.parametrize("case_name", [pytest.param(param.id, marks=param.marks, id=param.id) for param in _PARAMS])
+def test_expert_parallel_matches_one_process(case_name, case_outcome):
+    case = CASES[case_name]
+    outcome = case_outcome(experts_case, CASES, case_name)
+    if not outcome.ok:
+        fail(outcome.error, case.known_error)
+    for rank, result in enumerate(outcome.values):
+        assert result["ep"] == case.constraints["ep"] and result["ep_params"], result
+        assert result["losses"] == pytest.approx(result["reference_losses"], rel=TOLERANCE, abs=TOLERANCE), \
+            f"rank {rank}'s losses"
+        for name, error in result["grad_errors"].items():
+            assert error is not None, f"rank {rank}: {name} has no gradient"
+            assert error <= TOLERANCE, f"rank {rank}: gradient of {name} differs by {error}"
+        assert set(result["grad_errors"]) == set(result["all_parameters"])
+        assert result["num_microbatches"] == 1
+        assert result["predicted_all_to_all"] > 0
+        assert result["ran_all_to_all"] == result["predicted_all_to_all"], result
