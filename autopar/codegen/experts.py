@@ -41,14 +41,16 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
+        value = value.contiguous()  # empty_like keeps a view's strides; the collective writes row-major
         received = torch.empty_like(value)
-        dist.all_to_all_single(received, value.contiguous(), group=group)
+        dist.all_to_all_single(received, value, group=group)
         return received
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
         returned = torch.empty_like(grad)
-        dist.all_to_all_single(returned, grad.contiguous(), group=ctx.group)
+        dist.all_to_all_single(returned, grad, group=ctx.group)
         return returned, None
 
 
@@ -195,7 +197,6 @@ class ExpertRunner:
         if tp_mesh is None:
             return output
         return DTensor.from_local(output, tp_mesh, [to_dtensor_placement(output_placement or "R")], run_check=False)
-
 
     def _grouped_mm(self, node, args, kwargs, tp_mesh, output_placement, partial_token_grad: bool):
         tokens, weight, offsets, *rest = args
