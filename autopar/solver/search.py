@@ -237,7 +237,7 @@ class Planner:
                               "use zero_stage=0 or ep=1")
         if not self.expert_ops:
             raise ConfigError(f"ep={config.ep}: the model has no expert matmuls that expert parallelism can split "
-                              "(an einsum or bmm over a 3-D expert weight read only by such ops); use ep=1")
+                              "(an einsum, bmm or grouped matmul over a 3-D expert weight read only by such ops); use ep=1")
         if config.ep not in self.ep_options(config.tp, config.dp, config.microbatch_size):
             counts = sorted({op.num_experts for op in self.expert_ops})
             raise ConfigError(f"ep={config.ep} with tp={config.tp}: the experts ({counts} per layer, split over tp where "
