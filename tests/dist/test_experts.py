@@ -10,6 +10,7 @@ uneven exchanges).
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -110,10 +111,20 @@ def experts_case(case: Case) -> dict:
                 ran_all_to_all=ran["all_to_all"])
 
 
+_FOUR = pytest.mark.skipif(not os.environ.get("AUTOPAR_EP_ALL"), reason="4-process cases: set AUTOPAR_EP_ALL=1")
 _PARAMS = [
     pytest.param(Case("moe", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)), id="moe-dp2-ep2"),
     pytest.param(Case("Mixtral", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)),
                  id="mixtral-dp2-ep2"),
+    # 4 processes (minutes on 2 cores): AUTOPAR_EP_ALL=1 runs them.
+    pytest.param(Case("moe", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4)),
+                 id="moe-dp2-ep2-tp2", marks=_FOUR),
+    pytest.param(Case("moe", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=2)),
+                 id="moe-dp4-ep2", marks=_FOUR),
+    pytest.param(Case("moe", 4, dict(dp=2, tp=1, pp=2, ep=2, zero_stage=0, microbatch_size=2)),
+                 id="moe-dp2-ep2-pp2", marks=_FOUR),
+    pytest.param(Case("Mixtral", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4)),
+                 id="mixtral-dp2-ep2-tp2", marks=_FOUR),
 ]
 CASES = {param.id: param.values[0] for param in _PARAMS}
 
@@ -132,6 +143,7 @@ def test_expert_parallel_matches_one_process(case_name, case_outcome):
             assert error is not None, f"rank {rank}: {name} has no gradient"
             assert error <= TOLERANCE, f"rank {rank}: gradient of {name} differs by {error}"
         assert set(result["grad_errors"]) == set(result["all_parameters"])
-        assert result["num_microbatches"] == 1
         assert result["predicted_all_to_all"] > 0
-        assert result["ran_all_to_all"] == result["predicted_all_to_all"], result
+        if case.constraints["pp"] == 1:  # one microbatch: the step's all-to-alls are one microbatch's
+            assert result["num_microbatches"] == 1
+            assert result["ran_all_to_all"] == result["predicted_all_to_all"], result

@@ -118,3 +118,11 @@ def test_dispatch_compute_combine_equals_the_whole_op_on_each_rank() -> None:
     returned = exchange([split_blocks(y, 1, ep) for y in local])
     for rank in range(ep):
         torch.testing.assert_close(join_blocks(returned[rank], 0), torch.einsum("egcm,emf->egcf", tokens[rank], weight))
+
+
+def test_grouped_rows_received_from_each_rank_are_put_in_expert_order() -> None:
+    from autopar.codegen.experts import _expert_major
+
+    # Rows received: from rank 0 one of expert 0 then two of expert 1, from rank 1 three of expert 0.
+    order = _expert_major(torch.tensor([[1, 2], [3, 0]]))
+    assert order.tolist() == [0, 3, 4, 5, 1, 2]
