@@ -35,6 +35,8 @@ class Case:
     world_size: int
     constraints: dict = field(default_factory=dict)
     known_error: str = ""
+    timeout_s: float = 120.0
+    """Per case (harness.case_outcome): planning + capture + 3 steps, slow when 4 processes share 2 cores."""
 
 
 def _batches(generator: torch.Generator):
