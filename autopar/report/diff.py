@@ -38,7 +38,8 @@ def _settings(plan: Plan) -> dict[str, str]:
     schedule = plan.schedule + (f" (v={plan.virtual_stages})" if plan.schedule == "interleaved" else "")
     return {"model": plan.model, "cluster": plan.cluster, "devices": str(plan.num_devices),
             "global batch": str(plan.global_batch),
-            "mesh": f"pp={plan.mesh['pp']} dp={plan.mesh['dp']} tp={plan.mesh['tp']}",
+            "mesh": f"pp={plan.mesh['pp']} dp={plan.mesh['dp']} tp={plan.mesh['tp']}"
+                    + (f" cp={plan.mesh['cp']}" if plan.mesh.get("cp", 1) > 1 else ""),
             "microbatches": f"{plan.num_microbatches} of {plan.microbatch_size}", "schedule": schedule,
             "recompute": plan.recompute, "ZeRO stage": str(plan.zero_stage), "precision": plan.precision}
 

@@ -42,6 +42,8 @@ class SegmentCost:
     """Under selective recompute, bytes kept per producing tensor (deduplicated by name)."""
     selective_recompute: ComputeTime = field(default_factory=ComputeTime)
     """Forward time of the parameter-free ops that selective recompute re-runs."""
+    selective_recompute_comm: list[CommEvent] = field(default_factory=list)
+    """Collectives those ops run again when recomputed (context parallelism's KV all-gather)."""
 
     @property
     def selective_saved_bytes(self) -> float:

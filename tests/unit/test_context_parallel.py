@@ -1,0 +1,142 @@
+"""Context parallelism in the planner: the cost formulas, the per-segment split, the cp axis
+of the search and of plans (cost_model/context_parallel.py, solver/context_parallel.py)."""
+
+import json
+
+import pytest
+
+import autopar
+from autopar.errors import ConfigError, PlanMismatchError
+from autopar.plans import Plan
+from autopar.solver.context_parallel import KV_ALL_GATHER, KV_REDUCE_SCATTER, AttentionCost, split_sequence
+from autopar.solver.costing import CommEvent
+from autopar.solver.evaluate import SegmentCost
+from cost_model.comm import CommModel
+from cost_model.compute import ComputeTime
+from cost_model.context_parallel import causal_work_share, exposed_kv_exchange_s, ring_step_bytes
+
+LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,seq=64,vocab=128"
+CLUSTER = "dgx-h100:gpus_per_node=4"
+
+
+# --- cost_model/context_parallel.py ---------------------------------------------------------------
+
+def test_load_balanced_causal_attention_gives_every_rank_an_equal_share():
+    assert causal_work_share(4, load_balanced=True) == pytest.approx(1 / 4)
+    # Contiguous chunks: the last rank attends to the whole prefix, (2 cp - 1) / cp^2 of the work.
+    assert causal_work_share(4, load_balanced=False) == pytest.approx(7 / 16)
+    assert causal_work_share(1, load_balanced=False) == 1.0
+
+
+def test_kv_exchange_is_exposed_only_beyond_the_attention_it_overlaps():
+    # all-gather: the rank's own block (1 / cp of its attention) runs while the gather is in flight
+    assert exposed_kv_exchange_s(method="all_gather", collective_s=1.0, attention_s=4.0, num_ranks=4) == 0.0
+    assert exposed_kv_exchange_s(method="all_gather", collective_s=3.0, attention_s=4.0, num_ranks=4) == \
+        pytest.approx(2.0)
+    # ring: each of cp - 1 steps overlaps one block's attention
+    assert exposed_kv_exchange_s(method="ring", collective_s=2.0, attention_s=4.0, num_ranks=4) == pytest.approx(3.0)
+    assert ring_step_bytes(8.0, 4, backward=True) == 4.0
+    with pytest.raises(ValueError, match="unknown KV exchange"):
+        exposed_kv_exchange_s(method="ulysses", collective_s=1.0, attention_s=1.0, num_ranks=2)
+
+
+# --- solver/context_parallel.py -------------------------------------------------------------------
+
+def _segment() -> SegmentCost:
+    return SegmentCost(name="layers.0", forward=ComputeTime(matmul_s=4.0, memory_s=2.0, overhead_s=1.0),
+                       backward=ComputeTime(matmul_s=8.0, memory_s=4.0, overhead_s=1.0),
+                       comm=[CommEvent(op="all_reduce", axis=0, message_bytes=1e6, time_s=1.0, phase="fwd"),
+                             CommEvent(op="all_reduce", axis=0, message_bytes=1e6, time_s=1.0, phase="grad")],
+                       param_numel=100.0, saved_bytes=1000.0, output_bytes=80.0, input_bytes=80.0,
+                       selective_kept={"x": 400.0})
+
+
+def test_split_sequence_divides_per_token_work_and_adds_the_kv_exchange():
+    from autopar.cluster import Cluster
+
+    cluster = Cluster.from_spec("dgx-h100:nodes=2")
+    attention = AttentionCost(node="sdpa", kv_bytes=2e9, forward=ComputeTime(matmul_s=1e-3),
+                              backward=ComputeTime(matmul_s=2e-3), causal=True)
+    split = split_sequence(_segment(), [attention], cp=4, tp=2, comm=CommModel(cluster), devices_per_node=8)
+    assert split.forward.matmul_s == pytest.approx(1.0) and split.forward.overhead_s == 1.0  # launches stay
+    assert split.param_numel == 100.0  # parameters are replicated over cp
+    assert split.output_bytes == pytest.approx(20.0) and split.selective_kept["x"] == pytest.approx(100.0)
+    # the gathered K, V are kept for the backward (3/4 of them come from other ranks)
+    assert split.saved_bytes == pytest.approx(250.0 + 1.5e9)
+    by_op = {(event.op, event.phase): event for event in split.comm}
+    assert by_op[("all_reduce", "fwd")].message_bytes == pytest.approx(2.5e5)
+    assert by_op[("all_reduce", "grad")].message_bytes == 1e6  # a weight gradient's reduction is unchanged
+    gather, scatter = by_op[(KV_ALL_GATHER, "fwd")], by_op[(KV_REDUCE_SCATTER, "bwd")]
+    # 2 GB over 4 ranks cannot hide behind a quarter of 1 ms of attention
+    assert gather.message_bytes == 2e9 and gather.time_s > 1e-3
+    assert scatter.time_s > 0
+
+
+def test_split_sequence_is_the_identity_without_cp():
+    segment = _segment()
+    assert split_sequence(segment, [], cp=1, tp=2, comm=None, devices_per_node=8) is segment
+
+
+# --- the cp axis in the search and in plans -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def planner():
+    return autopar.api.planner_for(LLAMA, None, autopar.cluster.Cluster.from_spec(CLUSTER), global_batch=4)
+
+
+def test_cp_constraint_plans_a_sequence_split(planner):
+    plan = autopar.api.plan_with(planner, autopar.solver.search.Constraints(cp=2, tp=1, pp=1))
+    assert plan.mesh == {"pp": 1, "dp": 2, "cp": 2, "tp": 1}
+    assert plan.predicted.breakdown_s[KV_ALL_GATHER] >= 0
+    assert plan.predicted.collectives_per_microbatch[KV_ALL_GATHER] == 2  # one per attention op (2 layers)
+    assert plan.predicted.collectives_per_microbatch[KV_REDUCE_SCATTER] == 2
+    assert "cp=2" in plan.summary()
+
+
+def test_cp_halves_activations_and_keeps_parameters(planner):
+    def evaluate(cp):
+        config = autopar.api.fixed_config(planner, tp=1, pp=1, dp=2, cp=cp, microbatch_size=2, schedule="1f1b",
+                                          virtual_stages=None, layers_per_virtual_stage=None, recompute="none",
+                                          zero_stage=0)
+        return autopar.api.evaluate_with(planner, config)
+
+    whole, split = evaluate(1), evaluate(2)
+    assert split.predicted.memory_bytes["parameters"] == whole.predicted.memory_bytes["parameters"]
+    assert split.predicted.memory_bytes["activations"] < 0.75 * whole.predicted.memory_bytes["activations"]
+    assert split.predicted.breakdown_s["compute"] < 0.75 * whole.predicted.breakdown_s["compute"]
+
+
+def test_cp_plans_round_trip_and_version_1_plans_load_with_cp_1(planner, tmp_path):
+    plan = autopar.api.plan_with(planner, autopar.solver.search.Constraints(cp=2, tp=1, pp=1))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path).to_dict() == plan.to_dict()
+    data = json.loads(path.read_text())
+    data.update(schema_version=1, mesh={"pp": 1, "dp": 4, "tp": 1})
+    path.write_text(json.dumps(data))
+    assert Plan.load(path).mesh["cp"] == 1
+    data["mesh"] = {"pp": 1, "dp": 2, "cp": 3, "tp": 1}
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanMismatchError, match="cp"):
+        Plan.load(path)
+
+
+def test_cp_that_does_not_split_the_sequence_is_refused(planner):
+    with pytest.raises(ConfigError, match="2 x cp"):
+        planner.check_cp(64)
+
+
+@pytest.mark.parametrize("model, reason", [
+    ("gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128", "mixes sequence positions"),  # eager attention scores
+    ("mlp", "no token sequence"),
+])
+def test_models_whose_sequence_cannot_be_split_say_why(model, reason):
+    with pytest.raises(ConfigError, match=reason):
+        autopar.plan(model, cluster=CLUSTER, global_batch=4, constraints={"cp": 2})
+
+
+def test_cli_cp_flag(capsys):
+    from autopar.cli import main
+
+    assert main(["plan", LLAMA, "--cluster", CLUSTER, "--global-batch", "4", "--cp", "2", "--tp", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mesh"]["cp"] == 2
