@@ -10,8 +10,8 @@ rank's tokens with three ops replaced, all position-aware:
 - `aten.slice(buffer, dim, 0, seq / cp)` of a position table (rotary cos/sin buffers) takes the
   rows of this rank's positions;
 - `aten.scaled_dot_product_attention` all-gathers K and V over the cp group (one collective;
-  its backward reduce-scatters dK and dV), then attends the local queries to every key with
-  the causal mask of the global positions. This is Llama 3's all-gather context parallelism
+  its backward reduce-scatters dK and dV), then attends each local chunk of queries to the
+  keys up to it (causal, bottom-right aligned: each rank does 1 / cp of the causal work). This is Llama 3's all-gather context parallelism
   (torch's `context_parallel` has no CPU path: it dispatches the flash/efficient/cuDNN kernels).
 
 Parameters are replicated over cp and their gradients reduced over dp x cp (averaged, as each
@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.nn.attention.bias import causal_lower_right
 
 from autopar.codegen.data_parallel import all_reduce_gradients, sum_over_group, uses_fsdp
 from autopar.codegen.parallel_module import ParallelModule, _replicated_local
@@ -65,14 +66,14 @@ class _GatherKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat: torch.Tensor, group, size: int) -> torch.Tensor:
         ctx.group, ctx.size = group, size
-        gathered = flat.new_empty((size, flat.numel()))
+        gathered = flat.new_empty(size * flat.numel())  # gloo takes 1-d buffers only
         dist.all_gather_into_tensor(gathered, flat.contiguous(), group=group)
-        return gathered
+        return gathered.view(size, flat.numel())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         local = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_tensor(local, grad.contiguous(), group=ctx.group)
+        dist.reduce_scatter_tensor(local, grad.contiguous().view(-1), group=ctx.group)
         return local, None, None
 
 
@@ -84,7 +85,9 @@ class ContextParallelOps:
         self.seq_len, self.cp, self.group = seq_len, cp, group
         self.local_len = seq_len // cp
         self.positions = chunk_positions(seq_len, cp, rank).to(device)
-        self.key_positions = torch.cat([chunk_positions(seq_len, cp, r) for r in range(cp)]).to(device)
+        self.key_order = torch.argsort(torch.cat([chunk_positions(seq_len, cp, r) for r in range(cp)])).to(device)
+        """Gathered keys (rank order) -> sequence order."""
+        self.chunk_starts = (int(self.positions[0]), int(self.positions[self.local_len // 2]))
         self.table_placeholders = table_placeholders
         self.calls = {"all_gather": 0, "reduce_scatter": 0}
 
@@ -138,12 +141,20 @@ class ContextParallelOps:
         split = key.numel()
         keys = torch.cat([row[:split].view(key.shape) for row in gathered], dim=-2)
         values = torch.cat([row[split:].view(value.shape) for row in gathered], dim=-2)
-        mask = None
-        if is_causal:
-            mask = self.positions[:, None] >= self.key_positions[None, :]
-        return torch.nn.functional.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=kwargs.get("scale"),
-            enable_gqa=kwargs.get("enable_gqa", False))
+        options = dict(dropout_p=dropout_p, scale=kwargs.get("scale"), enable_gqa=kwargs.get("enable_gqa", False))
+        if not is_causal:
+            return torch.nn.functional.scaled_dot_product_attention(query, keys, values, **options)
+        # Keys in sequence order; each local chunk attends to the prefix that ends with it (causal,
+        # aligned to the bottom right): the load-balanced share of the work the planner priced.
+        keys, values = keys.index_select(-2, self.key_order), values.index_select(-2, self.key_order)
+        chunk = self.local_len // 2
+        parts = []
+        for index, start in enumerate(self.chunk_starts):
+            end = start + chunk
+            parts.append(torch.nn.functional.scaled_dot_product_attention(
+                query[..., index * chunk:(index + 1) * chunk, :], keys[..., :end, :], values[..., :end, :],
+                attn_mask=causal_lower_right(chunk, end), **options))
+        return torch.cat(parts, dim=-2)
 
 
 def _arange_bounds(target, args) -> tuple:

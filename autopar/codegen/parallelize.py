@@ -179,7 +179,7 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
         pipeline_stages = [pipeline.stage(stage, spec, len(specs)) for stage, spec in zip(stages, mine)]
         schedule = pipeline.schedule(pipeline_stages, _pipeline_loss(loss_fn, parts.model_output))
         tied = tied_weight_groups(plan, parts, [spec.segments for spec in specs],
-                                  (pp, plan.mesh["dp"], plan.mesh["tp"]), runtime.rank)
+                                  (pp, plan.mesh["dp"] * cp, plan.mesh["tp"]), runtime.rank)  # dp, cp: one axis
     coordinate = {axis: runtime.coordinate(axis) for axis in ("pp", "dp", "tp")}
     listing = program_listing(plan, parts, builder.placements, mine, coordinate)
     flat_inputs = inputs + tuple(keywords.values())

@@ -80,8 +80,10 @@ def context_parallel_blocker(graph, sequence_length: int) -> str:
     Under context parallelism every op but attention works position by position: the only ops
     that may see two sequence positions at once are sdpa's, run causal or unmasked (the runtime
     builds the causal mask of the global positions; an explicit mask would have to be split
-    with the keys). A tensor with two sequence-long dims made by anything else (the scores of a
-    hand-written attention, a mask applied to them) mixes positions that would live on other ranks."""
+    with the keys). Anything else that multiplies two activations (the scores of a hand-written
+    attention) mixes positions that would live on
+    other ranks. (Other position-mixing ops, a convolution or cumulative sum along the sequence,
+    are not detected.)"""
     if sequence_length <= 1:
         return "the model has no token sequence (an integer input of shape (batch, seq))"
     attentions = attention_nodes(graph)
@@ -94,14 +96,22 @@ def context_parallel_blocker(graph, sequence_length: int) -> str:
                     f"{sequence_length} tokens of the sequence (cross-attention is not split)")
         if isinstance(call_arg(node, 3, "attn_mask"), Ref):
             return f"attention {node.name} takes an explicit attn_mask (only causal or unmasked attention is split)"
+    from_inputs = _input_dependent(graph)
     for node in graph.calls():
-        if node.target == ATTENTION_TARGET or not node.outputs:
-            continue
-        shape = node.output.shape
-        # scores or masks: (..., seq, seq), made from the batch (a model whose hidden size equals
-        # its sequence length is refused too: shapes alone cannot tell the two apart)
-        if len(shape) >= 2 and shape[-1] == shape[-2] == sequence_length and \
-                (node.output.batch_dims or not graph.batch_dynamic):
-            return (f"op {node.name} ({node.target}) makes a {tuple(node.output.shape)} tensor that mixes sequence "
-                    "positions outside scaled_dot_product_attention")
+        if node.target.startswith(_MATMULS) and \
+                sum(1 for source in dict.fromkeys(node.inputs) if source in from_inputs) >= 2:
+            return (f"op {node.name} ({node.target}) multiplies two activations (a hand-written attention's "
+                    "scores?), which mixes sequence positions outside scaled_dot_product_attention")
     return ""
+
+
+_MATMULS = ("aten.matmul", "aten.bmm", "aten.mm", "aten.einsum", "aten.baddbmm", "aten.addmm", "aten.addbmm")
+
+
+def _input_dependent(graph) -> set[str]:
+    """Nodes whose value depends on a model input (activations, not weights or tables)."""
+    found: set[str] = set()
+    for node in graph.nodes:
+        if node.kind in ("input", "target") or (node.kind == "call" and any(source in found for source in node.inputs)):
+            found.add(node.name)
+    return found

@@ -35,6 +35,8 @@ class Case:
     model: str
     world_size: int
     constraints: dict = field(default_factory=dict)
+    timeout_s: float = 150.0
+    """Each rank exports the model twice (whole, to check the plan; at seq / cp, to run it)."""
 
 
 def cp_case(case: Case) -> dict:

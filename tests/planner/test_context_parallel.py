@@ -12,7 +12,7 @@ import pytest
 
 import autopar
 
-LAYERS = 16
+LAYERS = 4
 SHAPE = "hidden=16384,heads=128,kv_heads=8,ffn_hidden=53248,vocab=128256"
 CLUSTER = "dgx-h100:nodes=2048"
 TOKENS_PER_STEP = 16 * 2**20
