@@ -93,10 +93,9 @@ def _case(model: str, world_size: int, **constraints):
 
 
 _PARAMS = [
-    _case("llama", 2, dp=1, cp=2, tp=1, pp=1, microbatch_size=4),
-    _case("gpt", 2, dp=1, cp=2, tp=1, pp=1, zero_stage=0),
-    _case("llama", 4, dp=2, cp=2, tp=1, pp=1, zero_stage=3),
-    _case("llama", 4, dp=1, cp=2, tp=2, pp=1),
+    _case("llama", 2, dp=1, cp=2, tp=1, pp=1, microbatch_size=4),   # rotary tables sliced by position
+    _case("gpt", 4, dp=2, cp=2, tp=1, pp=1, zero_stage=3),           # arange positions; FSDP over dp x cp
+    _case("llama", 4, dp=1, cp=2, tp=2, pp=1),                       # heads on tp, sequence on cp
 ]
 CASES = {param.id: param.values[0] for param in _PARAMS}
 
