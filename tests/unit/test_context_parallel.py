@@ -157,3 +157,13 @@ def test_cli_cp_flag(capsys):
 
     assert main(["plan", LLAMA, "--cluster", CLUSTER, "--global-batch", "4", "--cp", "2", "--tp", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["mesh"]["cp"] == 2
+
+
+def test_cp_plans_show_their_kv_exchange_in_the_timeline(planner):
+    from autopar.report.timeline import layout
+
+    plan = api.plan_with(planner, Constraints(cp=2, tp=1, pp=1))
+    timeline = layout(plan)
+    assert timeline.end_s == pytest.approx(plan.predicted.step_time_s, rel=0.05)
+    parts = plan.stages[0].chunk_times_s[0]
+    assert {"cp.kv_all_gather.forward", "cp.kv_reduce_scatter.backward"} <= set(parts)
