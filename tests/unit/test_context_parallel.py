@@ -167,3 +167,27 @@ def test_cp_plans_show_their_kv_exchange_in_the_timeline(planner):
     assert timeline.end_s == pytest.approx(plan.predicted.step_time_s, rel=0.05)
     parts = plan.stages[0].chunk_times_s[0]
     assert {"cp.kv_all_gather.forward", "cp.kv_reduce_scatter.backward"} <= set(parts)
+
+
+# --- codegen/context_parallel.py (what needs no process group) ------------------------------------
+
+def test_load_balanced_chunks_cover_the_sequence_once():
+    import torch
+
+    from autopar.codegen.context_parallel import chunk_positions
+
+    ranks = [chunk_positions(16, 4, rank) for rank in range(4)]
+    assert ranks[0].tolist() == [0, 1, 14, 15] and ranks[3].tolist() == [6, 7, 8, 9]
+    assert sorted(torch.cat(ranks).tolist()) == list(range(16))
+    with pytest.raises(ConfigError, match="2 x cp"):
+        chunk_positions(12, 4, 0)
+
+
+def test_runtime_refuses_cp_with_pipeline_stages_clearly():
+    from types import SimpleNamespace
+
+    from autopar.codegen.context_parallel import check_supported
+
+    check_supported(SimpleNamespace(mesh={"pp": 1, "dp": 1, "cp": 2, "tp": 1}))
+    with pytest.raises(ConfigError, match="re-plan with pp=1 or cp=1"):
+        check_supported(SimpleNamespace(mesh={"pp": 2, "dp": 1, "cp": 2, "tp": 1}))
