@@ -170,7 +170,7 @@ def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=No
 def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constraints=None, loss_fn=None,
          example_targets=None, precision: str = "bf16", options: SearchOptions | None = None,
          verbose: bool = False, example_kwargs=None) -> Plan:
-    """Search the best parallelization; `constraints` may fix dp, tp, pp, microbatch_size,
+    """Search the best parallelization; `constraints` may fix dp, tp, pp, cp, microbatch_size,
     schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage and ep.
     `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones."""
     return candidate_plans(model, example_inputs, cluster, global_batch=global_batch, num_candidates=1,
@@ -180,7 +180,7 @@ def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constr
 
 def _check_constraints(cluster: Cluster, global_batch: int, constraints: Constraints) -> None:
     check_degrees(cluster, global_batch, dp=constraints.dp, tp=constraints.tp, pp=constraints.pp,
-                  microbatch_size=constraints.microbatch_size, schedule=constraints.schedule)
+                  microbatch_size=constraints.microbatch_size, schedule=constraints.schedule, cp=constraints.cp)
 
 
 def plan_with(planner: Planner, constraints: Constraints = Constraints()) -> Plan:
@@ -215,7 +215,7 @@ def candidates_with(planner: Planner, constraints: Constraints = Constraints(), 
                          sharding=planner.sharding(config.tp, config.microbatch_size),
                          memory_budget_bytes=planner.step_model.memory_budget_bytes,
                          search=result if estimate is result.best else None, precision=planner.precision,
-                         segments=planner.segment_costs(config.tp, config.microbatch_size),
+                         segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp),
                          strategies=planner.strategies(config.tp, config.microbatch_size))
         plans.append(_with_error_bar(plan, planner))
     return plans
@@ -227,8 +227,8 @@ def _distinct(ranked: list) -> list:
     seen, kept = set(), []
     for estimate in ranked:
         config = estimate.config
-        key = (config.dp, config.tp, config.pp, config.microbatch_size, config.schedule, config.virtual_stages,
-               config.zero_stage, config.ep)
+        key = (config.dp, config.tp, config.pp, config.cp, config.microbatch_size, config.schedule,
+               config.virtual_stages, config.zero_stage, config.ep)
         if key not in seen:
             seen.add(key)
             kept.append(estimate)
@@ -251,33 +251,36 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
              dp: int | None = None, microbatch_size: int = 1, schedule: str = "1f1b",
              virtual_stages: int | None = None, layers_per_virtual_stage: int | None = None,
              recompute: str = "none", zero_stage: int = 0, loss_fn=None, example_targets=None,
-             precision: str = "bf16", verbose: bool = False, example_kwargs=None, ep: int = 1) -> Plan:
+             precision: str = "bf16", verbose: bool = False, example_kwargs=None, ep: int = 1,
+             cp: int = 1) -> Plan:
     """Price one fully fixed configuration (no search); `ep` splits the experts of an MoE over
-    groups of ep data-parallel ranks."""
+    groups of ep data-parallel ranks, `cp` splits each sequence over cp ranks."""
     check_fixed_config(tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                        virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
-                       recompute=recompute, zero_stage=zero_stage, ep=ep)
+                       recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp)
     check_model_arguments(model, example_inputs, loss_fn, example_targets)
     cluster = Cluster.from_spec(cluster)
     check_degrees(cluster, check_global_batch(global_batch), dp=dp, tp=tp, pp=pp,
-                  microbatch_size=microbatch_size, schedule=schedule)
+                  microbatch_size=microbatch_size, schedule=schedule, cp=cp if cp > 1 else None)
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
                           example_targets=example_targets, precision=precision, verbose=verbose,
                           example_kwargs=example_kwargs)
     config = fixed_config(planner, tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                           virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
-                          recompute=recompute, zero_stage=zero_stage, ep=ep)
+                          recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp)
     return evaluate_with(planner, config)
 
 
 def fixed_config(planner: Planner, *, tp: int, pp: int, dp: int | None, microbatch_size: int, schedule: str,
                  virtual_stages: int | None, layers_per_virtual_stage: int | None, recompute: str,
-                 zero_stage: int, ep: int = 1) -> ParallelConfig:
+                 zero_stage: int, ep: int = 1, cp: int = 1) -> ParallelConfig:
     check_pipeline_depth(planner.graph, pp)
     devices = planner.cluster.num_devices
-    if tp < 1 or pp < 1 or devices % (tp * pp):
-        raise ConfigError(f"tp x pp = {tp} x {pp} must divide the cluster's {devices} devices")
-    dp = dp or devices // (tp * pp)
+    if tp < 1 or pp < 1 or cp < 1 or devices % (tp * pp * cp):
+        shown = f"tp x pp x cp = {tp} x {pp} x {cp}" if cp != 1 else f"tp x pp = {tp} x {pp}"
+        raise ConfigError(f"{shown} must divide the cluster's {devices} devices")
+    planner.check_cp(cp)
+    dp = dp or devices // (tp * pp * cp)
     if microbatch_size < 1 or planner.global_batch % (dp * microbatch_size):
         raise ConfigError(f"global batch {planner.global_batch} is not divisible by dp x microbatch size = "
                           f"{dp} x {microbatch_size}")
@@ -287,7 +290,7 @@ def fixed_config(planner: Planner, *, tp: int, pp: int, dp: int | None, microbat
         virtual = (planner.virtual_stages(pp, constraints) or [2])[0]
     config = ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
                             num_microbatches=planner.global_batch // (dp * microbatch_size), schedule=schedule,
-                            virtual_stages=virtual, recompute=recompute, zero_stage=zero_stage, ep=ep)
+                            virtual_stages=virtual, recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp)
     planner.check(config)
     return config
 
@@ -299,6 +302,7 @@ def evaluate_with(planner: Planner, config: ParallelConfig) -> Plan:
         f"{planner.step_model.memory_budget_bytes / 2**30:.1f} GiB usable",)
     plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
                      sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes,
-                     precision=planner.precision, segments=planner.segment_costs(config.tp, config.microbatch_size),
+                     precision=planner.precision,
+                     segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp),
                      strategies=planner.strategies(config.tp, config.microbatch_size))
     return _with_error_bar(plan, planner)

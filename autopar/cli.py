@@ -1,6 +1,6 @@
 """The `autopar` command: a thin layer over the API.
 
-    autopar plan MODEL --cluster SPEC --global-batch B [--dp D] [--tp T] [--pp P] [--json]
+    autopar plan MODEL --cluster SPEC --global-batch B [--dp D] [--tp T] [--pp P] [--cp C] [--json]
     autopar evaluate MODEL --cluster SPEC --global-batch B --tp T --pp P --microbatch-size b ...
     autopar profile [--device cpu|cuda] [--nproc N] [--out profile.json]
     autopar profile --calibrate MODEL --nproc N [--out profile.json]   (fit whole-step terms)
@@ -96,6 +96,7 @@ def _plan_parser(commands) -> None:
     parser.add_argument("--dp", type=count(), help="fix the data-parallel degree")
     parser.add_argument("--tp", type=count(), help="fix the tensor-parallel degree")
     parser.add_argument("--pp", type=count(), help="fix the pipeline-parallel degree")
+    parser.add_argument("--cp", type=count(), help="fix the context-parallel degree (each sequence split over CP ranks)")
     parser.add_argument("--microbatch-size", type=count(MAX_GLOBAL_BATCH))
     parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"])
     parser.add_argument("--layers-per-virtual-stage", type=count())
@@ -110,7 +111,8 @@ def _evaluate_parser(commands) -> None:
     _common(parser)
     parser.add_argument("--tp", type=count(), required=True)
     parser.add_argument("--pp", type=count(), required=True)
-    parser.add_argument("--dp", type=count(), help="default: devices / (tp x pp)")
+    parser.add_argument("--dp", type=count(), help="default: devices / (tp x pp x cp)")
+    parser.add_argument("--cp", type=count(), default=1, help="context-parallel degree (default 1)")
     parser.add_argument("--microbatch-size", type=count(MAX_GLOBAL_BATCH), required=True)
     parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default="1f1b")
     parser.add_argument("--layers-per-virtual-stage", type=count())
@@ -159,7 +161,7 @@ def _emit(plan, args) -> int:
 def _plan(args) -> int:
     if args.out is not None:  # before planning: a typo in the path should not cost the search
         check_output_path(args.out)
-    constraints = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "microbatch_size": args.microbatch_size,
+    constraints = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "cp": args.cp, "microbatch_size": args.microbatch_size,
                    "schedule": args.schedule, "layers_per_virtual_stage": args.layers_per_virtual_stage,
                    "recompute": args.recompute, "zero_stage": args.zero, "ep": args.ep}
     plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
@@ -174,7 +176,8 @@ def _evaluate(args) -> int:
     plan = api.evaluate(args.model, cluster=args.cluster, global_batch=args.global_batch, tp=args.tp, pp=args.pp,
                         dp=args.dp, microbatch_size=args.microbatch_size, schedule=args.schedule,
                         layers_per_virtual_stage=args.layers_per_virtual_stage, recompute=args.recompute,
-                        zero_stage=args.zero, precision=args.precision, verbose=args.verbose, ep=args.ep)
+                        zero_stage=args.zero, precision=args.precision, verbose=args.verbose, ep=args.ep,
+                        cp=args.cp)
     return _emit(plan, args)
 
 

@@ -33,7 +33,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         cluster_fingerprint=cluster.fingerprint(),
         num_devices=cluster.num_devices,
         global_batch=global_batch,
-        mesh={"pp": config.pp, "dp": config.dp, "tp": config.tp},
+        mesh={"pp": config.pp, "dp": config.dp, "cp": config.cp, "tp": config.tp},
         microbatch_size=config.microbatch_size,
         num_microbatches=config.num_microbatches,
         schedule=config.schedule if config.pp > 1 else "none",
@@ -130,9 +130,10 @@ def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str) -> tuple[
             parts["recompute"] += _recompute_compute_s(segment, stage.recompute)
             for event in segment.comm:
                 phase = _PHASES.get(event.phase, "backward")
-                _add(parts, f"tp.{event.op}.{phase}", event.time_s)
+                name = event.op if event.op.startswith("cp.") else f"tp.{event.op}"  # cp's KV exchange
+                _add(parts, f"{name}.{phase}", event.time_s)
                 if stage.recompute == "full" and event.phase == "fwd":
-                    _add(parts, f"tp.{event.op}.recompute", event.time_s)
+                    _add(parts, f"{name}.recompute", event.time_s)
         for key, seconds in _fsdp_parts(stage).items():
             _add(parts, key, seconds / len(chunks))
         in_chunk = set(chunk)
@@ -208,7 +209,7 @@ def _runner_up(estimate: Estimate) -> dict:
     return {"config": config.describe(), "step_time_s": estimate.step_time_s,
             "peak_memory_bytes": estimate.peak_memory_bytes,
             "breakdown_s": dict(estimate.breakdown_s), "memory_bytes": dict(estimate.memory_bytes),
-            "settings": {"dp": config.dp, "tp": config.tp, "pp": config.pp, "microbatch_size": config.microbatch_size,
+            "settings": {"dp": config.dp, "tp": config.tp, "pp": config.pp, "cp": config.cp, "microbatch_size": config.microbatch_size,
                          "num_microbatches": config.num_microbatches, "schedule": config.schedule,
                          "virtual_stages": config.virtual_stages, "recompute": config.recompute,
                          "zero_stage": config.zero_stage, "ep": config.ep},

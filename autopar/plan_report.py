@@ -21,8 +21,7 @@ def plan_summary(plan: "Plan", *, max_stages: int = 8, max_params: int = 14) -> 
     lines = [
         f"autopar plan for {plan.model or 'model'} on {plan.cluster} ({plan.num_devices} devices), "
         f"global batch {plan.global_batch}",
-        f"  mesh          pp={plan.mesh['pp']} x dp={plan.mesh['dp']} x tp={plan.mesh['tp']} "
-        f"(tp inside a node, then dp, then pp)" + _experts(plan),
+        _mesh_line(plan) + _experts(plan),
         f"  microbatches  {plan.num_microbatches} of {plan.microbatch_size}, schedule {_schedule(plan)}",
         f"  memory saving recompute={plan.recompute}{_lighter_stages(plan)}, ZeRO stage {plan.zero_stage}",
         f"  predicted     {predicted.step_time_s:.4g} s per step, {plan.model_tflops_per_device:.1f} model "
@@ -53,6 +52,14 @@ def plan_summary(plan: "Plan", *, max_stages: int = 8, max_params: int = 14) -> 
 
 
 _CALIBRATED_TERMS = ("compute.in_step", "comm.pattern")
+
+
+def _mesh_line(plan: "Plan") -> str:
+    mesh = plan.mesh
+    if mesh.get("cp", 1) == 1:
+        return f"  mesh          pp={mesh['pp']} x dp={mesh['dp']} x tp={mesh['tp']} (tp inside a node, then dp, then pp)"
+    return (f"  mesh          pp={mesh['pp']} x dp={mesh['dp']} x cp={mesh['cp']} x tp={mesh['tp']} (tp inside a node, "
+            f"then cp, dp, pp; each sequence split over the {mesh['cp']} cp ranks, gradients reduced over dp x cp)")
 
 
 def _error_bar(plan: "Plan") -> str:

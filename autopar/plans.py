@@ -16,7 +16,9 @@ from typing import Any
 from autopar.errors import PlanMismatchError
 from autopar.validation import check_plan_data, parse_json, read_text_file, shorten
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: the mesh has a context-parallel axis "cp" (version 1 files load with cp = 1)."""
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,7 +83,8 @@ class Plan:
     num_devices: int
     global_batch: int
     mesh: dict[str, int]
-    """{"pp": ..., "dp": ..., "tp": ...}; the mesh is laid out with tp fastest (inside a node)."""
+    """{"pp": ..., "dp": ..., "cp": ..., "tp": ...}; laid out in that order with tp fastest (inside a
+    node), then cp (context parallelism: each sequence split over cp ranks)."""
     microbatch_size: int
     num_microbatches: int
     schedule: str
@@ -136,10 +139,13 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanMismatchError(f"plan {shorten(source)} is not a JSON object (got {type(data).__name__}): give "
                                     "the file `autopar plan --out` wrote")
-        if data.get("schema_version") != SCHEMA_VERSION:
+        if data.get("schema_version") not in READABLE_VERSIONS:
             raise PlanMismatchError(f"plan {shorten(source)} has schema_version {shorten(data.get('schema_version'))}; "
-                                    f"this autopar reads version {SCHEMA_VERSION}: re-run `autopar plan`")
+                                    f"this autopar reads versions {', '.join(map(str, READABLE_VERSIONS))}: re-run "
+                                    "`autopar plan`")
         check_plan_data(data, source)
+        if isinstance(data.get("mesh"), dict) and "cp" not in data["mesh"]:  # version 1: no context parallelism
+            data = {**data, "mesh": {**data["mesh"], "cp": 1}}
         try:
             predicted_fields = {f.name for f in fields(Prediction)}
             predicted = Prediction(**{k: v for k, v in data["predicted"].items() if k in predicted_fields})
@@ -148,7 +154,7 @@ class Plan:
                                         "chunk_times_s": tuple(stage.get("chunk_times_s", ()))})
                            for stage in data["stages"])
             values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
-            values.update(predicted=predicted, stages=stages, input_placements=tuple(data.get("input_placements", ())),
+            values.update(schema_version=SCHEMA_VERSION, predicted=predicted, stages=stages, input_placements=tuple(data.get("input_placements", ())),
                           replicated_ops=tuple(tuple(item) for item in data.get("replicated_ops", ())),
                           notes=tuple(data.get("notes", ())), trials=tuple(data.get("trials", ())),
                           ep_params=tuple(data.get("ep_params", ())))

@@ -209,7 +209,8 @@ def check_output_path(path: Any, flag: str = "--out") -> Path:
 
 PRECISION_NAMES = ("bf16", "fp32")
 _DEGREES = ("dp", "tp", "pp")
-_POSITIVE_CONSTRAINTS = ("dp", "tp", "pp", "microbatch_size", "virtual_stages", "layers_per_virtual_stage", "ep")
+_POSITIVE_CONSTRAINTS = ("dp", "tp", "pp", "cp", "microbatch_size", "virtual_stages", "layers_per_virtual_stage",
+                         "ep")
 
 
 def check_global_batch(value: Any, name: str = "global_batch") -> int:
@@ -247,11 +248,12 @@ def check_constraint_values(value: Any) -> dict[str, Any]:
 
 
 def check_fixed_config(*, tp: Any, pp: Any, dp: Any, microbatch_size: Any, schedule: Any, virtual_stages: Any,
-                       layers_per_virtual_stage: Any, recompute: Any, zero_stage: Any, ep: Any = 1) -> None:
+                       layers_per_virtual_stage: Any, recompute: Any, zero_stage: Any, ep: Any = 1,
+                       cp: Any = 1) -> None:
     """The arguments of `evaluate`: types and ranges, before anything is captured."""
     from autopar.solver.step_model import RECOMPUTE_MODES, SCHEDULES
 
-    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("microbatch_size", microbatch_size)):
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp), ("microbatch_size", microbatch_size)):
         check_int(value, name, maximum=MAX_DEVICES if name != "microbatch_size" else MAX_GLOBAL_BATCH)
     for name, value in (("dp", dp), ("virtual_stages", virtual_stages),
                         ("layers_per_virtual_stage", layers_per_virtual_stage)):
@@ -263,11 +265,12 @@ def check_fixed_config(*, tp: Any, pp: Any, dp: Any, microbatch_size: Any, sched
 
 
 def check_degrees(cluster, global_batch: int, *, dp: int | None = None, tp: int | None = None,
-                  pp: int | None = None, microbatch_size: int | None = None, schedule: str | None = None) -> None:
+                  pp: int | None = None, microbatch_size: int | None = None, schedule: str | None = None,
+                  cp: int | None = None) -> None:
     """Fixed parallel degrees that cannot work on this cluster and batch, said in those terms
-    (before any capture: none of this needs the model)."""
+    (before any capture: none of this needs the model). An unfixed cp counts as 1 here."""
     devices, per_node = cluster.num_devices, cluster.devices_per_node
-    fixed = {name: value for name, value in (("dp", dp), ("tp", tp), ("pp", pp)) if value}
+    fixed = {name: value for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)) if value}
     for name, value in fixed.items():
         if value > devices:
             raise ConfigError(f"{name}={value} is more than the cluster's {devices} devices; use {name} <= {devices}")
@@ -282,9 +285,10 @@ def check_degrees(cluster, global_batch: int, *, dp: int | None = None, tp: int 
         shown = f"{' x '.join(fixed)} = {' x '.join(map(str, fixed.values()))} = {product}"
         if product > devices or devices % product:
             raise ConfigError(f"{shown} {'is more than' if product > devices else 'does not divide'} the cluster's "
-                              f"{devices} devices; dp x tp x pp must equal {devices}")
-        if len(fixed) == 3 and product != devices:
-            raise ConfigError(f"{shown}, but the cluster has {devices} devices; dp x tp x pp must equal {devices}")
+                              f"{devices} devices; dp x tp x pp{' x cp' if cp else ''} must equal {devices}")
+        if len(set(fixed) & {"dp", "tp", "pp"}) == 3 and product != devices:
+            raise ConfigError(f"{shown}, but the cluster has {devices} devices; dp x tp x pp{' x cp' if cp else ''} "
+                              f"must equal {devices}")
     if dp and global_batch % dp:
         raise ConfigError(f"global batch {global_batch} is not divisible by dp={dp}; every data-parallel replica "
                           "takes the same number of samples")
@@ -313,6 +317,8 @@ def check_pipeline_depth(graph, pp: int | None) -> None:
 # --- plan files ---------------------------------------------------------------------------------
 
 MESH_AXES = ("pp", "dp", "tp")
+OPTIONAL_MESH_AXES = ("cp",)
+"""Axes a plan's mesh may leave out (size 1): context parallelism came with schema version 2."""
 
 
 class _PlanFields:
@@ -435,13 +441,18 @@ def _check_mesh(fields: _PlanFields, mesh: Any, num_devices: int) -> dict[str, i
         if axis not in mesh:
             fields.fail(f"mesh {shorten(mesh)} lacks the axis '{axis}'; a mesh has pp, dp and tp")
         fields.integer(mesh[axis], f"mesh.{axis}")
-    unknown = [axis for axis in mesh if axis not in MESH_AXES]
+    for axis in OPTIONAL_MESH_AXES:
+        if axis in mesh:
+            fields.integer(mesh[axis], f"mesh.{axis}")
+    unknown = [axis for axis in mesh if axis not in MESH_AXES + OPTIONAL_MESH_AXES]
     if unknown:
-        fields.fail(f"mesh has unknown axis {shorten(unknown[0])}; a mesh has pp, dp and tp")
-    product = mesh["pp"] * mesh["dp"] * mesh["tp"]
+        fields.fail(f"mesh has unknown axis {shorten(unknown[0])}; a mesh has pp, dp, tp and cp")
+    cp = mesh.get("cp", 1)
+    product = mesh["pp"] * mesh["dp"] * mesh["tp"] * cp
     if product != num_devices:
-        fields.fail(f"mesh pp x dp x tp = {mesh['pp']} x {mesh['dp']} x {mesh['tp']} = {product}, but num_devices "
-                    f"is {num_devices}")
+        shown = f"pp x dp x tp{' x cp' if cp != 1 else ''} = {mesh['pp']} x {mesh['dp']} x {mesh['tp']}" + \
+            (f" x {cp}" if cp != 1 else "")
+        fields.fail(f"mesh {shown} = {product}, but num_devices is {num_devices}")
     return mesh
 
 

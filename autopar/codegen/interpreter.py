@@ -77,6 +77,8 @@ class PlannedInterpreter:
         self.stats = stats or RunStats()
         self.distributed = mesh.size() > 1
         self.replicated_targets: set = set()
+        self.overrides: dict = {}
+        """target -> fn(node, args, kwargs) run instead of the op (context parallelism's position-aware ops)."""
         """Targets found to have no DTensor strategy (run replicated from then on)."""
         self.experts = None
         """ExpertRunner (codegen/experts.py) of an expert-parallel plan, else None."""
@@ -147,7 +149,9 @@ class PlannedInterpreter:
 
         args = map_aggregate(node.args, load)
         kwargs = map_aggregate(dict(node.kwargs), load)
-        if node.target is _SDPA and isinstance(args[0], DTensor) and args[0].device.type == "cpu":
+        if node.target in self.overrides:
+            result = self.overrides[node.target](node, args, kwargs)
+        elif node.target is _SDPA and isinstance(args[0], DTensor) and args[0].device.type == "cpu":
             result = self._cpu_attention(*args, **kwargs)
         elif self.distributed and has_local_rule(node.target):
             result = run_sharded(node.target, args, kwargs, self.mesh, output_placement or "R")

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.codegen import context_parallel
 from autopar.codegen.build import ProgramBuilder, chunk_specs
 from autopar.codegen.data_parallel import apply_fsdp, uses_fsdp
 from autopar.codegen.interpreter import RunStats
@@ -146,12 +147,15 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
     from autopar.capture import capture_program
 
     keywords = dict(keywords or {})
+    cp = plan.mesh.get("cp", 1)
     error: AutoparError | None = None
-    parts = None
+    parts, seq_len = None, 0
     try:
         program, graph = captured or capture_program(model, inputs, keywords, allow_fallback=False)
         plan.check_matches(model_fingerprint=graph.fingerprint(), num_devices=dist.get_world_size(),
                            model_name=type(model).__name__)
+        if cp > 1:  # the program each rank runs is the model at its share of the sequence
+            program, graph, seq_len = context_parallel.local_program(model, inputs, keywords, graph, plan)
         parts = GraphParts.read(program, graph)
     except AutoparError as caught:
         error = caught
@@ -165,28 +169,33 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
     builder = ProgramBuilder(plan, parts, model, runtime.tp_mesh, runtime.device, stats)
     if plan.ep > 1:
         builder.use_expert_parallelism(runtime)
+    cp_ops = context_parallel.ops_for(parts, seq_len, runtime) if cp > 1 else None
+    if cp_ops is not None:
+        cp_ops.install(builder.interpreter)
     specs = chunk_specs(plan, parts)
     pp, pp_rank = plan.mesh["pp"], runtime.coordinate("pp")
     mine = [spec for spec in specs if spec.index % pp == pp_rank]
     stages = [builder.build(spec, num_chunks=len(specs)) for spec in mine]
-    if uses_fsdp(plan.zero_stage, plan.mesh["dp"]):
-        apply_fsdp(stages, runtime.dp_mesh, plan.zero_stage)
+    if uses_fsdp(plan.zero_stage, plan.mesh["dp"] * cp):
+        apply_fsdp(stages, runtime.reduce_mesh, plan.zero_stage)
     schedule, tied = None, {}
     if len(specs) > 1:
         pipeline = PipelineBuilder(plan, parts, builder.placements, runtime.device, runtime.pp_group)
         pipeline_stages = [pipeline.stage(stage, spec, len(specs)) for stage, spec in zip(stages, mine)]
         schedule = pipeline.schedule(pipeline_stages, _pipeline_loss(loss_fn, parts.model_output))
         tied = tied_weight_groups(plan, parts, [spec.segments for spec in specs],
-                                  (pp, plan.mesh["dp"], plan.mesh["tp"]), runtime.rank)
+                                  (pp, plan.mesh["dp"] * cp, plan.mesh["tp"]), runtime.rank)  # dp, cp: one axis
     coordinate = {axis: runtime.coordinate(axis) for axis in ("pp", "dp", "tp")}
     listing = program_listing(plan, parts, builder.placements, mine, coordinate)
     flat_inputs = inputs + tuple(keywords.values())
     input_shapes = tuple(tuple(value.shape) if isinstance(value, torch.Tensor) else () for value in flat_inputs)
-    module = ParallelModule(plan=plan, runtime=runtime, stages=stages, loss_fn=loss_fn, params=builder.params,
-                            expert_params=frozenset(plan.ep_params),
-                            input_shapes=input_shapes, keyword_names=tuple(keywords), model_output=parts.model_output,
-                            listing=listing, stats=stats, schedule=schedule, tied_groups=tied,
-                            has_first=mine[0].index == 0, has_last=mine[-1].index == len(specs) - 1)
+    module_class, extra = (context_parallel.ContextParallelModule, {"seq_len": seq_len, "ops": cp_ops}) if cp_ops \
+        else (ParallelModule, {})
+    module = module_class(**extra, plan=plan, runtime=runtime, stages=stages, loss_fn=loss_fn, params=builder.params,
+                          expert_params=frozenset(plan.ep_params),
+                          input_shapes=input_shapes, keyword_names=tuple(keywords), model_output=parts.model_output,
+                          listing=listing, stats=stats, schedule=schedule, tied_groups=tied,
+                          has_first=mine[0].index == 0, has_last=mine[-1].index == len(specs) - 1)
     module.persistent_buffers = {fqn: tensor for fqn, tensor in builder.buffers.items()
                                  if fqn in _persistent_buffer_names(model)}
     module.parameter_aliases = {first: names[1:] for first, names in all_names(model).items() if len(names) > 1}

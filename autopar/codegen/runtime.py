@@ -8,6 +8,7 @@ all ranks with the same message instead of leaving some waiting in a collective.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.errors import AutoparError, PlanMismatchError
 
 MESH_AXES = ("pp", "dp", "tp")
+CP_MESH_AXES = ("pp", "dp", "cp", "tp")
+"""With context parallelism: cp between dp and tp (tp fastest), as the planner lays it out."""
 
 
 @dataclass
@@ -60,6 +63,20 @@ class Runtime:
     def coordinate(self, axis: str) -> int:
         return self.mesh[axis].get_local_rank()
 
+    @property
+    def cp_group(self):
+        return self.mesh["cp"].get_group()
+
+    @property
+    def reduce_mesh(self) -> DeviceMesh:
+        """The ranks that hold the same parameters: dp, or dp x cp flattened (FSDP's mesh, the
+        gradient all-reduce's group)."""
+        if "cp" not in (self.mesh.mesh_dim_names or ()):
+            return self.dp_mesh
+        if not hasattr(self, "_reduce_mesh"):
+            self._reduce_mesh = self.mesh["dp", "cp"]._flatten("dp_cp")
+        return self._reduce_mesh
+
 
 def ensure_process_group() -> tuple[int, int]:
     """Join the torchrun job (env://), or start a one-process group when run standalone."""
@@ -83,14 +100,18 @@ def local_device() -> torch.device:
 
 def build_runtime(mesh_sizes: dict[str, int], ep: int = 1) -> Runtime:
     rank, world = ensure_process_group()
-    shape = tuple(mesh_sizes[axis] for axis in MESH_AXES)
-    if shape[0] * shape[1] * shape[2] != world:
-        raise PlanMismatchError(f"the plan's mesh pp x dp x tp = {shape} needs {shape[0] * shape[1] * shape[2]} "
+    axes = CP_MESH_AXES if mesh_sizes.get("cp", 1) > 1 else MESH_AXES
+    shape = tuple(mesh_sizes[axis] for axis in axes)
+    if math.prod(shape) != world:
+        raise PlanMismatchError(f"the plan's mesh {' x '.join(axes)} = {shape} needs {math.prod(shape)} "
                                 f"processes, but the job has {world}: launch that many or re-plan")
     device = local_device()
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_AXES)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=axes)
     experts = None
     if ep > 1:
+        if len(shape) != 3:
+            raise PlanMismatchError("expert parallelism with context parallelism is not supported yet: "
+                                    "re-plan with cp=1 or ep=1")
         pp, dp, tp = shape
         ranks = torch.arange(world).reshape(pp, dp // ep, ep, tp).permute(0, 1, 3, 2)
         experts = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "dp_rep", "tp", "ep"))

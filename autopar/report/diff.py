@@ -39,6 +39,7 @@ def _settings(plan: Plan) -> dict[str, str]:
     return {"model": plan.model, "cluster": plan.cluster, "devices": str(plan.num_devices),
             "global batch": str(plan.global_batch),
             "mesh": f"pp={plan.mesh['pp']} dp={plan.mesh['dp']} tp={plan.mesh['tp']}"
+                    + (f" cp={plan.mesh['cp']}" if plan.mesh.get("cp", 1) > 1 else "")
                     + (f" ep={plan.ep}" if plan.ep > 1 else ""),
             "microbatches": f"{plan.num_microbatches} of {plan.microbatch_size}", "schedule": schedule,
             "recompute": plan.recompute, "ZeRO stage": str(plan.zero_stage), "precision": plan.precision}

@@ -20,7 +20,7 @@ PASS_COLORS = {"forward": ("#1f5fa8", "#4f8fd8", "#8db9ea", "#bcd6f4"),
                "recompute": ("#c77d12", "#e0a13f", "#eec47e", "#f6dfb6")}
 """Per pass kind, one shade per model chunk (darkest: the rank's first chunk)."""
 TAIL_COLORS = {"dp.gradient_sync": "#d9622b", "dp.all_gather.once": "#e8894f", "dp.reduce_scatter.once": "#c2481a", "pp.tied_weights": "#b04a9c", "optimizer": "#6b6b6b"}
-AXIS_COLORS = {"tp": "#7b3fb5", "pp": "#c0392b", "dp": "#d9622b"}
+AXIS_COLORS = {"tp": "#7b3fb5", "cp": "#2a9d8f", "pp": "#c0392b", "dp": "#d9622b"}
 BUBBLE_COLOR = "#eeeeee"
 MEMORY_COLORS = {"parameters": "#1f5fa8", "gradients": "#3fa86b", "optimizer": "#8e6bbf",
                  "activations": "#e0a13f", "buffers": "#8c8c8c", "recompute_workspace": "#c0392b",
@@ -121,7 +121,7 @@ def _draw_comm(ax, timeline: Timeline, rank: int, end_s: float, gid_prefix: str)
 
 def _axis_order(key: str) -> int:
     """Strips stack from the block's end: pipeline sends last, tensor-parallel before them."""
-    return {"pp": 0, "dp": 1, "tp": 2}.get(key.split(".")[0], 3)
+    return {"pp": 0, "dp": 1, "tp": 2, "cp": 3}.get(key.split(".")[0], 4)
 
 
 def _color(block) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from autopar.graph_report import human_bytes
 from autopar.plans import Plan
 
-SETTINGS = ("pp", "dp", "tp", "microbatch_size", "num_microbatches", "schedule", "virtual_stages", "recompute",
+SETTINGS = ("pp", "dp", "cp", "tp", "microbatch_size", "num_microbatches", "schedule", "virtual_stages", "recompute",
             "zero_stage", "ep")
 
 
@@ -53,7 +53,7 @@ class Explanation:
 
 
 def plan_settings(plan: Plan) -> dict:
-    return {"pp": plan.mesh["pp"], "dp": plan.mesh["dp"], "tp": plan.mesh["tp"],
+    return {"pp": plan.mesh["pp"], "dp": plan.mesh["dp"], "cp": plan.mesh.get("cp", 1), "tp": plan.mesh["tp"],
             "microbatch_size": plan.microbatch_size, "num_microbatches": plan.num_microbatches,
             "schedule": plan.schedule if plan.mesh["pp"] > 1 else "1f1b",
             "virtual_stages": plan.virtual_stages, "recompute": plan.recompute, "zero_stage": plan.zero_stage,
@@ -62,8 +62,9 @@ def plan_settings(plan: Plan) -> dict:
 
 def describe_settings(settings: dict) -> str:
     schedule = settings["schedule"] + (f"(v={settings['virtual_stages']})" if settings["schedule"] == "interleaved" else "")
+    cp = f" cp={settings['cp']}" if settings.get("cp", 1) > 1 else ""
     experts = f" ep={settings['ep']}" if settings.get("ep", 1) > 1 else ""
-    return (f"dp={settings['dp']}{experts} tp={settings['tp']} pp={settings['pp']} "
+    return (f"dp={settings['dp']}{experts}{cp} tp={settings['tp']} pp={settings['pp']} "
             f"microbatch={settings['microbatch_size']}x{settings['num_microbatches']} {schedule} "
             f"recompute={settings['recompute']} zero={settings['zero_stage']}")
 

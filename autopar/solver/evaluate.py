@@ -47,6 +47,8 @@ class SegmentCost:
     """Of param_numel, the expert weights (sharded further by expert parallelism)."""
     expert_exchanges: list[ExpertExchange] = field(default_factory=list)
     """Per expert op, what expert parallelism would exchange (solver/experts.py)."""
+    selective_recompute_comm: list[CommEvent] = field(default_factory=list)
+    """Collectives those ops run again when recomputed (context parallelism's KV all-gather)."""
 
     @property
     def selective_saved_bytes(self) -> float:

@@ -32,7 +32,7 @@ from autopar.solver.evaluate import SegmentCost
 from autopar.solver.step_model import Estimate, StageEstimate, StepModel
 from cost_model.calibration import CPU_WORK_TERMS, TERMS, Calibration, core_sharing_factor, is_multiplier
 
-COMM_BREAKDOWN_PREFIXES = ("tp.", "pp.send_recv", "pp.tied_weights", "dp.gradient_sync")
+COMM_BREAKDOWN_PREFIXES = ("tp.", "cp.", "pp.send_recv", "pp.tied_weights", "dp.gradient_sync")
 WORK_BREAKDOWN_KEYS = ("compute", "recompute", "bubble", "optimizer")
 _SMALL_MESSAGE_BYTES = 4096.0
 """A message whose time is the collective's latency (the profile's smallest size)."""

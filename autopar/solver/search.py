@@ -1,12 +1,13 @@
 """Whole-cluster search: mesh shape, microbatching, schedule, recomputation and ZeRO stage.
 
-For every factorisation of the devices into pp x dp x tp (tensor parallel inside a node unless
-constrained otherwise), every microbatch size dividing the per-replica batch, the 1F1B and
+For every factorisation of the devices into pp x dp x cp x tp (tensor parallel inside a node
+unless constrained otherwise; context parallelism only for models whose sequence can be split,
+solver/context_parallel.py), every microbatch size dividing the per-replica batch, the 1F1B and
 interleaved schedules, each recomputation mode and ZeRO stage, and for a model with expert
 matmuls every expert-parallel degree dividing dp (experts sharded over ep of the dp ranks,
-solver/experts.py; with ZeRO-0, the one codegen runs it with), the step model (step_model.py)
+solver/experts.py; with ZeRO-0 and cp=1, what codegen runs it with), the step model (step_model.py)
 prices the configuration from the intra-op solution of the tensor-parallel mesh at that
-microbatch size (solved once per (tp, microbatch) and reused for every pp and dp). The fastest
+microbatch size (solved once per (tp, microbatch) and reused for every pp, dp and cp). The fastest
 configuration that fits in memory wins; ties go to the leaner one.
 """
 
@@ -22,9 +23,11 @@ from autopar.graph import OpGraph
 from autopar.graph_report import human_bytes
 from autopar.mesh import Mesh
 from autopar.solver.evaluate import SegmentCost
+from autopar.solver.context_parallel import attention_costs, sequence_length, split_compute, split_sequence
 from autopar.solver.experts import ExpertPricing, ep_degrees, find_expert_ops
 from autopar.solver.overheads import Overheads, SegmentCounts, segment_counts, step_features
 from autopar.solver.sharding import ShardingOptions, ShardingResult, cost_context, solve_sharding
+from autopar.strategies.attention import context_parallel_blocker
 from autopar.solver.step_model import (RECOMPUTE_MODES, SCHEDULES, Estimate, ParallelConfig, PreparedSegments,
                                        StepModel)
 from cost_model.allocator import DEFAULT_ALLOCATOR, NO_OVERHEAD, AllocatorModel
@@ -40,6 +43,8 @@ class Constraints:
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None
+    cp: int | None = None
+    """Context parallelism: ranks each sequence is split over (1: none)."""
     microbatch_size: int | None = None
     schedule: str | None = None
     """"1f1b", "gpipe" or "interleaved"."""
@@ -76,6 +81,11 @@ class SearchOptions:
     sharding: ShardingOptions = ShardingOptions()
     experts: ExpertPricing = ExpertPricing()
     """Assumptions of the expert-parallel price (the load imbalance of dropless routing)."""
+    min_tokens_per_cp_rank: int = 1024
+    """Context-parallel degrees searched leave each rank at least this many tokens of a sequence
+    (smaller blocks cannot hide the KV exchange behind their attention); a constraint overrides."""
+    cp_kv_exchange: str = "all_gather"
+    """How context parallelism moves keys and values: "all_gather" (Llama 3's) or "ring"."""
 
 
 @dataclass
@@ -121,7 +131,11 @@ class Planner:
         """The expert matmuls expert parallelism can split (solver/experts.py)."""
         self._counts: dict[tuple[int, int], dict[str, SegmentCounts]] = {}
         self._sharding: dict[tuple[int, int], ShardingResult] = {}
-        self._prepared: dict[tuple[int, int, str], PreparedSegments] = {}
+        self._prepared: dict[tuple, PreparedSegments] = {}
+        self._cp_costs: dict[tuple[int, int, int], list[SegmentCost]] = {}
+        self.sequence_length = sequence_length(graph)
+        self.cp_blocker = context_parallel_blocker(graph, self.sequence_length)
+        """Why the sequence cannot be split over cp ranks ("" when it can)."""
 
     @property
     def num_blocks(self) -> int:
@@ -146,14 +160,32 @@ class Planner:
                 found[name] = kept[stand_in]
         return found
 
-    def segment_costs(self, tp: int, microbatch_size: int) -> list[SegmentCost]:
-        """Per segment of the full model (identical blocks share block 1's cost)."""
-        return expand_segments(self.graph, self.condensed, list(self.sharding(tp, microbatch_size).segments))
+    def segment_costs(self, tp: int, microbatch_size: int, cp: int = 1) -> list[SegmentCost]:
+        """Per segment of the full model (identical blocks share block 1's cost); with cp > 1 per
+        rank of a sequence split over cp ranks."""
+        if cp == 1:
+            return expand_segments(self.graph, self.condensed, list(self.sharding(tp, microbatch_size).segments))
+        key = (tp, microbatch_size, cp)
+        if key not in self._cp_costs:
+            self._cp_costs[key] = expand_segments(self.graph, self.condensed,
+                                                  self._sequence_split(tp, microbatch_size, cp))
+        return self._cp_costs[key]
 
-    def prepared(self, tp: int, microbatch_size: int, recompute: str) -> PreparedSegments:
-        key = (tp, microbatch_size, recompute)
+    def _sequence_split(self, tp: int, microbatch_size: int, cp: int) -> list[SegmentCost]:
+        sharding = self.sharding(tp, microbatch_size)
+        graph = self.condensed.with_batch(microbatch_size) if self.graph.batch_dynamic else self.condensed
+        ctx = cost_context(sharding.mesh, self.cluster, self.policy)
+        attentions = attention_costs(graph, sharding.strategies, ctx)
+        compute = split_compute(graph, sharding.strategies, ctx, cp)
+        return [split_sequence(segment, attentions.get(segment.name, []), cp=cp, tp=tp, comm=self.step_model.comm,
+                               devices_per_node=self.cluster.devices_per_node, method=self.options.cp_kv_exchange,
+                               compute=compute.get(segment.name))
+                for segment in sharding.segments]
+
+    def prepared(self, tp: int, microbatch_size: int, recompute: str, cp: int = 1) -> PreparedSegments:
+        key = (tp, microbatch_size, recompute) + ((cp,) if cp > 1 else ())
         if key not in self._prepared:
-            self._prepared[key] = PreparedSegments.build(self.segment_costs(tp, microbatch_size), recompute)
+            self._prepared[key] = PreparedSegments.build(self.segment_costs(tp, microbatch_size, cp), recompute)
         return self._prepared[key]
 
     def _lighter(self, config: ParallelConfig) -> dict[str, PreparedSegments]:
@@ -161,7 +193,7 @@ class Planner:
         if config.pp == 1:
             return {}
         modes = RECOMPUTE_MODES[:RECOMPUTE_MODES.index(config.recompute)]
-        return {mode: self.prepared(config.tp, config.microbatch_size, mode) for mode in modes}
+        return {mode: self.prepared(config.tp, config.microbatch_size, mode, config.cp) for mode in modes}
 
     def counts(self, tp: int, microbatch_size: int) -> dict[str, SegmentCounts]:
         key = (tp, microbatch_size)
@@ -187,7 +219,8 @@ class Planner:
         self.check(config)
         sharding = self.sharding(config.tp, config.microbatch_size)
         # A configuration given by hand is priced as given: its recompute mode on every stage.
-        estimate = self.step_model.estimate(self.prepared(config.tp, config.microbatch_size, config.recompute), config)
+        estimate = self.step_model.estimate(self.prepared(config.tp, config.microbatch_size, config.recompute,
+                                                          config.cp), config)
         estimate = self._calibrated(estimate)
         if estimate is None:
             raise ConfigError(f"{config.describe()}: the model has {len(self.graph.segments)} segments, too few "
@@ -196,9 +229,12 @@ class Planner:
 
     def check(self, config: ParallelConfig) -> None:
         devices = self.cluster.num_devices
-        if config.dp * config.tp * config.pp != devices:
-            raise ConfigError(f"dp x tp x pp = {config.dp} x {config.tp} x {config.pp} = "
-                              f"{config.dp * config.tp * config.pp}, but the cluster has {devices} devices")
+        if config.num_devices != devices:
+            cp = f" x cp={config.cp}" if config.cp > 1 else ""
+            raise ConfigError(f"dp x tp x pp{' x cp' if cp else ''} = {config.dp} x {config.tp} x {config.pp}{cp} = "
+                              f"{config.num_devices}, but the cluster has {devices} devices")
+        if config.cp > 1:
+            self.check_cp(config.cp)
         if config.microbatch_size * config.num_microbatches * config.dp != self.global_batch:
             raise ConfigError(f"global batch {self.global_batch} is not dp x microbatch size x microbatches = "
                               f"{config.dp} x {config.microbatch_size} x {config.num_microbatches}")
@@ -244,6 +280,30 @@ class Planner:
                               f"the plan shards them) do not split evenly into {config.ep} groups, or the "
                               "tensor-parallel plan leaves the expert tokens partial; use another ep or tp")
 
+    def check_cp(self, cp: int) -> None:
+        """A context-parallel degree the model's sequence can be split into (2 cp chunks)."""
+        if cp < 1:
+            raise ConfigError(f"cp must be >= 1, got {cp}")
+        if cp == 1:
+            return
+        if self.cp_blocker:
+            raise ConfigError(f"cp={cp}: context parallelism cannot split this model's sequence: {self.cp_blocker}; "
+                              "plan with cp=1")
+        if self.sequence_length % (2 * cp):
+            raise ConfigError(f"cp={cp}: the sequence of {self.sequence_length} tokens does not split into 2 x cp = "
+                              f"{2 * cp} equal chunks (load-balanced causal attention); choose a cp dividing "
+                              f"{self.sequence_length // 2}")
+
+    def _cps(self, rest: int, constraints: Constraints) -> list[int]:
+        """Context-parallel degrees dividing `rest` devices (see SearchOptions.min_tokens_per_cp_rank)."""
+        if constraints.cp:
+            self.check_cp(constraints.cp)
+            return [constraints.cp] if rest % constraints.cp == 0 else []
+        if self.cp_blocker:
+            return [1]
+        most = self.sequence_length // max(1, self.options.min_tokens_per_cp_rank)
+        return [1] + [c for c in _divisors(rest) if 1 < c <= most and self.sequence_length % (2 * c) == 0]
+
     # --- search ------------------------------------------------------------------------------
 
     def search(self, constraints: Constraints = Constraints(), *, keep: int = 5) -> SearchResult:
@@ -252,12 +312,12 @@ class Planner:
         count = 0
         least_memory: Estimate | None = None
         bound_factor = self.overheads.lower_bound_factor if self.overheads else 1.0
-        for tp, pp, dp in self._meshes(constraints):
+        for tp, pp, dp, cp in self._meshes(constraints):
             for microbatch in self._microbatches(dp, constraints):
-                self.progress(f"planning: tp={tp} pp={pp} dp={dp} microbatch={microbatch}")
+                self.progress(f"planning: tp={tp} pp={pp} dp={dp}{f' cp={cp}' if cp > 1 else ''} microbatch={microbatch}")
                 fitted_any = False
-                for config in self._configs(tp, pp, dp, microbatch, constraints):
-                    prepared = self.prepared(tp, microbatch, config.recompute)
+                for config in self._configs(tp, pp, dp, microbatch, constraints, cp):
+                    prepared = self.prepared(tp, microbatch, config.recompute, cp)
                     cutoff = ranked[keep - 1].step_time_s if len(ranked) >= keep else float("inf")
                     if _lower_bound_s(prepared, config) * bound_factor > cutoff:
                         fitted_any = True  # not priced, but a faster one is known: keep looking
@@ -295,17 +355,19 @@ class Planner:
                     if constraints.tp:
                         raise ConfigError(f"tp x pp = {tp * pp} does not divide the {devices} devices of the cluster")
                     continue  # this tp leaves no room for the requested pp; another tp may
-                dp = rest // pp
-                if constraints.dp and dp != constraints.dp:
-                    continue
-                if self.global_batch % dp == 0:
-                    found.append((tp, pp, dp))
+                for cp in self._cps(rest // pp, constraints):
+                    dp = rest // (pp * cp)
+                    if constraints.dp and dp != constraints.dp:
+                        continue
+                    if self.global_batch % dp == 0:
+                        found.append((tp, pp, dp, cp))
         if not found:
             raise ConfigError(self._no_mesh_message(constraints))
         return found
 
     def _no_mesh_message(self, constraints: Constraints) -> str:
-        fixed = {k: v for k, v in (("dp", constraints.dp), ("tp", constraints.tp), ("pp", constraints.pp)) if v}
+        fixed = {k: v for k, v in (("dp", constraints.dp), ("tp", constraints.tp), ("pp", constraints.pp),
+                                   ("cp", constraints.cp)) if v}
         return (f"no mesh of {self.cluster.num_devices} devices matches {fixed or 'the cluster'} with a data-parallel "
                 f"degree dividing the global batch {self.global_batch}; change the global batch or the constraints")
 
@@ -321,18 +383,19 @@ class Planner:
         # Powers of two: what practitioners use, and half the intra-op solves of all divisors.
         return [b for b in _divisors(local) if b <= self.options.max_microbatch_size and b & (b - 1) == 0]
 
-    def _configs(self, tp: int, pp: int, dp: int, microbatch: int, constraints: Constraints):
+    def _configs(self, tp: int, pp: int, dp: int, microbatch: int, constraints: Constraints, cp: int = 1):
         m = self.global_batch // (dp * microbatch)
         schedules = self._schedules(pp, constraints)
         modes = [constraints.recompute] if constraints.recompute else list(RECOMPUTE_MODES)
-        zeros = [constraints.zero_stage] if constraints.zero_stage is not None else ([0] if dp == 1 else [0, 1, 2, 3])
+        zeros = [constraints.zero_stage] if constraints.zero_stage is not None else \
+            ([0] if dp * cp == 1 else [0, 1, 2, 3])
         if constraints.ep and constraints.ep > 1:
             if constraints.zero_stage or not self.expert_ops:  # wrong for every mesh: say why now
                 self._check_ep(ParallelConfig(dp=constraints.ep, tp=tp, pp=pp, microbatch_size=microbatch,
                                               num_microbatches=m, zero_stage=constraints.zero_stage or 0,
                                               ep=constraints.ep))
-            eps = [constraints.ep] if constraints.ep in self.ep_options(tp, dp, microbatch) else []
-        elif constraints.ep == 1:
+            eps = [constraints.ep] if cp == 1 and constraints.ep in self.ep_options(tp, dp, microbatch) else []
+        elif constraints.ep == 1 or cp > 1:  # codegen runs ep with cp = 1 only
             eps = [1]
         else:
             eps = [1] + self.ep_options(tp, dp, microbatch)
@@ -344,7 +407,7 @@ class Planner:
                     for zero in (zeros if ep == 1 else [0]):
                         yield ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch, num_microbatches=m,
                                              schedule=schedule, virtual_stages=virtual, recompute=recompute,
-                                             zero_stage=zero, ep=ep)
+                                             zero_stage=zero, ep=ep, cp=cp)
 
     def _schedules(self, pp: int, constraints: Constraints) -> list[tuple[str, int]]:
         virtual = self.virtual_stages(pp, constraints)
@@ -390,7 +453,7 @@ class Planner:
         """Why no configuration was left to price, in the terms of the constraints given."""
         fixed = ", ".join(f"{name}={value}" for name, value in vars(constraints).items() if value is not None)
         reasons: list[str] = []
-        for tp, pp, dp in self._meshes(constraints):
+        for tp, pp, dp, _ in self._meshes(constraints):
             most = self.global_batch // dp
             if pp > 1 and constraints.schedule != "gpipe" and most < pp:
                 reasons.append(f"pp={pp} with dp={dp} leaves at most {most} microbatches of the global batch "

@@ -27,6 +27,11 @@ weight by expert; each expert matmul adds its all-to-alls (dispatch and combine,
 backward) over the ep group to t_k, plus the load imbalance of dropless expert ops (the busiest
 rank computes load_imbalance x its share); expert weights' states are 1/ep per device and their
 gradients are all-reduced over the dp / ep ranks holding the same experts (ZeRO-0 only).
+Context parallelism (cp > 1) splits each sequence over cp ranks: the segment costs come in per
+(tp, b, cp) already divided (solver/context_parallel.py, with the exposed KV exchange as
+"cp.*" collectives), and the ranks holding the same parameters are dp x cp: ZeRO shards and
+gradients are reduced over that group.
+
 Step = T + exposed synchronisation + optimizer step (Adam, memory-bound, on the local shard)
      + the all-reduce of weights tied across the first and last stage.
 Memory of stage k = model states (ZeRO, memory.py) + in_flight(k) x sum_{S_k} a + buffers
@@ -71,11 +76,23 @@ class ParallelConfig:
     zero_stage: int = 0
     ep: int = 1
     """Expert-parallel degree: experts split over groups of ep consecutive dp ranks (divides dp)."""
+    cp: int = 1
+    """Context parallelism: ranks each sequence is split over (solver/context_parallel.py)."""
+
+    @property
+    def data_shards(self) -> int:
+        """Ranks that hold the same parameters and reduce their gradients: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
 
     def describe(self) -> str:
         schedule = self.schedule + (f"(v={self.virtual_stages})" if self.schedule == "interleaved" else "")
         experts = f" ep={self.ep}" if self.ep > 1 else ""
-        return (f"dp={self.dp}{experts} tp={self.tp} pp={self.pp} microbatch={self.microbatch_size}x"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return (f"dp={self.dp}{experts}{cp} tp={self.tp} pp={self.pp} microbatch={self.microbatch_size}x"
                 f"{self.num_microbatches} {schedule} recompute={self.recompute} zero={self.zero_stage}")
 
 
@@ -165,6 +182,8 @@ class PreparedSegments:
             for event in segment.comm:
                 factor = 2 if (recompute == "full" and event.phase == "fwd") else 1
                 comm.setdefault(event.op, np.zeros(len(segments)))[index] += event.time_s * factor
+            for event in segment.selective_recompute_comm if recompute == "selective" else ():
+                comm.setdefault(event.op, np.zeros(len(segments)))[index] += event.time_s
         array = lambda values: np.asarray(list(values), dtype=float)  # noqa: E731
         forward = array(s.forward.total_s for s in segments)
         backward = array(s.backward.total_s for s in segments)
@@ -211,7 +230,8 @@ class StepModel:
     """Assumptions of the expert-parallel price (load imbalance)."""
 
     def state_bytes_per_param(self, config: ParallelConfig) -> float:
-        return model_state_memory(1.0, dp=config.dp, zero_stage=config.zero_stage, policy=self.policy).total_bytes
+        return model_state_memory(1.0, dp=config.data_shards, zero_stage=config.zero_stage,
+                                  policy=self.policy).total_bytes
 
     def chain(self, prepared: PreparedSegments, config: ParallelConfig) -> ChainCosts:
         states = prepared.param_numel * self.state_bytes_per_param(config) + prepared.buffer_bytes
@@ -306,7 +326,7 @@ class StepModel:
     def _workspace_terms(self, prepared: PreparedSegments, config: ParallelConfig, indices) -> dict[str, float]:
         recompute = prepared.max_recomputed_bytes if config.recompute != "none" else 0.0
         fsdp = 0.0
-        if config.zero_stage >= 2 and config.dp > 1:
+        if config.zero_stage >= 2 and config.data_shards > 1:
             numel = prepared.param_numel[list(indices)].tolist()
             # ZeRO-2 keeps parameters gathered (counted as "parameters"): only a unit's gradients.
             param_bytes = self.policy.fsdp_gather_bytes if config.zero_stage == 3 else 0.0
@@ -318,7 +338,7 @@ class StepModel:
     def _stage_at(self, prepared: PreparedSegments, spans, config: ParallelConfig, workspace: float,
                   stage: int) -> StageEstimate:
         """One device's stage (a device owns chunks k, k + p, ... when interleaved)."""
-        crosses_nodes = config.dp * config.tp >= self.devices_per_node
+        crosses_nodes = config.data_shards * config.tp >= self.devices_per_node
         own = spans[stage::config.pp]
         indices = [i for span in own for i in range(span.start, span.stop)]
         p2p = sum(2 * self.comm.send_recv_s(float(prepared.output_bytes[span.stop - 1]), crosses_nodes=crosses_nodes)
@@ -329,15 +349,16 @@ class StepModel:
         pick = lambda values: float(values[indices].sum())  # noqa: E731
         numel = pick(prepared.param_numel)
         expert_numel = pick(prepared.expert_numel) if config.ep > 1 and prepared.expert_numel is not None else 0.0
-        states = model_state_memory(numel - expert_numel, dp=config.dp, zero_stage=config.zero_stage,
+        states = model_state_memory(numel - expert_numel, dp=config.data_shards, zero_stage=config.zero_stage,
                                     policy=self.policy)
+        # ep runs with cp = 1 (search.py): the ranks holding the same experts are dp / ep.
         expert_states = model_state_memory(expert_numel / config.ep, dp=config.dp // config.ep,
                                            zero_stage=config.zero_stage, policy=self.policy)
         states = replace(states, params_bytes=states.params_bytes + expert_states.params_bytes,
                          grads_bytes=states.grads_bytes + expert_states.grads_bytes,
                          optimizer_bytes=states.optimizer_bytes + expert_states.optimizer_bytes)
         numel -= expert_numel * (1 - 1 / config.ep)
-        if config.pp > 1 and config.zero_stage >= 2 and config.dp > 1:
+        if config.pp > 1 and config.zero_stage >= 2 and config.data_shards > 1:
             # Without gradient sync until the last microbatch FSDP2 accumulates unsharded gradients.
             states = replace(states, grads_bytes=numel * self.policy.dp_reduce_bytes)
         activations = in_flight * pick(prepared.activation_bytes)
@@ -379,10 +400,9 @@ class StepModel:
 
     def _fsdp(self, prepared: PreparedSegments, indices: list[int], config: ParallelConfig):
         """(timeline, exposed seconds by collective per microbatch, and once per step)."""
-        if config.zero_stage < 1 or config.dp <= 1:
+        if config.zero_stage < 1 or config.data_shards <= 1:
             return None, {}, {}
-        group = Mesh(axis_names=("pp", "dp", "tp"), shape=(config.pp, config.dp, config.tp),
-                     devices_per_node=self.devices_per_node).group(1)
+        group = self._data_shard_group(config)
         numel = prepared.param_numel[indices]
         sizes, inverse = np.unique(numel, return_inverse=True)  # identical blocks: price each size once
         gather = [self.comm.time_s("all_gather", float(size) * self.policy.fsdp_gather_bytes, group) for size in sizes]
@@ -418,7 +438,7 @@ class StepModel:
         tied_s = self._tied_sync_s(config)
         breakdown = {"compute": m * (slowest.forward_s + slowest.backward_s), "recompute": m * slowest.recompute_s}
         for op, seconds in sorted(slowest.tp_comm_s.items()):
-            breakdown[f"tp.{op}"] = m * seconds
+            breakdown[op if op.startswith("cp.") else f"tp.{op}"] = m * seconds
         for part, seconds in sorted(slowest.ep_s.items()):
             breakdown[f"ep.{part}"] = m * seconds
         breakdown["pp.send_recv"] = m * slowest.p2p_s
@@ -442,15 +462,20 @@ class StepModel:
                         fits=fits and peak.total_memory_bytes <= self.memory_budget_bytes,
                         notes=fsdp_notes(slowest, config))
 
-    def _dp_group_time(self, op: str, message_bytes: float, config: ParallelConfig) -> float:
-        mesh = Mesh(axis_names=("pp", "dp", "tp"), shape=(config.pp, config.dp, config.tp),
+    def _data_shard_group(self, config: ParallelConfig):
+        """The ranks that reduce gradients (and FSDP shards over): dp x cp, cp inside dp in the
+        (pp, dp, cp, tp) layout, so one flattened axis."""
+        mesh = Mesh(axis_names=("pp", "dp_cp", "tp"), shape=(config.pp, config.data_shards, config.tp),
                     devices_per_node=self.devices_per_node)
-        return self.comm.time_s(op, message_bytes, mesh.group(1))
+        return mesh.group(1)
+
+    def _dp_group_time(self, op: str, message_bytes: float, config: ParallelConfig) -> float:
+        return self.comm.time_s(op, message_bytes, self._data_shard_group(config))
 
     def _dp_sync_exposed_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
         """Synchronisation after the pipeline: ZeRO-0's all-reduce tail, ZeRO-1's last
         reduce-scatter (ZeRO-2/3 are inside each microbatch's stage time)."""
-        if config.dp <= 1:
+        if config.data_shards <= 1:
             return 0.0
         if config.zero_stage >= 1:
             return sum(stage.fsdp_step_end_s.values())
@@ -468,13 +493,13 @@ class StepModel:
         return max(sync - backward_one, sync / num_buckets)
 
     def _optimizer_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
-        numel = stage.param_numel / (config.dp if config.zero_stage >= 1 else 1)
+        numel = stage.param_numel / (config.data_shards if config.zero_stage >= 1 else 1)
         return numel * self.optimizer_io_bytes_per_param / self.compute.bandwidth_bytes_per_s
 
     def _tied_sync_s(self, config: ParallelConfig) -> float:
         if config.pp <= 1 or not self.tied_param_numel:
             return 0.0
-        crosses = config.dp * config.tp * (config.pp - 1) >= self.devices_per_node
+        crosses = config.data_shards * config.tp * (config.pp - 1) >= self.devices_per_node
         return 2 * self.comm.send_recv_s(self.tied_param_numel / config.tp * self.policy.grad_bytes, crosses_nodes=crosses)
 
 
@@ -497,7 +522,7 @@ def _activation_bytes(segment: SegmentCost, recompute: str) -> float:
 
 def _num_communicators(config: ParallelConfig) -> int:
     """Process groups a rank talks on: one per mesh axis of size > 1."""
-    return sum(1 for size in (config.dp, config.tp, config.pp, config.ep) if size > 1)
+    return sum(1 for size in (config.dp, config.cp, config.tp, config.pp, config.ep) if size > 1)
 
 
 def fsdp_notes(stage: StageEstimate, config: ParallelConfig) -> tuple[str, ...]:
@@ -509,7 +534,8 @@ def fsdp_notes(stage: StageEstimate, config: ParallelConfig) -> tuple[str, ...]:
     gathers = "forward and backward" if config.zero_stage == 3 else "forward"
     per_step = [op.replace("_", "-") + "s" for op in ("all_gather", "reduce_scatter") if op in stage.fsdp_step_end_s]
     once = f"; {' and '.join(per_step)} once per step, the rest" if per_step and m > 1 else ""
-    return (f"FSDP2 (ZeRO-{config.zero_stage}, dp={config.dp}) on stage {stage.index}, one pass: all-gathers "
+    shards = f"dp={config.dp}" + (f" x cp={config.cp}" if config.cp > 1 else "")
+    return (f"FSDP2 (ZeRO-{config.zero_stage}, {shards}) on stage {stage.index}, one pass: all-gathers "
             f"({gathers}) {timeline.gather_s * 1e3:.3g} ms and reduce-scatters {timeline.reduce_scatter_s * 1e3:.3g} ms "
             f"against {timeline.compute_s * 1e3:.3g} ms of compute; exposed {timeline.exposed_s * 1e3:.3g} ms "
             f"({100 * timeline.hidden_fraction:.0f}% hidden): the first unit's gather {timeline.first_gather_s * 1e3:.3g} ms, "

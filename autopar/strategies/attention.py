@@ -58,3 +58,60 @@ def _mask_placement(mask: TensorMeta, dim: int, query: TensorMeta, key: TensorMe
     if mask_dim >= 0 and mask.shape[mask_dim] == query.shape[dim] and mask.shape[mask_dim] > 1:
         return shard(mask_dim)
     return REPLICATE
+
+
+# --- context parallelism: the sequence split over a cp axis ---------------------------------------
+
+ATTENTION_TARGET = "aten.scaled_dot_product_attention.default"
+
+
+def attention_nodes(graph) -> list[OpNode]:
+    """The scaled-dot-product attention ops of a graph (the ops context parallelism replaces)."""
+    return [node for node in graph.calls() if node.target == ATTENTION_TARGET]
+
+
+def is_causal(node: OpNode) -> bool:
+    return bool(call_arg(node, 5, "is_causal"))
+
+
+def context_parallel_blocker(graph, sequence_length: int) -> str:
+    """Why the sequence of `graph` cannot be split over ranks ("" when it can).
+
+    Under context parallelism every op but attention works position by position: the only ops
+    that may see two sequence positions at once are sdpa's, run causal or unmasked (the runtime
+    builds the causal mask of the global positions; an explicit mask would have to be split
+    with the keys). Anything else that multiplies two activations (the scores of a hand-written
+    attention) mixes positions that would live on
+    other ranks. (Other position-mixing ops, a convolution or cumulative sum along the sequence,
+    are not detected.)"""
+    if sequence_length <= 1:
+        return "the model has no token sequence (an integer input of shape (batch, seq))"
+    attentions = attention_nodes(graph)
+    if not attentions:
+        return "the model has no scaled_dot_product_attention op (hand-written attention cannot be split)"
+    for node in attentions:
+        query, key = graph[node.inputs[0]].output, graph[node.inputs[1]].output
+        if query.shape[-2] != sequence_length or key.shape[-2] != sequence_length:
+            return (f"attention {node.name} attends {query.shape[-2]} queries to {key.shape[-2]} keys, not the "
+                    f"{sequence_length} tokens of the sequence (cross-attention is not split)")
+        if isinstance(call_arg(node, 3, "attn_mask"), Ref):
+            return f"attention {node.name} takes an explicit attn_mask (only causal or unmasked attention is split)"
+    from_inputs = _input_dependent(graph)
+    for node in graph.calls():
+        if node.target.startswith(_MATMULS) and \
+                sum(1 for source in dict.fromkeys(node.inputs) if source in from_inputs) >= 2:
+            return (f"op {node.name} ({node.target}) multiplies two activations (a hand-written attention's "
+                    "scores?), which mixes sequence positions outside scaled_dot_product_attention")
+    return ""
+
+
+_MATMULS = ("aten.matmul", "aten.bmm", "aten.mm", "aten.einsum", "aten.baddbmm", "aten.addmm", "aten.addbmm")
+
+
+def _input_dependent(graph) -> set[str]:
+    """Nodes whose value depends on a model input (activations, not weights or tables)."""
+    found: set[str] = set()
+    for node in graph.nodes:
+        if node.kind in ("input", "target") or (node.kind == "call" and any(source in found for source in node.inputs)):
+            found.add(node.name)
+    return found

@@ -171,7 +171,8 @@ PLAN_CASES = [
     (_set("mesh.dp", 0), ["mesh", "dp", ">= 1"]),
     (_set("mesh.tp", 3), ["mesh", "num_devices"]),
     (_set("mesh", {"tp": 2, "pp": 2}), ["mesh", "dp"]),
-    (_set("mesh", {"tp": 2, "pp": 2, "dp": 1, "cp": 1}), ["mesh", "cp"]),
+    (_set("mesh", {"tp": 2, "pp": 2, "dp": 1, "zz": 1}), ["mesh", "zz"]),  # an unknown axis (cp is known)
+    (_set("mesh", {"tp": 2, "pp": 2, "dp": 1, "cp": 0}), ["mesh", "cp", ">= 1"]),
     (_set("mesh", "2x2"), ["mesh", "object"]),
     (_set("mesh.tp", "2"), ["mesh", "tp", "integer"]),
     (_set("mesh.tp", True), ["mesh", "tp", "integer"]),

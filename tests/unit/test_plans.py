@@ -27,8 +27,8 @@ def test_json_round_trip(plan, tmp_path):
 
 def test_json_has_the_documented_keys(plan):
     data = json.loads(plan.to_json())
-    assert set(data["mesh"]) == {"pp", "dp", "tp"}
-    assert data["mesh"]["pp"] * data["mesh"]["dp"] * data["mesh"]["tp"] == 4
+    assert set(data["mesh"]) == {"pp", "dp", "cp", "tp"}
+    assert data["mesh"]["pp"] * data["mesh"]["dp"] * data["mesh"]["cp"] * data["mesh"]["tp"] == 4
     for key in ("microbatch_size", "num_microbatches", "schedule", "recompute", "zero_stage", "stages"):
         assert key in data
     assert data["microbatch_size"] * data["num_microbatches"] * data["mesh"]["dp"] == 8

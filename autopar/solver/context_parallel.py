@@ -1,0 +1,187 @@
+"""Context parallelism in the planner: segment costs of a microbatch whose sequences are split
+over the `cp` axis of the mesh.
+
+Every rank of a cp group holds `seq / cp` tokens of each sequence (2 cp chunks, rank i holding
+chunks i and 2 cp - 1 - i: load-balanced causal attention) for the whole block, and the
+parameters whole (their gradients are reduced over dp x cp, as torchtitan folds cp into FSDP's
+mesh). So, from the tensor-parallel solution at the full sequence (sharding.py), per segment:
+
+    compute, recompute          every op re-priced at 1 / cp of its FLOPs and of its activations'
+                                (not its weights') bytes: per-token work, and load-balanced causal
+                                attention too (cost_model/context_parallel.py); smaller matmuls
+                                run at a lower efficiency, launches cost the same
+    tp collectives (fwd, bwd)   message / cp, re-priced on the tp group (latency is kept)
+    activations, pipeline sends x 1 / cp
+    parameters, buffers, their gradients' collectives: unchanged
+    + per attention op: the KV exchange over the cp group, exposed beyond the attention compute
+      it overlaps ("cp.kv_all_gather" forward, "cp.kv_reduce_scatter" backward, or the ring's
+      "cp.kv_ring" steps), and for the all-gather the gathered K, V kept for the backward;
+      recomputing the attention (full or selective recomputation) exchanges K, V again.
+
+The transformation assumes every op but attention works token by token; the planner only
+offers cp > 1 when `strategies.attention.context_parallel_blocker` finds nothing else mixing
+positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from autopar.graph import OpGraph
+from autopar.mesh import Mesh
+from autopar.solver.costing import CommEvent, CostContext
+from autopar.solver.evaluate import SegmentCost, is_recomputable
+from autopar.strategies.attention import attention_nodes, is_causal
+from autopar.strategies.placement import shard_factor
+from cost_model.comm import CommModel, Group
+from cost_model.compute import ComputeTime
+from cost_model.context_parallel import causal_work_share, exposed_kv_exchange_s, ring_step_bytes
+
+KV_ALL_GATHER = "cp.kv_all_gather"
+KV_REDUCE_SCATTER = "cp.kv_reduce_scatter"
+KV_RING = "cp.kv_ring"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionCost:
+    """One attention op of a segment, on one tensor-parallel rank, at the full sequence."""
+
+    node: str
+    kv_bytes: float
+    """Bytes of K plus V on this tp rank (what one rank gathers from the whole cp group)."""
+    forward: ComputeTime
+    backward: ComputeTime
+    causal: bool
+
+
+def sequence_length(graph: OpGraph) -> int:
+    """Tokens per sample: dim 1 of the first integer input of rank >= 2 (token ids); 0 without."""
+    for node in graph.nodes:
+        if node.kind == "input" and node.outputs and node.output.dtype.startswith("int") and len(node.output.shape) > 1:
+            return node.output.shape[1]
+    return 0
+
+
+def attention_costs(graph: OpGraph, strategies: dict, ctx: CostContext) -> dict[str, list[AttentionCost]]:
+    """Per segment name, its attention ops priced under their tensor-parallel strategies."""
+    segment_of = {name: segment.name for segment in graph.segments for name in segment.nodes}
+    found: dict[str, list[AttentionCost]] = {}
+    for node in attention_nodes(graph):
+        strategy = strategies.get(node.name)
+        if strategy is None or node.name not in segment_of:
+            continue
+        inputs = [graph[source].output for source in node.inputs]
+        forward, backward = ctx.node_compute(node, strategy, inputs)
+        kv_bytes = sum(inputs[index].nbytes / shard_factor(strategy.inputs[index], ctx.mesh.shape) for index in (1, 2))
+        found.setdefault(segment_of[node.name], []).append(
+            AttentionCost(node=node.name, kv_bytes=kv_bytes, forward=forward, backward=backward, causal=is_causal(node)))
+    return found
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitCompute:
+    """A segment's compute re-priced at 1 / cp of the tokens."""
+
+    forward: ComputeTime
+    backward: ComputeTime
+    selective_recompute: ComputeTime
+
+
+def split_compute(graph: OpGraph, strategies: dict, ctx: CostContext, cp: int) -> dict[str, SplitCompute]:
+    """Per segment, its ops priced as evaluate.py prices them, on 1 / cp of the tokens."""
+    segment_of = {name: segment.name for segment in graph.segments for name in segment.nodes}
+    totals: dict[str, list[ComputeTime]] = {}
+    for node in graph.calls():
+        strategy, segment = strategies.get(node.name), segment_of.get(node.name)
+        if strategy is None or segment is None:
+            continue
+        inputs = [graph[source].output for source in node.inputs]
+        is_weight = [graph[source].kind in ("param", "buffer", "constant") for source in node.inputs]
+        full_bytes = sum(meta.nbytes for meta in inputs) + sum(meta.nbytes for meta in node.outputs)
+        local_bytes = sum(meta.nbytes / shard_factor(placements, ctx.mesh.shape) / (1 if weight else cp)
+                          for meta, placements, weight in zip(inputs, strategy.inputs, is_weight))
+        local_bytes += sum(meta.nbytes / shard_factor(strategy.output, ctx.mesh.shape) / cp for meta in node.outputs)
+        divisor = strategy.work_divisor(ctx.mesh.shape) * cp
+        bytes_scale = local_bytes / full_bytes if full_bytes else 1.0 / divisor
+        forward = ctx.compute.kernels(node.fwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale)
+        backward = ctx.compute.kernels(node.bwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale)
+        parts = totals.setdefault(segment, [ComputeTime(), ComputeTime(), ComputeTime()])
+        parts[0], parts[1] = parts[0] + forward, parts[1] + backward
+        if is_recomputable(graph, node):
+            parts[2] = parts[2] + forward
+    return {name: SplitCompute(forward=f, backward=b, selective_recompute=r) for name, (f, b, r) in totals.items()}
+
+
+def cp_group(cp: int, tp: int, devices_per_node: int) -> Group:
+    """The cp axis of a (pp, dp, cp, tp) mesh: cp ranks tp apart."""
+    return Mesh(axis_names=("cp", "tp"), shape=(cp, tp), devices_per_node=devices_per_node).group(0)
+
+
+def split_sequence(segment: SegmentCost, attentions: list[AttentionCost], *, cp: int, tp: int, comm: CommModel,
+                   devices_per_node: int, method: str = "all_gather", load_balanced: bool = True,
+                   compute: SplitCompute | None = None) -> SegmentCost:
+    """`segment`'s cost per rank when each sequence is split over `cp` ranks (module docstring);
+    `compute` is its re-priced compute (split_compute), else its compute is scaled by 1 / cp."""
+    if cp <= 1:
+        return segment
+    scale = 1.0 / cp
+    tp_group = Mesh(axis_names=("tp",), shape=(tp,), devices_per_node=devices_per_node).group(0)
+    events = [_rescaled(event, scale, comm, tp_group) for event in segment.comm]
+    compute = compute or SplitCompute(forward=_per_token(segment.forward, scale),
+                                      backward=_per_token(segment.backward, scale),
+                                      selective_recompute=_per_token(segment.selective_recompute, scale))
+    forward, backward = compute.forward, compute.backward
+    saved = segment.saved_bytes * scale
+    group = cp_group(cp, tp, devices_per_node)
+    recompute_comm = [_rescaled(event, scale, comm, tp_group) for event in segment.selective_recompute_comm]
+    for attention in attentions:
+        share = causal_work_share(cp, load_balanced=load_balanced) if attention.causal else scale
+        # Compute above is already the even share; an unbalanced causal split costs the busiest rank more.
+        forward = forward + attention.forward.scaled(share - scale)
+        backward = backward + attention.backward.scaled(share - scale)
+        exchange = _kv_exchange(attention, share, cp, comm, group, method)
+        events += exchange
+        recompute_comm += [event for event in exchange if event.phase == "fwd"]  # sdpa is recomputed
+        if method == "all_gather":
+            saved += attention.kv_bytes * (1 - scale)  # the gathered K, V, kept for the backward
+    return replace(segment, forward=forward, backward=backward, comm=events, saved_bytes=saved,
+                   selective_kept={key: size * scale for key, size in segment.selective_kept.items()},
+                   selective_recompute=compute.selective_recompute,
+                   selective_recompute_comm=recompute_comm,
+                   output_bytes=segment.output_bytes * scale, input_bytes=segment.input_bytes * scale)
+
+
+def _per_token(time: ComputeTime, scale: float) -> ComputeTime:
+    """Kernel time of a `scale` share of the tokens: the same kernels launch, on less data."""
+    return ComputeTime(matmul_s=time.matmul_s * scale, memory_s=time.memory_s * scale, overhead_s=time.overhead_s)
+
+
+def _rescaled(event: CommEvent, scale: float, comm: CommModel, group: Group) -> CommEvent:
+    """An activation's tp collective on a 1 / cp share of the tokens (weights' gradients: kept)."""
+    if event.phase not in ("fwd", "bwd") or not event.message_bytes:
+        return event
+    message = event.message_bytes * scale
+    return replace(event, message_bytes=message, time_s=comm.time_s(event.op, message, group))
+
+
+def _kv_exchange(attention: AttentionCost, share: float, cp: int, comm: CommModel, group: Group,
+                 method: str) -> list[CommEvent]:
+    """The exposed KV traffic of one attention op (events carry exposed seconds; axis -1: cp)."""
+    forward_s, backward_s = attention.forward.total_s * share, attention.backward.total_s * share
+    if method == "ring":
+        events = []
+        for phase, attention_s, backward in (("fwd", forward_s, False), ("bwd", backward_s, True)):
+            step_bytes = ring_step_bytes(attention.kv_bytes, cp, backward=backward)
+            step_s = comm.time_s("send_recv", step_bytes, group)
+            events.append(CommEvent(op=KV_RING, axis=-1, message_bytes=step_bytes * (cp - 1), phase=phase,
+                                    time_s=exposed_kv_exchange_s(method="ring", collective_s=step_s,
+                                                                 attention_s=attention_s, num_ranks=cp)))
+        return events
+    gather_s = comm.time_s("all_gather", attention.kv_bytes, group)
+    scatter_s = comm.time_s("reduce_scatter", attention.kv_bytes, group)
+    return [CommEvent(op=KV_ALL_GATHER, axis=-1, message_bytes=attention.kv_bytes, phase="fwd",
+                      time_s=exposed_kv_exchange_s(method=method, collective_s=gather_s, attention_s=forward_s,
+                                                   num_ranks=cp)),
+            CommEvent(op=KV_REDUCE_SCATTER, axis=-1, message_bytes=attention.kv_bytes, phase="bwd",
+                      time_s=exposed_kv_exchange_s(method=method, collective_s=scatter_s, attention_s=backward_s,
+                                                   num_ranks=cp))]

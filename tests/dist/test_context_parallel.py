@@ -1,0 +1,118 @@
+"""Context parallelism runs with the numerics of one device, and its KV collectives are the
+ones the plan predicted (autopar/codegen/context_parallel.py).
+
+Each case trains a tiny causal LM (SDPA attention) for a few SGD steps under a forced plan
+with cp = 2 (each sequence in 4 chunks, every rank holding 2: load-balanced), alone, with
+data parallelism (FSDP over dp x cp) and with tensor parallelism, and compares the losses and
+the first step's gradients with one process (fp32: float round-off). It also counts the
+all-gathers of K, V and the reduce-scatters of their gradients one train_step ran: the plan's
+`collectives_per_microbatch` times its microbatches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from harness import case_outcome, fail, tiny_model_cluster  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.dist
+
+GLOBAL_BATCH = 8
+NUM_STEPS = 3
+LEARNING_RATE = 0.5
+TOLERANCE = 1e-5
+MODELS = {
+    "llama": "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn_hidden=64,seq=16,vocab=64",
+    "gpt": "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64,dropout=0.0,attention=sdpa",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    world_size: int
+    constraints: dict = field(default_factory=dict)
+    timeout_s: float = 150.0
+    """Each rank exports the model twice (whole, to check the plan; at seq / cp, to run it)."""
+
+
+def cp_case(case: Case) -> dict:
+    import copy
+
+    import autopar
+    from autopar.models import build_model
+
+    bundle = build_model(MODELS[case.model], device="cpu", seed=0, batch_size=GLOBAL_BATCH)
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 64, (GLOBAL_BATCH, 16), generator=generator),
+                torch.randint(0, 64, (GLOBAL_BATCH, 16), generator=generator)) for _ in range(NUM_STEPS)]
+    reference = copy.deepcopy(bundle.model)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LEARNING_RATE)
+    reference_losses, reference_grads = [], {}
+    for step, (tokens, targets) in enumerate(batches):
+        loss = bundle.loss_fn(reference(tokens), targets)
+        loss.backward()
+        if step == 0:
+            reference_grads = {name: param.grad.clone() for name, param in reference.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_losses.append(loss.item())
+    module = autopar.parallelize(bundle.model, tiny_model_cluster(case.world_size), (batches[0][0],),
+                                 loss_fn=bundle.loss_fn, example_targets=batches[0][1], constraints=case.constraints,
+                                 precision="fp32")
+    optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
+    ops = module.context_parallel_ops
+    losses, grad_errors, calls = [], {}, {}
+    for step, (tokens, targets) in enumerate(batches):
+        before = dict(ops.calls)
+        losses.append(module.train_step((tokens,), targets).item())
+        if step == 0:
+            calls = {kind: ops.calls[kind] - before[kind] for kind in before}
+            for name, param in module.named_model_parameters().items():
+                grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+                grad_errors[name] = (grad - reference_grads[name]).abs().max().item()
+        optimizer.step()
+        optimizer.zero_grad()
+    output_error = 0.0
+    if module.plan.mesh["pp"] == 1:  # pm(inputs) runs plans without pipeline stages
+        with torch.no_grad():
+            output_error = (module(batches[0][0]) - reference(batches[0][0])).abs().max().item()
+    plan = module.plan
+    predicted = plan.predicted.collectives_per_microbatch
+    return dict(losses=losses, reference_losses=reference_losses, grad_errors=grad_errors, mesh=plan.mesh,
+                calls=calls, output_error=output_error,
+                predicted={"all_gather": predicted.get("cp.kv_all_gather", 0) * plan.num_microbatches,
+                           "reduce_scatter": predicted.get("cp.kv_reduce_scatter", 0) * plan.num_microbatches})
+
+
+def _case(model: str, world_size: int, **constraints):
+    case = Case(model, world_size, constraints)
+    return pytest.param(case, id=f"{model}-" + "-".join(f"{k}{v}" for k, v in constraints.items() if k in
+                                                        ("dp", "cp", "tp", "pp", "zero_stage")))
+
+
+_PARAMS = [
+    _case("llama", 2, dp=1, cp=2, tp=1, pp=1, microbatch_size=4),   # rotary tables sliced by position
+    _case("gpt", 4, dp=2, cp=2, tp=1, pp=1, zero_stage=3),           # arange positions; FSDP over dp x cp
+    _case("llama", 4, dp=1, cp=2, tp=2, pp=1),                       # heads on tp, sequence on cp
+]
+CASES = {param.id: param.values[0] for param in _PARAMS}
+
+
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_context_parallel_matches_one_device(case_name, case_outcome):
+    case = CASES[case_name]
+    outcome = case_outcome(cp_case, CASES, case_name)
+    if not outcome.ok:
+        fail(outcome.error)
+    for rank, result in enumerate(outcome.values):
+        assert result["mesh"]["cp"] == 2 and result["mesh"]["tp"] == case.constraints["tp"], result["mesh"]
+        assert result["losses"] == pytest.approx(result["reference_losses"], abs=TOLERANCE), f"rank {rank}"
+        worst = max(result["grad_errors"].items(), key=lambda item: item[1])
+        assert worst[1] < TOLERANCE, f"rank {rank}: gradient of {worst[0]} differs by {worst[1]:.3g}"
+        assert result["output_error"] < TOLERANCE, f"rank {rank}: pm(inputs) differs from one device"
+        assert result["calls"] == result["predicted"], f"rank {rank}: KV collectives ran vs predicted"
+        assert result["calls"]["all_gather"] > 0

@@ -1,0 +1,50 @@
+"""The planner chooses context parallelism where long sequences need it, and not otherwise.
+
+Llama 3 405B's per-layer shape (hidden 16384, 128 heads, 8 KV heads, FFN 53248, vocab 128256)
+on 16,384 H100s with a global batch of 16M tokens, as Meta's training ran it (Dubey et al.
+2024, Table 4: cp 16 at sequence 131072, no cp at 8192). The models have fewer layers than
+126 to keep capture short (126 layers take minutes here); what cp changes (tokens per rank,
+per-layer activations, KV bytes per layer) is per layer. At 8192 the comparison is between
+pipelines, so the model keeps 16 layers (a 16-stage pipeline, as Meta's); at 131072 4 layers
+show the same need.
+
+At 131072 tokens a step holds 128 sequences for 16,384 GPUs: without cp no mesh runs it (a
+data-parallel degree dividing 128 leaves >= 128 GPUs per sequence, more than tp x pp can take),
+so the planner must split sequences. At 8192 (2048 sequences) cp is not needed: the best plan
+without it fits and is within a few percent of the best plan (the cost model may still find a
+cp = 2 plan marginally faster, trading tensor-parallel bytes for a KV all-gather inside a node).
+"""
+
+import pytest
+
+from autopar import api
+from autopar.cluster import Cluster
+from autopar.errors import AutoparError
+from autopar.solver.search import Constraints
+
+SHAPE = "hidden=16384,heads=128,kv_heads=8,ffn_hidden=53248,vocab=128256"
+CLUSTER = "dgx-h100:nodes=2048"
+TOKENS_PER_STEP = 16 * 2**20
+
+
+def _planner(seq: int, layers: int):
+    model = f"llama:layers={layers},{SHAPE},seq={seq}"
+    return api.planner_for(model, None, Cluster.from_spec(CLUSTER), global_batch=TOKENS_PER_STEP // seq)
+
+
+def test_long_sequences_are_split_over_context_parallel_ranks():
+    planner = _planner(131072, layers=4)
+    plan = api.plan_with(planner)
+    assert plan.mesh["cp"] > 1, plan.summary()
+    assert plan.mesh["tp"] * plan.mesh["cp"] * plan.mesh["pp"] * plan.mesh["dp"] == 16384
+    assert plan.predicted.fits
+    assert {"cp.kv_all_gather", "cp.kv_reduce_scatter"} <= set(plan.predicted.breakdown_s)
+    with pytest.raises(AutoparError):
+        api.plan_with(planner, Constraints(cp=1))
+
+
+def test_8k_sequences_need_no_context_parallelism():
+    planner = _planner(8192, layers=16)
+    best, without = api.plan_with(planner), api.plan_with(planner, Constraints(cp=1))
+    assert without.mesh["cp"] == 1 and without.predicted.fits
+    assert without.predicted.step_time_s <= 1.05 * best.predicted.step_time_s, (best.summary(), without.summary())
