@@ -3,17 +3,23 @@
 Every architecture of hf_zoo.py (default attention, keyword inputs, a loss reading
 `out.logits`) is trained for NUM_STEPS SGD steps in fp32 under dp2, tp2, pp2, dp2 x tp2 and
 pp2 x tp2 (interleaved), with plans forced by constraints, and its losses must match one
-process within TOLERANCE. The meshes of one world size run in one job of gloo processes (the
-harness's `run_cases`): starting processes and importing transformers is most of a tiny case's
-time.
+process within TOLERANCE.
 
-`python tests/dist/test_hf_zoo.py --table` runs the zoo and prints the README's supported-model
-table (architecture x plan kind).
+Where the time goes: torch.export is most of it (2-4 CPU-s per export of a tiny HF model,
+against ~1-3 s for all of an architecture's training steps), then starting processes and
+importing transformers. So the meshes of one world size run in one job of gloo processes (the
+harness's `run_cases`), and each architecture is exported twice in all (once for planning,
+once for codegen): the first job's rank 0 captures for planning while its last rank captures
+for codegen and runs one process; the planning graph goes to the ranks that plan (rank 0 this
+world size's meshes, the last rank the 4-process meshes), and the codegen capture is saved
+(torch.export.save) for the other ranks and for the 4-process job, which loads plans, losses
+and capture from the run's shared folder (`_shared_dir`) instead of capturing again.
 
-`make test` runs the DEFAULT_ARCHITECTURES (one of each kind and every model the hard cases came
-from: tied embeddings, MoE experts, encoder-decoders, lift_fresh_copy, vision) under every mesh;
-the whole zoo of 25 takes about 14 minutes of a 2-core machine, so it runs with AUTOPAR_ZOO=all
-(without it the other architectures' tests are not collected).
+`python tests/dist/test_hf_zoo.py [ARCH ...]` runs the zoo (or some architectures) and prints the
+README's supported-model table, each cell's deviation or failure on stderr; `--write-readme`
+runs all of it and writes the table into README.md.
+
+`make test` runs every architecture; AUTOPAR_ZOO=GPT-2,Llama (names of hf_zoo.py) runs some.
 """
 
 from __future__ import annotations
@@ -240,8 +246,12 @@ def zoo_case(case: ZooCase) -> dict:
     return results
 
 
-DEFAULT_ARCHITECTURES = ("GPT-2", "Llama", "Falcon", "Mixtral", "Qwen2-MoE", "T5", "BART", "ViT")
-RUN_ALL = os.environ.get("AUTOPAR_ZOO", "") == "all"
+SELECTED = [name for name in os.environ.get("AUTOPAR_ZOO", "").split(",") if name and name != "all"] \
+    or list(hf_zoo.BY_NAME)
+"""The architectures whose tests are collected (AUTOPAR_ZOO=a,b,...; default: all of them)."""
+if set(SELECTED) - set(hf_zoo.BY_NAME):
+    raise ValueError(f"AUTOPAR_ZOO names unknown architectures {sorted(set(SELECTED) - set(hf_zoo.BY_NAME))}; "
+                     f"known: {', '.join(hf_zoo.BY_NAME)}")
 
 _SHARED_DIR_VARIABLE = "AUTOPAR_ZOO_SHARED_DIR"
 
@@ -261,7 +271,7 @@ def _shared_dir() -> str:
 CASES = {f"{arch.name}-{size}": ZooCase(arch.name, size, _shared_dir()) for size in (2, 4)
          for arch in hf_zoo.ARCHITECTURES}
 TESTS = [(f"{arch.name}-{size}", mesh) for mesh, (size, _) in MESHES.items() for arch in hf_zoo.ARCHITECTURES
-         if RUN_ALL or arch.name in DEFAULT_ARCHITECTURES]
+         if arch.name in SELECTED]
 
 
 def check(outcome, mesh: str) -> None:
