@@ -12,25 +12,19 @@ the example batch. Goal for gpt3-175b: under 60 s and under 2 GB.
 
 from __future__ import annotations
 
-import json
 import os
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.fresh_process import child_main, peak_rss_bytes, run_child  # noqa: E402
+
 DEFAULT_SPECS = ("gpt3-1.3b", "gpt3-175b")
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def measure(spec: str) -> dict:
     """Runs in the child process: build on meta, capture, report."""
-    sys.path.insert(0, str(REPO_ROOT))
     import torch
 
     from autopar.capture import capture
@@ -50,13 +44,11 @@ def measure(spec: str) -> dict:
                 blocks=[f"{group.container} x{group.num_instances}" for group in graph.blocks])
 
 
-def run_child(spec: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True, text=True, env=env,
-                            cwd=REPO_ROOT, check=False)
-    if result.returncode != 0:
-        raise SystemExit(f"capturing {spec} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def measured(spec: str) -> dict:
+    row = run_child(__file__, spec)
+    if "error" in row:
+        raise SystemExit(f"capturing {spec} failed:\n{row['stderr']}")
+    return row
 
 
 def table(rows: list[dict]) -> str:
@@ -73,11 +65,10 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["--child"]:
-        print(json.dumps(measure(argv[1])))
+    if child_main(argv, measure):
         return
     specs = argv or list(DEFAULT_SPECS)
-    rows = [run_child(spec) for spec in specs]
+    rows = [measured(spec) for spec in specs]
     print(table(rows))
     import torch
 

@@ -6,21 +6,22 @@
 Each model is built with `from_config` under `torch.device("meta")` from the figures of its
 public config.json (written out below), with transformers' defaults otherwise (SDPA attention),
 and planned with `autopar.plan` for CLUSTER at GLOBAL_BATCH, its loss reading `out.logits`.
-Each runs in a fresh process (peak RSS is per process). Columns: capture time (export + probing
-of the model with its loss), planning time (search), parameters, and the plan chosen.
+Each runs in a fresh process (peak RSS is per process). Columns: build time (config and
+`from_config` on meta), capture time (export + probing
+of the model with its loss), planning time (search), each as wall time and as this process's CPU
+time (which a busy machine inflates far less than wall time), parameters, and the plan chosen.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.fresh_process import child_main, peak_rss_bytes, run_child  # noqa: E402
+
 CLUSTER = "dgx-h100:nodes=16"
 GLOBAL_BATCH = 512
 
@@ -61,7 +62,6 @@ def _token_loss(output, targets):
 
 def measure(name: str) -> dict:
     """Runs in the child process."""
-    sys.path.insert(0, str(REPO_ROOT))
     import torch
     import transformers
 
@@ -71,6 +71,7 @@ def measure(name: str) -> dict:
 
     torch.set_num_threads(1)
     config_name, model_name, seq, fields = MODELS[name]
+    building = time.perf_counter()
     config = getattr(transformers, config_name)(use_cache=False, **fields)
     with torch.device("meta"):
         model = getattr(transformers, model_name)(config)
@@ -79,40 +80,36 @@ def measure(name: str) -> dict:
     inputs = dict(input_ids=tokens)
     if "decoder_start_token_id" in fields:
         inputs["decoder_input_ids"] = tokens
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
+    build_s = started - building
     graph = capture_for_planning(model, inputs, loss_fn=_token_loss, example_targets=tokens)
-    captured = time.perf_counter()
+    captured, captured_cpu = time.perf_counter(), time.process_time()
     planner = Planner(graph, Cluster.from_spec(CLUSTER), global_batch=GLOBAL_BATCH, policy=PRECISIONS["bf16"],
                       precision="bf16", options=SearchOptions())
     plan = plan_with(planner)
-    planned = time.perf_counter()
-    return dict(name=name, attention=config._attn_implementation, seq=seq, capture_s=captured - started,
-                plan_s=planned - captured, num_params=graph.num_params, mesh=plan.mesh,
-                microbatch_size=plan.microbatch_size, schedule=plan.schedule, recompute=plan.recompute,
+    planned, planned_cpu = time.perf_counter(), time.process_time()
+    return dict(name=name, attention=config._attn_implementation, seq=seq, num_nodes=len(graph.nodes),
+                build_s=build_s, capture_s=captured - started, capture_cpu_s=captured_cpu - started_cpu,
+                plan_s=planned - captured, plan_cpu_s=planned_cpu - captured_cpu, num_params=graph.num_params,
+                mesh=plan.mesh, microbatch_size=plan.microbatch_size, schedule=plan.schedule, recompute=plan.recompute,
                 zero_stage=plan.zero_stage, step_time_s=plan.predicted.step_time_s,
                 peak_gib=plan.predicted.peak_memory_bytes / 2**30, fits=plan.predicted.fits,
-                peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)
-
-
-def run_child(name: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True, env=env,
-                            cwd=REPO_ROOT, check=False)
-    if result.returncode != 0:
-        return dict(name=name, error=result.stderr.strip().splitlines()[-1][:200])
-    return json.loads(result.stdout.strip().splitlines()[-1])
+                peak_rss_gb=peak_rss_bytes() / 1e9)
 
 
 def table(rows: list[dict]) -> str:
-    header = ("model", "attention", "seq", "capture (s)", "plan (s)", "parameters", "mesh pp x dp x tp",
-              "microbatch", "schedule", "recompute", "ZeRO", "step (s)", "peak (GiB)", "peak RSS (GB)")
+    header = ("model", "attention", "seq", "nodes", "build (s)", "capture (s)", "capture CPU (s)", "plan (s)",
+              "plan CPU (s)", "parameters", "mesh pp x dp x tp", "microbatch", "schedule", "recompute", "ZeRO",
+              "step (s)", "peak (GiB)", "peak RSS (GB)")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         if "error" in row:
             lines.append(f"| {row['name']} | failed: {row['error']} |")
             continue
         mesh = row["mesh"]
-        cells = (row["name"], row["attention"], str(row["seq"]), f"{row['capture_s']:.1f}", f"{row['plan_s']:.1f}",
+        cells = (row["name"], row["attention"], str(row["seq"]), f"{row['num_nodes']:,}", f"{row['build_s']:.1f}",
+                 f"{row['capture_s']:.1f}", f"{row['capture_cpu_s']:.1f}", f"{row['plan_s']:.1f}",
+                 f"{row['plan_cpu_s']:.1f}",
                  f"{row['num_params'] / 1e9:.2f} B", f"{mesh['pp']} x {mesh['dp']} x {mesh['tp']}",
                  str(row["microbatch_size"]), row["schedule"], row["recompute"], str(row["zero_stage"]),
                  f"{row['step_time_s']:.2f}", f"{row['peak_gib']:.1f}", f"{row['peak_rss_gb']:.2f}")
@@ -121,10 +118,9 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["--child"]:
-        print(json.dumps(measure(argv[1])))
+    if child_main(argv, measure):
         return
-    rows = [run_child(name) for name in (argv or list(MODELS))]
+    rows = [run_child(__file__, name) for name in (argv or list(MODELS))]
     print(table(rows))
     import torch
     import transformers

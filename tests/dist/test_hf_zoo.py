@@ -3,24 +3,36 @@
 Every architecture of hf_zoo.py (default attention, keyword inputs, a loss reading
 `out.logits`) is trained for NUM_STEPS SGD steps in fp32 under dp2, tp2, pp2, dp2 x tp2 and
 pp2 x tp2 (interleaved), with plans forced by constraints, and its losses must match one
-process within TOLERANCE. The meshes of one world size run in one job of gloo processes (the
-harness's `run_cases`): starting processes and importing transformers is most of a tiny case's
-time.
+process within TOLERANCE.
 
-`python tests/dist/test_hf_zoo.py --table` runs the zoo and prints the README's supported-model
-table (architecture x plan kind).
+Where the time goes: torch.export is most of it (2-4 CPU-s per export of a tiny HF model,
+against ~1-3 s for all of an architecture's training steps), then starting processes and
+importing transformers. So the meshes of one world size run in one job of gloo processes (the
+harness's `run_cases`), and each architecture is exported twice in all (once for planning,
+once for codegen): the first job's rank 0 captures for planning while its last rank captures
+for codegen and runs one process; the planning graph goes to the ranks that plan (rank 0 this
+world size's meshes, the last rank the 4-process meshes), and the codegen capture is saved
+(torch.export.save) for the other ranks and for the 4-process job, which loads plans, losses
+and capture from the run's shared folder (`_shared_dir`) instead of capturing again.
 
-`make test` runs the DEFAULT_ARCHITECTURES (one of each kind and every model the hard cases came
-from: tied embeddings, MoE experts, encoder-decoders, lift_fresh_copy, vision) under every mesh;
-the whole zoo of 25 takes about 14 minutes of a 2-core machine, so it runs with AUTOPAR_ZOO=all
-(without it the other architectures' tests are not collected).
+`python tests/dist/test_hf_zoo.py [ARCH ...]` runs the zoo (or some architectures) and prints the
+README's supported-model table, each cell's deviation or failure on stderr; `--write-readme`
+runs all of it and writes the table into README.md.
+
+`make test` runs every architecture; AUTOPAR_ZOO=GPT-2,Llama (names of hf_zoo.py) runs some.
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
+import json
 import os
+import pickle
+import shutil
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +66,10 @@ class ZooCase:
 
     arch: str
     world_size: int
+    shared_dir: str = ""
+    """Folder where the first job of an architecture leaves the plans of the other world size's
+    meshes, one process's losses and the codegen capture, which a later job reads instead of
+    capturing and planning again."""
     timeout_s: float = 180.0
     """How long the case may run (capture, planning and every mesh of this world size)."""
 
@@ -75,18 +91,134 @@ def _reference(model, loss_fn, batches) -> list[float]:
     return losses
 
 
+def _planner(graph_or_model, batches, loss_fn, world_size: int):
+    """A Planner for `world_size` processes; the model is captured for planning (a meta replica,
+    keyword inputs and the loss as a user passes them to `autopar.plan`) unless a graph is given."""
+    from autopar.api import planner_for
+
+    example_inputs, example_targets = batches[0]
+    return planner_for(graph_or_model, example_inputs, tiny_model_cluster(world_size), global_batch=GLOBAL_BATCH,
+                       loss_fn=loss_fn, example_targets=example_targets, precision="fp32")
+
+
+def _plans(planner, world_size: int) -> dict:
+    from autopar.api import Constraints, plan_with
+
+    return {mesh: plan_with(planner, Constraints.from_value(constraints))
+            for mesh, (size, constraints) in MESHES.items() if size == world_size}
+
+
+def _folder(case: ZooCase) -> Path | None:
+    return Path(case.shared_dir) / case.arch if case.shared_dir else None
+
+
+def _stored_plans(case: ZooCase) -> tuple[dict, list[float]] | None:
+    """This case's plans and one-process losses, if an earlier job left them."""
+    from autopar.plans import Plan
+
+    folder = _folder(case)
+    if folder is None or not all((folder / f"{mesh}.json").exists() for mesh in case.meshes) \
+            or not (folder / "reference.json").exists():
+        return None
+    return ({mesh: Plan.load(folder / f"{mesh}.json") for mesh in case.meshes},
+            json.loads((folder / "reference.json").read_text()))
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.with_suffix(".tmp").write_bytes(data)
+    path.with_suffix(".tmp").rename(path)
+
+
+def _store_plans(case: ZooCase, plans: dict, reference: list[float] | None = None) -> None:
+    folder = _folder(case)
+    if folder is None:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    for mesh, plan in plans.items():
+        _write(folder / f"{mesh}.json", plan.to_json().encode())
+    if reference is not None:
+        _write(folder / "reference.json", json.dumps(reference).encode())
+
+
+def _capture_and_store(model, inputs, case: ZooCase):
+    """capture_program for codegen, saved (torch.export.save, and the OpGraph) for the other
+    ranks and the later job: export is most of a tiny model's time in this test."""
+    from autopar.capture import capture_program
+
+    program, graph = capture_program(model, (), inputs, allow_fallback=False)
+    folder = _folder(case)
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            import io
+
+            buffer = io.BytesIO()
+            torch.export.save(program, buffer)
+        except Exception:  # noqa: BLE001 - not every program serialises: the ranks then capture themselves
+            return program, graph
+        _write(folder / "program.pt2", buffer.getvalue())
+        _write(folder / "graph.pkl", pickle.dumps(graph))
+    return program, graph
+
+
+def _stored_capture(model, case: ZooCase):
+    """The saved codegen capture bound to this rank's model (its own Parameter objects, so that
+    tied weights are one object again, as in the program export returns), or None."""
+    folder = _folder(case)
+    if folder is None or not (folder / "program.pt2").exists():
+        return None
+    program = torch.export.load(folder / "program.pt2")
+    live = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    for name in list(program.state_dict):
+        if name in live:
+            program.state_dict[name] = live[name]
+    return program, pickle.loads((folder / "graph.pkl").read_bytes())
+
+
+def _prepare(case: ZooCase, model, batches, loss_fn) -> tuple[dict, list[float], tuple]:
+    """(this world size's plans, one process's losses, the codegen capture) on every rank.
+
+    The first job of an architecture: rank 0 captures for planning while the last rank captures
+    for codegen (and saves it) and runs one process; the planning graph goes to every rank,
+    rank 0 plans this world size's meshes and the last rank the larger world sizes' (stored for
+    their jobs), and the other ranks load the saved codegen capture. A later job loads it all."""
+    import torch.distributed as dist
+
+    from autopar.capture import capture_program
+    from autopar.codegen.runtime import broadcast_object
+
+    stored = _stored_plans(case)
+    if stored is not None:
+        captured = _stored_capture(model, case)
+        return (*stored, captured or capture_program(model, (), batches[0][0], allow_fallback=False))
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    graph = captured = reference = None
+    if rank == 0:
+        graph = _planner(model, batches, loss_fn, case.world_size).graph
+    if rank == last:
+        captured = _capture_and_store(model, batches[0][0], case)
+        reference = _reference(model, loss_fn, batches)
+    graph, reference = broadcast_object(graph), broadcast_object(reference, src=last)
+    plans = _plans(_planner(graph, batches, loss_fn, case.world_size), case.world_size) if rank == 0 else None
+    if rank == last:
+        later = sorted({size for size, _ in MESHES.values() if size > case.world_size})
+        for size in later:
+            _store_plans(case, _plans(_planner(graph, batches, loss_fn, size), size))
+    if rank != last:
+        captured = _stored_capture(model, case) or capture_program(model, (), batches[0][0], allow_fallback=False)
+    plans = broadcast_object(plans)
+    if rank == 0:
+        _store_plans(case, {}, reference)
+    return plans, reference, captured
+
+
 def zoo_case(case: ZooCase) -> dict:
     """Per mesh: this rank's losses over NUM_STEPS steps, one process's, and what the plan shards.
 
-    Rank 0 captures the model for planning once (keyword inputs and loss as a user passes them
-    to `autopar.plan`) and plans every mesh from it; every rank captures it for codegen once and
-    builds each mesh's module from that capture, as `autopar.parallelize` does."""
-    import torch.distributed as dist
-
-    from autopar.api import Constraints, plan_with, planner_for
-    from autopar.capture import capture_program
+    Rank 0 plans and every rank builds each mesh's module from one codegen capture of the
+    model, as `autopar.parallelize` does; the capture for planning, the plans and the codegen
+    capture are made once per architecture and shared between ranks and jobs (`_prepare`)."""
     from autopar.codegen.parallelize import build_parallel_module
-    from autopar.codegen.runtime import broadcast_object
 
     arch = hf_zoo.BY_NAME[case.arch]
     torch.manual_seed(0)
@@ -94,20 +226,11 @@ def zoo_case(case: ZooCase) -> dict:
     generator = torch.Generator().manual_seed(1)
     batches = [hf_zoo.batch(arch, GLOBAL_BATCH, generator) for _ in range(NUM_STEPS)]
     loss_fn = hf_zoo.loss_for(arch)
-    reference = _reference(model, loss_fn, batches)
-    example_inputs, example_targets = batches[0]
-    plans = None
-    if dist.get_rank() == 0:
-        planner = planner_for(model, example_inputs, tiny_model_cluster(case.world_size),
-                              global_batch=GLOBAL_BATCH, loss_fn=loss_fn, example_targets=example_targets,
-                              precision="fp32")
-        plans = {mesh: plan_with(planner, Constraints.from_value(MESHES[mesh][1])) for mesh in case.meshes}
-    plans = broadcast_object(plans)
+    plans, reference, captured = _prepare(case, model, batches, loss_fn)
     results = {}
-    captured = capture_program(model, (), example_inputs, allow_fallback=False)
     for mesh in case.meshes:
         try:
-            module = build_parallel_module(model, (), plans[mesh], loss_fn, example_inputs, captured=captured)
+            module = build_parallel_module(model, (), plans[mesh], loss_fn, batches[0][0], captured=captured)
             optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
             losses = []
             for inputs, targets in batches:
@@ -123,12 +246,32 @@ def zoo_case(case: ZooCase) -> dict:
     return results
 
 
-DEFAULT_ARCHITECTURES = ("GPT-2", "Llama", "Falcon", "Mixtral", "Qwen2-MoE", "T5", "BART", "ViT")
-RUN_ALL = os.environ.get("AUTOPAR_ZOO", "") == "all"
+SELECTED = [name for name in os.environ.get("AUTOPAR_ZOO", "").split(",") if name and name != "all"] \
+    or list(hf_zoo.BY_NAME)
+"""The architectures whose tests are collected (AUTOPAR_ZOO=a,b,...; default: all of them)."""
+if set(SELECTED) - set(hf_zoo.BY_NAME):
+    raise ValueError(f"AUTOPAR_ZOO names unknown architectures {sorted(set(SELECTED) - set(hf_zoo.BY_NAME))}; "
+                     f"known: {', '.join(hf_zoo.BY_NAME)}")
 
-CASES = {f"{arch.name}-{size}": ZooCase(arch.name, size) for size in (2, 4) for arch in hf_zoo.ARCHITECTURES}
+_SHARED_DIR_VARIABLE = "AUTOPAR_ZOO_SHARED_DIR"
+
+
+def _shared_dir() -> str:
+    """This run's folder for what the 2-process job leaves the 4-process job, made (and removed
+    at exit) by the process that collects the tests; the workers, which import this module
+    again, inherit its name."""
+    folder = os.environ.get(_SHARED_DIR_VARIABLE)
+    if folder is None:
+        folder = tempfile.mkdtemp(prefix="autopar-zoo-")
+        os.environ[_SHARED_DIR_VARIABLE] = folder
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+CASES = {f"{arch.name}-{size}": ZooCase(arch.name, size, _shared_dir()) for size in (2, 4)
+         for arch in hf_zoo.ARCHITECTURES}
 TESTS = [(f"{arch.name}-{size}", mesh) for mesh, (size, _) in MESHES.items() for arch in hf_zoo.ARCHITECTURES
-         if RUN_ALL or arch.name in DEFAULT_ARCHITECTURES]
+         if arch.name in SELECTED]
 
 
 def check(outcome, mesh: str) -> None:
@@ -156,28 +299,49 @@ README_BEGIN = "<!-- hf-zoo-table: generated by `python tests/dist/test_hf_zoo.p
 README_END = "<!-- /hf-zoo-table -->"
 
 
-def _verdict(outcome, mesh: str) -> str:
+def _verdict(outcome, mesh: str) -> tuple[str, str]:
+    """("yes" or "fails", what a reader of the run wants to know: the largest deviation from one
+    process, or the failure's first lines)."""
     try:
         check(outcome, mesh)
-    except AssertionError:
-        return "fails"
-    return "yes"
+    except AssertionError as error:
+        lines = [line for line in str(error).splitlines() if "failed:" in line or "Error" in line]
+        return "fails", " | ".join(lines[-3:])[:600] or str(error)[:600]
+    deviation = max(abs(loss - ref) / max(1.0, abs(ref)) for values in outcome.values
+                    for loss, ref in zip(values[mesh]["losses"], values[mesh]["reference"]))
+    return "yes", f"max deviation from one process {deviation:.1e}"
 
 
-def zoo_table() -> str:
-    """Runs the whole zoo (both world sizes) and returns the markdown table."""
+def run_zoo(architectures: list[str]) -> dict:
+    """Outcomes of every case of these architectures, one job per world size (smallest first:
+    it leaves the plans and one-process losses for the next)."""
     from harness import run_cases
 
     outcomes = {}
-    for size in (2, 4):
-        cases = {name: case for name, case in CASES.items() if case.world_size == size}
+    for size in sorted({size for size, _ in MESHES.values()}):
+        cases = {name: case for name, case in CASES.items() if case.world_size == size and case.arch in architectures}
+        started = time.perf_counter()
         outcomes.update(run_cases(zoo_case, size, cases, timeout_per_case_s=max(c.timeout_s for c in cases.values())))
+        print(f"{size} processes: {len(cases)} architectures in {time.perf_counter() - started:.0f} s",
+              file=sys.stderr, flush=True)
+    return outcomes
+
+
+def zoo_table(architectures: list[str] | None = None) -> str:
+    """Runs the zoo (both world sizes) and returns the markdown table; each cell's detail goes
+    to stderr."""
     import transformers
 
+    chosen = [arch for arch in hf_zoo.ARCHITECTURES if architectures is None or arch.name in architectures]
+    outcomes = run_zoo([arch.name for arch in chosen])
     header = ["architecture", "kind", *MESHES]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for arch in hf_zoo.ARCHITECTURES:
-        cells = [_verdict(outcomes[f"{arch.name}-{MESHES[mesh][0]}"], mesh) for mesh in MESHES]
+    for arch in chosen:
+        cells = []
+        for mesh in MESHES:
+            verdict, detail = _verdict(outcomes[f"{arch.name}-{MESHES[mesh][0]}"], mesh)
+            print(f"{arch.name} {mesh}: {verdict}: {detail}", file=sys.stderr, flush=True)
+            cells.append(verdict)
         lines.append("| " + " | ".join([arch.name, arch.kind, *cells]) + " |")
     lines.append("")
     lines.append(f"transformers {transformers.__version__}, default attention, fp32, {NUM_STEPS} SGD steps on gloo: "
@@ -186,7 +350,14 @@ def zoo_table() -> str:
 
 
 def main(argv: list[str]) -> None:
-    table = zoo_table()
+    """`--write-readme`: run the whole zoo and put the table in README.md; `ARCH ...`: print the
+    table of some architectures only."""
+    names = [arg for arg in argv if not arg.startswith("--")]
+    unknown = [name for name in names if name not in hf_zoo.BY_NAME]
+    if unknown or (names and "--write-readme" in argv):
+        raise SystemExit(f"unknown architectures {unknown}; known: {', '.join(hf_zoo.BY_NAME)}" if unknown else
+                         "--write-readme runs the whole zoo: give no architecture names with it")
+    table = zoo_table(names or None)
     if "--write-readme" not in argv:
         print(table)
         return
