@@ -6,7 +6,7 @@ from autopar.graph import OpGraph
 from autopar.plans import SCHEMA_VERSION, Plan, Prediction, StagePlan
 from autopar.solver.search import SearchResult
 from autopar.solver.sharding import ShardingResult
-from autopar.solver.step_model import Estimate, StageEstimate
+from autopar.solver.step_model import Estimate, StageEstimate, recompute_comm_s, recompute_compute_s
 
 
 def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate, sharding: ShardingResult,
@@ -119,12 +119,12 @@ def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str) -> tuple[
         for segment in (costs[name] for name in chunk):
             parts["forward"] += segment.forward.total_s
             parts["backward"] += segment.backward.total_s
-            parts["recompute"] += _recompute_compute_s(segment, stage.recompute)
+            parts["recompute"] += recompute_compute_s(segment, stage.recompute)
             for event in segment.comm:
                 phase = _PHASES.get(event.phase, "backward")
                 _add(parts, f"tp.{event.op}.{phase}", event.time_s)
-                if stage.recompute == "full" and event.phase == "fwd":
-                    _add(parts, f"tp.{event.op}.recompute", event.time_s)
+            for op, seconds in recompute_comm_s(segment, stage.recompute).items():
+                _add(parts, f"tp.{op}.recompute", seconds)
         for key, seconds in _fsdp_parts(stage).items():
             _add(parts, key, seconds / len(chunks))
         if index in senders and stage.p2p_s:
@@ -149,14 +149,6 @@ def _fsdp_parts(stage: StageEstimate) -> dict[str, float]:
 
 def _add(parts: dict[str, float], key: str, seconds: float) -> None:
     parts[key] = parts.get(key, 0.0) + seconds
-
-
-def _recompute_compute_s(segment, recompute: str) -> float:
-    if recompute == "full":
-        return segment.forward.total_s
-    if recompute == "selective":
-        return segment.selective_recompute.total_s
-    return 0.0
 
 
 def _placements(graph: OpGraph, strategies: dict) -> dict[str, str]:

@@ -288,7 +288,7 @@ class Planner:
     def _configs(self, tp: int, pp: int, dp: int, microbatch: int, constraints: Constraints):
         m = self.global_batch // (dp * microbatch)
         schedules = self._schedules(pp, constraints)
-        modes = [constraints.recompute] if constraints.recompute else list(RECOMPUTE_MODES)
+        modes = [constraints.recompute] if constraints.recompute else self._distinct_modes(tp, microbatch)
         zeros = [constraints.zero_stage] if constraints.zero_stage is not None else ([0] if dp == 1 else [0, 1, 2, 3])
         for schedule, virtual in schedules:
             if not schedule_accepts(schedule, pp, m):
@@ -298,6 +298,16 @@ class Planner:
                     yield ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch, num_microbatches=m,
                                          schedule=schedule, virtual_stages=virtual, recompute=recompute,
                                          zero_stage=zero)
+
+    def _distinct_modes(self, tp: int, microbatch: int) -> list[str]:
+        """Recomputation modes that price differently from every lighter one (without tensor
+        parallelism "gathers" is "none": nothing is gathered)."""
+        distinct: list[str] = []
+        for mode in RECOMPUTE_MODES:
+            prepared = self.prepared(tp, microbatch, mode)
+            if not any(prepared.same_as(self.prepared(tp, microbatch, kept)) for kept in distinct):
+                distinct.append(mode)
+        return distinct
 
     def _schedules(self, pp: int, constraints: Constraints) -> list[tuple[str, int]]:
         virtual = self.virtual_stages(pp, constraints)

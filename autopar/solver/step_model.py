@@ -4,8 +4,11 @@ recomputation, ZeRO) from the per-segment costs of the intra-op solution.
 Per segment, for one microbatch on one device of a tensor-parallel group:
     f = forward compute + forward tensor-parallel collectives
     b = backward compute + backward collectives
-    r = recompute: none 0 | selective: parameter-free ops' forward | full: f
-    a = activations kept: none: all saved | selective: see evaluate.py | full: the segment's input
+    r = recompute (modes in recompute.py): none 0 | gathers: the backward all-gathers of saves kept
+        sequence-sharded | selective: parameter-free ops' forward (+ those all-gathers) | op: the
+        forward of all but the kept matmuls and attention, and its all-gathers | full: f
+    a = activations kept: none: all saved | gathers: gathered saves as shards | selective, op:
+        see evaluate.py and recompute.py | full: the segment's input
 Stage k holds segments S_k:  t_k = sum_{S_k} (f + b + r) + p2p_k, where p2p_k sends the stage's
 output forward and receives its gradient back (x v for interleaving).
 
@@ -39,13 +42,14 @@ import numpy as np
 from autopar.mesh import Mesh
 from autopar.solver.evaluate import SegmentCost
 from autopar.solver.pipeline import ChainCosts, StageSpan, partition
+from autopar.solver.recompute import RECOMPUTE_MODES, REGATHER_MODES
 from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
 from cost_model.fsdp import FsdpTimeline, timelines_of_arrays, unsharded_bytes
 from cost_model.memory import PrecisionPolicy, microbatches_in_flight, model_state_memory
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+__all__ = ["RECOMPUTE_MODES", "SCHEDULES", "ParallelConfig", "Estimate", "StepModel", "PreparedSegments"]
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
@@ -139,12 +143,13 @@ class PreparedSegments:
         comm: dict[str, np.ndarray] = {}
         for index, segment in enumerate(segments):
             for event in segment.comm:
-                factor = 2 if (recompute == "full" and event.phase == "fwd") else 1
-                comm.setdefault(event.op, np.zeros(len(segments)))[index] += event.time_s * factor
+                comm.setdefault(event.op, np.zeros(len(segments)))[index] += event.time_s
+            for op, seconds in recompute_comm_s(segment, recompute).items():
+                comm.setdefault(op, np.zeros(len(segments)))[index] += seconds
         array = lambda values: np.asarray(list(values), dtype=float)  # noqa: E731
         forward = array(s.forward.total_s for s in segments)
         backward = array(s.backward.total_s for s in segments)
-        recomputed = array(_recompute_s(s, recompute) for s in segments)
+        recomputed = array(recompute_compute_s(s, recompute) for s in segments)
         total_comm = sum(comm.values()) if comm else np.zeros(len(segments))
         return cls(names=[s.name for s in segments], recompute=recompute, forward_s=forward, backward_s=backward,
                    recompute_s=recomputed, comm_by_op_s=comm, time_s=forward + backward + recomputed + total_comm,
@@ -153,8 +158,14 @@ class PreparedSegments:
                    buffer_bytes=array(s.buffer_bytes for s in segments),
                    output_bytes=array(s.output_bytes for s in segments),
                    max_saved_bytes=max((s.saved_bytes for s in segments), default=0.0),
-                   max_recomputed_bytes=max((s.saved_bytes - _activation_bytes(s, recompute) for s in segments),
-                                            default=0.0))
+                   max_recomputed_bytes=max((max(0.0, s.saved_bytes - _activation_bytes(s, recompute))
+                                             for s in segments), default=0.0))
+
+    def same_as(self, other: "PreparedSegments") -> bool:
+        """Prices every configuration as `other` does (a mode that changes nothing for this model,
+        such as re-gathering without tensor parallelism)."""
+        return (np.array_equal(self.time_s, other.time_s) and np.array_equal(self.activation_bytes, other.activation_bytes)
+                and self.max_recomputed_bytes == other.max_recomputed_bytes)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -383,20 +394,46 @@ class StepModel:
         return 2 * self.comm.send_recv_s(self.tied_param_numel / config.tp * self.policy.grad_bytes, crosses_nodes=crosses)
 
 
-def _recompute_s(segment: SegmentCost, recompute: str) -> float:
-    """Compute time re-run in backward (the collectives of a full recompute count in tp comm)."""
+def recompute_compute_s(segment: SegmentCost, recompute: str) -> float:
+    """Compute time re-run in backward (its collectives are in recompute_comm_s)."""
     if recompute == "full":
         return segment.forward.total_s
     if recompute == "selective":
         return segment.selective_recompute.total_s
+    if recompute == "op":
+        return segment.op_recompute.total_s
     return 0.0
+
+
+_REDUCING = ("reduce_scatter", "all_reduce")
+
+
+def recompute_comm_s(segment: SegmentCost, recompute: str) -> dict[str, float]:
+    """Collectives run again in backward, by breakdown key (tp.<key>): a full recompute replays
+    every forward collective, the "op" mode those whose outputs it does not keep (all but the
+    reducing ones); the regathering modes gather their sharded saves again."""
+    extra: dict[str, float] = {}
+    if recompute in ("full", "op"):
+        for event in segment.comm:
+            if event.phase == "fwd" and (recompute == "full" or event.op not in _REDUCING):
+                extra[event.op] = extra.get(event.op, 0.0) + event.time_s
+    elif recompute in REGATHER_MODES:
+        kept = segment.selective_kept if recompute == "selective" else None
+        seconds = segment.regather_s(kept)
+        if seconds:
+            extra["all_gather.regather"] = seconds
+    return extra
 
 
 def _activation_bytes(segment: SegmentCost, recompute: str) -> float:
     if recompute == "full":
         return segment.input_bytes
     if recompute == "selective":
-        return segment.selective_saved_bytes
+        return segment.regathered_saved_bytes(segment.selective_kept)
+    if recompute == "op":
+        return segment.op_saved_bytes
+    if recompute == "gathers":
+        return segment.regathered_saved_bytes()
     return segment.saved_bytes
 
 
