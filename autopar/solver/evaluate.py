@@ -51,6 +51,10 @@ class SegmentCost:
     """Under the "op" mode (recompute.py), bytes kept besides the segment's inputs, by tensor."""
     op_recompute: ComputeTime = field(default_factory=ComputeTime)
     """Forward time of the ops the "op" mode re-runs (all but the kept ones)."""
+    grad_workspace_bytes: float = 0.0
+    """Largest gradients alive at once while one op's backward runs: the gradient of its output
+    and those of its inputs (for a language model, the fp32 logits' gradient and the one the
+    log-softmax backward makes from it, at the start of the backward pass)."""
     saved_keys: set = field(default_factory=set)
     """(producer, placement) pairs already counted in saved_bytes: one tensor redistributed once
     serves every consumer that saves it (the interpreter's cache), so it is counted once."""
@@ -104,6 +108,9 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
             continue
         segment = costs[segment_of.get(node.name, consumers_segment.get(node.name, first_segment))]
         _add_node(builder, node, strategy, segment, mesh_shape, recomputable[node.name], node.name in op_saved)
+        if node.kind == "call" and node.requires_grad:
+            segment.grad_workspace_bytes = max(segment.grad_workspace_bytes,
+                                               _gradient_bytes(graph, node, strategy, mesh_shape))
         for index, source in enumerate(node.inputs):
             producer = graph[source]
             source_strategy = strategy_of.get(source)
@@ -161,6 +168,23 @@ def is_recomputable(graph: OpGraph, node) -> bool:
 def _keep_if(segment: SegmentCost, key: str, size: float, kept: bool) -> None:
     if kept:
         segment.selective_kept[key] = max(segment.selective_kept.get(key, 0.0), size)
+
+
+def _gradient_bytes(graph: OpGraph, node, strategy, mesh_shape) -> float:
+    """Bytes of the output gradient of `node`, of the intermediates it saves (a composite op's
+    backward makes their gradients too: cross-entropy's log-probabilities, as large as the
+    logits) and of its inputs that need one (no view: a view's gradient is a view of its
+    output's)."""
+    if node.alias_input is not None:
+        return 0.0
+    total = sum(meta.nbytes for meta in node.outputs if meta.is_float) / shard_factor(strategy.output, mesh_shape)
+    total += node.saved_extra_bytes / strategy.work_divisor(mesh_shape)
+    for index, source in enumerate(node.inputs):
+        producer = graph[source]
+        if producer.requires_grad and producer.kind != "param" and producer.outputs and producer.output.is_float:
+            placement = strategy.inputs[index] if index < len(strategy.inputs) else ()
+            total += producer.output.nbytes / shard_factor(placement, mesh_shape)
+    return total
 
 
 def _save_once(segment: SegmentCost, key: tuple, size: float) -> None:

@@ -28,7 +28,8 @@ Data-parallel gradient synchronisation over the dp group:
 Step = T + exposed synchronisation + optimizer step (Adam, memory-bound, on the local shard)
      + the all-reduce of weights tied across the first and last stage.
 Memory of stage k = model states (ZeRO, memory.py) + in_flight(k) x sum_{S_k} a + buffers
-     + recompute workspace (what one segment regenerates: saved - kept) + FSDP2's gathered units (the largest
+     + recompute workspace (what one segment regenerates: saved - kept) + gradient workspace (the
+     largest output + input gradients of one op's backward) + FSDP2's gathered units (the largest
      two consecutive units' parameters + one unit's unsharded gradients) + allocator terms
      (cost_model/allocator.py: fragmentation of the dynamic bytes, CUDA context, NCCL buffers).
 """
@@ -136,6 +137,8 @@ class PreparedSegments:
     max_saved_bytes: float
     max_recomputed_bytes: float = 0.0
     """Largest set of tensors one segment regenerates in backward (saved minus kept)."""
+    grad_workspace_bytes: np.ndarray | None = None
+    """Per segment, the largest gradients one op's backward holds at once (evaluate.py)."""
     time_partitions: dict[int, list[StageSpan] | None] = field(default_factory=dict)
 
     @classmethod
@@ -157,6 +160,7 @@ class PreparedSegments:
                    param_numel=array(s.param_numel for s in segments),
                    buffer_bytes=array(s.buffer_bytes for s in segments),
                    output_bytes=array(s.output_bytes for s in segments),
+                   grad_workspace_bytes=array(s.grad_workspace_bytes for s in segments),
                    max_saved_bytes=max((s.saved_bytes for s in segments), default=0.0),
                    max_recomputed_bytes=max((max(0.0, s.saved_bytes - _activation_bytes(s, recompute))
                                              for s in segments), default=0.0))
@@ -258,8 +262,12 @@ class StepModel:
             # ZeRO-2 keeps parameters gathered (counted as "parameters"): only a unit's gradients.
             param_bytes = self.policy.fsdp_gather_bytes if config.zero_stage == 3 else 0.0
             fsdp = unsharded_bytes(numel, param_bytes=param_bytes, grad_bytes=self.policy.dp_reduce_bytes)
-        fragmentation = self.allocator.fragmentation_bytes(recompute + fsdp)
-        return {"recompute_workspace": recompute, "fsdp_unsharded": fsdp, "fragmentation": fragmentation,
+        gradients = 0.0
+        if prepared.grad_workspace_bytes is not None and len(prepared):
+            gradients = float(prepared.grad_workspace_bytes[list(indices)].max(initial=0.0))
+        fragmentation = self.allocator.fragmentation_bytes(recompute + fsdp + gradients)
+        return {"recompute_workspace": recompute, "gradient_workspace": gradients, "fsdp_unsharded": fsdp,
+                "fragmentation": fragmentation,
                 "cuda_context": self.allocator.context_bytes(_num_communicators(config))}
 
     def _stage_at(self, prepared: PreparedSegments, spans, config: ParallelConfig, workspace: float,
