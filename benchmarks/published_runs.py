@@ -173,6 +173,7 @@ class Outcome:
 
 
 _PLANNERS: dict[tuple, object] = {}
+_GRAPHS: dict[tuple, object] = {}
 
 
 def planner_for(run: Run, directory: Path):
@@ -181,7 +182,10 @@ def planner_for(run: Run, directory: Path):
     key = (run.model, run.cluster, tuple(sorted((t, tuple(sorted(v.items()))) for t, v in run.cluster_overrides.items())),
            run.num_nodes, run.global_batch, precision_of(run))
     if key not in _PLANNERS:
-        graph = api.capture_for_planning(run.model, precision=precision_of(run))
+        graph_key = (run.model, precision_of(run))
+        if graph_key not in _GRAPHS:  # rows of one model on other clusters share the capture too
+            _GRAPHS[graph_key] = api.capture_for_planning(run.model, precision=precision_of(run))
+        graph = _GRAPHS[graph_key]
         _PLANNERS[key] = Planner(graph, Cluster.from_spec(run.cluster_spec(directory)), global_batch=run.global_batch,
                                  policy=policy_of(run), precision=precision_of(run))
     return _PLANNERS[key]
