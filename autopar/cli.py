@@ -24,6 +24,7 @@ import sys
 from autopar import api
 from autopar.report import commands as report_commands
 from autopar.errors import AutoparError, ConfigError
+from autopar.solver.recompute import RECOMPUTE_MODES
 from autopar.validation import MAX_DEVICES, MAX_DEVICES_PER_NODE, MAX_GLOBAL_BATCH, check_output_path, parse_int
 
 EXIT_INPUT_ERROR = 2
@@ -100,7 +101,7 @@ def _plan_parser(commands) -> None:
     parser.add_argument("--microbatch-size", type=count(MAX_GLOBAL_BATCH))
     parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"])
     parser.add_argument("--layers-per-virtual-stage", type=count())
-    parser.add_argument("--recompute", choices=["none", "selective", "full"])
+    parser.add_argument("--recompute", choices=list(RECOMPUTE_MODES))
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     parser.add_argument("--ep", type=count(), help="fix the expert-parallel degree (divides dp; MoE models)")
     parser.set_defaults(handler=_plan)
@@ -116,7 +117,7 @@ def _evaluate_parser(commands) -> None:
     parser.add_argument("--microbatch-size", type=count(MAX_GLOBAL_BATCH), required=True)
     parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default="1f1b")
     parser.add_argument("--layers-per-virtual-stage", type=count())
-    parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    parser.add_argument("--recompute", choices=list(RECOMPUTE_MODES), default="none")
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     parser.add_argument("--ep", type=count(), default=1, help="expert-parallel degree (divides dp; MoE models)")
     parser.set_defaults(handler=_evaluate)

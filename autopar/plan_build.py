@@ -7,7 +7,7 @@ from autopar.plans import SCHEMA_VERSION, Plan, Prediction, StagePlan
 from autopar.solver.experts import expert_param_names, find_expert_ops
 from autopar.solver.search import SearchResult
 from autopar.solver.sharding import ShardingResult
-from autopar.solver.step_model import Estimate, StageEstimate
+from autopar.solver.step_model import Estimate, StageEstimate, recompute_comm_s, recompute_compute_s
 
 
 def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate, sharding: ShardingResult,
@@ -127,13 +127,13 @@ def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str) -> tuple[
         for segment in (costs[name] for name in chunk):
             parts["forward"] += segment.forward.total_s
             parts["backward"] += segment.backward.total_s
-            parts["recompute"] += _recompute_compute_s(segment, stage.recompute)
+            parts["recompute"] += recompute_compute_s(segment, stage.recompute)
             for event in segment.comm:
                 phase = _PHASES.get(event.phase, "backward")
                 name = event.op if event.op.startswith("cp.") else f"tp.{event.op}"  # cp's KV exchange
                 _add(parts, f"{name}.{phase}", event.time_s)
-                if stage.recompute == "full" and event.phase == "fwd":
-                    _add(parts, f"{name}.recompute", event.time_s)
+            for op, seconds in recompute_comm_s(segment, stage.recompute).items():
+                _add(parts, f"{op if op.startswith('cp.') else f'tp.{op}'}.recompute", seconds)
         for key, seconds in _fsdp_parts(stage).items():
             _add(parts, key, seconds / len(chunks))
         in_chunk = set(chunk)
@@ -163,14 +163,6 @@ def _fsdp_parts(stage: StageEstimate) -> dict[str, float]:
 
 def _add(parts: dict[str, float], key: str, seconds: float) -> None:
     parts[key] = parts.get(key, 0.0) + seconds
-
-
-def _recompute_compute_s(segment, recompute: str) -> float:
-    if recompute == "full":
-        return segment.forward.total_s
-    if recompute == "selective":
-        return segment.selective_recompute.total_s
-    return 0.0
 
 
 def _placements(graph: OpGraph, strategies: dict) -> dict[str, str]:

@@ -53,7 +53,7 @@ class Prediction:
     (every microbatch) and dp.all_gather.once, dp.reduce_scatter.once (once per step)."""
     peak_memory_bytes: float
     memory_bytes: dict[str, float]
-    """parameters, gradients, optimizer, activations, buffers, recompute_workspace, fsdp_unsharded,
+    """parameters, gradients, optimizer, activations, buffers, recompute_workspace, gradient_workspace, fsdp_unsharded,
     fragmentation, cuda_context (of the peak stage)."""
     memory_budget_bytes: float
     model_flops_per_step: float

@@ -18,6 +18,7 @@ from autopar.codegen.interpreter import PlannedInterpreter, RunStats
 from autopar.codegen.program import (GraphParts, SegmentModule, StageProgram, distribute_parameter,
                                      recomputable_nodes)
 from autopar.errors import ConfigError, PlanMismatchError
+from autopar.solver.recompute import op_saved_nodes
 from autopar.plans import Plan
 
 
@@ -95,6 +96,7 @@ class ProgramBuilder:
         self.placements = codegen_placements(plan, parts)
         self.interpreter = PlannedInterpreter(self.placements, tp_mesh, stats)
         self.recomputable = recomputable_nodes(parts.graph)
+        self.op_kept = op_saved_nodes(parts.graph)
         self.readers = parts.readers()
         self.segment_nodes = parts.segment_nodes
         self.params: dict[str, nn.Parameter] = {}
@@ -145,7 +147,8 @@ class ProgramBuilder:
         inside = set(node_names)
         inputs = sorted({source.name for node in fx_nodes for source in node.all_input_nodes if source.name not in inside})
         produced = [n for n in node_names if n not in self.parts.helpers and self.readers.get(n, set()) - {name}]
-        return SegmentModule(name, fx_nodes, self.interpreter, inputs, produced, recompute, self.recomputable)
+        return SegmentModule(name, fx_nodes, self.interpreter, inputs, produced, recompute, self.recomputable,
+                             op_kept=self.op_kept)
 
     def _attach_params(self, stage: StageProgram, segments: list[SegmentModule], spec: ChunkSpec) -> None:
         """A parameter read by one segment belongs to it; one read by several, to the stage."""

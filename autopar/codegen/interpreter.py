@@ -33,6 +33,9 @@ class RunStats:
     """(node, planned output, DTensor's output) for each mismatch."""
     replicated: Counter = field(default_factory=Counter)
     """Ops DTensor has no strategy for, run replicated on whole tensors, by target."""
+    kept: Counter = field(default_factory=Counter)
+    """Forward tensors saved for backward by a recomputation mode's own rule (codegen/recompute.py):
+    "op" for the selective policy's MUST_SAVE, "regathered" for gathered saves kept as shards."""
 
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -82,6 +85,11 @@ class PlannedInterpreter:
         """Targets found to have no DTensor strategy (run replicated from then on)."""
         self.experts = None
         """ExpertRunner (codegen/experts.py) of an expert-parallel plan, else None."""
+        self.current_node: str | None = None
+        """The node whose op is running (not while its inputs are redistributed): the "op"
+        recomputation policy keeps what kept nodes produce (codegen/recompute.py)."""
+        self.on_gather = None
+        """Called with (shard, gathered) after each all-gather of an input (regather_saves)."""
         """Without tensor parallelism ops run on plain tensors (DTensor dispatch costs ~20% on CPU)."""
 
     def as_dtensor(self, value: torch.Tensor) -> DTensor:
@@ -98,7 +106,10 @@ class PlannedInterpreter:
         # makes that operand Partial (a row-parallel linear's replicated bias becomes bias / n).
         if same_placement(value.placements[0], placement) or placement == "P":
             return value
-        return contiguous_grad(value).redistribute(self.mesh, [to_dtensor_placement(placement)])
+        result = contiguous_grad(value).redistribute(self.mesh, [to_dtensor_placement(placement)])
+        if self.on_gather is not None and value.placements[0].is_shard() and placement == "R":
+            self.on_gather(value, result)
+        return result
 
     def wanted_inputs(self, node: torch.fx.Node, env: dict[str, Any]) -> list[tuple[str, str | None]]:
         """(producer, planned placement) of each tensor input of `node`, in `_call`'s order."""
@@ -149,6 +160,16 @@ class PlannedInterpreter:
 
         args = map_aggregate(node.args, load)
         kwargs = map_aggregate(dict(node.kwargs), load)
+        self.current_node = node.name
+        try:
+            result = self._run_op(node, args, kwargs, output_placement)
+        finally:
+            self.current_node = None
+        if output_placement is None or node.target is operator.getitem or not self.distributed:
+            return result
+        return self._check_output(node, result, output_placement)
+
+    def _run_op(self, node: torch.fx.Node, args, kwargs, output_placement):
         if node.target in self.overrides:
             result = self.overrides[node.target](node, args, kwargs)
         elif node.target is _SDPA and isinstance(args[0], DTensor) and args[0].device.type == "cpu":
@@ -170,9 +191,7 @@ class PlannedInterpreter:
                 result = run_replicated(node.target, args, kwargs, self.mesh)
         if node.target in _RESHAPES and isinstance(result, DTensor) and result.requires_grad:
             result = _ContiguousGrad.apply(result)
-        if output_placement is None or node.target is operator.getitem or not self.distributed:
-            return result
-        return self._check_output(node, result, output_placement)
+        return result
 
     def _expert_call(self, node: torch.fx.Node, env: dict[str, Any], cache: dict, output_placement,
                      input_placements: list[str]) -> Any:

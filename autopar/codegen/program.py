@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from autopar.codegen.interpreter import PlannedInterpreter, contiguous_grad
+from autopar.codegen.recompute import op_policy_context, regather_saves
 from autopar.codegen.placements import to_dtensor_placement
 from autopar.graph import OpGraph
 from autopar.solver.evaluate import is_recomputable
@@ -148,7 +149,8 @@ class SegmentModule(ParameterOwner):
     """Runs one segment's nodes; owns the parameters only it reads."""
 
     def __init__(self, name: str, nodes: list[torch.fx.Node], interpreter: PlannedInterpreter,
-                 inputs: list[str], produced: list[str], recompute: str, recomputable: set[str]) -> None:
+                 inputs: list[str], produced: list[str], recompute: str, recomputable: set[str],
+                 op_kept: set[str] = frozenset()) -> None:
         super().__init__()
         self.segment_name = name
         self.nodes = nodes
@@ -157,16 +159,23 @@ class SegmentModule(ParameterOwner):
         self.produced = produced
         self.recompute = recompute
         self.recomputable = recomputable
+        self.op_kept = op_kept
+        """Nodes whose outputs the "op" mode keeps (autopar/solver/recompute.py)."""
 
     def forward(self, values: dict):
-        if self.recompute == "full":
+        if self.recompute in ("full", "op"):
             names = [name for name, value in values.items() if isinstance(value, torch.Tensor)]
             others = {name: value for name, value in values.items() if name not in names}
-            results = checkpoint(self._run_all, names, others, *[values[name] for name in names], use_reentrant=False)
+            options = {"context_fn": op_policy_context(self.interpreter, self.op_kept)} if self.recompute == "op" else {}
+            results = checkpoint(self._run_all, names, others, *[values[name] for name in names], use_reentrant=False,
+                                 **options)
             return dict(zip(self.produced, results))
         env = {**values, **self._params()}
         if self.recompute == "selective":
             self._run_selective(env)
+        elif self.recompute == "gathers":
+            with regather_saves(self.interpreter):
+                self.interpreter.run_nodes(self.nodes, env)
         else:
             self.interpreter.run_nodes(self.nodes, env)
         return {name: env[name] for name in self.produced}
@@ -180,7 +189,8 @@ class SegmentModule(ParameterOwner):
         """Runs of parameter-free nodes are recomputed in backward; the rest is kept."""
         for run, recompute in _runs(self.nodes, self.recomputable):
             if not recompute:
-                self.interpreter.run_nodes(run, env)
+                with regather_saves(self.interpreter):
+                    self.interpreter.run_nodes(run, env)
                 continue
             inside = {node.name for node in run}
             needed = sorted({source.name for node in run for source in node.all_input_nodes

@@ -24,6 +24,7 @@ AXIS_COLORS = {"tp": "#7b3fb5", "cp": "#2a9d8f", "pp": "#c0392b", "dp": "#d9622b
 BUBBLE_COLOR = "#eeeeee"
 MEMORY_COLORS = {"parameters": "#1f5fa8", "gradients": "#3fa86b", "optimizer": "#8e6bbf",
                  "activations": "#e0a13f", "buffers": "#8c8c8c", "recompute_workspace": "#c0392b",
+                 "gradient_workspace": "#e07b7b",
                  "fsdp_unsharded": "#2a9d9d", "fragmentation": "#b8b8b8", "cuda_context": "#555555"}
 _BAR_HEIGHT = 0.8
 _COMM_HEIGHT = 0.18

@@ -148,7 +148,13 @@ def split_sequence(segment: SegmentCost, attentions: list[AttentionCost], *, cp:
                    selective_kept={key: size * scale for key, size in segment.selective_kept.items()},
                    selective_recompute=compute.selective_recompute,
                    selective_recompute_comm=recompute_comm,
-                   output_bytes=segment.output_bytes * scale, input_bytes=segment.input_bytes * scale)
+                   output_bytes=segment.output_bytes * scale, input_bytes=segment.input_bytes * scale,
+                   # the recomputation modes' per-token figures (evaluate.py), on 1 / cp of the tokens
+                   op_kept={key: size * scale for key, size in segment.op_kept.items()},
+                   op_recompute=_per_token(segment.op_recompute, scale),
+                   gathered={key: (saved_bytes * scale, shard_bytes * scale, seconds * scale, dedup)
+                             for key, (saved_bytes, shard_bytes, seconds, dedup) in segment.gathered.items()},
+                   grad_workspace_bytes=segment.grad_workspace_bytes * scale)
 
 
 def _per_token(time: ComputeTime, scale: float) -> ComputeTime:

@@ -15,8 +15,9 @@ from autopar.graph import OpGraph
 from autopar.solver.costing import CommEvent
 from autopar.solver.experts import ExpertExchange, find_expert_ops
 from autopar.solver.quotient import Quotient
+from autopar.solver.recompute import op_saved_nodes, reads_trainable_param
 from autopar.solver.sharding_problem import Assignment, ProblemBuilder
-from autopar.strategies.placement import grad_placement, shard_factor
+from autopar.strategies.placement import PARTIAL, grad_placement, shard_factor, transition
 from cost_model.compute import ComputeTime
 
 
@@ -49,10 +50,48 @@ class SegmentCost:
     """Per expert op, what expert parallelism would exchange (solver/experts.py)."""
     selective_recompute_comm: list[CommEvent] = field(default_factory=list)
     """Collectives those ops run again when recomputed (context parallelism's KV all-gather)."""
+    gathered: dict[str, tuple[float, float, float, tuple]] = field(default_factory=dict)
+    """Saved tensors an all-gather produced, by the key selective_kept uses: (saved bytes, bytes of
+    the shard it was gathered from, seconds to gather it again in backward, (producer, placement):
+    one gathered tensor saved by several consumers is one tensor, re-gathered once)."""
+    op_kept: dict[str, float] = field(default_factory=dict)
+    """Under the "op" mode (recompute.py), bytes kept besides the segment's inputs, by tensor."""
+    op_recompute: ComputeTime = field(default_factory=ComputeTime)
+    """Forward time of the ops the "op" mode re-runs (all but the kept ones)."""
+    grad_workspace_bytes: float = 0.0
+    """Largest gradients alive at once while one op's backward runs: the gradient of its output
+    and those of its inputs (for a language model, the fp32 logits' gradient and the one the
+    log-softmax backward makes from it, at the start of the backward pass)."""
+    saved_keys: set = field(default_factory=set)
+    """(producer, placement) pairs already counted in saved_bytes: one tensor redistributed once
+    serves every consumer that saves it (the interpreter's cache), so it is counted once."""
 
     @property
     def selective_saved_bytes(self) -> float:
         return sum(self.selective_kept.values())
+
+    def regathered_saved_bytes(self, kept: dict[str, float] | None = None) -> float:
+        """Saved bytes when gathered saves are kept as shards: all saves (`kept` None) or the
+        kept ones of a mode."""
+        if kept is None:
+            return self.saved_bytes - sum(full - shard for full, shard, _ in self._distinct_gathered(None).values())
+        total = 0.0
+        for key, size in kept.items():
+            full, shard, _, _ = self.gathered.get(key, (0.0, 0.0, 0.0, ()))
+            total += shard if key in self.gathered and size <= full else size
+        return total
+
+    def regather_s(self, kept: dict[str, float] | None = None) -> float:
+        """Backward all-gathers of the gathered saves (all, or those `kept` holds)."""
+        return sum(seconds for _, _, seconds in self._distinct_gathered(kept).values())
+
+    def _distinct_gathered(self, kept: dict[str, float] | None) -> dict[tuple, tuple[float, float, float]]:
+        return {once: (full, shard, seconds) for key, (full, shard, seconds, once) in self.gathered.items()
+                if kept is None or key in kept}
+
+    @property
+    def op_saved_bytes(self) -> float:
+        return self.input_bytes + sum(self.op_kept.values())
 
     def comm_s(self, phase: str) -> float:
         return sum(event.time_s for event in self.comm if event.phase == phase)
@@ -68,6 +107,7 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
     consumers_segment = _first_consumer_segment(graph, segment_of, first_segment)
     mesh_shape = builder.mesh_shape
     recomputable = {node.name: is_recomputable(graph, node) for node in graph.nodes}
+    op_saved = op_saved_nodes(graph)
     fanout_done: set[str] = set()
     expert_ops = {op.node: op for op in find_expert_ops(graph)}
     expert_params = {op.param for op in expert_ops.values()}
@@ -76,7 +116,10 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
         if strategy is None:
             continue
         segment = costs[segment_of.get(node.name, consumers_segment.get(node.name, first_segment))]
-        _add_node(builder, node, strategy, segment, mesh_shape, recomputable[node.name])
+        _add_node(builder, node, strategy, segment, mesh_shape, recomputable[node.name], node.name in op_saved)
+        if node.kind == "call" and node.requires_grad:
+            segment.grad_workspace_bytes = max(segment.grad_workspace_bytes,
+                                               _gradient_bytes(graph, node, strategy, mesh_shape))
         if node.name in expert_params:
             segment.expert_param_numel += node.output.numel / shard_factor(strategy.output, mesh_shape)
         if node.name in expert_ops:
@@ -98,22 +141,29 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                         segment.comm += builder.ctx.redistribute(producer.output, grad, target, "bwd")
                     if _saved_by_any(graph, source):
                         size = producer.output.nbytes / shard_factor(placement, mesh_shape)
-                        segment.saved_bytes += size
+                        _save_once(segment, (source, placement), size)
                         _keep_if(segment, source, size, not recomputable[source])
+                        _note_gathered(builder, segment, source, producer, source_strategy.output, placement,
+                                       mesh_shape)
                 segment.comm += builder.edge_events(producer, placement, node, strategy, index, grad)
                 target = strategy.inputs[index]
                 if index in node.saved_inputs and target != placement:
                     size = producer.output.nbytes / shard_factor(target, mesh_shape)
-                    segment.saved_bytes += size
+                    _save_once(segment, (source, target), size)
                     _keep_if(segment, f"{source}->{node.name}", size, not recomputable[node.name])
+                    _note_gathered(builder, segment, f"{source}->{node.name}", producer, placement, target, mesh_shape)
+                _keep_reduced(segment, source, producer, placement, target, mesh_shape)
                 _keep_chain_input(segment, node, source, producer, placement, recomputable, mesh_shape)
                 continue
             grad_target = tuple(grad_placement(p) for p in source_strategy.output)
             segment.comm += builder.edge_events(producer, source_strategy.output, node, strategy, index, grad_target)
+            target = strategy.inputs[index]
             if index in node.saved_inputs:
-                size = producer.output.nbytes / shard_factor(strategy.inputs[index], mesh_shape)
-                segment.saved_bytes += size
+                size = producer.output.nbytes / shard_factor(target, mesh_shape)
+                _save_once(segment, (source, target), size)
                 _keep_if(segment, source, size, not recomputable[node.name])
+                _note_gathered(builder, segment, source, producer, source_strategy.output, target, mesh_shape)
+            _keep_reduced(segment, source, producer, source_strategy.output, target, mesh_shape)
             _keep_chain_input(segment, node, source, producer, source_strategy.output, recomputable, mesh_shape,
                               wanted=strategy.inputs[index])
     _add_boundaries(graph, costs, segment_of, strategy_of, mesh_shape)
@@ -136,12 +186,60 @@ def is_recomputable(graph: OpGraph, node) -> bool:
     dropout, activations, residual adds, views); what parameterized ops save is kept."""
     if node.kind != "call":
         return False
-    return not any(graph[source].kind == "param" and graph[source].requires_grad for source in node.inputs)
+    return not reads_trainable_param(graph, node)
 
 
 def _keep_if(segment: SegmentCost, key: str, size: float, kept: bool) -> None:
     if kept:
         segment.selective_kept[key] = max(segment.selective_kept.get(key, 0.0), size)
+
+
+def _gradient_bytes(graph: OpGraph, node, strategy, mesh_shape) -> float:
+    """Bytes of the output gradient of `node`, of the intermediates it saves (a composite op's
+    backward makes their gradients too: cross-entropy's log-probabilities, as large as the
+    logits) and of its inputs that need one (no view: a view's gradient is a view of its
+    output's)."""
+    if node.alias_input is not None:
+        return 0.0
+    total = sum(meta.nbytes for meta in node.outputs if meta.is_float) / shard_factor(strategy.output, mesh_shape)
+    total += node.saved_extra_bytes / strategy.work_divisor(mesh_shape)
+    for index, source in enumerate(node.inputs):
+        producer = graph[source]
+        if producer.requires_grad and producer.kind != "param" and producer.outputs and producer.output.is_float:
+            placement = strategy.inputs[index] if index < len(strategy.inputs) else ()
+            total += producer.output.nbytes / shard_factor(placement, mesh_shape)
+    return total
+
+
+def _save_once(segment: SegmentCost, key: tuple, size: float) -> None:
+    if key not in segment.saved_keys:
+        segment.saved_keys.add(key)
+        segment.saved_bytes += size
+
+
+def _note_gathered(builder: ProblemBuilder, segment: SegmentCost, key: str, producer, source, target,
+                   mesh_shape) -> None:
+    """A saved input that only all-gathers made bigger than its producer left it (a
+    sequence-sharded norm output gathered for a column-parallel matmul): what keeping the shard
+    saves, and the all-gather that rebuilds it in backward."""
+    events = builder.ctx.redistribute(producer.output, source, target, "bwd")
+    if not events or any(event.op != "all_gather" for event in events):
+        return
+    full = producer.output.nbytes / shard_factor(target, mesh_shape)
+    shard = producer.output.nbytes / shard_factor(source, mesh_shape)
+    if shard < full:
+        previous = segment.gathered.get(key)
+        if previous is None or previous[0] < full:
+            segment.gathered[key] = (full, shard, sum(event.time_s for event in events), (producer.name, tuple(target)))
+
+
+def _keep_reduced(segment: SegmentCost, source: str, producer, placement, target, mesh_shape) -> None:
+    """The "op" mode keeps what a reducing collective (reduce-scatter, all-reduce) produced, so
+    backward does not run it again (torchtitan saves reduce-scatter outputs)."""
+    reduces = any(src == PARTIAL and transition(src, dst) is not None for src, dst in zip(placement, target))
+    if reduces and producer.outputs:
+        key = f"{source}=>{','.join(target)}"
+        segment.op_kept[key] = producer.output.nbytes / shard_factor(target, mesh_shape)
 
 
 def _keep_chain_input(segment: SegmentCost, node, source: str, producer, placement, recomputable, mesh_shape,
@@ -158,7 +256,8 @@ def _keep_chain_input(segment: SegmentCost, node, source: str, producer, placeme
         _keep_if(segment, source, producer.output.nbytes / factor, True)
 
 
-def _add_node(builder: ProblemBuilder, node, strategy, segment: SegmentCost, mesh_shape, recomputable: bool) -> None:
+def _add_node(builder: ProblemBuilder, node, strategy, segment: SegmentCost, mesh_shape, recomputable: bool,
+              op_saved: bool) -> None:
     if node.kind == "call":
         forward, backward = builder.ctx.node_compute(node, strategy, builder.inputs_of(node))
         segment.forward = segment.forward + forward
@@ -169,6 +268,12 @@ def _add_node(builder: ProblemBuilder, node, strategy, segment: SegmentCost, mes
             segment.selective_recompute = segment.selective_recompute + forward
         else:
             _keep_if(segment, f"{node.name}:own", saved, True)
+        if op_saved:
+            # Its outputs (an attention kernel's log-sum-exp among them) are kept as produced.
+            outputs = sum(meta.nbytes for meta in node.outputs) / shard_factor(strategy.output, mesh_shape)
+            segment.op_kept[f"{node.name}:out"] = outputs + node.saved_extra_bytes / strategy.work_divisor(mesh_shape)
+        else:
+            segment.op_recompute = segment.op_recompute + forward
     elif node.kind == "param" and node.requires_grad:
         numel = node.output.numel / shard_factor(strategy.output, mesh_shape)
         segment.param_numel += numel

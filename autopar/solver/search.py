@@ -386,7 +386,7 @@ class Planner:
     def _configs(self, tp: int, pp: int, dp: int, microbatch: int, constraints: Constraints, cp: int = 1):
         m = self.global_batch // (dp * microbatch)
         schedules = self._schedules(pp, constraints)
-        modes = [constraints.recompute] if constraints.recompute else list(RECOMPUTE_MODES)
+        modes = [constraints.recompute] if constraints.recompute else self._distinct_modes(tp, microbatch, cp)
         zeros = [constraints.zero_stage] if constraints.zero_stage is not None else \
             ([0] if dp * cp == 1 else [0, 1, 2, 3])
         if constraints.ep and constraints.ep > 1:
@@ -408,6 +408,16 @@ class Planner:
                         yield ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch, num_microbatches=m,
                                              schedule=schedule, virtual_stages=virtual, recompute=recompute,
                                              zero_stage=zero, ep=ep, cp=cp)
+
+    def _distinct_modes(self, tp: int, microbatch: int, cp: int = 1) -> list[str]:
+        """Recomputation modes that price differently from every lighter one (without tensor
+        parallelism "gathers" is "none": nothing is gathered)."""
+        distinct: list[str] = []
+        for mode in RECOMPUTE_MODES:
+            prepared = self.prepared(tp, microbatch, mode, cp)
+            if not any(prepared.same_as(self.prepared(tp, microbatch, kept, cp)) for kept in distinct):
+                distinct.append(mode)
+        return distinct
 
     def _schedules(self, pp: int, constraints: Constraints) -> list[tuple[str, int]]:
         virtual = self.virtual_stages(pp, constraints)

@@ -4,8 +4,11 @@ recomputation, ZeRO) from the per-segment costs of the intra-op solution.
 Per segment, for one microbatch on one device of a tensor-parallel group:
     f = forward compute + forward tensor-parallel collectives
     b = backward compute + backward collectives
-    r = recompute: none 0 | selective: parameter-free ops' forward | full: f
-    a = activations kept: none: all saved | selective: see evaluate.py | full: the segment's input
+    r = recompute (modes in recompute.py): none 0 | gathers: the backward all-gathers of saves kept
+        sequence-sharded | selective: parameter-free ops' forward (+ those all-gathers) | op: the
+        forward of all but the kept matmuls and attention, and its all-gathers | full: f
+    a = activations kept: none: all saved | gathers: gathered saves as shards | selective, op:
+        see evaluate.py and recompute.py | full: the segment's input
 Stage k holds segments S_k:  t_k = sum_{S_k} (f + b + r) + p2p_k, where p2p_k sends the stage's
 output forward and receives its gradient back (x v for interleaving).
 
@@ -35,7 +38,8 @@ gradients are reduced over that group.
 Step = T + exposed synchronisation + optimizer step (Adam, memory-bound, on the local shard)
      + the all-reduce of weights tied across the first and last stage.
 Memory of stage k = model states (ZeRO, memory.py) + in_flight(k) x sum_{S_k} a + buffers
-     + recompute workspace (what one segment regenerates: saved - kept) + FSDP2's gathered units (the largest
+     + recompute workspace (what one segment regenerates: saved - kept) + gradient workspace (the
+     largest output + input gradients of one op's backward) + FSDP2's gathered units (the largest
      two consecutive units' parameters + one unit's unsharded gradients) + allocator terms
      (cost_model/allocator.py: fragmentation of the dynamic bytes, CUDA context, NCCL buffers).
 """
@@ -50,13 +54,14 @@ from autopar.mesh import Mesh
 from autopar.solver.evaluate import SegmentCost
 from autopar.solver.experts import ExpertPricing
 from autopar.solver.pipeline import ChainCosts, StageSpan, partition
+from autopar.solver.recompute import RECOMPUTE_MODES, REGATHER_MODES
 from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
 from cost_model.fsdp import FsdpTimeline, timelines_of_arrays, unsharded_bytes
 from cost_model.memory import PrecisionPolicy, microbatches_in_flight, model_state_memory
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+__all__ = ["RECOMPUTE_MODES", "SCHEDULES", "ParallelConfig", "Estimate", "StepModel", "PreparedSegments"]
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
@@ -164,6 +169,8 @@ class PreparedSegments:
     max_saved_bytes: float
     max_recomputed_bytes: float = 0.0
     """Largest set of tensors one segment regenerates in backward (saved minus kept)."""
+    grad_workspace_bytes: np.ndarray | None = None
+    """Per segment, the largest gradients one op's backward holds at once (evaluate.py)."""
     time_partitions: dict[int, list[StageSpan] | None] = field(default_factory=dict)
     expert_numel: np.ndarray | None = None
     """Per segment, the expert weights among param_numel (None: no expert ops)."""
@@ -180,14 +187,15 @@ class PreparedSegments:
         comm: dict[str, np.ndarray] = {}
         for index, segment in enumerate(segments):
             for event in segment.comm:
-                factor = 2 if (recompute == "full" and event.phase == "fwd") else 1
-                comm.setdefault(event.op, np.zeros(len(segments)))[index] += event.time_s * factor
+                comm.setdefault(event.op, np.zeros(len(segments)))[index] += event.time_s
+            for op, seconds in recompute_comm_s(segment, recompute).items():
+                comm.setdefault(op, np.zeros(len(segments)))[index] += seconds
             for event in segment.selective_recompute_comm if recompute == "selective" else ():
                 comm.setdefault(event.op, np.zeros(len(segments)))[index] += event.time_s
         array = lambda values: np.asarray(list(values), dtype=float)  # noqa: E731
         forward = array(s.forward.total_s for s in segments)
         backward = array(s.backward.total_s for s in segments)
-        recomputed = array(_recompute_s(s, recompute) for s in segments)
+        recomputed = array(recompute_compute_s(s, recompute) for s in segments)
         total_comm = sum(comm.values()) if comm else np.zeros(len(segments))
         experts = any(s.expert_exchanges for s in segments)
         repeat = 2 if recompute == "full" else 1
@@ -204,9 +212,16 @@ class PreparedSegments:
                    param_numel=array(s.param_numel for s in segments),
                    buffer_bytes=array(s.buffer_bytes for s in segments),
                    output_bytes=array(s.output_bytes for s in segments),
+                   grad_workspace_bytes=array(s.grad_workspace_bytes for s in segments),
                    max_saved_bytes=max((s.saved_bytes for s in segments), default=0.0),
-                   max_recomputed_bytes=max((s.saved_bytes - _activation_bytes(s, recompute) for s in segments),
-                                            default=0.0))
+                   max_recomputed_bytes=max((max(0.0, s.saved_bytes - _activation_bytes(s, recompute))
+                                             for s in segments), default=0.0))
+
+    def same_as(self, other: "PreparedSegments") -> bool:
+        """Prices every configuration as `other` does (a mode that changes nothing for this model,
+        such as re-gathering without tensor parallelism)."""
+        return (np.array_equal(self.time_s, other.time_s) and np.array_equal(self.activation_bytes, other.activation_bytes)
+                and self.max_recomputed_bytes == other.max_recomputed_bytes)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -331,8 +346,12 @@ class StepModel:
             # ZeRO-2 keeps parameters gathered (counted as "parameters"): only a unit's gradients.
             param_bytes = self.policy.fsdp_gather_bytes if config.zero_stage == 3 else 0.0
             fsdp = unsharded_bytes(numel, param_bytes=param_bytes, grad_bytes=self.policy.dp_reduce_bytes)
-        fragmentation = self.allocator.fragmentation_bytes(recompute + fsdp)
-        return {"recompute_workspace": recompute, "fsdp_unsharded": fsdp, "fragmentation": fragmentation,
+        gradients = 0.0
+        if prepared.grad_workspace_bytes is not None and len(prepared):
+            gradients = float(prepared.grad_workspace_bytes[list(indices)].max(initial=0.0))
+        fragmentation = self.allocator.fragmentation_bytes(recompute + fsdp + gradients)
+        return {"recompute_workspace": recompute, "gradient_workspace": gradients, "fsdp_unsharded": fsdp,
+                "fragmentation": fragmentation,
                 "cuda_context": self.allocator.context_bytes(_num_communicators(config))}
 
     def _stage_at(self, prepared: PreparedSegments, spans, config: ParallelConfig, workspace: float,
@@ -503,20 +522,46 @@ class StepModel:
         return 2 * self.comm.send_recv_s(self.tied_param_numel / config.tp * self.policy.grad_bytes, crosses_nodes=crosses)
 
 
-def _recompute_s(segment: SegmentCost, recompute: str) -> float:
-    """Compute time re-run in backward (the collectives of a full recompute count in tp comm)."""
+def recompute_compute_s(segment: SegmentCost, recompute: str) -> float:
+    """Compute time re-run in backward (its collectives are in recompute_comm_s)."""
     if recompute == "full":
         return segment.forward.total_s
     if recompute == "selective":
         return segment.selective_recompute.total_s
+    if recompute == "op":
+        return segment.op_recompute.total_s
     return 0.0
+
+
+_REDUCING = ("reduce_scatter", "all_reduce")
+
+
+def recompute_comm_s(segment: SegmentCost, recompute: str) -> dict[str, float]:
+    """Collectives run again in backward, by breakdown key (tp.<key>): a full recompute replays
+    every forward collective, the "op" mode those whose outputs it does not keep (all but the
+    reducing ones); the regathering modes gather their sharded saves again."""
+    extra: dict[str, float] = {}
+    if recompute in ("full", "op"):
+        for event in segment.comm:
+            if event.phase == "fwd" and (recompute == "full" or event.op not in _REDUCING):
+                extra[event.op] = extra.get(event.op, 0.0) + event.time_s
+    elif recompute in REGATHER_MODES:
+        kept = segment.selective_kept if recompute == "selective" else None
+        seconds = segment.regather_s(kept)
+        if seconds:
+            extra["all_gather.regather"] = seconds
+    return extra
 
 
 def _activation_bytes(segment: SegmentCost, recompute: str) -> float:
     if recompute == "full":
         return segment.input_bytes
     if recompute == "selective":
-        return segment.selective_saved_bytes
+        return segment.regathered_saved_bytes(segment.selective_kept)
+    if recompute == "op":
+        return segment.op_saved_bytes
+    if recompute == "gathers":
+        return segment.regathered_saved_bytes()
     return segment.saved_bytes
 
 

@@ -186,6 +186,7 @@ def numerics_case(case: Case) -> dict:
     plan = module.plan
     return dict(losses=losses, reference_losses=reference_losses, grad_errors=grad_errors,
                 all_parameters=sorted(reference_grads), mismatches=dict(module.stats.mismatches),
+                kept=dict(module.stats.kept),
                 plan=dict(mesh=plan.mesh, microbatch_size=plan.microbatch_size, schedule=plan.schedule,
                           virtual_stages=plan.virtual_stages, recompute=plan.recompute, zero_stage=plan.zero_stage,
                           sharded_parameters=sorted(name for name, placement in plan.param_placements.items()
@@ -221,6 +222,9 @@ _PARAMS = [
     _case("gpt", 2, dp=1, tp=1, pp=2, microbatch_size=1, schedule="interleaved", virtual_stages=2),
     _case("gpt", 2, dp=1, tp=2, pp=1, recompute="full"),
     _case("gpt", 2, dp=1, tp=2, pp=1, recompute="selective"),
+    _case("gpt", 2, dp=1, tp=2, pp=1, recompute="gathers"),
+    _case("gpt", 2, dp=1, tp=2, pp=1, recompute="op"),
+    _case("llama", 2, dp=2, tp=1, pp=1, zero_stage=3, recompute="op"),
     _case("llama", 2, dp=1, tp=2, pp=1),
     _case("llama", 2, dp=2, tp=1, pp=1, zero_stage=3),
     _case("mlp", 2, dp=2, tp=1, pp=1, zero_stage=0),
@@ -263,6 +267,11 @@ def test_matches_one_device(case_name, case_outcome):
             assert plan[key] == case.constraints[key], plan
     if case.constraints["tp"] > 1:
         assert plan["sharded_parameters"], "the plan shards no parameter: the tp case tests nothing"
+    # The op policy's own rule ran (not a silent fallback to a full recompute). The tiny models
+    # plan all-reduces, not sequence parallelism, so "gathers" has nothing to re-gather here:
+    # tests/dist/test_recompute.py checks that mechanism.
+    if case.constraints.get("recompute") == "op":
+        assert results[0]["kept"].get("op", 0) > 0, results[0]["kept"]
 
     reference = results[0]["reference_losses"]
     for rank, result in enumerate(results):

@@ -42,7 +42,7 @@ def test_evaluate_prices_a_fixed_configuration(capsys):
                        "--json")
     assert code == 0
     data = json.loads(out)
-    assert data["mesh"] == {"pp": 2, "dp": 1, "tp": 2}
+    assert data["mesh"] == {"pp": 2, "dp": 1, "cp": 1, "tp": 2}
     assert (data["microbatch_size"], data["num_microbatches"], data["recompute"], data["zero_stage"]) == (2, 4, "full", 1)
 
 

@@ -47,3 +47,35 @@ def test_selective_recomputation_drops_the_attention_matrices(graph):
     kept = layer(graph, 1).selective_saved_bytes
     assert kept < S * B * H * 40  # none of the 5 a s^2 b attention-score bytes
     assert kept == pytest.approx(S * B * H * 34, rel=0.10)
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_regathering_keeps_the_sequence_shards(graph, tp):
+    """The "gathers" mode keeps the gathered inputs as the shards they came from, as Megatron-LM
+    does: Korthikanti's s b h / t (34 + 5 a s / h) exactly, at one more all-gather per gathered
+    input in backward."""
+    segment = layer(graph, tp)
+    formula = S * B * H / tp * (34 + 5 * A * S / H)
+    assert segment.regathered_saved_bytes() == pytest.approx(formula, rel=0.05)
+    gathers = [event for event in segment.comm if event.op == "all_gather" and event.phase == "fwd"]
+    assert segment.regather_s() == pytest.approx(sum(event.time_s for event in gathers), rel=1e-6)
+
+
+def test_selective_recomputation_with_sequence_parallelism_regathers(graph):
+    """Korthikanti's 34 s b h / t: selective recomputation with the gathered inputs kept sharded."""
+    segment = layer(graph, 8)
+    kept = segment.regathered_saved_bytes(segment.selective_kept)
+    assert kept == pytest.approx(S * B * H * 34 / 8, rel=0.10)
+    assert segment.regather_s(segment.selective_kept) > 0
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_op_level_selective_keeps_every_other_matmul(graph, tp):
+    """torchtitan's op policy on this GPT layer (q, k, v, o, fc_in, fc_out projections; eager
+    attention, which is not a fused kernel, so recomputed): the layer input (2 h bytes a token),
+    q's and v's outputs (2 h each) and fc_in's (8 h) are kept, and under sequence parallelism the
+    two reduce-scatter outputs (2 h each); k, o and fc_out and everything else run again."""
+    segment = layer(graph, tp)
+    per_token = (2 + 2 + 2 + 8) / tp + (4 / tp if tp > 1 else 0)
+    assert segment.op_saved_bytes == pytest.approx(S * B * H * per_token, rel=0.02)
+    assert 0 < segment.op_recompute.matmul_s < 0.8 * segment.forward.matmul_s

@@ -1,0 +1,116 @@
+"""The runtime side of two recomputation modes (autopar/solver/recompute.py says what each keeps).
+
+"op": a segment runs under torch.utils.checkpoint with a selective policy
+(`create_selective_checkpoint_contexts`). The interpreter names the graph node it is running,
+and the policy keeps (MUST_SAVE) what the ops of a kept node produce, except views (a matmul's
+transposed weight is a view of a gathered FSDP parameter, which must not be pinned), plus the
+outputs of reducing collectives wherever they run; everything else is recomputed in backward
+from the segment's inputs and the kept tensors, all-gathers included. The policy sees the same
+op sequence in the recompute as in the forward (the interpreter runs the same nodes), which is
+what the selective-checkpoint cache requires.
+
+"gathers" (and the kept parts of "selective"): saved-tensor hooks replace a saved tensor that the
+interpreter all-gathered from a shard by a token holding the shard; backward gathers it again,
+once for all the consumers that saved it (q, k and v projections share one gather), and drops
+it after the last of them, as Megatron-LM's sequence parallelism does.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_KEPT_COLLECTIVES = frozenset(
+    getattr(torch.ops._c10d_functional, name).default for name in ("reduce_scatter_tensor", "all_reduce")
+    if hasattr(torch.ops._c10d_functional, name))
+
+
+def op_policy_context(interpreter, kept_nodes: set[str]):
+    """`context_fn` for torch.utils.checkpoint under the "op" mode."""
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in _KEPT_COLLECTIVES or (interpreter.current_node in kept_nodes and not func.is_view):
+            if not ctx.is_recompute:
+                interpreter.stats.kept["op"] += 1
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return lambda: create_selective_checkpoint_contexts(policy)
+
+
+@dataclass
+class _Gathered:
+    """A tensor the interpreter gathered from `shard`, saved for backward as a token."""
+
+    shard: torch.Tensor
+    placements: tuple
+    numel: int
+    pending: int = 0
+    full: torch.Tensor | None = None
+
+    def take(self) -> torch.Tensor:
+        if self.full is None:
+            with torch.no_grad():
+                self.full = self.shard.redistribute(self.shard.device_mesh, self.placements)
+        self.pending -= 1
+        full = self.full
+        if self.pending <= 0:
+            self.full = None
+        return full
+
+
+@dataclass(frozen=True)
+class _Token:
+    gathered: _Gathered
+    shape: torch.Size
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    try:
+        return local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage: never matched
+        return 0
+
+
+@contextmanager
+def regather_saves(interpreter):
+    """Within this block, tensors the interpreter gathers and autograd saves are kept as shards."""
+    if not interpreter.distributed:
+        yield
+        return
+    registry: dict[int, _Gathered] = {}
+
+    def note(shard: DTensor, gathered: DTensor) -> None:
+        key = _storage_key(gathered)
+        if key:
+            registry[key] = _Gathered(shard=shard.detach(), placements=tuple(gathered.placements),
+                                      numel=gathered.numel())
+
+    def pack(tensor):
+        if isinstance(tensor, DTensor) and registry:
+            entry = registry.get(_storage_key(tensor))
+            # Only whole, contiguous views of the gathered tensor (the 2-D view a matmul saves).
+            if entry is not None and tensor.numel() == entry.numel and tensor.is_contiguous() \
+                    and tensor._local_tensor.storage_offset() == 0:
+                entry.pending += 1
+                interpreter.stats.kept["regathered"] += 1
+                return _Token(gathered=entry, shape=tensor.shape)
+        return tensor
+
+    def unpack(packed):
+        if isinstance(packed, _Token):
+            return packed.gathered.take().view(packed.shape)
+        return packed
+
+    previous = interpreter.on_gather
+    interpreter.on_gather = note
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        interpreter.on_gather = previous
