@@ -485,7 +485,7 @@ def _check_prediction(fields: _PlanFields, predicted: Any) -> None:
     fields.object(predicted, "predicted")
     for key in ("step_time_s", "peak_memory_bytes", "memory_budget_bytes", "model_flops_per_step"):
         fields.number(fields.get(predicted, key, f"predicted.{key}"), f"predicted.{key}")
-    for key in ("tokens_per_s", "model_tflops_per_device"):
+    for key in ("tokens_per_s", "model_tflops_per_device", "expected_error"):
         fields.number(fields.get(predicted, key, f"predicted.{key}", 0.0), f"predicted.{key}")
     for key in ("breakdown_s", "memory_bytes", "collectives_per_microbatch"):
         fields.mapping(fields.get(predicted, key, f"predicted.{key}", {}), f"predicted.{key}", fields.number)

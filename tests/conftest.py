@@ -25,3 +25,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def one_process_group():
+    """A one-process group for in-process codegen (what `parallelize` starts when run standalone),
+    destroyed afterwards so that later tests see no group."""
+    import torch.distributed as dist
+
+    from autopar.codegen.runtime import ensure_process_group
+
+    started = not dist.is_initialized()
+    ensure_process_group()
+    yield
+    if started and dist.is_initialized():
+        dist.destroy_process_group()

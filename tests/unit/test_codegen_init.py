@@ -47,19 +47,6 @@ def test_unset_storage_is_reported():
         check_initialised({"w": torch.full((2,), float("nan"))}, {})
 
 
-@pytest.fixture
-def one_process_group():
-    import torch.distributed as dist
-
-    from autopar.codegen.runtime import ensure_process_group
-
-    started = not dist.is_initialized()
-    ensure_process_group()
-    yield
-    if started and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_meta_model_equals_one_device_and_checkpoints_round_trip(one_process_group, tmp_path):
     import autopar
     from autopar.codegen.checkpoint import CheckpointError

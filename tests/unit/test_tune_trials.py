@@ -4,7 +4,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from autopar import api
 from autopar.errors import ConfigError
@@ -19,14 +18,6 @@ MODEL = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"
 def candidates() -> list[Plan]:
     return api.candidate_plans(MODEL, cluster="dgx-a100-80g:gpus_per_node=2", global_batch=8,
                                        num_candidates=3, constraints={"recompute": "none", "zero_stage": 0})
-
-
-@pytest.fixture
-def one_process_group():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _result(measured, predicted=1.0, **changes) -> TrialResult:
