@@ -522,16 +522,21 @@ class ExportConverter:
                          is_param=kind in ("param", "buffer"))
 
     def _module_path(self, fx_node) -> str:
-        stack = fx_node.meta.get("nn_module_stack") or {}
-        if not stack:
-            return ""
-        path = list(stack.values())[-1][0]
-        path = path.split("@")[0]
-        if self.prefix and (path + ".").startswith(self.prefix):
-            path = path[len(self.prefix):]
-        elif self.prefix:
-            path = LOSS_MODULE_PATH  # ran in WithLoss.forward itself: part of loss_fn
-        return path
+        return fx_module_path(fx_node, self.prefix)
+
+
+def fx_module_path(fx_node, prefix: str = "") -> str:
+    """Dotted path of the innermost model module that ran an exported node ("" for the root)."""
+    stack = fx_node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = path.split("@")[0]
+    if prefix and (path + ".").startswith(prefix):
+        path = path[len(prefix):]
+    elif prefix:
+        path = LOSS_MODULE_PATH  # ran in WithLoss.forward itself: part of loss_fn
+    return path
 
 
 def _tensor_list(value):
