@@ -1,6 +1,6 @@
-"""block_trace.py / block_reuse.py: capture N identical blocks by tracing two.
+"""block_match.py / block_reuse.py: capture N identical blocks by tracing three.
 
-The graph built from two traced blocks equals the full capture node for node (names, module
+The graph built from three traced blocks equals the full capture node for node (names, module
 paths, parameters, FLOPs, blocks and segments), so the plan is the same; blocks that are not
 interchangeable (different widths, behaviour that depends on the layer, ops between layers, a
 head that reads every layer) get the full capture.
@@ -19,14 +19,14 @@ from torch import nn
 
 from autopar import api
 from autopar.block_reuse import capture_reusing_blocks
-from autopar.block_trace import repeated_blocks
+from autopar.block_match import repeated_blocks
 from autopar.capture import capture
 
 ALL = os.environ.get("AUTOPAR_BLOCK_REUSE") == "all"
 """AUTOPAR_BLOCK_REUSE=all also compares the other built-in families and GPT-2 (a minute more)."""
 BUILT_IN = ["gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128",
             "llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn_hidden=176,seq=32,vocab=128",
-            *(["moe:layers=3", "bert:layers=3", "vit:layers=3"] if ALL else [])]
+            *(["moe:layers=4", "bert:layers=4", "vit:layers=4"] if ALL else [])]
 
 
 def reused_capture(*args, **kwargs):
@@ -56,7 +56,7 @@ def reused_strictly(model: nn.Module, inputs: tuple, kwargs: dict | None = None,
 
 
 @pytest.mark.parametrize("spec", BUILT_IN)
-def test_built_in_models_capture_the_same_graph_from_two_blocks(spec):
+def test_built_in_models_capture_the_same_graph_from_three_blocks(spec):
     reused, full = planning_graphs(spec)
     assert reused == full
     assert [node.name for node in reused.nodes] == [node.name for node in full.nodes]
@@ -99,7 +99,7 @@ def token_loss(output, targets):
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"] if ALL else ["llama"])
-def test_hugging_face_models_capture_the_same_graph_from_two_blocks(name):
+def test_hugging_face_models_capture_the_same_graph_from_three_blocks(name):
     model = hf_model(name)
     kwargs = {"input_ids": torch.randint(0, 128, (2, 16))}
     loss = dict(loss_fn=token_loss, example_targets=torch.randint(0, 128, (2, 16)))
@@ -145,20 +145,35 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-FALLBACKS = {
+class Flagged(Layer):
+    """A choice made at construction (as Gemma-2's sliding window): an attribute that differs."""
+
+    def __init__(self, width: int, index: int) -> None:
+        super().__init__(width, index)
+        self.gated = index == 3
+
+    def forward(self, x):
+        out = self.linear(x)
+        return (out * torch.sigmoid(out) if self.gated else torch.relu(out)) + x
+
+
+NOT_ALIKE = {  # told apart by their modules
     "different widths": lambda: Stack([nn.Sequential(nn.Linear(16, 16)), nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16)),
-                                       nn.Sequential(nn.Linear(16, 16))]),
-    "layer-dependent behaviour": lambda: Stack([IndexDependent(16, index) for index in range(4)]),
+                                       nn.Sequential(nn.Linear(16, 16)), nn.Sequential(nn.Linear(16, 16))]),
+    "a flag set per layer": lambda: Stack([Flagged(16, index) for index in range(4)]),
+}
+NOT_SHIFTED = {  # told apart by the traced blocks
+    "behaviour that follows the index": lambda: Stack([IndexDependent(16, index) for index in range(4)]),
     "ops between layers": lambda: Stack([Layer(16) for _ in range(4)], mode="scaled"),
     "head reads every layer": lambda: Stack([Layer(16) for _ in range(4)], mode="sum"),
 }
 
 
-@pytest.mark.parametrize("case", sorted(FALLBACKS))
+@pytest.mark.parametrize("case", sorted(NOT_ALIKE) + sorted(NOT_SHIFTED))
 def test_blocks_that_are_not_interchangeable_get_the_full_capture(case):
-    model = FALLBACKS[case]().to("meta")
+    model = {**NOT_ALIKE, **NOT_SHIFTED}[case]().to("meta")
     inputs = (torch.empty(2, 16, device="meta"),)
-    assert repeated_blocks(model, inputs, {}, strict=True) == ()
+    assert (repeated_blocks(model) == ()) == (case in NOT_ALIKE)
     assert reused_strictly(model, inputs) is None
     assert api.capture_for_planning(model, inputs) == api.capture_for_planning(model, inputs, reuse_blocks=False)
 
@@ -166,7 +181,7 @@ def test_blocks_that_are_not_interchangeable_get_the_full_capture(case):
 def test_a_chain_of_plain_layers_is_reused():
     model = Stack([Layer(16) for _ in range(5)]).to("meta")
     inputs = (torch.empty(2, 16, device="meta"),)
-    (found,) = repeated_blocks(model, inputs, {}, strict=True)
+    (found,) = repeated_blocks(model)
     assert found.container == "layers" and found.num_children == 5
     fast = reused_strictly(model, inputs, name="Stack")
     assert fast == capture(model, inputs, name="Stack")
