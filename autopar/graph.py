@@ -302,8 +302,8 @@ class OpGraph:
         """Hash of the model's ops and shapes (at batch 1 when dynamic): identifies the model
         whether captured in fp32 on CPU or as a bf16 replica on meta, with or without its loss
         (dtypes, node names and the loss part are left out)."""
-        graph = self.with_batch(1) if self.batch_dynamic else self
-        model_nodes = [node for node in graph.nodes if node.name not in self.loss_nodes and node.kind != "output"]
+        batch = 1 if self.batch_dynamic else self.batch_size  # shapes only: no costs rescaled
+        model_nodes = [node for node in self.nodes if node.name not in self.loss_nodes and node.kind != "output"]
         # Layout-only copies come and go with the device a model is traced on (Hugging Face
         # code makes tensors contiguous on some devices only): they are not part of the identity.
         alias = {node.name: node.inputs[0] for node in model_nodes if node.target in _LAYOUT_ONLY and node.inputs}
@@ -317,7 +317,7 @@ class OpGraph:
 
         digest = hashlib.sha256()
         for node in model_nodes:
-            shapes = [meta.shape for meta in node.outputs]
+            shapes = [meta.at_batch(self.batch_size, batch).shape for meta in node.outputs]
             inputs = [position.get(resolve(source), -1) for source in node.inputs]
             target = node.target if node.kind != "input" else ""  # input names differ under WithLoss
             digest.update(repr((node.kind, target, inputs, shapes)).encode())

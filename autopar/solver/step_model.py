@@ -181,6 +181,9 @@ class PreparedSegments:
     """Per segment, compute of its dropless expert ops (what load imbalance stretches)."""
     ep_times: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
     """Cache per (ep, tp, devices per node): all-to-all forward, backward, load imbalance seconds."""
+    fsdp_cache: dict[tuple, tuple] = field(default_factory=dict)
+    """StepModel._fsdp by (a stage's segment costs, dp x cp, pp, tp, ZeRO stage): identical stages, and
+    configurations differing only in microbatch count or schedule, share one FSDP2 timeline."""
 
     @classmethod
     def build(cls, segments: list[SegmentCost], recompute: str) -> "PreparedSegments":
@@ -421,6 +424,15 @@ class StepModel:
         """(timeline, exposed seconds by collective per microbatch, and once per step)."""
         if config.zero_stage < 1 or config.data_shards <= 1:
             return None, {}, {}
+        # What the timeline depends on: identical stages (the middle ones of a deep model) share one.
+        key = (prepared.param_numel[indices].tobytes(), prepared.forward_s[indices].tobytes(),
+               prepared.time_s[indices].tobytes(), config.data_shards, config.pp, config.tp, config.zero_stage)
+        if key not in prepared.fsdp_cache:
+            prepared.fsdp_cache[key] = self._fsdp_uncached(prepared, indices, config)
+        timeline, per_microbatch, step_end = prepared.fsdp_cache[key]
+        return timeline, dict(per_microbatch), dict(step_end)
+
+    def _fsdp_uncached(self, prepared: PreparedSegments, indices: list[int], config: ParallelConfig):
         group = self._data_shard_group(config)
         numel = prepared.param_numel[indices]
         sizes, inverse = np.unique(numel, return_inverse=True)  # identical blocks: price each size once
