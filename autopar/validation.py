@@ -242,14 +242,22 @@ def check_constraint_values(value: Any) -> dict[str, Any]:
             checked[key] = check_choice(item, "constraints['schedule']", SCHEDULES)
         elif key == "recompute":
             checked[key] = check_choice(item, "constraints['recompute']", RECOMPUTE_MODES)
+        elif key == "offload":
+            checked[key] = _check_flag(item, "constraints['offload']")
         else:
             checked[key] = item  # an unknown name: Constraints.from_value names the known ones
     return checked
 
 
+def _check_flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {type_name(value)} {shorten(value)}")
+    return value
+
+
 def check_fixed_config(*, tp: Any, pp: Any, dp: Any, microbatch_size: Any, schedule: Any, virtual_stages: Any,
                        layers_per_virtual_stage: Any, recompute: Any, zero_stage: Any, ep: Any = 1,
-                       cp: Any = 1) -> None:
+                       cp: Any = 1, offload: Any = False) -> None:
     """The arguments of `evaluate`: types and ranges, before anything is captured."""
     from autopar.solver.step_model import RECOMPUTE_MODES, SCHEDULES
 
@@ -262,6 +270,7 @@ def check_fixed_config(*, tp: Any, pp: Any, dp: Any, microbatch_size: Any, sched
     check_choice(schedule, "schedule", SCHEDULES)
     check_choice(recompute, "recompute", RECOMPUTE_MODES)
     check_choice(zero_stage, "zero_stage", (0, 1, 2, 3))
+    _check_flag(offload, "offload")
 
 
 def check_degrees(cluster, global_batch: int, *, dp: int | None = None, tp: int | None = None,
@@ -301,6 +310,9 @@ def check_degrees(cluster, global_batch: int, *, dp: int | None = None, tp: int 
     if schedule == "interleaved" and pp == 1:
         raise ConfigError("the interleaved schedule needs pp >= 2 (it interleaves model chunks across stages); "
                           "use pp >= 2 or another schedule")
+    if schedule in ("zb1p", "zbv") and pp == 1:
+        raise ConfigError(f"the {schedule} schedule needs pp >= 2 (it is a pipeline schedule); use pp >= 2 or "
+                          "another schedule")
 
 
 def check_pipeline_depth(graph, pp: int | None) -> None:
