@@ -444,6 +444,10 @@ def check_plan_data(data: dict, source: str) -> None:
         fields.text(item[0], f"{path}[0]")
         fields.integer(item[1], f"{path}[1]", minimum=0, maximum=2**62)
     fields.object(fields.get(data, "search", "search", {}), "search")
+    if not isinstance(fields.get(data, "offload", "offload", False), bool):
+        fields.fail(f"offload must be true or false, got {shorten(data['offload'])}")
+    for index, row in enumerate(fields.list(fields.get(data, "trials", "trials", []), "trials")):
+        fields.object(row, f"trials[{index}]")
     _check_prediction(fields, fields.get(data, "predicted", "predicted"))
 
 
@@ -499,7 +503,7 @@ def _check_prediction(fields: _PlanFields, predicted: Any) -> None:
         fields.number(fields.get(predicted, key, f"predicted.{key}"), f"predicted.{key}")
     for key in ("tokens_per_s", "model_tflops_per_device", "expected_error"):
         fields.number(fields.get(predicted, key, f"predicted.{key}", 0.0), f"predicted.{key}")
-    for key in ("breakdown_s", "memory_bytes", "collectives_per_microbatch"):
+    for key in ("breakdown_s", "memory_bytes", "collectives_per_microbatch", "host_memory_bytes"):
         fields.mapping(fields.get(predicted, key, f"predicted.{key}", {}), f"predicted.{key}", fields.number)
     if not isinstance(fields.get(predicted, "fits", "predicted.fits", True), bool):
         fields.fail(f"predicted.fits must be true or false, got {shorten(predicted['fits'])}")
