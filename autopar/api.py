@@ -237,7 +237,7 @@ def _distinct(ranked: list) -> list:
     for estimate in ranked:
         config = estimate.config
         key = (config.dp, config.tp, config.pp, config.cp, config.microbatch_size, config.schedule,
-               config.virtual_stages, config.zero_stage, config.ep)
+               config.virtual_stages, config.zero_stage, config.ep, config.offload)
         if key not in seen:
             seen.add(key)
             kept.append(estimate)
@@ -261,12 +261,13 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
              virtual_stages: int | None = None, layers_per_virtual_stage: int | None = None,
              recompute: str = "none", zero_stage: int = 0, loss_fn=None, example_targets=None,
              precision: str = "bf16", verbose: bool = False, example_kwargs=None, ep: int = 1,
-             cp: int = 1) -> Plan:
+             cp: int = 1, offload: bool = False) -> Plan:
     """Price one fully fixed configuration (no search); `ep` splits the experts of an MoE over
-    groups of ep data-parallel ranks, `cp` splits each sequence over cp ranks."""
+    groups of ep data-parallel ranks, `cp` splits each sequence over cp ranks, `offload` is optimizer
+    offload (ZeRO-3, pp = 1)."""
     check_fixed_config(tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                        virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
-                       recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp)
+                       recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload)
     check_model_arguments(model, example_inputs, loss_fn, example_targets)
     cluster = Cluster.from_spec(cluster)
     check_degrees(cluster, check_global_batch(global_batch), dp=dp, tp=tp, pp=pp,
@@ -276,13 +277,13 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
                           example_kwargs=example_kwargs)
     config = fixed_config(planner, tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                           virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
-                          recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp)
+                          recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload)
     return evaluate_with(planner, config)
 
 
 def fixed_config(planner: Planner, *, tp: int, pp: int, dp: int | None, microbatch_size: int, schedule: str,
                  virtual_stages: int | None, layers_per_virtual_stage: int | None, recompute: str,
-                 zero_stage: int, ep: int = 1, cp: int = 1) -> ParallelConfig:
+                 zero_stage: int, ep: int = 1, cp: int = 1, offload: bool = False) -> ParallelConfig:
     check_pipeline_depth(planner.graph, pp)
     devices = planner.cluster.num_devices
     if tp < 1 or pp < 1 or cp < 1 or devices % (tp * pp * cp):
@@ -293,13 +294,13 @@ def fixed_config(planner: Planner, *, tp: int, pp: int, dp: int | None, microbat
     if microbatch_size < 1 or planner.global_batch % (dp * microbatch_size):
         raise ConfigError(f"global batch {planner.global_batch} is not divisible by dp x microbatch size = "
                           f"{dp} x {microbatch_size}")
-    virtual = 1
-    if schedule == "interleaved":
+    virtual = (virtual_stages or 2) if schedule == "zbv" else 1
+    if schedule in ("interleaved", "zb1p"):
         constraints = Constraints(virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage)
-        virtual = (planner.virtual_stages(pp, constraints) or [2])[0]
+        virtual = (planner.virtual_stages(pp, constraints) or [2 if schedule == "interleaved" else 1])[0]
     config = ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
                             num_microbatches=planner.global_batch // (dp * microbatch_size), schedule=schedule,
-                            virtual_stages=virtual, recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp)
+                            virtual_stages=virtual, recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload)
     planner.check(config)
     return config
 

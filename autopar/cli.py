@@ -99,11 +99,13 @@ def _plan_parser(commands) -> None:
     parser.add_argument("--pp", type=count(), help="fix the pipeline-parallel degree")
     parser.add_argument("--cp", type=count(), help="fix the context-parallel degree (each sequence split over CP ranks)")
     parser.add_argument("--microbatch-size", type=count(MAX_GLOBAL_BATCH))
-    parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"])
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "zb1p", "zbv"])
     parser.add_argument("--layers-per-virtual-stage", type=count())
     parser.add_argument("--recompute", choices=list(RECOMPUTE_MODES))
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     parser.add_argument("--ep", type=count(), help="fix the expert-parallel degree (divides dp; MoE models)")
+    parser.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
+                        help="optimizer offload (FSDP2 CPUOffloadPolicy): auto uses it only when nothing fits without")
     parser.set_defaults(handler=_plan)
 
 
@@ -115,11 +117,12 @@ def _evaluate_parser(commands) -> None:
     parser.add_argument("--dp", type=count(), help="default: devices / (tp x pp x cp)")
     parser.add_argument("--cp", type=count(), default=1, help="context-parallel degree (default 1)")
     parser.add_argument("--microbatch-size", type=count(MAX_GLOBAL_BATCH), required=True)
-    parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved"], default="1f1b")
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "zb1p", "zbv"], default="1f1b")
     parser.add_argument("--layers-per-virtual-stage", type=count())
     parser.add_argument("--recompute", choices=list(RECOMPUTE_MODES), default="none")
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     parser.add_argument("--ep", type=count(), default=1, help="expert-parallel degree (divides dp; MoE models)")
+    parser.add_argument("--offload", action="store_true", help="optimizer offload (needs --zero 3 and --pp 1)")
     parser.set_defaults(handler=_evaluate)
 
 
@@ -164,7 +167,8 @@ def _plan(args) -> int:
         check_output_path(args.out)
     constraints = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "cp": args.cp, "microbatch_size": args.microbatch_size,
                    "schedule": args.schedule, "layers_per_virtual_stage": args.layers_per_virtual_stage,
-                   "recompute": args.recompute, "zero_stage": args.zero, "ep": args.ep}
+                   "recompute": args.recompute, "zero_stage": args.zero, "ep": args.ep,
+                   "offload": {"on": True, "off": False}.get(args.offload)}
     plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
                     constraints={key: value for key, value in constraints.items() if value is not None},
                     precision=args.precision, verbose=args.verbose)
@@ -178,7 +182,7 @@ def _evaluate(args) -> int:
                         dp=args.dp, microbatch_size=args.microbatch_size, schedule=args.schedule,
                         layers_per_virtual_stage=args.layers_per_virtual_stage, recompute=args.recompute,
                         zero_stage=args.zero, precision=args.precision, verbose=args.verbose, ep=args.ep,
-                        cp=args.cp)
+                        cp=args.cp, offload=args.offload)
     return _emit(plan, args)
 
 

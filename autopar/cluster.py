@@ -238,6 +238,9 @@ _DEVICE_FIELDS = {
     "matmul_efficiency": ("matmul_efficiency", float, 1.0),
     "memory_efficiency": ("memory_efficiency", float, 1.0),
     "kernel_overhead_us": ("kernel_overhead_s", float, 1e-6),
+    "host_link_gbs": ("host_link_bytes_per_s", float, GB),
+    "host_memory_bandwidth_gbs": ("host_memory_bandwidth_bytes_per_s", float, GB),
+    "host_memory_gib": ("host_memory_bytes", float, GIB),
 }
 _DEVICE_TFLOPS = {f"{dtype}_tflops": dtype for dtype in hardware.DTYPES}
 _LINK_FIELDS = {

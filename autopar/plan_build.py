@@ -7,7 +7,7 @@ from autopar.plans import SCHEMA_VERSION, Plan, Prediction, StagePlan
 from autopar.solver.experts import expert_param_names, find_expert_ops
 from autopar.solver.search import SearchResult
 from autopar.solver.sharding import ShardingResult
-from autopar.solver.step_model import Estimate, StageEstimate, recompute_comm_s, recompute_compute_s
+from autopar.solver.step_model import ZERO_BUBBLE_SCHEDULES, Estimate, StageEstimate, recompute_comm_s, recompute_compute_s, weight_grad_s
 
 
 def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate, sharding: ShardingResult,
@@ -23,7 +23,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
                             peak_memory_bytes=estimate.peak_memory_bytes, memory_bytes=dict(estimate.memory_bytes),
                             memory_budget_bytes=memory_budget_bytes, model_flops_per_step=model_flops,
                             tokens_per_s=tokens / estimate.step_time_s if estimate.step_time_s else 0.0,
-                            fits=estimate.fits,
+                            fits=estimate.fits, host_memory_bytes=dict(estimate.host_memory_bytes),
                             collectives_per_microbatch=_collective_counts(segments, config.ep))
     return Plan(
         schema_version=SCHEMA_VERSION,
@@ -40,6 +40,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         virtual_stages=config.virtual_stages,
         recompute=config.recompute,
         zero_stage=config.zero_stage,
+        offload=config.offload,
         stages=tuple(_stage_plans(graph, estimate, segments)),
         placements=_placements(graph, strategies),
         param_placements={param.name: ",".join(strategies[param.node].output)
@@ -104,18 +105,21 @@ def _stage_plans(graph: OpGraph, estimate: Estimate, segments) -> list[StagePlan
                                 recompute=stage.recompute,
                                 time_per_microbatch_s=stage.time_per_microbatch_s, param_numel=stage.param_numel,
                                 memory_bytes=dict(stage.memory_bytes),
-                                chunk_times_s=_chunk_times(stage, costs, last_segment)))
+                                chunk_times_s=_chunk_times(stage, costs, last_segment,
+                                                           split=estimate.config.schedule in ZERO_BUBBLE_SCHEDULES)))
     return stages
 
 
 _PHASES = {"fwd": "forward", "bwd": "backward", "grad": "backward"}
 
 
-def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str) -> tuple[dict[str, float], ...]:
+def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str, *,
+                 split: bool = False) -> tuple[dict[str, float], ...]:
     """Per chunk, one microbatch's time by part, as the step model adds it up (timeline pictures
     lay blocks out from these): compute per phase, tensor-parallel collectives per phase (a full
     recompute replays the forward's), and the stage's pipeline sends split over the chunks that
-    send (by bytes sent). Empty when the segment costs do not cover the stage."""
+    send (by bytes sent). `split`: the zero-bubble schedules' weight gradient is a part of its
+    own ("weight"), out of "backward". Empty when the segment costs do not cover the stage."""
     chunks = stage.chunks or (stage.segment_names,)
     if not all(name in costs for chunk in chunks for name in chunk):
         return ()
@@ -128,13 +132,17 @@ def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str) -> tuple[
             parts["forward"] += segment.forward.total_s
             parts["backward"] += segment.backward.total_s
             parts["recompute"] += recompute_compute_s(segment, stage.recompute)
+            if split:
+                weight = weight_grad_s(segment)
+                parts["backward"] -= weight
+                parts["weight"] = parts.get("weight", 0.0) + weight
             for event in segment.comm:
                 phase = _PHASES.get(event.phase, "backward")
                 name = event.op if event.op.startswith("cp.") else f"tp.{event.op}"  # cp's KV exchange
                 _add(parts, f"{name}.{phase}", event.time_s)
             for op, seconds in recompute_comm_s(segment, stage.recompute).items():
                 _add(parts, f"{op if op.startswith('cp.') else f'tp.{op}'}.recompute", seconds)
-        for key, seconds in _fsdp_parts(stage).items():
+        for key, seconds in {**_fsdp_parts(stage), **_offload_parts(stage)}.items():
             _add(parts, key, seconds / len(chunks))
         in_chunk = set(chunk)
         for name, forward_s, backward_s in stage.ep_segment_s:
@@ -159,6 +167,18 @@ def _fsdp_parts(stage: StageEstimate) -> dict[str, float]:
     forward = min(gather, stage.fsdp.forward_gather_exposed_s)
     return {"dp.all_gather.forward": forward, "dp.all_gather.backward": gather - forward,
             "dp.reduce_scatter.backward": exposed.get("reduce_scatter", 0.0)}
+
+
+def _offload_parts(stage: StageEstimate) -> dict[str, float]:
+    """Exposed optimizer-offload copies per microbatch: host-to-device ahead of the gathers (half
+    in each pass under ZeRO-3), device-to-host and the host's accumulation after the backward."""
+    terms = getattr(stage, "offload_s", None) or {}
+    if not terms:
+        return {}
+    h2d = terms.get("offload.h2d", 0.0)
+    return {"offload.h2d.forward": h2d / 2, "offload.h2d.backward": h2d / 2,
+            "offload.d2h.backward": terms.get("offload.d2h", 0.0),
+            "offload.grad_accumulate.backward": terms.get("offload.grad_accumulate", 0.0)}
 
 
 def _add(parts: dict[str, float], key: str, seconds: float) -> None:
@@ -204,5 +224,5 @@ def _runner_up(estimate: Estimate) -> dict:
             "settings": {"dp": config.dp, "tp": config.tp, "pp": config.pp, "cp": config.cp, "microbatch_size": config.microbatch_size,
                          "num_microbatches": config.num_microbatches, "schedule": config.schedule,
                          "virtual_stages": config.virtual_stages, "recompute": config.recompute,
-                         "zero_stage": config.zero_stage, "ep": config.ep},
+                         "zero_stage": config.zero_stage, "ep": config.ep, "offload": config.offload},
             "stage_recompute": [stage.recompute for stage in estimate.stages]}

@@ -23,7 +23,8 @@ def plan_summary(plan: "Plan", *, max_stages: int = 8, max_params: int = 14) -> 
         f"global batch {plan.global_batch}",
         _mesh_line(plan) + _experts(plan),
         f"  microbatches  {plan.num_microbatches} of {plan.microbatch_size}, schedule {_schedule(plan)}",
-        f"  memory saving recompute={plan.recompute}{_lighter_stages(plan)}, ZeRO stage {plan.zero_stage}",
+        f"  memory saving recompute={plan.recompute}{_lighter_stages(plan)}, ZeRO stage {plan.zero_stage}"
+        + (", optimizer offload to host memory (FSDP2 CPUOffloadPolicy)" if plan.offload else ""),
         f"  predicted     {predicted.step_time_s:.4g} s per step, {plan.model_tflops_per_device:.1f} model "
         f"TFLOP/s per device, " + (f"{predicted.tokens_per_s:,.0f} tokens/s" if predicted.tokens_per_s
                                     else f"{plan.global_batch / max(predicted.step_time_s, 1e-12):,.0f} samples/s")
@@ -39,6 +40,10 @@ def plan_summary(plan: "Plan", *, max_stages: int = 8, max_params: int = 14) -> 
     for name, size in predicted.memory_bytes.items():
         if size > 0:
             lines.append(f"    {name:<20} {human_bytes(size):>12}")
+    if predicted.host_memory_bytes:
+        lines.append(f"  host memory per device (offloaded states): "
+                     f"{human_bytes(sum(predicted.host_memory_bytes.values()))}")
+        lines += [f"    {name:<20} {human_bytes(size):>12}" for name, size in predicted.host_memory_bytes.items() if size]
     lines += _stages(plan, max_stages)
     lines += _tensor_parallel(plan, max_params)
     if plan.replicated_ops:
@@ -101,6 +106,11 @@ def _schedule(plan: "Plan") -> str:
         return "none (no pipeline; gradients accumulate over microbatches)"
     if plan.schedule == "interleaved":
         return f"interleaved 1F1B with {plan.virtual_stages} model chunks per device"
+    if plan.schedule == "zb1p":
+        chunks = f" with {plan.virtual_stages} model chunks per device" if plan.virtual_stages > 1 else " (ZB-H1)"
+        return f"zero-bubble ZB-1P{chunks}, weight gradients deferred into the bubble"
+    if plan.schedule == "zbv":
+        return "zero-bubble ZB-V: 2 model chunks per device in a V, weight gradients deferred into the bubble"
     return plan.schedule.upper() if plan.schedule == "gpipe" else "1F1B"
 
 

@@ -50,7 +50,8 @@ class Prediction:
     breakdown_s: dict[str, float]
     """compute, recompute, tp.<collective>, pp.send_recv, bubble, optimizer, and the exposed
     data-parallel synchronisation: dp.gradient_sync (ZeRO 0) or dp.all_gather, dp.reduce_scatter
-    (every microbatch) and dp.all_gather.once, dp.reduce_scatter.once (once per step)."""
+    (every microbatch) and dp.all_gather.once, dp.reduce_scatter.once (once per step); with
+    optimizer offload offload.h2d, offload.d2h, offload.grad_accumulate and offload.cpu_adam."""
     peak_memory_bytes: float
     memory_bytes: dict[str, float]
     """parameters, gradients, optimizer, activations, buffers, recompute_workspace, gradient_workspace, fsdp_unsharded,
@@ -66,6 +67,9 @@ class Prediction:
     expected_error: float = 0.0
     """Typical |predicted / measured - 1| of this prediction, from the profile's calibration
     residuals (held out); 0 when the profile has no calibration (error unknown)."""
+    host_memory_bytes: dict[str, float] = field(default_factory=dict)
+    """Per device, model states kept in host memory under optimizer offload: host.parameters,
+    host.gradients, host.optimizer (empty without offload)."""
 
     @property
     def model_flops_per_s(self) -> float:
@@ -92,6 +96,9 @@ class Plan:
     recompute: str
     """Recomputation of the stage that needs the most (stages may need less: see stages)."""
     zero_stage: int
+    offload: bool = False
+    """Optimizer offload: FSDP2 CPUOffloadPolicy keeps sharded parameters, gradients and Adam
+    states in host memory and steps the optimizer on the CPU (ZeRO-3, no pipeline)."""
     stages: tuple[StagePlan, ...]
     placements: dict[str, str]
     """Per graph node on the tp axis: "output|input0;input1;..." (R, S<dim>, P)."""
@@ -170,7 +177,8 @@ class Plan:
         from autopar.solver.step_model import RECOMPUTE_MODES, SCHEDULES
 
         choices = [("schedule", self.schedule, ("none",) + SCHEDULES), ("recompute", self.recompute, RECOMPUTE_MODES),
-                   ("zero_stage", self.zero_stage, (0, 1, 2, 3)), ("precision", self.precision, ("bf16", "fp32"))]
+                   ("zero_stage", self.zero_stage, (0, 1, 2, 3)), ("precision", self.precision, ("bf16", "fp32")),
+                   ("offload", self.offload, (False, True))]
         choices += [(f"stages[{i}].recompute", stage.recompute, ("",) + RECOMPUTE_MODES)
                     for i, stage in enumerate(self.stages)]
         for name, value, allowed in choices:

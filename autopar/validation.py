@@ -242,14 +242,22 @@ def check_constraint_values(value: Any) -> dict[str, Any]:
             checked[key] = check_choice(item, "constraints['schedule']", SCHEDULES)
         elif key == "recompute":
             checked[key] = check_choice(item, "constraints['recompute']", RECOMPUTE_MODES)
+        elif key == "offload":
+            checked[key] = _check_flag(item, "constraints['offload']")
         else:
             checked[key] = item  # an unknown name: Constraints.from_value names the known ones
     return checked
 
 
+def _check_flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {type_name(value)} {shorten(value)}")
+    return value
+
+
 def check_fixed_config(*, tp: Any, pp: Any, dp: Any, microbatch_size: Any, schedule: Any, virtual_stages: Any,
                        layers_per_virtual_stage: Any, recompute: Any, zero_stage: Any, ep: Any = 1,
-                       cp: Any = 1) -> None:
+                       cp: Any = 1, offload: Any = False) -> None:
     """The arguments of `evaluate`: types and ranges, before anything is captured."""
     from autopar.solver.step_model import RECOMPUTE_MODES, SCHEDULES
 
@@ -262,6 +270,7 @@ def check_fixed_config(*, tp: Any, pp: Any, dp: Any, microbatch_size: Any, sched
     check_choice(schedule, "schedule", SCHEDULES)
     check_choice(recompute, "recompute", RECOMPUTE_MODES)
     check_choice(zero_stage, "zero_stage", (0, 1, 2, 3))
+    _check_flag(offload, "offload")
 
 
 def check_degrees(cluster, global_batch: int, *, dp: int | None = None, tp: int | None = None,
@@ -301,6 +310,9 @@ def check_degrees(cluster, global_batch: int, *, dp: int | None = None, tp: int 
     if schedule == "interleaved" and pp == 1:
         raise ConfigError("the interleaved schedule needs pp >= 2 (it interleaves model chunks across stages); "
                           "use pp >= 2 or another schedule")
+    if schedule in ("zb1p", "zbv") and pp == 1:
+        raise ConfigError(f"the {schedule} schedule needs pp >= 2 (it is a pipeline schedule); use pp >= 2 or "
+                          "another schedule")
 
 
 def check_pipeline_depth(graph, pp: int | None) -> None:
@@ -432,6 +444,10 @@ def check_plan_data(data: dict, source: str) -> None:
         fields.text(item[0], f"{path}[0]")
         fields.integer(item[1], f"{path}[1]", minimum=0, maximum=2**62)
     fields.object(fields.get(data, "search", "search", {}), "search")
+    if not isinstance(fields.get(data, "offload", "offload", False), bool):
+        fields.fail(f"offload must be true or false, got {shorten(data['offload'])}")
+    for index, row in enumerate(fields.list(fields.get(data, "trials", "trials", []), "trials")):
+        fields.object(row, f"trials[{index}]")
     _check_prediction(fields, fields.get(data, "predicted", "predicted"))
 
 
@@ -487,7 +503,7 @@ def _check_prediction(fields: _PlanFields, predicted: Any) -> None:
         fields.number(fields.get(predicted, key, f"predicted.{key}"), f"predicted.{key}")
     for key in ("tokens_per_s", "model_tflops_per_device", "expected_error"):
         fields.number(fields.get(predicted, key, f"predicted.{key}", 0.0), f"predicted.{key}")
-    for key in ("breakdown_s", "memory_bytes", "collectives_per_microbatch"):
+    for key in ("breakdown_s", "memory_bytes", "collectives_per_microbatch", "host_memory_bytes"):
         fields.mapping(fields.get(predicted, key, f"predicted.{key}", {}), f"predicted.{key}", fields.number)
     if not isinstance(fields.get(predicted, "fits", "predicted.fits", True), bool):
         fields.fail(f"predicted.fits must be true or false, got {shorten(predicted['fits'])}")

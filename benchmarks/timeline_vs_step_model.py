@@ -21,6 +21,9 @@ CONFIGS = (
     dict(tp=8, pp=8, schedule="interleaved", virtual_stages=2, recompute="selective", zero_stage=1),
     dict(tp=4, pp=16, schedule="interleaved", virtual_stages=3, recompute="selective", zero_stage=1),
     dict(tp=4, pp=16, schedule="interleaved", virtual_stages=6, recompute="selective", zero_stage=1),
+    dict(tp=8, pp=8, schedule="zb1p", recompute="selective", zero_stage=1),
+    dict(tp=4, pp=16, schedule="zb1p", virtual_stages=3, recompute="selective", zero_stage=1),
+    dict(tp=8, pp=8, schedule="zbv", recompute="selective", zero_stage=1),
 )
 
 

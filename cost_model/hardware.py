@@ -40,6 +40,13 @@ class DeviceSpec:
     """Fraction of the memory bandwidth that streaming (element-wise) kernels reach."""
     kernel_overhead_s: float = 5e-6
     """Fixed cost of one kernel launch."""
+    host_link_bytes_per_s: float = 0.0
+    """Device-host copy bandwidth per direction (the PCIe link to the CPU's memory); 0: unknown,
+    and optimizer offload is not offered."""
+    host_memory_bandwidth_bytes_per_s: float = 0.0
+    """This device's share of the host's DRAM bandwidth (the CPU optimizer step of offload)."""
+    host_memory_bytes: float = 0.0
+    """This device's share of the host's memory (what offloaded states may use)."""
     source: str = ""
     """Where the figures come from."""
 
@@ -54,6 +61,9 @@ class DeviceSpec:
                 raise ValueError(f"{self.name}: {name} must be in (0, 1], got {value}")
         if self.kernel_overhead_s < 0:
             raise ValueError(f"{self.name}: kernel_overhead_s must be >= 0, got {self.kernel_overhead_s}")
+        for name in ("host_link_bytes_per_s", "host_memory_bandwidth_bytes_per_s", "host_memory_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{self.name}: {name} must be >= 0, got {getattr(self, name)}")
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for a dtype key; fp32 matmuls use tf32 where the device has it."""
@@ -107,19 +117,34 @@ def _require_positive(owner: str, name: str, value: float) -> None:
 # Sources: NVIDIA A100 datasheet (2021), H100 datasheet (2023), H200 product brief (2024),
 # V100 datasheet (2018); see shared/reference/hardware.md. Memory capacity is what nvidia-smi
 # reports (e.g. 81920 MiB on A100 80GB).
+#
+# Host terms (optimizer offload), per GPU of the system, from the system datasheets: the host
+# link is the GPU's PCIe x16 link per direction (Gen3 15.75, Gen4 31.5, Gen5 63 GB/s); host
+# memory bandwidth is the node's DRAM channels shared by its 8 GPUs (DGX A100: 2x EPYC 7742,
+# 16 channels DDR4-3200 = 409.6 GB/s; DGX H100 / HGX H200: 2x Xeon 8480C, 16 channels
+# DDR5-4800 = 614.4 GB/s; p3.16xlarge: 2x Xeon E5-2686 v4, 8 channels DDR4-2400 = 153.6 GB/s);
+# host memory is the node's system memory shared by 8 GPUs (DGX A100 40GB 1 TB, 80GB 2 TB,
+# DGX H100 2 TB, HGX H200 2 TB as built by most vendors, p3.16xlarge 488 GiB).
+PCIE_GEN3_X16 = 15.75 * GB
+PCIE_GEN4_X16 = 31.5 * GB
+PCIE_GEN5_X16 = 63.0 * GB
 
 A100_40G = DeviceSpec(
     name="A100 SXM4 40GB",
     peak_flops_per_s={"bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS, "tf32": 156 * TFLOPS, "fp32": 19.5 * TFLOPS},
     memory_bytes=40 * GIB,
     memory_bandwidth_bytes_per_s=1555 * GB,
-    source="NVIDIA A100 Tensor Core GPU datasheet",
+    host_link_bytes_per_s=PCIE_GEN4_X16,
+    host_memory_bandwidth_bytes_per_s=409.6 * GB / 8,
+    host_memory_bytes=1024 * GIB / 8,
+    source="NVIDIA A100 Tensor Core GPU datasheet; DGX A100 datasheet (host)",
 )
 A100_80G = replace(
     A100_40G,
     name="A100 SXM4 80GB",
     memory_bytes=80 * GIB,
     memory_bandwidth_bytes_per_s=2039 * GB,
+    host_memory_bytes=2048 * GIB / 8,
 )
 H100_SXM = DeviceSpec(
     name="H100 SXM5 80GB",
@@ -129,7 +154,10 @@ H100_SXM = DeviceSpec(
     # Large bf16 GEMMs on H100 reach a smaller fraction of the (higher) peak than on A100.
     matmul_efficiency=0.7,
     matmul_half_efficiency_flops=6.0e9,
-    source="NVIDIA H100 Tensor Core GPU datasheet",
+    host_link_bytes_per_s=PCIE_GEN5_X16,
+    host_memory_bandwidth_bytes_per_s=614.4 * GB / 8,
+    host_memory_bytes=2048 * GIB / 8,
+    source="NVIDIA H100 Tensor Core GPU datasheet; DGX H100 datasheet (host)",
 )
 H200_SXM = replace(
     H100_SXM,
@@ -144,7 +172,10 @@ V100_16G = DeviceSpec(
     memory_bytes=15.8 * GIB,
     memory_bandwidth_bytes_per_s=900 * GB,
     matmul_efficiency=0.75,
-    source="NVIDIA V100 datasheet (no bf16 tensor cores: bf16 runs at fp32 rate)",
+    host_link_bytes_per_s=PCIE_GEN3_X16,
+    host_memory_bandwidth_bytes_per_s=153.6 * GB / 8,
+    host_memory_bytes=488 * GIB / 8,
+    source="NVIDIA V100 datasheet (no bf16 tensor cores: bf16 runs at fp32 rate); AWS p3.16xlarge (host)",
 )
 
 
@@ -166,6 +197,11 @@ def cpu_device(num_procs: int = 1) -> DeviceSpec:
         matmul_half_efficiency_flops=2.0e7,
         memory_efficiency=0.5,
         kernel_overhead_s=10e-6,
+        # The "device" memory is host memory: an offload copy is a memory copy, and moving states
+        # to the host frees nothing (the search never offers offload on CPUs).
+        host_link_bytes_per_s=cores_per_proc * 10 * GB,
+        host_memory_bandwidth_bytes_per_s=cores_per_proc * 10 * GB,
+        host_memory_bytes=_host_memory_bytes() / max(num_procs, 1),
         source="estimate from os.cpu_count(); run `autopar profile` for measured figures",
     )
 

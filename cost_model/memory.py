@@ -11,13 +11,24 @@ parameters, data-parallel degree N, K optimizer bytes per parameter:
 Activations in flight (microbatches whose backward has not run yet) on stage i of p with m
 microbatches: GPipe m; 1F1B min(p - i, m); interleaved 1F1B with v chunks per device
 p v + p - 1 - 2 i model chunks at most, each 1/v of the stage (Narayanan et al., SC21).
+
+Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", 2023) free a microbatch's
+activations only after its weight-gradient pass W; counted here as held whole until then (W
+needs the inputs of every weight-bearing op and the output gradients kept at the cut between the
+input- and the weight-gradient pass, most of the activations):
+    zb1p   rank i defers its first i W passes after a warmup of (v - 1) p + p - 1 - i forwards:
+           v p chunks, i.e. min(p, m) stage-microbatches on every rank (1F1B's first stage's
+           p, now on every stage: the deferral costs rank i another i microbatches)
+    zbv    rank i holds its chunk 0 (stage i) for min(2p - 1 - i, m) microbatches and its chunk 1
+           (stage 2p - 1 - i) for min(i + 1, m) at the same moment, each chunk half a stage:
+           p stage-microbatches when the chunks are equal
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "zbv")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,9 +105,25 @@ def microbatches_in_flight(schedule: str, *, stage: int, num_stages: int, num_mi
         return float(m if schedule == "gpipe" else 1)
     if schedule == "1f1b":
         return float(min(p - stage, m))
+    if schedule == "zb1p":
+        return float(min(p, m))
+    if schedule == "zbv":
+        return (chunk_microbatches_in_flight(schedule, rank=stage, chunk=0, num_stages=p, num_microbatches=m)
+                + chunk_microbatches_in_flight(schedule, rank=stage, chunk=1, num_stages=p, num_microbatches=m)) / 2
     v = virtual_stages
     chunks = min(p * v + p - 1 - 2 * stage, m * v)
     return chunks / v
+
+
+def chunk_microbatches_in_flight(schedule: str, *, rank: int, chunk: int, num_stages: int, num_microbatches: int,
+                                 virtual_stages: int = 1) -> float:
+    """Microbatches whose activations of one model chunk of `rank` are held at the rank's peak
+    (for one chunk per rank, or chunks held alike, the rank's own count)."""
+    if schedule == "zbv" and num_stages > 1:
+        held = 2 * num_stages - 1 - rank if chunk == 0 else rank + 1
+        return float(min(held, num_microbatches))
+    return microbatches_in_flight(schedule, stage=rank, num_stages=num_stages, num_microbatches=num_microbatches,
+                                  virtual_stages=virtual_stages)
 
 
 def activation_memory(saved_bytes_per_microbatch: float, *, schedule: str, stage: int, num_stages: int,

@@ -20,6 +20,7 @@ from autopar.codegen.program import (GraphParts, SegmentModule, StageProgram, di
 from autopar.errors import ConfigError, PlanMismatchError
 from autopar.solver.recompute import op_saved_nodes
 from autopar.plans import Plan
+from autopar.solver.pipeline import rank_of, stages_of_rank
 
 
 @dataclass
@@ -36,8 +37,12 @@ def plan_chunks(plan: Plan, parts: GraphParts) -> list[list[str]]:
     if plan.mesh["pp"] == 1:
         return [[segment.name for segment in parts.graph.segments]]
     per_device = [list(stage.chunks or (stage.segments,)) for stage in plan.stages]
-    num_chunks = len(per_device[0])
-    ordered = [per_device[device][chunk] for chunk in range(num_chunks) for device in range(len(per_device))]
+    num_chunks, pp = len(per_device[0]), len(per_device)
+    ordered = []
+    for stage in range(num_chunks * pp):
+        device = rank_of(plan.schedule, stage=stage, num_ranks=pp)
+        local = stages_of_rank(plan.schedule, rank=device, num_ranks=pp, num_chunks=num_chunks).index(stage)
+        ordered.append(per_device[device][local])
     return [[name for name in chunk if name in present] for chunk in ordered]
 
 
@@ -123,7 +128,8 @@ class ProgramBuilder:
         self.expert_mesh = runtime.expert_mesh
 
     def build(self, spec: ChunkSpec, *, num_chunks: int) -> StageProgram:
-        recompute = self.plan.stage_recompute(spec.index % self.plan.mesh["pp"])
+        recompute = self.plan.stage_recompute(rank_of(self.plan.schedule, stage=spec.index,
+                                                      num_ranks=self.plan.mesh["pp"]))
         segments = [self._segment(name, spec, recompute) for name in spec.segments]
         pipelined = num_chunks > 1
         last = spec.index == num_chunks - 1
@@ -135,6 +141,7 @@ class ProgramBuilder:
         stage = StageProgram(segments, self.interpreter, inputs=inputs, boundary_inputs=boundary if pipelined else set(),
                              outputs=spec.outputs, output_mode=mode, scalars=scalars,
                              placements={name: self.placements.get(name, "R").split("|")[0] for name in inputs})
+        stage.owned_outputs = pipelined and self.plan.schedule in ("zb1p", "zbv")
         self._attach_params(stage, segments, spec)
         if self.plan.precision == "bf16":  # bf16 compute, fp32 master weights and gradients
             for module in [stage, *segments]:

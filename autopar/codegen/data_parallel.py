@@ -6,6 +6,12 @@
             after the last microbatch (set_requires_gradient_sync)
     ZeRO 2  as 1, but gradients reduce-scattered after every microbatch (without pipelining)
     ZeRO 3  FSDP2 with reshard_after_forward: parameters gathered before each use
+    offload ZeRO 3 with CPUOffloadPolicy (ZeRO-Offload as FSDP2 runs it): sharded parameters,
+            gradients and optimizer states in host memory, copied to the device before each
+            all-gather and back after each reduce-scatter; the optimizer the user builds over
+            these parameters steps on the CPU. Also with dp = 1 (FSDP2 over one device). On CPU
+            devices (gloo) the copies are CPU-to-CPU and pinning is off (it needs an
+            accelerator): the code path runs, and frees nothing, as the host is the device.
 
 Every segment module (a transformer block) is one FSDP unit, the stage program the root unit
 for parameters shared by several segments, as torchtitan shards a model: the parameters are
@@ -21,19 +27,27 @@ from torch import nn
 from autopar.codegen.program import StageProgram
 
 
-def uses_fsdp(zero_stage: int, dp: int) -> bool:
-    return zero_stage >= 1 and dp > 1
+def uses_fsdp(zero_stage: int, dp: int, offload: bool = False) -> bool:
+    return offload or (zero_stage >= 1 and dp > 1)
 
 
-def apply_fsdp(stages: list[StageProgram], dp_mesh, zero_stage: int) -> None:
-    from torch.distributed.fsdp import fully_shard
+def apply_fsdp(stages: list[StageProgram], dp_mesh, zero_stage: int, *, offload: bool = False) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     reshard = zero_stage == 3
+    policy = OffloadPolicy()
+    if offload:
+        if zero_stage != 3:
+            from autopar.errors import PlanMismatchError
+
+            raise PlanMismatchError(f"the plan asks for optimizer offload with zero_stage={zero_stage}; offload runs "
+                                    "with ZeRO-3 only: re-plan (autopar plan picks ZeRO-3 for offload)")
+        policy = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
     for stage in stages:
         for segment in stage.segments:
             if next(segment.parameters(recurse=False), None) is not None:
-                fully_shard(segment, mesh=dp_mesh, reshard_after_forward=reshard)
-        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard)
+                fully_shard(segment, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
+        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
 
 
 def set_gradient_sync(stages: list[StageProgram], enabled: bool) -> None:

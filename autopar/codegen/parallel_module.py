@@ -146,7 +146,7 @@ class ParallelModule(nn.Module):
         split_inputs = [_split(x, m) for x in inputs]
         split_targets = _split(targets, m)
         total = torch.zeros((), device=self.runtime.device)
-        fsdp = uses_fsdp(self.plan.zero_stage, self.plan.mesh["dp"])
+        fsdp = uses_fsdp(self.plan.zero_stage, self.plan.mesh["dp"] * self.plan.mesh.get("cp", 1), self.plan.offload)
         for index in range(m):
             if fsdp and self.plan.zero_stage == 1:
                 set_gradient_sync(list(self.stages), index == m - 1)
@@ -164,16 +164,29 @@ class ParallelModule(nn.Module):
             self.schedule.step(*args, target=targets, losses=losses)
         else:
             self.schedule.step(*args)
+        if not self.schedule.scale_grads:  # scaled here, once per parameter (codegen/pipeline.py)
+            for param in self.parameters():
+                if param.grad is not None:
+                    param.grad.div_(self.plan.num_microbatches)
         loss = torch.stack([value.detach().float() for value in losses]).mean() if losses else \
             torch.zeros((), device=self.runtime.device)
-        last_rank = dist.get_global_rank(self.runtime.pp_group, self.plan.mesh["pp"] - 1)
+        last_rank = dist.get_global_rank(self.runtime.pp_group, self._last_stage_rank())
         dist.broadcast(loss, src=last_rank, group=self.runtime.pp_group)
         return loss
+
+    def _last_stage_rank(self) -> int:
+        """Pipeline rank of the last stage (pp - 1; rank 0 under ZB-V's V)."""
+        from autopar.solver.pipeline import rank_of
+        from autopar.solver.step_model import chunks_per_device
+
+        pp = self.plan.mesh["pp"]
+        last = pp * chunks_per_device(self.plan.schedule, self.plan.virtual_stages) - 1
+        return rank_of(self.plan.schedule, stage=last, num_ranks=pp)
 
     def _sync_gradients(self) -> None:
         dp = self.plan.mesh["dp"]
         params = self.named_model_parameters()
-        if not uses_fsdp(self.plan.zero_stage, dp):
+        if not uses_fsdp(self.plan.zero_stage, dp, self.plan.offload):
             experts = [param for fqn, param in params.items() if fqn in self.expert_params]
             expert_ids = {id(param) for param in experts}
             others = [param for param in self.parameters() if id(param) not in expert_ids]
@@ -268,7 +281,7 @@ class ParallelModule(nn.Module):
             self.schedule.eval(*args)
         loss = torch.stack([value.detach().float() for value in losses]).mean() if losses else \
             torch.zeros((), device=self.runtime.device)
-        last_rank = dist.get_global_rank(self.runtime.pp_group, self.plan.mesh["pp"] - 1)
+        last_rank = dist.get_global_rank(self.runtime.pp_group, self._last_stage_rank())
         dist.broadcast(loss, src=last_rank, group=self.runtime.pp_group)
         return loss
 

@@ -22,6 +22,7 @@ from autopar.codegen.interpreter import RunStats
 from autopar.codegen.listing import program_listing
 from autopar.codegen.parallel_module import ParallelModule
 from autopar.codegen.pipeline import PipelineBuilder, tied_weight_groups
+from autopar.solver.pipeline import rank_of
 from autopar.codegen.program import GraphParts
 from autopar.codegen.init import all_names
 from autopar.codegen.runtime import agree, build_runtime, ensure_process_group, register_shutdown, run_on_rank0
@@ -174,10 +175,10 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
         cp_ops.install(builder.interpreter)
     specs = chunk_specs(plan, parts)
     pp, pp_rank = plan.mesh["pp"], runtime.coordinate("pp")
-    mine = [spec for spec in specs if spec.index % pp == pp_rank]
+    mine = [spec for spec in specs if rank_of(plan.schedule, stage=spec.index, num_ranks=pp) == pp_rank]
     stages = [builder.build(spec, num_chunks=len(specs)) for spec in mine]
-    if uses_fsdp(plan.zero_stage, plan.mesh["dp"] * cp):
-        apply_fsdp(stages, runtime.reduce_mesh, plan.zero_stage)
+    if uses_fsdp(plan.zero_stage, plan.mesh["dp"] * cp, plan.offload):
+        apply_fsdp(stages, runtime.reduce_mesh, plan.zero_stage, offload=plan.offload)
     schedule, tied = None, {}
     if len(specs) > 1:
         pipeline = PipelineBuilder(plan, parts, builder.placements, runtime.device, runtime.pp_group)

@@ -1,7 +1,11 @@
 """Pipeline stages and schedules with torch.distributed.pipelining.
 
 Chunk c of the model runs on pipeline rank c mod pp (one chunk per rank, or several with the
-interleaved schedule). Stages exchange this rank's local shards; their shapes are known from
+interleaved and zb1p schedules), or, under ZB-V, in a V: rank k runs chunks k and 2 pp - 1 - k
+(solver/pipeline.py). The zero-bubble schedules (ScheduleInterleavedZeroBubble,
+ScheduleZBVZeroBubble) split each backward into torch's input-gradient pass (autograd.grad to
+the stage inputs, keeping the intermediate gradients at each parameter's use) and a later
+weight-gradient pass from those; they work on CPU/gloo as on GPUs. Stages exchange this rank's local shards; their shapes are known from
 the plan, so every PipelineStage gets example inputs and outputs and no shape inference runs.
 Weights read on several pipeline ranks (tied embeddings) are kept in one copy per rank whose
 gradients are all-reduced after the step, as Megatron-LM's embedding group does.
@@ -13,12 +17,14 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                         ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from autopar.codegen.build import ChunkSpec
 from autopar.codegen.program import GraphParts, StageProgram
 from autopar.graph import TensorMeta
 from autopar.plans import Plan
+from autopar.solver.pipeline import rank_of
 from autopar.strategies.placement import local_shape
 
 
@@ -62,10 +68,26 @@ class PipelineBuilder:
 
     def schedule(self, stages: list[PipelineStage], loss_fn):
         m = self.plan.num_microbatches
-        if self.plan.schedule == "interleaved":
-            return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+        multi = {"interleaved": ScheduleInterleaved1F1B, "zb1p": ScheduleInterleavedZeroBubble,
+                 "zbv": ScheduleZBVZeroBubble}
+        if self.plan.schedule in multi:
+            # torch divides each stage's gradients by m; a weight two local stages share (ZB-V
+            # holds the tied embedding and head on rank 0) would be divided twice: ParallelModule
+            # divides once per parameter instead (see shares_parameters).
+            return multi[self.plan.schedule](stages, m, loss_fn=loss_fn, scale_grads=not shares_parameters(stages))
         kind = ScheduleGPipe if self.plan.schedule == "gpipe" else Schedule1F1B
         return kind(stages[0], m, loss_fn=loss_fn)
+
+
+def shares_parameters(stages: list[PipelineStage]) -> bool:
+    """Whether a parameter object belongs to several of this rank's stages."""
+    seen: set[int] = set()
+    for stage in stages:
+        mine = {id(param) for param in stage.submod.parameters()}
+        if mine & seen:
+            return True
+        seen |= mine
+    return False
 
 
 def tied_weight_groups(plan: Plan, parts: GraphParts, chunk_segments: list[list[str]], mesh_shape, rank: int):
@@ -75,7 +97,7 @@ def tied_weight_groups(plan: Plan, parts: GraphParts, chunk_segments: list[list[
     readers = parts.readers()
     pp_ranks_of: dict[str, tuple[int, ...]] = {}
     for placeholder, fqn in parts.param_of.items():
-        ranks = sorted({chunk % pp for chunk, segments in enumerate(chunk_segments)
+        ranks = sorted({rank_of(plan.schedule, stage=chunk, num_ranks=pp) for chunk, segments in enumerate(chunk_segments)
                         if readers.get(placeholder, set()) & set(segments)})
         if len(ranks) > 1:
             pp_ranks_of[fqn] = tuple(ranks)

@@ -252,6 +252,9 @@ class StageProgram(ParameterOwner):
         self.boundary_inputs = boundary_inputs
         self.output_names = outputs
         self.output_mode = output_mode
+        self.owned_outputs = False
+        """Outputs must not be views: torch's split backward (zero-bubble schedules) detaches
+        them in place, which a view (a DTensor's local shard) refuses."""
         self.placements = placements
         self.scalars = scalars
         """Python numbers (symbolic sizes) that cross a pipeline boundary as 0-dim tensors."""
@@ -292,7 +295,10 @@ class StageProgram(ParameterOwner):
             value = value.to_local()
         # Pipeline stages send what leaves them (isend takes contiguous tensors only): a transpose
         # or a slice that ends a stage is copied here.
-        return value.contiguous() if isinstance(value, torch.Tensor) else value
+        if not isinstance(value, torch.Tensor):
+            return value
+        value = value.contiguous()
+        return value.clone() if self.owned_outputs and value._is_view() else value
 
 
 def distribute_parameter(param: torch.Tensor, placement: str, mesh, device: torch.device) -> nn.Parameter:

@@ -35,7 +35,7 @@ class PlanDiff:
 
 
 def _settings(plan: Plan) -> dict[str, str]:
-    schedule = plan.schedule + (f" (v={plan.virtual_stages})" if plan.schedule == "interleaved" else "")
+    schedule = plan.schedule + (f" (v={plan.virtual_stages})" if plan.schedule in ("interleaved", "zb1p") else "")
     return {"model": plan.model, "cluster": plan.cluster, "devices": str(plan.num_devices),
             "global batch": str(plan.global_batch),
             "mesh": f"pp={plan.mesh['pp']} dp={plan.mesh['dp']} tp={plan.mesh['tp']}"

@@ -17,10 +17,11 @@ from autopar.report.timeline import PASS_KINDS, TAIL_KINDS, Timeline, layout
 
 PASS_COLORS = {"forward": ("#1f5fa8", "#4f8fd8", "#8db9ea", "#bcd6f4"),
                "backward": ("#1d7a46", "#3fa86b", "#7fcb9b", "#b5e3c4"),
-               "recompute": ("#c77d12", "#e0a13f", "#eec47e", "#f6dfb6")}
+               "recompute": ("#c77d12", "#e0a13f", "#eec47e", "#f6dfb6"),
+               "weight": ("#0f6e6e", "#2f9e9e", "#72c6c6", "#b0e0e0")}
 """Per pass kind, one shade per model chunk (darkest: the rank's first chunk)."""
-TAIL_COLORS = {"dp.gradient_sync": "#d9622b", "dp.all_gather.once": "#e8894f", "dp.reduce_scatter.once": "#c2481a", "pp.tied_weights": "#b04a9c", "optimizer": "#6b6b6b"}
-AXIS_COLORS = {"tp": "#7b3fb5", "cp": "#2a9d8f", "pp": "#c0392b", "dp": "#d9622b"}
+TAIL_COLORS = {"dp.gradient_sync": "#d9622b", "dp.all_gather.once": "#e8894f", "dp.reduce_scatter.once": "#c2481a", "pp.tied_weights": "#b04a9c", "optimizer": "#6b6b6b", "offload.cpu_adam": "#8a8a3a"}
+AXIS_COLORS = {"tp": "#7b3fb5", "cp": "#2a9d8f", "pp": "#c0392b", "dp": "#d9622b", "offload": "#8a8a3a"}
 BUBBLE_COLOR = "#eeeeee"
 MEMORY_COLORS = {"parameters": "#1f5fa8", "gradients": "#3fa86b", "optimizer": "#8e6bbf",
                  "activations": "#e0a13f", "buffers": "#8c8c8c", "recompute_workspace": "#c0392b",
@@ -57,7 +58,9 @@ def timeline_figure(plan: Plan, timeline: Timeline | None = None, *, zoom: bool 
 def _timeline_title(plan: Plan, timeline: Timeline) -> str:
     mesh = plan.mesh
     schedule = {"interleaved": f"interleaved 1F1B, {timeline.num_chunks} chunks per rank", "gpipe": "GPipe",
-                "1f1b": "1F1B", "none": "no pipeline"}.get(plan.schedule, plan.schedule)
+                "1f1b": "1F1B", "none": "no pipeline",
+                "zb1p": f"zero-bubble ZB-1P, {timeline.num_chunks} chunk{'s' if timeline.num_chunks > 1 else ''} per rank",
+                "zbv": "zero-bubble ZB-V (2 chunks per rank in a V)"}.get(plan.schedule, plan.schedule)
     return (f"{_short(plan.model)} on {plan.cluster}\npp={mesh['pp']} x dp={mesh['dp']} x tp={mesh['tp']}, {schedule}, "
             f"{plan.num_microbatches} microbatches of {plan.microbatch_size}, recompute={plan.recompute}, "
             f"ZeRO {plan.zero_stage}; step as drawn {timeline.end_s:.4g} s, predicted {plan.predicted.step_time_s:.4g} s "
@@ -122,7 +125,7 @@ def _draw_comm(ax, timeline: Timeline, rank: int, end_s: float, gid_prefix: str)
 
 def _axis_order(key: str) -> int:
     """Strips stack from the block's end: pipeline sends last, tensor-parallel before them."""
-    return {"pp": 0, "dp": 1, "tp": 2, "cp": 3}.get(key.split(".")[0], 4)
+    return {"pp": 0, "dp": 1, "tp": 2, "cp": 3, "offload": 4}.get(key.split(".")[0], 5)
 
 
 def _color(block) -> str:
@@ -139,8 +142,8 @@ def _timeline_legend(figure, timeline: Timeline) -> None:
     handles = [Patch(color=PASS_COLORS[kind][0], label=kind) for kind in PASS_KINDS if kind in present]
     handles += [Patch(color=BUBBLE_COLOR, label="bubble (idle)")] if timeline.bubbles else []
     axes_present = {key.split(".")[0] for block in timeline.blocks for key in block.comm_s}
-    handles += [Patch(color=AXIS_COLORS[name], label=f"exposed {name} collectives") for name in AXIS_COLORS
-                if name in axes_present]
+    handles += [Patch(color=AXIS_COLORS[name], label="exposed offload copies" if name == "offload" else
+                      f"exposed {name} collectives") for name in AXIS_COLORS if name in axes_present]
     handles += [Patch(color=TAIL_COLORS[kind], label=kind) for kind in TAIL_KINDS if kind in present]
     figure.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8), fontsize=8, frameon=False)
 

@@ -7,16 +7,19 @@ lasts what the step model priced for that stage and model chunk (`StagePlan.chun
     recompute  the recomputed forward (selective: parameter-free ops; full: all, collectives too),
                run right before the backward of the same microbatch
     backward   backward compute + its collectives + the send of the gradient to the previous stage
+               (under the zero-bubble schedules only the input gradient)
+    weight     the weight gradient, a pass of its own under the zero-bubble schedules (zb1p, zbv)
 
-A forward waits for the same microbatch's forward on the previous model chunk, a backward for
-the next chunk's backward (the last chunk: its own forward). Idle time on a rank before its last
+A forward waits for the same microbatch's forward on the previous pipeline stage, a backward for
+the next stage's backward (the last stage: its own forward), a weight pass for its own backward
+(earlier on the same rank). Which rank runs which stage follows the schedule's layout (loop, or
+ZB-V's V: solver/pipeline.py). Idle time on a rank before its last
 pass is bubble. After the pipeline every rank runs what the step model adds once per step: the
 exposed data-parallel synchronisation, the tied-weight all-reduce and the optimizer step.
 
 The layout is data (`Timeline`): the PNG and HTML pictures draw it, and tests check it. Its
 length is the simulated schedule plus the step tail; `mismatch` says how far it is from the
-predicted step time (the step model's closed form (m - 1) t_max + sum t_k, or (m + (p - 1) / v)
-t_max, is exact for identical stages).
+predicted step time (the step model's closed forms, step_model.py, are exact for identical stages).
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from dataclasses import dataclass, field
 from autopar.errors import PlanMismatchError
 from autopar.plans import Plan
 from autopar.report.schedules import rank_order
+from autopar.solver.pipeline import stage_of
 
-PASS_KINDS = ("forward", "recompute", "backward")
-TAIL_KINDS = ("dp.gradient_sync", "dp.all_gather.once", "dp.reduce_scatter.once", "pp.tied_weights", "optimizer")
+PASS_KINDS = ("forward", "recompute", "backward", "weight")
+TAIL_KINDS = ("dp.gradient_sync", "dp.all_gather.once", "dp.reduce_scatter.once", "pp.tied_weights", "optimizer",
+              "offload.cpu_adam")
 """What the step model adds after the pipeline, in the order it is drawn."""
 
 
@@ -39,7 +44,7 @@ class Block:
     rank: int
     """Pipeline rank (stage index)."""
     kind: str
-    """"forward", "recompute", "backward", "bubble", or a step-tail term (TAIL_KINDS)."""
+    """"forward", "recompute", "backward", "weight", "bubble", or a step-tail term (TAIL_KINDS)."""
     start_s: float
     duration_s: float
     microbatch: int = -1
@@ -60,7 +65,7 @@ class Timeline:
     num_ranks: int
     num_microbatches: int
     num_chunks: int
-    """Model chunks per rank (the interleaved schedule's v; 1 otherwise)."""
+    """Model chunks per rank (the interleaved and zb1p schedules' v, 2 for zbv; 1 otherwise)."""
     blocks: tuple[Block, ...]
     """Passes and the step tail."""
     bubbles: tuple[Block, ...]
@@ -85,7 +90,7 @@ class Timeline:
 def layout(plan: Plan) -> Timeline:
     """Lay out the plan's step (see the module docstring)."""
     num_ranks = plan.mesh["pp"]
-    num_chunks = plan.virtual_stages if plan.schedule == "interleaved" else 1
+    num_chunks = chunks_per_rank(plan.schedule, plan.virtual_stages)
     durations = [_pass_times(plan, rank, num_chunks) for rank in range(num_ranks)]
     passes = _simulate(plan.schedule, durations, num_ranks, plan.num_microbatches, num_chunks)
     pipeline_end = max((block.end_s for block in passes), default=0.0)
@@ -99,6 +104,12 @@ def layout(plan: Plan) -> Timeline:
                     num_chunks=num_chunks, blocks=tuple(passes + tail),
                     bubbles=tuple(_bubbles(passes, num_ranks, pipeline_end)), pipeline_end_s=pipeline_end,
                     end_s=end, predicted_step_time_s=plan.predicted.step_time_s)
+
+
+def chunks_per_rank(schedule: str, virtual_stages: int) -> int:
+    if schedule in ("interleaved", "zb1p"):
+        return virtual_stages
+    return 2 if schedule == "zbv" else 1
 
 
 @dataclass(frozen=True)
@@ -126,9 +137,12 @@ def _pass_times(plan: Plan, rank: int, num_chunks: int) -> list[dict[str, _Pass]
 
 def _simulate(schedule: str, durations, num_ranks: int, num_microbatches: int, num_chunks: int) -> list[Block]:
     """Run every rank's pass order as early as its dependencies allow (list scheduling)."""
-    orders = [rank_order(schedule if num_ranks > 1 else "1f1b", rank=rank, num_ranks=num_ranks,
-                         num_microbatches=num_microbatches, num_chunks=num_chunks) for rank in range(num_ranks)]
-    last_chunk = num_ranks * num_chunks - 1
+    schedule = schedule if num_ranks > 1 else "1f1b"
+    orders = [rank_order(schedule, rank=rank, num_ranks=num_ranks, num_microbatches=num_microbatches,
+                         num_chunks=num_chunks) for rank in range(num_ranks)]
+    last_stage = num_ranks * num_chunks - 1
+    # Schedules that do not split the backward have no "weight" part: it is inside "backward".
+    names = {"F": ("forward",), "B": ("recompute", "backward"), "W": ("weight",)}
     done: dict[tuple[str, int, int], float] = {}
     position, free_at, blocks = [0] * num_ranks, [0.0] * num_ranks, []
     remaining = sum(len(order) for order in orders)
@@ -137,28 +151,30 @@ def _simulate(schedule: str, durations, num_ranks: int, num_microbatches: int, n
         for rank in range(num_ranks):
             while position[rank] < len(orders[rank]):
                 kind, chunk, microbatch = orders[rank][position[rank]]
-                virtual = chunk * num_ranks + rank
+                stage = stage_of(schedule, rank=rank, chunk=chunk, num_ranks=num_ranks)
                 if kind == "F":
-                    needs = ("F", virtual - 1, microbatch) if virtual > 0 else None
+                    needs = ("F", stage - 1, microbatch) if stage > 0 else None
+                elif kind == "B":
+                    needs = ("B", stage + 1, microbatch) if stage < last_stage else ("F", stage, microbatch)
                 else:
-                    needs = ("B", virtual + 1, microbatch) if virtual < last_chunk else ("F", virtual, microbatch)
+                    needs = ("B", stage, microbatch)
                 if needs is not None and needs not in done:
                     break
                 start = max(free_at[rank], done[needs] if needs else 0.0)
                 passes = durations[rank][chunk]
-                for name in (("forward",) if kind == "F" else ("recompute", "backward")):
-                    if name == "recompute" and passes[name].seconds <= 0:
+                for name in names[kind]:
+                    if name in ("recompute", "weight") and passes[name].seconds <= 0:
                         continue
                     blocks.append(Block(rank=rank, kind=name, start_s=start, duration_s=passes[name].seconds,
                                         microbatch=microbatch, chunk=chunk, comm_s=passes[name].comm_s))
                     start += passes[name].seconds
-                done[(kind, virtual, microbatch)] = free_at[rank] = start
+                done[(kind, stage, microbatch)] = free_at[rank] = start
                 position[rank] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise RuntimeError(f"the {schedule} order deadlocks with {num_ranks} ranks, {num_microbatches} "
-                               f"microbatches and {num_chunks} chunks (a bug in autopar/report/schedules.py)")
+                               f"microbatches and {num_chunks} chunks (a bug in autopar/solver/schedules.py)")
     return blocks
 
 

@@ -94,7 +94,8 @@ def step_features(estimate: Estimate, counts: dict[str, SegmentCounts], step_mod
     tensors = max((sum(counts[n].num_param_tensors for n in stage.segment_names if n in counts)
                    for stage in estimate.stages), default=0)
     chunks = len(slowest.chunks) or 1
-    actions = 2.0 * m * chunks if config.pp > 1 else 0.0
+    passes = 3.0 if config.schedule in ("zb1p", "zbv") else 2.0  # zero-bubble: F, B and W actions
+    actions = passes * m * chunks if config.pp > 1 else 0.0
     exposed = breakdown.get("dp.gradient_sync", 0.0)
     hidden = max(0.0, max((_raw_dp_sync_s(stage, estimate, step_model) for stage in estimate.stages),
                           default=0.0) - exposed)

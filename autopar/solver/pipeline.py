@@ -137,3 +137,34 @@ def _balanced_cut(costs: ChainCosts, span: StageSpan) -> int:
     cut = int(np.searchsorted(prefix, half))
     candidates = [c for c in (cut - 1, cut, cut + 1) if span.start < c < span.stop]
     return min(candidates, key=lambda c: abs(prefix[c] - half))
+
+
+# --- which rank runs which pipeline stage ----------------------------------------------------
+# Most schedules place global stage s on rank s mod p (loop layout: a rank's chunks are
+# s = rank, rank + p, ...). ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", section 6) runs
+# exactly two chunks per rank in a V: rank k holds stages k and 2p - 1 - k, so the first and the
+# last stage share rank 0 and the turn of the V (stages p - 1 and p) stays on rank p - 1.
+
+V_SCHEDULES = ("zbv",)
+"""Schedules with the V layout (two chunks per rank)."""
+
+
+def stage_of(schedule: str, *, rank: int, chunk: int, num_ranks: int) -> int:
+    """Global pipeline stage of `rank`'s local chunk `chunk` (0-based, in pipeline order)."""
+    if schedule in V_SCHEDULES:
+        if chunk not in (0, 1):
+            raise ValueError(f"{schedule} has two chunks per rank, got chunk {chunk}")
+        return rank if chunk == 0 else 2 * num_ranks - 1 - rank
+    return chunk * num_ranks + rank
+
+
+def rank_of(schedule: str, *, stage: int, num_ranks: int) -> int:
+    """Pipeline rank that runs global stage `stage`."""
+    if schedule in V_SCHEDULES:
+        return stage if stage < num_ranks else 2 * num_ranks - 1 - stage
+    return stage % num_ranks
+
+
+def stages_of_rank(schedule: str, *, rank: int, num_ranks: int, num_chunks: int) -> list[int]:
+    """Global stages of `rank`, in its local chunk order."""
+    return [stage_of(schedule, rank=rank, chunk=chunk, num_ranks=num_ranks) for chunk in range(num_chunks)]

@@ -2,13 +2,17 @@
 
 For every factorisation of the devices into pp x dp x cp x tp (tensor parallel inside a node
 unless constrained otherwise; context parallelism only for models whose sequence can be split,
-solver/context_parallel.py), every microbatch size dividing the per-replica batch, the 1F1B and
-interleaved schedules, each recomputation mode and ZeRO stage, and for a model with expert
+solver/context_parallel.py), every microbatch size dividing the per-replica batch, the 1F1B,
+interleaved and zero-bubble (zb1p, zbv) schedules, each recomputation mode and ZeRO stage, and for a model with expert
 matmuls every expert-parallel degree dividing dp (experts sharded over ep of the dp ranks,
 solver/experts.py; with ZeRO-0 and cp=1, what codegen runs it with), the step model (step_model.py)
 prices the configuration from the intra-op solution of the tensor-parallel mesh at that
 microbatch size (solved once per (tp, microbatch) and reused for every pp, dp and cp). The fastest
 configuration that fits in memory wins; ties go to the leaner one.
+
+Optimizer offload (FSDP2 CPUOffloadPolicy with ZeRO-3, no pipelining) is searched only when no
+configuration fits without it (or when a constraint asks for it): it trades device memory for
+host copies and a CPU optimizer step, which a plan that fits never needs.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from autopar.solver.experts import ExpertPricing, ep_degrees, find_expert_ops
 from autopar.solver.overheads import Overheads, SegmentCounts, segment_counts, step_features
 from autopar.solver.sharding import ShardingOptions, ShardingResult, cost_context, solve_sharding
 from autopar.strategies.attention import context_parallel_blocker
-from autopar.solver.step_model import (RECOMPUTE_MODES, SCHEDULES, Estimate, ParallelConfig, PreparedSegments,
+from autopar.solver.step_model import (RECOMPUTE_MODES, SCHEDULES, ZERO_BUBBLE_SCHEDULES, Estimate, ParallelConfig, PreparedSegments,
                                        StepModel)
 from cost_model.allocator import DEFAULT_ALLOCATOR, NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
@@ -47,9 +51,9 @@ class Constraints:
     """Context parallelism: ranks each sequence is split over (1: none)."""
     microbatch_size: int | None = None
     schedule: str | None = None
-    """"1f1b", "gpipe" or "interleaved"."""
+    """"1f1b", "gpipe", "interleaved", "zb1p" or "zbv"."""
     virtual_stages: int | None = None
-    """Model chunks per device (interleaved)."""
+    """Model chunks per device (interleaved, zb1p; zbv always has 2)."""
     layers_per_virtual_stage: int | None = None
     """Alternative to virtual_stages, as Megatron-LM's --num-layers-per-virtual-pipeline-stage."""
     recompute: str | None = None
@@ -57,6 +61,9 @@ class Constraints:
     zero_stage: int | None = None
     ep: int | None = None
     """Expert-parallel degree (divides dp; 1: experts not split over data-parallel ranks)."""
+    offload: bool | None = None
+    """Optimizer offload: True forces it, False forbids it, None uses it only when nothing fits
+    without it."""
 
     @classmethod
     def from_value(cls, value: "Constraints | dict | None") -> "Constraints":
@@ -123,7 +130,11 @@ class Planner:
             comm=CommModel(cluster), policy=policy,
             memory_budget_bytes=cluster.device.memory_bytes * options.usable_memory_fraction,
             tied_param_numel=_tied_numel(graph), allocator=_allocator(cluster, options),
-            expert_pricing=options.experts)
+            expert_pricing=options.experts,
+
+            host_link_bytes_per_s=cluster.device.host_link_bytes_per_s,
+            host_memory_bandwidth_bytes_per_s=cluster.device.host_memory_bandwidth_bytes_per_s,
+            host_memory_bytes=cluster.device.host_memory_bytes)
         self.overheads = overheads
         """Calibrated whole-step terms (overheads.py), or None to price kernels and collectives only."""
         self.condensed = condense(graph)
@@ -246,11 +257,18 @@ class Planner:
             raise ConfigError(f"zero stage must be 0, 1, 2 or 3, got {config.zero_stage}")
         if config.schedule == "interleaved" and (config.virtual_stages < 2 or config.pp < 2):
             raise ConfigError("the interleaved schedule needs pp >= 2 and at least 2 model chunks per device")
-        if not schedule_accepts(config.schedule, config.pp, config.num_microbatches):
+        if config.schedule in ZERO_BUBBLE_SCHEDULES and config.pp < 2:
+            raise ConfigError(f"the {config.schedule} schedule is a pipeline schedule: it needs pp >= 2")
+        if config.schedule == "zbv" and config.virtual_stages != 2:
+            raise ConfigError(f"the zbv schedule runs exactly 2 model chunks per device (a V), got "
+                              f"virtual_stages={config.virtual_stages}; use 2, or the zb1p schedule")
+        if not schedule_accepts(config.schedule, config.pp, config.num_microbatches, config.virtual_stages):
             raise ConfigError(f"{config.num_microbatches} microbatches cannot fill a {config.schedule} pipeline of "
-                              f"{config.pp} stages: 1F1B needs at least as many microbatches as stages and the "
-                              "interleaved schedule a multiple of them; use a smaller microbatch or a larger batch")
+                              f"{config.pp} stages: 1F1B and the zero-bubble schedules need at least as many "
+                              "microbatches as stages, the interleaved schedule a multiple of them; use a smaller "
+                              "microbatch or a larger batch")
         self._check_ep(config)
+        self._check_offload(config)
         if not self.graph.batch_dynamic and config.microbatch_size != self.graph.batch_size:
             raise ConfigError(f"the model was captured with a fixed batch of {self.graph.batch_size}; "
                               f"microbatch size {config.microbatch_size} cannot be priced")
@@ -304,19 +322,58 @@ class Planner:
         most = self.sequence_length // max(1, self.options.min_tokens_per_cp_rank)
         return [1] + [c for c in _divisors(rest) if 1 < c <= most and self.sequence_length % (2 * c) == 0]
 
+    def _check_offload(self, config: ParallelConfig) -> None:
+        if not config.offload:
+            return
+        if not self.step_model.can_offload:
+            raise ConfigError(f"optimizer offload needs the host link and host memory bandwidth of the device; "
+                              f"{self.cluster.device.name} has none set: set host_link_gbs and "
+                              "host_memory_bandwidth_gbs in the cluster file's [device] table, or drop offload")
+        if config.zero_stage != 3 or config.pp != 1:
+            raise ConfigError(f"optimizer offload runs with ZeRO-3 and no pipeline (FSDP2 CPUOffloadPolicy keeps "
+                              f"parameters sharded in host memory between uses), got zero_stage={config.zero_stage} "
+                              f"pp={config.pp}: use zero_stage=3 and pp=1, or drop offload")
+
     # --- search ------------------------------------------------------------------------------
 
     def search(self, constraints: Constraints = Constraints(), *, keep: int = 5) -> SearchResult:
         started = time.perf_counter()
+        if constraints.offload:
+            if constraints.zero_stage not in (None, 3) or constraints.pp not in (None, 1):
+                raise ConfigError(f"optimizer offload runs with ZeRO-3 and no pipeline, but the constraints fix "
+                                  f"zero_stage={constraints.zero_stage} pp={constraints.pp}: drop them or the offload")
+            if not self.step_model.can_offload:
+                raise ConfigError(f"optimizer offload needs the host link and host memory bandwidth of the device; "
+                                  f"{self.cluster.device.name} has none set: set host_link_gbs and "
+                                  "host_memory_bandwidth_gbs in the cluster file's [device] table")
+        passes = [constraints.offload] if constraints.offload is not None else [False]
+        if constraints.offload is None and self.step_model.can_offload and self.cluster.device_kind != "cpu":
+            passes.append(True)  # only if nothing fits without (on a CPU the host memory is the device's)
+        for offload in passes:
+            ranked, count, least_memory = self._search_pass(constraints, keep, offload)
+            if ranked:
+                break
+        if not ranked:
+            raise self._infeasible(least_memory, constraints)
+        best = ranked[0]
+        return SearchResult(best=best, sharding=self.sharding(best.config.tp, best.config.microbatch_size),
+                            num_configs=count, num_sharding_solves=len(self._sharding),
+                            search_time_s=time.perf_counter() - started, ranked=ranked)
+
+    def _search_pass(self, constraints: Constraints, keep: int, offload: bool):
+        """(the best `keep` fitting estimates, configurations priced, the leanest one)."""
         ranked: list[Estimate] = []
         count = 0
         least_memory: Estimate | None = None
         bound_factor = self.overheads.lower_bound_factor if self.overheads else 1.0
         for tp, pp, dp, cp in self._meshes(constraints):
+            if offload and pp != 1:
+                continue
             for microbatch in self._microbatches(dp, constraints):
-                self.progress(f"planning: tp={tp} pp={pp} dp={dp}{f' cp={cp}' if cp > 1 else ''} microbatch={microbatch}")
+                self.progress(f"planning: tp={tp} pp={pp} dp={dp}{f' cp={cp}' if cp > 1 else ''} microbatch={microbatch}"
+                              + (" (optimizer offload)" if offload else ""))
                 fitted_any = False
-                for config in self._configs(tp, pp, dp, microbatch, constraints, cp):
+                for config in self._configs(tp, pp, dp, microbatch, constraints, cp, offload=offload):
                     prepared = self.prepared(tp, microbatch, config.recompute, cp)
                     cutoff = ranked[keep - 1].step_time_s if len(ranked) >= keep else float("inf")
                     if _lower_bound_s(prepared, config) * bound_factor > cutoff:
@@ -334,12 +391,7 @@ class Planner:
                 ranked = sorted(ranked, key=lambda e: (e.step_time_s, e.peak_memory_bytes))[:keep]
                 if not fitted_any and constraints.microbatch_size is None:
                     break  # larger microbatches need more memory still
-        if not ranked:
-            raise self._infeasible(least_memory, constraints)
-        best = ranked[0]
-        return SearchResult(best=best, sharding=self.sharding(best.config.tp, best.config.microbatch_size),
-                            num_configs=count, num_sharding_solves=len(self._sharding),
-                            search_time_s=time.perf_counter() - started, ranked=ranked)
+        return ranked, count, least_memory
 
     def _meshes(self, constraints: Constraints):
         devices = self.cluster.num_devices
@@ -383,12 +435,15 @@ class Planner:
         # Powers of two: what practitioners use, and half the intra-op solves of all divisors.
         return [b for b in _divisors(local) if b <= self.options.max_microbatch_size and b & (b - 1) == 0]
 
-    def _configs(self, tp: int, pp: int, dp: int, microbatch: int, constraints: Constraints, cp: int = 1):
+    def _configs(self, tp: int, pp: int, dp: int, microbatch: int, constraints: Constraints, cp: int = 1, *,
+                 offload: bool = False):
         m = self.global_batch // (dp * microbatch)
         schedules = self._schedules(pp, constraints)
         modes = [constraints.recompute] if constraints.recompute else self._distinct_modes(tp, microbatch, cp)
         zeros = [constraints.zero_stage] if constraints.zero_stage is not None else \
             ([0] if dp * cp == 1 else [0, 1, 2, 3])
+        if offload:
+            zeros = [zero for zero in zeros if zero == 3] if constraints.zero_stage is not None else [3]
         if constraints.ep and constraints.ep > 1:
             if constraints.zero_stage or not self.expert_ops:  # wrong for every mesh: say why now
                 self._check_ep(ParallelConfig(dp=constraints.ep, tp=tp, pp=pp, microbatch_size=microbatch,
@@ -399,15 +454,17 @@ class Planner:
             eps = [1]
         else:
             eps = [1] + self.ep_options(tp, dp, microbatch)
+        if offload:
+            eps = [1]
         for schedule, virtual in schedules:
-            if not schedule_accepts(schedule, pp, m):
+            if not schedule_accepts(schedule, pp, m, virtual):
                 continue
             for recompute in modes:
                 for ep in eps:
                     for zero in (zeros if ep == 1 else [0]):
                         yield ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch, num_microbatches=m,
                                              schedule=schedule, virtual_stages=virtual, recompute=recompute,
-                                             zero_stage=zero, ep=ep, cp=cp)
+                                             zero_stage=zero, ep=ep, cp=cp, offload=offload)
 
     def _distinct_modes(self, tp: int, microbatch: int, cp: int = 1) -> list[str]:
         """Recomputation modes that price differently from every lighter one (without tensor
@@ -421,13 +478,24 @@ class Planner:
 
     def _schedules(self, pp: int, constraints: Constraints) -> list[tuple[str, int]]:
         virtual = self.virtual_stages(pp, constraints)
+        interleavings = virtual or self._interleavings(pp)
+        zbv = [("zbv", 2)] if 2 * pp <= len(self.graph.segments) else []
         if constraints.schedule:
             if constraints.schedule == "interleaved":
-                return [("interleaved", v) for v in (virtual or self._interleavings(pp))]
+                return [("interleaved", v) for v in interleavings]
+            if constraints.schedule == "zb1p":
+                return [("zb1p", v) for v in (virtual or [1] + interleavings)]
+            if constraints.schedule == "zbv":
+                if constraints.virtual_stages not in (None, 2):
+                    raise ConfigError(f"the zbv schedule runs exactly 2 model chunks per device (a V), got "
+                                      f"virtual_stages={constraints.virtual_stages}; use 2, or the zb1p schedule")
+                return zbv
             return [(constraints.schedule, 1)]
         if pp == 1:
             return [("1f1b", 1)]
-        return [("1f1b", 1)] + [("interleaved", v) for v in (virtual or self._interleavings(pp))]
+        # Zero-bubble: ZB-H1 (zb1p, one chunk) and ZB-V; zb1p over several chunks only when asked
+        # for (--schedule zb1p): searching every interleaving twice tripled the search's time.
+        return [("1f1b", 1)] + [("interleaved", v) for v in interleavings] + [("zb1p", 1)] + zbv
 
     def virtual_stages(self, pp: int, constraints: Constraints) -> list[int]:
         if constraints.virtual_stages:
@@ -473,6 +541,9 @@ class Planner:
                                                               or self._interleavings(pp)):
                 reasons.append(f"the interleaved schedule needs at least 2 chunks of layers per stage, and the "
                                f"{self.num_blocks} layers do not split into pp={pp} x 2, 3 or 4 chunks")
+            if constraints.schedule == "zbv" and 2 * pp > len(self.graph.segments):
+                reasons.append(f"the zbv schedule cuts the model into 2 x pp = {2 * pp} chunks, more than its "
+                               f"{len(self.graph.segments)} segments")
         if constraints.ep and constraints.ep > 1:
             reasons.append(f"ep={constraints.ep} must divide dp and the experts of every expert layer per "
                            "tensor-parallel rank")
@@ -481,14 +552,18 @@ class Planner:
                 f"{'; '.join(unique) or 'every candidate was ruled out'}; relax a constraint")
 
 
-def schedule_accepts(schedule: str, num_stages: int, num_microbatches: int) -> bool:
-    """What torch.distributed.pipelining's schedules run: 1F1B needs m >= p, interleaved a
-    multiple of p."""
+def schedule_accepts(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> bool:
+    """What torch.distributed.pipelining's schedules run (and the step model prices): 1F1B and
+    ZB-V need m >= p, interleaved (and zb1p with several chunks) a multiple of p; zb1p with one
+    chunk m >= p in rounds of equal size (torch: m divisible by max(1, m // p))."""
     if num_stages <= 1 or schedule == "gpipe":
         return True
-    if schedule == "interleaved":
-        return num_microbatches % num_stages == 0
-    return num_microbatches >= num_stages
+    m, p = num_microbatches, num_stages
+    if schedule == "interleaved" or (schedule == "zb1p" and virtual_stages > 1):
+        return m % p == 0
+    if schedule == "zb1p":
+        return m >= p and m % max(1, m // p) == 0
+    return m >= p
 
 
 def _lower_bound_s(prepared: PreparedSegments, config: ParallelConfig) -> float:
@@ -497,6 +572,8 @@ def _lower_bound_s(prepared: PreparedSegments, config: ParallelConfig) -> float:
     m, p = config.num_microbatches, config.pp
     if config.schedule == "interleaved" and p > 1:
         return (m + (p - 1) / config.virtual_stages) * total / p
+    if config.schedule in ZERO_BUBBLE_SCHEDULES:
+        return m * total / p
     return (m - 1 + p) * total / p
 
 

@@ -12,9 +12,20 @@ Per segment, for one microbatch on one device of a tensor-parallel group:
 Stage k holds segments S_k:  t_k = sum_{S_k} (f + b + r) + p2p_k, where p2p_k sends the stage's
 output forward and receives its gradient back (x v for interleaving).
 
-Pipeline with m microbatches on p stages (Narayanan et al., SC21):
+Pipeline with m microbatches on p stages (Narayanan et al., SC21; Qi et al., "Zero Bubble
+Pipeline Parallelism", 2023, for the zero-bubble schedules, whose backward runs as an input-
+gradient pass B_k and a weight-gradient pass W_k; t_k = F_k + B_k + W_k):
     1F1B, GPipe     T = (m - 1) max_k t_k + sum_k t_k
     interleaved     T = (m + (p - 1) / v) max_k t_k          (v model chunks per device)
+    zb1p            T = m max_k t_k + sum_{k != slowest} (F_k + max(B_k - W_k, 0)) / v
+                    (ZB-H1 for v = 1: each hop of the fill and drain costs F + B - W instead of
+                    F + B + W, as the deferred W passes fill the drain)
+    zbv             T = m max_k t_k + bubble of torch's ZB-V order laid out with the slowest
+                    stage's F, B, W per chunk (schedule_sim.py: the order's bubble has no closed
+                    form once W differs from F and B; it does not grow with m past 2p - 1)
+W_k is the weight-gradient part of the backward: per weight-bearing op as long as its forward
+(dW = X^T dY costs what Y = X W did), the rest of the backward (and the collectives, the
+recompute and the sends) is B_k.
 Data-parallel gradient synchronisation over the dp group:
     ZeRO 0      one all-reduce of the stage's gradients per step, overlapped with the last
                 microbatch's backward except the last layer's bucket
@@ -36,7 +47,17 @@ Context parallelism (cp > 1) splits each sequence over cp ranks: the segment cos
 gradients are reduced over that group.
 
 Step = T + exposed synchronisation + optimizer step (Adam, memory-bound, on the local shard)
-     + the all-reduce of weights tied across the first and last stage.
+     + the all-reduce of weights tied across the first and last stage (none under ZB-V: both
+     stages are on rank 0).
+Optimizer offload (FSDP2 CPUOffloadPolicy, ZeRO-3 without pipelining; Ren et al., ZeRO-Offload,
+2021): sharded parameters, gradients and Adam states live in host memory. Each unit's shard is
+copied host-to-device before each of its all-gathers (offload.h2d) and its reduced gradient
+device-to-host after each reduce-scatter (offload.d2h), on the same streams as the collectives;
+from the second microbatch the copy is blocking and the host adds it to the accumulated
+gradient (offload.grad_accumulate). The optimizer steps on the CPU (offload.cpu_adam): the
+same bytes per parameter as on the device, at the host memory bandwidth of this device's share
+of the CPU. Device memory keeps activations, buffers and FSDP2's gathered units; the states are
+in `host_memory_bytes`.
 Memory of stage k = model states (ZeRO, memory.py) + in_flight(k) x sum_{S_k} a + buffers
      + recompute workspace (what one segment regenerates: saved - kept) + gradient workspace (the
      largest output + input gradients of one op's backward) + FSDP2's gathered units (the largest
@@ -53,16 +74,20 @@ import numpy as np
 from autopar.mesh import Mesh
 from autopar.solver.evaluate import SegmentCost
 from autopar.solver.experts import ExpertPricing
-from autopar.solver.pipeline import ChainCosts, StageSpan, partition
 from autopar.solver.recompute import RECOMPUTE_MODES, REGATHER_MODES
+from autopar.solver.pipeline import ChainCosts, StageSpan, partition, rank_of, stages_of_rank
+from autopar.solver.schedule_sim import uniform_bubble_s
 from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
 from cost_model.fsdp import FsdpTimeline, timelines_of_arrays, unsharded_bytes
-from cost_model.memory import PrecisionPolicy, microbatches_in_flight, model_state_memory
+from cost_model.memory import (PrecisionPolicy, chunk_microbatches_in_flight, microbatches_in_flight,
+                               model_state_memory)
 
 __all__ = ["RECOMPUTE_MODES", "SCHEDULES", "ParallelConfig", "Estimate", "StepModel", "PreparedSegments"]
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb1p", "zbv")
+ZERO_BUBBLE_SCHEDULES = ("zb1p", "zbv")
+"""Schedules that split the backward into input- and weight-gradient passes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +101,7 @@ class ParallelConfig:
     num_microbatches: int
     schedule: str = "1f1b"
     virtual_stages: int = 1
-    """Model chunks per device for the interleaved schedule (1 otherwise)."""
+    """Model chunks per device for the interleaved and zb1p schedules (2 for zbv, 1 otherwise)."""
     recompute: str = "none"
     zero_stage: int = 0
     ep: int = 1
@@ -93,12 +118,29 @@ class ParallelConfig:
     def num_devices(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
 
+    offload: bool = False
+    """FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer states in host memory
+    and the optimizer step on the CPU (ZeRO-3 without pipelining)."""
+
+    @property
+    def chunks_per_device(self) -> int:
+        return chunks_per_device(self.schedule, self.virtual_stages)
+
     def describe(self) -> str:
-        schedule = self.schedule + (f"(v={self.virtual_stages})" if self.schedule == "interleaved" else "")
+        shown = self.schedule in ("interleaved", "zb1p") and self.virtual_stages > 1
+        schedule = self.schedule + (f"(v={self.virtual_stages})" if shown else "")
         experts = f" ep={self.ep}" if self.ep > 1 else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         return (f"dp={self.dp}{experts}{cp} tp={self.tp} pp={self.pp} microbatch={self.microbatch_size}x"
-                f"{self.num_microbatches} {schedule} recompute={self.recompute} zero={self.zero_stage}")
+                f"{self.num_microbatches} {schedule} recompute={self.recompute} zero={self.zero_stage}"
+                + (" offload" if self.offload else ""))
+
+
+def chunks_per_device(schedule: str, virtual_stages: int) -> int:
+    """Model chunks one pipeline rank runs under `schedule`."""
+    if schedule in ("interleaved", "zb1p"):
+        return virtual_stages
+    return 2 if schedule == "zbv" else 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +158,15 @@ class StageEstimate:
     p2p_s: float
     param_numel: float
     memory_bytes: dict[str, float]
+    forward_pass_s: float = 0.0
+    """One microbatch's forward pass: compute, forward collectives, half the sends (the F of the
+    zero-bubble schedules)."""
+    weight_grad_s: float = 0.0
+    """One microbatch's weight-gradient compute (the W of the zero-bubble schedules)."""
+    host_memory_bytes: dict[str, float] = field(default_factory=dict)
+    """Model states kept in host memory (optimizer offload)."""
+    offload_s: dict[str, float] = field(default_factory=dict)
+    """Exposed offload copies per microbatch, by term (included in time_per_microbatch_s)."""
     recompute: str = "none"
     """This stage's recomputation (stages with fewer microbatches in flight may need less)."""
     fsdp: FsdpTimeline | None = None
@@ -147,6 +198,8 @@ class Estimate:
     memory_bytes: dict[str, float]
     """Breakdown of the stage with the peak."""
     fits: bool
+    host_memory_bytes: dict[str, float] = field(default_factory=dict)
+    """Model states in host memory per device under optimizer offload (of the peak stage)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -161,6 +214,10 @@ class PreparedSegments:
     backward_s: np.ndarray
     recompute_s: np.ndarray
     comm_by_op_s: dict[str, np.ndarray]
+    forward_comm_s: np.ndarray
+    """Collectives of the forward pass itself (not a full recompute's replay)."""
+    weight_grad_s: np.ndarray
+    """Weight-gradient compute (see the module docstring)."""
     time_s: np.ndarray
     activation_bytes: np.ndarray
     param_numel: np.ndarray
@@ -188,7 +245,9 @@ class PreparedSegments:
     @classmethod
     def build(cls, segments: list[SegmentCost], recompute: str) -> "PreparedSegments":
         comm: dict[str, np.ndarray] = {}
+        forward_comm = np.zeros(len(segments))
         for index, segment in enumerate(segments):
+            forward_comm[index] = segment.comm_s("fwd")
             for event in segment.comm:
                 comm.setdefault(event.op, np.zeros(len(segments)))[index] += event.time_s
             for op, seconds in recompute_comm_s(segment, recompute).items():
@@ -210,7 +269,9 @@ class PreparedSegments:
                    ep_messages=messages if experts else (),
                    ep_dropless_compute_s=array(sum(e.compute_s for e in s.expert_exchanges if e.dropless)
                                                for s in segments) if experts else None,
-                   recompute_s=recomputed, comm_by_op_s=comm, time_s=forward + backward + recomputed + total_comm,
+                   recompute_s=recomputed, comm_by_op_s=comm, forward_comm_s=forward_comm,
+                   weight_grad_s=array(weight_grad_s(s) for s in segments),
+                   time_s=forward + backward + recomputed + total_comm,
                    activation_bytes=array(_activation_bytes(s, recompute) for s in segments),
                    param_numel=array(s.param_numel for s in segments),
                    buffer_bytes=array(s.buffer_bytes for s in segments),
@@ -247,7 +308,20 @@ class StepModel:
     expert_pricing: ExpertPricing = ExpertPricing()
     """Assumptions of the expert-parallel price (load imbalance)."""
 
+    host_link_bytes_per_s: float = 0.0
+    """Device-host copy bandwidth per device and direction (PCIe); 0: unknown, no offload."""
+    host_memory_bandwidth_bytes_per_s: float = 0.0
+    """Host memory bandwidth of one device's share of the CPU (the CPU Adam step)."""
+    host_memory_bytes: float = 0.0
+    """Host memory of one device's share of the node (offloaded states must fit)."""
+
+    @property
+    def can_offload(self) -> bool:
+        return self.host_link_bytes_per_s > 0 and self.host_memory_bandwidth_bytes_per_s > 0
+
     def state_bytes_per_param(self, config: ParallelConfig) -> float:
+        if config.offload:
+            return 0.0  # in host memory
         return model_state_memory(1.0, dp=config.data_shards, zero_stage=config.zero_stage,
                                   policy=self.policy).total_bytes
 
@@ -293,11 +367,11 @@ class StepModel:
         name): then each stage takes the cheapest that still fits its memory (1F1B's last stages
         hold fewer microbatches than the first)."""
         chain = self.chain(prepared, config)
-        num_chunks = config.pp * (config.virtual_stages if config.schedule == "interleaved" else 1)
+        num_chunks = config.pp * config.chunks_per_device
         workspace = self._workspace_bytes(prepared, config)
 
         def in_flight(chunk: int) -> float:
-            return _in_flight(config, chunk % config.pp)
+            return _chunk_in_flight(config, chunk)
 
         if num_chunks not in prepared.time_partitions:
             prepared.time_partitions[num_chunks] = partition(chain, num_chunks, in_flight=in_flight)
@@ -329,9 +403,9 @@ class StepModel:
 
     def _fits(self, chain: ChainCosts, spans, config: ParallelConfig, workspace: float) -> bool:
         for stage in range(config.pp):
-            own = spans[stage::config.pp]
-            in_flight = _in_flight(config, stage)
-            memory = sum(chain.total("state_bytes", s) + in_flight * chain.total("activation_bytes", s) for s in own)
+            own = _own_stages(config, stage)
+            memory = sum(chain.total("state_bytes", spans[s]) + _chunk_in_flight(config, s)
+                         * chain.total("activation_bytes", spans[s]) for s in own)
             if memory + workspace > self.memory_budget_bytes:
                 return False
         return True
@@ -344,7 +418,7 @@ class StepModel:
     def _workspace_terms(self, prepared: PreparedSegments, config: ParallelConfig, indices) -> dict[str, float]:
         recompute = prepared.max_recomputed_bytes if config.recompute != "none" else 0.0
         fsdp = 0.0
-        if config.zero_stage >= 2 and config.data_shards > 1:
+        if config.zero_stage >= 2 and (config.data_shards > 1 or config.offload):  # offload: FSDP2 even at dp = 1
             numel = prepared.param_numel[list(indices)].tolist()
             # ZeRO-2 keeps parameters gathered (counted as "parameters"): only a unit's gradients.
             param_bytes = self.policy.fsdp_gather_bytes if config.zero_stage == 3 else 0.0
@@ -361,13 +435,19 @@ class StepModel:
                   stage: int) -> StageEstimate:
         """One device's stage (a device owns chunks k, k + p, ... when interleaved)."""
         crosses_nodes = config.data_shards * config.tp >= self.devices_per_node
-        own = spans[stage::config.pp]
+        stage_indices = _own_stages(config, stage)
+        own = [spans[s] for s in stage_indices]
         indices = [i for span in own for i in range(span.start, span.stop)]
+        # A stage sends to the next one unless it is the last or the next runs on the same rank
+        # (the turn of ZB-V's V).
         p2p = sum(2 * self.comm.send_recv_s(float(prepared.output_bytes[span.stop - 1]), crosses_nodes=crosses_nodes)
-                  for span in own if span.stop < len(prepared))
-        return self._stage(stage, own, indices, prepared, config, p2p, _in_flight(config, stage), workspace)
+                  for s, span in zip(stage_indices, own) if span.stop < len(prepared)
+                  and rank_of(config.schedule, stage=s + 1, num_ranks=config.pp) != stage)
+        in_flight = [_chunk_in_flight(config, s) for s in stage_indices]
+        return self._stage(stage, own, indices, prepared, config, p2p, in_flight, workspace)
 
-    def _stage(self, stage, own, indices, prepared: PreparedSegments, config, p2p, in_flight, workspace) -> StageEstimate:
+    def _stage(self, stage, own, indices, prepared: PreparedSegments, config, p2p, in_flight: list[float],
+               workspace) -> StageEstimate:
         pick = lambda values: float(values[indices].sum())  # noqa: E731
         numel = pick(prepared.param_numel)
         expert_numel = pick(prepared.expert_numel) if config.ep > 1 and prepared.expert_numel is not None else 0.0
@@ -383,7 +463,13 @@ class StepModel:
         if config.pp > 1 and config.zero_stage >= 2 and config.data_shards > 1:
             # Without gradient sync until the last microbatch FSDP2 accumulates unsharded gradients.
             states = replace(states, grads_bytes=numel * self.policy.dp_reduce_bytes)
-        activations = in_flight * pick(prepared.activation_bytes)
+        host: dict[str, float] = {}
+        if config.offload:
+            host = {"host.parameters": states.params_bytes, "host.gradients": states.grads_bytes,
+                    "host.optimizer": states.optimizer_bytes}
+            states = replace(states, params_bytes=0.0, grads_bytes=0.0, optimizer_bytes=0.0)
+        activations = sum(count * float(prepared.activation_bytes[span.start:span.stop].sum())
+                          for count, span in zip(in_flight, own))
         extra = self._workspace_terms(prepared, config, indices)
         extra["fragmentation"] += self.allocator.fragmentation_bytes(activations)
         memory = {
@@ -395,9 +481,10 @@ class StepModel:
             **extra,
         }
         tp_comm = {op: pick(values) for op, values in prepared.comm_by_op_s.items()}
-        timeline, exposed, step_end = self._fsdp(prepared, indices, config)
+        timeline, exposed, step_end, offload = self._fsdp(prepared, indices, config)
         ep_s, ep_segments = self._ep_parts(prepared, indices, config)
-        time_per_microbatch = pick(prepared.time_s) + p2p + sum(exposed.values()) + sum(ep_s.values())
+        time_per_microbatch = (pick(prepared.time_s) + p2p + sum(exposed.values()) + sum(ep_s.values())
+                               + sum(offload.values()))
         chunks = tuple(tuple(prepared.names[i] for i in range(span.start, span.stop)) for span in own)
         return StageEstimate(index=stage, span=StageSpan(own[0].start, own[-1].stop),
                              segment_names=tuple(prepared.names[i] for i in indices), chunks=chunks,
@@ -406,7 +493,9 @@ class StepModel:
                              tp_comm_s=tp_comm, p2p_s=p2p, param_numel=numel, memory_bytes=memory,
                              recompute=prepared.recompute, fsdp=timeline, fsdp_exposed_s=exposed,
                              fsdp_step_end_s=step_end, expert_param_numel=expert_numel / config.ep,
-                             ep_s=ep_s, ep_segment_s=ep_segments)
+                             ep_s=ep_s, ep_segment_s=ep_segments,
+                             forward_pass_s=pick(prepared.forward_s) + pick(prepared.forward_comm_s) + p2p / 2,
+                             weight_grad_s=pick(prepared.weight_grad_s), host_memory_bytes=host, offload_s=offload)
 
     def _ep_parts(self, prepared: PreparedSegments, indices: list[int], config: ParallelConfig):
         """Expert parallelism on a stage: seconds per microbatch by part, and per segment."""
@@ -421,16 +510,18 @@ class StepModel:
         return parts, segments
 
     def _fsdp(self, prepared: PreparedSegments, indices: list[int], config: ParallelConfig):
-        """(timeline, exposed seconds by collective per microbatch, and once per step)."""
-        if config.zero_stage < 1 or config.data_shards <= 1:
-            return None, {}, {}
+        """(timeline, exposed seconds by collective per microbatch, once per step, and exposed
+        offload copies per microbatch by term)."""
+        if config.zero_stage < 1 or (config.data_shards <= 1 and not config.offload):
+            return None, {}, {}, {}
         # What the timeline depends on: identical stages (the middle ones of a deep model) share one.
         key = (prepared.param_numel[indices].tobytes(), prepared.forward_s[indices].tobytes(),
-               prepared.time_s[indices].tobytes(), config.data_shards, config.pp, config.tp, config.zero_stage)
+               prepared.time_s[indices].tobytes(), config.data_shards, config.pp, config.tp, config.zero_stage,
+               config.offload, config.num_microbatches if config.offload else 0)
         if key not in prepared.fsdp_cache:
             prepared.fsdp_cache[key] = self._fsdp_uncached(prepared, indices, config)
-        timeline, per_microbatch, step_end = prepared.fsdp_cache[key]
-        return timeline, dict(per_microbatch), dict(step_end)
+        timeline, per_microbatch, step_end, offload = prepared.fsdp_cache[key]
+        return timeline, dict(per_microbatch), dict(step_end), dict(offload)
 
     def _fsdp_uncached(self, prepared: PreparedSegments, indices: list[int], config: ParallelConfig):
         group = self._data_shard_group(config)
@@ -443,6 +534,9 @@ class StepModel:
         arrays = dict(forward_s=forward.tolist(), backward_s=(prepared.time_s[indices] - forward).tolist(),
                       gather_s=[gather[i] for i in inverse.tolist()], scatter_s=[scatter[i] for i in inverse.tolist()])
         reshard = config.zero_stage == 3
+        offload: dict[str, float] = {}
+        if config.offload:
+            arrays, offload, overlapped = self._with_offload_copies(arrays, sizes, inverse, config, reshard)
         timeline, gathers_only_s = timelines_of_arrays(**arrays, reshard_after_forward=reshard)
         scatter_s = max(0.0, timeline.exposed_s - gathers_only_s)
         per_microbatch: dict[str, float] = {}
@@ -454,18 +548,48 @@ class StepModel:
         # Gradients are reduce-scattered every microbatch by ZeRO-2/3 without pipelining; ZeRO-1
         # and any ZeRO under pipelining (set_requires_gradient_sync) reduce once, in the last.
         (per_microbatch if config.zero_stage >= 2 and config.pp == 1 else step_end)["reduce_scatter"] = scatter_s
-        return timeline, per_microbatch, step_end
+        if config.offload:
+            # The copies' share of the exposed time is priced as offload.*, not as collectives.
+            per_microbatch["all_gather"] = max(0.0, per_microbatch["all_gather"] - offload.get("offload.h2d", 0.0))
+            per_microbatch["reduce_scatter"] = max(0.0, per_microbatch["reduce_scatter"] - overlapped["offload.d2h"])
+            for op, seconds in per_microbatch.items():  # round-off of the subtractions
+                per_microbatch[op] = seconds if seconds > 1e-9 * timeline.compute_s else 0.0
+        return timeline, per_microbatch, step_end, offload
+
+    def _with_offload_copies(self, arrays: dict, sizes, inverse, config: ParallelConfig, reshard: bool):
+        """The FSDP2 arrays with each unit's host copies on the collectives' streams, and the exposed
+        seconds per microbatch the copies add (by term; see the module docstring), and what of
+        those the collectives' own exposure now holds."""
+        link = self.host_link_bytes_per_s
+        shard = sizes / config.data_shards
+        h2d = (shard * self.policy.fsdp_gather_bytes / link)[inverse].tolist()
+        d2h = (shard * self.policy.dp_reduce_bytes / link)[inverse].tolist()
+        base, _ = timelines_of_arrays(**arrays, reshard_after_forward=reshard)
+        copied_in = dict(arrays, gather_s=[g + c for g, c in zip(arrays["gather_s"], h2d)])
+        with_h2d, _ = timelines_of_arrays(**copied_in, reshard_after_forward=reshard)
+        both = dict(copied_in, scatter_s=[r + c for r, c in zip(arrays["scatter_s"], d2h)])
+        with_both, _ = timelines_of_arrays(**both, reshard_after_forward=reshard)
+        m = config.num_microbatches
+        # From the second microbatch on the D2H copy is blocking (it feeds the host's gradient
+        # accumulation, FSDP2's to_accumulate_grad): all of it is exposed, plus the host's add
+        # (read two fp32 shards, write one).
+        accumulate_s = float(shard[inverse].sum()) * 3 * self.policy.dp_reduce_bytes / self.host_memory_bandwidth_bytes_per_s
+        blocking_d2h_s = sum(d2h)
+        overlapped = {"offload.h2d": max(0.0, with_h2d.exposed_s - base.exposed_s),
+                      "offload.d2h": max(0.0, with_both.exposed_s - with_h2d.exposed_s)}
+        terms = {"offload.h2d": overlapped["offload.h2d"],
+                 "offload.d2h": (overlapped["offload.d2h"] + (m - 1) * blocking_d2h_s) / m,
+                 "offload.grad_accumulate": (m - 1) * accumulate_s / m}
+        return both, terms, overlapped
 
     def _assemble(self, stages: list[StageEstimate], config: ParallelConfig, fits: bool) -> Estimate:
         m, p = config.num_microbatches, config.pp
         slowest = max(stages, key=lambda s: s.time_per_microbatch_s)
         t_max = slowest.time_per_microbatch_s
-        if config.schedule == "interleaved" and p > 1:
-            pipeline_s = (m + (p - 1) / config.virtual_stages) * t_max
-        else:
-            pipeline_s = (m - 1) * t_max + sum(s.time_per_microbatch_s for s in stages)
+        pipeline_s = pipeline_time_s(config, stages, slowest)
         sync_s = max(self._dp_sync_exposed_s(stage, config) for stage in stages)
-        optimizer_s = max(self._optimizer_s(stage, config) for stage in stages)
+        optimizer_s = 0.0 if config.offload else max(self._optimizer_s(stage, config) for stage in stages)
+        cpu_adam_s = max(self._cpu_adam_s(stage, config) for stage in stages) if config.offload else 0.0
         tied_s = self._tied_sync_s(config)
         breakdown = {"compute": m * (slowest.forward_s + slowest.backward_s), "recompute": m * slowest.recompute_s}
         for op, seconds in sorted(slowest.tp_comm_s.items()):
@@ -483,15 +607,37 @@ class StepModel:
             breakdown[f"dp.{op}"] = m * seconds
         for op, seconds in sorted(synced.fsdp_step_end_s.items()):
             breakdown[f"dp.{op}.once"] = seconds
+        for term, seconds in sorted(slowest.offload_s.items()):
+            breakdown[term] = m * seconds
         breakdown["optimizer"] = optimizer_s
+        if config.offload:
+            breakdown["offload.cpu_adam"] = cpu_adam_s
         if tied_s:
             breakdown["pp.tied_weights"] = tied_s
         peak = max(stages, key=lambda s: s.total_memory_bytes)
-        return Estimate(config=config, step_time_s=pipeline_s + sync_s + optimizer_s + tied_s,
+        host_peak = max(stages, key=lambda s: sum(s.host_memory_bytes.values()))
+        host_fits = not config.offload or sum(host_peak.host_memory_bytes.values()) <= self.host_memory_bytes
+        return Estimate(config=config, step_time_s=pipeline_s + sync_s + optimizer_s + cpu_adam_s + tied_s,
                         breakdown_s=breakdown, stages=tuple(stages), peak_memory_bytes=peak.total_memory_bytes,
                         memory_bytes=dict(peak.memory_bytes),
-                        fits=fits and peak.total_memory_bytes <= self.memory_budget_bytes,
-                        notes=fsdp_notes(slowest, config))
+                        fits=fits and host_fits and peak.total_memory_bytes <= self.memory_budget_bytes,
+                        notes=fsdp_notes(slowest, config) + self._offload_notes(host_peak, config),
+                        host_memory_bytes=dict(host_peak.host_memory_bytes))
+
+    def _cpu_adam_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
+        """The optimizer step on the CPU over this device's shard, memory-bound like the device's."""
+        numel = stage.param_numel / config.data_shards
+        return numel * self.optimizer_io_bytes_per_param / self.host_memory_bandwidth_bytes_per_s
+
+    def _offload_notes(self, stage: StageEstimate, config: ParallelConfig) -> tuple[str, ...]:
+        if not config.offload:
+            return ()
+        host = sum(stage.host_memory_bytes.values())
+        rate = self.host_memory_bandwidth_bytes_per_s / self.optimizer_io_bytes_per_param
+        return (f"optimizer offload (FSDP2 CPUOffloadPolicy): {host / 2**30:.3g} GiB of parameters, gradients and "
+                f"Adam states per device in host memory ({self.host_memory_bytes / 2**30:.3g} GiB per device); "
+                f"host link {self.host_link_bytes_per_s / 1e9:.3g} GB/s, CPU Adam "
+                f"{rate / 1e9:.3g} G parameters/s",)
 
     def _data_shard_group(self, config: ParallelConfig):
         """The ranks that reduce gradients (and FSDP shards over): dp x cp, cp inside dp in the
@@ -528,10 +674,58 @@ class StepModel:
         return numel * self.optimizer_io_bytes_per_param / self.compute.bandwidth_bytes_per_s
 
     def _tied_sync_s(self, config: ParallelConfig) -> float:
-        if config.pp <= 1 or not self.tied_param_numel:
+        first, last = 0, config.pp * config.chunks_per_device - 1
+        if config.pp <= 1 or not self.tied_param_numel or \
+                rank_of(config.schedule, stage=first, num_ranks=config.pp) == \
+                rank_of(config.schedule, stage=last, num_ranks=config.pp):
             return 0.0
         crosses = config.data_shards * config.tp * (config.pp - 1) >= self.devices_per_node
         return 2 * self.comm.send_recv_s(self.tied_param_numel / config.tp * self.policy.grad_bytes, crosses_nodes=crosses)
+
+
+def pipeline_time_s(config: ParallelConfig, stages: list[StageEstimate], slowest: StageEstimate) -> float:
+    """The pipeline part T of the step (see the module docstring)."""
+    m, p, v = config.num_microbatches, config.pp, config.chunks_per_device
+    t_max = slowest.time_per_microbatch_s
+    if p == 1:
+        return m * t_max
+    if config.schedule == "interleaved":
+        return (m + (p - 1) / v) * t_max
+    if config.schedule == "zb1p":
+        hops = sum(_zero_bubble_hop_s(stage) for stage in stages if stage is not slowest)
+        return m * t_max + hops / v
+    if config.schedule == "zbv":
+        forward, weight = slowest.forward_pass_s, slowest.weight_grad_s
+        backward = t_max - forward - weight
+        return m * t_max + uniform_bubble_s("zbv", num_ranks=p, num_microbatches=m, num_chunks=2,
+                                            forward_s=forward / 2, backward_s=backward / 2, weight_s=weight / 2)
+    return (m - 1) * t_max + sum(s.time_per_microbatch_s for s in stages)
+
+
+def _zero_bubble_hop_s(stage: StageEstimate) -> float:
+    """What one stage adds to the fill and drain of ZB-H1: F + max(B - W, 0)."""
+    backward = stage.time_per_microbatch_s - stage.forward_pass_s - stage.weight_grad_s
+    return stage.forward_pass_s + max(backward - stage.weight_grad_s, 0.0)
+
+
+def weight_grad_s(segment: SegmentCost) -> float:
+    """Weight-gradient compute of a segment: the forward time of its weight-bearing ops (the ops
+    selective recompute does not re-run), at most its whole backward."""
+    weighted = segment.forward.total_s - segment.selective_recompute.total_s
+    return min(max(weighted, 0.0), segment.backward.total_s)
+
+
+def _own_stages(config: ParallelConfig, rank: int) -> list[int]:
+    """Global pipeline stages (model chunks) of pipeline rank `rank`, in local chunk order."""
+    return stages_of_rank(config.schedule, rank=rank, num_ranks=config.pp, num_chunks=config.chunks_per_device)
+
+
+def _chunk_in_flight(config: ParallelConfig, stage: int) -> float:
+    """Microbatches whose activations of global stage `stage` its rank holds at its peak."""
+    rank = rank_of(config.schedule, stage=stage, num_ranks=config.pp)
+    return chunk_microbatches_in_flight(config.schedule, rank=rank, chunk=0 if stage < config.pp else 1,
+                                        num_stages=config.pp, num_microbatches=config.num_microbatches,
+                                        virtual_stages=config.virtual_stages)
 
 
 def recompute_compute_s(segment: SegmentCost, recompute: str) -> float:

@@ -267,7 +267,7 @@ def _default_optimizer(parameters):
 
 def describe(plan: Plan) -> str:
     mesh = plan.mesh
-    schedule = plan.schedule + (f"(v={plan.virtual_stages})" if plan.schedule == "interleaved" else "")
+    schedule = plan.schedule + (f"(v={plan.virtual_stages})" if plan.schedule in ("interleaved", "zb1p") else "")
     return (f"dp={mesh['dp']} tp={mesh['tp']} pp={mesh['pp']} microbatch={plan.microbatch_size}x"
             f"{plan.num_microbatches} {schedule} recompute={plan.recompute} zero={plan.zero_stage}")
 

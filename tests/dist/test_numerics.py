@@ -184,11 +184,14 @@ def numerics_case(case: Case) -> dict:
         optimizer.step()
         optimizer.zero_grad()
     plan = module.plan
-    return dict(losses=losses, reference_losses=reference_losses, grad_errors=grad_errors,
+    groups = [stage._get_fsdp_state()._fsdp_param_group for stage in module.stages if hasattr(stage, "_get_fsdp_state")]
+    return dict(offload_policies=sorted({type(group.offload_policy).__name__ for group in groups if group}),
+                losses=losses, reference_losses=reference_losses, grad_errors=grad_errors,
                 all_parameters=sorted(reference_grads), mismatches=dict(module.stats.mismatches),
                 kept=dict(module.stats.kept),
                 plan=dict(mesh=plan.mesh, microbatch_size=plan.microbatch_size, schedule=plan.schedule,
                           virtual_stages=plan.virtual_stages, recompute=plan.recompute, zero_stage=plan.zero_stage,
+                          offload=plan.offload,
                           sharded_parameters=sorted(name for name, placement in plan.param_placements.items()
                                                     if placement != "R")))
 
@@ -220,6 +223,9 @@ _PARAMS = [
     _case("gpt", 2, dp=2, tp=1, pp=1, zero_stage=3, microbatch_size=2),
     _case("gpt", 2, dp=1, tp=1, pp=2, microbatch_size=2, schedule="gpipe"),
     _case("gpt", 2, dp=1, tp=1, pp=2, microbatch_size=1, schedule="interleaved", virtual_stages=2),
+    _case("gpt", 2, dp=1, tp=1, pp=2, microbatch_size=1, schedule="zb1p"),
+    _case("gpt", 2, dp=1, tp=1, pp=2, microbatch_size=2, schedule="zbv"),
+    _case("gpt", 2, dp=2, tp=1, pp=1, zero_stage=3, microbatch_size=2, offload=True),
     _case("gpt", 2, dp=1, tp=2, pp=1, recompute="full"),
     _case("gpt", 2, dp=1, tp=2, pp=1, recompute="selective"),
     _case("gpt", 2, dp=1, tp=2, pp=1, recompute="gathers"),
@@ -237,6 +243,7 @@ _PARAMS = [
     _case("gpt", 4, dp=1, tp=2, pp=2, microbatch_size=2),
     _case("gpt", 4, dp=2, tp=1, pp=2, microbatch_size=1),
     _case("gpt", 4, dp=1, tp=2, pp=2, microbatch_size=1, schedule="interleaved", virtual_stages=2),
+    _case("gpt", 4, dp=1, tp=2, pp=2, microbatch_size=1, schedule="zbv", recompute="selective"),
     _case("gpt", 4, dp=2, tp=2, pp=1, zero_stage=1, microbatch_size=2, recompute="full"),
     _case("llama", 4, dp=1, tp=2, pp=2, microbatch_size=2, recompute="selective"),
     _case("mlp", 4, dp=2, tp=1, pp=2, microbatch_size=1, zero_stage=1),
@@ -262,9 +269,11 @@ def test_matches_one_device(case_name, case_outcome):
     plan = results[0]["plan"]
     for axis in ("dp", "tp", "pp"):
         assert plan["mesh"][axis] == case.constraints[axis], plan
-    for key in ("zero_stage", "recompute", "microbatch_size", "schedule"):
+    for key in ("zero_stage", "recompute", "microbatch_size", "schedule", "offload"):
         if key in case.constraints:
             assert plan[key] == case.constraints[key], plan
+    if case.constraints.get("offload"):
+        assert results[0]["offload_policies"] == ["CPUOffloadPolicy"], results[0]["offload_policies"]
     if case.constraints["tp"] > 1:
         assert plan["sharded_parameters"], "the plan shards no parameter: the tp case tests nothing"
     # The op policy's own rule ran (not a silent fallback to a full recompute). The tiny models

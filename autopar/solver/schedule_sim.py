@@ -1,0 +1,80 @@
+"""Lays out a pipeline schedule's pass order on identical stages and returns its bubble.
+
+Every rank runs its order (schedules.py) as early as the dependencies allow: a forward waits
+for the previous stage's forward of the same microbatch, a backward for the next stage's
+backward (the last stage: its own forward), a weight-gradient pass for its own backward. The
+step model uses this where a schedule's bubble has no closed form (ZB-V once F, B and W differ);
+timeline.py lays out whole plans the same way, with each stage's own times.
+
+The bubble is the makespan minus m (F + B + W) of one stage. It scales with the pass times, so
+layouts are cached by the passes' shares of a stage's time (to 1e-6).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from autopar.solver.pipeline import stage_of
+from autopar.solver.schedules import SPLIT_BACKWARD, rank_order
+
+
+def uniform_bubble_s(schedule: str, *, num_ranks: int, num_microbatches: int, num_chunks: int, forward_s: float,
+                     backward_s: float, weight_s: float) -> float:
+    """Idle time of one step's pipeline whose every chunk's passes last forward_s (F),
+    backward_s (B: the input gradient under split schedules) and weight_s (W)."""
+    total = forward_s + backward_s + weight_s
+    if total <= 0 or num_ranks <= 1:
+        return 0.0
+    count = num_microbatches
+    if schedule == "zbv":
+        count = min(num_microbatches, 2 * num_ranks - 1)  # its bubble stops growing there
+    shares = (round(forward_s / total, 6), round(backward_s / total, 6))
+    makespan = _makespan(schedule, num_ranks, count, num_chunks, shares)
+    steady = count * num_chunks
+    return max(0.0, makespan - steady) * total
+
+
+@lru_cache(maxsize=4096)
+def _makespan(schedule: str, num_ranks: int, num_microbatches: int, num_chunks: int,
+              shares: tuple[float, float]) -> float:
+    """Makespan in units of one chunk's F + B + W."""
+    forward, backward = shares
+    weight = max(0.0, 1.0 - forward - backward)
+    split = schedule in SPLIT_BACKWARD
+    seconds = {"F": forward, "B": backward if split else backward + weight, "W": weight}
+    return layout_makespan(schedule, num_ranks, num_microbatches, num_chunks,
+                           lambda rank, kind, chunk: seconds[kind])
+
+
+def layout_makespan(schedule: str, num_ranks: int, num_microbatches: int, num_chunks: int, duration) -> float:
+    """Makespan of the order with `duration(rank, kind, chunk)` per pass."""
+    orders = [rank_order(schedule, rank=rank, num_ranks=num_ranks, num_microbatches=num_microbatches,
+                         num_chunks=num_chunks) for rank in range(num_ranks)]
+    last_stage = num_ranks * num_chunks - 1
+    done: dict[tuple[str, int, int], float] = {}
+    position, free_at = [0] * num_ranks, [0.0] * num_ranks
+    remaining = sum(len(order) for order in orders)
+    while remaining:
+        progressed = False
+        for rank in range(num_ranks):
+            order = orders[rank]
+            while position[rank] < len(order):
+                kind, chunk, microbatch = order[position[rank]]
+                stage = stage_of(schedule, rank=rank, chunk=chunk, num_ranks=num_ranks)
+                if kind == "F":
+                    needs = ("F", stage - 1, microbatch) if stage > 0 else None
+                elif kind == "B":
+                    needs = ("B", stage + 1, microbatch) if stage < last_stage else ("F", stage, microbatch)
+                else:
+                    needs = ("B", stage, microbatch)
+                if needs is not None and needs not in done:
+                    break
+                start = free_at[rank] if needs is None else max(free_at[rank], done[needs])
+                done[(kind, stage, microbatch)] = free_at[rank] = start + duration(rank, kind, chunk)
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"the {schedule} order deadlocks with {num_ranks} ranks, {num_microbatches} "
+                               f"microbatches and {num_chunks} chunks (a bug in autopar/solver/schedules.py)")
+    return max(free_at)
