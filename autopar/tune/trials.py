@@ -268,7 +268,9 @@ def _default_optimizer(parameters):
 def describe(plan: Plan) -> str:
     mesh = plan.mesh
     schedule = plan.schedule + (f"(v={plan.virtual_stages})" if plan.schedule in ("interleaved", "zb1p") else "")
-    return (f"dp={mesh['dp']} tp={mesh['tp']} pp={mesh['pp']} microbatch={plan.microbatch_size}x"
+    experts = f" ep={plan.ep}" if plan.ep > 1 else ""
+    cp = f" cp={mesh['cp']}" if mesh.get("cp", 1) > 1 else ""
+    return (f"dp={mesh['dp']}{experts}{cp} tp={mesh['tp']} pp={mesh['pp']} microbatch={plan.microbatch_size}x"
             f"{plan.num_microbatches} {schedule} recompute={plan.recompute} zero={plan.zero_stage}")
 
 
