@@ -54,7 +54,8 @@ def main() -> None:
             runs.setdefault(spec, run)
             plan, search = run["plan"], run["plan"].search
             label = spec if len(spec) < 20 else spec.split(",")[0] + ",..."
-            chosen = (f"pp={plan.mesh['pp']} dp={plan.mesh['dp']} tp={plan.mesh['tp']} "
+            cp = f" cp={plan.mesh['cp']}" if plan.mesh.get("cp", 1) > 1 else ""
+            chosen = (f"pp={plan.mesh['pp']} dp={plan.mesh['dp']}{cp} tp={plan.mesh['tp']} "
                       f"mb={plan.microbatch_size} {plan.schedule}(v={plan.virtual_stages}) {plan.recompute} "
                       f"zero={plan.zero_stage}")
             print(f"| {label} | {cluster} | {batch} | {'3 blocks traced' if reuse else 'every layer'} | "
