@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 
 from autopar.errors import PlanMismatchError
 from autopar.plans import Plan
-from autopar.report.schedules import rank_order
-from autopar.solver.pipeline import stage_of
+from autopar.solver.schedule_sim import lay_out
 
 PASS_KINDS = ("forward", "recompute", "backward", "weight")
 TAIL_KINDS = ("dp.gradient_sync", "dp.all_gather.once", "dp.reduce_scatter.once", "pp.tied_weights", "optimizer",
@@ -136,45 +135,24 @@ def _pass_times(plan: Plan, rank: int, num_chunks: int) -> list[dict[str, _Pass]
 
 
 def _simulate(schedule: str, durations, num_ranks: int, num_microbatches: int, num_chunks: int) -> list[Block]:
-    """Run every rank's pass order as early as its dependencies allow (list scheduling)."""
+    """Every rank's pass order laid out as early as its dependencies allow (solver/schedule_sim.py),
+    each pass drawn as its parts."""
     schedule = schedule if num_ranks > 1 else "1f1b"
-    orders = [rank_order(schedule, rank=rank, num_ranks=num_ranks, num_microbatches=num_microbatches,
-                         num_chunks=num_chunks) for rank in range(num_ranks)]
-    last_stage = num_ranks * num_chunks - 1
     # Schedules that do not split the backward have no "weight" part: it is inside "backward".
     names = {"F": ("forward",), "B": ("recompute", "backward"), "W": ("weight",)}
-    done: dict[tuple[str, int, int], float] = {}
-    position, free_at, blocks = [0] * num_ranks, [0.0] * num_ranks, []
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for rank in range(num_ranks):
-            while position[rank] < len(orders[rank]):
-                kind, chunk, microbatch = orders[rank][position[rank]]
-                stage = stage_of(schedule, rank=rank, chunk=chunk, num_ranks=num_ranks)
-                if kind == "F":
-                    needs = ("F", stage - 1, microbatch) if stage > 0 else None
-                elif kind == "B":
-                    needs = ("B", stage + 1, microbatch) if stage < last_stage else ("F", stage, microbatch)
-                else:
-                    needs = ("B", stage, microbatch)
-                if needs is not None and needs not in done:
-                    break
-                start = max(free_at[rank], done[needs] if needs else 0.0)
-                passes = durations[rank][chunk]
-                for name in names[kind]:
-                    if name in ("recompute", "weight") and passes[name].seconds <= 0:
-                        continue
-                    blocks.append(Block(rank=rank, kind=name, start_s=start, duration_s=passes[name].seconds,
-                                        microbatch=microbatch, chunk=chunk, comm_s=passes[name].comm_s))
-                    start += passes[name].seconds
-                done[(kind, stage, microbatch)] = free_at[rank] = start
-                position[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"the {schedule} order deadlocks with {num_ranks} ranks, {num_microbatches} "
-                               f"microbatches and {num_chunks} chunks (a bug in autopar/solver/schedules.py)")
+    blocks: list[Block] = []
+
+    def run(rank: int, kind: str, chunk: int, microbatch: int, start: float) -> float:
+        passes = durations[rank][chunk]
+        for name in names[kind]:
+            if name in ("recompute", "weight") and passes[name].seconds <= 0:
+                continue
+            blocks.append(Block(rank=rank, kind=name, start_s=start, duration_s=passes[name].seconds,
+                                microbatch=microbatch, chunk=chunk, comm_s=passes[name].comm_s))
+            start += passes[name].seconds
+        return start
+
+    lay_out(schedule, num_ranks, num_microbatches, num_chunks, run)
     return blocks
 
 

@@ -48,6 +48,13 @@ def _makespan(schedule: str, num_ranks: int, num_microbatches: int, num_chunks: 
 
 def layout_makespan(schedule: str, num_ranks: int, num_microbatches: int, num_chunks: int, duration) -> float:
     """Makespan of the order with `duration(rank, kind, chunk)` per pass."""
+    return lay_out(schedule, num_ranks, num_microbatches, num_chunks,
+                   lambda rank, kind, chunk, microbatch, start_s: start_s + duration(rank, kind, chunk))
+
+
+def lay_out(schedule: str, num_ranks: int, num_microbatches: int, num_chunks: int, run) -> float:
+    """Run every rank's pass order as early as its dependencies allow (list scheduling):
+    `run(rank, kind, chunk, microbatch, start_s)` returns when that pass ends. The makespan."""
     orders = [rank_order(schedule, rank=rank, num_ranks=num_ranks, num_microbatches=num_microbatches,
                          num_chunks=num_chunks) for rank in range(num_ranks)]
     last_stage = num_ranks * num_chunks - 1
@@ -70,7 +77,7 @@ def layout_makespan(schedule: str, num_ranks: int, num_microbatches: int, num_ch
                 if needs is not None and needs not in done:
                     break
                 start = free_at[rank] if needs is None else max(free_at[rank], done[needs])
-                done[(kind, stage, microbatch)] = free_at[rank] = start + duration(rank, kind, chunk)
+                done[(kind, stage, microbatch)] = free_at[rank] = run(rank, kind, chunk, microbatch, start)
                 position[rank] += 1
                 remaining -= 1
                 progressed = True
