@@ -7,7 +7,8 @@ step model uses this where a schedule's bubble has no closed form (ZB-V once F, 
 timeline.py lays out whole plans the same way, with each stage's own times.
 
 The bubble is the makespan minus m (F + B + W) of one stage. It scales with the pass times, so
-layouts are cached by the passes' shares of a stage's time (to 1e-6).
+layouts are cached by the passes' shares of a stage's time (to 1e-6); the dependency graph of
+an order is built once and walked in a topological order for each set of durations.
 """
 
 from __future__ import annotations
@@ -41,9 +42,16 @@ def _makespan(schedule: str, num_ranks: int, num_microbatches: int, num_chunks: 
     forward, backward = shares
     weight = max(0.0, 1.0 - forward - backward)
     split = schedule in SPLIT_BACKWARD
-    seconds = {"F": forward, "B": backward if split else backward + weight, "W": weight}
-    return layout_makespan(schedule, num_ranks, num_microbatches, num_chunks,
-                           lambda rank, kind, chunk: seconds[kind])
+    seconds = (forward, backward if split else backward + weight, weight)
+    kinds, before, needs = _dependency_graph(schedule, num_ranks, num_microbatches, num_chunks)[1:]
+    finish = [0.0] * len(kinds)
+    for index, kind in enumerate(kinds):  # the loop of lay_out with durations by kind
+        previous, need = before[index], needs[index]
+        start = finish[previous] if previous >= 0 else 0.0
+        if need >= 0 and finish[need] > start:
+            start = finish[need]
+        finish[index] = start + seconds[kind]
+    return max(finish)
 
 
 def layout_makespan(schedule: str, num_ranks: int, num_microbatches: int, num_chunks: int, duration) -> float:
@@ -55,11 +63,35 @@ def layout_makespan(schedule: str, num_ranks: int, num_microbatches: int, num_ch
 def lay_out(schedule: str, num_ranks: int, num_microbatches: int, num_chunks: int, run) -> float:
     """Run every rank's pass order as early as its dependencies allow (list scheduling):
     `run(rank, kind, chunk, microbatch, start_s)` returns when that pass ends. The makespan."""
+    passes, _, before, needs = _dependency_graph(schedule, num_ranks, num_microbatches, num_chunks)
+    finish = [0.0] * len(passes)
+    for index, (rank, kind, chunk, microbatch) in enumerate(passes):
+        previous, need = before[index], needs[index]
+        start = finish[previous] if previous >= 0 else 0.0
+        if need >= 0:
+            start = max(start, finish[need])
+        finish[index] = run(rank, kind, chunk, microbatch, start)
+    return max(finish, default=0.0)
+
+
+_KINDS = {"F": 0, "B": 1, "W": 2}
+
+
+@lru_cache(maxsize=256)
+def _dependency_graph(schedule: str, num_ranks: int, num_microbatches: int, num_chunks: int):
+    """Every rank's passes in an order that respects their dependencies, as lay_out runs them:
+    (passes as (rank, kind, chunk, microbatch), kind index per pass (F 0, B 1, W 2), the index
+    of the same rank's previous pass, the index of the pass it waits for; -1 for none).
+    A pass starts when both have ended: its start is the longest path to it, whatever the
+    durations, so the graph is built once per order."""
     orders = [rank_order(schedule, rank=rank, num_ranks=num_ranks, num_microbatches=num_microbatches,
                          num_chunks=num_chunks) for rank in range(num_ranks)]
     last_stage = num_ranks * num_chunks - 1
-    done: dict[tuple[str, int, int], float] = {}
-    position, free_at = [0] * num_ranks, [0.0] * num_ranks
+    index_of: dict[tuple[str, int, int], int] = {}
+    passes: list[tuple[int, str, int, int]] = []
+    before: list[int] = []
+    needs_index: list[int] = []
+    position, last_of_rank = [0] * num_ranks, [-1] * num_ranks
     remaining = sum(len(order) for order in orders)
     while remaining:
         progressed = False
@@ -74,14 +106,17 @@ def lay_out(schedule: str, num_ranks: int, num_microbatches: int, num_chunks: in
                     needs = ("B", stage + 1, microbatch) if stage < last_stage else ("F", stage, microbatch)
                 else:
                     needs = ("B", stage, microbatch)
-                if needs is not None and needs not in done:
+                if needs is not None and needs not in index_of:
                     break
-                start = free_at[rank] if needs is None else max(free_at[rank], done[needs])
-                done[(kind, stage, microbatch)] = free_at[rank] = run(rank, kind, chunk, microbatch, start)
+                index_of[(kind, stage, microbatch)] = len(passes)
+                before.append(last_of_rank[rank])
+                needs_index.append(-1 if needs is None else index_of[needs])
+                last_of_rank[rank] = len(passes)
+                passes.append((rank, kind, chunk, microbatch))
                 position[rank] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise RuntimeError(f"the {schedule} order deadlocks with {num_ranks} ranks, {num_microbatches} "
                                f"microbatches and {num_chunks} chunks (a bug in autopar/solver/schedules.py)")
-    return max(free_at)
+    return tuple(passes), tuple(_KINDS[kind] for _, kind, _, _ in passes), tuple(before), tuple(needs_index)

@@ -199,6 +199,13 @@ class Planner:
             self._prepared[key] = PreparedSegments.build(self.segment_costs(tp, microbatch_size, cp), recompute)
         return self._prepared[key]
 
+    def _least_work(self, config: ParallelConfig) -> PreparedSegments:
+        """What a lower bound on the configuration's time may count: its own mode's segments, or
+        under pipelining the lightest mode's (stages that fit may recompute less, _lighter)."""
+        if config.pp == 1:
+            return self.prepared(config.tp, config.microbatch_size, config.recompute, config.cp)
+        return self.prepared(config.tp, config.microbatch_size, RECOMPUTE_MODES[0], config.cp)
+
     def _lighter(self, config: ParallelConfig) -> dict[str, PreparedSegments]:
         """Cheaper recomputation modes than the configuration's, for stages that can afford them."""
         if config.pp == 1:
@@ -373,20 +380,35 @@ class Planner:
                 self.progress(f"planning: tp={tp} pp={pp} dp={dp}{f' cp={cp}' if cp > 1 else ''} microbatch={microbatch}"
                               + (" (optimizer offload)" if offload else ""))
                 fitted_any = False
+                fitted_lighter: dict[tuple, float] = {}
                 for config in self._configs(tp, pp, dp, microbatch, constraints, cp, offload=offload):
                     prepared = self.prepared(tp, microbatch, config.recompute, cp)
+                    work_s = float(prepared.time_s.sum())
+                    rest = (config.schedule, config.virtual_stages, config.ep, config.zero_stage)
+                    if work_s > fitted_lighter.get(rest, float("inf")):
+                        continue  # a lighter mode fits with less work: this one only adds recomputation
                     cutoff = ranked[keep - 1].step_time_s if len(ranked) >= keep else float("inf")
-                    if _lower_bound_s(prepared, config) * bound_factor > cutoff:
+                    if _lower_bound_s(self._least_work(config), config) * bound_factor > cutoff:
                         fitted_any = True  # not priced, but a faster one is known: keep looking
                         continue
-                    estimate = self._calibrated(self.step_model.estimate(prepared, config, self._lighter(config)))
-                    if estimate is None:
+                    # Once a configuration fits, one that does not is not priced: only the
+                    # leanest of them matters, for the message when none fits.
+                    staged = self.step_model.stages(prepared, config, self._lighter(config),
+                                                    cutoff_s=cutoff / bound_factor, price_unfit=not ranked)
+                    if staged is None:
                         continue
                     count += 1
+                    if staged.bound_s * bound_factor > cutoff:
+                        fitted_any = True  # its slowest stage alone is slower than the ones kept
+                        continue
+                    if not staged.stages:
+                        continue  # does not fit
+                    estimate = self._calibrated(self.step_model.assemble(staged.stages, staged.fits, config))
                     if least_memory is None or estimate.peak_memory_bytes < least_memory.peak_memory_bytes:
                         least_memory = estimate
                     if estimate.fits:
                         fitted_any = True
+                        fitted_lighter.setdefault(rest, work_s)
                         ranked.append(estimate)
                 ranked = sorted(ranked, key=lambda e: (e.step_time_s, e.peak_memory_bytes))[:keep]
                 if not fitted_any and constraints.microbatch_size is None:
@@ -567,14 +589,18 @@ def schedule_accepts(schedule: str, num_stages: int, num_microbatches: int, virt
 
 
 def _lower_bound_s(prepared: PreparedSegments, config: ParallelConfig) -> float:
-    """No stage is faster than an even share of the work: (m - 1 + p) / p x total (1F1B)."""
+    """No pipeline rank is faster than an even share of the work, nor than the slowest chunk of
+    the most balanced cut: t_max >= max(total / p, slowest chunk). 1F1B and GPipe take
+    (m - 1) t_max + the sum of the stages (>= total), interleaved (m + (p - 1) / v) t_max, the
+    zero-bubble schedules at least m t_max."""
     total = float(prepared.time_s.sum())
     m, p = config.num_microbatches, config.pp
+    slowest = max(total / p, prepared.slowest_chunk_s(p * config.chunks_per_device)) if p > 1 else total
     if config.schedule == "interleaved" and p > 1:
-        return (m + (p - 1) / config.virtual_stages) * total / p
+        return (m + (p - 1) / config.virtual_stages) * slowest
     if config.schedule in ZERO_BUBBLE_SCHEDULES:
-        return m * total / p
-    return (m - 1 + p) * total / p
+        return m * slowest
+    return (m - 1) * slowest + total
 
 
 def _cpu_cores(planner: "Planner") -> int:

@@ -68,13 +68,14 @@ Memory of stage k = model states (ZeRO, memory.py) + in_flight(k) x sum_{S_k} a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import numpy as np
 
 from autopar.mesh import Mesh
-from autopar.solver.evaluate import SegmentCost
 from autopar.solver.experts import ExpertPricing
-from autopar.solver.recompute import RECOMPUTE_MODES, REGATHER_MODES
+from autopar.solver.prepared import PreparedSegments, recompute_comm_s, recompute_compute_s, weight_grad_s
+from autopar.solver.recompute import RECOMPUTE_MODES
 from autopar.solver.pipeline import ChainCosts, StageSpan, partition, rank_of, stages_of_rank
 from autopar.solver.schedule_sim import uniform_bubble_s
 from cost_model.allocator import NO_OVERHEAD, AllocatorModel
@@ -84,7 +85,8 @@ from cost_model.fsdp import FsdpTimeline, timelines_of_arrays, unsharded_bytes
 from cost_model.memory import (PrecisionPolicy, chunk_microbatches_in_flight, microbatches_in_flight,
                                model_state_memory)
 
-__all__ = ["RECOMPUTE_MODES", "SCHEDULES", "ParallelConfig", "Estimate", "StepModel", "PreparedSegments"]
+__all__ = ["RECOMPUTE_MODES", "SCHEDULES", "ParallelConfig", "Estimate", "StepModel", "PreparedSegments",
+           "recompute_comm_s", "recompute_compute_s", "weight_grad_s"]
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb1p", "zbv")
 ZERO_BUBBLE_SCHEDULES = ("zb1p", "zbv")
 """Schedules that split the backward into input- and weight-gradient passes."""
@@ -203,92 +205,15 @@ class Estimate:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
-@dataclass
-class PreparedSegments:
-    """Per-segment arrays for one intra-op solution and recomputation mode (reused by every
-    pp, dp, schedule and ZeRO stage the search tries)."""
+@dataclass(frozen=True)
+class Staged:
+    """A configuration's stages before the pipeline is assembled (StepModel.stages)."""
 
-    names: list[str]
-    recompute: str
-    forward_s: np.ndarray
-    backward_s: np.ndarray
-    recompute_s: np.ndarray
-    comm_by_op_s: dict[str, np.ndarray]
-    forward_comm_s: np.ndarray
-    """Collectives of the forward pass itself (not a full recompute's replay)."""
-    weight_grad_s: np.ndarray
-    """Weight-gradient compute (see the module docstring)."""
-    time_s: np.ndarray
-    activation_bytes: np.ndarray
-    param_numel: np.ndarray
-    buffer_bytes: np.ndarray
-    output_bytes: np.ndarray
-    max_saved_bytes: float
-    max_recomputed_bytes: float = 0.0
-    """Largest set of tensors one segment regenerates in backward (saved minus kept)."""
-    grad_workspace_bytes: np.ndarray | None = None
-    """Per segment, the largest gradients one op's backward holds at once (evaluate.py)."""
-    time_partitions: dict[int, list[StageSpan] | None] = field(default_factory=dict)
-    expert_numel: np.ndarray | None = None
-    """Per segment, the expert weights among param_numel (None: no expert ops)."""
-    ep_messages: tuple[tuple[tuple[float, str, bool], ...], ...] = ()
-    """Per segment, its expert ops' all-to-alls: (bytes, "fwd" | "bwd", dropless); a full
-    recompute repeats the forward ones."""
-    ep_dropless_compute_s: np.ndarray | None = None
-    """Per segment, compute of its dropless expert ops (what load imbalance stretches)."""
-    ep_times: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
-    """Cache per (ep, tp, devices per node): all-to-all forward, backward, load imbalance seconds."""
-    fsdp_cache: dict[tuple, tuple] = field(default_factory=dict)
-    """StepModel._fsdp by (a stage's segment costs, dp x cp, pp, tp, ZeRO stage): identical stages, and
-    configurations differing only in microbatch count or schedule, share one FSDP2 timeline."""
-
-    @classmethod
-    def build(cls, segments: list[SegmentCost], recompute: str) -> "PreparedSegments":
-        comm: dict[str, np.ndarray] = {}
-        forward_comm = np.zeros(len(segments))
-        for index, segment in enumerate(segments):
-            forward_comm[index] = segment.comm_s("fwd")
-            for event in segment.comm:
-                comm.setdefault(event.op, np.zeros(len(segments)))[index] += event.time_s
-            for op, seconds in recompute_comm_s(segment, recompute).items():
-                comm.setdefault(op, np.zeros(len(segments)))[index] += seconds
-            for event in segment.selective_recompute_comm if recompute == "selective" else ():
-                comm.setdefault(event.op, np.zeros(len(segments)))[index] += event.time_s
-        array = lambda values: np.asarray(list(values), dtype=float)  # noqa: E731
-        forward = array(s.forward.total_s for s in segments)
-        backward = array(s.backward.total_s for s in segments)
-        recomputed = array(recompute_compute_s(s, recompute) for s in segments)
-        total_comm = sum(comm.values()) if comm else np.zeros(len(segments))
-        experts = any(s.expert_exchanges for s in segments)
-        repeat = 2 if recompute == "full" else 1
-        messages = tuple(tuple((size, phase, exchange.dropless) for exchange in s.expert_exchanges
-                               for size, phase in exchange.messages() for _ in range(repeat if phase == "fwd" else 1))
-                         for s in segments)
-        return cls(names=[s.name for s in segments], recompute=recompute, forward_s=forward, backward_s=backward,
-                   expert_numel=array(s.expert_param_numel for s in segments) if experts else None,
-                   ep_messages=messages if experts else (),
-                   ep_dropless_compute_s=array(sum(e.compute_s for e in s.expert_exchanges if e.dropless)
-                                               for s in segments) if experts else None,
-                   recompute_s=recomputed, comm_by_op_s=comm, forward_comm_s=forward_comm,
-                   weight_grad_s=array(weight_grad_s(s) for s in segments),
-                   time_s=forward + backward + recomputed + total_comm,
-                   activation_bytes=array(_activation_bytes(s, recompute) for s in segments),
-                   param_numel=array(s.param_numel for s in segments),
-                   buffer_bytes=array(s.buffer_bytes for s in segments),
-                   output_bytes=array(s.output_bytes for s in segments),
-                   grad_workspace_bytes=array(s.grad_workspace_bytes for s in segments),
-                   max_saved_bytes=max((s.saved_bytes for s in segments), default=0.0),
-                   max_recomputed_bytes=max((max(0.0, s.saved_bytes - _activation_bytes(s, recompute))
-                                             for s in segments), default=0.0))
-
-    def same_as(self, other: "PreparedSegments") -> bool:
-        """Prices every configuration as `other` does (a mode that changes nothing for this model,
-        such as re-gathering without tensor parallelism)."""
-        return (np.array_equal(self.time_s, other.time_s) and np.array_equal(self.activation_bytes, other.activation_bytes)
-                and self.max_recomputed_bytes == other.max_recomputed_bytes)
-
-    def __len__(self) -> int:
-        return len(self.names)
+    stages: list[StageEstimate]
+    """Empty when bound_s exceeded the cutoff: the stages were not priced further."""
+    fits: bool
+    bound_s: float
+    """m x the slowest stage's time per microbatch: no schedule's step is shorter."""
 
 
 @dataclass
@@ -314,6 +239,7 @@ class StepModel:
     """Host memory bandwidth of one device's share of the CPU (the CPU Adam step)."""
     host_memory_bytes: float = 0.0
     """Host memory of one device's share of the node (offloaded states must fit)."""
+    _send_recv_cache: dict[tuple[float, bool], float] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def can_offload(self) -> bool:
@@ -366,7 +292,42 @@ class StepModel:
         `config.recompute` applies to every stage unless `lighter` offers cheaper modes (by
         name): then each stage takes the cheapest that still fits its memory (1F1B's last stages
         hold fewer microbatches than the first)."""
-        chain = self.chain(prepared, config)
+        staged = self.stages(prepared, config, lighter)
+        return None if staged is None else self.assemble(staged.stages, staged.fits, config)
+
+    def stages(self, prepared: PreparedSegments, config: ParallelConfig,
+               lighter: dict[str, PreparedSegments] | None = None, *, cutoff_s: float = float("inf"),
+               price_unfit: bool = True) -> "Staged | None":
+        """The stages of `config` (see estimate) and whether they fit; None when the segments
+        cannot be split into them. Every schedule's step takes at least m x the slowest stage's
+        time (Staged.bound_s); when that exceeds `cutoff_s`, or when no partition fits and not
+        `price_unfit`, the stages are not priced (Staged.stages is empty): that is how the
+        search drops configurations early."""
+        chain_key = (config.data_shards, config.dp, config.zero_stage, config.offload, config.ep)
+        chain = prepared.chains.get(chain_key)
+        if chain is None:
+            chain = prepared.chains[chain_key] = self.chain(prepared, config)
+        spans, fits = self._spans(prepared, chain, chain_key, config)
+        if spans is None:
+            return None
+        if not fits and not price_unfit:
+            return Staged(stages=[], fits=False, bound_s=0.0)
+        if cutoff_s < float("inf"):
+            # Stages that fit may take a lighter mode (_lightest): bound with the lightest.
+            fastest = lighter[next(iter(lighter))] if fits and lighter else prepared
+            for stage in range(config.pp):
+                bound_s = config.num_microbatches * self._stage_time_s(fastest, spans, config, stage)
+                if bound_s > cutoff_s:
+                    return Staged(stages=[], fits=fits, bound_s=bound_s)
+        stages = [self._stage_at(prepared, spans, config, stage) for stage in range(config.pp)]
+        if fits and lighter:
+            stages = [self._lightest(stage, prepared, spans, config, lighter) for stage in stages]
+        bound_s = config.num_microbatches * max(stage.time_per_microbatch_s for stage in stages)
+        return Staged(stages=stages, fits=fits, bound_s=bound_s)
+
+    def _spans(self, prepared: PreparedSegments, chain: ChainCosts, chain_key: tuple, config: ParallelConfig):
+        """(the stage partition, whether it fits): the fastest split if it fits, else the fastest
+        that fits, else the fastest; (None, False) when there are fewer segments than chunks."""
         num_chunks = config.pp * config.chunks_per_device
         workspace = self._workspace_bytes(prepared, config)
 
@@ -377,29 +338,43 @@ class StepModel:
             prepared.time_partitions[num_chunks] = partition(chain, num_chunks, in_flight=in_flight)
         spans = prepared.time_partitions[num_chunks]
         if spans is None:
-            return None
-        fits = self._fits(chain, spans, config, workspace)
-        if not fits:
-            lean = partition(chain, num_chunks, in_flight=in_flight, memory_budget_bytes=self.memory_budget_bytes,
-                             fixed_bytes=workspace)
-            if lean is not None:
-                spans, fits = lean, True
-        stages = [self._stage_at(prepared, spans, config, workspace, stage) for stage in range(config.pp)]
-        if fits and lighter:
-            stages = [self._lightest(stage, spans, config, workspace, lighter) for stage in stages]
-        return self._assemble(stages, config, fits)
+            return None, False
+        if self._fits(chain, spans, config, workspace):
+            return spans, True
+        lean_key = (num_chunks, chain_key, tuple(in_flight(chunk) for chunk in range(num_chunks)), workspace)
+        if lean_key not in prepared.lean_partitions:
+            prepared.lean_partitions[lean_key] = partition(
+                chain, num_chunks, in_flight=in_flight, memory_budget_bytes=self.memory_budget_bytes,
+                fixed_bytes=workspace)
+        lean = prepared.lean_partitions[lean_key]
+        return (lean, True) if lean is not None else (spans, False)
 
-    def _lightest(self, stage: StageEstimate, spans, config: ParallelConfig, workspace: float,
+    def _lightest(self, stage: StageEstimate, prepared: PreparedSegments, spans, config: ParallelConfig,
                   lighter: dict[str, PreparedSegments]) -> StageEstimate:
+        """The stage under the cheapest lighter mode whose memory fits (its own mode otherwise);
+        a mode's memory is checked before the stage is priced under it."""
+        stage_indices = _own_stages(config, stage.index)
+        own = [spans[s] for s in stage_indices]
+        in_flight = [_chunk_in_flight(config, s) for s in stage_indices]
+        unchanged = stage.total_memory_bytes - self._mode_bytes(prepared, own, config, in_flight)
         for mode in RECOMPUTE_MODES:
             if mode == config.recompute:
                 return stage
             if mode not in lighter:
                 continue
-            candidate = self._stage_at(lighter[mode], spans, config, workspace, stage.index)
+            if unchanged + self._mode_bytes(lighter[mode], own, config, in_flight) > self.memory_budget_bytes * (1 + 1e-9):
+                continue
+            candidate = self._stage_at(lighter[mode], spans, config, stage.index)
             if candidate.total_memory_bytes <= self.memory_budget_bytes:
                 return candidate
         return stage
+
+    def _mode_bytes(self, prepared: PreparedSegments, own, config: ParallelConfig, in_flight: list[float]) -> float:
+        """The part of a stage's memory that depends on its recomputation mode (see _stage)."""
+        activations = sum(count * prepared.total("activation_bytes", (span,)) for count, span in zip(in_flight, own))
+        terms = self._workspace_terms(prepared, config, own, with_fsdp=False)
+        varying = activations + terms["recompute_workspace"] + terms["gradient_workspace"]
+        return varying + self.allocator.fragmentation_bytes(varying)
 
     def _fits(self, chain: ChainCosts, spans, config: ParallelConfig, workspace: float) -> bool:
         for stage in range(config.pp):
@@ -412,95 +387,134 @@ class StepModel:
 
     def _workspace_bytes(self, prepared: PreparedSegments, config: ParallelConfig) -> float:
         """Memory every stage holds besides states and activations (an upper bound over stages)."""
-        terms = self._workspace_terms(prepared, config, range(len(prepared)))
+        terms = self._workspace_terms(prepared, config, [StageSpan(0, len(prepared))])
         return sum(terms.values())
 
-    def _workspace_terms(self, prepared: PreparedSegments, config: ParallelConfig, indices) -> dict[str, float]:
+    def _workspace_terms(self, prepared: PreparedSegments, config: ParallelConfig, own, *,
+                         with_fsdp: bool = True) -> dict[str, float]:
+        key = (prepared.signature(own), with_fsdp, config.recompute == "none", config.zero_stage, config.data_shards,
+               config.offload, _num_communicators(config))
+        if key not in prepared.workspace_cache:
+            prepared.workspace_cache[key] = self._workspace_terms_uncached(prepared, config, own, with_fsdp)
+        return dict(prepared.workspace_cache[key])
+
+    def _workspace_terms_uncached(self, prepared: PreparedSegments, config: ParallelConfig, own,
+                                  with_fsdp: bool) -> dict[str, float]:
         recompute = prepared.max_recomputed_bytes if config.recompute != "none" else 0.0
         fsdp = 0.0
-        if config.zero_stage >= 2 and (config.data_shards > 1 or config.offload):  # offload: FSDP2 even at dp = 1
-            numel = prepared.param_numel[list(indices)].tolist()
+        if with_fsdp and config.zero_stage >= 2 and (config.data_shards > 1 or config.offload):  # offload: FSDP2 even at dp = 1
             # ZeRO-2 keeps parameters gathered (counted as "parameters"): only a unit's gradients.
             param_bytes = self.policy.fsdp_gather_bytes if config.zero_stage == 3 else 0.0
-            fsdp = unsharded_bytes(numel, param_bytes=param_bytes, grad_bytes=self.policy.dp_reduce_bytes)
+            fsdp = unsharded_bytes(prepared.values("param_numel", own), param_bytes=param_bytes,
+                                   grad_bytes=self.policy.dp_reduce_bytes)
         gradients = 0.0
         if prepared.grad_workspace_bytes is not None and len(prepared):
-            gradients = float(prepared.grad_workspace_bytes[list(indices)].max(initial=0.0))
+            gradients = max([0.0, *prepared.values("grad_workspace_bytes", own)])
         fragmentation = self.allocator.fragmentation_bytes(recompute + fsdp + gradients)
         return {"recompute_workspace": recompute, "gradient_workspace": gradients, "fsdp_unsharded": fsdp,
                 "fragmentation": fragmentation,
                 "cuda_context": self.allocator.context_bytes(_num_communicators(config))}
 
-    def _stage_at(self, prepared: PreparedSegments, spans, config: ParallelConfig, workspace: float,
-                  stage: int) -> StageEstimate:
+    def _stage_at(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int) -> StageEstimate:
         """One device's stage (a device owns chunks k, k + p, ... when interleaved)."""
+        stage_indices, own, p2p = self._placed(prepared, spans, config, stage)
+        in_flight = [_chunk_in_flight(config, s) for s in stage_indices]
+        return self._stage(stage, own, prepared, config, p2p, in_flight)
+
+    def _stage_time_s(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int) -> float:
+        """_stage_at(...).time_per_microbatch_s, without building the stage when it is cached."""
+        _, own, p2p = self._placed(prepared, spans, config, stage)
+        return self._stage_parts_cached(own, prepared, config, p2p)["time_per_microbatch_s"]
+
+    def _placed(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int):
+        """(global stages of pipeline rank `stage`, their spans, its send/receive seconds)."""
         crosses_nodes = config.data_shards * config.tp >= self.devices_per_node
         stage_indices = _own_stages(config, stage)
         own = [spans[s] for s in stage_indices]
-        indices = [i for span in own for i in range(span.start, span.stop)]
         # A stage sends to the next one unless it is the last or the next runs on the same rank
         # (the turn of ZB-V's V).
-        p2p = sum(2 * self.comm.send_recv_s(float(prepared.output_bytes[span.stop - 1]), crosses_nodes=crosses_nodes)
+        p2p = sum(2 * self._send_recv_s(float(prepared.output_bytes[span.stop - 1]), crosses_nodes)
                   for s, span in zip(stage_indices, own) if span.stop < len(prepared)
                   and rank_of(config.schedule, stage=s + 1, num_ranks=config.pp) != stage)
-        in_flight = [_chunk_in_flight(config, s) for s in stage_indices]
-        return self._stage(stage, own, indices, prepared, config, p2p, in_flight, workspace)
+        return stage_indices, own, p2p
 
-    def _stage(self, stage, own, indices, prepared: PreparedSegments, config, p2p, in_flight: list[float],
-               workspace) -> StageEstimate:
-        pick = lambda values: float(values[indices].sum())  # noqa: E731
-        numel = pick(prepared.param_numel)
-        expert_numel = pick(prepared.expert_numel) if config.ep > 1 and prepared.expert_numel is not None else 0.0
+    def _send_recv_s(self, message_bytes: float, crosses_nodes: bool) -> float:
+        key = (message_bytes, crosses_nodes)
+        if key not in self._send_recv_cache:
+            self._send_recv_cache[key] = self.comm.send_recv_s(message_bytes, crosses_nodes=crosses_nodes)
+        return self._send_recv_cache[key]
+
+    def _states(self, numel: float, expert_numel: float, config: ParallelConfig) -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer) bytes on a device for numel parameters, of them
+        expert_numel experts split over ep ranks."""
         states = model_state_memory(numel - expert_numel, dp=config.data_shards, zero_stage=config.zero_stage,
                                     policy=self.policy)
-        # ep runs with cp = 1 (search.py): the ranks holding the same experts are dp / ep.
-        expert_states = model_state_memory(expert_numel / config.ep, dp=config.dp // config.ep,
-                                           zero_stage=config.zero_stage, policy=self.policy)
-        states = replace(states, params_bytes=states.params_bytes + expert_states.params_bytes,
-                         grads_bytes=states.grads_bytes + expert_states.grads_bytes,
-                         optimizer_bytes=states.optimizer_bytes + expert_states.optimizer_bytes)
+        params, grads, optimizer = states.params_bytes, states.grads_bytes, states.optimizer_bytes
+        if expert_numel:
+            # ep runs with cp = 1 (search.py): the ranks holding the same experts are dp / ep.
+            experts = model_state_memory(expert_numel / config.ep, dp=config.dp // config.ep,
+                                         zero_stage=config.zero_stage, policy=self.policy)
+            params, grads = params + experts.params_bytes, grads + experts.grads_bytes
+            optimizer += experts.optimizer_bytes
+        return params, grads, optimizer
+
+    def _stage(self, stage, own, prepared: PreparedSegments, config, p2p, in_flight: list[float]) -> StageEstimate:
+        # Identical stages (a deep model's middle ones) share everything but their activations,
+        # which depend on the microbatches in flight, and their names.
+        parts = self._stage_parts_cached(own, prepared, config, p2p)
+        activations = sum(count * prepared.total("activation_bytes", (span,)) for count, span in zip(in_flight, own))
+        memory = dict(parts["memory_bytes"])
+        memory["activations"] = activations
+        memory["fragmentation"] += self.allocator.fragmentation_bytes(activations)
+        chunks = tuple(tuple(prepared.names[span.start:span.stop]) for span in own)
+        # The other dicts are shared between identical stages: nothing changes a priced stage.
+        return StageEstimate(index=stage, span=StageSpan(own[0].start, own[-1].stop),
+                             segment_names=tuple(name for chunk in chunks for name in chunk), chunks=chunks,
+                             **{**parts, "memory_bytes": memory})
+
+    def _stage_parts_cached(self, own, prepared: PreparedSegments, config, p2p) -> dict:
+        key = (prepared.signature(own), p2p, config.dp, config.cp, config.tp, config.pp, config.zero_stage,
+               config.ep, config.offload, config.num_microbatches if config.offload else 0, config.recompute == "none")
+        parts = prepared.stage_cache.get(key)
+        if parts is None:
+            parts = prepared.stage_cache[key] = self._stage_parts(own, prepared, config, p2p)
+        return parts
+
+    def _stage_parts(self, own, prepared: PreparedSegments, config, p2p) -> dict:
+        """StageEstimate's fields for a stage of these segments, but where it sits (index, span,
+        names) and its activations ("activations" in memory_bytes is 0 here)."""
+        total = prepared.total
+        numel = total("param_numel", own)
+        expert_numel = total("expert_numel", own) if config.ep > 1 and prepared.expert_numel is not None else 0.0
+        params, grads, optimizer = self._states(numel, expert_numel, config)
         numel -= expert_numel * (1 - 1 / config.ep)
         if config.pp > 1 and config.zero_stage >= 2 and config.data_shards > 1:
             # Without gradient sync until the last microbatch FSDP2 accumulates unsharded gradients.
-            states = replace(states, grads_bytes=numel * self.policy.dp_reduce_bytes)
+            grads = numel * self.policy.dp_reduce_bytes
         host: dict[str, float] = {}
         if config.offload:
-            host = {"host.parameters": states.params_bytes, "host.gradients": states.grads_bytes,
-                    "host.optimizer": states.optimizer_bytes}
-            states = replace(states, params_bytes=0.0, grads_bytes=0.0, optimizer_bytes=0.0)
-        activations = sum(count * float(prepared.activation_bytes[span.start:span.stop].sum())
-                          for count, span in zip(in_flight, own))
-        extra = self._workspace_terms(prepared, config, indices)
-        extra["fragmentation"] += self.allocator.fragmentation_bytes(activations)
-        memory = {
-            "parameters": states.params_bytes,
-            "gradients": states.grads_bytes,
-            "optimizer": states.optimizer_bytes,
-            "activations": activations,
-            "buffers": pick(prepared.buffer_bytes),
-            **extra,
-        }
-        tp_comm = {op: pick(values) for op, values in prepared.comm_by_op_s.items()}
-        timeline, exposed, step_end, offload = self._fsdp(prepared, indices, config)
-        ep_s, ep_segments = self._ep_parts(prepared, indices, config)
-        time_per_microbatch = (pick(prepared.time_s) + p2p + sum(exposed.values()) + sum(ep_s.values())
+            host = {"host.parameters": params, "host.gradients": grads, "host.optimizer": optimizer}
+            params = grads = optimizer = 0.0
+        memory = {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": 0.0,
+                  "buffers": total("buffer_bytes", own), **self._workspace_terms(prepared, config, own)}
+        tp_comm = {op: total("comm:" + op, own) for op in prepared.comm_by_op_s}
+        timeline, exposed, step_end, offload = self._fsdp(prepared, own, config)
+        ep_s, ep_segments = self._ep_parts(prepared, own, config)
+        time_per_microbatch = (total("time_s", own) + p2p + sum(exposed.values()) + sum(ep_s.values())
                                + sum(offload.values()))
-        chunks = tuple(tuple(prepared.names[i] for i in range(span.start, span.stop)) for span in own)
-        return StageEstimate(index=stage, span=StageSpan(own[0].start, own[-1].stop),
-                             segment_names=tuple(prepared.names[i] for i in indices), chunks=chunks,
-                             time_per_microbatch_s=time_per_microbatch, forward_s=pick(prepared.forward_s),
-                             backward_s=pick(prepared.backward_s), recompute_s=pick(prepared.recompute_s),
-                             tp_comm_s=tp_comm, p2p_s=p2p, param_numel=numel, memory_bytes=memory,
-                             recompute=prepared.recompute, fsdp=timeline, fsdp_exposed_s=exposed,
-                             fsdp_step_end_s=step_end, expert_param_numel=expert_numel / config.ep,
-                             ep_s=ep_s, ep_segment_s=ep_segments,
-                             forward_pass_s=pick(prepared.forward_s) + pick(prepared.forward_comm_s) + p2p / 2,
-                             weight_grad_s=pick(prepared.weight_grad_s), host_memory_bytes=host, offload_s=offload)
+        forward = total("forward_s", own)
+        return dict(time_per_microbatch_s=time_per_microbatch, forward_s=forward, backward_s=total("backward_s", own),
+                    recompute_s=total("recompute_s", own), tp_comm_s=tp_comm, p2p_s=p2p, param_numel=numel,
+                    memory_bytes=memory, recompute=prepared.recompute, fsdp=timeline, fsdp_exposed_s=exposed,
+                    fsdp_step_end_s=step_end, expert_param_numel=expert_numel / config.ep, ep_s=ep_s,
+                    ep_segment_s=ep_segments, forward_pass_s=forward + total("forward_comm_s", own) + p2p / 2,
+                    weight_grad_s=total("weight_grad_s", own), host_memory_bytes=host, offload_s=offload)
 
-    def _ep_parts(self, prepared: PreparedSegments, indices: list[int], config: ParallelConfig):
+    def _ep_parts(self, prepared: PreparedSegments, own, config: ParallelConfig):
         """Expert parallelism on a stage: seconds per microbatch by part, and per segment."""
         if config.ep <= 1 or prepared.expert_numel is None:
             return {}, ()
+        indices = [i for span in own for i in range(span.start, span.stop)]
         forward, backward, imbalance = self.ep_times(prepared, config)
         parts = {"all_to_all": float(forward[indices].sum() + backward[indices].sum())}
         if imbalance[indices].any():
@@ -509,22 +523,22 @@ class StepModel:
                          for i in indices if forward[i] or backward[i] or imbalance[i])
         return parts, segments
 
-    def _fsdp(self, prepared: PreparedSegments, indices: list[int], config: ParallelConfig):
+    def _fsdp(self, prepared: PreparedSegments, own, config: ParallelConfig):
         """(timeline, exposed seconds by collective per microbatch, once per step, and exposed
         offload copies per microbatch by term)."""
         if config.zero_stage < 1 or (config.data_shards <= 1 and not config.offload):
             return None, {}, {}, {}
         # What the timeline depends on: identical stages (the middle ones of a deep model) share one.
-        key = (prepared.param_numel[indices].tobytes(), prepared.forward_s[indices].tobytes(),
-               prepared.time_s[indices].tobytes(), config.data_shards, config.pp, config.tp, config.zero_stage,
+        key = (prepared.signature(own), config.data_shards, config.pp, config.tp, config.zero_stage,
                config.offload, config.num_microbatches if config.offload else 0)
         if key not in prepared.fsdp_cache:
-            prepared.fsdp_cache[key] = self._fsdp_uncached(prepared, indices, config)
+            prepared.fsdp_cache[key] = self._fsdp_uncached(prepared, own, config)
         timeline, per_microbatch, step_end, offload = prepared.fsdp_cache[key]
         return timeline, dict(per_microbatch), dict(step_end), dict(offload)
 
-    def _fsdp_uncached(self, prepared: PreparedSegments, indices: list[int], config: ParallelConfig):
+    def _fsdp_uncached(self, prepared: PreparedSegments, own, config: ParallelConfig):
         group = self._data_shard_group(config)
+        indices = [i for span in own for i in range(span.start, span.stop)]
         numel = prepared.param_numel[indices]
         sizes, inverse = np.unique(numel, return_inverse=True)  # identical blocks: price each size once
         gather = [self.comm.time_s("all_gather", float(size) * self.policy.fsdp_gather_bytes, group) for size in sizes]
@@ -582,7 +596,7 @@ class StepModel:
                  "offload.grad_accumulate": (m - 1) * accumulate_s / m}
         return both, terms, overlapped
 
-    def _assemble(self, stages: list[StageEstimate], config: ParallelConfig, fits: bool) -> Estimate:
+    def assemble(self, stages: list[StageEstimate], fits: bool, config: ParallelConfig) -> Estimate:
         m, p = config.num_microbatches, config.pp
         slowest = max(stages, key=lambda s: s.time_per_microbatch_s)
         t_max = slowest.time_per_microbatch_s
@@ -708,13 +722,6 @@ def _zero_bubble_hop_s(stage: StageEstimate) -> float:
     return stage.forward_pass_s + max(backward - stage.weight_grad_s, 0.0)
 
 
-def weight_grad_s(segment: SegmentCost) -> float:
-    """Weight-gradient compute of a segment: the forward time of its weight-bearing ops (the ops
-    selective recompute does not re-run), at most its whole backward."""
-    weighted = segment.forward.total_s - segment.selective_recompute.total_s
-    return min(max(weighted, 0.0), segment.backward.total_s)
-
-
 def _own_stages(config: ParallelConfig, rank: int) -> list[int]:
     """Global pipeline stages (model chunks) of pipeline rank `rank`, in local chunk order."""
     return stages_of_rank(config.schedule, rank=rank, num_ranks=config.pp, num_chunks=config.chunks_per_device)
@@ -722,53 +729,15 @@ def _own_stages(config: ParallelConfig, rank: int) -> list[int]:
 
 def _chunk_in_flight(config: ParallelConfig, stage: int) -> float:
     """Microbatches whose activations of global stage `stage` its rank holds at its peak."""
-    rank = rank_of(config.schedule, stage=stage, num_ranks=config.pp)
-    return chunk_microbatches_in_flight(config.schedule, rank=rank, chunk=0 if stage < config.pp else 1,
-                                        num_stages=config.pp, num_microbatches=config.num_microbatches,
-                                        virtual_stages=config.virtual_stages)
+    return _in_flight_of(config.schedule, stage, config.pp, config.num_microbatches, config.virtual_stages)
 
 
-def recompute_compute_s(segment: SegmentCost, recompute: str) -> float:
-    """Compute time re-run in backward (its collectives are in recompute_comm_s)."""
-    if recompute == "full":
-        return segment.forward.total_s
-    if recompute == "selective":
-        return segment.selective_recompute.total_s
-    if recompute == "op":
-        return segment.op_recompute.total_s
-    return 0.0
-
-
-_REDUCING = ("reduce_scatter", "all_reduce")
-
-
-def recompute_comm_s(segment: SegmentCost, recompute: str) -> dict[str, float]:
-    """Collectives run again in backward, by breakdown key (tp.<key>): a full recompute replays
-    every forward collective, the "op" mode those whose outputs it does not keep (all but the
-    reducing ones); the regathering modes gather their sharded saves again."""
-    extra: dict[str, float] = {}
-    if recompute in ("full", "op"):
-        for event in segment.comm:
-            if event.phase == "fwd" and (recompute == "full" or event.op not in _REDUCING):
-                extra[event.op] = extra.get(event.op, 0.0) + event.time_s
-    elif recompute in REGATHER_MODES:
-        kept = segment.selective_kept if recompute == "selective" else None
-        seconds = segment.regather_s(kept)
-        if seconds:
-            extra["all_gather.regather"] = seconds
-    return extra
-
-
-def _activation_bytes(segment: SegmentCost, recompute: str) -> float:
-    if recompute == "full":
-        return segment.input_bytes
-    if recompute == "selective":
-        return segment.regathered_saved_bytes(segment.selective_kept)
-    if recompute == "op":
-        return segment.op_saved_bytes
-    if recompute == "gathers":
-        return segment.regathered_saved_bytes()
-    return segment.saved_bytes
+@lru_cache(maxsize=65536)
+def _in_flight_of(schedule: str, stage: int, num_stages: int, num_microbatches: int, virtual_stages: int) -> float:
+    rank = rank_of(schedule, stage=stage, num_ranks=num_stages)
+    return chunk_microbatches_in_flight(schedule, rank=rank, chunk=0 if stage < num_stages else 1,
+                                        num_stages=num_stages, num_microbatches=num_microbatches,
+                                        virtual_stages=virtual_stages)
 
 
 def _num_communicators(config: ParallelConfig) -> int:

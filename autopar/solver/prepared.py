@@ -1,0 +1,213 @@
+"""Per-segment arrays of one intra-op solution under one recomputation mode.
+
+The search prices thousands of configurations from the same few (tp, microbatch, recompute,
+cp) solutions, and a stage is a union of contiguous runs of segments (one per model chunk),
+so every per-stage sum is a difference of prefix sums (`total`), and identical segments (the
+blocks of a deep model) carry one signature id, so identical stages share what is cached by
+content (`signature`). See step_model.py for what each array means in the step's price.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopar.solver.evaluate import SegmentCost
+from autopar.solver.pipeline import ChainCosts, StageSpan, partition
+from autopar.solver.recompute import REGATHER_MODES
+
+@dataclass
+class PreparedSegments:
+    """Per-segment arrays for one intra-op solution and recomputation mode (reused by every
+    pp, dp, schedule and ZeRO stage the search tries)."""
+
+    names: list[str]
+    recompute: str
+    forward_s: np.ndarray
+    backward_s: np.ndarray
+    recompute_s: np.ndarray
+    comm_by_op_s: dict[str, np.ndarray]
+    forward_comm_s: np.ndarray
+    """Collectives of the forward pass itself (not a full recompute's replay)."""
+    weight_grad_s: np.ndarray
+    """Weight-gradient compute (see the module docstring)."""
+    time_s: np.ndarray
+    activation_bytes: np.ndarray
+    param_numel: np.ndarray
+    buffer_bytes: np.ndarray
+    output_bytes: np.ndarray
+    max_saved_bytes: float
+    max_recomputed_bytes: float = 0.0
+    """Largest set of tensors one segment regenerates in backward (saved minus kept)."""
+    grad_workspace_bytes: np.ndarray | None = None
+    """Per segment, the largest gradients one op's backward holds at once (evaluate.py)."""
+    time_partitions: dict[int, list[StageSpan] | None] = field(default_factory=dict)
+    lean_partitions: dict[tuple, list[StageSpan] | None] = field(default_factory=dict)
+    """Memory-bounded partitions by (chunks, chain, microbatches in flight per chunk, workspace)."""
+    chains: dict[tuple, object] = field(default_factory=dict)
+    """StepModel.chain by what it depends on (dp x cp, dp, ZeRO stage, offload, ep)."""
+    expert_numel: np.ndarray | None = None
+    """Per segment, the expert weights among param_numel (None: no expert ops)."""
+    ep_messages: tuple[tuple[tuple[float, str, bool], ...], ...] = ()
+    """Per segment, its expert ops' all-to-alls: (bytes, "fwd" | "bwd", dropless); a full
+    recompute repeats the forward ones."""
+    ep_dropless_compute_s: np.ndarray | None = None
+    """Per segment, compute of its dropless expert ops (what load imbalance stretches)."""
+    ep_times: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    """Cache per (ep, tp, devices per node): all-to-all forward, backward, load imbalance seconds."""
+    fsdp_cache: dict[tuple, tuple] = field(default_factory=dict)
+    """StepModel._fsdp by (a stage's segment costs, dp x cp, pp, tp, ZeRO stage): identical stages, and
+    configurations differing only in microbatch count or schedule, share one FSDP2 timeline."""
+
+    _prefixes: dict[str, list[float]] = field(default_factory=dict, repr=False)
+    _lists: dict[str, list[float]] = field(default_factory=dict, repr=False)
+    _signatures: list[int] | None = field(default=None, repr=False)
+    _slowest_chunk_s: dict[int, float] = field(default_factory=dict, repr=False)
+    stage_cache: dict[tuple, dict] = field(default_factory=dict, repr=False)
+    workspace_cache: dict[tuple, dict[str, float]] = field(default_factory=dict, repr=False)
+    """StepModel._workspace_terms by (segments' signature, what of the configuration they read)."""
+    """StepModel._stage's parts that do not depend on where the stage sits (see step_model.py)."""
+
+    @classmethod
+    def build(cls, segments: list[SegmentCost], recompute: str) -> "PreparedSegments":
+        comm: dict[str, np.ndarray] = {}
+        forward_comm = np.zeros(len(segments))
+        for index, segment in enumerate(segments):
+            forward_comm[index] = segment.comm_s("fwd")
+            for event in segment.comm:
+                comm.setdefault(event.op, np.zeros(len(segments)))[index] += event.time_s
+            for op, seconds in recompute_comm_s(segment, recompute).items():
+                comm.setdefault(op, np.zeros(len(segments)))[index] += seconds
+            for event in segment.selective_recompute_comm if recompute == "selective" else ():
+                comm.setdefault(event.op, np.zeros(len(segments)))[index] += event.time_s
+        array = lambda values: np.asarray(list(values), dtype=float)  # noqa: E731
+        forward = array(s.forward.total_s for s in segments)
+        backward = array(s.backward.total_s for s in segments)
+        recomputed = array(recompute_compute_s(s, recompute) for s in segments)
+        total_comm = sum(comm.values()) if comm else np.zeros(len(segments))
+        experts = any(s.expert_exchanges for s in segments)
+        repeat = 2 if recompute == "full" else 1
+        messages = tuple(tuple((size, phase, exchange.dropless) for exchange in s.expert_exchanges
+                               for size, phase in exchange.messages() for _ in range(repeat if phase == "fwd" else 1))
+                         for s in segments)
+        return cls(names=[s.name for s in segments], recompute=recompute, forward_s=forward, backward_s=backward,
+                   expert_numel=array(s.expert_param_numel for s in segments) if experts else None,
+                   ep_messages=messages if experts else (),
+                   ep_dropless_compute_s=array(sum(e.compute_s for e in s.expert_exchanges if e.dropless)
+                                               for s in segments) if experts else None,
+                   recompute_s=recomputed, comm_by_op_s=comm, forward_comm_s=forward_comm,
+                   weight_grad_s=array(weight_grad_s(s) for s in segments),
+                   time_s=forward + backward + recomputed + total_comm,
+                   activation_bytes=array(_activation_bytes(s, recompute) for s in segments),
+                   param_numel=array(s.param_numel for s in segments),
+                   buffer_bytes=array(s.buffer_bytes for s in segments),
+                   output_bytes=array(s.output_bytes for s in segments),
+                   grad_workspace_bytes=array(s.grad_workspace_bytes for s in segments),
+                   max_saved_bytes=max((s.saved_bytes for s in segments), default=0.0),
+                   max_recomputed_bytes=max((max(0.0, s.saved_bytes - _activation_bytes(s, recompute))
+                                             for s in segments), default=0.0))
+
+    def total(self, name: str, own: Sequence[StageSpan]) -> float:
+        """Sum of array `name` (an attribute, or "comm:<op>" of comm_by_op_s) over the spans."""
+        prefix = self._prefixes.get(name)
+        if prefix is None:
+            values = self.comm_by_op_s[name[5:]] if name.startswith("comm:") else getattr(self, name)
+            prefix = self._prefixes[name] = np.concatenate(([0.0], np.cumsum(values))).tolist()
+        if len(own) == 1:
+            return prefix[own[0].stop] - prefix[own[0].start]
+        return sum(prefix[span.stop] - prefix[span.start] for span in own)
+
+    def values(self, name: str, own: Sequence[StageSpan]) -> list[float]:
+        """Array `name`'s entries of the spans' segments, in order."""
+        listed = self._lists.get(name)
+        if listed is None:
+            listed = self._lists[name] = np.asarray(getattr(self, name), dtype=float).tolist()
+        return [value for span in own for value in listed[span.start:span.stop]]
+
+    def signature(self, own: Sequence[StageSpan]) -> tuple[int, ...]:
+        """Ids of the spans' segments by content: equal for stages of identical segments."""
+        if self._signatures is None:
+            arrays = [self.forward_s, self.backward_s, self.recompute_s, self.forward_comm_s, self.weight_grad_s,
+                      self.time_s, self.activation_bytes, self.param_numel, self.buffer_bytes, self.output_bytes,
+                      *self.comm_by_op_s.values()]
+            arrays += [a for a in (self.grad_workspace_bytes, self.expert_numel, self.ep_dropless_compute_s)
+                       if a is not None]
+            ids: dict[tuple, int] = {}
+            rows = zip(*(np.asarray(a, dtype=float).tolist() for a in arrays), self.ep_messages or [()] * len(self))
+            self._signatures = [ids.setdefault(row, len(ids)) for row in rows]
+        if len(own) == 1:
+            return tuple(self._signatures[own[0].start:own[0].stop])
+        return tuple(i for span in own for i in self._signatures[span.start:span.stop])
+
+    def slowest_chunk_s(self, num_chunks: int) -> float:
+        """A lower bound on the slowest of `num_chunks` contiguous chunks' time_s, however the
+        segments are cut (the balanced partition's, less its bisection tolerance); 0 when they
+        cannot be cut so."""
+        if num_chunks not in self._slowest_chunk_s:
+            zeros = np.zeros(len(self))
+            spans = partition(ChainCosts(time_s=self.time_s, state_bytes=zeros, activation_bytes=zeros), num_chunks,
+                              in_flight=lambda chunk: 0.0)
+            self._slowest_chunk_s[num_chunks] = 0.0 if spans is None else \
+                (1 - 2e-4) * max(self.total("time_s", (span,)) for span in spans)
+        return self._slowest_chunk_s[num_chunks]
+
+    def same_as(self, other: "PreparedSegments") -> bool:
+        """Prices every configuration as `other` does (a mode that changes nothing for this model,
+        such as re-gathering without tensor parallelism)."""
+        return (np.array_equal(self.time_s, other.time_s) and np.array_equal(self.activation_bytes, other.activation_bytes)
+                and self.max_recomputed_bytes == other.max_recomputed_bytes)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def weight_grad_s(segment: SegmentCost) -> float:
+    """Weight-gradient compute of a segment: the forward time of its weight-bearing ops (the ops
+    selective recompute does not re-run), at most its whole backward."""
+    weighted = segment.forward.total_s - segment.selective_recompute.total_s
+    return min(max(weighted, 0.0), segment.backward.total_s)
+
+
+def recompute_compute_s(segment: SegmentCost, recompute: str) -> float:
+    """Compute time re-run in backward (its collectives are in recompute_comm_s)."""
+    if recompute == "full":
+        return segment.forward.total_s
+    if recompute == "selective":
+        return segment.selective_recompute.total_s
+    if recompute == "op":
+        return segment.op_recompute.total_s
+    return 0.0
+
+
+_REDUCING = ("reduce_scatter", "all_reduce")
+
+
+def recompute_comm_s(segment: SegmentCost, recompute: str) -> dict[str, float]:
+    """Collectives run again in backward, by breakdown key (tp.<key>): a full recompute replays
+    every forward collective, the "op" mode those whose outputs it does not keep (all but the
+    reducing ones); the regathering modes gather their sharded saves again."""
+    extra: dict[str, float] = {}
+    if recompute in ("full", "op"):
+        for event in segment.comm:
+            if event.phase == "fwd" and (recompute == "full" or event.op not in _REDUCING):
+                extra[event.op] = extra.get(event.op, 0.0) + event.time_s
+    elif recompute in REGATHER_MODES:
+        kept = segment.selective_kept if recompute == "selective" else None
+        seconds = segment.regather_s(kept)
+        if seconds:
+            extra["all_gather.regather"] = seconds
+    return extra
+
+
+def _activation_bytes(segment: SegmentCost, recompute: str) -> float:
+    if recompute == "full":
+        return segment.input_bytes
+    if recompute == "selective":
+        return segment.regathered_saved_bytes(segment.selective_kept)
+    if recompute == "op":
+        return segment.op_saved_bytes
+    if recompute == "gathers":
+        return segment.regathered_saved_bytes()
+    return segment.saved_bytes
