@@ -8,8 +8,9 @@ Minimises the slowest stage's time subject to each stage fitting in memory:
 
 in_flight(k) falls with the stage index (1F1B: p - k), so filling early stages as full as the
 bound allows never hurts later ones: a greedy left-to-right packing decides whether a bound T is
-achievable, and bisection on T finds the smallest (to a relative 1e-4). With prefix sums each
-greedy pass costs O(p log n) for p stages over n segments. No torch here.
+achievable, and bisection on T finds the smallest (to a relative 1e-4), from a bracket grown
+above the even share. With prefix sums each greedy pass costs O(p log n) for p stages over n
+segments. No torch here.
 """
 
 from __future__ import annotations
@@ -68,7 +69,17 @@ def partition(costs: ChainCosts, num_stages: int, *, in_flight: Callable[[int], 
     best = packer.pack(high)
     if best is None:
         return None
-    low = max(costs.time_s)
+    # No stage is faster than an even share or the slowest segment; the answer is usually just
+    # above that, so bracket it by growing steps before bisecting.
+    low = max(max(costs.time_s), high / num_stages)
+    step = 1e-3
+    while low * (1 + step) < high:
+        probe = low * (1 + step)
+        found = packer.pack(probe)
+        if found is not None:
+            high, best = probe, found
+            break
+        low, step = probe, step * 4
     while high - low > 1e-4 * high:
         middle = (low + high) / 2
         found = packer.pack(middle)

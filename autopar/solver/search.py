@@ -464,6 +464,10 @@ class Planner:
         modes = [constraints.recompute] if constraints.recompute else self._distinct_modes(tp, microbatch, cp)
         zeros = [constraints.zero_stage] if constraints.zero_stage is not None else \
             ([0] if dp * cp == 1 else [0, 1, 2, 3])
+        if constraints.zero_stage is None and pp > 1 and self.policy.dp_reduce_bytes >= self.policy.grad_bytes:
+            # Under pipelining ZeRO-2 reduces gradients once, in the last microbatch, as ZeRO-1
+            # does, and accumulates them unsharded until then: ZeRO-1's time, no less memory.
+            zeros = [zero for zero in zeros if zero != 2]
         if offload:
             zeros = [zero for zero in zeros if zero == 3] if constraints.zero_stage is not None else [3]
         if constraints.ep and constraints.ep > 1:
