@@ -79,44 +79,55 @@ _KINDS = {"F": 0, "B": 1, "W": 2}
 
 @lru_cache(maxsize=256)
 def _dependency_graph(schedule: str, num_ranks: int, num_microbatches: int, num_chunks: int):
-    """Every rank's passes in an order that respects their dependencies, as lay_out runs them:
-    (passes as (rank, kind, chunk, microbatch), kind index per pass (F 0, B 1, W 2), the index
-    of the same rank's previous pass, the index of the pass it waits for; -1 for none).
-    A pass starts when both have ended: its start is the longest path to it, whatever the
-    durations, so the graph is built once per order."""
-    orders = [rank_order(schedule, rank=rank, num_ranks=num_ranks, num_microbatches=num_microbatches,
-                         num_chunks=num_chunks) for rank in range(num_ranks)]
+    """Every rank's passes in an order that respects their dependencies: (passes as (rank,
+    kind, chunk, microbatch), kind index per pass (F 0, B 1, W 2), the index of the same rank's
+    previous pass, the index of the pass it waits for; -1 for none). A forward waits for the
+    previous stage's forward of its microbatch, a backward for the next stage's backward (the
+    last stage: its own forward), a weight-gradient pass for its own backward. A pass starts
+    when both have ended, so its start is the longest path to it whatever the durations: the
+    graph is built once per order (Kahn's algorithm) and walked for each set of durations."""
     last_stage = num_ranks * num_chunks - 1
-    index_of: dict[tuple[str, int, int], int] = {}
     passes: list[tuple[int, str, int, int]] = []
+    keys: list[tuple[str, int, int]] = []
+    waits: list[tuple[str, int, int] | None] = []
     before: list[int] = []
-    needs_index: list[int] = []
-    position, last_of_rank = [0] * num_ranks, [-1] * num_ranks
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for rank in range(num_ranks):
-            order = orders[rank]
-            while position[rank] < len(order):
-                kind, chunk, microbatch = order[position[rank]]
-                stage = stage_of(schedule, rank=rank, chunk=chunk, num_ranks=num_ranks)
-                if kind == "F":
-                    needs = ("F", stage - 1, microbatch) if stage > 0 else None
-                elif kind == "B":
-                    needs = ("B", stage + 1, microbatch) if stage < last_stage else ("F", stage, microbatch)
-                else:
-                    needs = ("B", stage, microbatch)
-                if needs is not None and needs not in index_of:
-                    break
-                index_of[(kind, stage, microbatch)] = len(passes)
-                before.append(last_of_rank[rank])
-                needs_index.append(-1 if needs is None else index_of[needs])
-                last_of_rank[rank] = len(passes)
-                passes.append((rank, kind, chunk, microbatch))
-                position[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"the {schedule} order deadlocks with {num_ranks} ranks, {num_microbatches} "
-                               f"microbatches and {num_chunks} chunks (a bug in autopar/solver/schedules.py)")
-    return tuple(passes), tuple(_KINDS[kind] for _, kind, _, _ in passes), tuple(before), tuple(needs_index)
+    for rank in range(num_ranks):
+        order = rank_order(schedule, rank=rank, num_ranks=num_ranks, num_microbatches=num_microbatches,
+                           num_chunks=num_chunks)
+        for position, (kind, chunk, microbatch) in enumerate(order):
+            stage = stage_of(schedule, rank=rank, chunk=chunk, num_ranks=num_ranks)
+            if kind == "F":
+                needs = ("F", stage - 1, microbatch) if stage > 0 else None
+            elif kind == "B":
+                needs = ("B", stage + 1, microbatch) if stage < last_stage else ("F", stage, microbatch)
+            else:
+                needs = ("B", stage, microbatch)
+            before.append(len(passes) - 1 if position else -1)
+            passes.append((rank, kind, chunk, microbatch))
+            keys.append((kind, stage, microbatch))
+            waits.append(needs)
+    index_of = {key: index for index, key in enumerate(keys)}
+    needs_index = [-1 if needs is None else index_of.get(needs, -2) for needs in waits]
+    # Kahn's algorithm; a pass left unplaced waits on a cycle (or on a pass no rank runs).
+    children: list[list[int]] = [[] for _ in passes]
+    pending = [0] * len(passes)
+    for index, (previous, need) in enumerate(zip(before, needs_index)):
+        for parent in (previous, need):
+            if parent >= 0:
+                children[parent].append(index)
+                pending[index] += 1
+            elif parent == -2:
+                pending[index] += 1
+    order = [index for index, count in enumerate(pending) if count == 0]
+    for index in order:  # grows while walked
+        for child in children[index]:
+            pending[child] -= 1
+            if pending[child] == 0:
+                order.append(child)
+    if len(order) < len(passes):
+        raise RuntimeError(f"the {schedule} order deadlocks with {num_ranks} ranks, {num_microbatches} "
+                           f"microbatches and {num_chunks} chunks (a bug in autopar/solver/schedules.py)")
+    position_of = {index: new for new, index in enumerate(order)}
+    renumber = lambda index: position_of[index] if index >= 0 else -1  # noqa: E731
+    return (tuple(passes[i] for i in order), tuple(_KINDS[passes[i][1]] for i in order),
+            tuple(renumber(before[i]) for i in order), tuple(renumber(needs_index[i]) for i in order))

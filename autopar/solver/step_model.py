@@ -213,7 +213,8 @@ class Staged:
     """Empty when bound_s exceeded the cutoff: the stages were not priced further."""
     fits: bool
     bound_s: float
-    """m x the slowest stage's time per microbatch: no schedule's step is shorter."""
+    """No step of these stages is shorter: at least m x the slowest stage's time per microbatch
+    (Staged.stages empty), else the pipeline's time (pipeline_bound_s)."""
 
 
 @dataclass
@@ -322,8 +323,7 @@ class StepModel:
         stages = [self._stage_at(prepared, spans, config, stage) for stage in range(config.pp)]
         if fits and lighter:
             stages = [self._lightest(stage, prepared, spans, config, lighter) for stage in stages]
-        bound_s = config.num_microbatches * max(stage.time_per_microbatch_s for stage in stages)
-        return Staged(stages=stages, fits=fits, bound_s=bound_s)
+        return Staged(stages=stages, fits=fits, bound_s=pipeline_bound_s(config, stages))
 
     def _spans(self, prepared: PreparedSegments, chain: ChainCosts, chain_key: tuple, config: ParallelConfig):
         """(the stage partition, whether it fits): the fastest split if it fits, else the fastest
@@ -714,6 +714,16 @@ def pipeline_time_s(config: ParallelConfig, stages: list[StageEstimate], slowest
         return m * t_max + uniform_bubble_s("zbv", num_ranks=p, num_microbatches=m, num_chunks=2,
                                             forward_s=forward / 2, backward_s=backward / 2, weight_s=weight / 2)
     return (m - 1) * t_max + sum(s.time_per_microbatch_s for s in stages)
+
+
+def pipeline_bound_s(config: ParallelConfig, stages: list[StageEstimate]) -> float:
+    """A lower bound on pipeline_time_s, without laying out ZB-V: its pipeline rank p - 1 (the
+    turn of the V) waits for the first microbatch's forward through the p - 1 chunks before it."""
+    slowest = max(stages, key=lambda s: s.time_per_microbatch_s)
+    if config.schedule != "zbv" or config.pp == 1:
+        return pipeline_time_s(config, stages, slowest)
+    return (config.num_microbatches * slowest.time_per_microbatch_s
+            + (config.pp - 1) * slowest.forward_pass_s / config.chunks_per_device)
 
 
 def _zero_bubble_hop_s(stage: StageEstimate) -> float:
