@@ -69,6 +69,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -205,6 +206,14 @@ class Estimate:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
+class StageTimes(NamedTuple):
+    """What pipeline_time_s reads of a stage (StageEstimate's fields of the same names)."""
+
+    time_per_microbatch_s: float
+    forward_pass_s: float
+    weight_grad_s: float
+
+
 @dataclass(frozen=True)
 class Staged:
     """A configuration's stages before the pipeline is assembled (StepModel.stages)."""
@@ -316,10 +325,15 @@ class StepModel:
         if cutoff_s < float("inf"):
             # Stages that fit may take a lighter mode (_lightest): bound with the lightest.
             fastest = lighter[next(iter(lighter))] if fits and lighter else prepared
+            times = []
             for stage in range(config.pp):
-                bound_s = config.num_microbatches * self._stage_time_s(fastest, spans, config, stage)
+                times.append(self._stage_times(fastest, spans, config, stage))
+                bound_s = config.num_microbatches * times[-1].time_per_microbatch_s
                 if bound_s > cutoff_s:
                     return Staged(stages=[], fits=fits, bound_s=bound_s)
+            bound_s = pipeline_bound_s(config, times)
+            if bound_s > cutoff_s:
+                return Staged(stages=[], fits=fits, bound_s=bound_s)
         stages = [self._stage_at(prepared, spans, config, stage) for stage in range(config.pp)]
         if fits and lighter:
             stages = [self._lightest(stage, prepared, spans, config, lighter) for stage in stages]
@@ -421,10 +435,11 @@ class StepModel:
         in_flight = [_chunk_in_flight(config, s) for s in stage_indices]
         return self._stage(stage, own, prepared, config, p2p, in_flight)
 
-    def _stage_time_s(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int) -> float:
-        """_stage_at(...).time_per_microbatch_s, without building the stage when it is cached."""
+    def _stage_times(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int) -> "StageTimes":
+        """The times of _stage_at(...) the pipeline's length depends on, without building it."""
         _, own, p2p = self._placed(prepared, spans, config, stage)
-        return self._stage_parts_cached(own, prepared, config, p2p)["time_per_microbatch_s"]
+        parts = self._stage_parts_cached(own, prepared, config, p2p)
+        return StageTimes(parts["time_per_microbatch_s"], parts["forward_pass_s"], parts["weight_grad_s"])
 
     def _placed(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int):
         """(global stages of pipeline rank `stage`, their spans, its send/receive seconds)."""
