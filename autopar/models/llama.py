@@ -63,7 +63,9 @@ NAMED_SIZES: dict[str, dict[str, object]] = {
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32."""
+    """x / rms(x) * weight as one fused op (`F.rms_norm`, `aten.rms_norm` in the export), as
+    torchtitan runs it: on CUDA one kernel that accumulates in float32 and saves only its input
+    and the per-row 1 / rms for the backward (no float32 copy of the activations)."""
 
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
@@ -75,9 +77,7 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_float = x.float()
-        normed = x_float * torch.rsqrt(x_float.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -113,7 +113,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class GroupedQueryAttention(nn.Module):
-    """Causal attention with kv_heads shared by groups of query heads; no biases."""
+    """Causal attention with kv_heads shared by groups of query heads; no biases.
+
+    K and V go to sdpa with their kv_heads (`enable_gqa=True`), not repeated to every query
+    head: the fused kernels read each kv head for its group of query heads, so only kv_heads
+    of K and V are kept for the backward (and gathered under context parallelism)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -127,10 +131,8 @@ class GroupedQueryAttention(nn.Module):
         query = apply_rotary(self._split_heads(self.q_proj(x), self.num_heads), cos, sin)
         key = apply_rotary(self._split_heads(self.k_proj(x), self.num_kv_heads), cos, sin)
         value = self._split_heads(self.v_proj(x), self.num_kv_heads)
-        group_size = self.num_heads // self.num_kv_heads
-        key = key.repeat_interleave(group_size, dim=1)
-        value = value.repeat_interleave(group_size, dim=1)
-        context = F.scaled_dot_product_attention(query, key, value, is_causal=True)
+        context = F.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(context.transpose(1, 2).flatten(-2))
 
     def _split_heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
