@@ -6,8 +6,11 @@ formulas for matmul, convolution and attention kernels), the bytes it reads and 
 whether it is a view. Autograd's saved-tensor hooks tell exactly which tensors the backward
 keeps: an input, the output, or a new tensor (a dropout mask, norm statistics).
 
-Ops run as their CUDA implementation would: dropout as the fused `native_dropout` (1-byte mask)
-and scaled-dot-product attention as flash/memory-efficient attention (no s x s matrix kept).
+Ops run as their CUDA implementation would: dropout as the fused `native_dropout` (1-byte mask),
+scaled-dot-product attention as flash/memory-efficient attention (no s x s matrix kept; with
+`enable_gqa` the kernel reads K and V at their own head count and keeps them so), and `rms_norm`
+as CUDA's fused kernel (`_fused_rms_norm`: one pass that keeps its input and the float32 1 / rms
+per row; on the CPU it decomposes into float32 ops that keep float32 copies of the input).
 """
 
 from __future__ import annotations
@@ -70,9 +73,20 @@ def _tensor_bytes(value) -> int:
 class KernelRecorder(TorchDispatchMode):
     """Records the kernels dispatched while active (views and allocations are free)."""
 
+    active: list[KernelRecorder] = []
+    """Recorders entered and not yet exited, innermost last (for kernels emulated in Python)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.kernels: list[Kernel] = []
+
+    def __enter__(self):
+        KernelRecorder.active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        KernelRecorder.active.remove(self)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -143,11 +157,52 @@ def _cuda_equivalent(func, args: tuple, kwargs: dict):
             return (lambda: aten.native_dropout.default(x, p, True)[0])
     if func is aten.scaled_dot_product_attention.default:
         return _sdpa_kernel(*args, **kwargs)
+    if func in (aten.rms_norm.default, aten._fused_rms_norm.default):
+        return _fused_rms_norm(func, *args, **kwargs)
     return None
 
 
+def _fused_rms_norm(func, x, normalized_shape, weight=None, eps=None):
+    if weight is not None and weight.dtype != x.dtype:
+        return None  # CUDA runs mixed dtypes through the float32 composite too
+    normalized_shape = tuple(normalized_shape)
+    first = func is aten._fused_rms_norm.default
+    return lambda: _FusedRmsNorm.apply(x, weight, normalized_shape, eps, first)
+
+
+class _FusedRmsNorm(torch.autograd.Function):
+    """CUDA's `_fused_rms_norm` on meta: one kernel that reads x and the weight and writes y and
+    rstd = 1 / rms(x) (float32, one per row); autograd keeps x, rstd and the weight, and the
+    backward is `_fused_rms_norm_backward` (derivatives.yaml, torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, normalized_shape, eps, both):
+        rows = x.shape[:x.dim() - len(normalized_shape)]
+        output = torch.empty_like(x)
+        rstd = x.new_empty(rows + (1,) * len(normalized_shape), dtype=torch.float32)
+        io_bytes = _tensor_bytes((x, weight, output, rstd))
+        for recorder in KernelRecorder.active:
+            recorder.kernels.append(Kernel(name="aten._fused_rms_norm.default", flops=float(output.numel()),
+                                           io_bytes=float(io_bytes), is_matmul=False,
+                                           dtype=str(x.dtype).removeprefix("torch.")))
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.normalized_shape = normalized_shape
+        ctx.mark_non_differentiable(rstd)
+        return (output, rstd) if both else output
+
+    @staticmethod
+    def backward(ctx, grad_output, *unused):
+        x, rstd, weight = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
+        grad_x, grad_weight = aten._fused_rms_norm_backward.default(grad_output, x, list(ctx.normalized_shape),
+                                                                    rstd, weight, mask)
+        return grad_x, grad_weight, None, None, None
+
+
 def _sdpa_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if key.shape[-3] != query.shape[-3]:
+    # The efficient kernel takes no grouped K/V (torch 2.13 picks flash for GQA, or the math
+    # kernel, which repeats K and V itself); flash reads them at their own head count.
+    if key.shape[-3] != query.shape[-3] and not (enable_gqa and attn_mask is None):
         repeats = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(repeats, dim=-3)
         value = value.repeat_interleave(repeats, dim=-3)

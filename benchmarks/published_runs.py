@@ -42,6 +42,7 @@ from cost_model.memory import BF16_ADAM, FP32_ADAM, FSDP2_BF16_FP32_REDUCE, Prec
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_runs.csv"
 _MEMORY_NOTE = re.compile(r"(\d+(?:\.\d+)?)\s*(GiB|GB)\s+(?:used|measured)")
 _OP_LEVEL = re.compile(r"\bop(?:-level)? (?:SAC|AC)\b|\bselective op AC\b", re.IGNORECASE)
+_EAGER = re.compile(r"\beager \(compile off", re.IGNORECASE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +73,15 @@ class Run:
 
     @property
     def model(self) -> str:
-        return f"{self.family}:" + ",".join(f"{key}={value}" for key, value in self.shape.items())
+        spec = f"{self.family}:" + ",".join(f"{key}={value}" for key, value in self.shape.items())
+        return spec + ",norm=float32" if self.family == "llama" and self.float32_norm else spec
+
+    @property
+    def float32_norm(self) -> bool:
+        """torchtitan run eager in 2024 normalized in float32 ops: its Llama 3 8B preset for 64
+        A100s (pytorch/torchtitan train_configs/llama3_8b.toml of that era: norm_type = "rmsnorm",
+        compile = false) upcasts like the built-in Llama's norm="float32"; compiled runs fuse it."""
+        return "torchtitan" in self.source.lower() and bool(_EAGER.search(self.notes))
 
     @property
     def num_nodes(self) -> int:

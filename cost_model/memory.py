@@ -10,7 +10,9 @@ parameters, data-parallel degree N, K optimizer bytes per parameter:
 
 Activations in flight (microbatches whose backward has not run yet) on stage i of p with m
 microbatches: GPipe m; 1F1B min(p - i, m); interleaved 1F1B with v chunks per device
-p v + p - 1 - 2 i model chunks at most, each 1/v of the stage (Narayanan et al., SC21).
+p v + p - 1 - 2 i model chunks at most, each 1/v of the stage (Narayanan et al., SC21), not
+alike: per chunk, `chunk_microbatches_in_flight` follows the schedule's order (the last rank
+holds its last chunk, with the output layer, for one microbatch at a time).
 
 Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", 2023) free a microbatch's
 activations only after its weight-gradient pass W; counted here as held whole until then (W
@@ -26,6 +28,7 @@ input- and the weight-gradient pass, most of the activations):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "zbv")
@@ -122,8 +125,42 @@ def chunk_microbatches_in_flight(schedule: str, *, rank: int, chunk: int, num_st
     if schedule == "zbv" and num_stages > 1:
         held = 2 * num_stages - 1 - rank if chunk == 0 else rank + 1
         return float(min(held, num_microbatches))
+    if schedule == "interleaved" and num_stages > 1 and virtual_stages > 1:
+        return float(_interleaved_held(rank, num_stages, virtual_stages, num_microbatches)[chunk])
     return microbatches_in_flight(schedule, stage=rank, num_stages=num_stages, num_microbatches=num_microbatches,
                                   virtual_stages=virtual_stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _interleaved_held(rank: int, p: int, v: int, m: int) -> tuple[int, ...]:
+    """Per local chunk, the microbatches rank `rank` holds when its held total first peaks under
+    interleaved 1F1B (Megatron-LM's order, torch's ScheduleInterleaved1F1B): warmup of
+    (v - 1) p + 2 (p - 1 - rank) forwards, then one forward and one backward at a time; the k-th
+    forward runs chunk (k // p) mod v, the k-th backward chunk v - 1 - (k // p) mod v. The
+    total is p v + p - 1 - 2 rank chunks as in the module docstring; the split says which
+    chunks: the last chunk of the last rank (the output layer and the loss) is held by one
+    microbatch at a time, its first chunk by p."""
+    total = m * v
+    warmup = min((v - 1) * p + 2 * (p - 1 - rank), total)
+    held = [0] * v
+    best, best_total = tuple(held), 0
+    forwards = backwards = 0
+
+    def forward() -> None:
+        nonlocal forwards
+        held[(forwards // p) % v] += 1
+        forwards += 1
+
+    while forwards < warmup:
+        forward()
+    while backwards < total:
+        if forwards < total:
+            forward()
+        if sum(held) > best_total:
+            best, best_total = tuple(held), sum(held)
+        held[v - 1 - (backwards // p) % v] -= 1
+        backwards += 1
+    return best
 
 
 def activation_memory(saved_bytes_per_microbatch: float, *, schedule: str, stage: int, num_stages: int,

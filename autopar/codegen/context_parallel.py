@@ -10,7 +10,8 @@ rank's tokens with three ops replaced, all position-aware:
 - `aten.slice(buffer, dim, 0, seq / cp)` of a position table (rotary cos/sin buffers) takes the
   rows of this rank's positions;
 - `aten.scaled_dot_product_attention` all-gathers K and V over the cp group (one collective;
-  its backward reduce-scatters dK and dV), then attends each local chunk of queries to the
+  its backward reduce-scatters dK and dV; of the kv heads only when the model repeated them
+  for every query head, see `strategies.attention.kv_repeats`), then attends each local chunk of queries to the
   keys up to it (causal, bottom-right aligned: each rank does 1 / cp of the causal work). This is Llama 3's all-gather context parallelism
   (torch's `context_parallel` has no CPU path: it dispatches the flash/efficient/cuDNN kernels).
 
@@ -28,6 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 from autopar.codegen.data_parallel import all_reduce_gradients, sum_over_group, uses_fsdp
 from autopar.codegen.parallel_module import ParallelModule, _replicated_local
 from autopar.errors import ConfigError
+from autopar.strategies.attention import attention_nodes, kv_repeats
 
 _ARANGES = (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
 _SLICE = torch.ops.aten.slice.Tensor
@@ -81,8 +83,10 @@ class ContextParallelOps:
     """The replacements the interpreter calls for position-aware ops (see the module docstring)."""
 
     def __init__(self, *, seq_len: int, cp: int, rank: int, group, device: torch.device,
-                 table_placeholders: set[str]) -> None:
+                 table_placeholders: set[str], kv_repeats: dict[str, int] | None = None) -> None:
         self.seq_len, self.cp, self.group = seq_len, cp, group
+        self.kv_repeats = kv_repeats or {}
+        """Per attention node, how many times its K and V repeat each kv head (absent: 1)."""
         self.local_len = seq_len // cp
         self.positions = chunk_positions(seq_len, cp, rank).to(device)
         self.key_order = torch.argsort(torch.cat([chunk_positions(seq_len, cp, r) for r in range(cp)])).to(device)
@@ -128,12 +132,19 @@ class ContextParallelOps:
         if attn_mask is not None:
             raise ConfigError(f"context parallelism runs causal or unmasked attention; {node.name} passes an explicit "
                               "attn_mask: plan with cp=1")
+        repeats = self.kv_repeats.get(node.name, 1)
         if isinstance(query, DTensor):  # tensor parallel too: attend the local heads
-            local = self._attend(query.to_local(), key.to_local(), value.to_local(), dropout_p, is_causal, kwargs)
+            local = self._attend(query.to_local(), key.to_local(), value.to_local(), dropout_p, is_causal, kwargs,
+                                 repeats)
             return DTensor.from_local(local, query.device_mesh, query.placements, run_check=False)
-        return self._attend(query, key, value, dropout_p, is_causal, kwargs)
+        return self._attend(query, key, value, dropout_p, is_causal, kwargs, repeats)
 
-    def _attend(self, query, key, value, dropout_p, is_causal, kwargs):
+    def _attend(self, query, key, value, dropout_p, is_causal, kwargs, repeats: int = 1):
+        enable_gqa = kwargs.get("enable_gqa", False)
+        if repeats > 1 and key.dim() == 4 and key.shape[1] % repeats == 0:
+            # Every `repeats`-th head is the kv head itself: gather those and attend grouped. The
+            # gradient reaches one copy per group; the repeat's backward sums the copies anyway.
+            key, value, enable_gqa = key[:, ::repeats], value[:, ::repeats], True
         flat = torch.cat([key.reshape(-1), value.reshape(-1)])
         gathered = _GatherKV.apply(flat, self.group, self.cp)
         self.calls["all_gather"] += 1
@@ -141,7 +152,7 @@ class ContextParallelOps:
         split = key.numel()
         keys = torch.cat([row[:split].view(key.shape) for row in gathered], dim=-2)
         values = torch.cat([row[split:].view(value.shape) for row in gathered], dim=-2)
-        options = dict(dropout_p=dropout_p, scale=kwargs.get("scale"), enable_gqa=kwargs.get("enable_gqa", False))
+        options = dict(dropout_p=dropout_p, scale=kwargs.get("scale"), enable_gqa=enable_gqa)
         if not is_causal:
             return torch.nn.functional.scaled_dot_product_attention(query, keys, values, **options)
         # Keys in sequence order; each local chunk attends to the prefix that ends with it (causal,
@@ -239,5 +250,7 @@ def local_program(model, inputs: tuple, keywords: dict, graph, plan):
 
 def ops_for(parts, seq_len: int, runtime) -> ContextParallelOps:
     tables = set(parts.buffer_of) | set(parts.constant_of)
+    repeats = {node.name: kv_repeats(parts.graph, node) for node in attention_nodes(parts.graph)}
     return ContextParallelOps(seq_len=seq_len, cp=runtime.mesh["cp"].size(), rank=runtime.coordinate("cp"),
-                              group=runtime.cp_group, device=runtime.device, table_placeholders=tables)
+                              group=runtime.cp_group, device=runtime.device, table_placeholders=tables,
+                              kv_repeats={name: count for name, count in repeats.items() if count > 1})

@@ -21,6 +21,12 @@ from autopar.models.spec import check_field_types, require_divisible, require_po
 __all__ = ["LlamaConfig", "Llama", "RMSNorm", "example_inputs", "example_targets", "loss_fn"]
 
 
+NORMS = ("fused", "float32")
+"""How RMSNorm runs: "fused" is `F.rms_norm` (torchtitan today); "float32" upcasts the input and
+normalizes in separate float32 ops (torchtitan's `norm_type = "rmsnorm"` of 2024, Hugging Face's
+LlamaRMSNorm), which costs several memory passes and keeps float32 copies for the backward."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
     """Shape of a LLaMA model; the defaults are a tiny model that trains on a CPU in seconds."""
@@ -36,6 +42,7 @@ class LlamaConfig:
     vocab: int = 128  # vocabulary size
     rope_theta: float = 10000.0  # rotary base frequency
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    norm: str = "fused"  # "fused": F.rms_norm (one CUDA kernel); "float32": upcast in separate ops (torchtitan 2024)
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -43,6 +50,8 @@ class LlamaConfig:
         require_positive(self, "rope_theta", "norm_eps")
         require_divisible(self, "hidden", "heads")
         require_divisible(self, "heads", "kv_heads")
+        if self.norm not in NORMS:
+            raise ModelSpecError(f"llama: norm='{self.norm}' is not one of {', '.join(NORMS)}")
         if self.head_dim % 2:
             raise ModelSpecError(
                 f"llama: head dim hidden/heads = {self.head_dim} must be even for rotary embeddings; "
@@ -63,11 +72,14 @@ NAMED_SIZES: dict[str, dict[str, object]] = {
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32."""
+    """x / rms(x) * weight as one fused op (`F.rms_norm`, `aten.rms_norm` in the export), as
+    torchtitan runs it: on CUDA one kernel that accumulates in float32 and saves only its input
+    and the per-row 1 / rms for the backward (no float32 copy of the activations). With
+    `upcast`, the float32 composite instead (NORMS)."""
 
-    def __init__(self, hidden: int, eps: float) -> None:
+    def __init__(self, hidden: int, eps: float, upcast: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.upcast = eps, upcast
         self.weight = nn.Parameter(torch.empty(hidden))
         self.reset_parameters()
 
@@ -75,9 +87,11 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_float = x.float()
-        normed = x_float * torch.rsqrt(x_float.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        if self.upcast:
+            x_float = x.float()
+            normed = x_float * torch.rsqrt(x_float.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+            return normed.type_as(x) * self.weight
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -113,7 +127,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class GroupedQueryAttention(nn.Module):
-    """Causal attention with kv_heads shared by groups of query heads; no biases."""
+    """Causal attention with kv_heads shared by groups of query heads; no biases.
+
+    K and V go to sdpa with their kv_heads (`enable_gqa=True`), not repeated to every query
+    head: the fused kernels read each kv head for its group of query heads, so only kv_heads
+    of K and V are kept for the backward (and gathered under context parallelism)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -127,10 +145,8 @@ class GroupedQueryAttention(nn.Module):
         query = apply_rotary(self._split_heads(self.q_proj(x), self.num_heads), cos, sin)
         key = apply_rotary(self._split_heads(self.k_proj(x), self.num_kv_heads), cos, sin)
         value = self._split_heads(self.v_proj(x), self.num_kv_heads)
-        group_size = self.num_heads // self.num_kv_heads
-        key = key.repeat_interleave(group_size, dim=1)
-        value = value.repeat_interleave(group_size, dim=1)
-        context = F.scaled_dot_product_attention(query, key, value, is_causal=True)
+        context = F.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(context.transpose(1, 2).flatten(-2))
 
     def _split_heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -155,9 +171,10 @@ class LlamaBlock(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(config.hidden, config.norm_eps)
+        upcast = config.norm == "float32"
+        self.attn_norm = RMSNorm(config.hidden, config.norm_eps, upcast)
         self.attn = GroupedQueryAttention(config)
-        self.mlp_norm = RMSNorm(config.hidden, config.norm_eps)
+        self.mlp_norm = RMSNorm(config.hidden, config.norm_eps, upcast)
         self.mlp = SwiGLU(config.hidden, config.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -174,7 +191,7 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab, config.hidden)
         self.rotary = RotaryEmbedding(config.head_dim, config.seq, config.rope_theta)
         self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.layers))
-        self.norm = RMSNorm(config.hidden, config.norm_eps)
+        self.norm = RMSNorm(config.hidden, config.norm_eps, config.norm == "float32")
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
         self.init_weights()
 

@@ -31,8 +31,8 @@ from autopar.graph import OpGraph
 from autopar.mesh import Mesh
 from autopar.solver.costing import CommEvent, CostContext
 from autopar.solver.evaluate import SegmentCost, is_recomputable
-from autopar.strategies.attention import attention_nodes, is_causal
-from autopar.strategies.placement import shard_factor
+from autopar.strategies.attention import attention_nodes, is_causal, kv_repeats
+from autopar.strategies.placement import shard_factor, shards_on_dim
 from cost_model.comm import CommModel, Group
 from cost_model.compute import ComputeTime
 from cost_model.context_parallel import causal_work_share, exposed_kv_exchange_s, ring_step_bytes
@@ -48,7 +48,8 @@ class AttentionCost:
 
     node: str
     kv_bytes: float
-    """Bytes of K plus V on this tp rank (what one rank gathers from the whole cp group)."""
+    """Bytes of K plus V on this tp rank (what one rank gathers from the whole cp group): of the
+    kv heads only, when K and V are kv heads repeated for every query head (kv_repeats)."""
     forward: ComputeTime
     backward: ComputeTime
     causal: bool
@@ -73,9 +74,19 @@ def attention_costs(graph: OpGraph, strategies: dict, ctx: CostContext) -> dict[
         inputs = [graph[source].output for source in node.inputs]
         forward, backward = ctx.node_compute(node, strategy, inputs)
         kv_bytes = sum(inputs[index].nbytes / shard_factor(strategy.inputs[index], ctx.mesh.shape) for index in (1, 2))
+        kv_bytes /= local_kv_repeats(node, inputs, strategy, kv_repeats(graph, node), ctx.mesh.shape)
         found.setdefault(segment_of[node.name], []).append(
             AttentionCost(node=node.name, kv_bytes=kv_bytes, forward=forward, backward=backward, causal=is_causal(node)))
     return found
+
+
+def local_kv_repeats(node, inputs, strategy, repeats: int, mesh_shape) -> int:
+    """`repeats` when each tp rank's heads of K hold whole groups of copies (the runtime then
+    gathers every `repeats`-th head), else 1; codegen/context_parallel.py makes the same test."""
+    if repeats <= 1 or len(inputs[1].shape) != 4:
+        return 1
+    local_heads = inputs[1].shape[1] // shards_on_dim(strategy.inputs[1], 1, mesh_shape)
+    return repeats if local_heads % repeats == 0 else 1
 
 
 @dataclass(frozen=True, kw_only=True)

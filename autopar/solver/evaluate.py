@@ -117,6 +117,8 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
             continue
         segment = costs[segment_of.get(node.name, consumers_segment.get(node.name, first_segment))]
         _add_node(builder, node, strategy, segment, mesh_shape, recomputable[node.name], node.name in op_saved)
+        if node.kind == "call" and node.saved_output:
+            segment.saved_keys.add((node.name, tuple(strategy.output)))  # counted by _add_node
         if node.kind == "call" and node.requires_grad:
             segment.grad_workspace_bytes = max(segment.grad_workspace_bytes,
                                                _gradient_bytes(graph, node, strategy, mesh_shape))
@@ -160,7 +162,10 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
             target = strategy.inputs[index]
             if index in node.saved_inputs:
                 size = producer.output.nbytes / shard_factor(target, mesh_shape)
-                _save_once(segment, (source, target), size)
+                key = (source, target)
+                if tuple(target) == tuple(source_strategy.output):
+                    key = _storage_key(graph, strategy_of, source, assignment.fanouts, quotient) or key
+                _save_once(segment, key, size)
                 _keep_if(segment, source, size, not recomputable[node.name])
                 _note_gathered(builder, segment, source, producer, source_strategy.output, target, mesh_shape)
             _keep_reduced(segment, source, producer, source_strategy.output, target, mesh_shape)
@@ -209,6 +214,21 @@ def _gradient_bytes(graph: OpGraph, node, strategy, mesh_shape) -> float:
             placement = strategy.inputs[index] if index < len(strategy.inputs) else ()
             total += producer.output.nbytes / shard_factor(placement, mesh_shape)
     return total
+
+
+def _storage_key(graph: OpGraph, strategy_of: dict, name: str, fanouts: dict, quotient: Quotient) -> tuple | None:
+    """The saved-tensor key of the storage `name`'s output views: up its chain of views (an
+    attention output transposed and flattened for the output projection) to the op that made
+    it, while no redistribution copies on the way; None when `name` is not a view."""
+    node, moved = graph[name], False
+    while node.kind == "call" and node.alias_input is not None and node.inputs:
+        source = node.inputs[node.alias_input]
+        strategy, below = strategy_of.get(node.name), strategy_of.get(source)
+        if strategy is None or below is None or quotient.rep[source] in fanouts \
+                or tuple(strategy.inputs[node.alias_input]) != tuple(below.output):
+            break
+        node, moved = graph[source], True
+    return (node.name, tuple(strategy_of[node.name].output)) if moved else None
 
 
 def _save_once(segment: SegmentCost, key: tuple, size: float) -> None:

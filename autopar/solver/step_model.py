@@ -760,7 +760,7 @@ def _chunk_in_flight(config: ParallelConfig, stage: int) -> float:
 @lru_cache(maxsize=65536)
 def _in_flight_of(schedule: str, stage: int, num_stages: int, num_microbatches: int, virtual_stages: int) -> float:
     rank = rank_of(schedule, stage=stage, num_ranks=num_stages)
-    return chunk_microbatches_in_flight(schedule, rank=rank, chunk=0 if stage < num_stages else 1,
+    return chunk_microbatches_in_flight(schedule, rank=rank, chunk=stage // num_stages,
                                         num_stages=num_stages, num_microbatches=num_microbatches,
                                         virtual_stages=virtual_stages)
 

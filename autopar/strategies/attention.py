@@ -74,6 +74,40 @@ def is_causal(node: OpNode) -> bool:
     return bool(call_arg(node, 5, "is_causal"))
 
 
+_RESHAPES = ("aten.reshape.default", "aten.view.default", "aten._unsafe_view.default")
+
+
+def kv_repeats(graph, node: OpNode) -> int:
+    """r when sdpa's K and V are their kv heads each repeated r times in place (grouped-query
+    attention written without `enable_gqa`: `repeat_interleave(r, dim=heads)`, or Hugging Face's
+    repeat_kv, an expand to (b, kv, r, s, d) reshaped to (b, kv r, s, d)); else 1.
+
+    Heads h r .. h r + r - 1 are then copies of kv head h, so every r-th head is the kv-head
+    tensor itself: context parallelism gathers only those and attends with `enable_gqa`."""
+    factors = {_repeat_factor(graph, graph[node.inputs[index]]) for index in (1, 2) if index < len(node.inputs)}
+    return factors.pop() if len(factors) == 1 else 1
+
+
+def _repeat_factor(graph, producer: OpNode) -> int:
+    if producer.kind != "call" or len(producer.output.shape) != 4 or not producer.inputs:
+        return 1
+    source = graph[producer.inputs[0]].output
+    if producer.target == "aten.repeat_interleave.self_int" and producer.args[:1] == (Ref(index=0),):
+        repeats, dim = call_arg(producer, 1, "repeats"), call_arg(producer, 2, "dim")
+        if isinstance(repeats, int) and dim in (1, -3) and source.shape[1] * repeats == producer.output.shape[1]:
+            return repeats
+        return 1
+    if producer.target in _RESHAPES:
+        expand = graph[producer.inputs[0]]
+        if expand.kind == "call" and expand.target == "aten.expand.default" and expand.inputs:
+            grouped = expand.output.shape  # (b, kv, r, s, d) from (b, kv, 1, s, d)
+            before = graph[expand.inputs[0]].output.shape
+            if (len(grouped) == 5 and len(before) == 5 and before[2] == 1
+                    and (grouped[0], grouped[1] * grouped[2], *grouped[3:]) == producer.output.shape):
+                return grouped[2]
+    return 1
+
+
 def context_parallel_blocker(graph, sequence_length: int) -> str:
     """Why the sequence of `graph` cannot be split over ranks ("" when it can).
 

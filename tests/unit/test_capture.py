@@ -195,10 +195,23 @@ def test_a_model_that_fixes_the_batch_is_captured_statically(capfd):
     assert capfd.readouterr().err == ""
 
 
+class UpcastNorm(nn.Module):
+    """A hand-written RMSNorm in float32 (Hugging Face's LlamaRMSNorm does this)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.proj(x)
+        upcast = x.float()
+        return (upcast * torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + 1e-5)).type_as(x)
+
+
 def test_ops_with_dtype_arguments_run_on_meta():
-    """`x.float()` in RMSNorm is `aten.to.dtype`: probed as such, not priced by its bytes, and the
-    batch stays symbolic for every later op (pricing it once specialized the batch to 2)."""
-    _, graph = captured("llama")
+    """`x.float()` in an RMSNorm is `aten.to.dtype`: probed as such, not priced by its bytes, and
+    the batch stays symbolic for every later op (pricing it once specialized the batch to 2)."""
+    graph = capture(UpcastNorm().to(torch.bfloat16), (torch.randn(2, 4, 8, dtype=torch.bfloat16),))
     casts = [node for node in graph.calls() if node.target == "aten.to.dtype"]
     assert casts and not any(node.note for node in casts)
     batch_sized = [node for node in graph.calls() if node.outputs and node.output.shape[:1] == (2,)]

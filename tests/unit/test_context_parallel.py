@@ -191,3 +191,104 @@ def test_runtime_refuses_cp_with_pipeline_stages_clearly():
     check_supported(SimpleNamespace(mesh={"pp": 1, "dp": 1, "cp": 2, "tp": 1}))
     with pytest.raises(ConfigError, match="re-plan with pp=1 or cp=1"):
         check_supported(SimpleNamespace(mesh={"pp": 2, "dp": 1, "cp": 2, "tp": 1}))
+
+
+# --- grouped-query attention: only the kv heads are gathered --------------------------------------
+
+class RepeatedKV:
+    """Grouped-query attention written without enable_gqa: K and V repeated for every query head
+    (repeat_interleave, or Hugging Face's expand + reshape), then causal sdpa."""
+
+    @staticmethod
+    def build(style: str):
+        import torch
+        import torch.nn.functional as F
+        from torch import nn
+
+        class Attention(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.embed = nn.Embedding(64, 32)
+                self.q, self.k, self.v = nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(32, 16)
+                self.out = nn.Linear(32, 64)
+
+            def forward(self, tokens):
+                x = self.embed(tokens)
+                batch, seq = tokens.shape
+                query = self.q(x).view(batch, seq, 4, 8).transpose(1, 2)
+                key = self.k(x).view(batch, seq, 2, 8).transpose(1, 2)
+                value = self.v(x).view(batch, seq, 2, 8).transpose(1, 2)
+                if style == "repeat_interleave":
+                    key, value = key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1)
+                elif style == "expand":
+                    key = key[:, :, None].expand(batch, 2, 2, seq, 8).reshape(batch, 4, seq, 8)
+                    value = value[:, :, None].expand(batch, 2, 2, seq, 8).reshape(batch, 4, seq, 8)
+                attended = F.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                                          enable_gqa=style == "enable_gqa")
+                return self.out(attended.transpose(1, 2).flatten(-2))
+
+        return Attention()
+
+
+@pytest.mark.parametrize("style, repeats", [("repeat_interleave", 2), ("expand", 2), ("enable_gqa", 1)])
+def test_repeated_kv_heads_are_found(style, repeats):
+    import torch
+
+    from autopar.capture import capture
+    from autopar.strategies.attention import attention_nodes, kv_repeats
+
+    graph = capture(RepeatedKV.build(style), (torch.randint(0, 64, (2, 16)),))
+    (attention,) = attention_nodes(graph)
+    assert kv_repeats(graph, attention) == repeats
+
+
+def test_cp_prices_the_gather_of_the_kv_heads_only():
+    """The built-in Llama passes its kv heads (enable_gqa); a model that repeats them is priced
+    for gathering its kv heads too (the runtime takes every r-th head): 4 of 8 query heads' K, V."""
+    import torch
+
+    from autopar.solver.context_parallel import attention_costs
+    from autopar.solver.sharding import cost_context
+
+    def kv_bytes(model, inputs):
+        planner = api.planner_for(model, inputs, Cluster.from_spec(CLUSTER), global_batch=2)
+        sharding = planner.sharding(1, 1)
+        graph = planner.condensed.with_batch(1)
+        costs = attention_costs(graph, sharding.strategies, cost_context(sharding.mesh, planner.cluster))
+        return [cost.kv_bytes for segment in costs.values() for cost in segment]
+
+    tokens = (torch.randint(0, 64, (2, 16)),)
+    # K and V of one sample: 16 tokens, 2 kv heads of 8 dims, bf16 (the planner's precision)
+    for style in ("repeat_interleave", "expand", "enable_gqa"):
+        assert kv_bytes(RepeatedKV.build(style), tokens) == [2 * 16 * 2 * 8 * 2], style
+    llama = kv_bytes(LLAMA, None)  # kv_heads=2 of head dim 16, bf16
+    assert llama == [2 * 32 * 2 * 16 * 2] * 2
+
+
+def test_cp_attention_gathers_every_rth_head_and_matches_the_repeated_attention(one_process_group):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from autopar.codegen.context_parallel import ContextParallelOps
+
+    torch.manual_seed(0)
+    query = torch.randn(2, 4, 8, 8, requires_grad=True)
+    kv = torch.randn(2, 2, 2, 8, 8, requires_grad=True)
+    def run(repeats):
+        ops = ContextParallelOps(seq_len=8, cp=1, rank=0, group=dist.group.WORLD, device=torch.device("cpu"),
+                                 table_placeholders=set(), kv_repeats={"sdpa": repeats} if repeats > 1 else {})
+        key, value = (tensor.repeat_interleave(2, dim=1) for tensor in kv.unbind(0))
+        node = type("Node", (), {"name": "sdpa"})()
+        output = ops.attention(node, (query, key, value, None, 0.0, True), {})
+        grads = torch.autograd.grad(output.square().sum(), (query, kv))
+        return output, grads, ops
+
+    whole, whole_grads, _ = run(1)
+    grouped, grouped_grads, _ = run(2)
+    expected = F.scaled_dot_product_attention(query, *(t.repeat_interleave(2, dim=1) for t in kv.unbind(0)),
+                                              is_causal=True)
+    torch.testing.assert_close(whole, expected)
+    torch.testing.assert_close(grouped, expected)
+    for got, want in zip(grouped_grads, whole_grads):
+        torch.testing.assert_close(got, want)

@@ -1,6 +1,7 @@
 import pytest
 
-from cost_model.memory import BF16_ADAM, activation_memory, microbatches_in_flight, model_state_memory
+from cost_model.memory import (BF16_ADAM, activation_memory, chunk_microbatches_in_flight, microbatches_in_flight,
+                               model_state_memory)
 
 
 @pytest.mark.parametrize("stage, expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -36,3 +37,22 @@ def test_in_flight_microbatches_per_schedule():
     assert activation_memory(10.0, schedule="1f1b", stage=0, num_stages=2, num_microbatches=4) == 20.0
     with pytest.raises(ValueError, match="unknown schedule"):
         microbatches_in_flight("zigzag", stage=0, num_stages=2, num_microbatches=2)
+
+
+def test_interleaved_chunks_are_held_in_the_schedules_order():
+    """Per chunk: the rank's total as above, split as the schedule runs them. The last rank runs
+    each forward of its last chunk (the output layer) just before that microbatch's backward."""
+    p, v, m = 4, 3, 8
+
+    def held(rank):
+        return [chunk_microbatches_in_flight("interleaved", rank=rank, chunk=c, num_stages=p, num_microbatches=m,
+                                             virtual_stages=v) for c in range(v)]
+
+    for rank in range(p):
+        assert sum(held(rank)) == pytest.approx(v * microbatches_in_flight(
+            "interleaved", stage=rank, num_stages=p, num_microbatches=m, virtual_stages=v))
+    assert held(p - 1) == [4, 4, 1]  # warmup (v - 1) p = 8 forwards: chunks 0 and 1, p each
+    assert held(0) == [7, 4, 4]  # warmup (v - 1) p + 2 (p - 1) = 14 forwards, the 15th of chunk 0 again
+    # all m v forwards fit in rank 0's warmup: every microbatch of every chunk held
+    assert [chunk_microbatches_in_flight("interleaved", rank=0, chunk=c, num_stages=p, num_microbatches=p,
+                                         virtual_stages=v) for c in range(v)] == [p] * v

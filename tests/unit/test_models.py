@@ -186,6 +186,19 @@ def test_named_sizes_build_on_meta(name):
 # --- LLaMA --------------------------------------------------------------------------------------
 
 
+def test_llama_norms_agree_and_an_unknown_norm_is_refused():
+    """The fused norm (F.rms_norm) and the float32 composite (norm=float32) compute the same
+    thing; only how many kernels run and what they keep differ."""
+    from autopar.errors import ModelSpecError
+
+    fused, upcast = (build_model(spec, device="cpu", seed=0) for spec in ("llama", "llama:norm=float32"))
+    assert not fused.model.layers[0].attn_norm.upcast and upcast.model.layers[0].attn_norm.upcast
+    tokens = fused.example_inputs[0]
+    torch.testing.assert_close(fused.model(tokens), upcast.model(tokens))
+    with pytest.raises(ModelSpecError, match="norm='layer' is not one of fused, float32"):
+        build_model("llama:norm=layer")
+
+
 def test_llama_grouped_query_shapes_and_rotary_buffers():
     model = build_model("llama:hidden=64,heads=8,kv_heads=2").model
     attn = model.layers[0].attn

@@ -1,0 +1,51 @@
+"""probe.py: ops priced and their saved tensors as the CUDA kernels keep them.
+
+`rms_norm` is CUDA's fused kernel (its input and a float32 1 / rms per row kept, not float32
+copies of the activations); sdpa with `enable_gqa` keeps K and V at their own head count."""
+
+import torch
+
+from autopar.graph import Ref
+from autopar.probe import InputSpec, probe_op
+
+aten = torch.ops.aten
+
+
+def _spec(shape, dtype=torch.bfloat16, *, param=False) -> InputSpec:
+    stride = torch.empty(shape, device="meta").stride()
+    return InputSpec(shape=tuple(shape), stride=stride, dtype=dtype, requires_grad=True, is_param=param)
+
+
+def _bytes(shape, dtype=torch.bfloat16) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+def test_rms_norm_is_the_fused_kernel_keeping_its_input_and_one_float_per_row():
+    result = probe_op(aten.rms_norm.default, (Ref(index=0), [64], Ref(index=1), 1e-5), {},
+                      [_spec((2, 8, 64)), _spec((64,), param=True)])
+    assert result.saved_inputs == (0,) and not result.saved_output
+    assert result.saved_extra_bytes == 2 * 8 * 4  # rstd, float32, one per row
+    assert [kernel.name for kernel in result.fwd_kernels] == ["aten._fused_rms_norm.default"]
+    (forward,) = result.fwd_kernels
+    assert forward.io_bytes == 2 * _bytes((2, 8, 64)) + _bytes((64,)) + 2 * 8 * 4  # one pass
+    assert any("_fused_rms_norm_backward" in kernel.name for kernel in result.bwd_kernels)
+
+
+def test_rms_norm_with_a_float32_weight_on_bfloat16_input_is_the_composite():
+    result = probe_op(aten.rms_norm.default, (Ref(index=0), [64], Ref(index=1), 1e-5), {},
+                      [_spec((2, 8, 64)), _spec((64,), torch.float32, param=True)])
+    assert len(result.fwd_kernels) > 1 and result.saved_extra_bytes > 2 * 8 * 4
+
+
+def test_grouped_query_attention_keeps_key_and_value_at_their_own_head_count():
+    query, kv = (2, 16, 128, 64), (2, 2, 128, 64)
+    args = (Ref(index=0), Ref(index=1), Ref(index=2))
+    grouped = probe_op(aten.scaled_dot_product_attention.default, args, {"is_causal": True, "enable_gqa": True},
+                       [_spec(query), _spec(kv), _spec(kv)])
+    assert grouped.saved_inputs == (0, 1, 2) and grouped.saved_output
+    log_sum_exp = 2 * 16 * 128 * 4  # float32, per query row (plus the kernel's few bytes of rng state)
+    assert log_sum_exp <= grouped.saved_extra_bytes <= log_sum_exp + 64
+    repeated = probe_op(aten.scaled_dot_product_attention.default, args, {"is_causal": True},
+                        [_spec(query), _spec(query), _spec(query)])
+    flops = lambda result: sum(kernel.flops for kernel in result.fwd_kernels + result.bwd_kernels)  # noqa: E731
+    assert flops(grouped) == flops(repeated)  # each query head still attends to a whole K
