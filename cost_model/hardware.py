@@ -3,7 +3,9 @@
 Figures are datasheet values (dense, no sparsity). Link bandwidths are per device and per
 direction: NVIDIA quotes NVLink "per GPU, both directions", which is twice what one device can
 send. The efficiency defaults are what well-tuned kernels reach on these parts; a measured
-profile (`autopar profile`) replaces them.
+profile (`autopar profile`) replaces them. Each GPU system also names its collective library's
+protocol terms (`CollectiveSpec`: NCCL's tuning-model constants for its GPU generation and host
+CPU), which make the achieved bandwidth depend on message size and group span (comm.py).
 
 This module does not import autopar or torch.
 """
@@ -370,20 +372,25 @@ NCCL_P3 = CollectiveSpec(library="NCCL", protocols=(
 SYSTEMS: dict[str, SystemSpec] = {
     "dgx-a100-40g": SystemSpec(
         name="dgx-a100-40g", device=A100_40G, devices_per_node=8, intra_node=NVLINK3, inter_node=IB_HDR,
-        collectives=NCCL_DGX_A100, description="NVIDIA DGX A100 (8x A100 40GB, NVSwitch, 8x HDR 200 Gb/s)", source="DGX A100 datasheet"),
+        collectives=NCCL_DGX_A100, description="NVIDIA DGX A100 (8x A100 40GB, NVSwitch, 8x HDR 200 Gb/s)",
+        source="DGX A100 datasheet"),
     "dgx-a100-80g": SystemSpec(
         name="dgx-a100-80g", device=A100_80G, devices_per_node=8, intra_node=NVLINK3, inter_node=IB_HDR,
-        collectives=NCCL_DGX_A100, description="NVIDIA DGX A100 (8x A100 80GB, NVSwitch, 8x HDR 200 Gb/s), e.g. Selene",
+        collectives=NCCL_DGX_A100,
+        description="NVIDIA DGX A100 (8x A100 80GB, NVSwitch, 8x HDR 200 Gb/s), e.g. Selene",
         source="DGX A100 datasheet; Megatron-LM SC21 (arXiv 2104.04473) section 5"),
     "dgx-h100": SystemSpec(
         name="dgx-h100", device=H100_SXM, devices_per_node=8, intra_node=NVLINK4, inter_node=IB_NDR,
-        collectives=NCCL_DGX_H100, description="NVIDIA DGX H100 (8x H100 SXM5, NVSwitch, 8x NDR 400 Gb/s)", source="DGX H100 datasheet"),
+        collectives=NCCL_DGX_H100, description="NVIDIA DGX H100 (8x H100 SXM5, NVSwitch, 8x NDR 400 Gb/s)",
+        source="DGX H100 datasheet"),
     "hgx-h200": SystemSpec(
         name="hgx-h200", device=H200_SXM, devices_per_node=8, intra_node=NVLINK4, inter_node=IB_NDR,
-        collectives=NCCL_DGX_H100, description="NVIDIA HGX H200 (8x H200 141GB, NVSwitch, 8x NDR 400 Gb/s)", source="HGX H200 product brief"),
+        collectives=NCCL_DGX_H100, description="NVIDIA HGX H200 (8x H200 141GB, NVSwitch, 8x NDR 400 Gb/s)",
+        source="HGX H200 product brief"),
     "p3-16xlarge": SystemSpec(
         name="p3-16xlarge", device=V100_16G, devices_per_node=8, intra_node=NVLINK2, inter_node=ETH_25G_PER_8,
-        collectives=NCCL_P3, description="AWS p3.16xlarge (8x V100 16GB, NVLink, 25 Gb/s between nodes), as in Alpa's evaluation",
+        collectives=NCCL_P3,
+        description="AWS p3.16xlarge (8x V100 16GB, NVLink, 25 Gb/s between nodes), as in Alpa's evaluation",
         source="AWS EC2 P3 instance page"),
 }
 
