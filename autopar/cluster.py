@@ -24,7 +24,7 @@ from autopar.validation import (MAX_DEVICES, MAX_DEVICES_PER_NODE, MAX_NODES, ch
                                 parse_int, path_is_file, read_text_file, shorten, type_name)
 from cost_model import hardware
 from cost_model.errors import CostModelInputError
-from cost_model.hardware import GB, GIB, TFLOPS, DeviceSpec, LinkSpec, SystemSpec
+from cost_model.hardware import GB, GIB, TFLOPS, CollectiveSpec, DeviceSpec, LinkSpec, SystemSpec
 from cost_model.profile import HardwareProfile, load_profile
 
 SPEC_KEYS = ("nodes", "gpus_per_node", "procs", "profile")
@@ -49,6 +49,8 @@ class Cluster:
     """Link between nodes, per device (InfiniBand rail, Ethernet share)."""
     profile: HardwareProfile | None = None
     """Measured figures that refine the device and link defaults."""
+    collectives: CollectiveSpec | None = None
+    """The collective library's protocol terms (NCCL on the GPU presets); None: plain alpha-beta."""
     price_per_gpu_hour: float | None = None
     """What the user pays for one device for one hour (TOML `price_per_gpu_hour`; `autopar compare`)."""
 
@@ -203,7 +205,7 @@ def _build(spec: str, preset: str, options: dict[str, Any], *, base_dir: Path,
                                    f"file from `autopar profile`), got {type_name(name)} {shorten(name)}")
         profile = _load_checked_profile(spec, base_dir / name, preset, device)
     return Cluster(name=spec, num_nodes=nodes, devices_per_node=per_node, device=device,
-                   intra_node=intra, inter_node=inter, profile=profile)
+                   intra_node=intra, inter_node=inter, profile=profile, collectives=system.collectives)
 
 
 def _load_checked_profile(spec: str, path: Path, preset: str, device: DeviceSpec) -> HardwareProfile:

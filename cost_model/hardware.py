@@ -3,7 +3,9 @@
 Figures are datasheet values (dense, no sparsity). Link bandwidths are per device and per
 direction: NVIDIA quotes NVLink "per GPU, both directions", which is twice what one device can
 send. The efficiency defaults are what well-tuned kernels reach on these parts; a measured
-profile (`autopar profile`) replaces them.
+profile (`autopar profile`) replaces them. Each GPU system also names its collective library's
+protocol terms (`CollectiveSpec`: NCCL's tuning-model constants for its GPU generation and host
+CPU), which make the achieved bandwidth depend on message size and group span (comm.py).
 
 This module does not import autopar or torch.
 """
@@ -83,7 +85,8 @@ class LinkSpec:
     bandwidth_bytes_per_s: float
     """Per device, per direction."""
     latency_s: float
-    """Per message (the alpha of the alpha-beta model)."""
+    """Per ring step of a large-message collective (the alpha of the alpha-beta model; on NCCL
+    systems the Simple protocol's step, which the other protocols' steps are fractions of)."""
     efficiency: float = 0.85
     """Fraction of the bandwidth that large collectives reach (NCCL bus bandwidth / link rate)."""
 
@@ -95,15 +98,102 @@ class LinkSpec:
             raise ValueError(f"{self.name}: efficiency must be in (0, 1], got {self.efficiency}")
 
 
+INF = float("inf")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProtocolSpec:
+    """One protocol of the collective library (NCCL's LL, LL128 or Simple), as its tuning model
+    prices a ring: a launch latency, a latency per ring step on each link level, and a share of
+    the link's large-message bus bandwidth."""
+
+    name: str
+    """e.g. "LL128"."""
+    launch_latency_s: float
+    """Fixed cost of one collective with this protocol (NCCL's ring base latency)."""
+    intra_hop_fraction: float
+    """Latency of one ring step inside a node, as a fraction of the intra-node link's `latency_s`
+    (which is the Simple protocol's step)."""
+    inter_hop_fraction: float
+    """Latency of a ring step between nodes, when several devices of each node share the ring, as
+    a fraction of the inter-node link's `latency_s`."""
+    lone_inter_hop_fraction: float
+    """Latency of a step between nodes when the group has one device per node (every step crosses
+    the network and nothing overlaps it; NCCL prices it with its tree network latency)."""
+    bandwidth_fraction: float
+    """Share of the link's large-message bus bandwidth this protocol reaches (LL moves 8 data bytes
+    per 16-byte line, LL128 120 of 128 bytes)."""
+    max_bus_bandwidth_bytes_per_s: tuple[float, float, float] = (INF, INF, INF)
+    """Cap on its bus bandwidth for groups on one node, two nodes, more nodes (NCCL caps LL by GPU
+    generation inside a node and by host CPU across nodes)."""
+    multi_node_all_reduce_latency_factor: float = 1.0
+    """Multiplier on its latency in ring all-reduces that span nodes (NCCL's "plateau effect of
+    ring" on Simple: 1.4 from Ampere on, 1.9 before)."""
+    proxy_steps: float = 1.0
+    """Network-proxy posts per ring step (NCCL: 3 for Simple, whose steps also flush): in a ring
+    that spans nodes, even the intra-node steps take at least this x `proxy_overhead_s`."""
+    across_nodes: bool = True
+    """Whether the library uses this protocol for groups that span nodes."""
+
+    def __post_init__(self) -> None:
+        if self.launch_latency_s < 0:
+            raise ValueError(f"protocol {self.name}: launch_latency_s must be >= 0, got {self.launch_latency_s}")
+        if not self.multi_node_all_reduce_latency_factor >= 1.0:
+            raise ValueError(f"protocol {self.name}: multi_node_all_reduce_latency_factor must be >= 1, "
+                             f"got {self.multi_node_all_reduce_latency_factor}")
+        for name in ("intra_hop_fraction", "inter_hop_fraction", "lone_inter_hop_fraction", "proxy_steps"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"protocol {self.name}: {name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.bandwidth_fraction <= 1.0:
+            raise ValueError(f"protocol {self.name}: bandwidth_fraction must be in (0, 1], got {self.bandwidth_fraction}")
+        if len(self.max_bus_bandwidth_bytes_per_s) != 3 or not all(c > 0 for c in self.max_bus_bandwidth_bytes_per_s):
+            raise ValueError(f"protocol {self.name}: max_bus_bandwidth_bytes_per_s must be three positive caps "
+                             f"(one node, two nodes, more), got {self.max_bus_bandwidth_bytes_per_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveSpec:
+    """How the system's collective library runs: for each collective and message size it uses the
+    fastest of its protocols (and, for all-reduce across nodes, of ring and tree), as NCCL's tuner
+    does (cost_model/comm.py)."""
+
+    library: str
+    """e.g. "NCCL 2.2x"."""
+    protocols: tuple[ProtocolSpec, ...]
+    """The protocols it chooses among."""
+    proxy_overhead_s: float
+    """Cost of one network post by the proxy thread (NCCL: 1 us on Intel hosts, 2 us on AMD)."""
+    tree_bandwidth_fraction: float = 0.92
+    """Share of the ring's bus bandwidth a tree all-reduce reaches (NCCL's tree model)."""
+    source: str = ""
+    """Where the figures come from."""
+
+    def __post_init__(self) -> None:
+        if not self.protocols:
+            raise ValueError(f"{self.library}: a collective library needs at least one protocol")
+        names = [protocol.name for protocol in self.protocols]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.library}: protocol names must be unique, got {names}")
+        if not any(protocol.across_nodes for protocol in self.protocols):
+            raise ValueError(f"{self.library}: at least one protocol must work across nodes")
+        if self.proxy_overhead_s < 0:
+            raise ValueError(f"{self.library}: proxy_overhead_s must be >= 0, got {self.proxy_overhead_s}")
+        if not 0.0 < self.tree_bandwidth_fraction <= 1.0:
+            raise ValueError(f"{self.library}: tree_bandwidth_fraction must be in (0, 1], "
+                             f"got {self.tree_bandwidth_fraction}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SystemSpec:
-    """A kind of node: its devices and its two link levels."""
+    """A kind of node: its devices, its two link levels and its collective library."""
 
     name: str
     device: DeviceSpec
     devices_per_node: int
     intra_node: LinkSpec
     inter_node: LinkSpec
+    collectives: CollectiveSpec | None = None
+    """NCCL's protocol terms on GPU systems; None: the plain alpha-beta model (gloo)."""
     description: str = ""
     source: str = ""
 
@@ -214,18 +304,67 @@ def _host_memory_bytes() -> float:
 
 
 # --- links ---------------------------------------------------------------------------------
+# latency_s of the NCCL links is the Simple protocol's latency per ring step in NCCL's tuning
+# model (src/graph/tuning.cc, NCCL 2.18-2.2x: 3.4 us per NVLink step, 14 us per network step).
 
-NVLINK3 = LinkSpec(name="NVLink3/NVSwitch", bandwidth_bytes_per_s=300 * GB, latency_s=3e-6)
-NVLINK4 = LinkSpec(name="NVLink4/NVSwitch", bandwidth_bytes_per_s=450 * GB, latency_s=3e-6)
-NVLINK2 = LinkSpec(name="NVLink2 hybrid cube-mesh", bandwidth_bytes_per_s=150 * GB, latency_s=5e-6, efficiency=0.7)
+NVLINK3 = LinkSpec(name="NVLink3/NVSwitch", bandwidth_bytes_per_s=300 * GB, latency_s=3.4e-6)
+NVLINK4 = LinkSpec(name="NVLink4/NVSwitch", bandwidth_bytes_per_s=450 * GB, latency_s=3.4e-6)
+NVLINK2 = LinkSpec(name="NVLink2 hybrid cube-mesh", bandwidth_bytes_per_s=150 * GB, latency_s=3.4e-6, efficiency=0.7)
 # 8x HDR 200 Gb/s per DGX A100 node: one 25 GB/s rail per GPU.
-IB_HDR = LinkSpec(name="HDR InfiniBand 200 Gb/s per GPU", bandwidth_bytes_per_s=25 * GB, latency_s=6e-6, efficiency=0.8)
+IB_HDR = LinkSpec(name="HDR InfiniBand 200 Gb/s per GPU", bandwidth_bytes_per_s=25 * GB, latency_s=14e-6, efficiency=0.8)
 # 8x NDR 400 Gb/s per DGX H100 node: 50 GB/s per GPU.
-IB_NDR = LinkSpec(name="NDR InfiniBand 400 Gb/s per GPU", bandwidth_bytes_per_s=50 * GB, latency_s=6e-6, efficiency=0.8)
-# p3.16xlarge: 25 Gb/s Ethernet per node, shared by its 8 GPUs.
+IB_NDR = LinkSpec(name="NDR InfiniBand 400 Gb/s per GPU", bandwidth_bytes_per_s=50 * GB, latency_s=14e-6, efficiency=0.8)
+# p3.16xlarge: 25 Gb/s Ethernet per node, shared by its 8 GPUs (NCCL's socket transport).
 ETH_25G_PER_8 = LinkSpec(name="25 Gb/s Ethernet per node", bandwidth_bytes_per_s=25e9 / 8 / 8, latency_s=50e-6, efficiency=0.7)
 LOOPBACK = LinkSpec(name="shared memory (gloo)", bandwidth_bytes_per_s=2 * GB, latency_s=50e-6, efficiency=0.5)
 TCP_10G = LinkSpec(name="10 Gb/s TCP", bandwidth_bytes_per_s=1.25 * GB, latency_s=100e-6, efficiency=0.7)
+
+
+# --- the collective library ----------------------------------------------------------------
+# NCCL's tuning model (src/graph/tuning.cc, defaults of NCCL 2.18-2.2x; NCCL picks, per call, the
+# algorithm and protocol its model says is fastest):
+#   ring latency = base + (steps - inter steps) x intra step + inter steps x inter step
+#   base (us)             LL 6.6   LL128 14.0   Simple 8.4
+#   NVLink step (us)      LL 0.6   LL128 1.9    Simple 3.4
+#   network step (us)     LL 2.7   LL128 4.0    Simple 14.0   (ring, several GPUs per node)
+#   lone network step     LL 5.0   LL128 8.5    Simple 14.0   (one GPU per node: tree latency)
+#   bus bandwidth         LL 1/2 (capped: llMaxBws)   LL128 0.92 (120 of 128 B)   Simple 1
+#   Simple's ring all-reduce latency across nodes x1.4 (x1.9 before Ampere); in a ring across
+#   nodes an intra-node step costs at least one proxy post (x3 for Simple); tree all-reduce:
+#   base + 2 ((GPUs per node - 1) intra steps + log2(nodes) lone network steps), 0.92 of the bus
+#   bandwidth for twice the bytes.
+# Steps are given as fractions of the links' latency_s (Simple's), so a cluster file that
+# overrides a link's latency moves every protocol's steps on that link.
+_NVLINK_SIMPLE_STEP_US, _NET_SIMPLE_STEP_US = 3.4, 14.0
+NCCL_SIMPLE = ProtocolSpec(name="Simple", launch_latency_s=8.4e-6, intra_hop_fraction=1.0, inter_hop_fraction=1.0,
+                           lone_inter_hop_fraction=1.0, bandwidth_fraction=1.0, proxy_steps=3.0,
+                           multi_node_all_reduce_latency_factor=1.4)
+NCCL_LL128 = ProtocolSpec(name="LL128", launch_latency_s=14.0e-6, intra_hop_fraction=1.9 / _NVLINK_SIMPLE_STEP_US,
+                          inter_hop_fraction=4.0 / _NET_SIMPLE_STEP_US, lone_inter_hop_fraction=8.5 / _NET_SIMPLE_STEP_US,
+                          bandwidth_fraction=0.92)
+
+
+def _nccl_ll(one_node_gbs: float, two_nodes_gbs: float, more_nodes_gbs: float) -> ProtocolSpec:
+    """NCCL's LL protocol with its bus-bandwidth caps (llMaxBws) for one system."""
+    return ProtocolSpec(name="LL", launch_latency_s=6.6e-6, intra_hop_fraction=0.6 / _NVLINK_SIMPLE_STEP_US,
+                        inter_hop_fraction=2.7 / _NET_SIMPLE_STEP_US, lone_inter_hop_fraction=5.0 / _NET_SIMPLE_STEP_US,
+                        bandwidth_fraction=0.5,
+                        max_bus_bandwidth_bytes_per_s=(one_node_gbs * GB, two_nodes_gbs * GB, more_nodes_gbs * GB))
+
+
+_NCCL_SOURCE = "NCCL src/graph/tuning.cc (tuner constants of NCCL 2.18-2.2x)"
+# DGX A100: Ampere GPUs, AMD EPYC hosts (llMaxBws Ampere-N1 87.7, AMD-N2 22.5, AMD-N4 19.0 GB/s;
+# 2 us proxy posts on AMD).
+NCCL_DGX_A100 = CollectiveSpec(library="NCCL", protocols=(_nccl_ll(87.7, 22.5, 19.0), NCCL_LL128, NCCL_SIMPLE),
+                               proxy_overhead_s=2e-6, source=_NCCL_SOURCE)
+# DGX H100 / HGX H200: Hopper GPUs, Intel Xeon hosts (Hopper-N1 141, Intel-N2 39, Intel-N4 20.4).
+NCCL_DGX_H100 = CollectiveSpec(library="NCCL", protocols=(_nccl_ll(141.0, 39.0, 20.4), NCCL_LL128, NCCL_SIMPLE),
+                               proxy_overhead_s=1e-6, source=_NCCL_SOURCE)
+# p3.16xlarge: Volta GPUs, Intel hosts; LL128 is enabled only where the NIC sits behind the
+# GPU's PCIe switch, which the sockets of an Ethernet node are not: not across nodes.
+NCCL_P3 = CollectiveSpec(library="NCCL", protocols=(
+    _nccl_ll(39.0, 39.0, 20.4), replace(NCCL_LL128, across_nodes=False),
+    replace(NCCL_SIMPLE, multi_node_all_reduce_latency_factor=1.9)), proxy_overhead_s=1e-6, source=_NCCL_SOURCE)
 
 
 # --- systems -------------------------------------------------------------------------------
@@ -233,19 +372,24 @@ TCP_10G = LinkSpec(name="10 Gb/s TCP", bandwidth_bytes_per_s=1.25 * GB, latency_
 SYSTEMS: dict[str, SystemSpec] = {
     "dgx-a100-40g": SystemSpec(
         name="dgx-a100-40g", device=A100_40G, devices_per_node=8, intra_node=NVLINK3, inter_node=IB_HDR,
-        description="NVIDIA DGX A100 (8x A100 40GB, NVSwitch, 8x HDR 200 Gb/s)", source="DGX A100 datasheet"),
+        collectives=NCCL_DGX_A100, description="NVIDIA DGX A100 (8x A100 40GB, NVSwitch, 8x HDR 200 Gb/s)",
+        source="DGX A100 datasheet"),
     "dgx-a100-80g": SystemSpec(
         name="dgx-a100-80g", device=A100_80G, devices_per_node=8, intra_node=NVLINK3, inter_node=IB_HDR,
+        collectives=NCCL_DGX_A100,
         description="NVIDIA DGX A100 (8x A100 80GB, NVSwitch, 8x HDR 200 Gb/s), e.g. Selene",
         source="DGX A100 datasheet; Megatron-LM SC21 (arXiv 2104.04473) section 5"),
     "dgx-h100": SystemSpec(
         name="dgx-h100", device=H100_SXM, devices_per_node=8, intra_node=NVLINK4, inter_node=IB_NDR,
-        description="NVIDIA DGX H100 (8x H100 SXM5, NVSwitch, 8x NDR 400 Gb/s)", source="DGX H100 datasheet"),
+        collectives=NCCL_DGX_H100, description="NVIDIA DGX H100 (8x H100 SXM5, NVSwitch, 8x NDR 400 Gb/s)",
+        source="DGX H100 datasheet"),
     "hgx-h200": SystemSpec(
         name="hgx-h200", device=H200_SXM, devices_per_node=8, intra_node=NVLINK4, inter_node=IB_NDR,
-        description="NVIDIA HGX H200 (8x H200 141GB, NVSwitch, 8x NDR 400 Gb/s)", source="HGX H200 product brief"),
+        collectives=NCCL_DGX_H100, description="NVIDIA HGX H200 (8x H200 141GB, NVSwitch, 8x NDR 400 Gb/s)",
+        source="HGX H200 product brief"),
     "p3-16xlarge": SystemSpec(
         name="p3-16xlarge", device=V100_16G, devices_per_node=8, intra_node=NVLINK2, inter_node=ETH_25G_PER_8,
+        collectives=NCCL_P3,
         description="AWS p3.16xlarge (8x V100 16GB, NVLink, 25 Gb/s between nodes), as in Alpa's evaluation",
         source="AWS EC2 P3 instance page"),
 }
@@ -261,6 +405,7 @@ def cpu_system(num_procs: int) -> SystemSpec:
 PRESET_NAMES: tuple[str, ...] = tuple(SYSTEMS) + ("cpu",)
 
 __all__ = [
-    "DTYPES", "GB", "GIB", "TFLOPS", "DeviceSpec", "LinkSpec", "SystemSpec", "SYSTEMS", "PRESET_NAMES",
+    "DTYPES", "GB", "GIB", "TFLOPS", "DeviceSpec", "LinkSpec", "ProtocolSpec", "CollectiveSpec", "SystemSpec",
+    "SYSTEMS", "PRESET_NAMES",
     "cpu_device", "cpu_system",
 ]

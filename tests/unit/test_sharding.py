@@ -1,6 +1,8 @@
 """The intra-op sharding solve on real graphs: Megatron's pattern, ZeRO under memory pressure,
 Hugging Face models, infeasible budgets, and block folding."""
 
+import math
+
 import pytest
 
 from autopar import api
@@ -67,7 +69,11 @@ def test_memory_pressure_shards_parameters_over_dp():
     assert tight.solution.memory_bytes <= budget
     assert tight.solution.cost_s > free.solution.cost_s
     sharded = [name for name in params if tight.strategies[name].output[0].startswith("S")]
-    assert len(sharded) >= len(params) // 2  # ZeRO-3 style: parameters sharded over dp
+    # ZeRO-3 style: parameters sharded over dp. Every sharded parameter pays its collectives'
+    # latency (NCCL's steps between nodes, cost_model/comm.py) whatever its size, so the solver
+    # shards the largest ones first: most of the parameter bytes, not necessarily most tensors.
+    numel = {p.node: math.prod(p.meta.shape) for p in graph.params}
+    assert sum(numel[name] for name in sharded) >= 0.5 * sum(numel[name] for name in params)
 
 
 def test_infeasible_budget_names_the_least_memory():
