@@ -11,10 +11,12 @@ show the same need.
 At 131072 tokens a step holds 128 sequences for 16,384 GPUs: without cp no mesh runs it (a
 data-parallel degree dividing 128 leaves >= 128 GPUs per sequence, more than tp x pp can take),
 so the planner must split sequences. At 8192 (2048 sequences) cp is not needed: a plan without
-it fits and is close to the best. The cost model does find cp plans faster at 8192 (on main of
-2026-12-01: pp8 x dp256 x cp4 x tp2 zb1p at 1.22 s against pp4 x dp512 x tp8 zbv at 1.33 s, 9%:
-fewer tensor-parallel bytes per rank, the KV all-gather hidden behind attention); no measured
-run backs or refutes that, so the test bounds the gap (15%) instead of asserting no cp.
+it fits. The cost model does find cp plans faster at 8192: on main of 2026-12-01 17:10 UTC (K/V
+gathered at their 8 kv heads, NCCL protocol terms) pp8 x dp128 x cp8 x tp2 zb1p at 1.07 s
+against pp4 x dp512 x tp8 zb1p at 1.33 s (+24%). Most of the difference is the pipeline bubble
+and the once-per-step dp collectives: without cp, 16,384 GPUs and 2048 sequences leave 4
+microbatches per pipeline of this 16-layer model (Meta's 126 layers on pp16 had 16). No measured
+run backs or refutes the cp plan, so the test asserts where the gap comes from and bounds it.
 """
 
 import pytest
@@ -49,4 +51,8 @@ def test_8k_sequences_need_no_context_parallelism():
     planner = _planner(8192, layers=16)
     best, without = api.plan_with(planner), api.plan_with(planner, Constraints(cp=1))
     assert without.mesh["cp"] == 1 and without.predicted.fits
-    assert without.predicted.step_time_s <= 1.15 * best.predicted.step_time_s, (best.summary(), without.summary())
+    gap_s = without.predicted.step_time_s - best.predicted.step_time_s
+    assert gap_s <= 0.3 * best.predicted.step_time_s, (best.summary(), without.summary())
+    fill_and_sync = lambda plan: sum(seconds for term, seconds in plan.predicted.breakdown_s.items()  # noqa: E731
+                                     if term == "bubble" or term.startswith("dp."))
+    assert fill_and_sync(without) - fill_and_sync(best) >= 0.5 * gap_s, (best.summary(), without.summary())
