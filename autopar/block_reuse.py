@@ -235,15 +235,55 @@ def _shifted_path(path: str, old: str, new: str) -> str:
 
 
 def _placeholder_owners(entries: list[_Entry], paths: dict[int, str]) -> dict[str, int]:
-    """Parameter and buffer placeholder -> the traced child (index) it belongs to."""
+    """Parameter, buffer and lifted-constant placeholder -> the traced child (index) it belongs to."""
     owners = {}
     for entry in entries:
         node = entry.node
-        if entry.placeholder and node is not None and node.kind in ("param", "buffer"):
+        if entry.placeholder and node is not None and node.kind in _PER_CHILD_KINDS:
             owner = next((index for index, path in paths.items() if node.target.startswith(path + ".")), None)
             if owner is not None:
                 owners[entry.name] = owner
     return owners
+
+
+_PER_CHILD_KINDS = ("param", "buffer", "constant")
+"""Placeholders each child has its own of: its parameters and buffers, and the tensors its
+forward creates (`torch.tensor(...)`, which export lifts as constants: Falcon's attention)."""
+
+
+def _constant_step(entries: list[_Entry], owners: dict[str, int], templates: list[int], period: int) -> int:
+    """How far one period advances the counter of lifted constants (`..._lifted_tensor_4`):
+    export numbers them in one sequence over the whole model, so a copy's are renumbered."""
+    counters: dict[int, list[int]] = {}
+    for entry in entries:
+        if owners.get(entry.name) is not None and entry.node.kind == "constant":
+            counters.setdefault(owners[entry.name], []).append(_split_counter(entry.node.target)[1])
+    if not counters:
+        return 0
+    steps = set()
+    for template in templates:
+        now, before = counters.get(template, []), counters.get(template - period, [])
+        if len(now) != len(before):
+            raise _CannotExpand("the blocks lift different numbers of tensor constants")
+        steps |= {new - old for new, old in zip(now, before)}
+    if len(steps) != 1:
+        raise _CannotExpand("the blocks' lifted tensor constants are not numbered alike")
+    step = steps.pop()
+    highest = max(counter for values in counters.values() for counter in values)
+    for entry in entries:  # constants after the blocks would be renumbered too
+        if (entry.placeholder and entry.node is not None and entry.node.kind == "constant"
+                and entry.name not in owners and _split_counter(entry.node.target)[1] > highest - step):
+            raise _CannotExpand(f"{entry.node.target} is lifted after the blocks")
+    return step
+
+
+def _moved(name: str, kind: str, old_path: str, new_path: str, constant_shift: int) -> str:
+    """A child's placeholder name for another child (`constant_shift`: how far its counter moves)."""
+    name = _renamed(name, old_path, new_path)
+    if kind != "constant" or not constant_shift:
+        return name
+    base, counter = _split_counter(name)
+    return f"{base}_{counter + constant_shift}"
 
 
 def _expand_one(entries: list[_Entry], blocks: RepeatedBlocks, infos: dict[str, ParamInfo]) -> list[_Entry]:
@@ -268,20 +308,22 @@ def _expand_one(entries: list[_Entry], blocks: RepeatedBlocks, infos: dict[str, 
             raise _CannotExpand(f"the blocks of {blocks.container} run different ops")
     param_owner = _placeholder_owners(entries, paths)
     templates = [blocks.template(index) for index in range(captured - period, captured)]
+    constant_step = _constant_step(entries, param_owner, templates, period)
+    kinds = {entry.name: entry.node.kind for entry in entries if entry.name in param_owner}
     for template in templates:
-        _check_recurrence(calls, param_owner, paths, template, period)
+        _check_recurrence(calls, param_owner, kinds, paths, template, period, constant_step)
     steps = _counter_steps(entries, [p for index in templates for p in spans[index - period]],
                            [p for index in templates for p in spans[index]])
     earlier = {node.name for index in run if index != captured - 1 for node in calls[index]}
     constants = {entry.name for entry in entries if entry.placeholder and entry.node is not None
-                 and entry.node.kind == "constant"}
+                 and entry.node.kind == "constant" and entry.name not in param_owner}
     for position, entry in enumerate(entries):
         if entry.node is None:
             continue
         if owners[position] is None and any(source in earlier for source in entry.node.inputs):
             raise _CannotExpand(f"{entry.name} reads a block of {blocks.container} other than the last")
         if owners[position] in templates and any(source in constants for source in entry.node.inputs):
-            raise _CannotExpand(f"{paths[owners[position]]} reads a tensor constant created in its forward")
+            raise _CannotExpand(f"{paths[owners[position]]} reads a tensor constant lifted outside the blocks")
 
     by_child_params: dict[int, list[_Entry]] = {}
     for entry in entries:
@@ -289,26 +331,31 @@ def _expand_one(entries: list[_Entry], blocks: RepeatedBlocks, infos: dict[str, 
             by_child_params.setdefault(param_owner[entry.name], []).append(entry)
     child_calls = {index: [node.name for node in calls[index]] for index in run}
     copies_body: list[_Entry] = []
-    copies_params: dict[str, list[_Entry]] = {"param": [], "buffer": []}
+    copies_params: dict[str, list[_Entry]] = {kind: [] for kind in _PER_CHILD_KINDS}
     last_map: dict[str, str] = {}
     for index in range(captured, blocks.num_children):
         template = blocks.template(index)
         path, template_path = blocks.path(index), paths[template]
         source_path, previous_path = paths[template - 1], blocks.path(index - 1)
         mapping: dict[str, str] = {}
+        shift = (index - template) // period
         for entry in by_child_params.get(template, ()):
-            name = _renamed(entry.name, template_path, path)
+            kind = entry.node.kind
+            name = _moved(entry.name, kind, template_path, path, shift * constant_step)
             mapping[entry.name] = name
-            node = replace(entry.node, name=name, target=path + entry.node.target[len(template_path):])
-            infos[name] = replace(infos[entry.name], name=node.target, node=name)
-            copies_params[entry.node.kind].append(replace(entry, name=name, node=node))
+            target = path + entry.node.target[len(template_path):]
+            if kind == "constant":
+                target = f"{_split_counter(target)[0]}_{_split_counter(target)[1] + shift * constant_step}"
+            node = replace(entry.node, name=name, target=target)
+            if kind != "constant":
+                infos[name] = replace(infos[entry.name], name=node.target, node=name)
+            copies_params[kind].append(replace(entry, name=name, node=node))
         for entry in by_child_params.get(template - 1, ()):
-            mapping[entry.name] = _renamed(entry.name, source_path, previous_path)
+            mapping[entry.name] = _moved(entry.name, entry.node.kind, source_path, previous_path, shift * constant_step)
         for source, previous in zip(child_calls[template - 1], child_calls[index - 1]):
             mapping[source] = previous
         for position in spans[template]:
             mapping[entries[position].name] = f"{entries[position].name}#{path}"
-        shift = (index - template) // period
         for position in spans[template]:
             entry = entries[position]
             node = entry.node
@@ -324,8 +371,8 @@ def _expand_one(entries: list[_Entry], blocks: RepeatedBlocks, infos: dict[str, 
     return _spliced(entries, owners, captured - 1, set(param_owner), copies_params, copies_body, last_map, shifts)
 
 
-def _check_recurrence(calls: dict[int, list[OpNode]], param_owner: dict[str, int], paths: dict[int, str],
-                      template: int, period: int) -> None:
+def _check_recurrence(calls: dict[int, list[OpNode]], param_owner: dict[str, int], kinds: dict[str, str],
+                      paths: dict[int, str], template: int, period: int, constant_step: int) -> None:
     """Traced child `template` is child `template - period` shifted by one period: mapping each
     of its inputs one period back (its own nodes and parameters, and those of the child before
     it, to the children `period` earlier; anything outside the repeating children to itself)
@@ -337,7 +384,7 @@ def _check_recurrence(calls: dict[int, list[OpNode]], param_owner: dict[str, int
             back[node.name] = earlier.name
     for name, owner in param_owner.items():
         if owner in (template, template - 1):
-            back[name] = _renamed(name, paths[owner], paths[owner - period])
+            back[name] = _moved(name, kinds[name], paths[owner], paths[owner - period], -constant_step)
     known = {node.name for nodes in calls.values() for node in nodes} | set(param_owner)
     for node, shifted_to in zip(calls[template], calls[previous]):
         if any(source in known and source not in back for source in node.inputs):
