@@ -106,7 +106,7 @@ def capture_for_planning(model, example_inputs=None, *, loss_fn=None, example_ta
                          precision: str = "bf16", verbose: bool = False, reuse_blocks: bool = True) -> OpGraph:
     """Capture a weightless replica of the model in the compute precision.
 
-    With `reuse_blocks` identical blocks are traced twice and copied for the rest
+    With `reuse_blocks` repeating blocks are traced for three periods and copied for the rest
     (block_reuse.py): the same graph as tracing them all, in a fraction of the time."""
     check_model_arguments(model, example_inputs, loss_fn, example_targets)
     _policy(precision)

@@ -1,20 +1,23 @@
-"""Capture N identical blocks by tracing three (design principle 4).
+"""Capture N identical blocks by tracing three periods of them (design principle 4).
 
 torch.export's time grows with the model's depth: GPT-3 175B's 96 layers are 4,500 nodes to
 trace although layers 1..95 are one layer 95 times. When block_match.py finds a container of
-interchangeable children, the model is exported with its first three children only. Block 0
-reads the prologue; block 2 must be block 1 shifted by one (the same ops, shapes, costs and
-arguments, each input read from the block before it where block 1 reads block 0, or from the
-same place outside), which is the recurrence the copies follow: block 2's nodes and parameters
-are copied for children 3..N-1, each copy reading the copy before it, and what followed block 2
-(the final norm, the head, the loss) reads the last copy.
+repeating children (from child `first` on, child i like child i + period), the model is
+exported with its leading children and three periods only. The first period reads the
+prologue (or the leading children); each child of the third must be its counterpart in the
+second shifted by one period (the same ops, shapes, costs and arguments, each input read from
+the child before it where the counterpart reads its own predecessor, or from the same place
+outside the repeating children), which is the recurrence the copies follow: child i is copied
+from the traced child of its phase in the third period, reading child i - 1, and what followed
+the last traced child (the final norm, the head, the loss) reads the last copy. Parameters,
+buffers and the tensor constants a block's forward lifts are copied per child.
 
 The result is the graph the full capture gives, node for node: module paths, parameter names
-and export's node names (`linear_17`: a counter per op kind in graph order, carried on by each
-copy) included, so plans, fingerprints and codegen's name matching are unchanged. Anything that
-does not fit that picture (blocks that differ, ops between blocks, a head that reads an earlier
-block, lifted constants inside a block, names export did not number consecutively) returns None
-and the caller captures in full.
+and export's node names (`linear_17`: a counter per op kind in graph order, advanced by one
+period's step per copied period) included, so plans, fingerprints and codegen's name matching
+are unchanged. Anything that does not fit that picture (periods that differ, ops between
+blocks, a head that reads an earlier block, constants lifted after the blocks, names export
+did not number alike in the last two periods) returns None and the caller captures in full.
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ class _CannotExpand(Exception):
 
 def capture_reusing_blocks(model: nn.Module, inputs: tuple, kwargs: dict, *, loss_fn=None, example_targets=None,
                            name: str = "", verbose: bool = False, strict: bool = False) -> OpGraph | None:
-    """The OpGraph of `model` (as `capture` makes it) from a capture of three blocks per group
-    of interchangeable ones; None when no container qualifies or the shortcut does not apply.
+    """The OpGraph of `model` (as `capture` makes it) from a capture of three periods of each
+    container of repeating children; None when no container qualifies or the shortcut does not apply.
 
     `model` and the inputs are the meta replica planning captures (they are traced as given).
     Unexpected errors of the shortcut itself also return None (the full capture then runs)
