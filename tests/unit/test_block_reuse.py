@@ -24,7 +24,8 @@ from autopar.capture import capture
 
 ALL = os.environ.get("AUTOPAR_BLOCK_REUSE") == "all"
 """AUTOPAR_BLOCK_REUSE=all also compares the other built-in families and more Hugging Face
-architectures (GPT-2, BLOOM, Falcon, Mixtral, Gemma: a few minutes more)."""
+architectures (GPT-2, T5, BLOOM, Falcon, Mixtral, Gemma: a few minutes more; T5 alone takes
+30-80 s here, BiasStack below checks its leading-child layout by default)."""
 BUILT_IN = ["gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128",
             "llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn_hidden=176,seq=32,vocab=128",
             *(["moe:layers=4", "bert:layers=4", "vit:layers=4"] if ALL else [])]
@@ -117,7 +118,7 @@ def token_loss(output, targets):
     return F.cross_entropy(output.logits.flatten(0, -2).float(), targets.flatten())
 
 
-@pytest.mark.parametrize("name", sorted(HF_MODELS) if ALL else ["gemma2", "llama", "t5"])
+@pytest.mark.parametrize("name", sorted(HF_MODELS) if ALL else ["gemma2", "llama"])
 def test_hugging_face_models_capture_the_same_graph_from_three_blocks(name):
     model = hf_model(name)
     tokens = torch.randint(0, 128, (2, 16))
