@@ -3,13 +3,16 @@
     .venv/bin/python benchmarks/hf_real_sizes.py                 # every model below
     .venv/bin/python benchmarks/hf_real_sizes.py Llama-3-8B ...  # some of them
 
-Each model is built with `from_config` under `torch.device("meta")` from the figures of its
-public config.json (written out below), with transformers' defaults otherwise (SDPA attention),
+Each model is built with `from_config` under `autopar.models.on_meta()` (meta as the default
+device, weight initializers skipped) from the figures of its public config.json (written out
+below), with transformers' defaults otherwise (SDPA attention),
 and planned with `autopar.plan` for CLUSTER at GLOBAL_BATCH, its loss reading `out.logits`.
 Each runs in a fresh process (peak RSS is per process). Columns: build time (config and
-`from_config` on meta), capture time (export + probing
-of the model with its loss), planning time (search), each as wall time and as this process's CPU
-time (which a busy machine inflates far less than wall time), parameters, and the plan chosen.
+`from_config` on meta, after transformers' model module is imported), capture time (export +
+probing of the model with its loss), whether identical blocks were traced once per period and
+copied (block_reuse.py: "3 of 32" children traced) or every layer, planning time (search), each
+as wall time and as this process's CPU time (which a busy machine inflates far less than wall
+time), parameters, and the plan chosen.
 """
 
 from __future__ import annotations
@@ -65,31 +68,48 @@ def measure(name: str) -> dict:
     import torch
     import transformers
 
+    from autopar import api
     from autopar.api import PRECISIONS, capture_for_planning, plan_with
+    from autopar.block_match import repeated_blocks
     from autopar.cluster import Cluster
+    from autopar.models import on_meta
     from autopar.solver.search import Planner, SearchOptions
 
     torch.set_num_threads(1)
     config_name, model_name, seq, fields = MODELS[name]
-    building = time.perf_counter()
+    model_class = getattr(transformers, model_name)  # imports the model's module
+    building, building_cpu = time.perf_counter(), time.process_time()
     config = getattr(transformers, config_name)(use_cache=False, **fields)
-    with torch.device("meta"):
-        model = getattr(transformers, model_name)(config)
+    with on_meta():
+        model = model_class(config)
+    build_s, build_cpu_s = time.perf_counter() - building, time.process_time() - building_cpu
+    reused = []
+    reusing = api.capture_reusing_blocks
+
+    def recorded(*args, **kwargs):
+        graph = reusing(*args, **kwargs)
+        reused.append(graph is not None)
+        return graph
+
+    api.capture_reusing_blocks = recorded
+    layouts = repeated_blocks(model)
     batch = 1
     tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     inputs = dict(input_ids=tokens)
     if "decoder_start_token_id" in fields:
         inputs["decoder_input_ids"] = tokens
     started, started_cpu = time.perf_counter(), time.process_time()
-    build_s = started - building
     graph = capture_for_planning(model, inputs, loss_fn=_token_loss, example_targets=tokens)
     captured, captured_cpu = time.perf_counter(), time.process_time()
     planner = Planner(graph, Cluster.from_spec(CLUSTER), global_batch=GLOBAL_BATCH, policy=PRECISIONS["bf16"],
                       precision="bf16", options=SearchOptions())
     plan = plan_with(planner)
     planned, planned_cpu = time.perf_counter(), time.process_time()
+    traced = " + ".join(f"{blocks.num_captured} of {blocks.num_children}" for blocks in layouts) \
+        if reused == [True] else "every layer"
     return dict(name=name, attention=config._attn_implementation, seq=seq, num_nodes=len(graph.nodes),
-                build_s=build_s, capture_s=captured - started, capture_cpu_s=captured_cpu - started_cpu,
+                build_s=build_s, build_cpu_s=build_cpu_s, traced=traced, capture_s=captured - started,
+                capture_cpu_s=captured_cpu - started_cpu,
                 plan_s=planned - captured, plan_cpu_s=planned_cpu - captured_cpu, num_params=graph.num_params,
                 mesh=plan.mesh, microbatch_size=plan.microbatch_size, schedule=plan.schedule, recompute=plan.recompute,
                 zero_stage=plan.zero_stage, step_time_s=plan.predicted.step_time_s,
@@ -98,7 +118,8 @@ def measure(name: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    header = ("model", "attention", "seq", "nodes", "build (s)", "capture (s)", "capture CPU (s)", "plan (s)",
+    header = ("model", "attention", "seq", "nodes", "build (s)", "build CPU (s)", "children traced", "capture (s)",
+              "capture CPU (s)", "plan (s)",
               "plan CPU (s)", "parameters", "mesh pp x dp x tp", "microbatch", "schedule", "recompute", "ZeRO",
               "step (s)", "peak (GiB)", "peak RSS (GB)")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -108,7 +129,7 @@ def table(rows: list[dict]) -> str:
             continue
         mesh = row["mesh"]
         cells = (row["name"], row["attention"], str(row["seq"]), f"{row['num_nodes']:,}", f"{row['build_s']:.1f}",
-                 f"{row['capture_s']:.1f}", f"{row['capture_cpu_s']:.1f}", f"{row['plan_s']:.1f}",
+                 f"{row['build_cpu_s']:.2f}", row["traced"], f"{row['capture_s']:.1f}", f"{row['capture_cpu_s']:.1f}", f"{row['plan_s']:.1f}",
                  f"{row['plan_cpu_s']:.1f}",
                  f"{row['num_params'] / 1e9:.2f} B", f"{mesh['pp']} x {mesh['dp']} x {mesh['tp']}",
                  str(row["microbatch_size"]), row["schedule"], row["recompute"], str(row["zero_stage"]),

@@ -7,13 +7,15 @@
 
 Families: gpt, llama, bert, vit, mlp, moe (one file each); named sizes such as gpt3-175b,
 llama3-8b, bert-base, vit-b16 and tiny-<family> aliases for the family defaults. The spec
-grammar is in `autopar.models.spec`. Every model keeps its repeated blocks in an
+grammar is in `autopar.models.spec`. On meta the weight initializers are skipped
+(`on_meta()`, meta_build.py: the same for a model of your own, e.g. `from_config`). Every model keeps its repeated blocks in an
 `nn.ModuleList` named `layers`, takes inputs with the batch as dim 0 and exports with
 `torch.export` under a dynamic batch (`batch_dynamic_shapes`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -24,6 +26,7 @@ from torch import nn
 from autopar.errors import ModelSpecError
 from autopar.validation import MAX_GLOBAL_BATCH, shorten
 from autopar.models import bert, gpt, llama, mlp, moe, vit
+from autopar.models.meta_build import on_meta, skip_init_on_meta
 from autopar.models.spec import (
     call_factory,
     did_you_mean,
@@ -45,7 +48,9 @@ __all__ = [
     "batch_dynamic_shapes",
     "build_model",
     "list_models",
+    "on_meta",
     "resolve_spec",
+    "skip_init_on_meta",
 ]
 
 
@@ -177,7 +182,7 @@ def build_model(
     if resolved.family is None:
         return _build_from_file(resolved, device)
     family, config = resolved.family, resolved.config
-    with torch.device(device):
+    with torch.device(device), _no_init_on(device):
         model = family.model_cls(config)
     return ModelBundle(
         name=resolved.name,
@@ -191,7 +196,7 @@ def build_model(
 
 def _build_from_file(resolved: ResolvedSpec, device: torch.device) -> ModelBundle:
     factory = import_factory(resolved.file, resolved.factory)
-    with torch.device(device):
+    with torch.device(device), _no_init_on(device):
         result = call_factory(factory, f"'{resolved.factory}' in '{resolved.file}'")
     return ModelBundle(
         name=resolved.name,
@@ -201,6 +206,11 @@ def _build_from_file(resolved: ResolvedSpec, device: torch.device) -> ModelBundl
         loss_fn=result.loss_fn,
         config=None,
     )
+
+
+def _no_init_on(device: torch.device):
+    """On meta, weight initializers do nothing (there are no values to set): meta_build.py."""
+    return skip_init_on_meta() if device.type == "meta" else contextlib.nullcontext()
 
 
 def _parse_device(device: str | torch.device) -> torch.device:

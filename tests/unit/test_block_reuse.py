@@ -23,7 +23,9 @@ from autopar.block_match import repeated_blocks
 from autopar.capture import capture
 
 ALL = os.environ.get("AUTOPAR_BLOCK_REUSE") == "all"
-"""AUTOPAR_BLOCK_REUSE=all also compares the other built-in families and GPT-2 (a minute more)."""
+"""AUTOPAR_BLOCK_REUSE=all also compares the other built-in families and more Hugging Face
+architectures (GPT-2, T5, BLOOM, Falcon, Mixtral, Gemma: a few minutes more; T5 alone takes
+30-80 s here, BiasStack below checks its leading-child layout by default)."""
 BUILT_IN = ["gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128",
             "llama:layers=4,hidden=64,heads=4,kv_heads=2,ffn_hidden=176,seq=32,vocab=128",
             *(["moe:layers=4", "bert:layers=4", "vit:layers=4"] if ALL else [])]
@@ -82,30 +84,50 @@ def without_timings(value):
     return value
 
 
-def hf_model(name: str, layers: int = 4) -> nn.Module:
+_LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=32)
+HF_MODELS = {  # name: (config class, model class, fields), each small, with `layers` layers
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _LLAMA_LIKE),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_head=4, n_positions=32)),
+    # repeats with a period of two (sliding-window and global layers)
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=8, **_LLAMA_LIKE)),
+    # encoder and decoder, each with a first block unlike the others (relative position bias)
+    "t5": ("T5Config", "T5ForConditionalGeneration", dict(d_model=64, d_kv=16, d_ff=128, num_heads=4,
+                                                          decoder_start_token_id=0)),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(hidden_size=64, n_head=4)),  # gaps in export's numbering
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(hidden_size=64, num_attention_heads=4)),  # lifted constants
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, **_LLAMA_LIKE)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16, **_LLAMA_LIKE)),  # a partial per layer
+}
+HF_LAYERS = {"gemma2": 8, "t5": 5}
+"""Layers of each (4 unless said): more than are traced (three periods after the leading ones)."""
+_LAYER_FIELD = {"gpt2": "n_layer", "bloom": "n_layer", "t5": "num_layers"}
+
+
+def hf_model(name: str, layers: int | None = None) -> nn.Module:
     transformers = pytest.importorskip("transformers")
-    if name == "gpt2":
-        config = transformers.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
-                                         bos_token_id=0, eos_token_id=0, use_cache=False)
-        return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                      max_position_embeddings=32, bos_token_id=0, eos_token_id=0, use_cache=False)
-    return transformers.LlamaForCausalLM(config)
+    config_name, model_name, fields = HF_MODELS[name]
+    layers = layers or HF_LAYERS.get(name, 4)
+    config = getattr(transformers, config_name)(vocab_size=128, bos_token_id=0, eos_token_id=0, use_cache=False,
+                                                **{_LAYER_FIELD.get(name, "num_hidden_layers"): layers}, **fields)
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config)
 
 
 def token_loss(output, targets):
     return F.cross_entropy(output.logits.flatten(0, -2).float(), targets.flatten())
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"] if ALL else ["llama"])
+@pytest.mark.parametrize("name", sorted(HF_MODELS) if ALL else ["gemma2", "llama"])
 def test_hugging_face_models_capture_the_same_graph_from_three_blocks(name):
     model = hf_model(name)
-    kwargs = {"input_ids": torch.randint(0, 128, (2, 16))}
+    tokens = torch.randint(0, 128, (2, 16))
+    kwargs = {"input_ids": tokens, **({"decoder_input_ids": tokens} if name == "t5" else {})}
     loss = dict(loss_fn=token_loss, example_targets=torch.randint(0, 128, (2, 16)))
     fast = reused_capture(model, kwargs, **loss)
     assert fast == api.capture_for_planning(model, kwargs, reuse_blocks=False, **loss)
-    assert fast.blocks[0].num_instances == 4
+    num_containers = 2 if name == "t5" else 1
+    assert sum(group.num_instances for group in fast.blocks) == num_containers * HF_LAYERS.get(name, 4)
 
 
 class Layer(nn.Module):
@@ -189,3 +211,83 @@ def test_a_chain_of_plain_layers_is_reused():
                                                         "layers.1.linear.weight", "layers.1.linear.bias"]
     assert fast.params[-3].name == "layers.4.linear.bias"
     assert len(model.layers) == 5  # the model is restored
+
+
+class Alternating(Flagged):
+    """Every other layer gated, as Gemma-2 alternates sliding-window and global attention."""
+
+    def __init__(self, width: int, index: int) -> None:
+        super().__init__(width, index)
+        self.gated = index % 2 == 1
+
+
+class Approximate(Layer):
+    """An activation made per layer as transformers' ACT2FN makes it: a new functools.partial."""
+
+    def __init__(self, width: int, index: int = 0) -> None:
+        super().__init__(width, index)
+        self.act = functools.partial(F.gelu, approximate="tanh")
+
+    def forward(self, x):
+        return self.act(self.linear(x)) + x
+
+
+class LiftsAConstant(Layer):
+    """Its forward makes a tensor (export lifts one constant per layer, numbered over the model)."""
+
+    def forward(self, x):
+        scale = torch.tensor([0.5, 2.0], device=x.device).repeat(x.shape[-1] // 2)
+        return torch.relu(self.linear(x)) * scale + x
+
+
+class BiasFirst(nn.Module):
+    """The first layer alone owns a bias that every later layer reads (T5's relative position bias)."""
+
+    def __init__(self, width: int, first: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.bias = nn.Parameter(torch.zeros(width)) if first else None
+
+    def forward(self, x, bias=None):
+        if self.bias is not None:
+            bias = torch.tanh(self.bias)
+        return torch.relu(self.linear(x)) + x + bias, bias
+
+
+class BiasStack(nn.Module):
+    def __init__(self, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(BiasFirst(16, index == 0) for index in range(num_layers))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        bias = None
+        for layer in self.layers:
+            x, bias = layer(x, bias)
+        return self.head(x)
+
+
+REPEATING = {  # (model, (first, period) expected)
+    "a period of two": (lambda: Stack([Alternating(16, index) for index in range(8)]), (0, 2)),
+    "a first layer unlike the rest": (lambda: BiasStack(5), (1, 1)),
+    "an activation made per layer": (lambda: Stack([Approximate(16) for _ in range(4)]), (0, 1)),
+    "a constant lifted per layer": (lambda: Stack([LiftsAConstant(16) for _ in range(5)]), (0, 1)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REPEATING))
+def test_repeating_layers_are_reused(case):
+    build, layout = REPEATING[case]
+    model = build().to("meta")
+    inputs = (torch.empty(2, 16, device="meta"),)
+    (found,) = repeated_blocks(model)
+    assert (found.first, found.period) == layout
+    fast = reused_strictly(model, inputs, name="Stack")
+    assert fast is not None and fast == capture(model, inputs, name="Stack")
+
+
+def test_a_period_that_does_not_divide_the_layers_gets_the_full_capture():
+    model = Stack([Alternating(16, index) for index in range(7)]).to("meta")
+    inputs = (torch.empty(2, 16, device="meta"),)
+    assert repeated_blocks(model) == ()
+    assert api.capture_for_planning(model, inputs) == api.capture_for_planning(model, inputs, reuse_blocks=False)
