@@ -20,7 +20,9 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest tests
+	# Two pytest-xdist workers: the tests/dist jobs one after another in one, the
+	# single-process tests beside them in the other (tests/conftest.py).
+	$(PY) -m pytest tests -n 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info
