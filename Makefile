@@ -20,7 +20,11 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest tests
+	# Two pytest-xdist workers: the tests/dist jobs one after another in one, the
+	# single-process tests beside them in the other (tests/conftest.py). A short --basetemp:
+	# error messages shorten long paths, and xdist's folders (.../pytest-N/popen-gw1/) are
+	# longer than pytest's own.
+	$(PY) -m pytest tests -n 2 --basetemp=/tmp/apt-$$$$; status=$$?; rm -rf /tmp/apt-$$$$; exit $$status
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -40,3 +40,22 @@ def one_process_group():
     yield
     if started and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without xdist
+def pytest_xdist_make_scheduler(config, log):
+    """Under `pytest -n 2` (make test) every multi-process test of tests/dist runs in one worker,
+    in order, one job at a time, as without xdist (their gloo jobs keep both cores busy; two at
+    once would only slow each other towards their hang timeouts), and the single-process tests
+    run beside them in the other worker, one by one as workers come free. Only for the default
+    `--dist load`: another --dist given on the command line is left to xdist."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    if config.getvalue("dist") != "load":
+        return None
+
+    class DistTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "tests/dist" if nodeid.startswith("tests/dist/") else nodeid
+
+    return DistTestsTogether(config, log)

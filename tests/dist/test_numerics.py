@@ -1,8 +1,9 @@
 """Same numerics as one device: loss, every gradient and a short SGD run, under forced plans.
 
 Each case builds a model with a fixed seed, runs it on one device (the reference, on every rank)
-and with `autopar.parallelize` under a forced configuration (dp, tp, pp, ZeRO stage,
-recomputation, schedule), then compares:
+and under a forced configuration (dp, tp, pp, ZeRO stage, recomputation, schedule) as
+`autopar.parallelize` builds it (the cases of one model in one job reuse its captures:
+one_process.py), then compares:
   - the first step's loss, and every parameter gradient, gathered with `full_tensor()` and
     matched by its name in the original model (with pp, each rank checks the parameters it holds;
     together the ranks must cover all of them);
@@ -15,7 +16,6 @@ models real tensor parallelism.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import pytest
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness import case_outcome, fail, tiny_model_cluster  # noqa: F401 (a fixture)
+from one_process import parallelize_reusing_captures, train_one_process, train_parallel
 
 pytestmark = pytest.mark.dist
 
@@ -146,60 +147,29 @@ class Case:
         return tiny_model_cluster(self.world_size)
 
 
-def _reference(workload: Workload) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = copy.deepcopy(workload.model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    losses, grads = [], {}
-    for step, (inputs, targets) in enumerate(workload.batches):
-        loss = workload.loss_fn(model(*inputs), targets)
-        loss.backward()
-        if step == 0:
-            grads = {name: param.grad.clone() for name, param in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, grads
-
-
-def _full(grad):
-    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-
-
 def numerics_case(case: Case) -> dict:
-    import autopar
+    """The parallel run's losses and first-step gradient errors against one process, and the plan.
 
+    Cases of one model in one job reuse its captures (`parallelize_reusing_captures`): the
+    module is what `autopar.parallelize(model, cluster, inputs, loss_fn=..., example_targets=...,
+    constraints=...)` builds."""
     workload = make_workload(case.model)
-    reference_losses, reference_grads = _reference(workload)
+    reference = train_one_process(workload.model, workload.loss_fn, workload.batches, LEARNING_RATE)
     (inputs, targets), *_ = workload.batches
-    module = autopar.parallelize(workload.model, case.cluster, inputs, loss_fn=workload.loss_fn,
-                                 example_targets=targets, constraints=case.constraints)
-    optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
-    losses, grad_errors = [], {}
-    for step, (inputs, targets) in enumerate(workload.batches):
-        losses.append(module.train_step(inputs, targets).item())
-        if step == 0:
-            for name, param in module.named_model_parameters().items():
-                grad = None if param.grad is None else _full(param.grad)
-                grad_errors[name] = None if grad is None else _error(grad, reference_grads[name])
-        optimizer.step()
-        optimizer.zero_grad()
+    module = parallelize_reusing_captures(case.model, workload.model, case.cluster, inputs, loss_fn=workload.loss_fn,
+                                          example_targets=targets, constraints=case.constraints)
+    run = train_parallel(module, workload.batches, LEARNING_RATE, reference)
     plan = module.plan
     groups = [stage._get_fsdp_state()._fsdp_param_group for stage in module.stages if hasattr(stage, "_get_fsdp_state")]
     return dict(offload_policies=sorted({type(group.offload_policy).__name__ for group in groups if group}),
-                losses=losses, reference_losses=reference_losses, grad_errors=grad_errors,
-                all_parameters=sorted(reference_grads), mismatches=dict(module.stats.mismatches),
+                losses=run.losses, reference_losses=reference.losses, grad_errors=run.grad_errors,
+                all_parameters=sorted(reference.grads), mismatches=dict(module.stats.mismatches),
                 kept=dict(module.stats.kept),
                 plan=dict(mesh=plan.mesh, microbatch_size=plan.microbatch_size, schedule=plan.schedule,
                           virtual_stages=plan.virtual_stages, recompute=plan.recompute, zero_stage=plan.zero_stage,
                           offload=plan.offload,
                           sharded_parameters=sorted(name for name, placement in plan.param_placements.items()
                                                     if placement != "R")))
-
-
-def _error(grad: torch.Tensor, reference: torch.Tensor) -> dict:
-    difference = grad.detach().float() - reference.float()
-    return dict(max_abs=difference.abs().max().item(), norm=difference.norm().item(),
-                reference_norm=reference.norm().item())
 
 
 # --- the cases --------------------------------------------------------------------------------------

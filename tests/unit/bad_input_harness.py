@@ -60,12 +60,19 @@ class Outcome:
 
 
 def run_cli(capsys, argv: list[str]) -> Outcome:
+    import sys
+
     capsys.readouterr()
-    with deadline():
-        try:
-            code = main([str(arg) for arg in argv])
-        except SystemExit as stop:  # argparse's own usage errors
-            code = stop.code
+    # sys.argv as the `autopar` command has it (a model file may read it), not the test runner's.
+    saved, sys.argv = sys.argv, ["autopar", *(str(arg) for arg in argv)]
+    try:
+        with deadline():
+            try:
+                code = main([str(arg) for arg in argv])
+            except SystemExit as stop:  # argparse's own usage errors
+                code = stop.code
+    finally:
+        sys.argv = saved
     captured = capsys.readouterr()
     return Outcome(code, captured.out, captured.err)
 

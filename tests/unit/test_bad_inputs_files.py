@@ -6,11 +6,21 @@ traceback, and no long value is echoed back whole.
 
 import json
 import pickle
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from bad_input_harness import FOUR_GPUS, TINY, api_error, cli_error, run_cli
 from autopar.errors import PlanMismatchError
+
+
+@pytest.fixture
+def tmp_path():
+    """A short folder: messages shorten long paths, and the folders pytest makes under xdist
+    (.../popen-gw1/test_bad_cluster_toml_toml0_0/) are long enough to lose the file's name."""
+    with tempfile.TemporaryDirectory(prefix="ap-") as folder:
+        yield Path(folder)
 
 
 def plan_with_cluster(path):
