@@ -10,6 +10,17 @@ prices the configuration from the intra-op solution of the tensor-parallel mesh 
 microbatch size (solved once per (tp, microbatch) and reused for every pp, dp and cp). The fastest
 configuration that fits in memory wins; ties go to the leaner one.
 
+What is not priced, and why that loses nothing (the best `keep` are exact under the step model):
+- a heavier recomputation mode where a lighter one fits with the same schedule, ZeRO stage and
+  ep (with less work it only adds recomputation), and ZeRO-2 under pipelining (it reduces once,
+  in the last microbatch, as ZeRO-1 does, and holds more);
+- a configuration whose lower bound exceeds the `keep`-th best found so far: first from its
+  segments alone (an even share of the work and the slowest chunk of the most balanced cut, in
+  the schedule's formula), then from its stages' times under the lightest mode they may take,
+  then from its priced stages (pipeline_bound_s: the ZB-V bubble is laid out last);
+- once a configuration fits, configurations no stage partition fits (only the leanest of them
+  matters, for the message when none fits).
+
 Optimizer offload (FSDP2 CPUOffloadPolicy with ZeRO-3, no pipelining) is searched only when no
 configuration fits without it (or when a constraint asks for it): it trades device memory for
 host copies and a CPU optimizer step, which a plan that fits never needs.
