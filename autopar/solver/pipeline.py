@@ -66,7 +66,7 @@ def partition(costs: ChainCosts, num_stages: int, *, in_flight: Callable[[int], 
         return None
     packer = _Packer(costs, num_stages, in_flight, memory_budget_bytes, fixed_bytes)
     high = float(costs.prefix("time_s")[-1])
-    best = packer.pack(high)
+    best = packer.stops(high)
     if best is None:
         return None
     # No stage is faster than an even share or the slowest segment; the answer is usually just
@@ -75,19 +75,19 @@ def partition(costs: ChainCosts, num_stages: int, *, in_flight: Callable[[int], 
     step = 1e-3
     while low * (1 + step) < high:
         probe = low * (1 + step)
-        found = packer.pack(probe)
+        found = packer.stops(probe)
         if found is not None:
             high, best = probe, found
             break
         low, step = probe, step * 4
     while high - low > 1e-4 * high:
         middle = (low + high) / 2
-        found = packer.pack(middle)
+        found = packer.stops(middle)
         if found is None:
             low = middle
         else:
             high, best = middle, found
-    return _split_to(best, num_stages, costs)
+    return _split_to([StageSpan(start, stop) for start, stop in zip([0] + best, best)], num_stages, costs)
 
 
 class _Packer:
@@ -110,24 +110,27 @@ class _Packer:
                 self.memory_prefix.append(by_factor[factor])
             self.room = budget - fixed_bytes
 
-    def pack(self, bound_s: float) -> list[StageSpan] | None:
-        spans: list[StageSpan] = []
-        start = 0
+    def stops(self, bound_s: float) -> list[int] | None:
+        """Where each stage of the greedy packing ends (plain ints: this runs thousands of times)."""
+        stops: list[int] = []
+        start, count, num_stages = 0, self.count, self.num_stages
+        time_prefix, memory_prefix, room = self.time_prefix, self.memory_prefix, getattr(self, "room", 0.0)
+        bisect_right = bisect.bisect_right
         slack = bound_s * (1 + 1e-12)
-        while start < self.count:
-            stage = len(spans)
-            if stage >= self.num_stages:
+        while start < count:
+            stage = len(stops)
+            if stage >= num_stages:
                 return None
-            stop = bisect.bisect_right(self.time_prefix, self.time_prefix[start] + slack) - 1
-            if self.budget is not None:
-                memory = self.memory_prefix[stage]
-                stop = min(stop, bisect.bisect_right(memory, memory[start] + self.room) - 1)
+            stop = bisect_right(time_prefix, time_prefix[start] + slack) - 1
+            if memory_prefix:
+                memory = memory_prefix[stage]
+                stop = min(stop, bisect_right(memory, memory[start] + room) - 1)
             if stop <= start:
                 return None
-            stop = min(stop, self.count)
-            spans.append(StageSpan(start, stop))
+            stop = min(stop, count)
+            stops.append(stop)
             start = stop
-        return spans
+        return stops
 
 
 def _split_to(spans: list[StageSpan], num_stages: int, costs: ChainCosts) -> list[StageSpan]:

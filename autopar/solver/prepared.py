@@ -77,11 +77,11 @@ class PreparedSegments:
         for index, segment in enumerate(segments):
             forward_comm[index] = segment.comm_s("fwd")
             for event in segment.comm:
-                comm.setdefault(event.op, np.zeros(len(segments)))[index] += event.time_s
+                _column(comm, event.op, len(segments))[index] += event.time_s
             for op, seconds in recompute_comm_s(segment, recompute).items():
-                comm.setdefault(op, np.zeros(len(segments)))[index] += seconds
+                _column(comm, op, len(segments))[index] += seconds
             for event in segment.selective_recompute_comm if recompute == "selective" else ():
-                comm.setdefault(event.op, np.zeros(len(segments)))[index] += event.time_s
+                _column(comm, event.op, len(segments))[index] += event.time_s
         array = lambda values: np.asarray(list(values), dtype=float)  # noqa: E731
         forward = array(s.forward.total_s for s in segments)
         backward = array(s.backward.total_s for s in segments)
@@ -211,3 +211,11 @@ def _activation_bytes(segment: SegmentCost, recompute: str) -> float:
     if recompute == "gathers":
         return segment.regathered_saved_bytes()
     return segment.saved_bytes
+
+
+def _column(columns: dict[str, np.ndarray], name: str, length: int) -> np.ndarray:
+    """columns[name], made zero when missing (setdefault would build the zeros every call)."""
+    column = columns.get(name)
+    if column is None:
+        column = columns[name] = np.zeros(length)
+    return column

@@ -747,9 +747,14 @@ def _zero_bubble_hop_s(stage: StageEstimate) -> float:
     return stage.forward_pass_s + max(backward - stage.weight_grad_s, 0.0)
 
 
-def _own_stages(config: ParallelConfig, rank: int) -> list[int]:
+def _own_stages(config: ParallelConfig, rank: int) -> tuple[int, ...]:
     """Global pipeline stages (model chunks) of pipeline rank `rank`, in local chunk order."""
-    return stages_of_rank(config.schedule, rank=rank, num_ranks=config.pp, num_chunks=config.chunks_per_device)
+    return _stages_of_rank(config.schedule, rank, config.pp, config.chunks_per_device)
+
+
+@lru_cache(maxsize=65536)
+def _stages_of_rank(schedule: str, rank: int, num_ranks: int, num_chunks: int) -> tuple[int, ...]:
+    return tuple(stages_of_rank(schedule, rank=rank, num_ranks=num_ranks, num_chunks=num_chunks))
 
 
 def _chunk_in_flight(config: ParallelConfig, stage: int) -> float:
