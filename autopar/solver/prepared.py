@@ -119,6 +119,11 @@ class PreparedSegments:
             return prefix[own[0].stop] - prefix[own[0].start]
         return sum(prefix[span.stop] - prefix[span.start] for span in own)
 
+    @property
+    def work_s(self) -> float:
+        """time_s over every segment: one microbatch through the whole model on one device."""
+        return self.total("time_s", (StageSpan(0, len(self)),))
+
     def values(self, name: str, own: Sequence[StageSpan]) -> list[float]:
         """Array `name`'s entries of the spans' segments, in order."""
         listed = self._lists.get(name)

@@ -394,7 +394,7 @@ class Planner:
                 fitted_lighter: dict[tuple, float] = {}
                 for config in self._configs(tp, pp, dp, microbatch, constraints, cp, offload=offload):
                     prepared = self.prepared(tp, microbatch, config.recompute, cp)
-                    work_s = float(prepared.time_s.sum())
+                    work_s = prepared.work_s
                     rest = (config.schedule, config.virtual_stages, config.ep, config.zero_stage)
                     if work_s > fitted_lighter.get(rest, float("inf")):
                         continue  # a lighter mode fits with less work: this one only adds recomputation
@@ -608,7 +608,7 @@ def _lower_bound_s(prepared: PreparedSegments, config: ParallelConfig) -> float:
     the most balanced cut: t_max >= max(total / p, slowest chunk). 1F1B and GPipe take
     (m - 1) t_max + the sum of the stages (>= total), interleaved (m + (p - 1) / v) t_max, the
     zero-bubble schedules at least m t_max."""
-    total = float(prepared.time_s.sum())
+    total = prepared.work_s
     m, p = config.num_microbatches, config.pp
     slowest = max(total / p, prepared.slowest_chunk_s(p * config.chunks_per_device)) if p > 1 else total
     if config.schedule == "interleaved" and p > 1:
