@@ -138,22 +138,31 @@ class IntraOpILP:
         return var
 
     def add_one_choice(self) -> None:
+        # Rows are built coefficient by coefficient: OR-Tools' expression API (Sum, ==) costs
+        # several times more per term, and these models have thousands of terms.
         for v, (costs, memories) in enumerate(zip(self.problem.node_cost_s, self.problem.node_memory_bytes)):
             row = [self._variable(f"x[{v},{s}]", float(costs[s]), float(memories[s]), binary=self.integral)
                    for s in range(len(costs))]
-            self.solver.Add(self.solver.Sum(row) == 1)
+            self._equal([(var, 1.0) for var in row], 1.0)
             self.x.append(row)
 
     def add_edge_coupling(self) -> None:
         for index, edge in enumerate(self.problem.edges):
             num_u, num_v = edge.cost_s.shape
             memories = edge.memory_bytes if edge.memory_bytes is not None else np.zeros_like(edge.cost_s)
-            pair = [[self._variable(f"e[{index},{s},{t}]", float(edge.cost_s[s, t]), float(memories[s, t]),
-                                    binary=False) for t in range(num_v)] for s in range(num_u)]
+            costs, memories = edge.cost_s.tolist(), memories.tolist()
+            pair = [[self._variable(f"e[{index},{s},{t}]", costs[s][t], memories[s][t], binary=False)
+                     for t in range(num_v)] for s in range(num_u)]
             for s in range(num_u):
-                self.solver.Add(self.solver.Sum(pair[s]) == self.x[edge.u][s])
+                self._equal([(var, 1.0) for var in pair[s]] + [(self.x[edge.u][s], -1.0)], 0.0)
             for t in range(num_v):
-                self.solver.Add(self.solver.Sum([pair[s][t] for s in range(num_u)]) == self.x[edge.v][t])
+                self._equal([(pair[s][t], 1.0) for s in range(num_u)] + [(self.x[edge.v][t], -1.0)], 0.0)
+
+    def _equal(self, terms: list, value: float) -> None:
+        """sum(coefficient x variable) == value."""
+        row = self.solver.Constraint(value, value)
+        for var, coefficient in terms:
+            row.SetCoefficient(var, coefficient)
 
     def add_memory_limit(self) -> None:
         """The budget row was opened in build(); each variable added its bytes to it."""

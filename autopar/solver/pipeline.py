@@ -49,9 +49,16 @@ class ChainCosts:
             self._prefix[name] = np.concatenate(([0.0], np.cumsum(np.asarray(getattr(self, name), dtype=float))))
         return self._prefix[name]
 
+    def prefix_list(self, name: str) -> list[float]:
+        """prefix(name) as plain floats: indexing a list is several times cheaper than numpy's."""
+        listed = self._prefix.get((name, list))
+        if listed is None:
+            listed = self._prefix[(name, list)] = self.prefix(name).tolist()
+        return listed
+
     def total(self, name: str, span: StageSpan) -> float:
-        prefix = self.prefix(name)
-        return float(prefix[span.stop] - prefix[span.start])
+        listed = self.prefix_list(name)
+        return listed[span.stop] - listed[span.start]
 
 
 def stage_memory(costs: ChainCosts, span: StageSpan, in_flight: float, fixed_bytes: float = 0.0) -> float:
@@ -59,8 +66,11 @@ def stage_memory(costs: ChainCosts, span: StageSpan, in_flight: float, fixed_byt
 
 
 def partition(costs: ChainCosts, num_stages: int, *, in_flight: Callable[[int], float],
-              memory_budget_bytes: float | None = None, fixed_bytes: float = 0.0) -> list[StageSpan] | None:
-    """Best split into exactly `num_stages` stages, or None if no split fits in memory."""
+              memory_budget_bytes: float | None = None, fixed_bytes: float = 0.0,
+              at_least_s: float = 0.0) -> list[StageSpan] | None:
+    """Best split into exactly `num_stages` stages, or None if no split fits in memory.
+    `at_least_s`: a bound the slowest stage cannot beat (a memory-bounded split is no faster
+    than the best split without the bound), where the search starts."""
     count = len(costs)
     if num_stages < 1 or num_stages > count:
         return None
@@ -69,15 +79,18 @@ def partition(costs: ChainCosts, num_stages: int, *, in_flight: Callable[[int], 
     best = packer.stops(high)
     if best is None:
         return None
+    high = packer.slowest_s(best)
     # No stage is faster than an even share or the slowest segment; the answer is usually just
-    # above that, so bracket it by growing steps before bisecting.
-    low = max(max(costs.time_s), high / num_stages)
+    # above that, so bracket it by growing steps before bisecting. A packing that succeeds
+    # lowers the bracket's top to its own slowest stage (a chain of identical blocks has few
+    # distinct stage times, so this often lands on the answer).
+    low = max(max(costs.time_s), high / num_stages, at_least_s)
     step = 1e-3
     while low * (1 + step) < high:
         probe = low * (1 + step)
         found = packer.stops(probe)
         if found is not None:
-            high, best = probe, found
+            high, best = packer.slowest_s(found), found
             break
         low, step = probe, step * 4
     while high - low > 1e-4 * high:
@@ -86,7 +99,7 @@ def partition(costs: ChainCosts, num_stages: int, *, in_flight: Callable[[int], 
         if found is None:
             low = middle
         else:
-            high, best = middle, found
+            high, best = packer.slowest_s(found), found
     return _split_to([StageSpan(start, stop) for start, stop in zip([0] + best, best)], num_stages, costs)
 
 
@@ -109,6 +122,11 @@ class _Packer:
                     by_factor[factor] = (states + factor * activations).tolist()
                 self.memory_prefix.append(by_factor[factor])
             self.room = budget - fixed_bytes
+
+    def slowest_s(self, stops: list[int]) -> float:
+        """The slowest stage's time of a packing."""
+        prefix = self.time_prefix
+        return max(prefix[stop] - prefix[start] for start, stop in zip([0] + stops, stops))
 
     def stops(self, bound_s: float) -> list[int] | None:
         """Where each stage of the greedy packing ends (plain ints: this runs thousands of times)."""

@@ -10,7 +10,7 @@ content (`signature`). See step_model.py for what each array means in the step's
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -72,6 +72,22 @@ class PreparedSegments:
 
     @classmethod
     def build(cls, segments: list[SegmentCost], recompute: str) -> "PreparedSegments":
+        # A deep model's blocks are copies of one cost (condense.expand_segments shares every
+        # field but the name): each distinct cost is reduced to its row once, then indexed.
+        rows: dict[tuple, int] = {}
+        distinct: list[SegmentCost] = []
+        index = []
+        for segment in segments:
+            key = tuple(id(getattr(segment, name)) for name in _CONTENT_FIELDS)
+            if key not in rows:
+                rows[key] = len(distinct)
+                distinct.append(segment)
+            index.append(rows[key])
+        prepared = cls._build_distinct(distinct, recompute)
+        return prepared._indexed(np.asarray(index, dtype=int), [s.name for s in segments])
+
+    @classmethod
+    def _build_distinct(cls, segments: list[SegmentCost], recompute: str) -> "PreparedSegments":
         comm: dict[str, np.ndarray] = {}
         forward_comm = np.zeros(len(segments))
         for index, segment in enumerate(segments):
@@ -108,6 +124,20 @@ class PreparedSegments:
                    max_saved_bytes=max((s.saved_bytes for s in segments), default=0.0),
                    max_recomputed_bytes=max((max(0.0, s.saved_bytes - _activation_bytes(s, recompute))
                                              for s in segments), default=0.0))
+
+    def _indexed(self, index: np.ndarray, names: list[str]) -> "PreparedSegments":
+        """These rows repeated as `index` says, named `names` (every per-segment array)."""
+        take = lambda values: None if values is None else values[index]  # noqa: E731
+        return PreparedSegments(
+            names=names, recompute=self.recompute, forward_s=take(self.forward_s), backward_s=take(self.backward_s),
+            recompute_s=take(self.recompute_s), comm_by_op_s={op: take(v) for op, v in self.comm_by_op_s.items()},
+            forward_comm_s=take(self.forward_comm_s), weight_grad_s=take(self.weight_grad_s), time_s=take(self.time_s),
+            activation_bytes=take(self.activation_bytes), param_numel=take(self.param_numel),
+            buffer_bytes=take(self.buffer_bytes), output_bytes=take(self.output_bytes),
+            max_saved_bytes=self.max_saved_bytes, max_recomputed_bytes=self.max_recomputed_bytes,
+            grad_workspace_bytes=take(self.grad_workspace_bytes), expert_numel=take(self.expert_numel),
+            ep_messages=tuple(self.ep_messages[i] for i in index.tolist()) if self.ep_messages else (),
+            ep_dropless_compute_s=take(self.ep_dropless_compute_s))
 
     def total(self, name: str, own: Sequence[StageSpan]) -> float:
         """Sum of array `name` (an attribute, or "comm:<op>" of comm_by_op_s) over the spans."""
@@ -166,6 +196,10 @@ class PreparedSegments:
 
     def __len__(self) -> int:
         return len(self.names)
+
+
+_CONTENT_FIELDS = tuple(f.name for f in fields(SegmentCost) if f.name != "name")
+"""What a segment's cost is made of besides its name (copies of one cost share these objects)."""
 
 
 def weight_grad_s(segment: SegmentCost) -> float:

@@ -86,48 +86,65 @@ def _dependency_graph(schedule: str, num_ranks: int, num_microbatches: int, num_
     last stage: its own forward), a weight-gradient pass for its own backward. A pass starts
     when both have ended, so its start is the longest path to it whatever the durations: the
     graph is built once per order (Kahn's algorithm) and walked for each set of durations."""
-    last_stage = num_ranks * num_chunks - 1
+    num_stages = num_ranks * num_chunks
+    last_stage = num_stages - 1
+    orders = [rank_order(schedule, rank=rank, num_ranks=num_ranks, num_microbatches=num_microbatches,
+                         num_chunks=num_chunks) for rank in range(num_ranks)]
+    # Passes are keyed (kind, stage, microbatch) -> (kind * stages + stage) * m + microbatch (an
+    # order may name microbatches beyond num_microbatches: m counts them all).
+    m = 1 + max((step[2] for order in orders for step in order), default=0)
+    f_base, b_base, w_base = 0, num_stages * m, 2 * num_stages * m
     passes: list[tuple[int, str, int, int]] = []
-    keys: list[tuple[str, int, int]] = []
-    waits: list[tuple[str, int, int] | None] = []
-    before: list[int] = []
-    for rank in range(num_ranks):
-        order = rank_order(schedule, rank=rank, num_ranks=num_ranks, num_microbatches=num_microbatches,
-                           num_chunks=num_chunks)
-        for position, (kind, chunk, microbatch) in enumerate(order):
-            stage = stage_of(schedule, rank=rank, chunk=chunk, num_ranks=num_ranks)
+    keys: list[int] = []
+    waits: list[int] = []
+    for rank, order in enumerate(orders):
+        stages = [stage_of(schedule, rank=rank, chunk=chunk, num_ranks=num_ranks) for chunk in range(num_chunks)]
+        for kind, chunk, microbatch in order:
+            stage = stages[chunk]
+            here = stage * m + microbatch
             if kind == "F":
-                needs = ("F", stage - 1, microbatch) if stage > 0 else None
+                keys.append(f_base + here)
+                waits.append(here - m if stage > 0 else -1)
             elif kind == "B":
-                needs = ("B", stage + 1, microbatch) if stage < last_stage else ("F", stage, microbatch)
+                keys.append(b_base + here)
+                waits.append(b_base + here + m if stage < last_stage else f_base + here)
             else:
-                needs = ("B", stage, microbatch)
-            before.append(len(passes) - 1 if position else -1)
+                keys.append(w_base + here)
+                waits.append(b_base + here)
             passes.append((rank, kind, chunk, microbatch))
-            keys.append((kind, stage, microbatch))
-            waits.append(needs)
-    index_of = {key: index for index, key in enumerate(keys)}
-    needs_index = [-1 if needs is None else index_of.get(needs, -2) for needs in waits]
-    # Kahn's algorithm; a pass left unplaced waits on a cycle (or on a pass no rank runs).
-    children: list[list[int]] = [[] for _ in passes]
-    pending = [0] * len(passes)
-    for index, (previous, need) in enumerate(zip(before, needs_index)):
-        for parent in (previous, need):
-            if parent >= 0:
-                children[parent].append(index)
-                pending[index] += 1
-            elif parent == -2:
-                pending[index] += 1
-    order = [index for index, count in enumerate(pending) if count == 0]
-    for index in order:  # grows while walked
-        for child in children[index]:
-            pending[child] -= 1
-            if pending[child] == 0:
-                order.append(child)
-    if len(order) < len(passes):
-        raise RuntimeError(f"the {schedule} order deadlocks with {num_ranks} ranks, {num_microbatches} "
-                           f"microbatches and {num_chunks} chunks (a bug in autopar/solver/schedules.py)")
-    position_of = {index: new for new, index in enumerate(order)}
+    index_of = [-2] * (3 * num_stages * m)
+    for index, key in enumerate(keys):
+        index_of[key] = index
+    needs_index = [-1 if key < 0 else index_of[key] for key in waits]
+    # A topological order: sweep the ranks, each running its passes while what they wait for
+    # has run (every rank's passes stay in its own order). A sweep that runs nothing: a cycle,
+    # or a pass waiting on one no rank runs.
+    starts = [0] * (num_ranks + 1)
+    for rank, order in enumerate(orders):
+        starts[rank + 1] = starts[rank] + len(order)
+    next_of, done = starts[:-1], [False] * len(passes)
+    ran: list[int] = []
+    while len(ran) < len(passes):
+        progressed = False
+        for rank in range(num_ranks):
+            index, stop = next_of[rank], starts[rank + 1]
+            while index < stop:
+                need = needs_index[index]
+                if need == -2 or (need >= 0 and not done[need]):
+                    break
+                done[index] = True
+                ran.append(index)
+                index += 1
+            if index != next_of[rank]:
+                next_of[rank], progressed = index, True
+        if not progressed:
+            raise RuntimeError(f"the {schedule} order deadlocks with {num_ranks} ranks, {num_microbatches} "
+                               f"microbatches and {num_chunks} chunks (a bug in autopar/solver/schedules.py)")
+    firsts = set(starts)
+    before = [-1 if index in firsts else index - 1 for index in range(len(passes))]
+    position_of = [0] * len(passes)
+    for new, index in enumerate(ran):
+        position_of[index] = new
     renumber = lambda index: position_of[index] if index >= 0 else -1  # noqa: E731
-    return (tuple(passes[i] for i in order), tuple(_KINDS[passes[i][1]] for i in order),
-            tuple(renumber(before[i]) for i in order), tuple(renumber(needs_index[i]) for i in order))
+    return (tuple(passes[i] for i in ran), tuple(_KINDS[passes[i][1]] for i in ran),
+            tuple(renumber(before[i]) for i in ran), tuple(renumber(needs_index[i]) for i in ran))

@@ -345,8 +345,10 @@ class StepModel:
         num_chunks = config.pp * config.chunks_per_device
         workspace = self._workspace_bytes(prepared, config)
 
+        flights = _chunks_in_flight(config)
+
         def in_flight(chunk: int) -> float:
-            return _chunk_in_flight(config, chunk)
+            return flights[chunk]
 
         if num_chunks not in prepared.time_partitions:
             prepared.time_partitions[num_chunks] = partition(chain, num_chunks, in_flight=in_flight)
@@ -355,11 +357,15 @@ class StepModel:
             return None, False
         if self._fits(chain, spans, config, workspace):
             return spans, True
-        lean_key = (num_chunks, chain_key, tuple(in_flight(chunk) for chunk in range(num_chunks)), workspace)
+        lean_key = (num_chunks, chain_key, flights, workspace)
         if lean_key not in prepared.lean_partitions:
+            # The fastest split bounds the memory-bounded one from below (less its bisection
+            # tolerance), when both split the same times.
+            at_least = (1 - 2e-4) * max(chain.total("time_s", span) for span in spans) \
+                if chain.time_s is prepared.time_s else 0.0
             prepared.lean_partitions[lean_key] = partition(
                 chain, num_chunks, in_flight=in_flight, memory_budget_bytes=self.memory_budget_bytes,
-                fixed_bytes=workspace)
+                fixed_bytes=workspace, at_least_s=at_least)
         lean = prepared.lean_partitions[lean_key]
         return (lean, True) if lean is not None else (spans, False)
 
@@ -369,7 +375,8 @@ class StepModel:
         a mode's memory is checked before the stage is priced under it."""
         stage_indices = _own_stages(config, stage.index)
         own = [spans[s] for s in stage_indices]
-        in_flight = [_chunk_in_flight(config, s) for s in stage_indices]
+        flights = _chunks_in_flight(config)
+        in_flight = [flights[s] for s in stage_indices]
         unchanged = stage.total_memory_bytes - self._mode_bytes(prepared, own, config, in_flight)
         for mode in RECOMPUTE_MODES:
             if mode == config.recompute:
@@ -391,10 +398,14 @@ class StepModel:
         return varying + self.allocator.fragmentation_bytes(varying)
 
     def _fits(self, chain: ChainCosts, spans, config: ParallelConfig, workspace: float) -> bool:
+        flights = _chunks_in_flight(config)
+        states, activations = chain.prefix_list("state_bytes"), chain.prefix_list("activation_bytes")
         for stage in range(config.pp):
-            own = _own_stages(config, stage)
-            memory = sum(chain.total("state_bytes", spans[s]) + _chunk_in_flight(config, s)
-                         * chain.total("activation_bytes", spans[s]) for s in own)
+            memory = 0.0
+            for s in _own_stages(config, stage):
+                span = spans[s]
+                memory += (states[span.stop] - states[span.start]
+                           + flights[s] * (activations[span.stop] - activations[span.start]))
             if memory + workspace > self.memory_budget_bytes:
                 return False
         return True
@@ -432,7 +443,8 @@ class StepModel:
     def _stage_at(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int) -> StageEstimate:
         """One device's stage (a device owns chunks k, k + p, ... when interleaved)."""
         stage_indices, own, p2p = self._placed(prepared, spans, config, stage)
-        in_flight = [_chunk_in_flight(config, s) for s in stage_indices]
+        flights = _chunks_in_flight(config)
+        in_flight = [flights[s] for s in stage_indices]
         return self._stage(stage, own, prepared, config, p2p, in_flight)
 
     def _stage_times(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int) -> "StageTimes":
@@ -757,9 +769,18 @@ def _stages_of_rank(schedule: str, rank: int, num_ranks: int, num_chunks: int) -
     return tuple(stages_of_rank(schedule, rank=rank, num_ranks=num_ranks, num_chunks=num_chunks))
 
 
-def _chunk_in_flight(config: ParallelConfig, stage: int) -> float:
-    """Microbatches whose activations of global stage `stage` its rank holds at its peak."""
-    return _in_flight_of(config.schedule, stage, config.pp, config.num_microbatches, config.virtual_stages)
+def _chunks_in_flight(config: ParallelConfig) -> tuple[float, ...]:
+    """Per global pipeline stage (model chunk), the microbatches whose activations its rank
+    holds at its peak."""
+    return _in_flight_of_chunks(config.schedule, config.pp, config.num_microbatches, config.virtual_stages,
+                                config.chunks_per_device)
+
+
+@lru_cache(maxsize=65536)
+def _in_flight_of_chunks(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
+                         chunks_per_device: int) -> tuple[float, ...]:
+    return tuple(_in_flight_of(schedule, stage, num_stages, num_microbatches, virtual_stages)
+                 for stage in range(num_stages * chunks_per_device))
 
 
 @lru_cache(maxsize=65536)
