@@ -460,9 +460,11 @@ class StepModel:
         own = [spans[s] for s in stage_indices]
         # A stage sends to the next one unless it is the last or the next runs on the same rank
         # (the turn of ZB-V's V).
-        p2p = sum(2 * self._send_recv_s(float(prepared.output_bytes[span.stop - 1]), crosses_nodes)
-                  for s, span in zip(stage_indices, own) if span.stop < len(prepared)
-                  and rank_of(config.schedule, stage=s + 1, num_ranks=config.pp) != stage)
+        outputs, count = prepared.listed("output_bytes"), len(prepared)
+        p2p = 0.0
+        for s, span in zip(stage_indices, own):
+            if span.stop < count and rank_of(config.schedule, stage=s + 1, num_ranks=config.pp) != stage:
+                p2p += 2 * self._send_recv_s(outputs[span.stop - 1], crosses_nodes)
         return stage_indices, own, p2p
 
     def _send_recv_s(self, message_bytes: float, crosses_nodes: bool) -> float:
