@@ -214,21 +214,12 @@ class ContextParallelModule(ParallelModule):
         whole[:, order] = torch.cat(pieces, dim=1)
         return whole
 
-    def _sync_gradients(self) -> None:
-        shards = self.plan.mesh["dp"] * self.cp
-        if not uses_fsdp(self.plan.zero_stage, shards):
-            all_reduce_gradients(list(self.parameters()), self.runtime.reduce_mesh.get_group(), shards)
+    def _gradient_replicas(self):
+        """Every rank of a cp group holds the whole model: gradients are averaged over dp x cp."""
+        return self.runtime.reduce_mesh.get_group(), self.plan.mesh["dp"] * self.cp
 
     def _mean_over_data_parallel(self, loss: torch.Tensor) -> torch.Tensor:
         return sum_over_group(loss, self.runtime.reduce_mesh.get_group()) / (self.plan.mesh["dp"] * self.cp)
-
-
-def check_supported(plan) -> None:
-    """What the cp runtime does not run yet, said before any process group work."""
-    if plan.mesh.get("cp", 1) > 1 and plan.mesh["pp"] > 1:
-        raise ConfigError(f"this plan combines context parallelism (cp={plan.mesh['cp']}) with pipeline stages "
-                          f"(pp={plan.mesh['pp']}), which autopar's runtime does not run yet (the planner prices it); "
-                          "re-plan with pp=1 or cp=1")
 
 
 def local_program(model, inputs: tuple, keywords: dict, graph, plan):
@@ -236,7 +227,6 @@ def local_program(model, inputs: tuple, keywords: dict, graph, plan):
     from autopar.capture import capture_program
     from autopar.solver.context_parallel import sequence_length
 
-    check_supported(plan)
     seq_len = sequence_length(graph)
     cp = plan.mesh["cp"]
     if seq_len <= 1 or seq_len % (2 * cp):

@@ -183,14 +183,18 @@ class ParallelModule(nn.Module):
         last = pp * chunks_per_device(self.plan.schedule, self.plan.virtual_stages) - 1
         return rank_of(self.plan.schedule, stage=last, num_ranks=pp)
 
+    def _gradient_replicas(self):
+        """(process group, size) over which gradients are averaged (FSDP shards over it)."""
+        return self.runtime.dp_mesh.get_group(), self.plan.mesh["dp"]
+
     def _sync_gradients(self) -> None:
-        dp = self.plan.mesh["dp"]
+        group, dp = self._gradient_replicas()
         params = self.named_model_parameters()
         if not uses_fsdp(self.plan.zero_stage, dp, self.plan.offload):
             experts = [param for fqn, param in params.items() if fqn in self.expert_params]
             expert_ids = {id(param) for param in experts}
             others = [param for param in self.parameters() if id(param) not in expert_ids]
-            all_reduce_gradients(others, self.runtime.dp_mesh.get_group(), dp)
+            all_reduce_gradients(others, group, dp)
             if experts:  # complete within the expert group: summed over its replicas, averaged over dp
                 all_reduce_gradients(experts, self.runtime.expert_replica_group, dp)
         for fqn, group in self.tied_groups.items():

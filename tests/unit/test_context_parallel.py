@@ -183,16 +183,6 @@ def test_load_balanced_chunks_cover_the_sequence_once():
         chunk_positions(12, 4, 0)
 
 
-def test_runtime_refuses_cp_with_pipeline_stages_clearly():
-    from types import SimpleNamespace
-
-    from autopar.codegen.context_parallel import check_supported
-
-    check_supported(SimpleNamespace(mesh={"pp": 1, "dp": 1, "cp": 2, "tp": 1}))
-    with pytest.raises(ConfigError, match="re-plan with pp=1 or cp=1"):
-        check_supported(SimpleNamespace(mesh={"pp": 2, "dp": 1, "cp": 2, "tp": 1}))
-
-
 # --- grouped-query attention: only the kv heads are gathered --------------------------------------
 
 class RepeatedKV:
