@@ -106,7 +106,10 @@ def _stage_plans(graph: OpGraph, estimate: Estimate, segments) -> list[StagePlan
                                 time_per_microbatch_s=stage.time_per_microbatch_s, param_numel=stage.param_numel,
                                 memory_bytes=dict(stage.memory_bytes),
                                 chunk_times_s=_chunk_times(stage, costs, last_segment,
-                                                           split=estimate.config.schedule in ZERO_BUBBLE_SCHEDULES)))
+                                                           split=estimate.config.schedule in ZERO_BUBBLE_SCHEDULES),
+                                collectives_per_microbatch=_collective_counts(
+                                    [costs[name] for name in stage.segment_names if name in costs],
+                                    estimate.config.ep)))
     return stages
 
 

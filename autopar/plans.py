@@ -42,6 +42,9 @@ class StagePlan:
     """Per model chunk, one microbatch's exposed time by part: "forward", "backward", "recompute"
     (compute) and "<axis>.<collective>.<phase>" ("tp.all_reduce.forward", "pp.send_recv.backward");
     the parts of all chunks add up to time_per_microbatch_s (empty in plans from older versions)."""
+    collectives_per_microbatch: dict[str, int] = field(default_factory=dict)
+    """Tensor- and context-parallel collectives this stage's ranks run per microbatch, by kind
+    (Prediction.collectives_per_microbatch counts the whole model; empty in older plans)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -495,6 +495,8 @@ def _check_stage(fields: _PlanFields, stage: Any, index: int) -> None:
     for chunk_index, times in enumerate(fields.list(fields.get(stage, "chunk_times_s", f"{path}.chunk_times_s", []),
                                                     f"{path}.chunk_times_s")):
         fields.mapping(times, f"{path}.chunk_times_s[{chunk_index}]", fields.finite)
+    fields.mapping(fields.get(stage, "collectives_per_microbatch", f"{path}.collectives_per_microbatch", {}),
+                   f"{path}.collectives_per_microbatch", fields.number)
 
 
 def _check_prediction(fields: _PlanFields, predicted: Any) -> None:
