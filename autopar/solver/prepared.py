@@ -44,7 +44,8 @@ class PreparedSegments:
     """Largest set of tensors one segment regenerates in backward (saved minus kept)."""
     grad_workspace_bytes: np.ndarray | None = None
     """Per segment, the largest gradients one op's backward holds at once (evaluate.py)."""
-    time_partitions: dict[int, list[StageSpan] | None] = field(default_factory=dict)
+    time_partitions: dict[tuple, list[StageSpan] | None] = field(default_factory=dict)
+    """Fastest partitions without a memory bound, by chunks (and the chain, when its times are not time_s)."""
     lean_partitions: dict[tuple, list[StageSpan] | None] = field(default_factory=dict)
     """Memory-bounded partitions by (chunks, chain, microbatches in flight per chunk, workspace)."""
     chains: dict[tuple, object] = field(default_factory=dict)
@@ -182,14 +183,22 @@ class PreparedSegments:
             return tuple(self._signatures[own[0].start:own[0].stop])
         return tuple(i for span in own for i in self._signatures[span.start:span.stop])
 
+    def time_partition(self, num_chunks: int) -> list[StageSpan] | None:
+        """The most balanced cut of time_s into `num_chunks` contiguous chunks (no memory bound);
+        None when there are fewer segments."""
+        if num_chunks not in self.time_partitions:
+            zeros = np.zeros(len(self))
+            self.time_partitions[num_chunks] = partition(
+                ChainCosts(time_s=self.time_s, state_bytes=zeros, activation_bytes=zeros), num_chunks,
+                in_flight=lambda chunk: 0.0)
+        return self.time_partitions[num_chunks]
+
     def slowest_chunk_s(self, num_chunks: int) -> float:
         """A lower bound on the slowest of `num_chunks` contiguous chunks' time_s, however the
         segments are cut (the balanced partition's, less its bisection tolerance); 0 when they
         cannot be cut so."""
         if num_chunks not in self._slowest_chunk_s:
-            zeros = np.zeros(len(self))
-            spans = partition(ChainCosts(time_s=self.time_s, state_bytes=zeros, activation_bytes=zeros), num_chunks,
-                              in_flight=lambda chunk: 0.0)
+            spans = self.time_partition(num_chunks)
             self._slowest_chunk_s[num_chunks] = 0.0 if spans is None else \
                 (1 - 2e-4) * max(self.total("time_s", (span,)) for span in spans)
         return self._slowest_chunk_s[num_chunks]

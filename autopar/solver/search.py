@@ -154,7 +154,8 @@ class Planner:
         self._counts: dict[tuple[int, int], dict[str, SegmentCounts]] = {}
         self._sharding: dict[tuple[int, int], ShardingResult] = {}
         self._prepared: dict[tuple, PreparedSegments] = {}
-        self._cp_costs: dict[tuple[int, int, int], list[SegmentCost]] = {}
+        self._costs: dict[tuple[int, int, int], list[SegmentCost]] = {}
+        """segment_costs by (tp, microbatch, cp): each recomputation mode reads them again."""
         self.sequence_length = sequence_length(graph)
         self.cp_blocker = context_parallel_blocker(graph, self.sequence_length)
         """Why the sequence cannot be split over cp ranks ("" when it can)."""
@@ -185,13 +186,12 @@ class Planner:
     def segment_costs(self, tp: int, microbatch_size: int, cp: int = 1) -> list[SegmentCost]:
         """Per segment of the full model (identical blocks share block 1's cost); with cp > 1 per
         rank of a sequence split over cp ranks."""
-        if cp == 1:
-            return expand_segments(self.graph, self.condensed, list(self.sharding(tp, microbatch_size).segments))
         key = (tp, microbatch_size, cp)
-        if key not in self._cp_costs:
-            self._cp_costs[key] = expand_segments(self.graph, self.condensed,
-                                                  self._sequence_split(tp, microbatch_size, cp))
-        return self._cp_costs[key]
+        if key not in self._costs:
+            per_block = list(self.sharding(tp, microbatch_size).segments) if cp == 1 else \
+                self._sequence_split(tp, microbatch_size, cp)
+            self._costs[key] = expand_segments(self.graph, self.condensed, per_block)
+        return list(self._costs[key])
 
     def _sequence_split(self, tp: int, microbatch_size: int, cp: int) -> list[SegmentCost]:
         sharding = self.sharding(tp, microbatch_size)

@@ -350,9 +350,13 @@ class StepModel:
         def in_flight(chunk: int) -> float:
             return flights[chunk]
 
-        if num_chunks not in prepared.time_partitions:
-            prepared.time_partitions[num_chunks] = partition(chain, num_chunks, in_flight=in_flight)
-        spans = prepared.time_partitions[num_chunks]
+        if chain.time_s is prepared.time_s:
+            spans = prepared.time_partition(num_chunks)
+        else:  # expert parallelism's all-to-alls add to the segments' times
+            time_key = (num_chunks, chain_key)
+            if time_key not in prepared.time_partitions:
+                prepared.time_partitions[time_key] = partition(chain, num_chunks, in_flight=in_flight)
+            spans = prepared.time_partitions[time_key]
         if spans is None:
             return None, False
         if self._fits(chain, spans, config, workspace):
