@@ -44,7 +44,7 @@ from autopar import api
 from autopar.cluster import Cluster
 from autopar.solver.search import Planner
 from autopar.solver.step_model import Estimate, ParallelConfig
-from cost_model.memory import BF16_ADAM, FP32_ADAM, FSDP2_BF16_FP32_REDUCE, PrecisionPolicy
+from cost_model.memory import FP32_ADAM, FSDP2_BF16_FP32_REDUCE, MEGATRON_BF16, PrecisionPolicy
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_runs.csv"
 _MEMORY_NOTE = re.compile(r"(\d+(?:\.\d+)?)\s*(GiB|GB)\s+(?:used|measured)")
@@ -214,10 +214,11 @@ def planner_for(run: Run, directory: Path):
 
 def policy_of(run: Run) -> PrecisionPolicy:
     """How the run's framework holds and reduces its states: torchtitan's FSDP2 gathers bf16 and
-    reduce-scatters fp32 (MixedPrecisionPolicy); Megatron-LM's rows here have no data parallelism."""
+    reduce-scatters fp32 (MixedPrecisionPolicy); Megatron-LM uses its bf16/fp16 parameters as they
+    are in every microbatch (no cast per use, unlike autopar's runtime)."""
     if run.precision == "fp32":
         return FP32_ADAM
-    return FSDP2_BF16_FP32_REDUCE if "torchtitan" in run.source.lower() else BF16_ADAM
+    return FSDP2_BF16_FP32_REDUCE if "torchtitan" in run.source.lower() else MEGATRON_BF16
 
 
 def evaluate_run(run: Run, directory: Path) -> Outcome:
