@@ -48,6 +48,11 @@ class SegmentCost:
     """Of param_numel, the expert weights (sharded further by expert parallelism)."""
     expert_exchanges: list[ExpertExchange] = field(default_factory=list)
     """Per expert op, what expert parallelism would exchange (solver/experts.py)."""
+    cast: ComputeTime = field(default_factory=ComputeTime)
+    """Of forward and of backward (each), the per-use cast of its weights (PrecisionPolicy.
+    casts_per_use): per microbatch, whatever the share of tokens (context parallelism)."""
+    cast_saved_bytes: float = 0.0
+    """Of saved_bytes, the bf16 weight copies kept for backward (per microbatch, not per token)."""
     selective_recompute_comm: list[CommEvent] = field(default_factory=list)
     """Collectives those ops run again when recomputed (context parallelism's KV all-gather)."""
     gathered: dict[str, tuple[float, float, float, tuple]] = field(default_factory=dict)
@@ -305,6 +310,8 @@ def _add_node(builder: ProblemBuilder, graph: OpGraph, node, strategy, segment: 
         segment.buffer_bytes += node.output.nbytes / shard_factor(strategy.output, mesh_shape)
 
 
+CAST_KEY = ":cast"
+"""Suffix of the selective_kept keys of weight copies (per microbatch, not per token)."""
 _COMPUTE_BYTES = 2.0
 """Bytes per element of the compute dtype the runtime casts fp32 parameters to (bf16)."""
 
@@ -320,10 +327,12 @@ def _add_cast(builder: ProblemBuilder, graph: OpGraph, node, segment: SegmentCos
     segment.forward = segment.forward + cast
     segment.backward = segment.backward + cast
     segment.op_recompute = segment.op_recompute + cast
+    segment.cast = segment.cast + cast
     if _saved_through_views(graph, node.name):
         copy_bytes = numel * _COMPUTE_BYTES
         _save_once(segment, (node.name, "cast"), copy_bytes)
-        _keep_if(segment, f"{node.name}:cast", copy_bytes, True)
+        _keep_if(segment, f"{node.name}{CAST_KEY}", copy_bytes, True)
+        segment.cast_saved_bytes += copy_bytes
 
 
 def _saved_through_views(graph: OpGraph, producer: str) -> bool:
