@@ -243,6 +243,9 @@ _DEVICE_FIELDS = {
     "host_link_gbs": ("host_link_bytes_per_s", float, GB),
     "host_memory_bandwidth_gbs": ("host_memory_bandwidth_bytes_per_s", float, GB),
     "host_memory_gib": ("host_memory_bytes", float, GIB),
+    "power_limit_w": ("power_limit_w", float, 1.0),
+    "board_power_w": ("board_power_w", float, 1.0),
+    "clock_power_exponent": ("clock_power_exponent", float, 1.0),
 }
 _DEVICE_TFLOPS = {f"{dtype}_tflops": dtype for dtype in hardware.DTYPES}
 _LINK_FIELDS = {

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autopar import api
-from autopar.solver.search import Constraints
+from autopar.solver.search import Constraints, Planner
+from cost_model.memory import MEGATRON_BF16
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "megatron_table1.csv"
 SEQ, VOCAB = 2048, 51200
@@ -70,6 +71,9 @@ def planner_for(row: Row):
 
 
 def evaluate_published(planner, row: Row):
+    """Megatron's configuration as Megatron-LM runs it: bf16 parameters used directly (no cast per
+    use, which autopar's own runtime, the `plan` column, pays)."""
+    planner = Planner(planner.graph, planner.cluster, global_batch=row.global_batch, policy=MEGATRON_BF16)
     config = api.fixed_config(planner, tp=row.tp, pp=row.pp, dp=None, microbatch_size=row.microbatch_size,
                               schedule="interleaved" if row.interleave else "1f1b", virtual_stages=None,
                               layers_per_virtual_stage=row.interleave, recompute="full", zero_stage=0)

@@ -1,7 +1,7 @@
 """Published, measured training runs (shared/reference/published_runs.csv) against autopar's
 prediction of the same configuration.
 
-    .venv/bin/python benchmarks/published_runs.py [--rows kor-22b-sel,tt-8b-fsdp-8] [--breakdown] [--ran]
+    .venv/bin/python benchmarks/published_runs.py [--rows kor-22b-sel,tt-8b-fsdp-8] [--breakdown] [--classes] [--ran]
 
 Each row's model, cluster (with the figures the source states, as a cluster TOML) and
 configuration (tp, pp, dp, microbatch, interleaving, ZeRO/FSDP stage, recomputation) is priced
@@ -15,6 +15,13 @@ checkpointing in these runs is its op-level policy (autopar's "op" mode: keep ma
 except every second one, attention and reduce-scatters), Megatron-LM's selective
 recomputation with sequence parallelism is autopar's "selective" (which keeps gathered inputs
 sharded and gathers them again in backward, as Megatron does).
+
+A power cap the notes state ("power-capped at 500 W") is set as the cluster's
+`device.power_limit_w`, like the figures in cluster_overrides: the device's tensor peak then
+follows its documented clock/power relation (cost_model/hardware.py). `--classes` prints the
+compute of data-parallel rows by op class (matmul, attention, norm, elementwise, loss), with the
+rate the matmul-class kernels are priced at (attention's FLOPs as torch counts them: the whole
+s x s, also under a causal mask).
 
 `--ran` adds configurations that were run as published but whose step time is not in the
 reference file (Llama 3 405B on 16,384 H100s as Meta trained it; Korthikanti et al.'s 530B and
@@ -37,12 +44,13 @@ from autopar import api
 from autopar.cluster import Cluster
 from autopar.solver.search import Planner
 from autopar.solver.step_model import Estimate, ParallelConfig
-from cost_model.memory import BF16_ADAM, FP32_ADAM, FSDP2_BF16_FP32_REDUCE, PrecisionPolicy
+from cost_model.memory import FP32_ADAM, FSDP2_BF16_FP32_REDUCE, MEGATRON_BF16, PrecisionPolicy
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_runs.csv"
 _MEMORY_NOTE = re.compile(r"(\d+(?:\.\d+)?)\s*(GiB|GB)\s+(?:used|measured)")
 _OP_LEVEL = re.compile(r"\bop(?:-level)? (?:SAC|AC)\b|\bselective op AC\b", re.IGNORECASE)
 _EAGER = re.compile(r"\beager \(compile off", re.IGNORECASE)
+_POWER_CAP = re.compile(r"power-capped at (\d+(?:\.\d+)?)\s*W\b", re.IGNORECASE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,8 +155,12 @@ def _run(item: dict[str, str]) -> Run:
     memory_bytes = None
     if memory:
         memory_bytes = float(memory.group(1)) * (2**30 if memory.group(2) == "GiB" else 1e9)
+    overrides = _overrides(item.get("cluster_overrides", ""))
+    power_cap = _POWER_CAP.search(item.get("notes", ""))
+    if power_cap:  # a figure the source states, like the overrides: the cap the GPUs ran under
+        overrides.setdefault("device", {}).setdefault("power_limit_w", float(power_cap.group(1)))
     return Run(id=item["id"], source=item["source"], family=item["family"], shape=shape, gpus=int(item["gpus"]), cluster=item["cluster"],
-               cluster_overrides=_overrides(item.get("cluster_overrides", "")),
+               cluster_overrides=overrides,
                global_batch=int(item["global_batch"]), microbatch=int(item["microbatch"]), tp=int(item["tp"]),
                pp=int(item["pp"]), dp=int(item["dp"]), virtual_stages=int(item["virtual_stages"] or 1),
                zero=int(item["zero"] or 0), recompute=item["recompute"], precision=item["precision"],
@@ -202,10 +214,11 @@ def planner_for(run: Run, directory: Path):
 
 def policy_of(run: Run) -> PrecisionPolicy:
     """How the run's framework holds and reduces its states: torchtitan's FSDP2 gathers bf16 and
-    reduce-scatters fp32 (MixedPrecisionPolicy); Megatron-LM's rows here have no data parallelism."""
+    reduce-scatters fp32 (MixedPrecisionPolicy); Megatron-LM uses its bf16/fp16 parameters as they
+    are in every microbatch (no cast per use, unlike autopar's runtime)."""
     if run.precision == "fp32":
         return FP32_ADAM
-    return FSDP2_BF16_FP32_REDUCE if "torchtitan" in run.source.lower() else BF16_ADAM
+    return FSDP2_BF16_FP32_REDUCE if "torchtitan" in run.source.lower() else MEGATRON_BF16
 
 
 def evaluate_run(run: Run, directory: Path) -> Outcome:
@@ -266,6 +279,8 @@ def main() -> int:
     parser.add_argument("--rows", help="comma-separated row ids (default: all)")
     parser.add_argument("--breakdown", action="store_true", help="also print each row's time and memory breakdown")
     parser.add_argument("--ran", action="store_true", help="add the configurations that ran (fit checks; slow)")
+    parser.add_argument("--classes", action="store_true",
+                        help="also print each data-parallel row's compute by op class (matmul, attention, ...)")
     args = parser.parse_args()
     runs = read_runs() + (list(RAN) if args.ran else [])
     if args.rows:
@@ -282,6 +297,8 @@ def main() -> int:
             print(_row(outcome), flush=True)
             if args.breakdown:
                 _print_breakdown(outcome.estimate)
+            if args.classes:
+                _print_classes(run, Path(directory))
     errors = [abs(outcome.error) for outcome in outcomes if outcome.error == outcome.error]
     if errors:
         print(f"\nmedian absolute error {100 * statistics.median(errors):.1f}%, "
@@ -294,6 +311,54 @@ def _print_breakdown(estimate: Estimate) -> None:
     memory = ", ".join(f"{name} {size / 2**30:.2f}" for name, size in estimate.memory_bytes.items() if size)
     print(f"|   | step {estimate.step_time_s:.4g} s: {parts} |")
     print(f"|   | memory GiB: {memory} |")
+
+
+def op_class(target: str) -> str:
+    """The op class of an aten overload, for the compute breakdown."""
+    if "scaled_dot_product" in target:
+        return "attention"
+    if any(name in target for name in ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.linear.", "aten.matmul.")):
+        return "matmul"
+    if "rms_norm" in target or "layer_norm" in target:
+        return "norm"
+    if any(name in target for name in ("log_softmax", "nll_loss", "cross_entropy")):
+        return "loss"
+    if "embedding" in target:
+        return "embedding"
+    return "elementwise"
+
+
+def class_times(run: Run, directory: Path) -> dict[str, tuple[float, float, float, float]]:
+    """Per op class (forward s, backward s, forward matmul FLOPs, backward matmul FLOPs) of one
+    microbatch on one device, priced kernel by kernel as the step model prices them. Only rows
+    without tp or cp: their ops run unsharded on every rank (FSDP shards states, not compute)."""
+    planner = planner_for(run, directory)
+    graph = planner.graph.with_batch(run.microbatch)
+    compute = planner.step_model.compute
+    totals: dict[str, list[float]] = {}
+    for node in graph.nodes:
+        if node.kind != "call":
+            continue
+        row = totals.setdefault(op_class(node.target), [0.0, 0.0, 0.0, 0.0])
+        row[0] += compute.kernels(node.fwd_kernels).total_s
+        row[1] += compute.kernels(node.bwd_kernels).total_s
+        row[2] += sum(kernel.flops for kernel in node.fwd_kernels if kernel.is_matmul)
+        row[3] += sum(kernel.flops for kernel in node.bwd_kernels if kernel.is_matmul)
+    return {name: tuple(values) for name, values in totals.items()}
+
+
+def _print_classes(run: Run, directory: Path) -> None:
+    if run.tp > 1 or run.pp > 1:
+        print("|   | op classes: only for rows without tp or pp |")
+        return
+    steps = run.global_batch // run.microbatch // run.dp
+    parts = []
+    for name, (forward, backward, forward_flops, backward_flops) in sorted(
+            class_times(run, directory).items(), key=lambda item: -(item[1][0] + item[1][1])):
+        rate = (f" at {forward_flops / forward / 1e12:.0f}/{backward_flops / backward / 1e12:.0f} TF/s"
+                if forward_flops and backward_flops else "")
+        parts.append(f"{name} {steps * forward:.3g}+{steps * backward:.3g}{rate}")
+    print(f"|   | compute by op class, forward+backward s per step ({steps} microbatches): {', '.join(parts)} |")
 
 
 if __name__ == "__main__":

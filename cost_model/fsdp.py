@@ -152,6 +152,21 @@ def _backward(backward_s: list[float], gather_s: list[float], scatter_s: list[fl
     return max(clock, queue)
 
 
+def copy_bytes(numel: float, *, gather_bytes: float, reduce_bytes: float) -> tuple[float, float]:
+    """(all-gather copy-out, reduce-scatter copy-in) memory traffic in bytes for a unit of `numel`
+    unsharded parameters: copies FSDP2 makes on the compute stream, besides the collectives.
+
+    After each all-gather, `foreach_all_gather_copy_out` splits the gathered flat buffer (laid
+    out rank by rank) into the unsharded parameters: it reads and writes every element in the
+    gathered dtype. Before each reduce-scatter, `foreach_reduce_scatter_copy_in` packs the
+    unsharded gradients (in the unsharded parameters' dtype) rank-major into one buffer of the
+    reduce dtype: it reads each gradient and writes it in the reduce dtype (an fp32 reduce of
+    bf16 gradients writes twice what it reads). Since torch 2.5 both run on the current (compute)
+    stream; the all-gather copy-in of the local shard (1/dp of the unit) runs on the gather's
+    stream and is left out."""
+    return 2.0 * numel * gather_bytes, numel * (gather_bytes + reduce_bytes)
+
+
 def unsharded_bytes(unit_param_numel: Sequence[float], *, param_bytes: float, grad_bytes: float) -> float:
     """Peak of FSDP2's gathered buffers: the largest unit gathered with the next one prefetched
     (two consecutive units' parameters) plus one unit's unsharded gradients before its

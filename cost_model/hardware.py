@@ -12,6 +12,7 @@ This module does not import autopar or torch.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -49,11 +50,25 @@ class DeviceSpec:
     """This device's share of the host's DRAM bandwidth (the CPU optimizer step of offload)."""
     host_memory_bytes: float = 0.0
     """This device's share of the host's memory (what offloaded states may use)."""
+    board_power_w: float = 0.0
+    """Board power (TDP) at which the peak figures hold; 0: unknown."""
+    power_limit_w: float = 0.0
+    """Power cap the operator set below the board power (`nvidia-smi --power-limit`); 0: none."""
+    clock_power_exponent: float = 0.0
+    """How the tensor clock follows a power cap: clock ~ power ** exponent, from two datasheet
+    parts of one die at different board powers; 0: no documented relation (a cap cannot be priced)."""
     source: str = ""
     """Where the figures come from."""
 
     def __post_init__(self) -> None:
         _require_positive(self.name, "memory_bytes", self.memory_bytes)
+        for name in ("board_power_w", "power_limit_w", "clock_power_exponent"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{self.name}: {name} must be >= 0, got {getattr(self, name)}")
+        if self.power_limit_w and not (self.board_power_w and self.clock_power_exponent):
+            raise ValueError(f"{self.name}: power_limit_w {self.power_limit_w:g} W needs the device's board_power_w and "
+                             "clock_power_exponent (no documented clock/power relation for it); set both, or set "
+                             "the capped peak directly (bf16_tflops) or profile the device (`autopar profile`)")
         _require_positive(self.name, "memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s)
         for dtype, flops in self.peak_flops_per_s.items():
             _require_positive(self.name, f"peak_flops_per_s[{dtype}]", flops)
@@ -68,12 +83,24 @@ class DeviceSpec:
                 raise ValueError(f"{self.name}: {name} must be >= 0, got {getattr(self, name)}")
 
     def peak_flops(self, dtype: str) -> float:
-        """Peak FLOP/s for a dtype key; fp32 matmuls use tf32 where the device has it."""
+        """Peak FLOP/s for a dtype key at the device's power limit; fp32 matmuls use tf32 where the
+        device has it."""
         if dtype in self.peak_flops_per_s:
-            return self.peak_flops_per_s[dtype]
-        if dtype == "fp16" and "bf16" in self.peak_flops_per_s:
-            return self.peak_flops_per_s["bf16"]
-        return self.peak_flops_per_s.get("fp32", min(self.peak_flops_per_s.values()))
+            peak = self.peak_flops_per_s[dtype]
+        elif dtype == "fp16" and "bf16" in self.peak_flops_per_s:
+            peak = self.peak_flops_per_s["bf16"]
+        else:
+            peak = self.peak_flops_per_s.get("fp32", min(self.peak_flops_per_s.values()))
+        return peak * self.clock_fraction
+
+    @property
+    def clock_fraction(self) -> float:
+        """Tensor clock under the power limit as a fraction of the clock the peak figures hold at
+        (1 without a cap, or with one at or above the board power). Memory bandwidth does not move:
+        the HBM clock is not scaled by the power cap."""
+        if not self.power_limit_w or self.power_limit_w >= self.board_power_w:
+            return 1.0
+        return (self.power_limit_w / self.board_power_w) ** self.clock_power_exponent
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,6 +254,7 @@ A100_40G = DeviceSpec(
     host_link_bytes_per_s=PCIE_GEN4_X16,
     host_memory_bandwidth_bytes_per_s=409.6 * GB / 8,
     host_memory_bytes=1024 * GIB / 8,
+    board_power_w=400.0,
     source="NVIDIA A100 Tensor Core GPU datasheet; DGX A100 datasheet (host)",
 )
 A100_80G = replace(
@@ -236,6 +264,17 @@ A100_80G = replace(
     memory_bandwidth_bytes_per_s=2039 * GB,
     host_memory_bytes=2048 * GIB / 8,
 )
+# Clock against board power on Hopper, from two datasheet parts of the same 132-SM GH100 die:
+# H100 SXM5 989.4 dense bf16 TF/s at 700 W and H100 NVL 835.5 TF/s (1,671 with sparsity) at its
+# 400 W maximum. The ratio of their peaks is the ratio of their tensor clocks (1830 vs 1545 MHz
+# x 132 SMs x 4096 FLOP/clock), so clock ~ power ** (ln(989.4 / 835.5) / ln(700 / 400)) = ** 0.30
+# between those powers (a cube-root law, as dynamic power ~ f V^2 with V ~ f predicts).
+# Ampere has no such pair (A100 PCIe lists A100 SXM4's peak at 250-300 W): no exponent.
+H100_SXM_BOARD_POWER_W, H100_NVL_BOARD_POWER_W = 700.0, 400.0
+H100_SXM_BF16_TFLOPS, H100_NVL_BF16_TFLOPS = 989.4, 835.5
+HOPPER_CLOCK_POWER_EXPONENT = (math.log(H100_SXM_BF16_TFLOPS / H100_NVL_BF16_TFLOPS)
+                               / math.log(H100_SXM_BOARD_POWER_W / H100_NVL_BOARD_POWER_W))
+
 H100_SXM = DeviceSpec(
     name="H100 SXM5 80GB",
     peak_flops_per_s={"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "tf32": 495 * TFLOPS, "fp32": 67 * TFLOPS},
@@ -247,7 +286,9 @@ H100_SXM = DeviceSpec(
     host_link_bytes_per_s=PCIE_GEN5_X16,
     host_memory_bandwidth_bytes_per_s=614.4 * GB / 8,
     host_memory_bytes=2048 * GIB / 8,
-    source="NVIDIA H100 Tensor Core GPU datasheet; DGX H100 datasheet (host)",
+    board_power_w=H100_SXM_BOARD_POWER_W,
+    clock_power_exponent=HOPPER_CLOCK_POWER_EXPONENT,
+    source="NVIDIA H100 Tensor Core GPU datasheet (SXM and NVL); DGX H100 datasheet (host)",
 )
 H200_SXM = replace(
     H100_SXM,

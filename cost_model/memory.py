@@ -51,6 +51,13 @@ class PrecisionPolicy:
     under a mixed-precision policy); None: param_bytes."""
     reduce_bytes: float | None = None
     """Bytes per gradient element reduced over data parallel (the reduce dtype); None: grad_bytes."""
+    casts_per_use: bool = False
+    """The runtime keeps fp32 parameters and casts them to the compute dtype each time a segment
+    runs (autopar's codegen): every microbatch reads the fp32 weights and writes bf16 copies, its
+    backward casts their gradients back, and the copies the matmuls save stay alive until that
+    microbatch's backward (unless the segment is recomputed whole or by op). False: the runtime
+    holds compute-dtype parameters and uses them as they are (Megatron-LM; FSDP2 with a
+    MixedPrecisionPolicy casts once in its all-gather)."""
 
     @property
     def model_state_bytes(self) -> float:
@@ -67,7 +74,10 @@ class PrecisionPolicy:
 
 # autopar's codegen keeps fp32 parameters and casts them to bf16 where they are used, so FSDP2
 # gathers fp32 and gradients (fp32, autograd's upcast) are reduced in fp32.
-BF16_ADAM = PrecisionPolicy(gather_bytes=4.0, reduce_bytes=4.0)
+BF16_ADAM = PrecisionPolicy(gather_bytes=4.0, reduce_bytes=4.0, casts_per_use=True)
+MEGATRON_BF16 = PrecisionPolicy(gather_bytes=4.0, reduce_bytes=4.0)
+"""Megatron-LM's mixed precision (for pricing runs made that way): bf16/fp16 parameters used
+directly by every microbatch, the fp32 master copy inside the optimizer; no cast per use."""
 FP32_ADAM = PrecisionPolicy(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0, activation_dtype="float32")
 FSDP2_BF16_FP32_REDUCE = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0)
 """torchtitan's FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathers,

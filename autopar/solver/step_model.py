@@ -35,7 +35,9 @@ Data-parallel gradient synchronisation over the dp group:
                 each unit's gradients (in the reduce dtype) after its backward,
                 ZeRO-1 (and any ZeRO under pipelining) only in the last microbatch. What the compute does not hide (the first
                 unit's gather, gathers longer than the unit they hide behind, the last
-                reduce-scatter) slows every microbatch of the stage: t_k += exposed_k.
+                reduce-scatter) slows every microbatch of the stage: t_k += exposed_k. Each
+                gather's copy-out and each reduce-scatter's copy-in run on the compute stream
+                (memory-bound, fsdp.copy_bytes): dp.copy_out, dp.copy_in.
 Expert parallelism (ep > 1, solver/experts.py): ep consecutive dp ranks split every expert
 weight by expert; each expert matmul adds its all-to-alls (dispatch and combine, forward and
 backward) over the ep group to t_k, plus the load imbalance of dropless expert ops (the busiest
@@ -82,7 +84,7 @@ from autopar.solver.schedule_sim import uniform_bubble_s
 from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
-from cost_model.fsdp import FsdpTimeline, timelines_of_arrays, unsharded_bytes
+from cost_model.fsdp import FsdpTimeline, copy_bytes, timelines_of_arrays, unsharded_bytes
 from cost_model.memory import (PrecisionPolicy, chunk_microbatches_in_flight, microbatches_in_flight,
                                model_state_memory)
 
@@ -595,6 +597,11 @@ class StepModel:
         # Gradients are reduce-scattered every microbatch by ZeRO-2/3 without pipelining; ZeRO-1
         # and any ZeRO under pipelining (set_requires_gradient_sync) reduce once, in the last.
         (per_microbatch if config.zero_stage >= 2 and config.pp == 1 else step_end)["reduce_scatter"] = scatter_s
+        copy_out, copy_in = copy_bytes(float(numel.sum()), gather_bytes=self.policy.fsdp_gather_bytes,
+                                       reduce_bytes=self.policy.dp_reduce_bytes)  # FSDP2's copies (cost_model/fsdp.py)
+        bandwidth = self.compute.bandwidth_bytes_per_s
+        (per_microbatch if reshard else step_end)["copy_out"] = (2 if reshard else 1) * copy_out / bandwidth
+        (per_microbatch if config.zero_stage >= 2 and config.pp == 1 else step_end)["copy_in"] = copy_in / bandwidth
         if config.offload:
             # The copies' share of the exposed time is priced as offload.*, not as collectives.
             per_microbatch["all_gather"] = max(0.0, per_microbatch["all_gather"] - offload.get("offload.h2d", 0.0))

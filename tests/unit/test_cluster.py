@@ -143,3 +143,33 @@ def test_profile_of_another_gpu_is_refused(tmp_path):
     with pytest.raises(ProfileError, match="not on A100"):
         Cluster.from_spec(f"dgx-a100-80g:profile={path}")
     assert Cluster.from_spec(f"hgx-h200:profile={path}").profile.device_name == "NVIDIA H200"
+
+
+def test_a_power_cap_scales_the_compute_peaks_by_the_documented_clock_relation(tmp_path):
+    from dataclasses import replace
+
+    from cost_model.hardware import H100_NVL_BF16_TFLOPS, H100_NVL_BOARD_POWER_W, H100_SXM_BF16_TFLOPS
+
+    h100 = Cluster.from_spec("dgx-h100").device
+    # The relation reproduces the second datasheet part it was derived from (same die, 400 W).
+    nvl = replace(h100, peak_flops_per_s={"bf16": H100_SXM_BF16_TFLOPS * TFLOPS}, power_limit_w=H100_NVL_BOARD_POWER_W)
+    assert nvl.peak_flops("bf16") == pytest.approx(H100_NVL_BF16_TFLOPS * TFLOPS)
+    path = tmp_path / "capped.toml"
+    path.write_text('preset = "dgx-h100"\n[device]\npower_limit_w = 500\n')
+    capped = Cluster.from_spec(str(path)).device
+    fraction = capped.peak_flops("bf16") / h100.peak_flops("bf16")
+    assert nvl.clock_fraction < fraction < 1.0  # between the NVL's 400 W and the SXM's 700 W
+    assert capped.peak_flops("fp32") / h100.peak_flops("fp32") == pytest.approx(fraction)  # the clock moves all units
+    assert capped.memory_bandwidth_bytes_per_s == h100.memory_bandwidth_bytes_per_s  # HBM clock is not capped
+    assert replace(h100, power_limit_w=800).peak_flops("bf16") == h100.peak_flops("bf16")  # above TDP: no effect
+
+
+def test_a_power_cap_without_a_documented_relation_is_refused(tmp_path):
+    path = tmp_path / "capped.toml"
+    path.write_text('preset = "dgx-a100-80g"\n[device]\npower_limit_w = 300\n')
+    with pytest.raises(ClusterSpecError) as error:
+        Cluster.from_spec(str(path))
+    assert "power_limit_w 300 W needs" in str(error.value) and "clock_power_exponent" in str(error.value)
+    path.write_text('preset = "dgx-a100-80g"\n[device]\npower_limit_w = 300\nclock_power_exponent = 0.3\n')
+    capped = Cluster.from_spec(str(path)).device  # the user states the relation: priced
+    assert capped.peak_flops("bf16") == pytest.approx(312 * TFLOPS * (300 / 400) ** 0.3)

@@ -7,6 +7,7 @@ from autopar import api
 from autopar.cluster import Cluster
 from autopar.mesh import Mesh
 from autopar.solver.sharding import solve_sharding
+from cost_model.memory import BF16_ADAM, MEGATRON_BF16
 
 S, B, H, A = 2048, 1, 4096, 32
 MIB = 2**20
@@ -17,9 +18,10 @@ def graph():
     return api.capture_for_planning(f"gpt:layers=3,hidden={H},heads={A},seq={S},vocab=51200").with_batch(B)
 
 
-def layer(graph, tp: int):
+def layer(graph, tp: int, policy=MEGATRON_BF16):
+    """Layer 1's costs as Megatron-LM runs it (bf16 weights used as they are: the formulas' runtime)."""
     mesh = Mesh(axis_names=("tp",), shape=(tp,), devices_per_node=8)
-    result = solve_sharding(graph, mesh, Cluster.from_spec("dgx-a100-80g"))
+    result = solve_sharding(graph, mesh, Cluster.from_spec("dgx-a100-80g"), policy=policy)
     return next(segment for segment in result.segments if segment.name == "layers.1")
 
 
@@ -79,3 +81,25 @@ def test_op_level_selective_keeps_every_other_matmul(graph, tp):
     per_token = (2 + 2 + 2 + 8) / tp + (4 / tp if tp > 1 else 0)
     assert segment.op_saved_bytes == pytest.approx(S * B * H * per_token, rel=0.02)
     assert 0 < segment.op_recompute.matmul_s < 0.8 * segment.forward.matmul_s
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_autopar_runtime_casts_fp32_weights_per_use_and_keeps_the_copies_for_backward(graph, tp):
+    """autopar's codegen keeps fp32 parameters and casts them per segment run: per microbatch 6
+    bytes per weight element in forward and 6 in backward (one kernel per weight), and the bf16
+    copies the matmuls save (all weights but the norms' and biases' that nothing saves) are held
+    like activations, except under full recomputation, whose segment keeps only its input."""
+    megatron, autopar = layer(graph, tp), layer(graph, tp, BF16_ADAM)
+    cluster = Cluster.from_spec("dgx-a100-80g")
+    bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cluster.device.memory_efficiency
+    numel = autopar.param_numel
+    assert numel == megatron.param_numel == pytest.approx(12 * H * H / tp, rel=0.01)
+    for phase in ("forward", "backward"):
+        extra = getattr(autopar, phase).memory_s - getattr(megatron, phase).memory_s
+        assert extra == pytest.approx(6 * numel / bandwidth, rel=1e-6)
+        assert getattr(autopar, phase).overhead_s > getattr(megatron, phase).overhead_s
+    matmul_weights = 12 * H * H / tp  # q, k, v, o and the two MLP matrices
+    assert autopar.saved_bytes - megatron.saved_bytes == pytest.approx(2 * matmul_weights, rel=0.01)
+    assert autopar.selective_saved_bytes - megatron.selective_saved_bytes == pytest.approx(2 * matmul_weights, rel=0.01)
+    assert autopar.input_bytes == megatron.input_bytes  # full recomputation holds no copy
+    assert sum(autopar.op_kept.values()) == sum(megatron.op_kept.values())  # nor the op mode (re-cast)

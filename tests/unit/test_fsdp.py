@@ -3,7 +3,7 @@
 import pytest
 
 from cost_model.allocator import AllocatorModel
-from cost_model.fsdp import FsdpUnit, fsdp_timeline, unsharded_bytes
+from cost_model.fsdp import FsdpUnit, copy_bytes, fsdp_timeline, unsharded_bytes
 
 F, B = 0.010, 0.020
 
@@ -61,3 +61,40 @@ def test_allocator_terms():
     assert allocator.fragmentation_bytes(1000.0) == pytest.approx(100.0)
     with pytest.raises(ValueError):
         AllocatorModel(fragmentation_fraction=-0.1)
+
+
+def test_copies_read_and_write_every_gathered_element_and_cast_gradients_to_the_reduce_dtype():
+    copy_out, copy_in = copy_bytes(1e6, gather_bytes=2.0, reduce_bytes=4.0)
+    assert copy_out == 2 * 2.0 * 1e6  # gathered bf16 buffer read, unsharded parameters written
+    assert copy_in == (2.0 + 4.0) * 1e6  # bf16 gradients read, fp32 reduce-scatter input written
+
+
+@pytest.mark.parametrize("zero_stage, num_microbatches", [(3, 1), (3, 4), (2, 4), (1, 4)])
+def test_fsdp_copies_are_priced_on_the_compute_stream(zero_stage, num_microbatches):
+    from test_step_model import model, segments
+
+    from autopar.solver.step_model import ParallelConfig, PreparedSegments
+
+    step_model = model()
+    config = ParallelConfig(dp=8, tp=1, pp=1, microbatch_size=1, num_microbatches=num_microbatches,
+                            zero_stage=zero_stage)
+    result = step_model.estimate(PreparedSegments.build(segments(), "none"), config)
+    numel = 8 * 1e6  # the stage's unsharded parameters (segments(): 8 units of 1e6)
+    bandwidth = step_model.compute.bandwidth_bytes_per_s
+    policy = step_model.policy
+    copy_out_s = 2 * numel * policy.fsdp_gather_bytes / bandwidth
+    copy_in_s = numel * (policy.fsdp_gather_bytes + policy.dp_reduce_bytes) / bandwidth
+    breakdown = result.breakdown_s
+    m = num_microbatches
+    if zero_stage == 3:  # gathered before the forward and again before the backward, every microbatch
+        assert breakdown["dp.copy_out"] == pytest.approx(2 * m * copy_out_s)
+    else:  # kept gathered from the first forward to the last backward: once
+        assert breakdown["dp.copy_out.once"] == pytest.approx(copy_out_s)
+    if zero_stage >= 2:  # reduce-scattered every microbatch
+        assert breakdown["dp.copy_in"] == pytest.approx(m * copy_in_s)
+    else:
+        assert breakdown["dp.copy_in.once"] == pytest.approx(copy_in_s)
+    unsharded = step_model.estimate(PreparedSegments.build(segments(), "none"),
+                                    ParallelConfig(dp=8, tp=1, pp=1, microbatch_size=1,
+                                                   num_microbatches=num_microbatches, zero_stage=0))
+    assert not any(term.startswith("dp.copy") for term in unsharded.breakdown_s)  # DDP: no FSDP copies
