@@ -12,6 +12,15 @@ reference keeps them, the parallel run compares each of its parameters' (gathere
 `parallelize_reusing_captures` is `autopar.parallelize` for a job that builds the same model
 (same class, sizes, inputs) for many plans, one case after another: the planning capture and
 the codegen capture are made once per key and reused (they are most of a tiny case's time).
+
+`CaseTable` is the case list a numerics module parametrizes its test over:
+
+    TABLE = CaseTable([case_param(Case("gpt", 2, dict(dp=2)), "gpt-dp2"), ...])
+    CASES = TABLE.cases                           # {id: case}, for harness.case_outcome
+
+    @TABLE.parametrize
+    def test_x(case_name, case_outcome):
+        case, results = TABLE.results(case_outcome, x_case, case_name)   # per rank, or the test fails
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 
 
@@ -95,11 +105,12 @@ _CAPTURES: dict[Any, tuple] = {}
 
 
 def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple, *, loss_fn, example_targets,
-                                 constraints: dict, precision: str = "fp32"):
+                                 constraints: dict, precision: str = "fp32", plan=None, init_fn=None):
     """What `autopar.parallelize(model, cluster, inputs, loss_fn=..., example_targets=...,
-    constraints=..., precision=...)` returns, planned (rank 0) and built from the captures of
-    the first model this process saw under `key` (the same model: same class, sizes and
-    inputs; its own parameters are bound into the reused program)."""
+    constraints=..., precision=..., plan=..., init_fn=...)` returns, planned (rank 0, unless
+    `plan` is given) and built from the captures of the first model this process saw under
+    `key` (the same model: same class, sizes, inputs and device, meta or not; its own
+    parameters are bound into the reused program)."""
     import torch.distributed as dist
 
     from autopar.api import Constraints, plan_with, planner_for
@@ -107,7 +118,7 @@ def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple, *, los
     from autopar.codegen.parallelize import build_parallel_module
     from autopar.codegen.runtime import run_on_rank0
 
-    def plan():
+    def plan_on_rank0():
         planner_key = (key, cluster, dist.get_world_size())
         if planner_key not in _PLANNERS:
             _PLANNERS[planner_key] = planner_for(model, inputs, cluster, global_batch=int(inputs[0].shape[0]),
@@ -115,7 +126,7 @@ def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple, *, los
                                                  precision=precision)
         return plan_with(_PLANNERS[planner_key], Constraints.from_value(constraints))
 
-    chosen = run_on_rank0(plan)
+    chosen = plan if plan is not None else run_on_rank0(plan_on_rank0)
     if key not in _CAPTURES:
         _CAPTURES[key] = capture_program(model, inputs, {}, allow_fallback=False)
     program, graph = _CAPTURES[key]
@@ -124,4 +135,41 @@ def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple, *, los
     for name in list(program.state_dict):
         if name in live:
             program.state_dict[name] = live[name]
-    return build_parallel_module(model, inputs, chosen, loss_fn, captured=(program, graph))
+    return build_parallel_module(model, inputs, chosen, loss_fn, captured=(program, graph), init_fn=init_fn)
+
+
+# --- the case table of a numerics module ------------------------------------------------------------
+
+def case_param(case, name: str, *marks) -> Any:
+    """One row of a CaseTable: `case` (a frozen dataclass with `world_size` and optionally
+    `known_error`, the message of a known bug's failure) under the test id `name`."""
+    return pytest.param(case, id=name, marks=marks)
+
+
+class CaseTable:
+    """A module's cases, by test id, and what its one test does with them: parametrize over the
+    ids (keeping each row's marks: a skip, an xfail) and fetch a case's per-rank results."""
+
+    def __init__(self, params: list) -> None:
+        self.params = list(params)
+        self.cases = {param.id: param.values[0] for param in self.params}
+        """{test id: case}: what harness.case_outcome runs, grouped by world size."""
+        if len(self.cases) != len(self.params):
+            raise ValueError(f"two cases share a test id in {[param.id for param in self.params]}")
+
+    def parametrize(self, test):
+        """The test, parametrized over `case_name` (every id of the table, with its marks)."""
+        ids = [pytest.param(param.id, marks=param.marks, id=param.id) for param in self.params]
+        return pytest.mark.parametrize("case_name", ids)(test)
+
+    def results(self, case_outcome, case_fn, name: str) -> tuple[Any, list]:
+        """(the case, what `case_fn(case)` returned on each rank, in rank order); the test fails
+        with the failed rank's traceback instead, as harness.KnownBugError when it shows the
+        case's `known_error`."""
+        from harness import fail
+
+        case = self.cases[name]
+        outcome = case_outcome(case_fn, self.cases, name)
+        if not outcome.ok:
+            fail(outcome.error, getattr(case, "known_error", ""))
+        return case, outcome.values

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from harness import case_outcome, fail, tiny_model_cluster  # noqa: F401 (a fixture)
+from one_process import CaseTable, case_param
 
 pytestmark = pytest.mark.dist
 
@@ -68,23 +69,21 @@ def count_case(case: Case) -> dict:
                 sharded=[name for name, placement in module.plan.param_placements.items() if placement != "R"])
 
 
-_PARAMS = [
-    pytest.param(Case(TINY_GPT, 2, "tiny"), id="gpt-tp2"),
-    pytest.param(Case(TINY_GPT, 4, "tiny"), id="gpt-tp4"),
+TABLE = CaseTable([
+    case_param(Case(TINY_GPT, 2, "tiny"), "gpt-tp2"),
+    case_param(Case(TINY_GPT, 4, "tiny"), "gpt-tp4"),
     # On real A100 figures a tiny model is replicated: nothing predicted, nothing may run.
-    pytest.param(Case(TINY_GPT, 4, "dgx-a100-80g:gpus_per_node=4"), id="gpt-tp4-dgx-replicated"),
-    pytest.param(Case(MEDIUM_GPT, 2, "dgx-a100-80g:gpus_per_node=2", known_error="predicted - ran: {'all_reduce': 2}"),
-                 id="gpt256-tp2-dgx"),
-]
-CASES = {param.id: param.values[0] for param in _PARAMS}
+    case_param(Case(TINY_GPT, 4, "dgx-a100-80g:gpus_per_node=4"), "gpt-tp4-dgx-replicated"),
+    case_param(Case(MEDIUM_GPT, 2, "dgx-a100-80g:gpus_per_node=2", known_error="predicted - ran: {'all_reduce': 2}"),
+               "gpt256-tp2-dgx"),
+])
+CASES = TABLE.cases
 
 
-@pytest.mark.parametrize("case_name", [pytest.param(param.id, marks=param.marks, id=param.id) for param in _PARAMS])
+@TABLE.parametrize
 def test_collectives_match_prediction(case_name, case_outcome):
-    case = CASES[case_name]
-    outcome = case_outcome(count_case, CASES, case_name)
-    assert outcome.ok, outcome.error
-    for rank, result in enumerate(outcome.values):
+    case, results = TABLE.results(case_outcome, count_case, case_name)
+    for rank, result in enumerate(results):
         assert result["num_microbatches"] == 1
         assert result["mismatches"] == {}, f"rank {rank}: ops ran with other placements than planned"
         predicted, actual = result["predicted"], result["actual"]

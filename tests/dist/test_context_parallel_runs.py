@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from harness import case_outcome, fail, tiny_model_cluster  # noqa: F401 (a fixture)
-from one_process import train_one_process, train_parallel
+from harness import case_outcome, tiny_model_cluster  # noqa: F401 (a fixture)
+from one_process import CaseTable, case_param, train_one_process, train_parallel
 
 pytestmark = pytest.mark.dist
 
@@ -82,26 +82,22 @@ def cp_case(case: Case) -> dict:
 
 
 def _case(model: str, world_size: int, **constraints):
-    case = Case(model, world_size, constraints)
-    return pytest.param(case, id=f"{model}-" + "-".join(f"{k}{v}" for k, v in constraints.items() if k in
-                                                        ("dp", "cp", "tp", "pp", "zero_stage")))
+    return case_param(Case(model, world_size, constraints), f"{model}-" + "-".join(
+        f"{k}{v}" for k, v in constraints.items() if k in ("dp", "cp", "tp", "pp", "zero_stage")))
 
 
-_PARAMS = [
+TABLE = CaseTable([
     _case("llama", 2, dp=1, cp=2, tp=1, pp=1, microbatch_size=4),   # rotary tables sliced by position
     _case("gpt", 4, dp=2, cp=2, tp=1, pp=1, zero_stage=3),           # arange positions; FSDP over dp x cp
     _case("llama", 4, dp=1, cp=2, tp=2, pp=1),                       # heads on tp, sequence on cp
-]
-CASES = {param.id: param.values[0] for param in _PARAMS}
+])
+CASES = TABLE.cases
 
 
-@pytest.mark.parametrize("case_name", list(CASES))
+@TABLE.parametrize
 def test_context_parallel_matches_one_device(case_name, case_outcome):
-    case = CASES[case_name]
-    outcome = case_outcome(cp_case, CASES, case_name)
-    if not outcome.ok:
-        fail(outcome.error)
-    for rank, result in enumerate(outcome.values):
+    case, results = TABLE.results(case_outcome, cp_case, case_name)
+    for rank, result in enumerate(results):
         assert result["mesh"]["cp"] == 2 and result["mesh"]["tp"] == case.constraints["tp"], result["mesh"]
         assert result["losses"] == pytest.approx(result["reference_losses"], abs=TOLERANCE), f"rank {rank}"
         assert all(error is not None for error in result["grad_errors"].values()), f"rank {rank}: no gradient"

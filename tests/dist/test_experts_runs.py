@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from harness import case_outcome, fail, tiny_model_cluster  # noqa: F401 (a fixture)
-from one_process import train_one_process, train_parallel
+from harness import case_outcome, tiny_model_cluster  # noqa: F401 (a fixture)
+from one_process import CaseTable, case_param, train_one_process, train_parallel
 
 pytestmark = pytest.mark.dist
 
@@ -87,30 +87,23 @@ def experts_case(case: Case) -> dict:
 
 
 _FOUR = pytest.mark.skipif(not os.environ.get("AUTOPAR_EP_ALL"), reason="4-process cases: set AUTOPAR_EP_ALL=1")
-_PARAMS = [
-    pytest.param(Case("moe", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)), id="moe-dp2-ep2"),
-    pytest.param(Case("Mixtral", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)),
-                 id="mixtral-dp2-ep2"),
+TABLE = CaseTable([
+    case_param(Case("moe", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "moe-dp2-ep2"),
+    case_param(Case("Mixtral", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "mixtral-dp2-ep2"),
     # 4 processes (minutes on 2 cores): AUTOPAR_EP_ALL=1 runs them.
-    pytest.param(Case("moe", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4)),
-                 id="moe-dp2-ep2-tp2", marks=_FOUR),
-    pytest.param(Case("moe", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=2)),
-                 id="moe-dp4-ep2", marks=_FOUR),
-    pytest.param(Case("moe", 4, dict(dp=2, tp=1, pp=2, ep=2, zero_stage=0, microbatch_size=2)),
-                 id="moe-dp2-ep2-pp2", marks=_FOUR),
-    pytest.param(Case("Mixtral", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4)),
-                 id="mixtral-dp2-ep2-tp2", marks=_FOUR),
-]
-CASES = {param.id: param.values[0] for param in _PARAMS}
+    case_param(Case("moe", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "moe-dp2-ep2-tp2", _FOUR),
+    case_param(Case("moe", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=2)), "moe-dp4-ep2", _FOUR),
+    case_param(Case("moe", 4, dict(dp=2, tp=1, pp=2, ep=2, zero_stage=0, microbatch_size=2)), "moe-dp2-ep2-pp2", _FOUR),
+    case_param(Case("Mixtral", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4)),
+               "mixtral-dp2-ep2-tp2", _FOUR),
+])
+CASES = TABLE.cases
 
 
-@pytest.mark.parametrize("case_name", [pytest.param(param.id, marks=param.marks, id=param.id) for param in _PARAMS])
+@TABLE.parametrize
 def test_expert_parallel_matches_one_process(case_name, case_outcome):
-    case = CASES[case_name]
-    outcome = case_outcome(experts_case, CASES, case_name)
-    if not outcome.ok:
-        fail(outcome.error, case.known_error)
-    for rank, result in enumerate(outcome.values):
+    case, results = TABLE.results(case_outcome, experts_case, case_name)
+    for rank, result in enumerate(results):
         assert result["ep"] == case.constraints["ep"] and result["ep_params"], result
         assert result["losses"] == pytest.approx(result["reference_losses"], rel=TOLERANCE, abs=TOLERANCE), \
             f"rank {rank}'s losses"

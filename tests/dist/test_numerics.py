@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness import case_outcome, fail, tiny_model_cluster  # noqa: F401 (a fixture)
-from one_process import parallelize_reusing_captures, train_one_process, train_parallel
+from harness import case_outcome, tiny_model_cluster  # noqa: F401 (a fixture)
+from one_process import CaseTable, case_param, parallelize_reusing_captures, train_one_process, train_parallel
 
 pytestmark = pytest.mark.dist
 
@@ -175,15 +175,14 @@ def numerics_case(case: Case) -> dict:
 # --- the cases --------------------------------------------------------------------------------------
 
 def _case(model: str, world_size: int, **constraints):
-    case = Case(model, world_size, constraints)
-    return pytest.param(case, id=f"{model}-{world_size}-" + "-".join(
-        f"{key}{value}" for key, value in constraints.items()))
+    return case_param(Case(model, world_size, constraints),
+                      f"{model}-{world_size}-" + "-".join(f"{key}{value}" for key, value in constraints.items()))
 
 
 # Every configuration at least once, every model at least twice, the built-in GPT the most.
 # Constraints fix the whole mesh (and the microbatch size where pipelining needs several
 # microbatches) so each case tests what its name says.
-_PARAMS = [
+TABLE = CaseTable([
     # 2 processes
     _case("gpt", 2, dp=2, tp=1, pp=1, zero_stage=0),
     _case("gpt", 2, dp=1, tp=2, pp=1),
@@ -225,17 +224,13 @@ _PARAMS = [
     _case("gpt", 4, dp=1, tp=2, pp=2),
     _case("mlp_outer_residual", 2, dp=2, tp=1, pp=1),
     _case("hf_gpt2_sdpa", 2, dp=2, tp=1, pp=1),
-]
-CASES = {param.id: param.values[0] for param in _PARAMS}
+])
+CASES = TABLE.cases
 
 
-@pytest.mark.parametrize("case_name", [pytest.param(param.id, marks=param.marks, id=param.id) for param in _PARAMS])
+@TABLE.parametrize
 def test_matches_one_device(case_name, case_outcome):
-    case = CASES[case_name]
-    outcome = case_outcome(numerics_case, CASES, case_name)
-    if not outcome.ok:
-        fail(outcome.error, case.known_error)
-    results = outcome.values
+    case, results = TABLE.results(case_outcome, numerics_case, case_name)
     plan = results[0]["plan"]
     for axis in ("dp", "tp", "pp"):
         assert plan["mesh"][axis] == case.constraints[axis], plan

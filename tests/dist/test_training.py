@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from harness import run_cases, tiny_model_cluster
+from one_process import parallelize_reusing_captures
 
 pytestmark = pytest.mark.dist
 
@@ -58,12 +59,15 @@ _PLANS: dict = {}
 
 
 def _parallelize(model, case: Case, **kwargs):
-    import autopar
-
+    """`autopar.parallelize(model, ...)` for this case's constraints; the planning and codegen
+    captures are made once per job and device (meta or CPU: a meta capture bakes in meta
+    factories) and reused by later cases (one_process.py), plans once per constraints."""
     tokens, targets = _batches()[0]
     key = tuple(sorted(case.constraints.items()))
-    pm = autopar.parallelize(model, tiny_model_cluster(case.world_size), (tokens,), loss_fn=_bundle("meta").loss_fn,
-                             example_targets=targets, constraints=case.constraints, plan=_PLANS.get(key), **kwargs)
+    device = next(model.parameters()).device.type
+    pm = parallelize_reusing_captures(("training", device), model, tiny_model_cluster(case.world_size), (tokens,),
+                                      loss_fn=_bundle("meta").loss_fn, example_targets=targets,
+                                      constraints=case.constraints, plan=_PLANS.get(key), **kwargs)
     _PLANS[key] = pm.plan
     return pm
 
