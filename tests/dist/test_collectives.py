@@ -35,6 +35,9 @@ class Case:
     """A cluster spec, or "tiny" for harness.tiny_model_cluster."""
     known_error: str = ""
     """What the failure of a case marked with a known bug says."""
+    timeout_s: float = 120.0
+    """How long a case may run without progress (planning and tracing a tp4 GPT under load took
+    over the harness's default 45 s)."""
 
 
 _C10D_SPELLING = {"allreduce": "all_reduce", "allgather": "all_gather", "alltoall": "all_to_all"}

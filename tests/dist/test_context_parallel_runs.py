@@ -3,10 +3,11 @@ ones the plan predicted (autopar/codegen/context_parallel.py).
 
 Each case trains a tiny causal LM (SDPA attention) for a few SGD steps under a forced plan
 with cp = 2 (each sequence in 4 chunks, every rank holding 2: load-balanced), alone, with
-data parallelism (FSDP over dp x cp) and with tensor parallelism, and compares the losses and
-the first step's gradients with one process (fp32: float round-off). It also counts the
-all-gathers of K, V and the reduce-scatters of their gradients one train_step ran: the plan's
-`collectives_per_microbatch` times its microbatches.
+data parallelism (FSDP over dp x cp), with tensor parallelism and with pipeline stages (ZB-V;
+1F1B with GPT's tied embedding), and compares the losses and the first step's gradients with one
+process (fp32: float round-off). It also counts the all-gathers of K, V and the reduce-scatters
+of their gradients one train_step ran on each rank: its pipeline stage's
+`collectives_per_microbatch` times the microbatches.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def cp_case(case: Case) -> dict:
         with torch.no_grad():
             output_error = (module(tokens) - reference.model(tokens)).abs().max().item()
     plan = module.plan
-    predicted = plan.predicted.collectives_per_microbatch
+    # What this rank's pipeline stage runs (the whole model without pipelining).
+    predicted = plan.stages[module.runtime.coordinate("pp")].collectives_per_microbatch
     return dict(losses=run.losses, reference_losses=reference.losses, grad_errors=run.grad_errors, mesh=plan.mesh,
                 calls=counted.calls, output_error=output_error,
                 predicted={"all_gather": predicted.get("cp.kv_all_gather", 0) * plan.num_microbatches,
@@ -90,6 +92,8 @@ TABLE = CaseTable([
     _case("llama", 2, dp=1, cp=2, tp=1, pp=1, microbatch_size=4),   # rotary tables sliced by position
     _case("gpt", 4, dp=2, cp=2, tp=1, pp=1, zero_stage=3),           # arange positions; FSDP over dp x cp
     _case("llama", 4, dp=1, cp=2, tp=2, pp=1),                       # heads on tp, sequence on cp
+    _case("llama", 4, dp=1, cp=2, tp=1, pp=2, microbatch_size=2, schedule="zbv"),  # stages at seq / cp, a V
+    _case("gpt", 4, dp=1, cp=2, tp=1, pp=2, microbatch_size=2, schedule="1f1b"),   # tied embedding over stages
 ])
 CASES = TABLE.cases
 
@@ -105,4 +109,4 @@ def test_context_parallel_matches_one_device(case_name, case_outcome):
         assert worst[1]["max_abs"] < TOLERANCE, f"rank {rank}: gradient of {worst[0]} differs: {worst[1]}"
         assert result["output_error"] < TOLERANCE, f"rank {rank}: pm(inputs) differs from one device"
         assert result["calls"] == result["predicted"], f"rank {rank}: KV collectives ran vs predicted"
-        assert result["calls"]["all_gather"] > 0
+    assert any(result["calls"]["all_gather"] > 0 for result in results)
