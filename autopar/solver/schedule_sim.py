@@ -85,7 +85,8 @@ def _dependency_graph(schedule: str, num_ranks: int, num_microbatches: int, num_
     previous stage's forward of its microbatch, a backward for the next stage's backward (the
     last stage: its own forward), a weight-gradient pass for its own backward. A pass starts
     when both have ended, so its start is the longest path to it whatever the durations: the
-    graph is built once per order (Kahn's algorithm) and walked for each set of durations."""
+    graph is built once per order (ranks swept in turn, each running the passes whose dependency
+    has run) and walked for each set of durations."""
     num_stages = num_ranks * num_chunks
     last_stage = num_stages - 1
     orders = [rank_order(schedule, rank=rank, num_ranks=num_ranks, num_microbatches=num_microbatches,
@@ -116,15 +117,31 @@ def _dependency_graph(schedule: str, num_ranks: int, num_microbatches: int, num_
     for index, key in enumerate(keys):
         index_of[key] = index
     needs_index = [-1 if key < 0 else index_of[key] for key in waits]
-    # A topological order: sweep the ranks, each running its passes while what they wait for
-    # has run (every rank's passes stay in its own order). A sweep that runs nothing: a cycle,
-    # or a pass waiting on one no rank runs.
     starts = [0] * (num_ranks + 1)
     for rank, order in enumerate(orders):
         starts[rank + 1] = starts[rank] + len(order)
-    next_of, done = starts[:-1], [False] * len(passes)
+    ran = _sweep(starts, needs_index)
+    if ran is None:
+        raise RuntimeError(f"the {schedule} order deadlocks with {num_ranks} ranks, {num_microbatches} "
+                           f"microbatches and {num_chunks} chunks (a bug in autopar/solver/schedules.py)")
+    firsts = set(starts)
+    before = [-1 if index in firsts else index - 1 for index in range(len(passes))]
+    position_of = [0] * len(passes)
+    for new, index in enumerate(ran):
+        position_of[index] = new
+    renumber = lambda index: position_of[index] if index >= 0 else -1  # noqa: E731
+    return (tuple(passes[i] for i in ran), tuple(_KINDS[passes[i][1]] for i in ran),
+            tuple(renumber(before[i]) for i in ran), tuple(renumber(needs_index[i]) for i in ran))
+
+
+def _sweep(starts: list[int], needs_index: list[int]) -> list[int] | None:
+    """A topological order of the passes (rank r's are starts[r]..starts[r+1]-1, in its order):
+    sweep the ranks, each running its passes while what they wait for has run. None when a sweep
+    runs nothing: a cycle, or a pass waiting on one no rank runs (-2)."""
+    num_ranks = len(starts) - 1
+    next_of, done = starts[:-1], [False] * starts[-1]
     ran: list[int] = []
-    while len(ran) < len(passes):
+    while len(ran) < starts[-1]:
         progressed = False
         for rank in range(num_ranks):
             index, stop = next_of[rank], starts[rank + 1]
@@ -138,13 +155,5 @@ def _dependency_graph(schedule: str, num_ranks: int, num_microbatches: int, num_
             if index != next_of[rank]:
                 next_of[rank], progressed = index, True
         if not progressed:
-            raise RuntimeError(f"the {schedule} order deadlocks with {num_ranks} ranks, {num_microbatches} "
-                               f"microbatches and {num_chunks} chunks (a bug in autopar/solver/schedules.py)")
-    firsts = set(starts)
-    before = [-1 if index in firsts else index - 1 for index in range(len(passes))]
-    position_of = [0] * len(passes)
-    for new, index in enumerate(ran):
-        position_of[index] = new
-    renumber = lambda index: position_of[index] if index >= 0 else -1  # noqa: E731
-    return (tuple(passes[i] for i in ran), tuple(_KINDS[passes[i][1]] for i in ran),
-            tuple(renumber(before[i]) for i in ran), tuple(renumber(needs_index[i]) for i in ran))
+            return None
+    return ran
