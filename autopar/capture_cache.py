@@ -300,7 +300,10 @@ def dependencies(*, with_main: bool = False) -> dict:
     for name, module in list(sys.modules.items()):
         if name == "__main__" and not with_main:
             continue
-        path = getattr(module, "__file__", None)
+        try:
+            path = getattr(module, "__file__", None)
+        except Exception:  # noqa: BLE001 - a lazy module that cannot say: its package's files still count
+            continue
         if not isinstance(path, str) or not path:
             continue
         path = os.path.realpath(path)
