@@ -280,6 +280,16 @@ def _stdlib_dirs() -> tuple[str, ...]:
     return tuple(sorted({os.path.realpath(paths["stdlib"]), os.path.realpath(paths["platstdlib"])}))
 
 
+def _not_hashed_prefixes(folders: tuple[str, ...]) -> tuple[str, ...]:
+    """The folders as given and as spelled through sys.prefix and sys.base_prefix (a module's
+    __file__ is usually one of these): most modules are skipped without resolving links."""
+    spelled = set(folders)
+    for prefix in {sys.prefix, sys.base_prefix, sys.exec_prefix}:
+        real = os.path.realpath(prefix)
+        spelled |= {prefix + folder[len(real):] for folder in folders if folder.startswith(real + os.sep)}
+    return tuple(sorted(folder + os.sep for folder in spelled))
+
+
 def _distributions(library_dirs: tuple[str, ...]) -> tuple[str, ...]:
     """The installed distributions (their metadata folders name name and version) and .pth files."""
     found = []
@@ -296,6 +306,7 @@ def dependencies(*, with_main: bool = False) -> dict:
     (`__main__`) counts only `with_main` (the key described something defined there): editing
     a driver script that only calls autopar keeps its captures."""
     library, stdlib = _library_dirs(), _stdlib_dirs()
+    skipped = _not_hashed_prefixes(library + stdlib)
     files = {}
     for name, module in list(sys.modules.items()):
         if name == "__main__" and not with_main:
@@ -304,10 +315,10 @@ def dependencies(*, with_main: bool = False) -> dict:
             path = getattr(module, "__file__", None)
         except Exception:  # noqa: BLE001 - a lazy module that cannot say: its package's files still count
             continue
-        if not isinstance(path, str) or not path:
+        if not isinstance(path, str) or not path or path.startswith(skipped):
             continue
         path = os.path.realpath(path)
-        if path in files or path.startswith(tuple(folder + os.sep for folder in library + stdlib)):
+        if path in files or path.startswith(skipped):
             continue
         digest = _file_hash(path)
         if digest is not None:
