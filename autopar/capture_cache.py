@@ -98,7 +98,7 @@ def _key(head: tuple, loss_fn, inputs, kwargs, targets, precision, reuse_blocks,
     try:
         parts = [repr(head), describer(model), describer(loss_fn), example(tuple(inputs)), example(dict(kwargs)),
                  example(targets)]
-    except Uncacheable:
+    except (Uncacheable, RecursionError):  # RecursionError: state nested too deep to describe
         return None
     environment = sorted((name, value) for name, value in os.environ.items()
                          if name.startswith(("AUTOPAR_", "TORCH_", "PYTORCH_")) and name not in _OWN_ENV)
