@@ -85,8 +85,13 @@ def main() -> None:
     if args.cached_one:
         _cached_one(args.cached_one)
         return
-    os.environ[capture_cache.DIR_ENV] = tempfile.mkdtemp(prefix="planner-speed-cache-")
-    os.environ[capture_cache.SWITCH_ENV] = "1"
+    with tempfile.TemporaryDirectory(prefix="planner-speed-cache-") as folder:  # never the user's cache
+        os.environ[capture_cache.DIR_ENV] = folder
+        os.environ[capture_cache.SWITCH_ENV] = "1"
+        _tables(args)
+
+
+def _tables(args) -> None:
     print("| model | cluster | global batch | capture | nodes | capture (s) | search + plan (s) | total (s) "
           "| configs priced | intra-op solves | chosen | step (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
