@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar import capture_cache
 from autopar.block_reuse import capture_reusing_blocks
 from autopar.capture import capture, targets_like_output
 from autopar.cluster import Cluster
@@ -103,17 +104,56 @@ def check_model_arguments(model, example_inputs=None, loss_fn=None, example_targ
 
 
 def capture_for_planning(model, example_inputs=None, *, loss_fn=None, example_targets=None, example_kwargs=None,
-                         precision: str = "bf16", verbose: bool = False, reuse_blocks: bool = True) -> OpGraph:
+                         precision: str = "bf16", verbose: bool = False, reuse_blocks: bool = True,
+                         cache: bool | None = None) -> OpGraph:
     """Capture a weightless replica of the model in the compute precision.
 
     With `reuse_blocks` repeating blocks are traced for three periods and copied for the rest
-    (block_reuse.py): the same graph as tracing them all, in a fraction of the time."""
+    (block_reuse.py): the same graph as tracing them all, in a fraction of the time. With
+    `cache` (None: on unless AUTOPAR_CAPTURE_CACHE=0) a capture made before from the same
+    model, inputs and code is loaded from the capture cache (capture_cache.py)."""
     check_model_arguments(model, example_inputs, loss_fn, example_targets)
     _policy(precision)
     if isinstance(model, OpGraph):
         return model
-    spec = resolve_model(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
-                         example_kwargs=example_kwargs)
+    use_cache = capture_cache.enabled() if cache is None else bool(cache)
+    log = _progress(verbose) or (lambda message: None)
+    key, spec = None, None
+    if use_cache and isinstance(model, str) and example_inputs is None and not example_kwargs:
+        from autopar.models import resolve_spec
+
+        resolved = resolve_spec(model)
+        if resolved.family is not None:  # autopar's own model: keyed by its spec, nothing built
+            key = capture_cache.spec_key(resolved, loss_fn=loss_fn, example_targets=example_targets,
+                                         precision=precision, reuse_blocks=reuse_blocks)
+    if key is None:
+        spec = resolve_model(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
+                             example_kwargs=example_kwargs)
+        if use_cache:
+            key = capture_cache.module_key(spec.model, spec.example_inputs, spec.example_kwargs, name=spec.name,
+                                           loss_fn=spec.loss_fn,
+                                           example_targets=spec.example_targets, precision=precision,
+                                           reuse_blocks=reuse_blocks)
+            if key is None:
+                log("capture: not cached (the model holds state the capture cache cannot key for certain)")
+    if key is not None:
+        graph = capture_cache.lookup(key)
+        if graph is not None:
+            log(f"capture: loaded from the capture cache ({capture_cache.entry_path(key)}; "
+                f"AUTOPAR_CAPTURE_CACHE=0 or --no-capture-cache traces again)")
+            return graph
+    if spec is None:
+        spec = resolve_model(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
+                             example_kwargs=example_kwargs)
+    graph = _capture_replica(model, spec, precision, verbose, reuse_blocks)
+    if key is not None:
+        stored = capture_cache.store(key, graph)
+        log(f"capture: saved to the capture cache ({stored})" if stored else
+            f"capture: the capture cache folder {capture_cache.cache_dir()} cannot be written; not cached")
+    return graph
+
+
+def _capture_replica(model, spec: ModelInput, precision: str, verbose: bool, reuse_blocks: bool) -> OpGraph:
     dtype = torch.bfloat16 if precision == "bf16" else None
     if _built_here(model, spec.model):
         # A built-in family's model was just built on meta and nobody else holds it: converting

@@ -160,12 +160,25 @@ def expand_blocks(reduced: OpGraph, entries: list[_Entry], model: nn.Module,
             continue
         name, inputs = final[node.name], tuple(final[source] for source in node.inputs)
         if name != node.name or inputs != node.inputs:
-            node = replace(node, name=name, inputs=inputs)
+            node = _replaced(node, name=name, inputs=inputs)
         nodes.append(node)
         if node.kind in ("param", "buffer"):
-            params.append(replace(infos[entry.name], node=name))
+            params.append(_replaced(infos[entry.name], node=name))
     blocks, segments = find_blocks_and_segments(model, nodes)
     return replace(reduced, nodes=tuple(nodes), params=tuple(params), blocks=blocks, segments=segments)
+
+
+def _replaced(instance, **changes):
+    """`dataclasses.replace` for the plain dataclasses copied here (OpNode, ParamInfo, _Entry: no
+    __post_init__, InitVar or cached property): the instance's fields with `changes`, without
+    running __init__ field by field, which was half of expand_blocks' time (15,000 copies for
+    GPT-3 175B). The copy equals what replace() makes."""
+    if not changes.keys() <= instance.__dict__.keys():
+        raise TypeError(f"{type(instance).__name__} has no field {sorted(changes.keys() - instance.__dict__.keys())}")
+    copied = object.__new__(type(instance))
+    copied.__dict__.update(instance.__dict__)
+    copied.__dict__.update(changes)
+    return copied
 
 
 def _split_counter(name: str) -> tuple[str, int]:
@@ -349,10 +362,10 @@ def _expand_one(entries: list[_Entry], blocks: RepeatedBlocks, infos: dict[str, 
             target = path + entry.node.target[len(template_path):]
             if kind == "constant":
                 target = f"{_split_counter(target)[0]}_{_split_counter(target)[1] + shift * constant_step}"
-            node = replace(entry.node, name=name, target=target)
+            node = _replaced(entry.node, name=name, target=target)
             if kind != "constant":
-                infos[name] = replace(infos[entry.name], name=node.target, node=name)
-            copies_params[kind].append(replace(entry, name=name, node=node))
+                infos[name] = _replaced(infos[entry.name], name=node.target, node=name)
+            copies_params[kind].append(_replaced(entry, name=name, node=node))
         for entry in by_child_params.get(template - 1, ()):
             mapping[entry.name] = _moved(entry.name, entry.node.kind, source_path, previous_path, shift * constant_step)
         for source, previous in zip(child_calls[template - 1], child_calls[index - 1]):
@@ -363,10 +376,11 @@ def _expand_one(entries: list[_Entry], blocks: RepeatedBlocks, infos: dict[str, 
             entry = entries[position]
             node = entry.node
             if node is not None:
-                node = replace(node, name=mapping[entry.name], inputs=tuple(mapping.get(s, s) for s in node.inputs),
-                               module_path=_shifted_path(node.module_path, template_path, path))
-            copies_body.append(replace(entry, name=mapping[entry.name], counter=entry.counter + shift * steps.get(entry.base, 0),
-                                       node=node, module_path=_shifted_path(entry.module_path, template_path, path)))
+                node = _replaced(node, name=mapping[entry.name], inputs=tuple(mapping.get(s, s) for s in node.inputs),
+                                 module_path=_shifted_path(node.module_path, template_path, path))
+            counter = entry.counter + shift * steps.get(entry.base, 0)
+            copies_body.append(_replaced(entry, name=mapping[entry.name], counter=counter, node=node,
+                                         module_path=_shifted_path(entry.module_path, template_path, path)))
         child_calls[index] = [mapping[name] for name in child_calls[template]]
         last_map = {entries[position].name: mapping[entries[position].name] for position in spans[template]}
     num_periods = (blocks.num_children - captured) // period
@@ -392,8 +406,9 @@ def _check_recurrence(calls: dict[int, list[OpNode]], param_owner: dict[str, int
     for node, shifted_to in zip(calls[template], calls[previous]):
         if any(source in known and source not in back for source in node.inputs):
             raise _CannotExpand(f"{node.name} of {paths[template]} reads a block two or more before it")
-        shifted = replace(node, name=shifted_to.name, inputs=tuple(back.get(source, source) for source in node.inputs),
-                          module_path=_shifted_path(node.module_path, paths[template], paths[previous]))
+        shifted = _replaced(node, name=shifted_to.name,
+                            inputs=tuple(back.get(source, source) for source in node.inputs),
+                            module_path=_shifted_path(node.module_path, paths[template], paths[previous]))
         if shifted != shifted_to:
             raise _CannotExpand(f"{paths[template]} is not {paths[previous]} shifted by one period (at {node.name})")
 
@@ -416,9 +431,9 @@ def _spliced(entries, owners, last, block_params, copies_params, copies_body, la
         if owners[position] is None and entry.node is not None and not entry.placeholder and last_map:
             inputs = tuple(last_map.get(source, source) for source in entry.node.inputs)
             if inputs != entry.node.inputs:
-                entry = replace(entry, node=replace(entry.node, inputs=inputs))
+                entry = _replaced(entry, node=_replaced(entry.node, inputs=inputs))
         if position > last_body and not entry.placeholder and shifts.get(entry.base):
-            entry = replace(entry, counter=entry.counter + shifts[entry.base])
+            entry = _replaced(entry, counter=entry.counter + shifts[entry.base])
         spliced.append(entry)
         for kind, last_position in last_of_kind.items():
             if position == last_position:

@@ -9,7 +9,7 @@
     autopar explain PLAN.json
     autopar diff A.json B.json
     autopar compare MODEL --global-batch B --clusters SPEC1 SPEC2 ... [--price-per-gpu-hour P1 P2 ...]
-    autopar graph MODEL
+    autopar graph MODEL            (plan, evaluate, graph: --no-capture-cache traces again)
     autopar models
 
 Errors in the input (model, cluster, constraints, plan or profile files, infeasible models)
@@ -19,6 +19,8 @@ print one paragraph and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 
 from autopar import api
@@ -37,13 +39,31 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as stop:  # argparse has printed its usage error (exit 2) or the help (exit 0)
         return stop.code if isinstance(stop.code, int) else EXIT_INPUT_ERROR
     try:
-        return args.handler(args)
+        with _capture_cache_switch(getattr(args, "no_capture_cache", False)):
+            return args.handler(args)
     except AutoparError as error:
         print(f"autopar: error: {error}", file=sys.stderr)
         return EXIT_INPUT_ERROR
     except KeyboardInterrupt:
         print("autopar: interrupted", file=sys.stderr)
         return 130
+
+
+@contextlib.contextmanager
+def _capture_cache_switch(off: bool):
+    """--no-capture-cache: the capture cache's switch-off for this command (restored after it)."""
+    from autopar import capture_cache
+
+    previous = os.environ.get(capture_cache.SWITCH_ENV)
+    if off:
+        os.environ[capture_cache.SWITCH_ENV] = "0"
+    try:
+        yield
+    finally:
+        if off and previous is None:
+            os.environ.pop(capture_cache.SWITCH_ENV, None)
+        elif off:
+            os.environ[capture_cache.SWITCH_ENV] = previous
 
 
 def count(maximum: int = MAX_DEVICES):
@@ -72,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     report_commands.add_parsers(commands)
     graph = commands.add_parser("graph", help="capture a model and summarise its op graph")
     graph.add_argument("model", metavar="MODEL")
+    _cache_flag(graph)
     graph.set_defaults(handler=_graph)
     models = commands.add_parser("models", help="list the built-in models and named sizes")
     models.set_defaults(handler=_models)
@@ -89,6 +110,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument("--out", metavar="FILE", help="also save the plan as JSON")
     parser.add_argument("--verbose", "-v", action="store_true", help="progress on stderr")
+    _cache_flag(parser)
+
+
+def _cache_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-capture-cache", action="store_true",
+                        help="trace the model even if the capture cache holds it (as AUTOPAR_CAPTURE_CACHE=0)")
 
 
 def _plan_parser(commands) -> None:

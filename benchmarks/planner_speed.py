@@ -3,18 +3,26 @@
     .venv/bin/python benchmarks/planner_speed.py                 # both plans, then the ILP table
     .venv/bin/python benchmarks/planner_speed.py --full-capture  # also time capturing every layer
 
-Prints one row per end-to-end plan (what `autopar plan MODEL --cluster C --global-batch B`
+Prints rows per end-to-end plan (what `autopar plan MODEL --cluster C --global-batch B`
 does: capture, search, building the plan), then one table for the ILP (the 96 identical layers
-are condensed to two and solved once) on several meshes. `--full-capture` adds rows that trace
-every layer instead of three (block_reuse.py), interleaved with the others.
+are condensed to two and solved once) on several meshes. Each plan runs twice: cold (traced in
+this process, which also pays torch.export's import on the first one; the capture is stored in a
+temporary capture cache) and cached (a fresh process, as `autopar plan` run again, that loads
+the capture from that cache). `--full-capture` adds rows that trace every layer instead of three
+(block_reuse.py), interleaved with the others. The user's own capture cache is not touched.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
-from autopar import api
+from autopar import api, capture_cache
 from autopar.condense import condense
 from autopar.mesh import Mesh
 from autopar.solver.search import Constraints
@@ -28,10 +36,11 @@ PLANS = (
 )
 
 
-def timed_plan(spec: str, cluster: str, global_batch: int, *, reuse_blocks: bool = True) -> dict:
+def timed_plan(spec: str, cluster: str, global_batch: int, *, reuse_blocks: bool = True,
+               cache: bool = False) -> dict:
     """One `autopar plan`: capture, then search and building the plan (seconds of each)."""
     started = time.perf_counter()
-    graph = api.capture_for_planning(spec, reuse_blocks=reuse_blocks)
+    graph = api.capture_for_planning(spec, reuse_blocks=reuse_blocks, cache=cache)
     planner = api.planner_for(graph, None, cluster, global_batch=global_batch)
     captured = time.perf_counter()
     plan = api.plan_with(planner)
@@ -40,28 +49,64 @@ def timed_plan(spec: str, cluster: str, global_batch: int, *, reuse_blocks: bool
                 search_s=done - captured, total_s=done - started)
 
 
+def cached_plan(spec: str, cluster: str, global_batch: int) -> dict:
+    """The same plan in a fresh process that finds the capture in the (temporary) cache."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, __file__, "--cached-one", json.dumps([spec, cluster, global_batch])],
+                          capture_output=True, text=True, check=True)
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]), wall_s=time.perf_counter() - started)
+
+
+def _cached_one(request: str) -> None:
+    spec, cluster, global_batch = json.loads(request)
+    run = timed_plan(spec, cluster, global_batch, cache=True)
+    print(json.dumps(dict(capture_s=run["capture_s"],
+                          search_s=run["search_s"], total_s=run["total_s"], num_nodes=run["num_nodes"],
+                          step_time_s=run["plan"].predicted.step_time_s)))
+
+
+def row(spec: str, cluster: str, batch: int, how: str, run: dict) -> str:
+    plan, search = run["plan"], run["plan"].search
+    label = spec if len(spec) < 20 else spec.split(",")[0] + ",..."
+    cp = f" cp={plan.mesh['cp']}" if plan.mesh.get("cp", 1) > 1 else ""
+    chosen = (f"pp={plan.mesh['pp']} dp={plan.mesh['dp']}{cp} tp={plan.mesh['tp']} "
+              f"mb={plan.microbatch_size} {plan.schedule}(v={plan.virtual_stages}) {plan.recompute} "
+              f"zero={plan.zero_stage}")
+    return (f"| {label} | {cluster} | {batch} | {how} | {run['num_nodes']:,} | {run['capture_s']:.1f} | "
+            f"{run['search_s']:.1f} | {run['total_s']:.1f} | {search['configs_priced']:,} | "
+            f"{search['sharding_solves']} | {chosen} | {plan.predicted.step_time_s:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full-capture", action="store_true", help="also time capture of every layer")
+    parser.add_argument("--cached-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cached_one:
+        _cached_one(args.cached_one)
+        return
+    with tempfile.TemporaryDirectory(prefix="planner-speed-cache-") as folder:  # never the user's cache
+        os.environ[capture_cache.DIR_ENV] = folder
+        os.environ[capture_cache.SWITCH_ENV] = "1"
+        _tables(args)
+
+
+def _tables(args) -> None:
     print("| model | cluster | global batch | capture | nodes | capture (s) | search + plan (s) | total (s) "
           "| configs priced | intra-op solves | chosen | step (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     runs = {}
     for spec, cluster, batch in PLANS:
         for reuse in (True, False) if args.full_capture else (True,):
-            run = timed_plan(spec, cluster, batch, reuse_blocks=reuse)
+            run = timed_plan(spec, cluster, batch, reuse_blocks=reuse, cache=reuse)
             runs.setdefault(spec, run)
-            plan, search = run["plan"], run["plan"].search
-            label = spec if len(spec) < 20 else spec.split(",")[0] + ",..."
-            cp = f" cp={plan.mesh['cp']}" if plan.mesh.get("cp", 1) > 1 else ""
-            chosen = (f"pp={plan.mesh['pp']} dp={plan.mesh['dp']}{cp} tp={plan.mesh['tp']} "
-                      f"mb={plan.microbatch_size} {plan.schedule}(v={plan.virtual_stages}) {plan.recompute} "
-                      f"zero={plan.zero_stage}")
-            print(f"| {label} | {cluster} | {batch} | {'3 blocks traced' if reuse else 'every layer'} | "
-                  f"{run['num_nodes']:,} | {run['capture_s']:.1f} | {run['search_s']:.1f} | {run['total_s']:.1f} | "
-                  f"{search['configs_priced']:,} | {search['sharding_solves']} | {chosen} | "
-                  f"{plan.predicted.step_time_s:.2f} |", flush=True)
+            print(row(spec, cluster, batch, "cold, 3 blocks traced" if reuse else "cold, every layer", run), flush=True)
+        cached = cached_plan(spec, cluster, batch)
+        label = spec if len(spec) < 20 else spec.split(",")[0] + ",..."
+        print(f"| {label} | {cluster} | {batch} | cached (fresh process: {cached['wall_s']:.1f} s wall with Python and imports) | "
+              f"{cached['num_nodes']:,} | {cached['capture_s']:.1f} | {cached['search_s']:.1f} | "
+              f"{cached['total_s']:.1f} | | | same plan: {abs(cached['step_time_s'] - runs[spec]['plan'].predicted.step_time_s) < 1e-9} "
+              f"| {cached['step_time_s']:.2f} |", flush=True)
     planner = runs[PLANS[0][0]]["planner"]
     condensed = condense(planner.graph).with_batch(1)
     print(f"\ngpt3-175b: {len(planner.graph.nodes):,} nodes; condensed to {len(condensed.nodes):,} nodes "

@@ -18,6 +18,23 @@ def reference_rows(name: str) -> list[dict[str, str]]:
     return list(csv.DictReader(lines))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def capture_cache_in_tmp(tmp_path_factory):
+    """No test writes the user's capture cache: the folder is a temporary one, and the cache is
+    off (a test that patches capture must see it run); tests of the cache turn it on."""
+    import os
+
+    saved = {name: os.environ.get(name) for name in ("AUTOPAR_CACHE_DIR", "AUTOPAR_CAPTURE_CACHE")}
+    os.environ["AUTOPAR_CACHE_DIR"] = str(tmp_path_factory.mktemp("autopar-cache"))
+    os.environ["AUTOPAR_CAPTURE_CACHE"] = "0"
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny models gain nothing from threads; on a busy CPU, OpenMP spin-waits double the time."""
