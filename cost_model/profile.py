@@ -112,7 +112,7 @@ class HardwareProfile:
 def load_profile(path: str | Path) -> HardwareProfile:
     """Read and validate a profile; raises CostModelInputError naming the file and field."""
     path = Path(path)
-    shown = _shorten(str(path))
+    shown = _shorten_path(str(path))
     redo = "re-create it with `autopar profile --out FILE`"
     try:
         if path.is_dir():
@@ -137,6 +137,11 @@ def load_profile(path: str | Path) -> HardwareProfile:
 def _shorten(text: str) -> str:
     """'text' quoted, cut to SHOWN_CHARS with its length said (no 10 MB value in a message)."""
     return repr(text) if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]!r}... ({len(text):,} characters)"
+
+
+def _shorten_path(text: str) -> str:
+    """A path quoted, its start cut when long: the file's name is what the reader needs."""
+    return repr(text) if len(text) <= SHOWN_CHARS else f"...{text[-SHOWN_CHARS:]!r} ({len(text):,} characters)"
 
 
 def _shown(value: Any) -> str:
