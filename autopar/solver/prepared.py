@@ -68,6 +68,8 @@ class PreparedSegments:
     _signatures: list[int] | None = field(default=None, repr=False)
     _slowest_chunk_s: dict[int, float] = field(default_factory=dict, repr=False)
     stage_cache: dict[tuple, dict] = field(default_factory=dict, repr=False)
+    lightest_cache: dict[tuple, str | None] = field(default_factory=dict, repr=False)
+    """StepModel._lightest's choice of mode (None: the stage's own) by what it depends on."""
     workspace_cache: dict[tuple, dict[str, float]] = field(default_factory=dict, repr=False)
     """StepModel._workspace_terms by (segments' signature, what of the configuration they read)."""
     """StepModel._stage's parts that do not depend on where the stage sits (see step_model.py)."""

@@ -336,9 +336,15 @@ class StepModel:
             bound_s = pipeline_bound_s(config, times)
             if bound_s > cutoff_s:
                 return Staged(stages=[], fits=fits, bound_s=bound_s)
-        stages = [self._stage_at(prepared, spans, config, stage) for stage in range(config.pp)]
-        if fits and lighter:
-            stages = [self._lightest(stage, prepared, spans, config, lighter) for stage in stages]
+        modes = [self._lightest(prepared, spans, config, stage, lighter) if fits and lighter else prepared
+                 for stage in range(config.pp)]
+        if cutoff_s < float("inf"):
+            # The stages' own times under the modes they take: the bound of the built stages.
+            bound_s = pipeline_bound_s(config, [self._stage_times(segments, spans, config, stage)
+                                                for stage, segments in enumerate(modes)])
+            if bound_s > cutoff_s:
+                return Staged(stages=[], fits=fits, bound_s=bound_s)
+        stages = [self._stage_at(segments, spans, config, stage) for stage, segments in enumerate(modes)]
         return Staged(stages=stages, fits=fits, bound_s=pipeline_bound_s(config, stages))
 
     def _spans(self, prepared: PreparedSegments, chain: ChainCosts, chain_key: tuple, config: ParallelConfig):
@@ -375,26 +381,36 @@ class StepModel:
         lean = prepared.lean_partitions[lean_key]
         return (lean, True) if lean is not None else (spans, False)
 
-    def _lightest(self, stage: StageEstimate, prepared: PreparedSegments, spans, config: ParallelConfig,
-                  lighter: dict[str, PreparedSegments]) -> StageEstimate:
-        """The stage under the cheapest lighter mode whose memory fits (its own mode otherwise);
-        a mode's memory is checked before the stage is priced under it."""
-        stage_indices = _own_stages(config, stage.index)
-        own = [spans[s] for s in stage_indices]
+    def _lightest(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int,
+                  lighter: dict[str, PreparedSegments]) -> PreparedSegments:
+        """The segments of the cheapest lighter mode whose memory fits this stage (its own mode's
+        otherwise); a mode's varying memory is checked before its whole stage's. Identical stages
+        (the same segments in every mode, microbatches in flight and sends) decide once."""
+        stage_indices, own, p2p = self._placed(prepared, spans, config, stage)
         flights = _chunks_in_flight(config)
         in_flight = [flights[s] for s in stage_indices]
-        unchanged = stage.total_memory_bytes - self._mode_bytes(prepared, own, config, in_flight)
+        key = (prepared.signature(own), tuple(segments.signature(own) for segments in lighter.values()),
+               tuple(in_flight), p2p, config.dp, config.cp, config.tp, config.pp, config.zero_stage, config.ep,
+               config.offload, config.num_microbatches if config.offload else 0, config.recompute)
+        if key not in prepared.lightest_cache:
+            prepared.lightest_cache[key] = self._lightest_uncached(prepared, spans, config, stage, lighter, own, p2p,
+                                                                   in_flight)
+        mode = prepared.lightest_cache[key]
+        return prepared if mode is None else lighter[mode]
+
+    def _lightest_uncached(self, prepared, spans, config, stage, lighter, own, p2p, in_flight) -> str | None:
+        budget = self.memory_budget_bytes
+        unchanged = self._stage_memory_bytes(prepared, own, config, p2p, in_flight) \
+            - self._mode_bytes(prepared, own, config, in_flight)
         for mode in RECOMPUTE_MODES:
             if mode == config.recompute:
-                return stage
-            if mode not in lighter:
+                break
+            if mode not in lighter or unchanged + self._mode_bytes(lighter[mode], own, config, in_flight) > budget * (1 + 1e-9):
                 continue
-            if unchanged + self._mode_bytes(lighter[mode], own, config, in_flight) > self.memory_budget_bytes * (1 + 1e-9):
-                continue
-            candidate = self._stage_at(lighter[mode], spans, config, stage.index)
-            if candidate.total_memory_bytes <= self.memory_budget_bytes:
-                return candidate
-        return stage
+            _, lighter_own, lighter_p2p = self._placed(lighter[mode], spans, config, stage)
+            if self._stage_memory_bytes(lighter[mode], lighter_own, config, lighter_p2p, in_flight) <= budget:
+                return mode
+        return None
 
     def _mode_bytes(self, prepared: PreparedSegments, own, config: ParallelConfig, in_flight: list[float]) -> float:
         """The part of a stage's memory that depends on its recomputation mode (see _stage)."""
@@ -493,14 +509,23 @@ class StepModel:
             optimizer += experts.optimizer_bytes
         return params, grads, optimizer
 
-    def _stage(self, stage, own, prepared: PreparedSegments, config, p2p, in_flight: list[float]) -> StageEstimate:
-        # Identical stages (a deep model's middle ones) share everything but their activations,
-        # which depend on the microbatches in flight, and their names.
+    def _stage_memory_bytes(self, prepared: PreparedSegments, own, config, p2p, in_flight: list[float]) -> float:
+        """_stage(...).total_memory_bytes, without building the stage."""
+        return sum(self._stage_memory(prepared, own, config, p2p, in_flight).values())
+
+    def _stage_memory(self, prepared: PreparedSegments, own, config, p2p, in_flight: list[float]) -> dict[str, float]:
         parts = self._stage_parts_cached(own, prepared, config, p2p)
         activations = sum(count * prepared.total("activation_bytes", (span,)) for count, span in zip(in_flight, own))
         memory = dict(parts["memory_bytes"])
         memory["activations"] = activations
         memory["fragmentation"] += self.allocator.fragmentation_bytes(activations)
+        return memory
+
+    def _stage(self, stage, own, prepared: PreparedSegments, config, p2p, in_flight: list[float]) -> StageEstimate:
+        # Identical stages (a deep model's middle ones) share everything but their activations,
+        # which depend on the microbatches in flight, and their names.
+        parts = self._stage_parts_cached(own, prepared, config, p2p)
+        memory = self._stage_memory(prepared, own, config, p2p, in_flight)
         chunks = tuple(tuple(prepared.names[span.start:span.stop]) for span in own)
         # The other dicts are shared between identical stages: nothing changes a priced stage.
         return StageEstimate(index=stage, span=StageSpan(own[0].start, own[-1].stop),
