@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.bias import causal_lower_right
 
-from autopar.codegen.data_parallel import all_reduce_gradients, sum_over_group, uses_fsdp
+from autopar.codegen.data_parallel import sum_over_group
 from autopar.codegen.parallel_module import ParallelModule, _replicated_local
 from autopar.errors import ConfigError
 from autopar.strategies.attention import attention_nodes, kv_repeats

@@ -68,11 +68,11 @@ class PreparedSegments:
     _signatures: list[int] | None = field(default=None, repr=False)
     _slowest_chunk_s: dict[int, float] = field(default_factory=dict, repr=False)
     stage_cache: dict[tuple, dict] = field(default_factory=dict, repr=False)
+    """StepModel._stage's parts that do not depend on where the stage sits (see step_model.py)."""
     lightest_cache: dict[tuple, str | None] = field(default_factory=dict, repr=False)
     """StepModel._lightest's choice of mode (None: the stage's own) by what it depends on."""
     workspace_cache: dict[tuple, dict[str, float]] = field(default_factory=dict, repr=False)
     """StepModel._workspace_terms by (segments' signature, what of the configuration they read)."""
-    """StepModel._stage's parts that do not depend on where the stage sits (see step_model.py)."""
 
     @classmethod
     def build(cls, segments: list[SegmentCost], recompute: str) -> "PreparedSegments":
@@ -131,17 +131,12 @@ class PreparedSegments:
 
     def _indexed(self, index: np.ndarray, names: list[str]) -> "PreparedSegments":
         """These rows repeated as `index` says, named `names` (every per-segment array)."""
-        take = lambda values: None if values is None else values[index]  # noqa: E731
+        arrays = {f.name: value[index] for f in fields(self) if isinstance(value := getattr(self, f.name), np.ndarray)}
         return PreparedSegments(
-            names=names, recompute=self.recompute, forward_s=take(self.forward_s), backward_s=take(self.backward_s),
-            recompute_s=take(self.recompute_s), comm_by_op_s={op: take(v) for op, v in self.comm_by_op_s.items()},
-            forward_comm_s=take(self.forward_comm_s), weight_grad_s=take(self.weight_grad_s), time_s=take(self.time_s),
-            activation_bytes=take(self.activation_bytes), param_numel=take(self.param_numel),
-            buffer_bytes=take(self.buffer_bytes), output_bytes=take(self.output_bytes),
-            max_saved_bytes=self.max_saved_bytes, max_recomputed_bytes=self.max_recomputed_bytes,
-            grad_workspace_bytes=take(self.grad_workspace_bytes), expert_numel=take(self.expert_numel),
-            ep_messages=tuple(self.ep_messages[i] for i in index.tolist()) if self.ep_messages else (),
-            ep_dropless_compute_s=take(self.ep_dropless_compute_s))
+            names=names, recompute=self.recompute, max_saved_bytes=self.max_saved_bytes,
+            max_recomputed_bytes=self.max_recomputed_bytes,
+            comm_by_op_s={op: values[index] for op, values in self.comm_by_op_s.items()},
+            ep_messages=tuple(self.ep_messages[i] for i in index.tolist()) if self.ep_messages else (), **arrays)
 
     def total(self, name: str, own: Sequence[StageSpan]) -> float:
         """Sum of array `name` (an attribute, or "comm:<op>" of comm_by_op_s) over the spans."""

@@ -17,7 +17,8 @@ What is not priced, and why that loses nothing (the best `keep` are exact under 
 - a configuration whose lower bound exceeds the `keep`-th best found so far: first from its
   segments alone (an even share of the work and the slowest chunk of the most balanced cut, in
   the schedule's formula), then from its stages' times under the lightest mode they may take,
-  then from its priced stages (pipeline_bound_s: the ZB-V bubble is laid out last);
+  then from their times under the modes they do take (pipeline_bound_s, before any stage is
+  built: the ZB-V bubble is laid out last);
 - once a configuration fits, configurations no stage partition fits (only the leanest of them
   matters, for the message when none fits).
 

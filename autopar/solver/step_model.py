@@ -511,10 +511,11 @@ class StepModel:
 
     def _stage_memory_bytes(self, prepared: PreparedSegments, own, config, p2p, in_flight: list[float]) -> float:
         """_stage(...).total_memory_bytes, without building the stage."""
-        return sum(self._stage_memory(prepared, own, config, p2p, in_flight).values())
-
-    def _stage_memory(self, prepared: PreparedSegments, own, config, p2p, in_flight: list[float]) -> dict[str, float]:
         parts = self._stage_parts_cached(own, prepared, config, p2p)
+        return sum(self._stage_memory(parts, prepared, own, in_flight).values())
+
+    def _stage_memory(self, parts: dict, prepared: PreparedSegments, own, in_flight: list[float]) -> dict[str, float]:
+        """A stage's memory by term: its parts' (_stage_parts) with its activations added."""
         activations = sum(count * prepared.total("activation_bytes", (span,)) for count, span in zip(in_flight, own))
         memory = dict(parts["memory_bytes"])
         memory["activations"] = activations
@@ -525,7 +526,7 @@ class StepModel:
         # Identical stages (a deep model's middle ones) share everything but their activations,
         # which depend on the microbatches in flight, and their names.
         parts = self._stage_parts_cached(own, prepared, config, p2p)
-        memory = self._stage_memory(prepared, own, config, p2p, in_flight)
+        memory = self._stage_memory(parts, prepared, own, in_flight)
         chunks = tuple(tuple(prepared.names[span.start:span.stop]) for span in own)
         # The other dicts are shared between identical stages: nothing changes a priced stage.
         return StageEstimate(index=stage, span=StageSpan(own[0].start, own[-1].stop),
