@@ -51,13 +51,15 @@ class StagePlan:
 class Prediction:
     step_time_s: float
     breakdown_s: dict[str, float]
-    """compute, recompute, tp.<collective>, pp.send_recv, bubble, optimizer, and the exposed
+    """compute, recompute, tp.<collective>, pp.send_recv, bubble, optimizer, weight_cast (the step's
+    bf16 copies of fp32 weights, without FSDP), and the exposed
     data-parallel synchronisation: dp.gradient_sync (ZeRO 0) or dp.all_gather, dp.reduce_scatter
     (every microbatch) and dp.all_gather.once, dp.reduce_scatter.once (once per step); with
     optimizer offload offload.h2d, offload.d2h, offload.grad_accumulate and offload.cpu_adam."""
     peak_memory_bytes: float
     memory_bytes: dict[str, float]
-    """parameters, gradients, optimizer, activations, buffers, recompute_workspace, gradient_workspace, fsdp_unsharded,
+    """parameters, gradients, optimizer, weight_copies (the step's bf16 copies of fp32 weights, without
+    FSDP), activations, buffers, recompute_workspace, gradient_workspace, fsdp_unsharded,
     fragmentation, cuda_context (of the peak stage)."""
     memory_budget_bytes: float
     model_flops_per_step: float

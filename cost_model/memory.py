@@ -51,13 +51,17 @@ class PrecisionPolicy:
     under a mixed-precision policy); None: param_bytes."""
     reduce_bytes: float | None = None
     """Bytes per gradient element reduced over data parallel (the reduce dtype); None: grad_bytes."""
-    casts_per_use: bool = False
-    """The runtime keeps fp32 parameters and casts them to the compute dtype each time a segment
-    runs (autopar's codegen): every microbatch reads the fp32 weights and writes bf16 copies, its
-    backward casts their gradients back, and the copies the matmuls save stay alive until that
-    microbatch's backward (unless the segment is recomputed whole or by op). False: the runtime
-    holds compute-dtype parameters and uses them as they are (Megatron-LM; FSDP2 with a
-    MixedPrecisionPolicy casts once in its all-gather)."""
+    casts_once_per_step: bool = False
+    """The runtime keeps fp32 parameters and uses bf16 copies made once per step (autopar's
+    codegen): without FSDP each fp32 weight is cast when the step starts and the copy serves every
+    microbatch (held for the whole step, `param_bytes` per element); each microbatch's backward
+    casts the copies' gradients back to fp32 into the fp32 gradients. With FSDP2 the cast is its
+    MixedPrecisionPolicy (param_dtype bf16): the shard is cast before each all-gather and the
+    gradient goes to the reduce dtype in the reduce-scatter's copy-in. False: the weights are
+    already in the compute dtype (Megatron-LM: its fp32 master copy lives in the optimizer)."""
+    master_bytes: float = 4.0
+    """Bytes per element of the weights the optimizer updates (fp32): what a once-per-step cast
+    reads, and what FSDP2's CPU offload copies to the device before each all-gather."""
 
     @property
     def model_state_bytes(self) -> float:
@@ -72,12 +76,12 @@ class PrecisionPolicy:
         return self.grad_bytes if self.reduce_bytes is None else self.reduce_bytes
 
 
-# autopar's codegen keeps fp32 parameters and casts them to bf16 where they are used, so FSDP2
-# gathers fp32 and gradients (fp32, autograd's upcast) are reduced in fp32.
-BF16_ADAM = PrecisionPolicy(gather_bytes=4.0, reduce_bytes=4.0, casts_per_use=True)
+# autopar's codegen keeps fp32 parameters and makes bf16 copies once per step; FSDP2 gathers bf16
+# (MixedPrecisionPolicy) and gradients are reduced in fp32.
+BF16_ADAM = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0, casts_once_per_step=True)
 MEGATRON_BF16 = PrecisionPolicy(gather_bytes=4.0, reduce_bytes=4.0)
 """Megatron-LM's mixed precision (for pricing runs made that way): bf16/fp16 parameters used
-directly by every microbatch, the fp32 master copy inside the optimizer; no cast per use."""
+directly by every microbatch, the fp32 master copy inside the optimizer; no cast."""
 FP32_ADAM = PrecisionPolicy(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0, activation_dtype="float32")
 FSDP2_BF16_FP32_REDUCE = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0)
 """torchtitan's FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathers,

@@ -15,7 +15,7 @@ from torch import nn
 
 from autopar.codegen.align import align_names
 from autopar.codegen.interpreter import PlannedInterpreter, RunStats
-from autopar.codegen.program import (GraphParts, SegmentModule, StageProgram, distribute_parameter,
+from autopar.codegen.program import (GraphParts, SegmentModule, StageProgram, WeightCasts, distribute_parameter,
                                      recomputable_nodes)
 from autopar.errors import ConfigError, PlanMismatchError
 from autopar.solver.recompute import op_saved_nodes
@@ -112,6 +112,8 @@ class ProgramBuilder:
         """FQNs of the parameters and buffers that were on meta (their storage is still unset)."""
         self.expert_mesh = None
         """The (tp, ep) mesh of expert weights under expert parallelism (else None)."""
+        self.weight_casts = WeightCasts()
+        """The bf16 weight copies of this rank's modules under bf16 precision (one per step)."""
 
     def use_expert_parallelism(self, runtime) -> None:
         """Run the plan's expert ops expert-parallel and place its expert weights on the (tp, ep)
@@ -146,6 +148,7 @@ class ProgramBuilder:
         if self.plan.precision == "bf16":  # bf16 compute, fp32 master weights and gradients
             for module in [stage, *segments]:
                 module.compute_dtype = torch.bfloat16
+                module.weight_casts = self.weight_casts
         return stage
 
     def _segment(self, name: str, spec: ChunkSpec, recompute: str) -> SegmentModule:

@@ -31,8 +31,14 @@ def uses_fsdp(zero_stage: int, dp: int, offload: bool = False) -> bool:
     return offload or (zero_stage >= 1 and dp > 1)
 
 
-def apply_fsdp(stages: list[StageProgram], dp_mesh, zero_stage: int, *, offload: bool = False) -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+def apply_fsdp(stages: list[StageProgram], dp_mesh, zero_stage: int, *, offload: bool = False,
+               param_dtype: torch.dtype | None = None) -> None:
+    """`param_dtype` (mixed precision): FSDP2 casts each fp32 shard to it before the all-gather,
+    so the gathered parameters the segments use are already in the compute dtype (one cast per
+    gather, on the shard), and reduce-scatters the gradients in fp32, as torchtitan's
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) does. Forward inputs are left as
+    they are: the stage programs cast what the plan computes in bf16 (program.py)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     reshard = zero_stage == 3
     policy = OffloadPolicy()
@@ -43,11 +49,14 @@ def apply_fsdp(stages: list[StageProgram], dp_mesh, zero_stage: int, *, offload:
             raise PlanMismatchError(f"the plan asks for optimizer offload with zero_stage={zero_stage}; offload runs "
                                     "with ZeRO-3 only: re-plan (autopar plan picks ZeRO-3 for offload)")
         policy = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
+    precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
+                                     cast_forward_inputs=False)
+    options = dict(mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy, mp_policy=precision)
     for stage in stages:
         for segment in stage.segments:
             if next(segment.parameters(recurse=False), None) is not None:
-                fully_shard(segment, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
-        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
+                fully_shard(segment, **options)
+        fully_shard(stage, **options)
 
 
 def set_gradient_sync(stages: list[StageProgram], enabled: bool) -> None:

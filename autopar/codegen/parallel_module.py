@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from autopar.codegen.data_parallel import (all_reduce_gradients, set_gradient_sync, set_reshard_after_backward,
                                           sum_over_group, uses_fsdp)
 from autopar.codegen.interpreter import RunStats, contiguous_grad
-from autopar.codegen.program import attribute_name
+from autopar.codegen.program import ParameterOwner, WeightCasts, attribute_name
 from autopar.codegen.runtime import Runtime
 from autopar.errors import PlanMismatchError
 from autopar.plans import Plan
@@ -34,7 +34,8 @@ class ParallelModule(nn.Module):
                  params: dict[str, nn.Parameter], listing: str, stats: RunStats, schedule=None,
                  tied_groups: dict | None = None, has_first: bool = True, has_last: bool = True,
                  input_shapes: tuple = (), keyword_names: tuple[str, ...] = (),
-                 model_output: Callable | None = None, expert_params: frozenset = frozenset()) -> None:
+                 model_output: Callable | None = None, expert_params: frozenset = frozenset(),
+                 weight_casts: WeightCasts | None = None) -> None:
         super().__init__()
         self.plan = plan
         self.runtime = runtime
@@ -56,6 +57,8 @@ class ParallelModule(nn.Module):
         self.expert_params = expert_params
         """FQNs of the weights split by expert over the ep group (their gradients are reduced over
         the dp ranks holding the same experts)."""
+        self.weight_casts = weight_casts or WeightCasts()
+        """bf16 plans: the weights' bf16 copies, made once per train_step/eval_step (program.py)."""
         self._step_starts_s: deque[float] = deque(maxlen=4096)
         self._step_durations_s: deque[float] = deque(maxlen=4096)
 
@@ -104,12 +107,21 @@ class ParallelModule(nn.Module):
         if self.loss_fn is None:
             raise PlanMismatchError("train_step needs a loss: pass loss_fn to autopar.parallelize")
         local_inputs, local_targets = self._local_batch(inputs, targets)
-        if self.schedule is not None:
-            loss = self._pipelined_step(local_inputs, local_targets)
-        else:
-            loss = self._accumulated_step(local_inputs, local_targets)
+        with self._weight_copies():
+            if self.schedule is not None:
+                loss = self._pipelined_step(local_inputs, local_targets)
+            else:
+                loss = self._accumulated_step(local_inputs, local_targets)
         self._sync_gradients()
         return self._mean_over_data_parallel(loss)
+
+    def _weight_copies(self):
+        """One bf16 copy of each fp32 weight for the whole step (WeightCasts), cast on entry;
+        under FSDP2 the gathered parameters are the copies (its MixedPrecisionPolicy)."""
+        if uses_fsdp(self.plan.zero_stage, self.plan.mesh["dp"] * self.plan.mesh.get("cp", 1), self.plan.offload):
+            return self.weight_casts.step()
+        owners = [module for module in self.stages.modules() if isinstance(module, ParameterOwner)]
+        return self.weight_casts.step([weight for owner in owners for weight in owner.cast_weights()])
 
     def _flat_inputs(self, positional: tuple, keywords) -> tuple:
         """Positional inputs, then the keyword inputs in the order the model was traced with."""
@@ -265,7 +277,7 @@ class ParallelModule(nn.Module):
         if self.loss_fn is None:
             raise PlanMismatchError("eval_step needs a loss: pass loss_fn to autopar.parallelize")
         local_inputs, local_targets = self._local_batch(inputs, targets)
-        with torch.no_grad():
+        with torch.no_grad(), self._weight_copies():
             if self.schedule is None:
                 m = self.plan.num_microbatches
                 split_inputs, split_targets = [_split(x, m) for x in local_inputs], _split(local_targets, m)

@@ -178,7 +178,8 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
     mine = [spec for spec in specs if rank_of(plan.schedule, stage=spec.index, num_ranks=pp) == pp_rank]
     stages = [builder.build(spec, num_chunks=len(specs)) for spec in mine]
     if uses_fsdp(plan.zero_stage, plan.mesh["dp"] * cp, plan.offload):
-        apply_fsdp(stages, runtime.reduce_mesh, plan.zero_stage, offload=plan.offload)
+        apply_fsdp(stages, runtime.reduce_mesh, plan.zero_stage, offload=plan.offload,
+                   param_dtype=torch.bfloat16 if plan.precision == "bf16" else None)
     schedule, tied = None, {}
     if len(specs) > 1:
         pipeline = PipelineBuilder(plan, parts, builder.placements, runtime.device, runtime.pp_group)
@@ -196,6 +197,7 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
                           expert_params=frozenset(plan.ep_params),
                           input_shapes=input_shapes, keyword_names=tuple(keywords), model_output=parts.model_output,
                           listing=listing, stats=stats, schedule=schedule, tied_groups=tied,
+                          weight_casts=builder.weight_casts,
                           has_first=mine[0].index == 0, has_last=mine[-1].index == len(specs) - 1)
     module.persistent_buffers = {fqn: tensor for fqn, tensor in builder.buffers.items()
                                  if fqn in _persistent_buffer_names(model)}

@@ -46,7 +46,7 @@ class PipelineBuilder:
         self.pp_group = pp_group
         self.tp = plan.mesh["tp"]
 
-    def _examples(self, names: list[str], *, replicated: bool = False) -> tuple[torch.Tensor, ...]:
+    def _examples(self, names: list[str], *, replicated: bool = False, boundary: bool = True) -> tuple[torch.Tensor, ...]:
         examples = []
         for name in names:
             node = self.graph.by_name.get(name)
@@ -54,15 +54,20 @@ class PipelineBuilder:
                 examples.append(torch.tensor(0, device=self.device))
                 continue
             placement = "R" if replicated else self.placements.get(name, "R").split("|")[0]
-            example = example_tensor(node.output, placement, self.tp, self.device)
+            # Under bf16 what crosses a boundary is sent in bf16 (StageProgram._leave casts fp32).
+            dtype = torch.bfloat16 if boundary and self.plan.precision == "bf16" and node.output.dtype == "float32" \
+                else None
+            example = example_tensor(node.output, placement, self.tp, self.device, dtype_override=dtype)
             # PipelineStage sends gradients back only for inputs whose examples require them.
             examples.append(example.requires_grad_(node.requires_grad and example.is_floating_point()))
         return tuple(examples)
 
     def stage(self, program: StageProgram, spec: ChunkSpec, num_chunks: int) -> PipelineStage:
         user_inputs = set(self.parts.user_inputs) if spec.index == 0 else set()
-        inputs = [self._examples([name], replicated=name in user_inputs)[0] for name in program.input_names]
-        outputs = self._examples(spec.outputs, replicated=spec.index == num_chunks - 1)
+        inputs = [self._examples([name], replicated=name in user_inputs, boundary=name not in user_inputs)[0]
+                  for name in program.input_names]
+        last = spec.index == num_chunks - 1
+        outputs = self._examples(spec.outputs, replicated=last, boundary=not last)
         return PipelineStage(program, spec.index, num_chunks, self.device, input_args=tuple(inputs),
                              output_args=outputs if len(outputs) > 1 else outputs[0], group=self.pp_group)
 

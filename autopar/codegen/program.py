@@ -11,6 +11,7 @@ module attributes inside forward, so FSDP can gather them just in time and free 
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -121,6 +122,45 @@ class GraphParts:
         return found
 
 
+class WeightCasts:
+    """Mixed precision's compute-dtype copies of fp32 weights, made once per training step.
+
+    Inside `step()` (ParallelModule.train_step, eval_step) a weight is cast once and every
+    microbatch uses that copy; the copy's autograd node (a cast, which saves no tensor) is shared,
+    so each microbatch's backward casts its gradient back into the fp32 parameter's .grad as a
+    cast per use would: the same gradients, without a cast per microbatch and a copy per
+    microbatch in flight. Outside a step (`pm(inputs)` and a backward of the user's own) every
+    use casts afresh. Under FSDP2 the gathered parameters are already bf16 (its
+    MixedPrecisionPolicy, codegen/data_parallel.py) and nothing is cast here."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.num_casts = 0
+        """Casts made so far (inside and outside steps)."""
+
+    @contextmanager
+    def step(self, weights: list[tuple[torch.Tensor, torch.dtype]] = ()):
+        """Copies made inside serve until the end; `weights` are cast on entry (before the first
+        forward, so a later pipeline stage casts while it waits for its first microbatch)."""
+        self._copies = {}
+        try:
+            for weight, dtype in weights:
+                self.cast(weight, dtype)
+            yield
+        finally:
+            self._copies = None
+
+    def cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self._copies is None:
+            self.num_casts += 1
+            return weight.to(dtype)
+        held = self._copies.get(id(weight))
+        if held is None or held[0] is not weight:
+            self.num_casts += 1
+            held = self._copies[id(weight)] = (weight, weight.to(dtype))
+        return held[1]
+
+
 class ParameterOwner(nn.Module):
     """Registers plan parameters under safe attribute names and reads them back in forward
     (where FSDP has swapped in the gathered ones)."""
@@ -130,14 +170,30 @@ class ParameterOwner(nn.Module):
         self.param_attrs: dict[str, str] = {}
         self.compute_dtype: torch.dtype | None = None
         """Mixed precision: fp32 parameters are used in this dtype (autograd keeps fp32 grads)."""
+        self.weight_casts: WeightCasts | None = None
+        """Where the compute-dtype copies of fp32 parameters come from (shared by a rank's modules)."""
 
     def own_parameter(self, placeholder: str, fqn: str, param: nn.Parameter) -> None:
         attr = attribute_name(fqn)
         self.register_parameter(attr, param)
         self.param_attrs[placeholder] = attr
 
+    def cast_weights(self) -> list[tuple[torch.Tensor, torch.dtype]]:
+        """The fp32 parameters this module uses in the compute dtype, with that dtype."""
+        if self.compute_dtype is None:
+            return []
+        weights = (getattr(self, attr) for attr in self.param_attrs.values())
+        return [(weight, self.compute_dtype) for weight in weights if weight.dtype == torch.float32]
+
     def _params(self) -> dict[str, torch.Tensor]:
-        return {placeholder: self.in_compute_dtype(getattr(self, attr)) for placeholder, attr in self.param_attrs.items()}
+        return {placeholder: self._weight(getattr(self, attr)) for placeholder, attr in self.param_attrs.items()}
+
+    def _weight(self, value: torch.Tensor) -> torch.Tensor:
+        if self.compute_dtype is None or value.dtype != torch.float32:
+            return value
+        if self.weight_casts is None:
+            return value.to(self.compute_dtype)
+        return self.weight_casts.cast(value, self.compute_dtype)
 
     def in_compute_dtype(self, value):
         if self.compute_dtype is not None and isinstance(value, torch.Tensor) and value.dtype == torch.float32:
@@ -298,6 +354,8 @@ class StageProgram(ParameterOwner):
         if not isinstance(value, torch.Tensor):
             return value
         value = value.contiguous()
+        if self.output_mode == "local":  # sent in the compute dtype, as the pipeline's buffers expect
+            value = self.in_compute_dtype(value)
         return value.clone() if self.owned_outputs and value._is_view() else value
 
 

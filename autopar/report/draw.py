@@ -20,11 +20,11 @@ PASS_COLORS = {"forward": ("#1f5fa8", "#4f8fd8", "#8db9ea", "#bcd6f4"),
                "recompute": ("#c77d12", "#e0a13f", "#eec47e", "#f6dfb6"),
                "weight": ("#0f6e6e", "#2f9e9e", "#72c6c6", "#b0e0e0")}
 """Per pass kind, one shade per model chunk (darkest: the rank's first chunk)."""
-TAIL_COLORS = {"dp.gradient_sync": "#d9622b", "dp.all_gather.once": "#e8894f", "dp.reduce_scatter.once": "#c2481a", "pp.tied_weights": "#b04a9c", "optimizer": "#6b6b6b", "offload.cpu_adam": "#8a8a3a"}
+TAIL_COLORS = {"dp.gradient_sync": "#d9622b", "dp.all_gather.once": "#e8894f", "dp.reduce_scatter.once": "#c2481a", "pp.tied_weights": "#b04a9c", "optimizer": "#6b6b6b", "weight_cast": "#4a7fb0", "offload.cpu_adam": "#8a8a3a"}
 AXIS_COLORS = {"tp": "#7b3fb5", "cp": "#2a9d8f", "pp": "#c0392b", "dp": "#d9622b", "offload": "#8a8a3a"}
 BUBBLE_COLOR = "#eeeeee"
 MEMORY_COLORS = {"parameters": "#1f5fa8", "gradients": "#3fa86b", "optimizer": "#8e6bbf",
-                 "activations": "#e0a13f", "buffers": "#8c8c8c", "recompute_workspace": "#c0392b",
+                 "weight_copies": "#7fa6d6", "activations": "#e0a13f", "buffers": "#8c8c8c", "recompute_workspace": "#c0392b",
                  "gradient_workspace": "#e07b7b",
                  "fsdp_unsharded": "#2a9d9d", "fragmentation": "#b8b8b8", "cuda_context": "#555555"}
 _BAR_HEIGHT = 0.8

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from autopar.plans import Plan
 
-MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers", "recompute_workspace",
+MEMORY_PARTS = ("parameters", "gradients", "optimizer", "weight_copies", "activations", "buffers", "recompute_workspace",
                 "gradient_workspace",
                 "fsdp_unsharded", "fragmentation", "cuda_context")
 

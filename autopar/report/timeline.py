@@ -32,8 +32,9 @@ from autopar.solver.schedule_sim import lay_out
 
 PASS_KINDS = ("forward", "recompute", "backward", "weight")
 TAIL_KINDS = ("dp.gradient_sync", "dp.all_gather.once", "dp.reduce_scatter.once", "pp.tied_weights", "optimizer",
-              "offload.cpu_adam")
-"""What the step model adds after the pipeline, in the order it is drawn."""
+              "offload.cpu_adam", "weight_cast")
+"""What the step model adds after the pipeline, in the order it is drawn (weight_cast, the step's
+bf16 weight copies, runs before the first forward: it is drawn last, as the next step's start)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from autopar.graph import OpGraph
 from autopar.mesh import Mesh
 from autopar.solver.costing import CommEvent, CostContext
-from autopar.solver.evaluate import CAST_KEY, SegmentCost, is_recomputable
+from autopar.solver.evaluate import SegmentCost, is_recomputable
 from autopar.strategies.attention import attention_nodes, is_causal, kv_repeats
 from autopar.strategies.placement import shard_factor, shards_on_dim
 from cost_model.comm import CommModel, Group
@@ -138,12 +138,12 @@ def split_sequence(segment: SegmentCost, attentions: list[AttentionCost], *, cp:
     scale = 1.0 / cp
     tp_group = Mesh(axis_names=("tp",), shape=(tp,), devices_per_node=devices_per_node).group(0)
     events = [_rescaled(event, scale, comm, tp_group) for event in segment.comm]
-    cast = segment.cast  # the weights' per-use cast and its copies do not shrink with the tokens
-    compute = compute or SplitCompute(forward=_per_token(_minus(segment.forward, cast), scale),
+    cast = segment.cast  # the weight gradients' cast (backward) does not shrink with the tokens
+    compute = compute or SplitCompute(forward=_per_token(segment.forward, scale),
                                       backward=_per_token(_minus(segment.backward, cast), scale),
                                       selective_recompute=_per_token(segment.selective_recompute, scale))
-    forward, backward = compute.forward + cast, compute.backward + cast
-    saved = (segment.saved_bytes - segment.cast_saved_bytes) * scale + segment.cast_saved_bytes
+    forward, backward = compute.forward, compute.backward + cast
+    saved = segment.saved_bytes * scale
     group = cp_group(cp, tp, devices_per_node)
     recompute_comm = [_rescaled(event, scale, comm, tp_group) for event in segment.selective_recompute_comm]
     for attention in attentions:
@@ -157,14 +157,13 @@ def split_sequence(segment: SegmentCost, attentions: list[AttentionCost], *, cp:
         if method == "all_gather":
             saved += attention.kv_bytes * (1 - scale)  # the gathered K, V, kept for the backward
     return replace(segment, forward=forward, backward=backward, comm=events, saved_bytes=saved,
-                   selective_kept={key: size if key.endswith(CAST_KEY) else size * scale
-                                   for key, size in segment.selective_kept.items()},
+                   selective_kept={key: size * scale for key, size in segment.selective_kept.items()},
                    selective_recompute=compute.selective_recompute,
                    selective_recompute_comm=recompute_comm,
                    output_bytes=segment.output_bytes * scale, input_bytes=segment.input_bytes * scale,
                    # the recomputation modes' per-token figures (evaluate.py), on 1 / cp of the tokens
                    op_kept={key: size * scale for key, size in segment.op_kept.items()},
-                   op_recompute=_per_token(_minus(segment.op_recompute, cast), scale) + cast,
+                   op_recompute=_per_token(segment.op_recompute, scale),
                    gathered={key: (saved_bytes * scale, shard_bytes * scale, seconds * scale, dedup)
                              for key, (saved_bytes, shard_bytes, seconds, dedup) in segment.gathered.items()},
                    grad_workspace_bytes=segment.grad_workspace_bytes * scale)

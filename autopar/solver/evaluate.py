@@ -49,10 +49,8 @@ class SegmentCost:
     expert_exchanges: list[ExpertExchange] = field(default_factory=list)
     """Per expert op, what expert parallelism would exchange (solver/experts.py)."""
     cast: ComputeTime = field(default_factory=ComputeTime)
-    """Of forward and of backward (each), the per-use cast of its weights (PrecisionPolicy.
-    casts_per_use): per microbatch, whatever the share of tokens (context parallelism)."""
-    cast_saved_bytes: float = 0.0
-    """Of saved_bytes, the bf16 weight copies kept for backward (per microbatch, not per token)."""
+    """Of backward, the cast of its weights' gradients from the bf16 copies to fp32 (PrecisionPolicy.
+    casts_once_per_step): per microbatch, whatever the share of tokens (context parallelism)."""
     selective_recompute_comm: list[CommEvent] = field(default_factory=list)
     """Collectives those ops run again when recomputed (context parallelism's KV all-gather)."""
     gathered: dict[str, tuple[float, float, float, tuple]] = field(default_factory=dict)
@@ -304,53 +302,24 @@ def _add_node(builder: ProblemBuilder, graph: OpGraph, node, strategy, segment: 
         segment.param_numel += numel
         segment.param_state_bytes += builder.ctx.param_state_bytes(numel)
         segment.optimizer_s += builder.ctx.optimizer_step_s(numel)
-        if builder.ctx.policy.casts_per_use:  # captured in bf16: the runtime's fp32 weights, cast per use
-            _add_cast(builder, graph, node, segment, numel)
+        if builder.ctx.policy.casts_once_per_step:  # the runtime's fp32 weights behind bf16 copies
+            _add_gradient_cast(builder, segment, numel)
     elif node.kind in ("param", "buffer", "constant"):
         segment.buffer_bytes += node.output.nbytes / shard_factor(strategy.output, mesh_shape)
 
 
-CAST_KEY = ":cast"
-"""Suffix of the selective_kept keys of weight copies (per microbatch, not per token)."""
 _COMPUTE_BYTES = 2.0
 """Bytes per element of the compute dtype the runtime casts fp32 parameters to (bf16)."""
 
 
-def _add_cast(builder: ProblemBuilder, graph: OpGraph, node, segment: SegmentCost, numel: float) -> None:
-    """The per-use cast of an fp32 parameter (PrecisionPolicy.casts_per_use): one kernel that
-    reads 4 and writes 2 bytes per element in every forward (again when the op mode recomputes
-    it), the reverse for its gradient in backward, and a bf16 copy kept for backward when a
-    consumer saves the weight (the selective mode keeps it: parameterized ops keep their saves;
-    the full mode's segment keeps only its inputs)."""
-    compute = builder.ctx.compute
-    cast = compute.kernel(0.0, numel * (4.0 + _COMPUTE_BYTES), False, name="aten._to_copy.default")
-    segment.forward = segment.forward + cast
+def _add_gradient_cast(builder: ProblemBuilder, segment: SegmentCost, numel: float) -> None:
+    """Each microbatch's backward casts a weight's bf16 gradient to fp32 (PrecisionPolicy.
+    casts_once_per_step): one kernel that reads 2 and writes 4 bytes per element, autograd's cast
+    back from the step's bf16 copy, or FSDP2's copy-in to its fp32 reduce-scatter buffer. The
+    forward cast is once per step (solver/step_model.py), and the copies are the step's."""
+    cast = builder.ctx.compute.kernel(0.0, numel * (_COMPUTE_BYTES + 4.0), False, name="aten._to_copy.default")
     segment.backward = segment.backward + cast
-    segment.op_recompute = segment.op_recompute + cast
     segment.cast = segment.cast + cast
-    if _saved_through_views(graph, node.name):
-        copy_bytes = numel * _COMPUTE_BYTES
-        _save_once(segment, (node.name, "cast"), copy_bytes)
-        _keep_if(segment, f"{node.name}{CAST_KEY}", copy_bytes, True)
-        segment.cast_saved_bytes += copy_bytes
-
-
-def _saved_through_views(graph: OpGraph, producer: str) -> bool:
-    """Whether backward keeps the weight (or a view of it, a transpose): a matmul-class consumer
-    needs it for its input's gradient. The capture leaves parameters out of saved_inputs (they are
-    states), so this reads the consumers' kind: matrices into matmul kernels are kept; biases,
-    norm scales (1-D, small) and embedding tables (their backward reads only the indices) are not."""
-    if len(graph[producer].output.shape) < 2:
-        return False
-    for consumer in graph.consumers.get(producer, ()):
-        node = graph[consumer]
-        if node.kind != "call":
-            continue
-        if node.fwd_flops > 0:
-            return True
-        if node.alias_input == node.inputs.index(producer) and _saved_through_views(graph, consumer):
-            return True
-    return False
 
 
 def _first_consumer_segment(graph: OpGraph, segment_of: dict[str, str], default: str) -> dict[str, str]:

@@ -216,8 +216,9 @@ _content = attrgetter(*(f.name for f in fields(SegmentCost) if f.name != "name")
 
 def weight_grad_s(segment: SegmentCost) -> float:
     """Weight-gradient compute of a segment: the forward time of its weight-bearing ops (the ops
-    selective recompute does not re-run), at most its whole backward."""
-    weighted = segment.forward.total_s - segment.selective_recompute.total_s
+    selective recompute does not re-run) and the weight gradients' cast to fp32 (which follows
+    them), at most its whole backward."""
+    weighted = segment.forward.total_s - segment.selective_recompute.total_s + segment.cast.total_s
     return min(max(weighted, 0.0), segment.backward.total_s)
 
 

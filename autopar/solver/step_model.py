@@ -261,14 +261,20 @@ class StepModel:
         if config.offload:
             return 0.0  # in host memory
         return model_state_memory(1.0, dp=config.data_shards, zero_stage=config.zero_stage,
-                                  policy=self.policy).total_bytes
+                                  policy=self.policy).total_bytes + self.weight_copy_bytes(config)
+
+    def weight_copy_bytes(self, config: ParallelConfig) -> float:
+        """Bytes per parameter of the step's bf16 weight copies (PrecisionPolicy.casts_once_per_step),
+        held from the step's start to its end; none under FSDP2, whose gathered units are the copies."""
+        return self.policy.param_bytes if self.policy.casts_once_per_step and not uses_fsdp(config) else 0.0
 
     def chain(self, prepared: PreparedSegments, config: ParallelConfig) -> ChainCosts:
         states = prepared.param_numel * self.state_bytes_per_param(config) + prepared.buffer_bytes
         time_s = prepared.time_s
         if config.ep > 1 and prepared.expert_numel is not None:
             per_expert = model_state_memory(1.0, dp=config.dp // config.ep, zero_stage=config.zero_stage,
-                                            policy=self.policy).total_bytes / config.ep
+                                            policy=self.policy).total_bytes / config.ep \
+                + self.weight_copy_bytes(config) / config.ep
             states = states + prepared.expert_numel * (per_expert - self.state_bytes_per_param(config))
             forward, backward, imbalance = self.ep_times(prepared, config)
             time_s = time_s + forward + backward + imbalance
@@ -549,6 +555,7 @@ class StepModel:
         expert_numel = total("expert_numel", own) if config.ep > 1 and prepared.expert_numel is not None else 0.0
         params, grads, optimizer = self._states(numel, expert_numel, config)
         numel -= expert_numel * (1 - 1 / config.ep)
+        copies = numel * self.weight_copy_bytes(config)
         if config.pp > 1 and config.zero_stage >= 2 and config.data_shards > 1:
             # Without gradient sync until the last microbatch FSDP2 accumulates unsharded gradients.
             grads = numel * self.policy.dp_reduce_bytes
@@ -557,7 +564,8 @@ class StepModel:
             host = {"host.parameters": params, "host.gradients": grads, "host.optimizer": optimizer}
             params = grads = optimizer = 0.0
         memory = {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": 0.0,
-                  "buffers": total("buffer_bytes", own), **self._workspace_terms(prepared, config, own)}
+                  "buffers": total("buffer_bytes", own), **({"weight_copies": copies} if copies else {}),
+                  **self._workspace_terms(prepared, config, own)}
         tp_comm = {op: total("comm:" + op, own) for op in prepared.comm_by_op_s}
         timeline, exposed, step_end, offload = self._fsdp(prepared, own, config)
         ep_s, ep_segments = self._ep_parts(prepared, own, config)
@@ -587,7 +595,7 @@ class StepModel:
     def _fsdp(self, prepared: PreparedSegments, own, config: ParallelConfig):
         """(timeline, exposed seconds by collective per microbatch, once per step, and exposed
         offload copies per microbatch by term)."""
-        if config.zero_stage < 1 or (config.data_shards <= 1 and not config.offload):
+        if not uses_fsdp(config):
             return None, {}, {}, {}
         # What the timeline depends on: identical stages (the middle ones of a deep model) share one.
         key = (prepared.signature(own), config.data_shards, config.pp, config.tp, config.zero_stage,
@@ -627,7 +635,11 @@ class StepModel:
                                        reduce_bytes=self.policy.dp_reduce_bytes)  # FSDP2's copies (cost_model/fsdp.py)
         bandwidth = self.compute.bandwidth_bytes_per_s
         (per_microbatch if reshard else step_end)["copy_out"] = (2 if reshard else 1) * copy_out / bandwidth
-        (per_microbatch if config.zero_stage >= 2 and config.pp == 1 else step_end)["copy_in"] = copy_in / bandwidth
+        reduces_each_microbatch = config.zero_stage >= 2 and config.pp == 1
+        if not (reduces_each_microbatch and self.policy.casts_once_per_step):
+            # (Under casts_once_per_step each microbatch's copy-in is the gradients' cast to the
+            # reduce dtype, already in the segments' backward: evaluate._add_gradient_cast.)
+            (per_microbatch if reduces_each_microbatch else step_end)["copy_in"] = copy_in / bandwidth
         if config.offload:
             # The copies' share of the exposed time is priced as offload.*, not as collectives.
             per_microbatch["all_gather"] = max(0.0, per_microbatch["all_gather"] - offload.get("offload.h2d", 0.0))
@@ -642,7 +654,7 @@ class StepModel:
         those the collectives' own exposure now holds."""
         link = self.host_link_bytes_per_s
         shard = sizes / config.data_shards
-        h2d = (shard * self.policy.fsdp_gather_bytes / link)[inverse].tolist()
+        h2d = (shard * self.policy.master_bytes / link)[inverse].tolist()  # the fp32 shard, cast on the device
         d2h = (shard * self.policy.dp_reduce_bytes / link)[inverse].tolist()
         base, _ = timelines_of_arrays(**arrays, reshard_after_forward=reshard)
         copied_in = dict(arrays, gather_s=[g + c for g, c in zip(arrays["gather_s"], h2d)])
@@ -671,6 +683,7 @@ class StepModel:
         optimizer_s = 0.0 if config.offload else max(self._optimizer_s(stage, config) for stage in stages)
         cpu_adam_s = max(self._cpu_adam_s(stage, config) for stage in stages) if config.offload else 0.0
         tied_s = self._tied_sync_s(config)
+        cast_s = max(self._weight_cast_s(stage, config) for stage in stages)
         breakdown = {"compute": m * (slowest.forward_s + slowest.backward_s), "recompute": m * slowest.recompute_s}
         for op, seconds in sorted(slowest.tp_comm_s.items()):
             breakdown[op if op.startswith("cp.") else f"tp.{op}"] = m * seconds
@@ -690,6 +703,8 @@ class StepModel:
         for term, seconds in sorted(slowest.offload_s.items()):
             breakdown[term] = m * seconds
         breakdown["optimizer"] = optimizer_s
+        if cast_s:
+            breakdown["weight_cast"] = cast_s
         if config.offload:
             breakdown["offload.cpu_adam"] = cpu_adam_s
         if tied_s:
@@ -697,7 +712,7 @@ class StepModel:
         peak = max(stages, key=lambda s: s.total_memory_bytes)
         host_peak = max(stages, key=lambda s: sum(s.host_memory_bytes.values()))
         host_fits = not config.offload or sum(host_peak.host_memory_bytes.values()) <= self.host_memory_bytes
-        return Estimate(config=config, step_time_s=pipeline_s + sync_s + optimizer_s + cpu_adam_s + tied_s,
+        return Estimate(config=config, step_time_s=pipeline_s + sync_s + optimizer_s + cpu_adam_s + tied_s + cast_s,
                         breakdown_s=breakdown, stages=tuple(stages), peak_memory_bytes=peak.total_memory_bytes,
                         memory_bytes=dict(peak.memory_bytes),
                         fits=fits and host_fits and peak.total_memory_bytes <= self.memory_budget_bytes,
@@ -753,6 +768,16 @@ class StepModel:
         numel = stage.param_numel / (config.data_shards if config.zero_stage >= 1 else 1)
         return numel * self.optimizer_io_bytes_per_param / self.compute.bandwidth_bytes_per_s
 
+    def _weight_cast_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
+        """The step's bf16 copies of the weights (PrecisionPolicy.casts_once_per_step), made when
+        the step starts, before the first forward: exposed on the first pipeline rank, and priced
+        on every rank alike (an upper bound: a later rank's cast overlaps its wait for the first
+        microbatch). Under FSDP2 the cast is on the shard, in the all-gather's copy-in stream."""
+        if not self.policy.casts_once_per_step or uses_fsdp(config):
+            return 0.0
+        cast_bytes = stage.param_numel * (self.policy.master_bytes + self.policy.param_bytes)
+        return cast_bytes / self.compute.bandwidth_bytes_per_s
+
     def _tied_sync_s(self, config: ParallelConfig) -> float:
         first, last = 0, config.pp * config.chunks_per_device - 1
         if config.pp <= 1 or not self.tied_param_numel or \
@@ -761,6 +786,12 @@ class StepModel:
             return 0.0
         crosses = config.data_shards * config.tp * (config.pp - 1) >= self.devices_per_node
         return 2 * self.comm.send_recv_s(self.tied_param_numel / config.tp * self.policy.grad_bytes, crosses_nodes=crosses)
+
+
+def uses_fsdp(config: ParallelConfig) -> bool:
+    """Whether the runtime shards with FSDP2 (codegen/data_parallel.py's uses_fsdp): ZeRO-1 and
+    up over more than one data shard, and optimizer offload even at dp = 1."""
+    return config.offload or (config.zero_stage >= 1 and config.data_shards > 1)
 
 
 def pipeline_time_s(config: ParallelConfig, stages: list[StageEstimate], slowest: StageEstimate) -> float:

@@ -9,13 +9,33 @@ from harness import run_workers, tiny_model_cluster
 pytestmark = pytest.mark.dist
 
 SPEC = "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=64,dropout=0.0"
-CONFIGS = ({"tp": 2}, {"dp": 2, "zero_stage": 3})
+CONFIGS = ({"tp": 2, "microbatch_size": 4}, {"dp": 2, "zero_stage": 0, "microbatch_size": 2},
+           {"dp": 2, "zero_stage": 3, "microbatch_size": 2},
+           {"pp": 2, "schedule": "zbv", "microbatch_size": 2, "zero_stage": 0})
+"""Each with two or more microbatches per rank (2 x tp, 2 x dp ZeRO-0 and ZeRO-3, 4 through ZB-V)."""
+
+
+def _per_use(module):
+    """The same module casting every weight at each use (the runtime before copies per step)."""
+    from contextlib import nullcontext
+
+    module._weight_copies = nullcontext
+
+
+def _step(module, tokens, targets) -> dict:
+    before = module.weight_casts.num_casts
+    loss = module.train_step((tokens,), targets).item()
+    params = dict(module.named_model_parameters())
+    return dict(loss=loss, casts=module.weight_casts.num_casts - before, params=params,
+                grads={name: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                       for name, p in params.items() if p.grad is not None})
 
 
 def bf16_worker(cluster: str) -> list[dict]:
     import torch
 
     import autopar
+    from autopar.codegen import parallelize as codegen
     from autopar.models import build_model
 
     bundle = build_model(SPEC, device="cpu", seed=0, batch_size=8)
@@ -23,23 +43,51 @@ def bf16_worker(cluster: str) -> list[dict]:
     tokens, targets = bundle.example_inputs[0], bundle.example_targets
     with torch.autocast("cpu", dtype=torch.bfloat16):
         reference_loss = bundle.loss_fn(reference(tokens).float(), targets).item()
+    fsdp = codegen.apply_fsdp
     results = []
     for constraints in CONFIGS:
         module = autopar.parallelize(bundle.model, cluster, (tokens,), loss_fn=bundle.loss_fn,
                                      example_targets=targets, constraints=constraints, precision="bf16")
-        loss = module.train_step((tokens,), targets).item()
-        params = list(module.parameters())
-        results.append(dict(precision=module.plan.precision, loss=loss, reference_loss=reference_loss,
-                            param_dtypes={str(p.dtype) for p in params},
-                            grad_dtypes={str(p.grad.dtype) for p in params if p.grad is not None}))
+        runs = {"once": _step(module, tokens, targets)}
+        if module.plan.zero_stage == 3:  # FSDP2 gathering fp32, each use casting (no MixedPrecisionPolicy)
+            codegen.apply_fsdp = lambda *args, param_dtype=None, **kwargs: fsdp(*args, **kwargs)
+            try:
+                module = autopar.parallelize(bundle.model, cluster, (tokens,), loss_fn=bundle.loss_fn,
+                                             example_targets=targets, constraints=constraints, precision="bf16")
+            finally:
+                codegen.apply_fsdp = fsdp
+        for param in module.parameters():
+            param.grad = None
+        _per_use(module)
+        runs["per_use"] = _step(module, tokens, targets)
+        once, per_use = runs["once"], runs["per_use"]
+        largest = max(float((once["grads"][name] - grad).abs().max()) for name, grad in per_use["grads"].items())
+        results.append(dict(constraints=constraints, precision=module.plan.precision, loss=once["loss"],
+                            per_use_loss=per_use["loss"], reference_loss=reference_loss,
+                            num_microbatches=module.plan.num_microbatches, zero_stage=module.plan.zero_stage,
+                            casts=once["casts"], per_use_casts=per_use["casts"],
+                            num_fp32_weights=sum(1 for p in once["params"].values() if p.dtype == torch.float32),
+                            same_grad_names=set(once["grads"]) == set(per_use["grads"]), largest_grad_diff=largest,
+                            param_dtypes={str(p.dtype) for p in once["params"].values()},
+                            grad_dtypes={str(g.dtype) for g in once["grads"].values()}))
     return results
 
 
-def test_bf16_compute_keeps_fp32_weights_and_gradients():
+def test_bf16_compute_keeps_fp32_weights_and_gradients_and_casts_once_per_step():
+    """The step's bf16 copies (one cast per weight, FSDP2's MixedPrecisionPolicy under ZeRO-3) give
+    the gradients a cast at every use gives, over every microbatch; the loss is the bf16 rounding
+    torch.autocast gives on one device."""
     for rank_results in run_workers(bf16_worker, world_size=2, args=(tiny_model_cluster(2),)):
         for result in rank_results:
+            label = result["constraints"]
             assert result["precision"] == "bf16"
-            assert result["param_dtypes"] == {"torch.float32"}
-            assert result["grad_dtypes"] == {"torch.float32"}
-            # bf16 rounding, as torch.autocast gives on one device.
-            assert result["loss"] == pytest.approx(result["reference_loss"], rel=1e-2)
+            assert result["param_dtypes"] == {"torch.float32"} and result["grad_dtypes"] == {"torch.float32"}, label
+            assert result["num_microbatches"] >= 2, label
+            assert result["loss"] == pytest.approx(result["reference_loss"], rel=1e-2), label
+            assert result["loss"] == pytest.approx(result["per_use_loss"], rel=1e-6), label
+            assert result["same_grad_names"] and result["largest_grad_diff"] <= 1e-6, label
+            if result["zero_stage"] == 3:  # the gathered parameters are bf16: nothing left to cast
+                assert result["casts"] == 0, label
+            else:  # each fp32 weight this rank uses, once; a cast per use costs one per microbatch at least
+                assert 0 < result["casts"] <= result["num_fp32_weights"], label
+                assert result["per_use_casts"] >= result["num_microbatches"] * result["casts"], label

@@ -8,7 +8,7 @@ from autopar.solver.evaluate import SegmentCost
 from autopar.solver.step_model import ParallelConfig, PreparedSegments, StepModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel, ComputeTime
-from cost_model.memory import BF16_ADAM
+from cost_model.memory import BF16_ADAM, MEGATRON_BF16
 
 FORWARD_S, BACKWARD_S = 0.01, 0.02
 
@@ -26,10 +26,10 @@ def segments(count: int = 8, *, tp_comm_s: float = 0.0) -> list[SegmentCost]:
     return made
 
 
-def model(budget: float = 1e12) -> StepModel:
+def model(budget: float = 1e12, policy=BF16_ADAM) -> StepModel:
     cluster = Cluster.from_spec("dgx-a100-80g:nodes=4")
     return StepModel(devices_per_node=8, compute=ComputeModel(cluster.device), comm=CommModel(cluster),
-                     policy=BF16_ADAM, memory_budget_bytes=budget)
+                     policy=policy, memory_budget_bytes=budget)
 
 
 def estimate(config: ParallelConfig, recompute: str | None = None, **kwargs):
@@ -117,3 +117,26 @@ def test_later_pipeline_stages_recompute_less_when_they_fit():
     assert [stage.recompute for stage in mixed.stages] == ["full", "selective", "none", "none"]
     assert all(stage.total_memory_bytes <= 4.5e8 for stage in mixed.stages)
     assert mixed.step_time_s < uniform.step_time_s
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 4])
+def test_bf16_weights_are_cast_once_per_step_and_their_copies_held_for_the_step(num_microbatches):
+    """autopar's runtime (BF16_ADAM): without FSDP every fp32 weight is cast to a bf16 copy once
+    per step (read 4, write 2 bytes per element), whatever the number of microbatches, and the
+    copies (2 bytes per parameter) are held for the whole step. Under FSDP2 the gathered
+    parameters are the copies: no cast term, no copies."""
+    step_model = model()
+    prepared = PreparedSegments.build(segments(), "none")
+    plain = step_model.estimate(prepared, ParallelConfig(dp=8, tp=1, pp=1, microbatch_size=1,
+                                                         num_microbatches=num_microbatches))
+    numel = 8 * 1e6
+    assert plain.breakdown_s["weight_cast"] == pytest.approx(6 * numel / step_model.compute.bandwidth_bytes_per_s)
+    assert plain.memory_bytes["weight_copies"] == pytest.approx(2 * numel)
+    assert step_model.state_bytes_per_param(plain.config) == pytest.approx(16 + 2)
+    for zero_stage in (1, 3):
+        sharded = step_model.estimate(prepared, ParallelConfig(dp=8, tp=1, pp=1, microbatch_size=1,
+                                                               num_microbatches=num_microbatches, zero_stage=zero_stage))
+        assert "weight_cast" not in sharded.breakdown_s and "weight_copies" not in sharded.memory_bytes
+    megatron = model(policy=MEGATRON_BF16).estimate(PreparedSegments.build(segments(), "none"), plain.config)
+    assert "weight_cast" not in megatron.breakdown_s and "weight_copies" not in megatron.memory_bytes
+    assert plain.step_time_s == pytest.approx(megatron.step_time_s + plain.breakdown_s["weight_cast"])
