@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import hf_zoo  # noqa: E402
 from harness import case_outcome, tiny_model_cluster  # noqa: E402,F401 (a fixture)
+from one_process import load_program  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -161,58 +162,13 @@ def _capture_and_store(model, inputs, case: ZooCase):
     return program, graph
 
 
-class _CachedTypeHints:
-    """The `typing` module as torch's export deserializer sees it, with `get_type_hints` memoized.
-
-    The deserializer asks for the type hints of its schema dataclass again for every object it
-    rebuilds (8,000 times for a 2-layer T5), and each answer re-evaluates the same annotations:
-    40% of a load. The schema's classes do not change while a program loads, so one answer per
-    (class, namespaces) is the same answer."""
-
-    def __init__(self, typing_module) -> None:
-        self.__dict__.update({name: value for name, value in vars(typing_module).items()
-                              if name != "get_type_hints"})  # every other name as typing has it
-        self._get_type_hints = typing_module.get_type_hints
-        self._hints: dict = {}
-
-    def get_type_hints(self, obj, globalns=None, localns=None, include_extras=False):
-        key = (obj, id(globalns), id(localns), include_extras)
-        if key not in self._hints:
-            self._hints[key] = self._get_type_hints(obj, globalns, localns, include_extras)
-        return self._hints[key]
-
-
-_SERDE_TYPING: list = []
-"""This process's _CachedTypeHints (made on first use; its answers serve every later load)."""
-
-
-class _type_hints_cached_in_torch_serde:
-    """While loading: torch's serde module reads `typing` through _CachedTypeHints (a torch
-    without that module attribute loads as it is)."""
-
-    def __enter__(self):
-        from torch._export.serde import serialize
-
-        self._module = serialize
-        self._typing = getattr(serialize, "typing", None)
-        if self._typing is not None:
-            if not _SERDE_TYPING:
-                _SERDE_TYPING.append(_CachedTypeHints(self._typing))
-            serialize.typing = _SERDE_TYPING[0]
-
-    def __exit__(self, *exc_info):
-        if self._typing is not None:
-            self._module.typing = self._typing
-
-
 def _stored_capture(model, case: ZooCase):
     """The saved codegen capture bound to this rank's model (its own Parameter objects, so that
     tied weights are one object again, as in the program export returns), or None."""
     folder = _folder(case)
     if folder is None or not (folder / "program.pt2").exists():
         return None
-    with _type_hints_cached_in_torch_serde():
-        program = torch.export.load(folder / "program.pt2")
+    program = load_program(folder / "program.pt2")
     live = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     for name in list(program.state_dict):
         if name in live:
