@@ -115,12 +115,12 @@ class _Packer:
         self.memory_prefix: list[list[float]] = []
         if budget is not None:
             states, activations = costs.prefix("state_bytes"), costs.prefix("activation_bytes")
-            by_factor: dict[float, list[float]] = {}
-            for stage in range(num_stages):
-                factor = in_flight(stage)
-                if factor not in by_factor:
-                    by_factor[factor] = (states + factor * activations).tolist()
-                self.memory_prefix.append(by_factor[factor])
+            factors = [in_flight(stage) for stage in range(num_stages)]
+            distinct = list(dict.fromkeys(factors))
+            # One row per distinct factor, all in one array operation (the same sums as row by row).
+            rows = (states[None, :] + np.asarray(distinct, dtype=float)[:, None] * activations[None, :]).tolist()
+            by_factor = dict(zip(distinct, rows))
+            self.memory_prefix = [by_factor[factor] for factor in factors]
             self.room = budget - fixed_bytes
 
     def slowest_s(self, stops: list[int]) -> float:
