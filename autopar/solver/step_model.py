@@ -379,8 +379,7 @@ class StepModel:
         if lean_key not in prepared.lean_partitions:
             # The fastest split bounds the memory-bounded one from below (less its bisection
             # tolerance), when both split the same times.
-            at_least = (1 - 2e-4) * max(chain.total("time_s", span) for span in spans) \
-                if chain.time_s is prepared.time_s else 0.0
+            at_least = prepared.slowest_chunk_s(num_chunks) if chain.time_s is prepared.time_s else 0.0
             prepared.lean_partitions[lean_key] = partition(
                 chain, num_chunks, in_flight=in_flight, memory_budget_bytes=self.memory_budget_bytes,
                 fixed_bytes=workspace, at_least_s=at_least)
