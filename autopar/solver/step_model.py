@@ -253,6 +253,7 @@ class StepModel:
     host_memory_bytes: float = 0.0
     """Host memory of one device's share of the node (offloaded states must fit)."""
     _send_recv_cache: dict[tuple[float, bool], float] = field(default_factory=dict, repr=False, compare=False)
+    _group_cache: dict[tuple[int, int, int], object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def can_offload(self) -> bool:
@@ -605,17 +606,23 @@ class StepModel:
         group = self._data_shard_group(config)
         indices = [i for span in own for i in range(span.start, span.stop)]
         numel = prepared.param_numel[indices]
-        sizes, inverse = np.unique(numel, return_inverse=True)  # identical blocks: price each size once
+        # Identical blocks: price each size once (np.unique's sorted sizes, without its cost on a
+        # stage's few segments).
+        listed = numel.tolist()
+        sizes = sorted(set(listed))
+        position = {size: index for index, size in enumerate(sizes)}
+        inverse = [position[size] for size in listed]
         gather = [self.comm.time_s("all_gather", float(size) * self.policy.fsdp_gather_bytes, group) for size in sizes]
         scatter = [self.comm.time_s("reduce_scatter", float(size) * self.policy.dp_reduce_bytes, group)
                    for size in sizes]
         forward = prepared.forward_s[indices]
         arrays = dict(forward_s=forward.tolist(), backward_s=(prepared.time_s[indices] - forward).tolist(),
-                      gather_s=[gather[i] for i in inverse.tolist()], scatter_s=[scatter[i] for i in inverse.tolist()])
+                      gather_s=[gather[i] for i in inverse], scatter_s=[scatter[i] for i in inverse])
         reshard = config.zero_stage == 3
         offload: dict[str, float] = {}
         if config.offload:
-            arrays, offload, overlapped = self._with_offload_copies(arrays, sizes, inverse, config, reshard)
+            arrays, offload, overlapped = self._with_offload_copies(arrays, np.asarray(sizes), np.asarray(inverse),
+                                                                    config, reshard)
         timeline, gathers_only_s = timelines_of_arrays(**arrays, reshard_after_forward=reshard)
         scatter_s = max(0.0, timeline.exposed_s - gathers_only_s)
         per_microbatch: dict[str, float] = {}
@@ -726,9 +733,11 @@ class StepModel:
     def _data_shard_group(self, config: ParallelConfig):
         """The ranks that reduce gradients (and FSDP shards over): dp x cp, cp inside dp in the
         (pp, dp, cp, tp) layout, so one flattened axis."""
-        mesh = Mesh(axis_names=("pp", "dp_cp", "tp"), shape=(config.pp, config.data_shards, config.tp),
-                    devices_per_node=self.devices_per_node)
-        return mesh.group(1)
+        key = (config.pp, config.data_shards, config.tp)
+        if key not in self._group_cache:
+            mesh = Mesh(axis_names=("pp", "dp_cp", "tp"), shape=key, devices_per_node=self.devices_per_node)
+            self._group_cache[key] = mesh.group(1)
+        return self._group_cache[key]
 
     def _dp_group_time(self, op: str, message_bytes: float, config: ParallelConfig) -> float:
         return self.comm.time_s(op, message_bytes, self._data_shard_group(config))
