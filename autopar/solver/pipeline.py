@@ -110,18 +110,26 @@ class _Packer:
     def __init__(self, costs: ChainCosts, num_stages: int, in_flight, budget, fixed_bytes) -> None:
         self.count = len(costs)
         self.num_stages = num_stages
-        self.time_prefix = costs.prefix("time_s").tolist()
+        self.time_prefix = costs.prefix_list("time_s")
         self.budget = budget
-        self.memory_prefix: list[list[float]] = []
+        self.memory_prefix: list[list[float] | None] = []
         if budget is not None:
-            states, activations = costs.prefix("state_bytes"), costs.prefix("activation_bytes")
-            by_factor: dict[float, list[float]] = {}
-            for stage in range(num_stages):
-                factor = in_flight(stage)
-                if factor not in by_factor:
-                    by_factor[factor] = (states + factor * activations).tolist()
-                self.memory_prefix.append(by_factor[factor])
+            self._states, self._activations = costs.prefix("state_bytes"), costs.prefix("activation_bytes")
+            self._factors = [in_flight(stage) for stage in range(num_stages)]
+            self._rows: dict[float, list[float]] = {}
+            # Built when a packing first reaches the stage: most packings that fail (the model
+            # does not fit) fail in the first stages, which hold the most microbatches.
+            self.memory_prefix = [None] * num_stages
             self.room = budget - fixed_bytes
+
+    def _memory_row(self, stage: int) -> list[float]:
+        """Prefix sums of the stage's memory per segment (states + its in-flight x activations)."""
+        factor = self._factors[stage]
+        row = self._rows.get(factor)
+        if row is None:
+            row = self._rows[factor] = (self._states + factor * self._activations).tolist()
+        self.memory_prefix[stage] = row
+        return row
 
     def slowest_s(self, stops: list[int]) -> float:
         """The slowest stage's time of a packing."""
@@ -142,6 +150,8 @@ class _Packer:
             stop = bisect_right(time_prefix, time_prefix[start] + slack) - 1
             if memory_prefix:
                 memory = memory_prefix[stage]
+                if memory is None:
+                    memory = self._memory_row(stage)
                 stop = min(stop, bisect_right(memory, memory[start] + room) - 1)
             if stop <= start:
                 return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from operator import attrgetter
 
 import numpy as np
@@ -179,6 +180,12 @@ class PreparedSegments:
         if len(own) == 1:
             return tuple(self._signatures[own[0].start:own[0].stop])
         return tuple(i for span in own for i in self._signatures[span.start:span.stop])
+
+    @cached_property
+    def whole(self) -> tuple[list[StageSpan], tuple[int, ...]]:
+        """Every segment as one stage: (its span list, its signature), for terms bounded over stages."""
+        spans = [StageSpan(0, len(self))]
+        return spans, self.signature(spans)
 
     def time_partition(self, num_chunks: int) -> list[StageSpan] | None:
         """The most balanced cut of time_s into `num_chunks` contiguous chunks (no memory bound);

@@ -80,6 +80,7 @@ from autopar.solver.experts import ExpertPricing
 from autopar.solver.prepared import PreparedSegments, recompute_comm_s, recompute_compute_s, weight_grad_s
 from autopar.solver.recompute import RECOMPUTE_MODES
 from autopar.solver.pipeline import ChainCosts, StageSpan, partition, rank_of, stages_of_rank
+from autopar.solver.placement import Placement
 from autopar.solver.schedule_sim import uniform_bubble_s
 from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
@@ -252,6 +253,7 @@ class StepModel:
     host_memory_bytes: float = 0.0
     """Host memory of one device's share of the node (offloaded states must fit)."""
     _send_recv_cache: dict[tuple[float, bool], float] = field(default_factory=dict, repr=False, compare=False)
+    _group_cache: dict[tuple[int, int, int], object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def can_offload(self) -> bool:
@@ -330,27 +332,32 @@ class StepModel:
             return None
         if not fits and not price_unfit:
             return Staged(stages=[], fits=False, bound_s=0.0)
+        # Each rank's placement is worked out once and read by every step below (placement.py).
+        flights = _chunks_in_flight(config)
+        places = [self._placed(prepared, spans, config, stage, flights) for stage in range(config.pp)] \
+            if cutoff_s == float("inf") else []
         if cutoff_s < float("inf"):
             # Stages that fit may take a lighter mode (_lightest): bound with the lightest.
             fastest = lighter[next(iter(lighter))] if fits and lighter else prepared
             times = []
             for stage in range(config.pp):
-                times.append(self._stage_times(fastest, spans, config, stage))
+                places.append(self._placed(prepared, spans, config, stage, flights))
+                times.append(self._stage_times(fastest, places[-1], config))
                 bound_s = config.num_microbatches * times[-1].time_per_microbatch_s
                 if bound_s > cutoff_s:
                     return Staged(stages=[], fits=fits, bound_s=bound_s)
             bound_s = pipeline_bound_s(config, times)
             if bound_s > cutoff_s:
                 return Staged(stages=[], fits=fits, bound_s=bound_s)
-        modes = [self._lightest(prepared, spans, config, stage, lighter) if fits and lighter else prepared
-                 for stage in range(config.pp)]
+        modes = [self._lightest(prepared, place, config, lighter) if fits and lighter else prepared
+                 for place in places]
         if cutoff_s < float("inf"):
             # The stages' own times under the modes they take: the bound of the built stages.
-            bound_s = pipeline_bound_s(config, [self._stage_times(segments, spans, config, stage)
-                                                for stage, segments in enumerate(modes)])
+            bound_s = pipeline_bound_s(config, [self._stage_times(segments, place, config)
+                                                for place, segments in zip(places, modes)])
             if bound_s > cutoff_s:
                 return Staged(stages=[], fits=fits, bound_s=bound_s)
-        stages = [self._stage_at(segments, spans, config, stage) for stage, segments in enumerate(modes)]
+        stages = [self._stage_at(segments, place, config) for place, segments in zip(places, modes)]
         return Staged(stages=stages, fits=fits, bound_s=pipeline_bound_s(config, stages))
 
     def _spans(self, prepared: PreparedSegments, chain: ChainCosts, chain_key: tuple, config: ParallelConfig):
@@ -379,49 +386,44 @@ class StepModel:
         if lean_key not in prepared.lean_partitions:
             # The fastest split bounds the memory-bounded one from below (less its bisection
             # tolerance), when both split the same times.
-            at_least = (1 - 2e-4) * max(chain.total("time_s", span) for span in spans) \
-                if chain.time_s is prepared.time_s else 0.0
+            at_least = prepared.slowest_chunk_s(num_chunks) if chain.time_s is prepared.time_s else 0.0
             prepared.lean_partitions[lean_key] = partition(
                 chain, num_chunks, in_flight=in_flight, memory_budget_bytes=self.memory_budget_bytes,
                 fixed_bytes=workspace, at_least_s=at_least)
         lean = prepared.lean_partitions[lean_key]
         return (lean, True) if lean is not None else (spans, False)
 
-    def _lightest(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int,
+    def _lightest(self, prepared: PreparedSegments, place: Placement, config: ParallelConfig,
                   lighter: dict[str, PreparedSegments]) -> PreparedSegments:
         """The segments of the cheapest lighter mode whose memory fits this stage (its own mode's
         otherwise); a mode's varying memory is checked before its whole stage's. Identical stages
         (the same segments in every mode, microbatches in flight and sends) decide once."""
-        stage_indices, own, p2p = self._placed(prepared, spans, config, stage)
-        flights = _chunks_in_flight(config)
-        in_flight = [flights[s] for s in stage_indices]
-        key = (prepared.signature(own), tuple(segments.signature(own) for segments in lighter.values()),
-               tuple(in_flight), p2p, config.dp, config.cp, config.tp, config.pp, config.zero_stage, config.ep,
-               config.offload, config.num_microbatches if config.offload else 0, config.recompute)
+        key = (place.signature(prepared), tuple(place.signature(segments) for segments in lighter.values()),
+               tuple(place.in_flight), place.p2p_s, config.dp, config.cp, config.tp, config.pp, config.zero_stage,
+               config.ep, config.offload, config.num_microbatches if config.offload else 0, config.recompute)
         if key not in prepared.lightest_cache:
-            prepared.lightest_cache[key] = self._lightest_uncached(prepared, spans, config, stage, lighter, own, p2p,
-                                                                   in_flight)
+            prepared.lightest_cache[key] = self._lightest_uncached(prepared, place, config, lighter)
         mode = prepared.lightest_cache[key]
         return prepared if mode is None else lighter[mode]
 
-    def _lightest_uncached(self, prepared, spans, config, stage, lighter, own, p2p, in_flight) -> str | None:
+    def _lightest_uncached(self, prepared, place: Placement, config, lighter) -> str | None:
         budget = self.memory_budget_bytes
-        unchanged = self._stage_memory_bytes(prepared, own, config, p2p, in_flight) \
-            - self._mode_bytes(prepared, own, config, in_flight)
+        unchanged = self._stage_memory_bytes(prepared, place, config) - self._mode_bytes(prepared, place, config)
         for mode in RECOMPUTE_MODES:
             if mode == config.recompute:
                 break
-            if mode not in lighter or unchanged + self._mode_bytes(lighter[mode], own, config, in_flight) > budget * (1 + 1e-9):
+            if mode not in lighter or unchanged + self._mode_bytes(lighter[mode], place, config) > budget * (1 + 1e-9):
                 continue
-            _, lighter_own, lighter_p2p = self._placed(lighter[mode], spans, config, stage)
-            if self._stage_memory_bytes(lighter[mode], lighter_own, config, lighter_p2p, in_flight) <= budget:
+            if self._stage_memory_bytes(lighter[mode], place, config) <= budget:
                 return mode
         return None
 
-    def _mode_bytes(self, prepared: PreparedSegments, own, config: ParallelConfig, in_flight: list[float]) -> float:
+    def _mode_bytes(self, prepared: PreparedSegments, place: Placement, config: ParallelConfig) -> float:
         """The part of a stage's memory that depends on its recomputation mode (see _stage)."""
-        activations = sum(count * prepared.total("activation_bytes", (span,)) for count, span in zip(in_flight, own))
-        terms = self._workspace_terms(prepared, config, own, with_fsdp=False)
+        own = place.own
+        activations = sum(count * prepared.total("activation_bytes", (span,))
+                          for count, span in zip(place.in_flight, own))
+        terms = self._workspace_terms(prepared, config, own, with_fsdp=False, signature=place.signature(prepared))
         varying = activations + terms["recompute_workspace"] + terms["gradient_workspace"]
         return varying + self.allocator.fragmentation_bytes(varying)
 
@@ -440,12 +442,13 @@ class StepModel:
 
     def _workspace_bytes(self, prepared: PreparedSegments, config: ParallelConfig) -> float:
         """Memory every stage holds besides states and activations (an upper bound over stages)."""
-        terms = self._workspace_terms(prepared, config, [StageSpan(0, len(prepared))])
+        whole, signature = prepared.whole
+        terms = self._workspace_terms(prepared, config, whole, signature=signature)
         return sum(terms.values())
 
     def _workspace_terms(self, prepared: PreparedSegments, config: ParallelConfig, own, *,
-                         with_fsdp: bool = True) -> dict[str, float]:
-        key = (prepared.signature(own), with_fsdp, config.recompute == "none", config.zero_stage, config.data_shards,
+                         with_fsdp: bool = True, signature: tuple[int, ...] | None = None) -> dict[str, float]:
+        key = (prepared.signature(own) if signature is None else signature, with_fsdp, config.recompute == "none", config.zero_stage, config.data_shards,
                config.offload, _num_communicators(config))
         if key not in prepared.workspace_cache:
             prepared.workspace_cache[key] = self._workspace_terms_uncached(prepared, config, own, with_fsdp)
@@ -468,21 +471,19 @@ class StepModel:
                 "fragmentation": fragmentation,
                 "cuda_context": self.allocator.context_bytes(_num_communicators(config))}
 
-    def _stage_at(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int) -> StageEstimate:
+    def _stage_at(self, prepared: PreparedSegments, place: Placement, config: ParallelConfig) -> StageEstimate:
         """One device's stage (a device owns chunks k, k + p, ... when interleaved)."""
-        stage_indices, own, p2p = self._placed(prepared, spans, config, stage)
-        flights = _chunks_in_flight(config)
-        in_flight = [flights[s] for s in stage_indices]
-        return self._stage(stage, own, prepared, config, p2p, in_flight)
+        return self._stage(place.stage, place.own, prepared, config, place.p2p_s, place.in_flight,
+                           signature=place.signature(prepared))
 
-    def _stage_times(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int) -> "StageTimes":
+    def _stage_times(self, prepared: PreparedSegments, place: Placement, config: ParallelConfig) -> "StageTimes":
         """The times of _stage_at(...) the pipeline's length depends on, without building it."""
-        _, own, p2p = self._placed(prepared, spans, config, stage)
-        parts = self._stage_parts_cached(own, prepared, config, p2p)
+        parts = self._stage_parts_cached(place.own, prepared, config, place.p2p_s, place.signature(prepared))
         return StageTimes(parts["time_per_microbatch_s"], parts["forward_pass_s"], parts["weight_grad_s"])
 
-    def _placed(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int):
-        """(global stages of pipeline rank `stage`, their spans, its send/receive seconds)."""
+    def _placed(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int,
+                flights: tuple[float, ...]) -> Placement:
+        """Pipeline rank `stage`'s placement (placement.py); `flights`: _chunks_in_flight(config)."""
         crosses_nodes = config.data_shards * config.tp >= self.devices_per_node
         stage_indices = _own_stages(config, stage)
         own = [spans[s] for s in stage_indices]
@@ -493,7 +494,8 @@ class StepModel:
         for s, span in zip(stage_indices, own):
             if span.stop < count and rank_of(config.schedule, stage=s + 1, num_ranks=config.pp) != stage:
                 p2p += 2 * self._send_recv_s(outputs[span.stop - 1], crosses_nodes)
-        return stage_indices, own, p2p
+        return Placement(stage=stage, stage_indices=stage_indices, own=own,
+                         in_flight=[flights[s] for s in stage_indices], p2p_s=p2p)
 
     def _send_recv_s(self, message_bytes: float, crosses_nodes: bool) -> float:
         key = (message_bytes, crosses_nodes)
@@ -515,10 +517,10 @@ class StepModel:
             optimizer += experts.optimizer_bytes
         return params, grads, optimizer
 
-    def _stage_memory_bytes(self, prepared: PreparedSegments, own, config, p2p, in_flight: list[float]) -> float:
+    def _stage_memory_bytes(self, prepared: PreparedSegments, place: Placement, config) -> float:
         """_stage(...).total_memory_bytes, without building the stage."""
-        parts = self._stage_parts_cached(own, prepared, config, p2p)
-        return sum(self._stage_memory(parts, prepared, own, in_flight).values())
+        parts = self._stage_parts_cached(place.own, prepared, config, place.p2p_s, place.signature(prepared))
+        return sum(self._stage_memory(parts, prepared, place.own, place.in_flight).values())
 
     def _stage_memory(self, parts: dict, prepared: PreparedSegments, own, in_flight: list[float]) -> dict[str, float]:
         """A stage's memory by term: its parts' (_stage_parts) with its activations added."""
@@ -528,10 +530,11 @@ class StepModel:
         memory["fragmentation"] += self.allocator.fragmentation_bytes(activations)
         return memory
 
-    def _stage(self, stage, own, prepared: PreparedSegments, config, p2p, in_flight: list[float]) -> StageEstimate:
+    def _stage(self, stage, own, prepared: PreparedSegments, config, p2p, in_flight: list[float], *,
+               signature: tuple[int, ...] | None = None) -> StageEstimate:
         # Identical stages (a deep model's middle ones) share everything but their activations,
         # which depend on the microbatches in flight, and their names.
-        parts = self._stage_parts_cached(own, prepared, config, p2p)
+        parts = self._stage_parts_cached(own, prepared, config, p2p, signature)
         memory = self._stage_memory(parts, prepared, own, in_flight)
         chunks = tuple(tuple(prepared.names[span.start:span.stop]) for span in own)
         # The other dicts are shared between identical stages: nothing changes a priced stage.
@@ -539,8 +542,10 @@ class StepModel:
                              segment_names=tuple(name for chunk in chunks for name in chunk), chunks=chunks,
                              **{**parts, "memory_bytes": memory})
 
-    def _stage_parts_cached(self, own, prepared: PreparedSegments, config, p2p) -> dict:
-        key = (prepared.signature(own), p2p, config.dp, config.cp, config.tp, config.pp, config.zero_stage,
+    def _stage_parts_cached(self, own, prepared: PreparedSegments, config, p2p,
+                            signature: tuple[int, ...] | None = None) -> dict:
+        """_stage_parts through prepared.stage_cache; `signature`: prepared.signature(own), if known."""
+        key = (prepared.signature(own) if signature is None else signature, p2p, config.dp, config.cp, config.tp, config.pp, config.zero_stage,
                config.ep, config.offload, config.num_microbatches if config.offload else 0, config.recompute == "none")
         parts = prepared.stage_cache.get(key)
         if parts is None:
@@ -609,17 +614,23 @@ class StepModel:
         group = self._data_shard_group(config)
         indices = [i for span in own for i in range(span.start, span.stop)]
         numel = prepared.param_numel[indices]
-        sizes, inverse = np.unique(numel, return_inverse=True)  # identical blocks: price each size once
+        # Identical blocks: price each size once (np.unique's sorted sizes, without its cost on a
+        # stage's few segments).
+        listed = numel.tolist()
+        sizes = sorted(set(listed))
+        position = {size: index for index, size in enumerate(sizes)}
+        inverse = [position[size] for size in listed]
         gather = [self.comm.time_s("all_gather", float(size) * self.policy.fsdp_gather_bytes, group) for size in sizes]
         scatter = [self.comm.time_s("reduce_scatter", float(size) * self.policy.dp_reduce_bytes, group)
                    for size in sizes]
         forward = prepared.forward_s[indices]
         arrays = dict(forward_s=forward.tolist(), backward_s=(prepared.time_s[indices] - forward).tolist(),
-                      gather_s=[gather[i] for i in inverse.tolist()], scatter_s=[scatter[i] for i in inverse.tolist()])
+                      gather_s=[gather[i] for i in inverse], scatter_s=[scatter[i] for i in inverse])
         reshard = config.zero_stage == 3
         offload: dict[str, float] = {}
         if config.offload:
-            arrays, offload, overlapped = self._with_offload_copies(arrays, sizes, inverse, config, reshard)
+            arrays, offload, overlapped = self._with_offload_copies(arrays, np.asarray(sizes), np.asarray(inverse),
+                                                                    config, reshard)
         timeline, gathers_only_s = timelines_of_arrays(**arrays, reshard_after_forward=reshard)
         scatter_s = max(0.0, timeline.exposed_s - gathers_only_s)
         per_microbatch: dict[str, float] = {}
@@ -737,9 +748,11 @@ class StepModel:
     def _data_shard_group(self, config: ParallelConfig):
         """The ranks that reduce gradients (and FSDP shards over): dp x cp, cp inside dp in the
         (pp, dp, cp, tp) layout, so one flattened axis."""
-        mesh = Mesh(axis_names=("pp", "dp_cp", "tp"), shape=(config.pp, config.data_shards, config.tp),
-                    devices_per_node=self.devices_per_node)
-        return mesh.group(1)
+        key = (config.pp, config.data_shards, config.tp)
+        if key not in self._group_cache:
+            mesh = Mesh(axis_names=("pp", "dp_cp", "tp"), shape=key, devices_per_node=self.devices_per_node)
+            self._group_cache[key] = mesh.group(1)
+        return self._group_cache[key]
 
     def _dp_group_time(self, op: str, message_bytes: float, config: ParallelConfig) -> float:
         return self.comm.time_s(op, message_bytes, self._data_shard_group(config))
