@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import ClusterSpecError, ProfileError
-from autopar.validation import (MAX_DEVICES, MAX_DEVICES_PER_NODE, MAX_NODES, check_number, check_text, clip,
+from autopar.validation import (MAX_DEVICES, MAX_DEVICES_PER_NODE, MAX_NODES, check_number, check_text, clip, shorten_path,
                                 parse_int, path_is_file, read_text_file, shorten, type_name)
 from cost_model import hardware
 from cost_model.errors import CostModelInputError
@@ -219,13 +219,13 @@ def _load_checked_profile(spec: str, path: Path, preset: str, device: DeviceSpec
         raise ProfileError(f"cluster spec {shorten(spec)}: {error}") from None
     expected_kind = "cpu" if preset == "cpu" else "cuda"
     if profile.device_kind != expected_kind:
-        raise ProfileError(f"cluster spec {shorten(spec)}: profile {shorten(str(path))} was measured on "
+        raise ProfileError(f"cluster spec {shorten(spec)}: profile {shorten_path(path)} was measured on "
                            f"{profile.device_kind} ({shorten(profile.device_name)}) but the cluster's devices are {expected_kind}; "
                            "profile the machine you plan for")
     if expected_kind == "cuda":
         model = device.name.split()[0]
         if model.lower() not in profile.device_name.lower():
-            raise ProfileError(f"cluster spec {shorten(spec)}: profile {shorten(str(path))} was measured on "
+            raise ProfileError(f"cluster spec {shorten(spec)}: profile {shorten_path(path)} was measured on "
                                f"{shorten(profile.device_name)}, "
                                f"not on {device.name}; use a profile of that device or the matching preset")
     return profile
@@ -270,10 +270,10 @@ def cluster_from_toml(path: Path) -> Cluster:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
-        raise ClusterSpecError(f"cluster file {shorten(str(path))} is not valid TOML: {shorten(str(error), 200)}") \
+        raise ClusterSpecError(f"cluster file {shorten_path(path)} is not valid TOML: {shorten(str(error), 200)}") \
             from None
     except RecursionError:
-        raise ClusterSpecError(f"cluster file {shorten(str(path))} is nested too deeply to be a cluster file") \
+        raise ClusterSpecError(f"cluster file {shorten_path(path)} is nested too deeply to be a cluster file") \
             from None
     spec = str(path)
     for key in data:

@@ -45,6 +45,12 @@ def shorten(value: Any, limit: int = SHOWN_CHARS) -> str:
         f"{text[:limit]}... ({len(text):,} characters)"
 
 
+def shorten_path(path: Any, limit: int = SHOWN_CHARS) -> str:
+    """A path quoted, its start cut when long (the file's name, at the end, is what the reader needs)."""
+    text = str(path)
+    return repr(text) if len(text) <= limit else f"...{text[-limit:]!r} ({len(text):,} characters)"
+
+
 def clip(text: str, limit: int = SHOWN_CHARS) -> str:
     """`text` itself (no quotes), cut to `limit` characters with the full length said."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
@@ -133,7 +139,7 @@ def check_text(value: Any, name: str, *, allow_empty: bool = False, maximum: int
 def read_text_file(path: str | Path, what: str, *, error: type[AutoparError]) -> str:
     """The UTF-8 text of a file, or `error` saying why it cannot be read (missing, a folder, a
     name too long, binary, huge)."""
-    shown = shorten(str(path))
+    shown = shorten_path(path)
     try:
         size = os.stat(path).st_size
         if Path(path).is_dir():

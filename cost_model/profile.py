@@ -151,7 +151,7 @@ def _shown(value: Any) -> str:
 
 
 def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfile:
-    source = source if len(source) <= SHOWN_CHARS else f"{source[:SHOWN_CHARS]}..."
+    source = source if len(source) <= SHOWN_CHARS else f"...{source[-SHOWN_CHARS:]}"  # the file name is the end
     if not isinstance(data, dict):
         raise CostModelInputError(f"profile '{source}': expected a JSON object, got {type(data).__name__}")
     version = data.get("schema_version")
