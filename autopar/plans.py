@@ -52,7 +52,8 @@ class Prediction:
     step_time_s: float
     breakdown_s: dict[str, float]
     """compute, recompute, tp.<collective>, pp.send_recv, bubble, optimizer, weight_cast (the step's
-    bf16 copies of fp32 weights, without FSDP), and the exposed
+    bf16 copies of fp32 weights, without FSDP), gradient_accumulate (adding each microbatch's
+    weight gradients into the fp32 ones), and the exposed
     data-parallel synchronisation: dp.gradient_sync (ZeRO 0) or dp.all_gather, dp.reduce_scatter
     (every microbatch) and dp.all_gather.once, dp.reduce_scatter.once (once per step); with
     optimizer offload offload.h2d, offload.d2h, offload.grad_accumulate and offload.cpu_adam."""

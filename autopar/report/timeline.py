@@ -32,9 +32,10 @@ from autopar.solver.schedule_sim import lay_out
 
 PASS_KINDS = ("forward", "recompute", "backward", "weight")
 TAIL_KINDS = ("dp.gradient_sync", "dp.all_gather.once", "dp.reduce_scatter.once", "pp.tied_weights", "optimizer",
-              "offload.cpu_adam", "weight_cast")
+              "offload.cpu_adam", "weight_cast", "gradient_accumulate")
 """What the step model adds after the pipeline, in the order it is drawn (weight_cast, the step's
-bf16 weight copies, runs before the first forward: it is drawn last, as the next step's start)."""
+bf16 weight copies, runs before the first forward: it is drawn last, as the next step's start;
+gradient_accumulate is spread over the backward passes: drawn as a sum)."""
 
 
 @dataclass(frozen=True, kw_only=True)

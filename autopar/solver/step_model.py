@@ -695,6 +695,7 @@ class StepModel:
         cpu_adam_s = max(self._cpu_adam_s(stage, config) for stage in stages) if config.offload else 0.0
         tied_s = self._tied_sync_s(config)
         cast_s = max(self._weight_cast_s(stage, config) for stage in stages)
+        accumulate_s = max(self._gradient_accumulate_s(stage, config) for stage in stages)
         breakdown = {"compute": m * (slowest.forward_s + slowest.backward_s), "recompute": m * slowest.recompute_s}
         for op, seconds in sorted(slowest.tp_comm_s.items()):
             breakdown[op if op.startswith("cp.") else f"tp.{op}"] = m * seconds
@@ -716,6 +717,8 @@ class StepModel:
         breakdown["optimizer"] = optimizer_s
         if cast_s:
             breakdown["weight_cast"] = cast_s
+        if accumulate_s:
+            breakdown["gradient_accumulate"] = accumulate_s
         if config.offload:
             breakdown["offload.cpu_adam"] = cpu_adam_s
         if tied_s:
@@ -723,7 +726,8 @@ class StepModel:
         peak = max(stages, key=lambda s: s.total_memory_bytes)
         host_peak = max(stages, key=lambda s: sum(s.host_memory_bytes.values()))
         host_fits = not config.offload or sum(host_peak.host_memory_bytes.values()) <= self.host_memory_bytes
-        return Estimate(config=config, step_time_s=pipeline_s + sync_s + optimizer_s + cpu_adam_s + tied_s + cast_s,
+        return Estimate(config=config, step_time_s=pipeline_s + sync_s + optimizer_s + cpu_adam_s + tied_s + cast_s
+                        + accumulate_s,
                         breakdown_s=breakdown, stages=tuple(stages), peak_memory_bytes=peak.total_memory_bytes,
                         memory_bytes=dict(peak.memory_bytes),
                         fits=fits and host_fits and peak.total_memory_bytes <= self.memory_budget_bytes,
@@ -790,6 +794,26 @@ class StepModel:
             return 0.0
         cast_bytes = stage.param_numel * (self.policy.master_bytes + self.policy.param_bytes)
         return cast_bytes / self.compute.bandwidth_bytes_per_s
+
+    def _gradient_accumulate_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
+        """Gradient accumulation over microbatches in autopar's runtime (casts_once_per_step): from
+        the second microbatch on, autograd adds each weight gradient (cast to fp32) into the fp32
+        .grad (read two fp32 tensors, write one); under FSDP2 without a reduce-scatter per
+        microbatch its fused add of the bf16 gradient into the fp32 accumulator moves 4 bytes more
+        than the cast already priced per microbatch (evaluate._add_gradient_cast); with a
+        reduce-scatter per microbatch only the shard accumulates. Megatron-LM accumulates inside the
+        weight-gradient GEMM (not priced: MEGATRON_BF16)."""
+        m = config.num_microbatches
+        if not self.policy.casts_once_per_step or m <= 1 or config.offload:  # offload: on the host (offload.*)
+            return 0.0
+        master = self.policy.master_bytes
+        if not uses_fsdp(config):
+            bytes_per_param = 3 * master
+        elif config.zero_stage >= 2 and config.pp == 1:
+            bytes_per_param = 3 * master / config.data_shards
+        else:  # reads fp32 and bf16, writes fp32 (10 bytes): 4 more than the cast's 6
+            bytes_per_param = master
+        return (m - 1) * stage.param_numel * bytes_per_param / self.compute.bandwidth_bytes_per_s
 
     def _tied_sync_s(self, config: ParallelConfig) -> float:
         first, last = 0, config.pp * config.chunks_per_device - 1

@@ -139,4 +139,28 @@ def test_bf16_weights_are_cast_once_per_step_and_their_copies_held_for_the_step(
         assert "weight_cast" not in sharded.breakdown_s and "weight_copies" not in sharded.memory_bytes
     megatron = model(policy=MEGATRON_BF16).estimate(PreparedSegments.build(segments(), "none"), plain.config)
     assert "weight_cast" not in megatron.breakdown_s and "weight_copies" not in megatron.memory_bytes
-    assert plain.step_time_s == pytest.approx(megatron.step_time_s + plain.breakdown_s["weight_cast"])
+    extra = plain.breakdown_s["weight_cast"] + plain.breakdown_s.get("gradient_accumulate", 0.0)
+    assert plain.step_time_s == pytest.approx(megatron.step_time_s + extra)
+
+
+def test_gradients_of_every_microbatch_after_the_first_are_added_into_the_fp32_ones():
+    """autopar's runtime accumulates over microbatches in fp32: without FSDP autograd reads the
+    fp32 gradient and the new one and writes the sum (12 bytes per weight) from the second
+    microbatch on; FSDP2 with a reduce-scatter per microbatch adds only the shard."""
+    step_model = model()
+    bandwidth = step_model.compute.bandwidth_bytes_per_s
+    numel = 8 * 1e6
+
+    def accumulate_s(m, zero_stage=0):
+        config = ParallelConfig(dp=8, tp=1, pp=1, microbatch_size=1, num_microbatches=m, zero_stage=zero_stage)
+        return step_model.estimate(PreparedSegments.build(segments(), "none"), config).breakdown_s.get(
+            "gradient_accumulate", 0.0)
+
+    assert accumulate_s(1) == 0.0
+    assert accumulate_s(4) == pytest.approx(3 * 12 * numel / bandwidth)
+    assert accumulate_s(4, zero_stage=3) == pytest.approx(3 * 12 * numel / 8 / bandwidth)
+    assert accumulate_s(4, zero_stage=1) == pytest.approx(3 * 4 * numel / bandwidth)
+    megatron = model(policy=MEGATRON_BF16).estimate(
+        PreparedSegments.build(segments(), "none"),
+        ParallelConfig(dp=8, tp=1, pp=1, microbatch_size=1, num_microbatches=4))
+    assert "gradient_accumulate" not in megatron.breakdown_s
