@@ -267,9 +267,12 @@ RAN = (
          notes="SP + selective recompute on 80 GB A100s; 1F1B assumed (2 layers per stage)"),
     _ran("llama3-405b", "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv 2407.21783), Table 4 and section 3.3.2",
          dict(layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, vocab=128256, seq=8192), gpus=16384,
-         cluster="dgx-h100", global_batch=2048, tp=8, pp=16, dp=128, virtual_stages=2, zero=1, recompute="gathers",
+         cluster="dgx-h100", global_batch=2048, tp=8, pp=16, dp=128, virtual_stages=8, zero=2, recompute="gathers",
          notes="no activation checkpointing (Megatron-style SP keeps norm outputs sharded: autopar's 'gathers'); "
-               "interleaved, v=2 assumed; 80 GB H100s"),
+               "interleaved with one layer per virtual stage (section 3.3.2: the first model chunk of the first "
+               "stage holds only the embedding, the last one of the last stage only the output and the loss: "
+               "126 + 2 = 16 x 8); FSDP shards optimizer states and gradients, parameters not resharded after "
+               "forward (ZeRO-2), fp32 gradient accumulation and reduce-scatter; 80 GB H100s"),
 )
 """Configurations that ran as published, without a step time in the reference file: fit checks."""
 

@@ -140,3 +140,19 @@ def test_bf16_weights_are_cast_once_per_step_and_their_copies_held_for_the_step(
     megatron = model(policy=MEGATRON_BF16).estimate(PreparedSegments.build(segments(), "none"), plain.config)
     assert "weight_cast" not in megatron.breakdown_s and "weight_copies" not in megatron.memory_bytes
     assert plain.step_time_s == pytest.approx(megatron.step_time_s + plain.breakdown_s["weight_cast"])
+
+
+def test_zero2_under_pipelining_counts_accumulated_gradients_once_and_at_the_peak():
+    """ZeRO-2 with pp > 1 accumulates every unit's unsharded gradients (reduce dtype, fp32 under
+    BF16_ADAM) until the step's reduce-scatter: they are "gradients", not also FSDP2's per-unit
+    unsharded gradient buffer; with all microbatches held before the first backward (GPipe) the
+    peak carries none of them."""
+    numel, saved = 2 * 1e6, 2 * 1e8  # per stage: two segments
+    for schedule, grads in (("gpipe", 0.0), ("1f1b", 4.0 * numel)):
+        config = ParallelConfig(dp=8, tp=1, pp=4, microbatch_size=1, num_microbatches=8, zero_stage=2,
+                                schedule=schedule)
+        stage = estimate(config).stages[0]
+        assert stage.memory_bytes.get("fsdp_unsharded", 0.0) == 0.0
+        assert stage.memory_bytes["gradients"] == pytest.approx(grads)
+        held = 8 if schedule == "gpipe" else 4
+        assert stage.memory_bytes["activations"] == pytest.approx(held * saved)
