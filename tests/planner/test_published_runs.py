@@ -123,3 +123,17 @@ def test_llama3_405b_as_published_is_priced_with_the_tensors_torch_keeps(llama3_
                                        "See BENCHMARKS.md, issue 11, round 5.")
 def test_llama3_405b_as_published_fits_80_gb(llama3_405b):
     assert llama3_405b.fits, llama3_405b.memory_bytes
+
+
+def test_a_compiled_row_with_an_eager_measurement_has_an_eager_twin():
+    from benchmarks.published_runs import eager_twin
+
+    if "tt-8b-fsdp-8" not in RUNS or "tt-a100-l3-8b" not in RUNS:
+        pytest.skip("rows not in the reference file")
+    twin = eager_twin(RUNS["tt-8b-fsdp-8"])
+    assert twin is not None and twin.float32_norm and twin.published == 6258  # the notes' eager figure
+    run = RUNS["tt-8b-fsdp-8"]
+    assert twin.model.endswith(",norm=float32") and twin.recompute_mode == run.recompute_mode == "op"
+    assert (twin.dp, twin.microbatch, twin.zero, twin.cluster_overrides) == (run.dp, run.microbatch, run.zero,
+                                                                            run.cluster_overrides)
+    assert eager_twin(RUNS["tt-a100-l3-8b"]) is None  # ran eager already
