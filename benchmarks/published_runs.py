@@ -1,7 +1,8 @@
 """Published, measured training runs (shared/reference/published_runs.csv) against autopar's
 prediction of the same configuration.
 
-    .venv/bin/python benchmarks/published_runs.py [--rows kor-22b-sel,tt-8b-fsdp-8] [--breakdown] [--classes] [--ran]
+    .venv/bin/python benchmarks/published_runs.py [--rows kor-22b-sel,tt-8b-fsdp-8] [--breakdown] [--classes]
+        [--compile-gain] [--ran]
 
 Each row's model, cluster (with the figures the source states, as a cluster TOML) and
 configuration (tp, pp, dp, microbatch, interleaving, ZeRO/FSDP stage, recomputation) is priced
@@ -23,9 +24,13 @@ compute of data-parallel rows by op class (matmul, attention, norm, elementwise,
 rate the matmul-class kernels are priced at (attention's FLOPs as torch counts them: the whole
 s x s, also under a causal mask).
 
+`--compile-gain` prices a compiled row whose notes give an eager measurement ("eager FSDP
+measured 6258") also as that eager run (float32-composite norms) and prints the modelled gain
+beside the measured one, with what the compiled pricing removes per op class.
+
 `--ran` adds configurations that were run as published but whose step time is not in the
 reference file (Llama 3 405B on 16,384 H100s as Meta trained it; Korthikanti et al.'s 530B and
-1T): they ran, so they must be predicted to fit. Their captures take minutes.
+1T): they ran, so they must be predicted to fit (block reuse: seconds to capture each).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from autopar import api
@@ -51,6 +56,7 @@ _MEMORY_NOTE = re.compile(r"(\d+(?:\.\d+)?)\s*(GiB|GB)\s+(?:used|measured)")
 _OP_LEVEL = re.compile(r"\bop(?:-level)? (?:SAC|AC)\b|\bselective op AC\b", re.IGNORECASE)
 _EAGER = re.compile(r"\beager \(compile off", re.IGNORECASE)
 _POWER_CAP = re.compile(r"power-capped at (\d+(?:\.\d+)?)\s*W\b", re.IGNORECASE)
+_EAGER_MEASURED = re.compile(r"\beager\b[^;]*?\bmeasured (\d+(?:\.\d+)?)", re.IGNORECASE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,9 +273,12 @@ RAN = (
          notes="SP + selective recompute on 80 GB A100s; 1F1B assumed (2 layers per stage)"),
     _ran("llama3-405b", "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv 2407.21783), Table 4 and section 3.3.2",
          dict(layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, vocab=128256, seq=8192), gpus=16384,
-         cluster="dgx-h100", global_batch=2048, tp=8, pp=16, dp=128, virtual_stages=2, zero=1, recompute="gathers",
+         cluster="dgx-h100", global_batch=2048, tp=8, pp=16, dp=128, virtual_stages=8, zero=2, recompute="gathers",
          notes="no activation checkpointing (Megatron-style SP keeps norm outputs sharded: autopar's 'gathers'); "
-               "interleaved, v=2 assumed; 80 GB H100s"),
+               "interleaved with one layer per virtual stage (section 3.3.2: the first model chunk of the first "
+               "stage holds only the embedding, the last one of the last stage only the output and the loss: "
+               "126 + 2 = 16 x 8); FSDP shards optimizer states and gradients, parameters not resharded after "
+               "forward (ZeRO-2), fp32 gradient accumulation and reduce-scatter; 80 GB H100s"),
 )
 """Configurations that ran as published, without a step time in the reference file: fit checks."""
 
@@ -281,6 +290,9 @@ def main() -> int:
     parser.add_argument("--ran", action="store_true", help="add the configurations that ran (fit checks; slow)")
     parser.add_argument("--classes", action="store_true",
                         help="also print each data-parallel row's compute by op class (matmul, attention, ...)")
+    parser.add_argument("--compile-gain", action="store_true",
+                        help="for compiled rows whose notes give an eager measurement: modelled vs measured gain, "
+                             "and what the model's compiled pricing removes, by op class")
     args = parser.parse_args()
     runs = read_runs() + (list(RAN) if args.ran else [])
     if args.rows:
@@ -299,6 +311,8 @@ def main() -> int:
                 _print_breakdown(outcome.estimate)
             if args.classes:
                 _print_classes(run, Path(directory))
+            if args.compile_gain:
+                _print_compile_gain(outcome, Path(directory))
     errors = [abs(outcome.error) for outcome in outcomes if outcome.error == outcome.error]
     if errors:
         print(f"\nmedian absolute error {100 * statistics.median(errors):.1f}%, "
@@ -359,6 +373,41 @@ def _print_classes(run: Run, directory: Path) -> None:
                 if forward_flops and backward_flops else "")
         parts.append(f"{name} {steps * forward:.3g}+{steps * backward:.3g}{rate}")
     print(f"|   | compute by op class, forward+backward s per step ({steps} microbatches): {', '.join(parts)} |")
+
+
+def eager_twin(run: Run) -> Run | None:
+    """The row as its source's eager measurement ran (float32-composite norms, the notes' figure
+    as published), for compiled rows whose notes state one; None otherwise."""
+    measured = _EAGER_MEASURED.search(run.notes)
+    if measured is None or run.float32_norm or run.family != "llama":
+        return None
+    return replace(run, id=run.id + ":eager", published=float(measured.group(1)),
+                   notes=run.notes + "; eager (compile off: the notes' eager measurement)")
+
+
+def _print_compile_gain(outcome: Outcome, directory: Path) -> None:
+    """What the model's compiled pricing (fused norms) removes from its eager one (the float32
+    composite), by op class, against the gain the source measured."""
+    run = outcome.run
+    eager = eager_twin(run)
+    if eager is None:
+        return
+    eager_outcome = evaluate_run(eager, directory)
+    steps = run.global_batch // run.microbatch // run.dp
+    compiled_classes, eager_classes = class_times(run, directory), class_times(eager, directory)
+    removed = []
+    for name in sorted(set(compiled_classes) | set(eager_classes)):
+        before = sum(eager_classes.get(name, (0.0, 0.0))[:2])
+        after = sum(compiled_classes.get(name, (0.0, 0.0))[:2])
+        if abs(before - after) > 1e-6:
+            removed.append(f"{name} {steps * (before - after) * 1e3:+.0f} ms")
+    recompute = (eager_outcome.estimate.breakdown_s.get("recompute", 0.0)
+                 - outcome.estimate.breakdown_s.get("recompute", 0.0))
+    modelled = eager_outcome.estimate.step_time_s / outcome.estimate.step_time_s
+    measured = run.published / eager.published if run.metric != "step_time_s" else eager.published / run.published
+    print(f"|   | compile gain: modelled {modelled:.3f}x (eager {eager_outcome.predicted:.4g}, "
+          f"{100 * eager_outcome.error:+.1f}% of its measured {eager.published:g}), measured {measured:.3f}x; "
+          f"the compiled pricing removes per step: {', '.join(removed)}, recompute {recompute * 1e3:+.0f} ms |")
 
 
 if __name__ == "__main__":

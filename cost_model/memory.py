@@ -177,6 +177,77 @@ def _interleaved_held(rank: int, p: int, v: int, m: int) -> tuple[int, ...]:
     return best
 
 
+def accumulated_gradient_peak(schedule: str, *, rank: int, num_stages: int, num_microbatches: int,
+                              virtual_stages: int, chunk_activation_bytes: tuple[float, ...],
+                              chunk_gradient_bytes: tuple[float, ...]) -> tuple[float, float] | None:
+    """(activation bytes, gradient bytes) a pipeline rank holds at its peak of the two together,
+    when each local chunk's gradients are accumulated unsharded from that chunk's first backward
+    of the step until the step's reduce-scatter frees them (FSDP2 and ZeRO-2/3 runtimes under
+    pipelining: no gradient sync before the last microbatch, the accumulator allocated by the
+    first gradient written into it, freed after the step's reduce-scatter). A rank that holds its
+    warmup's activations before any backward has no gradient yet at that moment; its first
+    backward of a chunk fills that chunk's accumulator as it frees the microbatch's activations.
+
+    Walks the rank's order as `_interleaved_held` does (GPipe: all forwards first; 1F1B: p - 1 -
+    rank warmup forwards; interleaved: (v - 1) p + 2 (p - 1 - rank)). None for the zero-bubble
+    schedules (their weight-gradient passes are deferred: gradients counted whole there) and for
+    one stage."""
+    if num_stages <= 1 or schedule not in ("gpipe", "1f1b", "interleaved"):
+        return None
+    p, m = num_stages, num_microbatches
+    v = virtual_stages if schedule == "interleaved" else 1
+    if schedule == "interleaved" and v <= 1:
+        return None  # priced as microbatches_in_flight counts it
+    if len(chunk_activation_bytes) != v or len(chunk_gradient_bytes) != v:
+        raise ValueError(f"one activation and one gradient size per local chunk ({v}), got "
+                         f"{len(chunk_activation_bytes)} and {len(chunk_gradient_bytes)}")
+    return _accumulated_gradient_peak(schedule, rank, p, v, m, tuple(chunk_activation_bytes),
+                                      tuple(chunk_gradient_bytes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _accumulated_gradient_peak(schedule: str, rank: int, p: int, v: int, m: int, activations: tuple[float, ...],
+                               gradients: tuple[float, ...]) -> tuple[float, float]:
+    total = m * v
+    if schedule == "gpipe":
+        warmup = total
+    elif v == 1:
+        warmup = min(p - 1 - rank, total)
+    else:
+        warmup = min((v - 1) * p + 2 * (p - 1 - rank), total)
+    held, touched = [0] * v, [False] * v
+    best, best_total = (0.0, 0.0), -1.0
+    forwards = backwards = 0
+
+    def note() -> None:
+        nonlocal best, best_total
+        held_bytes = sum(count * size for count, size in zip(held, activations))
+        grad_bytes = sum((size for seen, size in zip(touched, gradients) if seen), 0.0)
+        if held_bytes + grad_bytes > best_total:
+            best, best_total = (held_bytes, grad_bytes), held_bytes + grad_bytes
+
+    def forward() -> None:
+        nonlocal forwards
+        held[(forwards // p) % v] += 1
+        forwards += 1
+        note()
+
+    while forwards < warmup:
+        forward()
+    while backwards < total:
+        if forwards < total:
+            forward()
+        chunk = v - 1 - (backwards // p) % v
+        # One backward frees the microbatch's activations of the chunk layer by layer as it
+        # fills the chunk's gradients: the larger of the two ends, before (noted after the last
+        # forward) and after it, bounds it.
+        touched[chunk] = True
+        held[chunk] -= 1
+        backwards += 1
+        note()
+    return best
+
+
 def activation_memory(saved_bytes_per_microbatch: float, *, schedule: str, stage: int, num_stages: int,
                       num_microbatches: int, virtual_stages: int = 1) -> float:
     """Peak saved-activation bytes on one pipeline stage."""

@@ -86,8 +86,8 @@ from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
 from cost_model.fsdp import FsdpTimeline, copy_bytes, timelines_of_arrays, unsharded_bytes
-from cost_model.memory import (PrecisionPolicy, chunk_microbatches_in_flight, microbatches_in_flight,
-                               model_state_memory)
+from cost_model.memory import (PrecisionPolicy, accumulated_gradient_peak, chunk_microbatches_in_flight,
+                               microbatches_in_flight, model_state_memory)
 
 __all__ = ["RECOMPUTE_MODES", "SCHEDULES", "ParallelConfig", "Estimate", "StepModel", "PreparedSegments",
            "recompute_comm_s", "recompute_compute_s", "weight_grad_s"]
@@ -400,7 +400,8 @@ class StepModel:
         (the same segments in every mode, microbatches in flight and sends) decide once."""
         key = (place.signature(prepared), tuple(place.signature(segments) for segments in lighter.values()),
                tuple(place.in_flight), place.p2p_s, config.dp, config.cp, config.tp, config.pp, config.zero_stage,
-               config.ep, config.offload, config.num_microbatches if config.offload else 0, config.recompute)
+               config.ep, config.offload, config.num_microbatches if config.offload else 0, config.recompute,
+               place.stage if _accumulates_unsharded(config) else None)  # the peak follows the rank's order there
         if key not in prepared.lightest_cache:
             prepared.lightest_cache[key] = self._lightest_uncached(prepared, place, config, lighter)
         mode = prepared.lightest_cache[key]
@@ -449,7 +450,7 @@ class StepModel:
     def _workspace_terms(self, prepared: PreparedSegments, config: ParallelConfig, own, *,
                          with_fsdp: bool = True, signature: tuple[int, ...] | None = None) -> dict[str, float]:
         key = (prepared.signature(own) if signature is None else signature, with_fsdp, config.recompute == "none", config.zero_stage, config.data_shards,
-               config.offload, _num_communicators(config))
+               config.offload, _num_communicators(config), _accumulates_unsharded(config))
         if key not in prepared.workspace_cache:
             prepared.workspace_cache[key] = self._workspace_terms_uncached(prepared, config, own, with_fsdp)
         return dict(prepared.workspace_cache[key])
@@ -459,10 +460,13 @@ class StepModel:
         recompute = prepared.max_recomputed_bytes if config.recompute != "none" else 0.0
         fsdp = 0.0
         if with_fsdp and config.zero_stage >= 2 and (config.data_shards > 1 or config.offload):  # offload: FSDP2 even at dp = 1
-            # ZeRO-2 keeps parameters gathered (counted as "parameters"): only a unit's gradients.
+            # ZeRO-2 keeps parameters gathered (counted as "parameters"): only a unit's gradients,
+            # and not even those where every unit's unsharded gradients are counted as
+            # "gradients" (accumulated until the step's reduce-scatter under pipelining).
             param_bytes = self.policy.fsdp_gather_bytes if config.zero_stage == 3 else 0.0
+            accumulated = _accumulates_unsharded(config) and not config.offload
             fsdp = unsharded_bytes(prepared.values("param_numel", own), param_bytes=param_bytes,
-                                   grad_bytes=self.policy.dp_reduce_bytes)
+                                   grad_bytes=0.0 if accumulated else self.policy.dp_reduce_bytes)
         gradients = 0.0
         if prepared.grad_workspace_bytes is not None and len(prepared):
             gradients = max([0.0, *prepared.values("grad_workspace_bytes", own)])
@@ -520,12 +524,26 @@ class StepModel:
     def _stage_memory_bytes(self, prepared: PreparedSegments, place: Placement, config) -> float:
         """_stage(...).total_memory_bytes, without building the stage."""
         parts = self._stage_parts_cached(place.own, prepared, config, place.p2p_s, place.signature(prepared))
-        return sum(self._stage_memory(parts, prepared, place.own, place.in_flight).values())
+        return sum(self._stage_memory(parts, prepared, place.own, place.in_flight, config, place.stage).values())
 
-    def _stage_memory(self, parts: dict, prepared: PreparedSegments, own, in_flight: list[float]) -> dict[str, float]:
-        """A stage's memory by term: its parts' (_stage_parts) with its activations added."""
-        activations = sum(count * prepared.total("activation_bytes", (span,)) for count, span in zip(in_flight, own))
+    def _stage_memory(self, parts: dict, prepared: PreparedSegments, own, in_flight: list[float],
+                      config: ParallelConfig, rank: int) -> dict[str, float]:
+        """A stage's memory by term: its parts' (_stage_parts) with its activations added. Where
+        gradients accumulate unsharded until the step's reduce-scatter (_accumulates_unsharded),
+        activations and gradients are those at the rank's peak of the two together: a chunk has
+        no gradients before its first backward of the step."""
+        chunk_activations = [prepared.total("activation_bytes", (span,)) for span in own]
+        activations = sum(count * size for count, size in zip(in_flight, chunk_activations))
         memory = dict(parts["memory_bytes"])
+        if _accumulates_unsharded(config) and config.ep == 1 and not config.offload:
+            chunk_gradients = tuple(prepared.total("param_numel", (span,)) * self.policy.dp_reduce_bytes for span in own)
+            peak = accumulated_gradient_peak(config.schedule, rank=rank, num_stages=config.pp,
+                                             num_microbatches=config.num_microbatches,
+                                             virtual_stages=config.chunks_per_device,
+                                             chunk_activation_bytes=tuple(chunk_activations),
+                                             chunk_gradient_bytes=chunk_gradients)
+            if peak is not None:
+                activations, memory["gradients"] = peak
         memory["activations"] = activations
         memory["fragmentation"] += self.allocator.fragmentation_bytes(activations)
         return memory
@@ -535,7 +553,7 @@ class StepModel:
         # Identical stages (a deep model's middle ones) share everything but their activations,
         # which depend on the microbatches in flight, and their names.
         parts = self._stage_parts_cached(own, prepared, config, p2p, signature)
-        memory = self._stage_memory(parts, prepared, own, in_flight)
+        memory = self._stage_memory(parts, prepared, own, in_flight, config, stage)
         chunks = tuple(tuple(prepared.names[span.start:span.stop]) for span in own)
         # The other dicts are shared between identical stages: nothing changes a priced stage.
         return StageEstimate(index=stage, span=StageSpan(own[0].start, own[-1].stop),
@@ -561,7 +579,7 @@ class StepModel:
         params, grads, optimizer = self._states(numel, expert_numel, config)
         numel -= expert_numel * (1 - 1 / config.ep)
         copies = numel * self.weight_copy_bytes(config)
-        if config.pp > 1 and config.zero_stage >= 2 and config.data_shards > 1:
+        if _accumulates_unsharded(config):
             # Without gradient sync until the last microbatch FSDP2 accumulates unsharded gradients.
             grads = numel * self.policy.dp_reduce_bytes
         host: dict[str, float] = {}
@@ -896,6 +914,12 @@ def _in_flight_of(schedule: str, stage: int, num_stages: int, num_microbatches: 
     return chunk_microbatches_in_flight(schedule, rank=rank, chunk=stage // num_stages,
                                         num_stages=num_stages, num_microbatches=num_microbatches,
                                         virtual_stages=virtual_stages)
+
+
+def _accumulates_unsharded(config: ParallelConfig) -> bool:
+    """FSDP (ZeRO-2/3) under pipelining: no gradient sync before the last microbatch, so every
+    chunk's gradients accumulate unsharded in the reduce dtype until the step's reduce-scatter."""
+    return config.pp > 1 and config.zero_stage >= 2 and config.data_shards > 1
 
 
 def _num_communicators(config: ParallelConfig) -> int:

@@ -56,3 +56,30 @@ def test_interleaved_chunks_are_held_in_the_schedules_order():
     # all m v forwards fit in rank 0's warmup: every microbatch of every chunk held
     assert [chunk_microbatches_in_flight("interleaved", rank=0, chunk=c, num_stages=p, num_microbatches=p,
                                          virtual_stages=v) for c in range(v)] == [p] * v
+
+
+def test_accumulated_gradients_are_not_held_before_the_first_backward():
+    """Gradients accumulated unsharded until the step's reduce-scatter (FSDP under pipelining)
+    exist from a chunk's first backward; a rank holding every microbatch before its first
+    backward has none at that moment, then each backward frees a microbatch as it fills a chunk."""
+    from cost_model.memory import accumulated_gradient_peak
+
+    def peak(schedule, rank, p, m, activations, gradients):
+        return accumulated_gradient_peak(schedule, rank=rank, num_stages=p, num_microbatches=m,
+                                         virtual_stages=len(activations), chunk_activation_bytes=activations,
+                                         chunk_gradient_bytes=gradients)
+
+    # GPipe holds all m first: the peak is theirs while a microbatch outweighs the gradients ...
+    assert peak("gpipe", 0, 4, 4, (10.0,), (5.0,)) == (40.0, 0.0)
+    # ... and m - 1 microbatches with the gradients where these weigh more.
+    assert peak("gpipe", 0, 4, 4, (10.0,), (15.0,)) == (30.0, 15.0)
+    # 1F1B with more microbatches than it holds: the steady state holds p - rank with the gradients.
+    assert peak("1f1b", 0, 4, 8, (10.0,), (5.0,)) == (40.0, 5.0)
+    assert peak("1f1b", 2, 4, 8, (10.0,), (5.0,)) == (20.0, 5.0)
+    # Interleaved, m = p: every chunk's microbatches are held before the first backward (of the
+    # last chunk), whose gradients the peak then carries, one microbatch of that chunk freed.
+    assert peak("interleaved", 1, 4, 4, (1.0, 2.0), (3.0, 4.0)) == (4 * 3.0 - 2.0, 4.0)
+    assert peak("zbv", 0, 4, 8, (1.0, 1.0), (1.0, 1.0)) is None  # deferred W passes: gradients whole
+    with pytest.raises(ValueError, match="per local chunk"):
+        accumulated_gradient_peak("interleaved", rank=0, num_stages=2, num_microbatches=2, virtual_stages=2,
+                                  chunk_activation_bytes=(1.0,), chunk_gradient_bytes=(1.0,))

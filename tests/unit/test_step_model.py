@@ -164,3 +164,19 @@ def test_gradients_of_every_microbatch_after_the_first_are_added_into_the_fp32_o
         PreparedSegments.build(segments(), "none"),
         ParallelConfig(dp=8, tp=1, pp=1, microbatch_size=1, num_microbatches=4))
     assert "gradient_accumulate" not in megatron.breakdown_s
+
+
+def test_zero2_under_pipelining_counts_accumulated_gradients_once_and_at_the_peak():
+    """ZeRO-2 with pp > 1 accumulates every unit's unsharded gradients (reduce dtype, fp32 under
+    BF16_ADAM) until the step's reduce-scatter: they are "gradients", not also FSDP2's per-unit
+    unsharded gradient buffer; with all microbatches held before the first backward (GPipe) the
+    peak carries none of them."""
+    numel, saved = 2 * 1e6, 2 * 1e8  # per stage: two segments
+    for schedule, grads in (("gpipe", 0.0), ("1f1b", 4.0 * numel)):
+        config = ParallelConfig(dp=8, tp=1, pp=4, microbatch_size=1, num_microbatches=8, zero_stage=2,
+                                schedule=schedule)
+        stage = estimate(config).stages[0]
+        assert stage.memory_bytes.get("fsdp_unsharded", 0.0) == 0.0
+        assert stage.memory_bytes["gradients"] == pytest.approx(grads)
+        held = 8 if schedule == "gpipe" else 4
+        assert stage.memory_bytes["activations"] == pytest.approx(held * saved)
