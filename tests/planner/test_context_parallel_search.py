@@ -53,10 +53,11 @@ def test_8k_sequences_need_no_context_parallelism():
     assert without.mesh["cp"] == 1 and without.predicted.fits
     gap_s = without.predicted.step_time_s - best.predicted.step_time_s
     assert gap_s <= 0.3 * best.predicted.step_time_s, (best.summary(), without.summary())
-    # At 8K tokens cp saves no compute (attention is a small share): what separates the plans
-    # is how the mesh lays out (pipeline fill, collectives over dp, tp and pp).
+    # At 8K tokens cp saves no compute (attention is a small share): the plans' compute differs
+    # only by their kernels' shapes (tp 4 or 8, microbatch 1 or 2: a few percent), and what
+    # separates them is how the mesh lays out (pipeline fill, collectives over dp, tp and pp).
     compute = lambda plan: plan.predicted.breakdown_s["compute"]  # noqa: E731
-    assert compute(best) == pytest.approx(compute(without), rel=0.02), (best.summary(), without.summary())
+    assert compute(best) == pytest.approx(compute(without), rel=0.05), (best.summary(), without.summary())
     layout = lambda plan: sum(seconds for term, seconds in plan.predicted.breakdown_s.items()  # noqa: E731
                               if term == "bubble" or term.split(".")[0] in ("dp", "tp", "pp"))
     assert layout(without) - layout(best) >= 0.5 * gap_s, (best.summary(), without.summary())
