@@ -69,7 +69,7 @@ Memory of stage k = model states (ZeRO, memory.py) + in_flight(k) x sum_{S_k} a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -82,10 +82,12 @@ from autopar.solver.recompute import RECOMPUTE_MODES
 from autopar.solver.pipeline import ChainCosts, StageSpan, partition, rank_of, stages_of_rank
 from autopar.solver.placement import Placement
 from autopar.solver.schedule_sim import uniform_bubble_s
+from autopar.solver.step_fsdp import StepFsdp, fsdp_notes
+from autopar.solver.step_tail import StepTail, uses_fsdp
 from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
-from cost_model.fsdp import FsdpTimeline, copy_bytes, timelines_of_arrays, unsharded_bytes
+from cost_model.fsdp import FsdpTimeline, unsharded_bytes
 from cost_model.memory import (PrecisionPolicy, accumulated_gradient_peak, chunk_microbatches_in_flight,
                                microbatches_in_flight, model_state_memory)
 
@@ -230,7 +232,7 @@ class Staged:
 
 
 @dataclass
-class StepModel:
+class StepModel(StepFsdp, StepTail):
     """Prices configurations of one model on one cluster (segment costs come in per (tp, b))."""
 
     devices_per_node: int
@@ -615,96 +617,8 @@ class StepModel:
                          for i in indices if forward[i] or backward[i] or imbalance[i])
         return parts, segments
 
-    def _fsdp(self, prepared: PreparedSegments, own, config: ParallelConfig):
-        """(timeline, exposed seconds by collective per microbatch, once per step, and exposed
-        offload copies per microbatch by term)."""
-        if not uses_fsdp(config):
-            return None, {}, {}, {}
-        # What the timeline depends on: identical stages (the middle ones of a deep model) share one.
-        key = (prepared.signature(own), config.data_shards, config.pp, config.tp, config.zero_stage,
-               config.offload, config.num_microbatches if config.offload else 0)
-        if key not in prepared.fsdp_cache:
-            prepared.fsdp_cache[key] = self._fsdp_uncached(prepared, own, config)
-        timeline, per_microbatch, step_end, offload = prepared.fsdp_cache[key]
-        return timeline, dict(per_microbatch), dict(step_end), dict(offload)
-
-    def _fsdp_uncached(self, prepared: PreparedSegments, own, config: ParallelConfig):
-        group = self._data_shard_group(config)
-        indices = [i for span in own for i in range(span.start, span.stop)]
-        numel = prepared.param_numel[indices]
-        # Identical blocks: price each size once (np.unique's sorted sizes, without its cost on a
-        # stage's few segments).
-        listed = numel.tolist()
-        sizes = sorted(set(listed))
-        position = {size: index for index, size in enumerate(sizes)}
-        inverse = [position[size] for size in listed]
-        gather = [self.comm.time_s("all_gather", float(size) * self.policy.fsdp_gather_bytes, group) for size in sizes]
-        scatter = [self.comm.time_s("reduce_scatter", float(size) * self.policy.dp_reduce_bytes, group)
-                   for size in sizes]
-        forward = prepared.forward_s[indices]
-        arrays = dict(forward_s=forward.tolist(), backward_s=(prepared.time_s[indices] - forward).tolist(),
-                      gather_s=[gather[i] for i in inverse], scatter_s=[scatter[i] for i in inverse])
-        reshard = config.zero_stage == 3
-        offload: dict[str, float] = {}
-        if config.offload:
-            arrays, offload, overlapped = self._with_offload_copies(arrays, np.asarray(sizes), np.asarray(inverse),
-                                                                    config, reshard)
-        timeline, gathers_only_s = timelines_of_arrays(**arrays, reshard_after_forward=reshard)
-        scatter_s = max(0.0, timeline.exposed_s - gathers_only_s)
-        per_microbatch: dict[str, float] = {}
-        step_end: dict[str, float] = {}
-        # ZeRO-3 gathers in every microbatch; ZeRO-1/2 keep parameters gathered from the first
-        # forward to the last backward (codegen's set_reshard_after_backward, and what
-        # torch.distributed.pipelining does under FSDP2), so their gathers are exposed once.
-        (per_microbatch if reshard else step_end)["all_gather"] = gathers_only_s
-        # Gradients are reduce-scattered every microbatch by ZeRO-2/3 without pipelining; ZeRO-1
-        # and any ZeRO under pipelining (set_requires_gradient_sync) reduce once, in the last.
-        (per_microbatch if config.zero_stage >= 2 and config.pp == 1 else step_end)["reduce_scatter"] = scatter_s
-        copy_out, copy_in = copy_bytes(float(numel.sum()), gather_bytes=self.policy.fsdp_gather_bytes,
-                                       reduce_bytes=self.policy.dp_reduce_bytes)  # FSDP2's copies (cost_model/fsdp.py)
-        bandwidth = self.compute.bandwidth_bytes_per_s
-        (per_microbatch if reshard else step_end)["copy_out"] = (2 if reshard else 1) * copy_out / bandwidth
-        reduces_each_microbatch = config.zero_stage >= 2 and config.pp == 1
-        if not (reduces_each_microbatch and self.policy.casts_once_per_step):
-            # (Under casts_once_per_step each microbatch's copy-in is the gradients' cast to the
-            # reduce dtype, already in the segments' backward: evaluate._add_gradient_cast.)
-            (per_microbatch if reduces_each_microbatch else step_end)["copy_in"] = copy_in / bandwidth
-        if config.offload:
-            # The copies' share of the exposed time is priced as offload.*, not as collectives.
-            per_microbatch["all_gather"] = max(0.0, per_microbatch["all_gather"] - offload.get("offload.h2d", 0.0))
-            per_microbatch["reduce_scatter"] = max(0.0, per_microbatch["reduce_scatter"] - overlapped["offload.d2h"])
-            for op, seconds in per_microbatch.items():  # round-off of the subtractions
-                per_microbatch[op] = seconds if seconds > 1e-9 * timeline.compute_s else 0.0
-        return timeline, per_microbatch, step_end, offload
-
-    def _with_offload_copies(self, arrays: dict, sizes, inverse, config: ParallelConfig, reshard: bool):
-        """The FSDP2 arrays with each unit's host copies on the collectives' streams, and the exposed
-        seconds per microbatch the copies add (by term; see the module docstring), and what of
-        those the collectives' own exposure now holds."""
-        link = self.host_link_bytes_per_s
-        shard = sizes / config.data_shards
-        h2d = (shard * self.policy.master_bytes / link)[inverse].tolist()  # the fp32 shard, cast on the device
-        d2h = (shard * self.policy.dp_reduce_bytes / link)[inverse].tolist()
-        base, _ = timelines_of_arrays(**arrays, reshard_after_forward=reshard)
-        copied_in = dict(arrays, gather_s=[g + c for g, c in zip(arrays["gather_s"], h2d)])
-        with_h2d, _ = timelines_of_arrays(**copied_in, reshard_after_forward=reshard)
-        both = dict(copied_in, scatter_s=[r + c for r, c in zip(arrays["scatter_s"], d2h)])
-        with_both, _ = timelines_of_arrays(**both, reshard_after_forward=reshard)
-        m = config.num_microbatches
-        # From the second microbatch on the D2H copy is blocking (it feeds the host's gradient
-        # accumulation, FSDP2's to_accumulate_grad): all of it is exposed, plus the host's add
-        # (read two fp32 shards, write one).
-        accumulate_s = float(shard[inverse].sum()) * 3 * self.policy.dp_reduce_bytes / self.host_memory_bandwidth_bytes_per_s
-        blocking_d2h_s = sum(d2h)
-        overlapped = {"offload.h2d": max(0.0, with_h2d.exposed_s - base.exposed_s),
-                      "offload.d2h": max(0.0, with_both.exposed_s - with_h2d.exposed_s)}
-        terms = {"offload.h2d": overlapped["offload.h2d"],
-                 "offload.d2h": (overlapped["offload.d2h"] + (m - 1) * blocking_d2h_s) / m,
-                 "offload.grad_accumulate": (m - 1) * accumulate_s / m}
-        return both, terms, overlapped
-
     def assemble(self, stages: list[StageEstimate], fits: bool, config: ParallelConfig) -> Estimate:
-        m, p = config.num_microbatches, config.pp
+        m = config.num_microbatches
         slowest = max(stages, key=lambda s: s.time_per_microbatch_s)
         t_max = slowest.time_per_microbatch_s
         pipeline_s = pipeline_time_s(config, stages, slowest)
@@ -751,103 +665,6 @@ class StepModel:
                         fits=fits and host_fits and peak.total_memory_bytes <= self.memory_budget_bytes,
                         notes=fsdp_notes(slowest, config) + self._offload_notes(host_peak, config),
                         host_memory_bytes=dict(host_peak.host_memory_bytes))
-
-    def _cpu_adam_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
-        """The optimizer step on the CPU over this device's shard, memory-bound like the device's."""
-        numel = stage.param_numel / config.data_shards
-        return numel * self.optimizer_io_bytes_per_param / self.host_memory_bandwidth_bytes_per_s
-
-    def _offload_notes(self, stage: StageEstimate, config: ParallelConfig) -> tuple[str, ...]:
-        if not config.offload:
-            return ()
-        host = sum(stage.host_memory_bytes.values())
-        rate = self.host_memory_bandwidth_bytes_per_s / self.optimizer_io_bytes_per_param
-        return (f"optimizer offload (FSDP2 CPUOffloadPolicy): {host / 2**30:.3g} GiB of parameters, gradients and "
-                f"Adam states per device in host memory ({self.host_memory_bytes / 2**30:.3g} GiB per device); "
-                f"host link {self.host_link_bytes_per_s / 1e9:.3g} GB/s, CPU Adam "
-                f"{rate / 1e9:.3g} G parameters/s",)
-
-    def _data_shard_group(self, config: ParallelConfig):
-        """The ranks that reduce gradients (and FSDP shards over): dp x cp, cp inside dp in the
-        (pp, dp, cp, tp) layout, so one flattened axis."""
-        key = (config.pp, config.data_shards, config.tp)
-        if key not in self._group_cache:
-            mesh = Mesh(axis_names=("pp", "dp_cp", "tp"), shape=key, devices_per_node=self.devices_per_node)
-            self._group_cache[key] = mesh.group(1)
-        return self._group_cache[key]
-
-    def _dp_group_time(self, op: str, message_bytes: float, config: ParallelConfig) -> float:
-        return self.comm.time_s(op, message_bytes, self._data_shard_group(config))
-
-    def _dp_sync_exposed_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
-        """Synchronisation after the pipeline: ZeRO-0's all-reduce tail, ZeRO-1's last
-        reduce-scatter (ZeRO-2/3 are inside each microbatch's stage time)."""
-        if config.data_shards <= 1:
-            return 0.0
-        if config.zero_stage >= 1:
-            return sum(stage.fsdp_step_end_s.values())
-        grad_bytes = (stage.param_numel - stage.expert_param_numel) * self.policy.dp_reduce_bytes
-        num_buckets = max(1, len(stage.segment_names))
-        backward_one = stage.backward_s + stage.recompute_s
-        sync = self._dp_group_time("all_reduce", grad_bytes, config)
-        if stage.expert_param_numel and config.dp > config.ep:
-            # Expert gradients are complete within the expert group: reduced over the dp / ep
-            # ranks that hold the same experts (stride ep x tp).
-            replicas = Mesh(axis_names=("pp", "dp_rep", "ep", "tp"),
-                            shape=(config.pp, config.dp // config.ep, config.ep, config.tp),
-                            devices_per_node=self.devices_per_node).group(1)
-            sync += self.comm.time_s("all_reduce", stage.expert_param_numel * self.policy.dp_reduce_bytes, replicas)
-        return max(sync - backward_one, sync / num_buckets)
-
-    def _optimizer_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
-        numel = stage.param_numel / (config.data_shards if config.zero_stage >= 1 else 1)
-        return numel * self.optimizer_io_bytes_per_param / self.compute.bandwidth_bytes_per_s
-
-    def _weight_cast_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
-        """The step's bf16 copies of the weights (PrecisionPolicy.casts_once_per_step), made when
-        the step starts, before the first forward: exposed on the first pipeline rank, and priced
-        on every rank alike (an upper bound: a later rank's cast overlaps its wait for the first
-        microbatch). Under FSDP2 the cast is on the shard, in the all-gather's copy-in stream."""
-        if not self.policy.casts_once_per_step or uses_fsdp(config):
-            return 0.0
-        cast_bytes = stage.param_numel * (self.policy.master_bytes + self.policy.param_bytes)
-        return cast_bytes / self.compute.bandwidth_bytes_per_s
-
-    def _gradient_accumulate_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
-        """Gradient accumulation over microbatches in autopar's runtime (casts_once_per_step): from
-        the second microbatch on, autograd adds each weight gradient (cast to fp32) into the fp32
-        .grad (read two fp32 tensors, write one); under FSDP2 without a reduce-scatter per
-        microbatch its fused add of the bf16 gradient into the fp32 accumulator moves 4 bytes more
-        than the cast already priced per microbatch (evaluate._add_gradient_cast); with a
-        reduce-scatter per microbatch only the shard accumulates. Megatron-LM accumulates inside the
-        weight-gradient GEMM (not priced: MEGATRON_BF16)."""
-        m = config.num_microbatches
-        if not self.policy.casts_once_per_step or m <= 1 or config.offload:  # offload: on the host (offload.*)
-            return 0.0
-        master = self.policy.master_bytes
-        if not uses_fsdp(config):
-            bytes_per_param = 3 * master
-        elif config.zero_stage >= 2 and config.pp == 1:
-            bytes_per_param = 3 * master / config.data_shards
-        else:  # reads fp32 and bf16, writes fp32 (10 bytes): 4 more than the cast's 6
-            bytes_per_param = master
-        return (m - 1) * stage.param_numel * bytes_per_param / self.compute.bandwidth_bytes_per_s
-
-    def _tied_sync_s(self, config: ParallelConfig) -> float:
-        first, last = 0, config.pp * config.chunks_per_device - 1
-        if config.pp <= 1 or not self.tied_param_numel or \
-                rank_of(config.schedule, stage=first, num_ranks=config.pp) == \
-                rank_of(config.schedule, stage=last, num_ranks=config.pp):
-            return 0.0
-        crosses = config.data_shards * config.tp * (config.pp - 1) >= self.devices_per_node
-        return 2 * self.comm.send_recv_s(self.tied_param_numel / config.tp * self.policy.grad_bytes, crosses_nodes=crosses)
-
-
-def uses_fsdp(config: ParallelConfig) -> bool:
-    """Whether the runtime shards with FSDP2 (codegen/data_parallel.py's uses_fsdp): ZeRO-1 and
-    up over more than one data shard, and optimizer offload even at dp = 1."""
-    return config.offload or (config.zero_stage >= 1 and config.data_shards > 1)
-
 
 def pipeline_time_s(config: ParallelConfig, stages: list[StageEstimate], slowest: StageEstimate) -> float:
     """The pipeline part T of the step (see the module docstring)."""
@@ -925,24 +742,6 @@ def _accumulates_unsharded(config: ParallelConfig) -> bool:
 def _num_communicators(config: ParallelConfig) -> int:
     """Process groups a rank talks on: one per mesh axis of size > 1."""
     return sum(1 for size in (config.dp, config.cp, config.tp, config.pp, config.ep) if size > 1)
-
-
-def fsdp_notes(stage: StageEstimate, config: ParallelConfig) -> tuple[str, ...]:
-    """What the report says about FSDP2's overlap on the slowest stage."""
-    timeline = stage.fsdp
-    if timeline is None or timeline.gather_s + timeline.reduce_scatter_s <= 0:
-        return ()
-    m = config.num_microbatches
-    gathers = "forward and backward" if config.zero_stage == 3 else "forward"
-    per_step = [op.replace("_", "-") + "s" for op in ("all_gather", "reduce_scatter") if op in stage.fsdp_step_end_s]
-    once = f"; {' and '.join(per_step)} once per step, the rest" if per_step and m > 1 else ""
-    shards = f"dp={config.dp}" + (f" x cp={config.cp}" if config.cp > 1 else "")
-    return (f"FSDP2 (ZeRO-{config.zero_stage}, {shards}) on stage {stage.index}, one pass: all-gathers "
-            f"({gathers}) {timeline.gather_s * 1e3:.3g} ms and reduce-scatters {timeline.reduce_scatter_s * 1e3:.3g} ms "
-            f"against {timeline.compute_s * 1e3:.3g} ms of compute; exposed {timeline.exposed_s * 1e3:.3g} ms "
-            f"({100 * timeline.hidden_fraction:.0f}% hidden): the first unit's gather {timeline.first_gather_s * 1e3:.3g} ms, "
-            f"the last reduce-scatter {timeline.last_reduce_scatter_s * 1e3:.3g} ms; worst unit's communication is "
-            f"{timeline.worst_unit_ratio:.2f}x its compute{once} x{m} microbatches",)
 
 
 def _in_flight(config: ParallelConfig, stage: int) -> float:

@@ -1,0 +1,128 @@
+"""The step model's FSDP2 terms per stage (solver/step_model.py's module docstring says what is
+priced): each unit's all-gather and reduce-scatter on a timeline against the stage's compute,
+FSDP2's copy-out and copy-in, and under optimizer offload the host copies and gradient
+accumulation; the notes the report shows for them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from autopar.solver.step_tail import uses_fsdp
+from cost_model.fsdp import copy_bytes, timelines_of_arrays
+
+if TYPE_CHECKING:
+    from autopar.solver.prepared import PreparedSegments
+    from autopar.solver.step_model import ParallelConfig, StageEstimate
+
+
+class StepFsdp:
+    """StepModel's FSDP2 terms (a mixin: the figures they read are StepModel's fields)."""
+
+    def _fsdp(self, prepared: PreparedSegments, own, config: ParallelConfig):
+        """(timeline, exposed seconds by collective per microbatch, once per step, and exposed
+        offload copies per microbatch by term)."""
+        if not uses_fsdp(config):
+            return None, {}, {}, {}
+        # What the timeline depends on: identical stages (the middle ones of a deep model) share one.
+        key = (prepared.signature(own), config.data_shards, config.pp, config.tp, config.zero_stage,
+               config.offload, config.num_microbatches if config.offload else 0)
+        if key not in prepared.fsdp_cache:
+            prepared.fsdp_cache[key] = self._fsdp_uncached(prepared, own, config)
+        timeline, per_microbatch, step_end, offload = prepared.fsdp_cache[key]
+        return timeline, dict(per_microbatch), dict(step_end), dict(offload)
+
+    def _fsdp_uncached(self, prepared: PreparedSegments, own, config: ParallelConfig):
+        group = self._data_shard_group(config)
+        indices = [i for span in own for i in range(span.start, span.stop)]
+        numel = prepared.param_numel[indices]
+        # Identical blocks: price each size once (np.unique's sorted sizes, without its cost on a
+        # stage's few segments).
+        listed = numel.tolist()
+        sizes = sorted(set(listed))
+        position = {size: index for index, size in enumerate(sizes)}
+        inverse = [position[size] for size in listed]
+        gather = [self.comm.time_s("all_gather", float(size) * self.policy.fsdp_gather_bytes, group) for size in sizes]
+        scatter = [self.comm.time_s("reduce_scatter", float(size) * self.policy.dp_reduce_bytes, group)
+                   for size in sizes]
+        forward = prepared.forward_s[indices]
+        arrays = dict(forward_s=forward.tolist(), backward_s=(prepared.time_s[indices] - forward).tolist(),
+                      gather_s=[gather[i] for i in inverse], scatter_s=[scatter[i] for i in inverse])
+        reshard = config.zero_stage == 3
+        offload: dict[str, float] = {}
+        if config.offload:
+            arrays, offload, overlapped = self._with_offload_copies(arrays, np.asarray(sizes), np.asarray(inverse),
+                                                                    config, reshard)
+        timeline, gathers_only_s = timelines_of_arrays(**arrays, reshard_after_forward=reshard)
+        scatter_s = max(0.0, timeline.exposed_s - gathers_only_s)
+        per_microbatch: dict[str, float] = {}
+        step_end: dict[str, float] = {}
+        # ZeRO-3 gathers in every microbatch; ZeRO-1/2 keep parameters gathered from the first
+        # forward to the last backward (codegen's set_reshard_after_backward, and what
+        # torch.distributed.pipelining does under FSDP2), so their gathers are exposed once.
+        (per_microbatch if reshard else step_end)["all_gather"] = gathers_only_s
+        # Gradients are reduce-scattered every microbatch by ZeRO-2/3 without pipelining; ZeRO-1
+        # and any ZeRO under pipelining (set_requires_gradient_sync) reduce once, in the last.
+        (per_microbatch if config.zero_stage >= 2 and config.pp == 1 else step_end)["reduce_scatter"] = scatter_s
+        copy_out, copy_in = copy_bytes(float(numel.sum()), gather_bytes=self.policy.fsdp_gather_bytes,
+                                       reduce_bytes=self.policy.dp_reduce_bytes)  # FSDP2's copies (cost_model/fsdp.py)
+        bandwidth = self.compute.bandwidth_bytes_per_s
+        (per_microbatch if reshard else step_end)["copy_out"] = (2 if reshard else 1) * copy_out / bandwidth
+        reduces_each_microbatch = config.zero_stage >= 2 and config.pp == 1
+        if not (reduces_each_microbatch and self.policy.casts_once_per_step):
+            # (Under casts_once_per_step each microbatch's copy-in is the gradients' cast to the
+            # reduce dtype, already in the segments' backward: evaluate._add_gradient_cast.)
+            (per_microbatch if reduces_each_microbatch else step_end)["copy_in"] = copy_in / bandwidth
+        if config.offload:
+            # The copies' share of the exposed time is priced as offload.*, not as collectives.
+            per_microbatch["all_gather"] = max(0.0, per_microbatch["all_gather"] - offload.get("offload.h2d", 0.0))
+            per_microbatch["reduce_scatter"] = max(0.0, per_microbatch["reduce_scatter"] - overlapped["offload.d2h"])
+            for op, seconds in per_microbatch.items():  # round-off of the subtractions
+                per_microbatch[op] = seconds if seconds > 1e-9 * timeline.compute_s else 0.0
+        return timeline, per_microbatch, step_end, offload
+
+    def _with_offload_copies(self, arrays: dict, sizes, inverse, config: ParallelConfig, reshard: bool):
+        """The FSDP2 arrays with each unit's host copies on the collectives' streams, and the exposed
+        seconds per microbatch the copies add (by term; see the module docstring), and what of
+        those the collectives' own exposure now holds."""
+        link = self.host_link_bytes_per_s
+        shard = sizes / config.data_shards
+        h2d = (shard * self.policy.master_bytes / link)[inverse].tolist()  # the fp32 shard, cast on the device
+        d2h = (shard * self.policy.dp_reduce_bytes / link)[inverse].tolist()
+        base, _ = timelines_of_arrays(**arrays, reshard_after_forward=reshard)
+        copied_in = dict(arrays, gather_s=[g + c for g, c in zip(arrays["gather_s"], h2d)])
+        with_h2d, _ = timelines_of_arrays(**copied_in, reshard_after_forward=reshard)
+        both = dict(copied_in, scatter_s=[r + c for r, c in zip(arrays["scatter_s"], d2h)])
+        with_both, _ = timelines_of_arrays(**both, reshard_after_forward=reshard)
+        m = config.num_microbatches
+        # From the second microbatch on the D2H copy is blocking (it feeds the host's gradient
+        # accumulation, FSDP2's to_accumulate_grad): all of it is exposed, plus the host's add
+        # (read two fp32 shards, write one).
+        accumulate_s = float(shard[inverse].sum()) * 3 * self.policy.dp_reduce_bytes / self.host_memory_bandwidth_bytes_per_s
+        blocking_d2h_s = sum(d2h)
+        overlapped = {"offload.h2d": max(0.0, with_h2d.exposed_s - base.exposed_s),
+                      "offload.d2h": max(0.0, with_both.exposed_s - with_h2d.exposed_s)}
+        terms = {"offload.h2d": overlapped["offload.h2d"],
+                 "offload.d2h": (overlapped["offload.d2h"] + (m - 1) * blocking_d2h_s) / m,
+                 "offload.grad_accumulate": (m - 1) * accumulate_s / m}
+        return both, terms, overlapped
+
+
+def fsdp_notes(stage: StageEstimate, config: ParallelConfig) -> tuple[str, ...]:
+    """What the report says about FSDP2's overlap on the slowest stage."""
+    timeline = stage.fsdp
+    if timeline is None or timeline.gather_s + timeline.reduce_scatter_s <= 0:
+        return ()
+    m = config.num_microbatches
+    gathers = "forward and backward" if config.zero_stage == 3 else "forward"
+    per_step = [op.replace("_", "-") + "s" for op in ("all_gather", "reduce_scatter") if op in stage.fsdp_step_end_s]
+    once = f"; {' and '.join(per_step)} once per step, the rest" if per_step and m > 1 else ""
+    shards = f"dp={config.dp}" + (f" x cp={config.cp}" if config.cp > 1 else "")
+    return (f"FSDP2 (ZeRO-{config.zero_stage}, {shards}) on stage {stage.index}, one pass: all-gathers "
+            f"({gathers}) {timeline.gather_s * 1e3:.3g} ms and reduce-scatters {timeline.reduce_scatter_s * 1e3:.3g} ms "
+            f"against {timeline.compute_s * 1e3:.3g} ms of compute; exposed {timeline.exposed_s * 1e3:.3g} ms "
+            f"({100 * timeline.hidden_fraction:.0f}% hidden): the first unit's gather {timeline.first_gather_s * 1e3:.3g} ms, "
+            f"the last reduce-scatter {timeline.last_reduce_scatter_s * 1e3:.3g} ms; worst unit's communication is "
+            f"{timeline.worst_unit_ratio:.2f}x its compute{once} x{m} microbatches",)

@@ -1,0 +1,116 @@
+"""The step model's terms outside the pipeline (solver/step_model.py): the data-parallel
+synchronisation after it, the optimizer step (on the device, or on the host under offload), the
+tied weights' sync, and autopar's runtime's own per-step terms (the bf16 weight copies made when
+the step starts, gradient accumulation over microbatches). Each is priced per pipeline stage; the
+step takes the slowest stage's (StepModel.assemble).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autopar.mesh import Mesh
+from autopar.solver.pipeline import rank_of
+
+if TYPE_CHECKING:
+    from autopar.solver.step_model import ParallelConfig, StageEstimate
+
+
+def uses_fsdp(config: ParallelConfig) -> bool:
+    """Whether the runtime shards with FSDP2 (codegen/data_parallel.py's uses_fsdp): ZeRO-1 and
+    up over more than one data shard, and optimizer offload even at dp = 1."""
+    return config.offload or (config.zero_stage >= 1 and config.data_shards > 1)
+
+
+class StepTail:
+    """StepModel's per-step terms (a mixin: the figures they read are StepModel's fields)."""
+
+    def _cpu_adam_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
+        """The optimizer step on the CPU over this device's shard, memory-bound like the device's."""
+        numel = stage.param_numel / config.data_shards
+        return numel * self.optimizer_io_bytes_per_param / self.host_memory_bandwidth_bytes_per_s
+
+    def _offload_notes(self, stage: StageEstimate, config: ParallelConfig) -> tuple[str, ...]:
+        if not config.offload:
+            return ()
+        host = sum(stage.host_memory_bytes.values())
+        rate = self.host_memory_bandwidth_bytes_per_s / self.optimizer_io_bytes_per_param
+        return (f"optimizer offload (FSDP2 CPUOffloadPolicy): {host / 2**30:.3g} GiB of parameters, gradients and "
+                f"Adam states per device in host memory ({self.host_memory_bytes / 2**30:.3g} GiB per device); "
+                f"host link {self.host_link_bytes_per_s / 1e9:.3g} GB/s, CPU Adam "
+                f"{rate / 1e9:.3g} G parameters/s",)
+
+    def _data_shard_group(self, config: ParallelConfig):
+        """The ranks that reduce gradients (and FSDP shards over): dp x cp, cp inside dp in the
+        (pp, dp, cp, tp) layout, so one flattened axis."""
+        key = (config.pp, config.data_shards, config.tp)
+        if key not in self._group_cache:
+            mesh = Mesh(axis_names=("pp", "dp_cp", "tp"), shape=key, devices_per_node=self.devices_per_node)
+            self._group_cache[key] = mesh.group(1)
+        return self._group_cache[key]
+
+    def _dp_group_time(self, op: str, message_bytes: float, config: ParallelConfig) -> float:
+        return self.comm.time_s(op, message_bytes, self._data_shard_group(config))
+
+    def _dp_sync_exposed_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
+        """Synchronisation after the pipeline: ZeRO-0's all-reduce tail, ZeRO-1's last
+        reduce-scatter (ZeRO-2/3 are inside each microbatch's stage time)."""
+        if config.data_shards <= 1:
+            return 0.0
+        if config.zero_stage >= 1:
+            return sum(stage.fsdp_step_end_s.values())
+        grad_bytes = (stage.param_numel - stage.expert_param_numel) * self.policy.dp_reduce_bytes
+        num_buckets = max(1, len(stage.segment_names))
+        backward_one = stage.backward_s + stage.recompute_s
+        sync = self._dp_group_time("all_reduce", grad_bytes, config)
+        if stage.expert_param_numel and config.dp > config.ep:
+            # Expert gradients are complete within the expert group: reduced over the dp / ep
+            # ranks that hold the same experts (stride ep x tp).
+            replicas = Mesh(axis_names=("pp", "dp_rep", "ep", "tp"),
+                            shape=(config.pp, config.dp // config.ep, config.ep, config.tp),
+                            devices_per_node=self.devices_per_node).group(1)
+            sync += self.comm.time_s("all_reduce", stage.expert_param_numel * self.policy.dp_reduce_bytes, replicas)
+        return max(sync - backward_one, sync / num_buckets)
+
+    def _optimizer_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
+        numel = stage.param_numel / (config.data_shards if config.zero_stage >= 1 else 1)
+        return numel * self.optimizer_io_bytes_per_param / self.compute.bandwidth_bytes_per_s
+
+    def _weight_cast_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
+        """The step's bf16 copies of the weights (PrecisionPolicy.casts_once_per_step), made when
+        the step starts, before the first forward: exposed on the first pipeline rank, and priced
+        on every rank alike (an upper bound: a later rank's cast overlaps its wait for the first
+        microbatch). Under FSDP2 the cast is on the shard, in the all-gather's copy-in stream."""
+        if not self.policy.casts_once_per_step or uses_fsdp(config):
+            return 0.0
+        cast_bytes = stage.param_numel * (self.policy.master_bytes + self.policy.param_bytes)
+        return cast_bytes / self.compute.bandwidth_bytes_per_s
+
+    def _gradient_accumulate_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
+        """Gradient accumulation over microbatches in autopar's runtime (casts_once_per_step): from
+        the second microbatch on, autograd adds each weight gradient (cast to fp32) into the fp32
+        .grad (read two fp32 tensors, write one); under FSDP2 without a reduce-scatter per
+        microbatch its fused add of the bf16 gradient into the fp32 accumulator moves 4 bytes more
+        than the cast already priced per microbatch (evaluate._add_gradient_cast); with a
+        reduce-scatter per microbatch only the shard accumulates. Megatron-LM accumulates inside the
+        weight-gradient GEMM (not priced: MEGATRON_BF16)."""
+        m = config.num_microbatches
+        if not self.policy.casts_once_per_step or m <= 1 or config.offload:  # offload: on the host (offload.*)
+            return 0.0
+        master = self.policy.master_bytes
+        if not uses_fsdp(config):
+            bytes_per_param = 3 * master
+        elif config.zero_stage >= 2 and config.pp == 1:
+            bytes_per_param = 3 * master / config.data_shards
+        else:  # reads fp32 and bf16, writes fp32 (10 bytes): 4 more than the cast's 6
+            bytes_per_param = master
+        return (m - 1) * stage.param_numel * bytes_per_param / self.compute.bandwidth_bytes_per_s
+
+    def _tied_sync_s(self, config: ParallelConfig) -> float:
+        first, last = 0, config.pp * config.chunks_per_device - 1
+        if config.pp <= 1 or not self.tied_param_numel or \
+                rank_of(config.schedule, stage=first, num_ranks=config.pp) == \
+                rank_of(config.schedule, stage=last, num_ranks=config.pp):
+            return 0.0
+        crosses = config.data_shards * config.tp * (config.pp - 1) >= self.devices_per_node
+        return 2 * self.comm.send_recv_s(self.tied_param_numel / config.tp * self.policy.grad_bytes, crosses_nodes=crosses)
