@@ -115,10 +115,15 @@ class ParallelModule(nn.Module):
         self._sync_gradients()
         return self._mean_over_data_parallel(loss)
 
+    @property
+    def _sharded_by_fsdp(self) -> bool:
+        """Whether FSDP2 shards this module's parameters (over dp, or dp x cp)."""
+        return uses_fsdp(self.plan.zero_stage, self.plan.mesh["dp"] * self.plan.mesh.get("cp", 1), self.plan.offload)
+
     def _weight_copies(self):
         """One bf16 copy of each fp32 weight for the whole step (WeightCasts), cast on entry;
         under FSDP2 the gathered parameters are the copies (its MixedPrecisionPolicy)."""
-        if uses_fsdp(self.plan.zero_stage, self.plan.mesh["dp"] * self.plan.mesh.get("cp", 1), self.plan.offload):
+        if self._sharded_by_fsdp:
             return self.weight_casts.step()
         owners = [module for module in self.stages.modules() if isinstance(module, ParameterOwner)]
         return self.weight_casts.step([weight for owner in owners for weight in owner.cast_weights()])
@@ -158,7 +163,7 @@ class ParallelModule(nn.Module):
         split_inputs = [_split(x, m) for x in inputs]
         split_targets = _split(targets, m)
         total = torch.zeros((), device=self.runtime.device)
-        fsdp = uses_fsdp(self.plan.zero_stage, self.plan.mesh["dp"] * self.plan.mesh.get("cp", 1), self.plan.offload)
+        fsdp = self._sharded_by_fsdp
         for index in range(m):
             if fsdp and self.plan.zero_stage == 1:
                 set_gradient_sync(list(self.stages), index == m - 1)

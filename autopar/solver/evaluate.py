@@ -308,16 +308,14 @@ def _add_node(builder: ProblemBuilder, graph: OpGraph, node, strategy, segment: 
         segment.buffer_bytes += node.output.nbytes / shard_factor(strategy.output, mesh_shape)
 
 
-_COMPUTE_BYTES = 2.0
-"""Bytes per element of the compute dtype the runtime casts fp32 parameters to (bf16)."""
-
-
 def _add_gradient_cast(builder: ProblemBuilder, segment: SegmentCost, numel: float) -> None:
     """Each microbatch's backward casts a weight's bf16 gradient to fp32 (PrecisionPolicy.
     casts_once_per_step): one kernel that reads 2 and writes 4 bytes per element, autograd's cast
     back from the step's bf16 copy, or FSDP2's copy-in to its fp32 reduce-scatter buffer. The
     forward cast is once per step (solver/step_model.py), and the copies are the step's."""
-    cast = builder.ctx.compute.kernel(0.0, numel * (_COMPUTE_BYTES + 4.0), False, name="aten._to_copy.default")
+    policy = builder.ctx.policy  # bf16 (param_bytes) read, fp32 (master_bytes) written
+    cast = builder.ctx.compute.kernel(0.0, numel * (policy.param_bytes + policy.master_bytes), False,
+                                      name="aten._to_copy.default")
     segment.backward = segment.backward + cast
     segment.cast = segment.cast + cast
 
