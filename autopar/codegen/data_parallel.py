@@ -28,6 +28,8 @@ from autopar.codegen.program import StageProgram
 
 
 def uses_fsdp(zero_stage: int, dp: int, offload: bool = False) -> bool:
+    """Whether FSDP2 shards the parameters (`dp`: the data shards, dp x cp); the planner prices
+    the same rule (solver/step_tail.py's uses_fsdp, which may not import codegen)."""
     return offload or (zero_stage >= 1 and dp > 1)
 
 
