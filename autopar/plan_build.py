@@ -8,6 +8,7 @@ from autopar.solver.experts import expert_param_names, find_expert_ops
 from autopar.solver.search import SearchResult
 from autopar.solver.sharding import ShardingResult
 from autopar.solver.step_model import ZERO_BUBBLE_SCHEDULES, Estimate, StageEstimate, recompute_comm_s, recompute_compute_s, weight_grad_s
+from autopar.strategies.loss import VOCAB
 
 
 def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate, sharding: ShardingResult,
@@ -41,6 +42,8 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         recompute=config.recompute,
         zero_stage=config.zero_stage,
         offload=config.offload,
+        loss_parallel=config.tp > 1 and any(strategies[node.name].name == VOCAB for node in graph.nodes
+                                            if node.name in graph.loss_nodes and node.name in strategies),
         stages=tuple(_stage_plans(graph, estimate, segments)),
         placements=_placements(graph, strategies),
         param_placements={param.name: ",".join(strategies[param.node].output)

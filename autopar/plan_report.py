@@ -157,6 +157,9 @@ def _tensor_parallel(plan: "Plan", max_params: int) -> list[str]:
         op, _, strategy = role.partition(" ")
         words = " ".join(_role_words(part) for part in strategy.split("+")) if strategy else ""
         lines.append(f"    {name:<40} {placement:<4} {op} {words}".rstrip())
+    if plan.loss_parallel:
+        lines.append(f"  loss          vocabulary-parallel cross-entropy: the logits stay sharded by class over "
+                     f"tp={plan.mesh['tp']} (DTensor loss_parallel; three all-reduces of one value per token)")
     return lines
 
 

@@ -105,6 +105,9 @@ class Plan:
     offload: bool = False
     """Optimizer offload: FSDP2 CPUOffloadPolicy keeps sharded parameters, gradients and Adam
     states in host memory and steps the optimizer on the CPU (ZeRO-3, no pipeline)."""
+    loss_parallel: bool = False
+    """The cross-entropy loss runs on logits sharded by class over tp (a vocabulary-parallel loss:
+    DTensor's loss_parallel); the model output feeding it is not gathered."""
     stages: tuple[StagePlan, ...]
     placements: dict[str, str]
     """Per graph node on the tp axis: "output|input0;input1;..." (R, S<dim>, P)."""

@@ -450,8 +450,9 @@ def check_plan_data(data: dict, source: str) -> None:
         fields.text(item[0], f"{path}[0]")
         fields.integer(item[1], f"{path}[1]", minimum=0, maximum=2**62)
     fields.object(fields.get(data, "search", "search", {}), "search")
-    if not isinstance(fields.get(data, "offload", "offload", False), bool):
-        fields.fail(f"offload must be true or false, got {shorten(data['offload'])}")
+    for flag in ("offload", "loss_parallel"):
+        if not isinstance(fields.get(data, flag, flag, False), bool):
+            fields.fail(f"{flag} must be true or false, got {shorten(data[flag])}")
     for index, row in enumerate(fields.list(fields.get(data, "trials", "trials", []), "trials")):
         fields.object(row, f"trials[{index}]")
     _check_prediction(fields, fields.get(data, "predicted", "predicted"))

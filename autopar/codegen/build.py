@@ -135,7 +135,10 @@ class ProgramBuilder:
         segments = [self._segment(name, spec, recompute) for name in spec.segments]
         pipelined = num_chunks > 1
         last = spec.index == num_chunks - 1
-        mode = ("replicated" if last else "local") if pipelined else "dtensor"
+        # The last stage's outputs go to the loss: gathered, or this rank's shards for a class-sharded
+        # loss (the pipeline's loss function makes DTensors of them again).
+        mode = (("shards" if self.plan.loss_parallel else "replicated") if last else "local") if pipelined \
+            else "dtensor"
         boundary = set(spec.inputs) - (set(self.parts.user_inputs) if spec.index == 0 else set())
         inputs = list(self.parts.user_inputs) + [name for name in spec.inputs if name not in self.parts.user_inputs] \
             if spec.index == 0 else spec.inputs

@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention.bias import causal_lower_right
 
 from autopar.codegen.data_parallel import sum_over_group
-from autopar.codegen.parallel_module import ParallelModule, _replicated_local
+from autopar.codegen.loss_parallel import replicated_local
+from autopar.codegen.parallel_module import ParallelModule
 from autopar.errors import ConfigError
 from autopar.strategies.attention import attention_nodes, kv_repeats
 
@@ -200,7 +201,7 @@ class ContextParallelModule(ParallelModule):
         local = self._is_local_batch(flat_inputs)
         shares = [shard_sequence(self._data_parallel_share(x, local), self.positions, self.seq_len) for x in flat_inputs]
         output = self.stages[0](*shares)
-        values = _replicated_local(output if isinstance(output, tuple) else (output,))
+        values = replicated_local(output if isinstance(output, tuple) else (output,))
         values = [self._gather_sequence(value) for value in values]
         return self.model_output(tuple(values if local else (self._gather_batch(value) for value in values)))
 

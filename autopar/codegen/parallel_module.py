@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from autopar.codegen.data_parallel import (all_reduce_gradients, set_gradient_sync, set_reshard_after_backward,
                                           sum_over_group, uses_fsdp)
-from autopar.codegen.interpreter import RunStats, contiguous_grad
+from autopar.codegen.interpreter import RunStats
+from autopar.codegen.loss_parallel import ModelLoss, replicated_local
 from autopar.codegen.program import ParameterOwner, WeightCasts, attribute_name
 from autopar.codegen.runtime import Runtime
 from autopar.errors import PlanMismatchError
@@ -58,6 +59,8 @@ class ParallelModule(nn.Module):
         """FQNs of the weights split by expert over the ep group (their gradients are reduced over
         the dp ranks holding the same experts)."""
         self.weight_casts = weight_casts or WeightCasts()
+        self.loss = ModelLoss(loss_fn, self.model_output, sharded=plan.loss_parallel) if loss_fn else None
+        """`loss_fn` on the model output, gathered or (plan.loss_parallel) with its logits class-sharded."""
         """bf16 plans: the weights' bf16 copies, made once per train_step/eval_step (program.py)."""
         self._step_starts_s: deque[float] = deque(maxlen=4096)
         self._step_durations_s: deque[float] = deque(maxlen=4096)
@@ -84,7 +87,7 @@ class ParallelModule(nn.Module):
         flat_inputs = self._flat_inputs(inputs, keyword_inputs)
         local = self._is_local_batch(flat_inputs)
         output = self.stages[0](*[self._data_parallel_share(x, local) for x in flat_inputs])
-        values = _replicated_local(output if isinstance(output, tuple) else (output,))
+        values = replicated_local(output if isinstance(output, tuple) else (output,))
         return self.model_output(tuple(values if local else (self._gather_batch(value) for value in values)))
 
     def timing_report(self, *, skip: int = 2):
@@ -156,7 +159,7 @@ class ParallelModule(nn.Module):
         """`loss_fn` of one microbatch, given the model's own output object (tensor, tuple, ModelOutput)."""
         output = self.stages[0](*inputs)
         flat = output if isinstance(output, tuple) else (output,)
-        return self.loss_fn(self.model_output(tuple(_float(value) for value in _replicated_local(flat))), targets)
+        return self.loss(flat, targets)
 
     def _accumulated_step(self, inputs: list, targets) -> torch.Tensor:
         m = self.plan.num_microbatches
@@ -421,15 +424,3 @@ def _split(value, parts: int):
     return [value] * parts
 
 
-def _replicated_local(value):
-    if isinstance(value, DTensor):
-        return contiguous_grad(value).redistribute(value.device_mesh, [Replicate()]).to_local()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_replicated_local(item) for item in value)
-    return value
-
-
-def _float(value):
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.float()
-    return value

@@ -14,14 +14,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from autopar.codegen import context_parallel
 from autopar.codegen.build import ProgramBuilder, chunk_specs
 from autopar.codegen.data_parallel import apply_fsdp, uses_fsdp
 from autopar.codegen.interpreter import RunStats
 from autopar.codegen.listing import program_listing
+from autopar.codegen.loss_parallel import ModelLoss
 from autopar.codegen.parallel_module import ParallelModule
 from autopar.codegen.pipeline import PipelineBuilder, tied_weight_groups
+from autopar.codegen.placements import to_dtensor_placement
 from autopar.solver.pipeline import rank_of
 from autopar.codegen.program import GraphParts
 from autopar.codegen.init import all_names
@@ -184,7 +187,9 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
     if len(specs) > 1:
         pipeline = PipelineBuilder(plan, parts, builder.placements, runtime.device, runtime.pp_group)
         pipeline_stages = [pipeline.stage(stage, spec, len(specs)) for stage, spec in zip(stages, mine)]
-        schedule = pipeline.schedule(pipeline_stages, _pipeline_loss(loss_fn, parts.model_output))
+        shards = (runtime.tp_mesh, [builder.placements.get(name, "R").split("|")[0] for name in specs[-1].outputs])
+        schedule = pipeline.schedule(pipeline_stages, _pipeline_loss(loss_fn, parts.model_output,
+                                                                     shards if plan.loss_parallel else None))
         tied = tied_weight_groups(plan, parts, [spec.segments for spec in specs],
                                   (pp, plan.mesh["dp"] * cp, plan.mesh["tp"]), runtime.rank)  # dp, cp: one axis
     coordinate = {axis: runtime.coordinate(axis) for axis in ("pp", "dp", "tp")}
@@ -262,20 +267,21 @@ def agree_any(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
-def _pipeline_loss(loss_fn, model_output):
+def _pipeline_loss(loss_fn, model_output, shards=None):
     """The schedule's loss: the last stage's tensors become the model's own output object
-    (a ModelOutput, a tuple...), which `loss_fn` receives as it does in planning."""
+    (a ModelOutput, a tuple...), which `loss_fn` receives as it does in planning. `shards`:
+    (tp mesh, planned placement of each output) when the last stage hands over its local shards
+    for a class-sharded loss (plan.loss_parallel): they become DTensors again."""
     if loss_fn is None:
         return None
+    model_loss = ModelLoss(loss_fn, model_output, sharded=shards is not None)
 
     def loss(output, target):
         flat = output if isinstance(output, tuple) else (output,)
-        return loss_fn(model_output(tuple(_float(value) for value in flat)), target)
+        if shards is not None:
+            mesh, placements = shards
+            flat = tuple(DTensor.from_local(value, mesh, [to_dtensor_placement(placement)], run_check=False)
+                         if isinstance(value, torch.Tensor) else value for value, placement in zip(flat, placements))
+        return model_loss(flat, target)
 
     return loss
-
-
-def _float(value):
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.float()
-    return value

@@ -67,7 +67,7 @@ class PipelineBuilder:
         inputs = [self._examples([name], replicated=name in user_inputs, boundary=name not in user_inputs)[0]
                   for name in program.input_names]
         last = spec.index == num_chunks - 1
-        outputs = self._examples(spec.outputs, replicated=last, boundary=not last)
+        outputs = self._examples(spec.outputs, replicated=last and not self.plan.loss_parallel, boundary=not last)
         return PipelineStage(program, spec.index, num_chunks, self.device, input_args=tuple(inputs),
                              output_args=outputs if len(outputs) > 1 else outputs[0], group=self.pp_group)
 

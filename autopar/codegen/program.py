@@ -295,7 +295,7 @@ class StageProgram(ParameterOwner):
     Inputs arrive as plain tensors: user inputs (the same on every tensor-parallel rank) are
     placed as the plan says; boundary tensors from the previous stage are this rank's local
     shards. Outputs leave as DTensors (whole model), local shards (to the next stage) or
-    replicated local tensors (the model output, for the loss).
+    replicated local tensors (the model output, for the loss; its local shards for a class-sharded loss).
     """
 
     def __init__(self, segments: list[SegmentModule], interpreter: PlannedInterpreter, *, inputs: list[str],

@@ -92,6 +92,17 @@ class CostContext:
         self._redistribute_cache[key] = result
         return result
 
+    def op_collectives(self, strategy: Strategy) -> tuple[CommEvent, ...]:
+        """The collectives `strategy`'s own rule runs (Strategy.collectives); a message shrinks with
+        the other axes the op's work is split over."""
+        events = []
+        for op, axis, phase, message_bytes in strategy.collectives:
+            others = math.prod(size for other, (size, split) in enumerate(zip(self.mesh.shape, strategy.split_axes))
+                               if split and other != axis)
+            time_s = self.comm.time_s(op, message_bytes / others, self.mesh.group(axis))
+            events.append(CommEvent(op=op, axis=axis, message_bytes=message_bytes / others, time_s=time_s, phase=phase))
+        return tuple(events)
+
     def _other_shards(self, source: Sequence[str], target: Sequence[str], axis: int) -> int:
         divisor = 1
         for other, (src, dst) in enumerate(zip(source, target)):

@@ -287,6 +287,7 @@ def _add_node(builder: ProblemBuilder, graph: OpGraph, node, strategy, segment: 
         segment.backward = segment.backward + backward
         _, saved = builder.node_cost_memory(node, strategy)
         segment.saved_bytes += saved
+        segment.comm += builder.ctx.op_collectives(strategy)
         if recomputable:
             segment.selective_recompute = segment.selective_recompute + forward
         else:

@@ -325,7 +325,8 @@ class ProblemBuilder:
         saved = node.saved_extra_bytes / strategy.work_divisor(self.mesh_shape)
         if node.saved_output:
             saved += node.output.nbytes / factor
-        return forward.total_s + backward.total_s, saved
+        own_comm_s = sum(event.time_s for event in self.ctx.op_collectives(strategy)) if strategy.collectives else 0.0
+        return forward.total_s + backward.total_s + own_comm_s, saved
 
     def _fanout_memory(self, fanout: FanOut, memory: np.ndarray) -> None:
         producer = fanout.producer

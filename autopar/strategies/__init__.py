@@ -36,6 +36,9 @@ class Strategy1D:
     input_grads: tuple[str, ...] = ()
     """Per input, the placement of the gradient the op produces for it where `Strategy.input_grad`'s
     rule does not tell ("" or empty: the rule)."""
+    collectives: tuple[tuple[str, str, float], ...] = ()
+    """Collectives the op's own rule runs on this axis, beyond any resharding of its inputs (a
+    vocab-parallel loss all-reduces its row maxima): (op, phase "fwd"/"bwd", message bytes)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class Strategy:
     input_grads: tuple[tuple[str, ...], ...] = ()
     """Per tensor input, per mesh axis, its gradient's placement when the op's rule states it
     ("": derived by `input_grad`'s rule); empty: derived everywhere."""
+    collectives: tuple[tuple[str, int, str, float], ...] = ()
+    """The op's own collectives (Strategy1D.collectives): (op, mesh axis, phase, message bytes)."""
 
     def work_divisor(self, mesh_shape: Sequence[int]) -> int:
         divisor = 1
@@ -130,6 +135,8 @@ def mesh_strategies(node: OpNode, inputs: Sequence[TensorMeta], mesh_shape: Sequ
             split_axes=tuple(axis.split for axis in choice),
             name="+".join(axis.name for axis in choice),
             input_grads=_input_grads(choice, len(inputs)),
+            collectives=tuple((op, axis, phase, size) for axis, one in enumerate(choice)
+                              for op, phase, size in one.collectives),
         )
         if _fits_mesh(strategy, node, inputs, mesh_shape):
             combined.append(strategy)

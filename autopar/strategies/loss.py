@@ -12,8 +12,12 @@ output keeps that sharding; with "sum" or "mean" it is P. What DTensor does (tor
   - cross_entropy with class weights and reduction="mean" returns a wrong value (the weighted mean
     of local weighted means): not offered. With label_smoothing > 0 DTensor all-reduces inside
     the op: not offered either.
-  - sharding the class dim (vocab-parallel loss) needs DTensor's `loss_parallel` context: not
-    offered.
+  - cross_entropy may also split the class dim (a vocabulary-parallel loss, as Megatron-LM's and
+    torchtitan's): logits sharded by class, target replicated, a replicated loss. It is DTensor's
+    `loss_parallel` (torch/distributed/tensor/parallel/loss.py), which codegen runs around the
+    loss alone (codegen/loss_parallel.py): its forward all-reduces each row's maximum and sum of
+    exponentials (fp32) and the target's logit (the input's dtype); its backward communicates
+    nothing. Not with class weights under "mean" or label smoothing, as above.
 """
 
 from __future__ import annotations
@@ -65,7 +69,25 @@ def class_loss(node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) -> li
         placements = (shard(dim), shard(target_dim)) + (REPLICATE,) * (len(inputs) - 2)
         strategies.append(Strategy1D(inputs=placements, output=shard(target_dim), split=True,
                                      name="batch" if dim == 0 else f"dim{dim}"))
-    return _reduced(strategies, reduction)
+    strategies = _reduced(strategies, reduction)
+    if node.target == "aten.cross_entropy_loss.default":
+        strategies.append(_vocab_parallel(inputs))
+    return strategies
+
+
+VOCAB = "vocab"
+"""The name of the class-sharded cross-entropy strategy (plans record whether it was chosen)."""
+
+
+def _vocab_parallel(inputs: Sequence[TensorMeta]) -> Strategy1D:
+    """Logits sharded on the class dim: each device works on its classes; three all-reduces of
+    one value per row (maximum, sum of exponentials, the target's logit) make the loss whole."""
+    logits = inputs[0]
+    rows = logits.numel // logits.shape[1]
+    fp32 = ("all_reduce", "fwd", 4.0 * rows)
+    collectives = (fp32, fp32, ("all_reduce", "fwd", float(logits.itemsize_bytes * rows)))
+    placements = (shard(1),) + (REPLICATE,) * (len(inputs) - 1)
+    return Strategy1D(inputs=placements, output=REPLICATE, split=True, name=VOCAB, collectives=collectives)
 
 
 @register(*ELEMENTWISE_LOSSES)

@@ -1,4 +1,5 @@
-"""Loss family: split samples (never classes); reduced losses are P, unreduced keep the split."""
+"""Loss family: split samples; reduced losses are P, unreduced keep the split. Cross-entropy may also
+split the classes (a vocabulary-parallel loss: replicated, with its own all-reduces)."""
 
 from autopar.graph import OpNode, Ref, TensorMeta
 from autopar.strategies import strategies_1d
@@ -18,12 +19,26 @@ LOGITS, TARGETS = ((8, 128), "float32"), ((8,), "int64")
 
 def test_cross_entropy_splits_the_batch_into_a_partial_loss() -> None:
     offered = _offered("aten.cross_entropy_loss.default", (X, T), [LOGITS, TARGETS])
-    assert offered == {(("R", "R"), "R"), (("S0", "S0"), "P")}
+    assert offered == {(("R", "R"), "R"), (("S0", "S0"), "P"), (("S1", "R"), "R")}
 
 
-def test_cross_entropy_over_a_sequence_may_split_it_but_never_the_classes() -> None:
+def test_cross_entropy_over_a_sequence_may_split_it_or_the_classes() -> None:
     offered = _offered("aten.cross_entropy_loss.default", (X, T), [((4, 128, 16), "float32"), ((4, 16), "int64")])
-    assert offered == {(("R", "R"), "R"), (("S0", "S0"), "P"), (("S2", "S1"), "P")}
+    assert offered == {(("R", "R"), "R"), (("S0", "S0"), "P"), (("S2", "S1"), "P"), (("S1", "R"), "R")}
+
+
+def test_vocab_parallel_cross_entropy_prices_its_three_row_all_reduces() -> None:
+    """The row maxima and sums of exponentials in fp32, the target's logit in the logits' dtype."""
+    metas = [TensorMeta(shape=(4, 1000, 16), dtype="bfloat16"), TensorMeta(shape=(4, 16), dtype="int64")]
+    node = OpNode(name="loss", kind="call", target="aten.cross_entropy_loss.default", inputs=("in0", "in1"),
+                  args=(X, T), kwargs=(), outputs=(TensorMeta(shape=(), dtype="float32"),))
+    vocab = [strategy for strategy in strategies_1d(node, metas, 4) if strategy.name == "vocab"]
+    assert len(vocab) == 1 and vocab[0].split
+    rows = 4 * 16
+    assert vocab[0].collectives == (("all_reduce", "fwd", 4.0 * rows),) * 2 + (("all_reduce", "fwd", 2.0 * rows),)
+    nll = OpNode(name="loss", kind="call", target="aten.nll_loss_nd.default", inputs=("in0", "in1"),
+                 args=(X, T), kwargs=(), outputs=(TensorMeta(shape=(), dtype="float32"),))
+    assert not any(strategy.name == "vocab" for strategy in strategies_1d(nll, metas, 4))
 
 
 def test_unreduced_loss_keeps_the_split() -> None:
@@ -35,7 +50,7 @@ def test_class_weights_with_mean_or_label_smoothing_are_not_split() -> None:
     weighted = _offered("aten.cross_entropy_loss.default", (X, T, W), [LOGITS, TARGETS, ((128,), "float32")])
     assert weighted == {(("R", "R", "R"), "R")}
     weighted_sum = _offered("aten.cross_entropy_loss.default", (X, T, W, 2), [LOGITS, TARGETS, ((128,), "float32")])
-    assert (("S0", "S0", "R"), "P") in weighted_sum
+    assert (("S0", "S0", "R"), "P") in weighted_sum and (("S1", "R", "R"), "R") in weighted_sum
     smoothed = _offered("aten.cross_entropy_loss.default", (X, T, None, 1, -100, 0.1), [LOGITS, TARGETS])
     assert smoothed == {(("R", "R"), "R")}
 
