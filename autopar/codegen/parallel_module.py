@@ -24,6 +24,7 @@ from autopar.codegen.data_parallel import (all_reduce_gradients, set_gradient_sy
                                           sum_over_group, uses_fsdp)
 from autopar.codegen.interpreter import RunStats
 from autopar.codegen.loss_parallel import ModelLoss, replicated_local
+from autopar.codegen.pipeline import forward_only
 from autopar.codegen.program import ParameterOwner, WeightCasts, attribute_name
 from autopar.codegen.runtime import Runtime
 from autopar.errors import PlanMismatchError
@@ -299,10 +300,11 @@ class ParallelModule(nn.Module):
     def _pipelined_eval(self, inputs: list, targets) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         args = inputs if self.has_first else []
-        if self.has_last:
-            self.schedule.eval(*args, target=targets, losses=losses)
-        else:
-            self.schedule.eval(*args)
+        with forward_only(self.schedule):
+            if self.has_last:
+                self.schedule.eval(*args, target=targets, losses=losses)
+            else:
+                self.schedule.eval(*args)
         loss = torch.stack([value.detach().float() for value in losses]).mean() if losses else \
             torch.zeros((), device=self.runtime.device)
         last_rank = dist.get_global_rank(self.runtime.pp_group, self._last_stage_rank())

@@ -14,6 +14,8 @@ gradients are all-reduced after the step, as Megatron-LM's embedding group does.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -82,6 +84,31 @@ class PipelineBuilder:
             return multi[self.plan.schedule](stages, m, loss_fn=loss_fn, scale_grads=not shares_parameters(stages))
         kind = ScheduleGPipe if self.plan.schedule == "gpipe" else Schedule1F1B
         return kind(stages[0], m, loss_fn=loss_fn)
+
+
+_BACKWARD_ACTIONS = frozenset({"B", "I", "W", "SEND_B", "RECV_B", "REDUCE_GRAD"})
+"""torch's _ComputationType values of backward work and its communication."""
+
+
+@contextmanager
+def forward_only(schedule) -> Iterator[None]:
+    """The schedule's forward actions only, for evaluation. torch's action-list schedules
+    (zero-bubble ones) keep their backward actions in `eval()`, where ZB-V's hand-off of an input
+    gradient between the two chunks of one rank fails ("can't steal_bwd_input if this stage
+    doesn't have backward"). Dropping backward actions and their sends and receives keeps every
+    forward dependency of the training order, so the ranks still meet."""
+    actions = getattr(schedule, "pipeline_order_with_comms", None)
+    if not actions or any(action.computation_type.value == "OVERLAP_F_B" for order in actions.values()
+                          for action in order if action is not None):
+        yield
+        return
+    schedule.pipeline_order_with_comms = {
+        rank: [action for action in order if action is None or action.computation_type.value not in _BACKWARD_ACTIONS]
+        for rank, order in actions.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = actions
 
 
 def shares_parameters(stages: list[PipelineStage]) -> bool:

@@ -4,8 +4,8 @@ With a vocabulary large enough that the planner keeps the logits sharded by clas
 (32K classes: on `tiny_model_cluster` the whole-logits loss would cost more than the loss's three
 small all-reduces), `loss_fn` runs on DTensor logits under loss_parallel (codegen/loss_parallel.py):
 without pipelining, on the last pipeline stage of pp x tp, and through a Hugging Face ModelOutput
-whose `.logits` the loss reads. Losses of 3 SGD steps and every first-step gradient match one
-process within fp32 round-off; the collectives of a tp step are the ones the plan priced (its
+whose `.logits` the loss reads. Losses of 3 SGD steps, every first-step gradient and the
+evaluation loss after them match one process within fp32 round-off; the collectives of a tp step are the ones the plan priced (its
 three all-reduces included).
 """
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import case_outcome, tiny_model_cluster  # noqa: F401 (a fixture)
-from one_process import CaseTable, case_param, train_one_process, train_parallel
+from one_process import CaseTable, call, case_param, parallelize_reusing_captures, train_one_process, train_parallel
 
 pytestmark = pytest.mark.dist
 
@@ -63,17 +63,19 @@ class Case:
 
 
 def loss_parallel_case(case: Case) -> dict:
-    import autopar
     from torch.distributed.tensor.debug import CommDebugMode
 
     model, loss_fn, batches = _workload(case.model)
     reference = train_one_process(model, loss_fn, batches, LEARNING_RATE)
     (inputs, targets), *_ = batches
-    module = autopar.parallelize(model, tiny_model_cluster(case.world_size), inputs, loss_fn=loss_fn,
-                                 example_targets=targets, constraints=case.constraints, precision="fp32")
+    module = parallelize_reusing_captures(f"vocab-{case.model}", model, tiny_model_cluster(case.world_size), inputs,
+                                          loss_fn=loss_fn, example_targets=targets, constraints=case.constraints)
     # CommDebugMode's module tracking fails on a second microbatch: counted with one (tp cases).
     counter = CommDebugMode() if module.plan.num_microbatches == 1 else None
     run = train_parallel(module, batches, LEARNING_RATE, reference, first_step=counter)
+    eval_loss = module.eval_step(inputs, targets).item()  # the same sharded loss, without autograd
+    with torch.no_grad():
+        reference_eval_loss = loss_fn(call(reference.model, inputs), targets).item()
     counts = Counter()
     for op, count in (counter.get_comm_counts() if counter else {}).items():
         counts["all_reduce" if "all_reduce" in str(op) else str(op)] += count
@@ -82,7 +84,8 @@ def loss_parallel_case(case: Case) -> dict:
                 fallback=module.loss.fallback_reason if module.loss else None,
                 predicted_all_reduce=module.plan.predicted.collectives_per_microbatch.get("all_reduce", 0),
                 all_reduce=counts["all_reduce"], pp=module.plan.mesh["pp"],
-                num_microbatches=module.plan.num_microbatches)
+                num_microbatches=module.plan.num_microbatches, eval_loss=eval_loss,
+                reference_eval_loss=reference_eval_loss)
 
 
 def _case(model: str, world_size: int, **constraints):
@@ -107,6 +110,7 @@ def test_vocab_parallel_loss_matches_one_device(case_name, case_outcome):
         assert result["loss_parallel"], "the plan gathers the logits: the case tests nothing"
         assert result["fallback"] is None, f"rank {rank}: the loss fell back to gathered logits: {result['fallback']}"
         assert result["losses"] == pytest.approx(reference, rel=TOLERANCE, abs=TOLERANCE), f"rank {rank}'s losses"
+        assert result["eval_loss"] == pytest.approx(result["reference_eval_loss"], rel=TOLERANCE), f"rank {rank}"
         for name, error in result["grad_errors"].items():
             assert error is not None, f"rank {rank}: {name} has no gradient"
             assert error["max_abs"] <= TOLERANCE, f"rank {rank}: gradient of {name} differs: {error}"
