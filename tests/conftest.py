@@ -44,6 +44,20 @@ def one_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(scope="session")
+def quick_two_process_profile():
+    """(profile, progress reports) of one quick profile of this machine with 2 gloo processes,
+    measured once per test process for the tests that read one (tests/unit/test_profiler.py, and
+    tests/dist/test_calibrate_job.py, which calibrates a copy saved to its own file): a
+    HardwareProfile is frozen, and a quick profile costs ~15 CPU-s (two spawned processes)."""
+    from cost_model.profiler import ProfileOptions, run_profile
+
+    reports = []
+    profile = run_profile(ProfileOptions(num_processes=2, quick=True),
+                          progress=lambda message, fraction: reports.append((message, fraction)))
+    return profile, tuple(reports)
+
+
 @pytest.fixture
 def one_process_group():
     """A one-process group for in-process codegen (what `parallelize` starts when run standalone),

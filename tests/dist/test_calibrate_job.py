@@ -16,12 +16,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64,dropout=0.0"
 
 
-def test_calibration_inside_a_torchrun_job_stores_the_fit(tmp_path):
+def test_calibration_inside_a_torchrun_job_stores_the_fit(tmp_path, quick_two_process_profile):
     from cost_model.profile import load_profile
-    from cost_model.profiler import ProfileOptions, run_profile
 
     path = tmp_path / "p.json"
-    run_profile(ProfileOptions(num_processes=2, quick=True)).save(path)
+    quick_two_process_profile[0].save(path)
     command = [sys.executable, "-m", "autopar.cli", "profile", "--calibrate", MODEL, "--out", str(path),
                "--global-batch", "4"]
     results = launch_like_torchrun(command, world_size=2, timeout_s=400, cwd=str(REPO_ROOT))
@@ -31,9 +30,3 @@ def test_calibration_inside_a_torchrun_job_stores_the_fit(tmp_path):
     calibration = next(c for c in load_profile(path).calibrations if c.num_processes == 2)
     assert calibration.model == MODEL and len(calibration.points) >= 3
     assert all(point.measured_s > 0 and point.held_out_s > 0 for point in calibration.points)
-
-
-def test_calibration_inside_a_job_needs_an_existing_profile(tmp_path):
-    command = [sys.executable, "-m", "autopar.cli", "profile", "--calibrate", MODEL, "--out", str(tmp_path / "p.json")]
-    for code, output in launch_like_torchrun(command, world_size=2, timeout_s=120, cwd=str(REPO_ROOT)):
-        assert code == 2 and "autopar profile --out" in output, output[-2000:]

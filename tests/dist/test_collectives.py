@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from harness import case_outcome, fail, tiny_model_cluster  # noqa: F401 (a fixture)
-from one_process import CaseTable, case_param
+from one_process import CaseTable, case_param, parallelize_reusing_captures
 
 pytestmark = pytest.mark.dist
 
@@ -51,16 +51,19 @@ def collective_kind(op_name: str) -> str:
 
 
 def count_case(case: Case) -> dict:
-    import autopar
+    """What autopar.parallelize builds for the case, counted over one step; the cases of one model
+    in a job share its codegen export (`parallelize_reusing_captures`: the planner still plans
+    each case for its own cluster on rank 0)."""
     from autopar.models import build_model
     from torch.distributed.tensor.debug import CommDebugMode
 
     bundle = build_model(case.model, device="cpu", seed=0, batch_size=GLOBAL_BATCH)
     (tokens,), targets = bundle.example_inputs, bundle.example_targets
     cluster = tiny_model_cluster(case.world_size) if case.cluster == "tiny" else case.cluster
-    module = autopar.parallelize(bundle.model, cluster, (tokens,), loss_fn=bundle.loss_fn, example_targets=targets,
-                                 constraints={"tp": case.world_size, "dp": 1, "pp": 1,
-                                              "microbatch_size": GLOBAL_BATCH})
+    module = parallelize_reusing_captures(case.model, bundle.model, cluster, (tokens,), loss_fn=bundle.loss_fn,
+                                          example_targets=targets,
+                                          constraints={"tp": case.world_size, "dp": 1, "pp": 1,
+                                                       "microbatch_size": GLOBAL_BATCH})
     counter = CommDebugMode()
     with counter:
         module.train_step((tokens,), targets)

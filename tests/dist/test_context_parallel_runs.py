@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness import case_outcome, tiny_model_cluster  # noqa: F401 (a fixture)
-from one_process import CaseTable, case_param, train_one_process, train_parallel
+from one_process import CaseTable, case_param, parallelize_reusing_captures, train_one_process, train_parallel
 
 pytestmark = pytest.mark.dist
 
@@ -38,7 +38,8 @@ class Case:
     world_size: int
     constraints: dict = field(default_factory=dict)
     timeout_s: float = 150.0
-    """Each rank exports the model twice (whole, to check the plan; at seq / cp, to run it)."""
+    """Each rank exports the model at seq / cp to run it (and rank 0 the whole model, once per model
+    and job, for the plan check)."""
 
 
 class _CallsDuring:
@@ -56,7 +57,6 @@ class _CallsDuring:
 
 
 def cp_case(case: Case) -> dict:
-    import autopar
     from autopar.models import build_model
 
     bundle = build_model(MODELS[case.model], device="cpu", seed=0, batch_size=GLOBAL_BATCH)
@@ -65,9 +65,11 @@ def cp_case(case: Case) -> dict:
                 torch.randint(0, 64, (GLOBAL_BATCH, 16), generator=generator)) for _ in range(NUM_STEPS)]
     reference = train_one_process(bundle.model, bundle.loss_fn, batches, LEARNING_RATE)
     (tokens,), targets = batches[0]
-    module = autopar.parallelize(bundle.model, tiny_model_cluster(case.world_size), (tokens,),
-                                 loss_fn=bundle.loss_fn, example_targets=targets, constraints=case.constraints,
-                                 precision="fp32")
+    # What autopar.parallelize(..., precision="fp32") builds; the cases of one model in a job
+    # share its whole-model export (the plan check's), each rank still exports its seq / cp share.
+    module = parallelize_reusing_captures(case.model, bundle.model, tiny_model_cluster(case.world_size), (tokens,),
+                                          loss_fn=bundle.loss_fn, example_targets=targets,
+                                          constraints=case.constraints, precision="fp32")
     counted = _CallsDuring(module.context_parallel_ops)
     run = train_parallel(module, batches, LEARNING_RATE, reference, first_step=counted)
     output_error = 0.0

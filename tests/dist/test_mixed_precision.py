@@ -34,9 +34,9 @@ def _step(module, tokens, targets) -> dict:
 def bf16_worker(cluster: str) -> list[dict]:
     import torch
 
-    import autopar
     from autopar.codegen import parallelize as codegen
     from autopar.models import build_model
+    from one_process import parallelize_reusing_captures
 
     bundle = build_model(SPEC, device="cpu", seed=0, batch_size=8)
     reference = build_model(SPEC, device="cpu", seed=0, batch_size=8).model
@@ -44,16 +44,23 @@ def bf16_worker(cluster: str) -> list[dict]:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         reference_loss = bundle.loss_fn(reference(tokens).float(), targets).item()
     fsdp = codegen.apply_fsdp
+
+    def parallelize(constraints):
+        """autopar.parallelize(bundle.model, cluster, (tokens,), ..., precision="bf16"), planned
+        from one planning capture and built from one codegen export shared by the configurations
+        (the same model each time; the precision is the plan's, applied when the module is built)."""
+        return parallelize_reusing_captures("mixed-precision", bundle.model, cluster, (tokens,),
+                                            loss_fn=bundle.loss_fn, example_targets=targets,
+                                            constraints=constraints, precision="bf16")
+
     results = []
     for constraints in CONFIGS:
-        module = autopar.parallelize(bundle.model, cluster, (tokens,), loss_fn=bundle.loss_fn,
-                                     example_targets=targets, constraints=constraints, precision="bf16")
+        module = parallelize(constraints)
         runs = {"once": _step(module, tokens, targets)}
         if module.plan.zero_stage == 3:  # FSDP2 gathering fp32, each use casting (no MixedPrecisionPolicy)
             codegen.apply_fsdp = lambda *args, param_dtype=None, **kwargs: fsdp(*args, **kwargs)
             try:
-                module = autopar.parallelize(bundle.model, cluster, (tokens,), loss_fn=bundle.loss_fn,
-                                             example_targets=targets, constraints=constraints, precision="bf16")
+                module = parallelize(constraints)
             finally:
                 codegen.apply_fsdp = fsdp
         for param in module.parameters():

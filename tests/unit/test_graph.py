@@ -109,8 +109,9 @@ def test_blocks_group_by_structure_and_segments_mark_the_gaps():
 
 @pytest.mark.parametrize("family", ["gpt", "llama", "vit", "moe"])
 def test_with_batch_matches_a_capture_at_that_batch(family):
-    _, at_two = captured(family)
-    _, at_four = captured(family, batch_size=4)
+    # Three layers: the batch-2 capture is the one test_builtin_blocks_form_one_group made.
+    _, at_two = captured(f"{family}:layers=3")
+    _, at_four = captured(f"{family}:layers=3", batch_size=4)
     rescaled = at_two.with_batch(4)
     assert rescaled.batch_size == 4 and [node.name for node in rescaled.nodes] == [node.name for node in at_four.nodes]
     for scaled, direct in zip(rescaled.nodes, at_four.nodes):
@@ -148,13 +149,13 @@ def test_with_batch_scales_batch_dims_only():
 
 
 def test_fingerprint_identifies_the_model_not_the_batch():
-    _, at_two = captured("gpt")
-    _, at_four = captured("gpt", batch_size=4)
-    _, wider = captured("gpt:hidden=128")
-    _, deeper = captured("gpt:layers=3")
+    _, at_two = captured("gpt:layers=3")  # the captures of the tests above
+    _, at_four = captured("gpt:layers=3", batch_size=4)
+    _, wider = captured("gpt:layers=3,hidden=128")
+    _, shallower = captured("gpt")  # two layers
     assert at_two.fingerprint() == at_four.fingerprint() == at_two.with_batch(7).fingerprint()
     assert wider.fingerprint() != at_two.fingerprint()
-    assert deeper.fingerprint() != at_two.fingerprint()
+    assert shallower.fingerprint() != at_two.fingerprint()
 
 
 # --- saved activations ----------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -18,13 +17,9 @@ from cost_model.profiler import ProfileOptions, plan_collectives, run_profile, t
 
 
 @pytest.fixture(scope="module")
-def measured():
-    """(profile, progress reports, seconds taken) of a quick profile with 2 gloo processes."""
-    reports = []
-    started = time.perf_counter()
-    profile = run_profile(ProfileOptions(num_processes=2, quick=True),
-                          progress=lambda message, fraction: reports.append((message, fraction)))
-    return profile, reports, time.perf_counter() - started
+def measured(quick_two_process_profile):
+    """(profile, progress reports) of a quick profile with 2 gloo processes (tests/conftest.py)."""
+    return quick_two_process_profile
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +36,7 @@ def profile_path(profile, tmp_path):
 
 def test_quick_profile_reports_progress(measured):
     # How long a quick profile takes is a benchmark's business, not a test's (timings here are noisy).
-    _, reports, _ = measured
+    _, reports = measured
     fractions = [fraction for _, fraction in reports]
     assert fractions == sorted(fractions) and 0 <= fractions[0] and fractions[-1] == 1.0
     assert any("all_reduce" in message for message, _ in reports)

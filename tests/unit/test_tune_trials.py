@@ -140,6 +140,20 @@ def test_tune_and_calibrate_refuse_what_they_cannot_run(monkeypatch, capsys, tmp
     assert "--nproc N with N >= 2" in capsys.readouterr().err
 
 
+def test_calibration_inside_a_job_needs_an_existing_profile(monkeypatch, capsys, tmp_path):
+    # Every rank of a torchrun job (its environment) refuses before it joins a process group, so
+    # in-process calls stand for the job's processes; tests/dist/test_calibrate_job.py runs the
+    # command as real torchrun-like processes (their exit codes included) when the profile exists.
+    from autopar.cli import main
+
+    for rank in range(2):
+        for name, value in dict(RANK=rank, WORLD_SIZE=2, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=2).items():
+            monkeypatch.setenv(name, str(value))
+        assert main(["profile", "--calibrate", MODEL, "--out", str(tmp_path / "p.json")]) == 2
+        assert "autopar profile --out" in capsys.readouterr().err
+        assert not (tmp_path / "p.json").exists()
+
+
 def test_interleaved_trials_run_in_rotating_rounds(candidates, one_process_group, monkeypatch):
     order = []
 
