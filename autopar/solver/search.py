@@ -110,6 +110,11 @@ class SearchOptions:
     """Processes that price configurations (forked after the capture, solver/parallel_search.py);
     None: $AUTOPAR_JOBS if set, else the usable cores (at most 8), and 1 for a small search."""
 
+    def __post_init__(self) -> None:
+        if self.jobs is not None and (isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1):
+            raise ConfigError(f"jobs must be an integer >= 1 (processes that price configurations; 1: search in "
+                              f"this process) or None (the usable cores), got {self.jobs!r}")
+
 
 @dataclass
 class SearchResult:
@@ -127,7 +132,7 @@ Progress = Callable[[str], None]
 JOBS_ENV = "AUTOPAR_JOBS"
 """Environment variable: processes of a search whose options leave `jobs` unset."""
 MAX_DEFAULT_JOBS = 8
-MIN_MESHES_PER_JOB = 4
+MIN_MESHES_PER_JOB = 8
 """A search of fewer meshes per process runs in one: forking costs more than it saves."""
 
 
@@ -139,12 +144,12 @@ def search_jobs(jobs: int | None, meshes: list) -> int:
 
     if jobs is None and os.environ.get(JOBS_ENV, "").strip():
         jobs = _jobs_from_env(os.environ[JOBS_ENV])
-    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
-        raise ConfigError(f"jobs must be an integer >= 1 (processes that price configurations), got {jobs!r}")
     if "fork" not in multiprocessing.get_all_start_methods():
         return 1  # no fork (Windows): the workers could not inherit the captured graph
     if jobs is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        local = os.environ.get("LOCAL_WORLD_SIZE", "1")  # torchrun: the node's processes share the cores
+        cores //= max(1, int(local)) if local.isdigit() else 1
         jobs = min(cores, MAX_DEFAULT_JOBS, len(meshes) // MIN_MESHES_PER_JOB)
     return max(1, min(jobs, len(meshes)))
 
