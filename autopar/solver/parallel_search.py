@@ -182,7 +182,8 @@ def _collect(workers, connections) -> list[tuple[Found, dict]]:
                 _, error, text = message
                 if isinstance(error, (AutoparError, KeyboardInterrupt)):
                     raise error
-                raise SearchWorkerError(f"a search worker (process {worker.pid}) failed: {error}; search in one "
+                last = text.strip().splitlines()[-1] if text.strip() else repr(error)
+                raise SearchWorkerError(f"a search worker (process {worker.pid}) failed: {last}; search in one "
                                         f"process with jobs=1 to debug it. The worker's traceback:\n{text}") from error
             results.append(message[1:])
     return results

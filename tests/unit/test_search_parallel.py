@@ -13,10 +13,10 @@ from autopar.solver import parallel_search
 from autopar.solver.parallel_search import SearchWorkerError, SharedBoard, work_units
 from autopar.solver.search import JOBS_ENV, Board, Constraints, Planner, SearchOptions, search_jobs
 
-# Four layers, a sequence cp may split (4096 tokens: cp up to 4), 32 GPUs: 4 tp degrees.
-MODEL = "llama:layers=4,hidden=256,heads=8,kv_heads=4,ffn_hidden=512,seq=4096,vocab=1024"
-CLUSTER = "dgx-a100-80g:nodes=4"
-BATCH = 64
+# Four layers, a sequence cp may split (2048 tokens: cp up to 2), 16 GPUs: 4 tp degrees.
+MODEL = "llama:layers=4,hidden=128,heads=4,kv_heads=2,ffn_hidden=256,seq=2048,vocab=512"
+CLUSTER = "dgx-a100-80g:nodes=2"
+BATCH = 32
 
 
 @pytest.fixture(scope="module")
@@ -38,25 +38,36 @@ def _no_workers_left():
     return [child for child in multiprocessing.active_children() if child.is_alive()] == []
 
 
-def test_ranked_plans_with_two_jobs_equal_one_job(graph):
-    alone = _planner(graph, 1).search(keep=8)
+@pytest.fixture(scope="module")
+def alone(graph):
+    planner = _planner(graph, 1)
+    return planner, planner.search()
+
+
+def _plan(planner, result):
+    """api.plan_with over a search already made (candidates_with asks for the best 5)."""
+    planner.search = lambda constraints, keep: result
+    return api.plan_with(planner)
+
+
+def test_ranked_plans_with_two_jobs_equal_one_job(graph, alone):
     planner = _planner(graph, 2)
-    paired = planner.search(keep=8)
     assert len({mesh[0] for mesh in planner._meshes(Constraints())}) == 4  # work units: one per tp degree
-    assert _ranked(paired) == _ranked(alone)  # exactly: the same float arithmetic in each process
+    paired = planner.search()
+    assert _ranked(paired) == _ranked(alone[1])  # exactly: the same float arithmetic in each process
     assert _no_workers_left()
-    # The plan is built from the workers' intra-op results, not solved again here.
+    # The plan is built from the workers' intra-op results (this process solved nothing).
     best = paired.best.config
-    assert (best.tp, best.microbatch_size) in planner._sharding
-    assert paired.num_sharding_solves >= len(planner._sharding)
-    one, two = api.plan_with(_planner(graph, 1)), api.plan_with(_planner(graph, 2))
+    assert set(planner._sharding) == {(e.config.tp, e.config.microbatch_size) for e in paired.ranked}
+    assert paired.num_sharding_solves == alone[1].num_sharding_solves
     strip = lambda plan: {k: v for k, v in plan.to_dict().items() if k != "search"}  # noqa: E731
-    assert strip(two) == strip(one)
+    assert strip(_plan(planner, paired)) == strip(_plan(*alone))
+    assert (best.tp, best.microbatch_size) in planner._sharding
 
 
-def test_more_jobs_than_tensor_parallel_degrees(graph):
+def test_more_jobs_than_tensor_parallel_degrees(graph, alone):
     """Six jobs on four tp degrees: two degrees' meshes are split over two workers each."""
-    assert _ranked(_planner(graph, 6).search()) == _ranked(_planner(graph, 1).search())
+    assert _ranked(_planner(graph, 6).search()) == _ranked(alone[1])
 
 
 def test_work_units_group_meshes_by_tp_and_halve_the_largest():
