@@ -164,3 +164,18 @@ def test_interrupting_the_search_ends_every_worker(graph, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         _planner(graph, 2).search()
     assert _no_workers_left()
+
+
+def test_the_jobs_setting_keeps_the_capture_cache_key(monkeypatch):
+    from autopar import capture_cache
+    from autopar.models import resolve_spec
+
+    resolved = resolve_spec("tiny-gpt")
+    key = lambda: capture_cache.spec_key(resolved, loss_fn=None, example_targets=None, precision="bf16",  # noqa: E731
+                                         reuse_blocks=True)
+    monkeypatch.delenv(JOBS_ENV, raising=False)
+    before = key()
+    monkeypatch.setenv(JOBS_ENV, "3")
+    assert key() == before
+    monkeypatch.setenv("AUTOPAR_SOMETHING_ELSE", "3")
+    assert key() != before
