@@ -138,14 +138,18 @@ MIN_MESHES_PER_JOB = 8
 
 def search_jobs(jobs: int | None, meshes: list) -> int:
     """How many processes price the meshes: `jobs` (or $AUTOPAR_JOBS) as asked, else the usable
-    cores up to MAX_DEFAULT_JOBS, fewer for a small search; 1 where os.fork is unavailable."""
+    cores up to MAX_DEFAULT_JOBS, fewer for a small search, and 1 while other Python threads run;
+    1 where os.fork is unavailable."""
     import multiprocessing
     import os
+    import threading
 
     if jobs is None and os.environ.get(JOBS_ENV, "").strip():
         jobs = _jobs_from_env(os.environ[JOBS_ENV])
     if "fork" not in multiprocessing.get_all_start_methods():
         return 1  # no fork (Windows): the workers could not inherit the captured graph
+    if jobs is None and threading.active_count() > 1:
+        return 1  # forking a multi-threaded process (a notebook's kernel) may deadlock its children
     if jobs is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         local = os.environ.get("LOCAL_WORLD_SIZE", "1")  # torchrun: the node's processes share the cores

@@ -109,6 +109,11 @@ def test_jobs_option_and_environment(monkeypatch):
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ConfigError, match="jobs"):
             SearchOptions(jobs=bad)
+    monkeypatch.delenv(JOBS_ENV)
+    import threading
+    monkeypatch.setattr(threading, "active_count", lambda: 3)
+    assert search_jobs(None, meshes) == 1  # other threads: no fork unless asked for
+    assert search_jobs(2, meshes) == 2
     monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
     assert search_jobs(4, meshes) == 1  # no fork: one process
 
