@@ -22,6 +22,11 @@ What is not priced, and why that loses nothing (the best `keep` are exact under 
 - once a configuration fits, configurations no stage partition fits (only the leanest of them
   matters, for the message when none fits).
 
+The cutoff is the keep-th best step time found so far (Board). Meshes are priced in the order of
+their first microbatch's least lower bound, so that fast plans come early, and with
+SearchOptions.jobs > 1 in forked workers that share the cutoff (parallel_search.py); the ranking
+breaks ties by mesh number and order found, so neither changes it, only what is priced.
+
 Optimizer offload (FSDP2 CPUOffloadPolicy with ZeRO-3, no pipelining) is searched only when no
 configuration fits without it (or when a constraint asks for it): it trades device memory for
 host copies and a CPU optimizer step, which a plan that fits never needs.
