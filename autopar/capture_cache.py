@@ -46,7 +46,8 @@ MAX_DESCRIBED_OBJECTS = 200_000
 """A model whose state is larger than this many objects is not cached."""
 SWITCH_ENV = "AUTOPAR_CAPTURE_CACHE"
 DIR_ENV = "AUTOPAR_CACHE_DIR"
-_OWN_ENV = (SWITCH_ENV, DIR_ENV)
+_OWN_ENV = (SWITCH_ENV, DIR_ENV, "AUTOPAR_JOBS")
+"""Settings that do not change what is traced (AUTOPAR_JOBS: processes of the search)."""
 
 
 class Uncacheable(Exception):

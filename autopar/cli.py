@@ -1,6 +1,6 @@
 """The `autopar` command: a thin layer over the API.
 
-    autopar plan MODEL --cluster SPEC --global-batch B [--dp D] [--tp T] [--pp P] [--cp C] [--json]
+    autopar plan MODEL --cluster SPEC --global-batch B [--dp D] [--tp T] [--pp P] [--cp C] [--jobs N] [--json]
     autopar evaluate MODEL --cluster SPEC --global-batch B --tp T --pp P --microbatch-size b ...
     autopar profile [--device cpu|cuda] [--nproc N] [--out profile.json]
     autopar profile --calibrate MODEL --nproc N [--out profile.json]   (fit whole-step terms)
@@ -27,6 +27,7 @@ from autopar import api
 from autopar.report import commands as report_commands
 from autopar.errors import AutoparError, ConfigError
 from autopar.solver.recompute import RECOMPUTE_MODES
+from autopar.solver.search import SearchOptions
 from autopar.validation import MAX_DEVICES, MAX_DEVICES_PER_NODE, MAX_GLOBAL_BATCH, check_output_path, parse_int
 
 EXIT_INPUT_ERROR = 2
@@ -133,6 +134,9 @@ def _plan_parser(commands) -> None:
     parser.add_argument("--ep", type=count(), help="fix the expert-parallel degree (divides dp; MoE models)")
     parser.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
                         help="optimizer offload (FSDP2 CPUOffloadPolicy): auto uses it only when nothing fits without")
+    parser.add_argument("--jobs", type=count(1024), metavar="N",
+                        help="processes that price configurations (default: $AUTOPAR_JOBS, else the usable cores up "
+                             "to 8; 1 for a small search)")
     parser.set_defaults(handler=_plan)
 
 
@@ -198,7 +202,8 @@ def _plan(args) -> int:
                    "offload": {"on": True, "off": False}.get(args.offload)}
     plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
                     constraints={key: value for key, value in constraints.items() if value is not None},
-                    precision=args.precision, verbose=args.verbose)
+                    precision=args.precision, verbose=args.verbose,
+                    options=None if args.jobs is None else SearchOptions(jobs=args.jobs))
     return _emit(plan, args)
 
 

@@ -4,7 +4,9 @@
     .venv/bin/python benchmarks/planner_speed.py --full-capture  # also time capturing every layer
 
 Prints rows per end-to-end plan (what `autopar plan MODEL --cluster C --global-batch B`
-does: capture, search, building the plan), then one table for the ILP (the 96 identical layers
+does: capture, search, building the plan; wall seconds with CPU seconds in brackets, the
+search's worker processes included), the same capture searched again in one process (jobs=1),
+then one table for the ILP (the 96 identical layers
 are condensed to two and solved once) on several meshes. Each plan runs twice: cold (traced in
 this process, which also pays torch.export's import on the first one; the capture is stored in a
 temporary capture cache) and cached (a fresh process, as `autopar plan` run again, that loads
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -25,7 +28,7 @@ import time
 from autopar import api, capture_cache
 from autopar.condense import condense
 from autopar.mesh import Mesh
-from autopar.solver.search import Constraints
+from autopar.solver.search import Constraints, SearchOptions, search_jobs
 from autopar.solver.sharding import solve_sharding
 
 MESHES = ((("tp",), (8,)), (("dp", "tp"), (4, 8)), (("dp", "tp"), (16, 8)), (("dp", "tp"), (128, 8)))
@@ -36,17 +39,25 @@ PLANS = (
 )
 
 
+def cpu_s() -> float:
+    """CPU seconds of this process and of its ended children (the search's workers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def timed_plan(spec: str, cluster: str, global_batch: int, *, reuse_blocks: bool = True,
-               cache: bool = False) -> dict:
-    """One `autopar plan`: capture, then search and building the plan (seconds of each)."""
-    started = time.perf_counter()
-    graph = api.capture_for_planning(spec, reuse_blocks=reuse_blocks, cache=cache)
-    planner = api.planner_for(graph, None, cluster, global_batch=global_batch)
-    captured = time.perf_counter()
+               cache: bool = False, graph=None, jobs: int | None = None) -> dict:
+    """One `autopar plan`: capture (unless `graph` is given), then search and building the plan
+    (wall and CPU seconds of each; `jobs`: SearchOptions.jobs)."""
+    started, started_cpu = time.perf_counter(), cpu_s()
+    graph = graph or api.capture_for_planning(spec, reuse_blocks=reuse_blocks, cache=cache)
+    planner = api.planner_for(graph, None, cluster, global_batch=global_batch, options=SearchOptions(jobs=jobs))
+    captured, captured_cpu = time.perf_counter(), cpu_s()
     plan = api.plan_with(planner)
-    done = time.perf_counter()
-    return dict(planner=planner, plan=plan, num_nodes=len(graph.nodes), capture_s=captured - started,
-                search_s=done - captured, total_s=done - started)
+    done, done_cpu = time.perf_counter(), cpu_s()
+    return dict(planner=planner, plan=plan, graph=graph, num_nodes=len(graph.nodes), capture_s=captured - started,
+                search_s=done - captured, total_s=done - started, capture_cpu_s=captured_cpu - started_cpu,
+                search_cpu_s=done_cpu - captured_cpu, jobs=search_jobs(jobs, planner._meshes(Constraints())))
 
 
 def cached_plan(spec: str, cluster: str, global_batch: int) -> dict:
@@ -72,14 +83,16 @@ def row(spec: str, cluster: str, batch: int, how: str, run: dict) -> str:
     chosen = (f"pp={plan.mesh['pp']} dp={plan.mesh['dp']}{cp} tp={plan.mesh['tp']} "
               f"mb={plan.microbatch_size} {plan.schedule}(v={plan.virtual_stages}) {plan.recompute} "
               f"zero={plan.zero_stage}")
-    return (f"| {label} | {cluster} | {batch} | {how} | {run['num_nodes']:,} | {run['capture_s']:.1f} | "
-            f"{run['search_s']:.1f} | {run['total_s']:.1f} | {search['configs_priced']:,} | "
+    return (f"| {label} | {cluster} | {batch} | {how} | {run['num_nodes']:,} | {run['capture_s']:.1f} "
+            f"({run['capture_cpu_s']:.1f}) | {run['search_s']:.1f} ({run['search_cpu_s']:.1f}, jobs={run['jobs']}) | "
+            f"{run['total_s']:.1f} | {search['configs_priced']:,} | "
             f"{search['sharding_solves']} | {chosen} | {plan.predicted.step_time_s:.2f} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full-capture", action="store_true", help="also time capture of every layer")
+    parser.add_argument("--jobs", type=int, help="processes of the search (default: autopar plan's default)")
     parser.add_argument("--cached-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cached_one:
@@ -92,15 +105,20 @@ def main() -> None:
 
 
 def _tables(args) -> None:
-    print("| model | cluster | global batch | capture | nodes | capture (s) | search + plan (s) | total (s) "
-          "| configs priced | intra-op solves | chosen | step (s) |")
+    print("| model | cluster | global batch | capture | nodes | capture: wall (CPU) s | search + plan: wall (CPU) s "
+          "| total (s) | configs priced | intra-op solves | chosen | step (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     runs = {}
     for spec, cluster, batch in PLANS:
         for reuse in (True, False) if args.full_capture else (True,):
-            run = timed_plan(spec, cluster, batch, reuse_blocks=reuse, cache=reuse)
+            run = timed_plan(spec, cluster, batch, reuse_blocks=reuse, cache=reuse, jobs=args.jobs)
             runs.setdefault(spec, run)
             print(row(spec, cluster, batch, "cold, 3 blocks traced" if reuse else "cold, every layer", run), flush=True)
+        if args.jobs != 1:  # the same capture searched in one process, for comparison
+            alone = timed_plan(spec, cluster, batch, graph=runs[spec]["graph"], jobs=1)
+            same = alone["plan"].predicted.step_time_s == runs[spec]["plan"].predicted.step_time_s
+            print(row(spec, cluster, batch, f"same capture, searched in 1 process (same plan: {same})", alone),
+                  flush=True)
         cached = cached_plan(spec, cluster, batch)
         label = spec if len(spec) < 20 else spec.split(",")[0] + ",..."
         print(f"| {label} | {cluster} | {batch} | cached (fresh process: {cached['wall_s']:.1f} s wall with Python and imports) | "

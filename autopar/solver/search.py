@@ -22,6 +22,11 @@ What is not priced, and why that loses nothing (the best `keep` are exact under 
 - once a configuration fits, configurations no stage partition fits (only the leanest of them
   matters, for the message when none fits).
 
+The cutoff is the keep-th best step time found so far (Board). Meshes are priced in the order of
+their first microbatch's least lower bound, so that fast plans come early, and with
+SearchOptions.jobs > 1 in forked workers that share the cutoff (parallel_search.py); the ranking
+breaks ties by mesh number and order found, so neither changes it, only what is priced.
+
 Optimizer offload (FSDP2 CPUOffloadPolicy with ZeRO-3, no pipelining) is searched only when no
 configuration fits without it (or when a constraint asks for it): it trades device memory for
 host copies and a CPU optimizer step, which a plan that fits never needs.
@@ -29,6 +34,7 @@ host copies and a CPU optimizer step, which a plan that fits never needs.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -105,6 +111,14 @@ class SearchOptions:
     (smaller blocks cannot hide the KV exchange behind their attention); a constraint overrides."""
     cp_kv_exchange: str = "all_gather"
     """How context parallelism moves keys and values: "all_gather" (Llama 3's) or "ring"."""
+    jobs: int | None = None
+    """Processes that price configurations (forked after the capture, solver/parallel_search.py);
+    None: $AUTOPAR_JOBS if set, else the usable cores (at most 8), and 1 for a small search."""
+
+    def __post_init__(self) -> None:
+        if self.jobs is not None and (isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1):
+            raise ConfigError(f"jobs must be an integer >= 1 (processes that price configurations; 1: search in "
+                              f"this process) or None (the usable cores), got {self.jobs!r}")
 
 
 @dataclass
@@ -119,6 +133,80 @@ class SearchResult:
 
 
 Progress = Callable[[str], None]
+
+JOBS_ENV = "AUTOPAR_JOBS"
+"""Environment variable: processes of a search whose options leave `jobs` unset."""
+MAX_DEFAULT_JOBS = 8
+MIN_MESHES_PER_JOB = 8
+"""A search of fewer meshes per process runs in one: forking costs more than it saves."""
+
+
+def search_jobs(jobs: int | None, meshes: list) -> int:
+    """How many processes price the meshes: `jobs` (or $AUTOPAR_JOBS) as asked, else the usable
+    cores up to MAX_DEFAULT_JOBS, fewer for a small search, and 1 while other Python threads run;
+    1 where os.fork is unavailable."""
+    import multiprocessing
+    import os
+    import threading
+
+    if jobs is None and os.environ.get(JOBS_ENV, "").strip():
+        jobs = _jobs_from_env(os.environ[JOBS_ENV])
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1  # no fork (Windows): the workers could not inherit the captured graph
+    if jobs is None and threading.active_count() > 1:
+        return 1  # forking a multi-threaded process (a notebook's kernel) may deadlock its children
+    if jobs is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        local = os.environ.get("LOCAL_WORLD_SIZE", "1")  # torchrun: the node's processes share the cores
+        cores //= max(1, int(local)) if local.isdigit() else 1
+        jobs = min(cores, MAX_DEFAULT_JOBS, len(meshes) // MIN_MESHES_PER_JOB)
+    return max(1, min(jobs, len(meshes)))
+
+
+def _jobs_from_env(text: str) -> int:
+    try:
+        jobs = int(text)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        raise ConfigError(f"{JOBS_ENV}={text!r}: give the number of processes that price configurations, an "
+                          f"integer >= 1 (1: search in this process), or unset it")
+    return jobs
+
+
+class Board:
+    """The `keep` best step times found so far, fastest first: a configuration whose lower
+    bound exceeds the last of them is not priced (in one process; parallel_search.SharedBoard
+    is the one its workers share)."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.times_s: list[float] = []
+
+    def cutoff_s(self) -> float:
+        return self.times_s[self.keep - 1] if len(self.times_s) >= self.keep else float("inf")
+
+    def offer(self, time_s: float) -> None:
+        bisect.insort(self.times_s, time_s)
+        del self.times_s[self.keep:]
+
+
+@dataclass
+class Found:
+    """What a search of some meshes found: the best `keep` fitting estimates by (step time, peak
+    memory, mesh number, order found), the configurations priced, the leanest estimate."""
+
+    ranked: list[tuple[tuple, Estimate]] = field(default_factory=list)
+    count: int = 0
+    least_memory: tuple[tuple, Estimate] | None = None
+    """(peak memory, mesh number, order found) and the estimate, fitting or not."""
+    order: int = 0
+    sharding_keys: set = field(default_factory=set)
+    """(tp, microbatch) of the intra-op solves made in workers (none in one process)."""
+
+    def add(self, key: tuple, estimate: Estimate, keep: int) -> None:
+        bisect.insort(self.ranked, (key, estimate), key=lambda entry: entry[0])
+        del self.ranked[keep:]
 
 
 class Planner:
@@ -369,25 +457,37 @@ class Planner:
         if constraints.offload is None and self.step_model.can_offload and self.cluster.device_kind != "cpu":
             passes.append(True)  # only if nothing fits without (on a CPU the host memory is the device's)
         for offload in passes:
-            ranked, count, least_memory = self._search_pass(constraints, keep, offload)
-            if ranked:
+            found = self._search_pass(constraints, keep, offload)
+            if found.ranked:
                 break
-        if not ranked:
-            raise self._infeasible(least_memory, constraints)
+        if not found.ranked:
+            raise self._infeasible(found.least_memory[1] if found.least_memory else None, constraints)
+        ranked = [estimate for _, estimate in found.ranked]
         best = ranked[0]
         return SearchResult(best=best, sharding=self.sharding(best.config.tp, best.config.microbatch_size),
-                            num_configs=count, num_sharding_solves=len(self._sharding),
+                            num_configs=found.count, num_sharding_solves=len(set(self._sharding) | found.sharding_keys),
                             search_time_s=time.perf_counter() - started, ranked=ranked)
 
-    def _search_pass(self, constraints: Constraints, keep: int, offload: bool):
-        """(the best `keep` fitting estimates, configurations priced, the leanest one)."""
-        ranked: list[Estimate] = []
-        count = 0
-        least_memory: Estimate | None = None
+    def _search_pass(self, constraints: Constraints, keep: int, offload: bool) -> "Found":
+        """The best `keep` fitting estimates, configurations priced, the leanest estimate."""
+        meshes = [mesh for mesh in self._meshes(constraints) if not offload or mesh[1] == 1]
+        jobs = search_jobs(self.options.jobs, meshes)
+        if jobs > 1:
+            from autopar.solver.parallel_search import search_in_workers
+
+            found = search_in_workers(self, meshes, constraints, keep, offload, jobs)
+        else:
+            found = self.search_meshes(list(enumerate(meshes)), constraints, keep, offload, Board(keep))
+        return found
+
+    def search_meshes(self, meshes: list[tuple[int, tuple[int, int, int, int]]], constraints: Constraints,
+                      keep: int, offload: bool, board: "Board") -> "Found":
+        """Prices the configurations of the numbered meshes (tp, pp, dp, cp), in order; `board`
+        holds the `keep` best step times found so far (here or, searching in workers, by any of
+        them): what a configuration must beat to be priced."""
+        found = Found()
         bound_factor = self.overheads.lower_bound_factor if self.overheads else 1.0
-        for tp, pp, dp, cp in self._meshes(constraints):
-            if offload and pp != 1:
-                continue
+        for index, (tp, pp, dp, cp) in self._promising_first(meshes, constraints, offload):
             for microbatch in self._microbatches(dp, constraints):
                 self.progress(f"planning: tp={tp} pp={pp} dp={dp}{f' cp={cp}' if cp > 1 else ''} microbatch={microbatch}"
                               + (" (optimizer offload)" if offload else ""))
@@ -399,33 +499,50 @@ class Planner:
                     rest = (config.schedule, config.virtual_stages, config.ep, config.zero_stage)
                     if work_s > fitted_lighter.get(rest, float("inf")):
                         continue  # a lighter mode fits with less work: this one only adds recomputation
-                    cutoff = ranked[keep - 1].step_time_s if len(ranked) >= keep else float("inf")
+                    cutoff = board.cutoff_s()
                     if _lower_bound_s(self._least_work(config), config) * bound_factor > cutoff:
                         fitted_any = True  # not priced, but a faster one is known: keep looking
                         continue
                     # Once a configuration fits, one that does not is not priced: only the
                     # leanest of them matters, for the message when none fits.
                     staged = self.step_model.stages(prepared, config, self._lighter(config),
-                                                    cutoff_s=cutoff / bound_factor, price_unfit=not ranked)
+                                                    cutoff_s=cutoff / bound_factor, price_unfit=not found.ranked)
                     if staged is None:
                         continue
-                    count += 1
+                    found.count += 1
                     if staged.bound_s * bound_factor > cutoff:
                         fitted_any = True  # its slowest stage alone is slower than the ones kept
                         continue
                     if not staged.stages:
                         continue  # does not fit
                     estimate = self._calibrated(self.step_model.assemble(staged.stages, staged.fits, config))
-                    if least_memory is None or estimate.peak_memory_bytes < least_memory.peak_memory_bytes:
-                        least_memory = estimate
+                    found.order += 1
+                    key = (estimate.peak_memory_bytes, index, found.order)
+                    if found.least_memory is None or key < found.least_memory[0]:
+                        found.least_memory = (key, estimate)
                     if estimate.fits:
                         fitted_any = True
                         fitted_lighter.setdefault(rest, work_s)
-                        ranked.append(estimate)
-                ranked = sorted(ranked, key=lambda e: (e.step_time_s, e.peak_memory_bytes))[:keep]
+                        found.add((estimate.step_time_s, estimate.peak_memory_bytes, index, found.order), estimate,
+                                  keep)
+                        board.offer(estimate.step_time_s)
                 if not fitted_any and constraints.microbatch_size is None:
                     break  # larger microbatches need more memory still
-        return ranked, count, least_memory
+        return found
+
+    def _promising_first(self, meshes: list[tuple[int, tuple]], constraints: Constraints, offload: bool):
+        """The meshes by the least lower bound of their first microbatch's configurations (which
+        the search prices in any case): fast plans found early make the cutoff tight early. The
+        order changes what is priced, not the ranking (ties go by mesh number, Found)."""
+        def least(mesh) -> float:
+            tp, pp, dp, cp = mesh
+            microbatches = self._microbatches(dp, constraints)
+            if not microbatches:
+                return float("inf")
+            return min((_lower_bound_s(self._least_work(config), config)
+                        for config in self._configs(tp, pp, dp, microbatches[0], constraints, cp, offload=offload)),
+                       default=float("inf"))
+        return sorted(meshes, key=lambda numbered: (least(numbered[1]), numbered[0]))
 
     def _meshes(self, constraints: Constraints):
         devices = self.cluster.num_devices
