@@ -35,6 +35,22 @@ def capture_cache_in_tmp(tmp_path_factory):
             os.environ[name] = value
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_search_process():
+    """Searches run in one process (AUTOPAR_JOBS=1): the two xdist workers already keep both cores
+    busy, so forked search workers would only compete with them; tests of the parallel search ask
+    for their jobs explicitly (tests/unit/test_search_parallel.py)."""
+    import os
+
+    saved = os.environ.get("AUTOPAR_JOBS")
+    os.environ["AUTOPAR_JOBS"] = "1"
+    yield
+    if saved is None:
+        os.environ.pop("AUTOPAR_JOBS", None)
+    else:
+        os.environ["AUTOPAR_JOBS"] = saved
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny models gain nothing from threads; on a busy CPU, OpenMP spin-waits double the time."""

@@ -7,7 +7,8 @@ one_process.py), then compares:
   - the first step's loss, and every parameter gradient, gathered with `full_tensor()` and
     matched by its name in the original model (with pp, each rank checks the parameters it holds;
     together the ranks must cover all of them);
-  - the losses of 5 SGD steps (same learning rate, different batches each step).
+  - the losses of 5 SGD steps (same learning rate, different batches each step);
+  - `eval_step` after them (forward only, every schedule) against the trained copy's loss.
 Everything runs in fp32, so the tolerance is float round-off: 1e-5.
 
 Plans are made for `tiny_model_cluster` (see harness.py), on which the planner gives these tiny
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness import case_outcome, tiny_model_cluster  # noqa: F401 (a fixture)
-from one_process import CaseTable, case_param, parallelize_reusing_captures, train_one_process, train_parallel
+from one_process import CaseTable, call, case_param, parallelize_reusing_captures, train_one_process, train_parallel
 
 pytestmark = pytest.mark.dist
 
@@ -159,10 +160,14 @@ def numerics_case(case: Case) -> dict:
     module = parallelize_reusing_captures(case.model, workload.model, case.cluster, inputs, loss_fn=workload.loss_fn,
                                           example_targets=targets, constraints=case.constraints)
     run = train_parallel(module, workload.batches, LEARNING_RATE, reference)
+    eval_loss = module.eval_step(inputs, targets).item()  # after training: the trained weights, forward only
+    with torch.no_grad():
+        reference_eval_loss = workload.loss_fn(call(reference.model, inputs), targets).item()
     plan = module.plan
     groups = [stage._get_fsdp_state()._fsdp_param_group for stage in module.stages if hasattr(stage, "_get_fsdp_state")]
     return dict(offload_policies=sorted({type(group.offload_policy).__name__ for group in groups if group}),
                 losses=run.losses, reference_losses=reference.losses, grad_errors=run.grad_errors,
+                eval_loss=eval_loss, reference_eval_loss=reference_eval_loss,
                 all_parameters=sorted(reference.grads), mismatches=dict(module.stats.mismatches),
                 kept=dict(module.stats.kept),
                 plan=dict(mesh=plan.mesh, microbatch_size=plan.microbatch_size, schedule=plan.schedule,
@@ -250,6 +255,8 @@ def test_matches_one_device(case_name, case_outcome):
     reference = results[0]["reference_losses"]
     for rank, result in enumerate(results):
         assert result["losses"] == pytest.approx(reference, rel=TOLERANCE, abs=TOLERANCE), f"rank {rank}'s losses"
+        assert result["eval_loss"] == pytest.approx(result["reference_eval_loss"], rel=TOLERANCE, abs=TOLERANCE), \
+            f"rank {rank}'s eval_step loss"
         for name, error in result["grad_errors"].items():
             assert error is not None, f"rank {rank}: {name} has no gradient"
             assert error["max_abs"] <= TOLERANCE, f"rank {rank}: gradient of {name} differs: {error}"
