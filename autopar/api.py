@@ -31,7 +31,7 @@ from autopar.plans import Plan
 from autopar.plan_build import make_plan
 from autopar.replica import meta_inputs, meta_replica
 from autopar.solver.overheads import overheads_for
-from autopar.solver.search import Constraints, Planner, SearchOptions
+from autopar.solver.search import Constraints, Planner, SearchOptions, check_jobs_env
 from autopar.solver.step_model import ParallelConfig
 from autopar.validation import (check_choice, check_constraint_values, check_degrees, check_fixed_config,
                                 check_global_batch, check_pipeline_depth, shorten, type_name)
@@ -258,6 +258,7 @@ def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: 
     """The `num_candidates` fastest predicted plans, fastest first (what trials measure)."""
     constraints = Constraints.from_value(check_constraint_values(constraints))
     check_model_arguments(model, example_inputs, loss_fn, example_targets)
+    check_jobs_env()
     cluster = Cluster.from_spec(cluster)
     _check_constraints(cluster, check_global_batch(global_batch), constraints)
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,

@@ -163,6 +163,14 @@ def search_jobs(jobs: int | None, meshes: list) -> int:
     return max(1, min(jobs, len(meshes)))
 
 
+def check_jobs_env() -> None:
+    """A bad $AUTOPAR_JOBS raises ConfigError now (before a capture that may take seconds)."""
+    import os
+
+    if os.environ.get(JOBS_ENV, "").strip():
+        _jobs_from_env(os.environ[JOBS_ENV])
+
+
 def _jobs_from_env(text: str) -> int:
     try:
         jobs = int(text)

@@ -184,3 +184,14 @@ def test_the_jobs_setting_keeps_the_capture_cache_key(monkeypatch):
     assert key() == before
     monkeypatch.setenv("AUTOPAR_SOMETHING_ELSE", "3")
     assert key() != before
+
+
+def test_a_bad_jobs_environment_is_refused_before_the_capture(monkeypatch):
+    monkeypatch.setenv(JOBS_ENV, "0")
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("captured before checking AUTOPAR_JOBS")
+
+    monkeypatch.setattr(api, "planner_for", no_capture)
+    with pytest.raises(ConfigError, match=JOBS_ENV):
+        api.plan("gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64", cluster="dgx-a100-80g:nodes=1", global_batch=8)
