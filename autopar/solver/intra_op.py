@@ -104,6 +104,10 @@ class ChoiceSolution:
 
 
 _SCIP_PARAMETERS = "misc/allowweakdualreds = FALSE\n"
+_MEMORY_ROW_UNIT_BYTES = 2.0**20
+"""The memory row is written in MiB: in bytes its coefficients (1e8 and more) and its bound put
+GLOP's relaxation outside its tolerances, and it reported feasible budgets infeasible (a 2 x 2
+mesh at 256 MiB whose leanest assignment needs 177 MiB, which SCIP then solved)."""
 _RELATIVE_GAP = 1e-9
 
 
@@ -120,7 +124,8 @@ class IntraOpILP:
 
     def build(self) -> "IntraOpILP":
         if self.problem.memory_budget_bytes is not None:
-            self.memory = self.solver.Constraint(-self.solver.infinity(), float(self.problem.memory_budget_bytes))
+            self.memory = self.solver.Constraint(-self.solver.infinity(),
+                                                 float(self.problem.memory_budget_bytes) / _MEMORY_ROW_UNIT_BYTES)
         self.add_one_choice()
         self.add_edge_coupling()
         self.add_memory_limit()
@@ -134,7 +139,7 @@ class IntraOpILP:
         if allowed:
             self.objective.SetCoefficient(var, cost_s + self.problem.memory_weight_s_per_byte * memory_bytes)
             if self.memory is not None and memory_bytes:
-                self.memory.SetCoefficient(var, memory_bytes)
+                self.memory.SetCoefficient(var, memory_bytes / _MEMORY_ROW_UNIT_BYTES)
         return var
 
     def add_one_choice(self) -> None:

@@ -137,12 +137,22 @@ def _with_hint(problem: ChoiceProblem) -> ChoiceProblem:
 
 
 def _infeasible(graph: OpGraph, problem: ChoiceProblem, layout: Layout, budget: float | None) -> InfeasiblePlanError:
-    """The least memory any assignment needs (each variable at its leanest), and what dominates it."""
+    """The least memory any assignment needs (each variable and each edge at its leanest: a lower
+    bound), and what dominates it."""
     least = sum(float(np.min(m)) for m in problem.node_memory_bytes if len(m))
+    least += sum(float(np.min(edge.memory_bytes)) for edge in problem.edges
+                 if edge.memory_bytes is not None and edge.memory_bytes.size)
     heaviest = sorted(((float(np.min(m)), name) for m, name in zip(problem.node_memory_bytes, problem.names) if len(m)),
                       reverse=True)[:3]
     dominant = ", ".join(f"{name} ({human_bytes(size)})" for size, name in heaviest if size > 0)
+    if budget is not None and least <= budget:
+        # Each op's leanest choice fits, but not together: leaner placements of one op force
+        # resharded (kept) copies or heavier choices on its neighbours.
+        why = (f"each op at its own leanest would need {human_bytes(least)} in all (largest: {dominant}), but those "
+               "choices are not compatible: a lean placement of one op makes its neighbours keep resharded copies "
+               "or heavier placements, and no combination fits")
+    else:
+        why = f"the leanest assignment needs at least {human_bytes(least)} per device (largest: {dominant})"
     return InfeasiblePlanError(
-        f"no sharding fits in {human_bytes(budget or 0)} per device: the leanest assignment needs at least "
-        f"{human_bytes(least)} per device (largest: {dominant}). Use more devices, a larger memory budget, "
-        "recomputation, or a smaller microbatch.")
+        f"no sharding fits in {human_bytes(budget or 0)} per device: {why}. Use more devices, a larger memory "
+        "budget, recomputation, or a smaller microbatch.")

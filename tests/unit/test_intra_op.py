@@ -23,16 +23,19 @@ def brute_force(problem: ChoiceProblem):
     return best
 
 
-def random_problem(seed: int, *, num_vars: int, max_choices: int, budget_fraction: float | None, weight=0.0):
+def random_problem(seed: int, *, num_vars: int, max_choices: int, budget_fraction: float | None, weight=0.0,
+                   memory_scale: float = 1.0, cost_scale: float = 1.0):
+    """Costs in [0, 1) x cost_scale, memories in [0, 100) x memory_scale (edges' in [0, 20))."""
     rng = np.random.default_rng(seed)
     sizes = rng.integers(1, max_choices + 1, size=num_vars)
-    node_cost = tuple(rng.uniform(0, 1, size=n) for n in sizes)
-    node_memory = tuple(rng.uniform(0, 100, size=n) for n in sizes)
+    node_cost = tuple(cost_scale * rng.uniform(0, 1, size=n) for n in sizes)
+    node_memory = tuple(memory_scale * rng.uniform(0, 100, size=n) for n in sizes)
     edges = []
     for u, v in itertools.combinations(range(num_vars), 2):
         if rng.random() < 0.5:
-            memory = rng.uniform(0, 20, size=(sizes[u], sizes[v])) if rng.random() < 0.5 else None
-            edges.append(Edge(u=u, v=v, cost_s=rng.uniform(0, 1, size=(sizes[u], sizes[v])), memory_bytes=memory))
+            memory = memory_scale * rng.uniform(0, 20, size=(sizes[u], sizes[v])) if rng.random() < 0.5 else None
+            edges.append(Edge(u=u, v=v, cost_s=cost_scale * rng.uniform(0, 1, size=(sizes[u], sizes[v])),
+                              memory_bytes=memory))
     budget = None
     if budget_fraction is not None:
         least = sum(m.min() for m in node_memory)
@@ -59,6 +62,19 @@ def test_ilp_matches_brute_force(seed, num_vars, max_choices, budget, weight):
     assert solution.objective == pytest.approx(expected[0], rel=1e-6, abs=1e-6)
     if problem.memory_budget_bytes is not None:
         assert solution.memory_bytes <= problem.memory_budget_bytes + 1e-6
+
+
+@pytest.mark.parametrize("seed", [23, 29, 269])
+def test_a_feasible_budget_at_real_magnitudes_is_found(seed):
+    """Bytes (3e7 per unit: tensors of tens of MB) and seconds (1e-5): with the memory row in
+    bytes, GLOP's relaxation called these three budgets infeasible (the row is in MiB now)."""
+    problem = random_problem(seed, num_vars=6, max_choices=3, budget_fraction=0.5, memory_scale=3e7, cost_scale=1e-5)
+    expected = brute_force(problem)
+    assert expected is not None
+    solution = solve_choices(problem, time_limit_s=10)
+    assert solution.status == "optimal"
+    assert solution.objective == pytest.approx(expected[0], rel=1e-6)
+    assert solution.memory_bytes <= problem.memory_budget_bytes
 
 
 def test_memory_budget_changes_the_choice():
