@@ -25,31 +25,34 @@ def _model(weight: torch.Tensor, mesh=None):
     return torch.log_softmax(hidden, dim=-1).redistribute(mesh, [Shard(1)])
 
 
-def _reference(weight: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
-    weight = weight.detach().clone().requires_grad_(True)
-    loss = F.cross_entropy(_model(weight), targets)
+def _inputs() -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
+    """(a weight needing a gradient, targets, one device's loss and weight gradient)."""
+    torch.manual_seed(0)
+    weight, targets = torch.randn(6, 10), torch.randint(0, 10, (6,))
+    reference = weight.clone().requires_grad_(True)
+    loss = F.cross_entropy(_model(reference), targets)
     loss.backward()
-    return loss.item(), weight.grad
+    return weight.requires_grad_(True), targets, loss.item(), reference.grad
+
+
+def _trained(model_loss: ModelLoss, weight: torch.Tensor, targets: torch.Tensor, mesh) -> torch.Tensor:
+    loss = model_loss((_model(weight, mesh),), targets)
+    assert not isinstance(loss, DTensor)
+    loss.backward()
+    return loss
 
 
 def test_the_loss_runs_on_sharded_logits_and_the_models_own_log_softmax_keeps_its_gradient(mesh) -> None:
-    torch.manual_seed(0)
-    weight, targets = torch.randn(6, 10), torch.randint(0, 10, (6,))
-    expected_loss, expected_grad = _reference(weight, targets)
-    weight.requires_grad_(True)
+    weight, targets, expected_loss, expected_grad = _inputs()
     model_loss = ModelLoss(F.cross_entropy, lambda values: values[0], sharded=True)
-    loss = model_loss((_model(weight, mesh),), targets)
-    assert not isinstance(loss, DTensor) and model_loss.fallback_reason is None
-    loss.backward()
+    loss = _trained(model_loss, weight, targets, mesh)
+    assert model_loss.fallback_reason is None
     assert loss.item() == pytest.approx(expected_loss, rel=1e-6)
     torch.testing.assert_close(weight.grad, expected_grad)
 
 
 def test_a_loss_dtensor_cannot_run_falls_back_to_gathered_outputs_with_a_warning(mesh) -> None:
-    torch.manual_seed(0)
-    weight, targets = torch.randn(6, 10), torch.randint(0, 10, (6,))
-    expected_loss, expected_grad = _reference(weight, targets)
-    weight.requires_grad_(True)
+    weight, targets, expected_loss, expected_grad = _inputs()
 
     def plain_tensors_only(logits, targets):
         if isinstance(logits, DTensor):
@@ -58,17 +61,14 @@ def test_a_loss_dtensor_cannot_run_falls_back_to_gathered_outputs_with_a_warning
 
     model_loss = ModelLoss(plain_tensors_only, lambda values: values[0], sharded=True)
     with pytest.warns(RuntimeWarning, match="gathered for the loss"):
-        loss = model_loss((_model(weight, mesh),), targets)
+        loss = _trained(model_loss, weight, targets, mesh)
     assert not model_loss.sharded and "no rule for this op" in model_loss.fallback_reason
-    loss.backward()
     assert loss.item() == pytest.approx(expected_loss, rel=1e-6)
     torch.testing.assert_close(weight.grad, expected_grad)
 
 
 def test_evaluation_runs_the_sharded_loss_without_autograd(mesh) -> None:
-    torch.manual_seed(0)
-    weight, targets = torch.randn(6, 10), torch.randint(0, 10, (6,))
-    expected_loss, _ = _reference(weight, targets)
+    weight, targets, expected_loss, _ = _inputs()
     with torch.no_grad():
         loss = ModelLoss(F.cross_entropy, lambda values: values[0], sharded=True)((_model(weight, mesh),), targets)
     assert not isinstance(loss, DTensor) and not loss.requires_grad
