@@ -73,11 +73,15 @@ class ModelLoss:
                 return self._sharded(values, targets)
             except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
                 self._fall_back(error)
-        return self.loss_fn(self.model_output(tuple(as_float(value) for value in replicated_local(values))), targets)
+        return self._on(replicated_local(values), targets)
+
+    def _on(self, values: tuple, targets):
+        """`loss_fn` of the model's output object rebuilt from `values` (fp32)."""
+        return self.loss_fn(self.model_output(tuple(as_float(value) for value in values)), targets)
 
     def _sharded(self, values: tuple, targets) -> torch.Tensor:
         def run(inner: tuple):
-            return self.loss_fn(self.model_output(tuple(as_float(value) for value in inner)), targets)
+            return self._on(inner, targets)
 
         if not torch.is_grad_enabled():
             with loss_parallel():

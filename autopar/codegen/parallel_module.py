@@ -60,9 +60,9 @@ class ParallelModule(nn.Module):
         """FQNs of the weights split by expert over the ep group (their gradients are reduced over
         the dp ranks holding the same experts)."""
         self.weight_casts = weight_casts or WeightCasts()
+        """bf16 plans: the weights' bf16 copies, made once per train_step/eval_step (program.py)."""
         self.loss = ModelLoss(loss_fn, self.model_output, sharded=plan.loss_parallel) if loss_fn else None
         """`loss_fn` on the model output, gathered or (plan.loss_parallel) with its logits class-sharded."""
-        """bf16 plans: the weights' bf16 copies, made once per train_step/eval_step (program.py)."""
         self._step_starts_s: deque[float] = deque(maxlen=4096)
         self._step_durations_s: deque[float] = deque(maxlen=4096)
 

@@ -187,9 +187,9 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
     if len(specs) > 1:
         pipeline = PipelineBuilder(plan, parts, builder.placements, runtime.device, runtime.pp_group)
         pipeline_stages = [pipeline.stage(stage, spec, len(specs)) for stage, spec in zip(stages, mine)]
-        shards = (runtime.tp_mesh, [builder.placements.get(name, "R").split("|")[0] for name in specs[-1].outputs])
-        schedule = pipeline.schedule(pipeline_stages, _pipeline_loss(loss_fn, parts.model_output,
-                                                                     shards if plan.loss_parallel else None))
+        shards = (runtime.tp_mesh, [builder.placements.get(name, "R").split("|")[0] for name in specs[-1].outputs]) \
+            if plan.loss_parallel else None
+        schedule = pipeline.schedule(pipeline_stages, _pipeline_loss(loss_fn, parts.model_output, shards))
         tied = tied_weight_groups(plan, parts, [spec.segments for spec in specs],
                                   (pp, plan.mesh["dp"] * cp, plan.mesh["tp"]), runtime.rank)  # dp, cp: one axis
     coordinate = {axis: runtime.coordinate(axis) for axis in ("pp", "dp", "tp")}
