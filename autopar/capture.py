@@ -32,6 +32,7 @@ from torch.export import Dim, export
 from autopar.blocks import find_blocks_and_segments
 from autopar.errors import CaptureError
 from autopar.graph import OpGraph, OpNode, ParamInfo, Ref, TensorMeta
+from autopar.activation_saves import fold_activation_saves
 from autopar.probe import InputSpec, ProbeResult, io_priced, probe_op
 
 LOSS_WRAPPER_PREFIX = "model."
@@ -395,7 +396,7 @@ class ExportConverter:
             self._convert_node(fx_node)
         blocks, segments = find_blocks_and_segments(self.model, self.nodes)
         batch_dynamic = self.dynamic and self.batch_symbol is not None
-        return OpGraph(nodes=tuple(self.nodes), params=tuple(self.params), blocks=blocks, segments=segments,
+        return OpGraph(nodes=tuple(fold_activation_saves(self.nodes)), params=tuple(self.params), blocks=blocks, segments=segments,
                        batch_size=self.batch, batch_dynamic=batch_dynamic, capture_method="export",
                        model_name=self.name, notes=tuple(dict.fromkeys(self.notes)))
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
+from autopar.activation_saves import fold_activation_saves
 from autopar.blocks import find_blocks_and_segments
 from autopar.capture import LOSS_MODULE_PATH, WithLoss, failure_reason
 from autopar.errors import CaptureError
@@ -65,7 +66,7 @@ def capture_with_fx(module: nn.Module, model: nn.Module, prefix: str, inputs: tu
     blocks, segments = find_blocks_and_segments(model, nodes)
     params = tuple(ParamInfo(name=node.target, node=node.name, meta=node.output, trainable=node.kind == "param")
                    for node in nodes if node.kind in ("param", "buffer"))
-    return OpGraph(nodes=tuple(nodes), params=params, blocks=blocks, segments=segments, batch_size=batch,
+    return OpGraph(nodes=tuple(fold_activation_saves(nodes)), params=params, blocks=blocks, segments=segments, batch_size=batch,
                    batch_dynamic=batch > 0 and metas is not more_metas, capture_method="symbolic_trace",
                    model_name=name, notes=("captured with torch.fx.symbolic_trace: unmapped ops are replicated",
                                            *dict.fromkeys(f"{n.target}: {n.note}" for n in nodes if n.note)))

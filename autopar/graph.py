@@ -109,6 +109,9 @@ class OpNode:
     """Indices into `inputs` that the backward pass keeps alive."""
     saved_output: bool = False
     """Whether the backward keeps this node's output."""
+    recomputed_inputs: tuple[int, ...] = ()
+    """Indices into `inputs` that the backward needs but does not keep: each is a gated
+    activation's output, run again from the activation's own saved input (activation_saves.py)."""
     saved_extra_bytes: float = 0.0
     """Bytes of new tensors saved for backward (dropout masks, norm statistics)."""
     alias_input: int | None = None
@@ -288,6 +291,11 @@ class OpGraph:
         nodes = tuple(_node_at_batch(node, old_outputs, new_outputs, batch_size / self.batch_size)
                       for node in self.nodes)
         return replace(self, nodes=nodes, batch_size=batch_size)
+
+    @cached_property
+    def recomputed_activations(self) -> frozenset[str]:
+        """Gated activations whose output their product saves as a recipe (`recomputed_inputs`)."""
+        return frozenset(node.inputs[index] for node in self.calls() for index in node.recomputed_inputs)
 
     @cached_property
     def loss_nodes(self) -> frozenset[str]:

@@ -100,6 +100,7 @@ class ProgramBuilder:
         self.device = device
         self.placements = codegen_placements(plan, parts)
         self.interpreter = PlannedInterpreter(self.placements, tp_mesh, stats)
+        self.interpreter.recomputed_activations = parts.graph.recomputed_activations
         self.recomputable = recomputable_nodes(parts.graph)
         self.op_kept = op_saved_nodes(parts.graph)
         self.readers = parts.readers()

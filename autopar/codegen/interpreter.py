@@ -79,18 +79,22 @@ class PlannedInterpreter:
         self.mesh = mesh
         self.stats = stats or RunStats()
         self.distributed = mesh.size() > 1
+        """Without tensor parallelism ops run on plain tensors (DTensor dispatch costs ~20% on CPU)."""
         self.replicated_targets: set = set()
+        """Targets found to have no DTensor strategy (run replicated from then on)."""
         self.overrides: dict = {}
         """target -> fn(node, args, kwargs) run instead of the op (context parallelism's position-aware ops)."""
-        """Targets found to have no DTensor strategy (run replicated from then on)."""
         self.experts = None
         """ExpertRunner (codegen/experts.py) of an expert-parallel plan, else None."""
         self.current_node: str | None = None
         """The node whose op is running (not while its inputs are redistributed): the "op"
         recomputation policy keeps what kept nodes produce (codegen/recompute.py)."""
         self.on_gather = None
-        """Called with (shard, gathered) after each all-gather of an input (regather_saves)."""
-        """Without tensor parallelism ops run on plain tensors (DTensor dispatch costs ~20% on CPU)."""
+        """Called with (shard, gathered) after each all-gather of an input (compact_saves)."""
+        self.recomputed_activations: frozenset[str] = frozenset()
+        """Gated activations whose output the product's backward runs again (activation_saves.py)."""
+        self.on_activation = None
+        """Called with (node, args, kwargs, output) after each of those runs (compact_saves)."""
 
     def as_dtensor(self, value: torch.Tensor) -> DTensor:
         """Plain tensors (factory outputs, buffers) are the same on every rank: replicated."""
@@ -165,9 +169,11 @@ class PlannedInterpreter:
             result = self._run_op(node, args, kwargs, output_placement)
         finally:
             self.current_node = None
-        if output_placement is None or node.target is operator.getitem or not self.distributed:
-            return result
-        return self._check_output(node, result, output_placement)
+        if output_placement is not None and node.target is not operator.getitem and self.distributed:
+            result = self._check_output(node, result, output_placement)
+        if self.on_activation is not None and node.name in self.recomputed_activations:
+            self.on_activation(node, args, kwargs, result)
+        return result
 
     def _run_op(self, node: torch.fx.Node, args, kwargs, output_placement):
         if node.target in self.overrides:

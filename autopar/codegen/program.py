@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from autopar.codegen.interpreter import PlannedInterpreter, contiguous_grad
-from autopar.codegen.recompute import op_policy_context, regather_saves
+from autopar.codegen.recompute import compact_saves, op_policy_context
 from autopar.codegen.placements import to_dtensor_placement
 from autopar.graph import OpGraph
 from autopar.solver.evaluate import is_recomputable
@@ -229,11 +229,9 @@ class SegmentModule(ParameterOwner):
         env = {**values, **self._params()}
         if self.recompute == "selective":
             self._run_selective(env)
-        elif self.recompute == "gathers":
-            with regather_saves(self.interpreter):
-                self.interpreter.run_nodes(self.nodes, env)
         else:
-            self.interpreter.run_nodes(self.nodes, env)
+            with compact_saves(self.interpreter, regather=self.recompute == "gathers"):
+                self.interpreter.run_nodes(self.nodes, env)
         return {name: env[name] for name in self.produced}
 
     def _run_all(self, names: list[str], others: dict, *tensors: torch.Tensor) -> tuple:
@@ -245,7 +243,7 @@ class SegmentModule(ParameterOwner):
         """Runs of parameter-free nodes are recomputed in backward; the rest is kept."""
         for run, recompute in _runs(self.nodes, self.recomputable):
             if not recompute:
-                with regather_saves(self.interpreter):
+                with compact_saves(self.interpreter, regather=True):
                     self.interpreter.run_nodes(run, env)
                 continue
             inside = {node.name for node in run}

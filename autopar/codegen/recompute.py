@@ -13,10 +13,14 @@ what the selective-checkpoint cache requires.
 interpreter all-gathered from a shard by a token holding the shard; backward gathers it again,
 once for all the consumers that saved it (q, k and v projections share one gather), and drops
 it after the last of them, as Megatron-LM's sequence parallelism does.
+
+Every mode that keeps tensors (all but "full" and what "op" and "selective" recompute): the same
+hooks save a gated activation's output as a recipe (autopar/activation_saves.py).
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -77,23 +81,51 @@ def _storage_key(tensor: torch.Tensor) -> int:
         return 0
 
 
-@contextmanager
-def regather_saves(interpreter):
-    """Within this block, tensors the interpreter gathers and autograd saves are kept as shards."""
-    if not interpreter.distributed:
-        yield
-        return
-    registry: dict[int, _Gathered] = {}
+@dataclass(frozen=True)
+class _Activation:
+    """A gated activation's output, saved as its function and its (already saved) input."""
 
-    def note(shard: DTensor, gathered: DTensor) -> None:
-        key = _storage_key(gathered)
+    function: object
+    source: torch.Tensor
+    other_args: tuple
+    kwargs: dict
+    output: weakref.ref
+
+    def matches(self, tensor: torch.Tensor) -> bool:
+        return self.output() is tensor
+
+    def run(self) -> torch.Tensor:
+        with torch.no_grad():
+            return self.function(self.source, *self.other_args, **self.kwargs)
+
+
+@contextmanager
+def compact_saves(interpreter, regather: bool):
+    """Within this block, tensors autograd saves are kept smaller where the plan says so:
+    gathered inputs as the shards they came from (`regather`: the "gathers" mode and the kept
+    parts of "selective"), and gated activations' outputs as a recipe run again in backward from
+    the activation's input, which its own backward keeps anyway (autopar/activation_saves.py)."""
+    gathered: dict[int, _Gathered] = {}
+    activations: dict[int, _Activation] = {}
+
+    def note_gather(shard: DTensor, full: DTensor) -> None:
+        key = _storage_key(full)
         if key:
-            registry[key] = _Gathered(shard=shard.detach(), placements=tuple(gathered.placements),
-                                      numel=gathered.numel())
+            gathered[key] = _Gathered(shard=shard.detach(), placements=tuple(full.placements), numel=full.numel())
+
+    def note_activation(node, args, kwargs, output) -> None:
+        if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
+            activations[id(output)] = _Activation(function=node.target, source=args[0].detach(),
+                                                  other_args=tuple(args[1:]), kwargs=dict(kwargs),
+                                                  output=weakref.ref(output))
 
     def pack(tensor):
-        if isinstance(tensor, DTensor) and registry:
-            entry = registry.get(_storage_key(tensor))
+        recipe = activations.get(id(tensor))
+        if recipe is not None and recipe.matches(tensor):
+            interpreter.stats.kept["recomputed_activation"] += 1
+            return recipe
+        if isinstance(tensor, DTensor) and gathered:
+            entry = gathered.get(_storage_key(tensor))
             # Only whole, contiguous views of the gathered tensor (the 2-D view a matmul saves).
             if entry is not None and tensor.numel() == entry.numel and tensor.is_contiguous() \
                     and tensor._local_tensor.storage_offset() == 0:
@@ -105,12 +137,19 @@ def regather_saves(interpreter):
     def unpack(packed):
         if isinstance(packed, _Token):
             return packed.gathered.take().view(packed.shape)
+        if isinstance(packed, _Activation):
+            return packed.run()
         return packed
 
-    previous = interpreter.on_gather
-    interpreter.on_gather = note
+    regather = regather and interpreter.distributed
+    if not regather and not interpreter.recomputed_activations:
+        yield
+        return
+    previous = interpreter.on_gather, interpreter.on_activation
+    interpreter.on_gather = note_gather if regather else None
+    interpreter.on_activation = note_activation
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
     finally:
-        interpreter.on_gather = previous
+        interpreter.on_gather, interpreter.on_activation = previous

@@ -164,6 +164,7 @@ def split_sequence(segment: SegmentCost, attentions: list[AttentionCost], *, cp:
                    # the recomputation modes' per-token figures (evaluate.py), on 1 / cp of the tokens
                    op_kept={key: size * scale for key, size in segment.op_kept.items()},
                    op_recompute=_per_token(segment.op_recompute, scale),
+                   activation_recompute=_per_token(segment.activation_recompute, scale),
                    gathered={key: (saved_bytes * scale, shard_bytes * scale, seconds * scale, dedup)
                              for key, (saved_bytes, shard_bytes, seconds, dedup) in segment.gathered.items()},
                    grad_workspace_bytes=segment.grad_workspace_bytes * scale)

@@ -61,6 +61,9 @@ class SegmentCost:
     """Under the "op" mode (recompute.py), bytes kept besides the segment's inputs, by tensor."""
     op_recompute: ComputeTime = field(default_factory=ComputeTime)
     """Forward time of the ops the "op" mode re-runs (all but the kept ones)."""
+    activation_recompute: ComputeTime = field(default_factory=ComputeTime)
+    """Forward time of the gated activations whose product saves them as a recipe and runs them
+    again in backward (activation_saves.py), where the product itself is not recomputed."""
     grad_workspace_bytes: float = 0.0
     """Largest gradients alive at once while one op's backward runs: the gradient of its output
     and those of its inputs (for a language model, the fp32 logits' gradient and the one the
@@ -292,6 +295,8 @@ def _add_node(builder: ProblemBuilder, graph: OpGraph, node, strategy, segment: 
             segment.selective_recompute = segment.selective_recompute + forward
         else:
             _keep_if(segment, f"{node.name}:own", saved, True)
+        if node.name in graph.recomputed_activations:
+            segment.activation_recompute = segment.activation_recompute + forward
         if op_saved:
             # Its outputs (an attention kernel's log-sum-exp among them) are kept as produced.
             outputs = sum(meta.nbytes for meta in node.outputs) / shard_factor(strategy.output, mesh_shape)

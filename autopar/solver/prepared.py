@@ -237,7 +237,8 @@ def recompute_compute_s(segment: SegmentCost, recompute: str) -> float:
         return segment.selective_recompute.total_s
     if recompute == "op":
         return segment.op_recompute.total_s
-    return 0.0
+    # The gated activations' products are kept: their backward runs the activation again.
+    return segment.activation_recompute.total_s
 
 
 _REDUCING = ("reduce_scatter", "all_reduce")
