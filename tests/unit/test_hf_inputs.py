@@ -39,3 +39,36 @@ def test_loss_without_targets_is_priced_on_the_traced_output_shape() -> None:
     assert graph.loss_nodes and seen == ["CausalLMOutputWithPast"]
     plan = autopar.plan(graph, cluster="cpu:procs=2", global_batch=2, constraints={"dp": 1, "tp": 2, "pp": 1})
     assert plan.mesh["tp"] == 2
+
+
+def test_a_default_config_with_its_kv_cache_trains(one_process_group) -> None:
+    """transformers' configs default to use_cache=True: the model then returns a DynamicCache,
+    which torch.export cannot return. Training reads no cache, so the capture runs without it;
+    the user's config is left as it was, and the gradients are eager PyTorch's."""
+    import copy
+
+    import torch.nn.functional as F
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=16)
+    assert config.use_cache is True
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    tokens, labels = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+    reference = copy.deepcopy(model)
+    expected = loss_fn(reference(input_ids=tokens), labels)
+    expected.backward()
+    pm = autopar.parallelize(model, "cpu:procs=1", dict(input_ids=tokens), loss_fn=loss_fn, example_targets=labels,
+                             precision="fp32")
+    loss = pm.train_step(dict(input_ids=tokens), labels)
+    assert model.config.use_cache is True
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+    grads = pm.named_model_parameters()
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name].grad, param.grad, rtol=1e-5, atol=1e-6)
+    # The SwiGLU of each layer kept its activation as a recipe (activation_saves.py).
+    assert pm.stats.kept["recomputed_activation"] == 2
