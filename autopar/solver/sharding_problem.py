@@ -207,8 +207,10 @@ class ProblemBuilder:
 
     def _forbidden_move(self, producer: OpNode, source, target) -> bool:
         """A redistribution the runtime must not make: moving a weight on a model-parallel axis,
-        or without sequence parallelism creating a shard of an activation there."""
-        return self._moves_weight(producer, source, target) or self._shards_activation(producer, source, target)
+        keeping a vocab-parallel lookup partial, or without sequence parallelism creating a shard
+        of an activation there."""
+        return (self._moves_weight(producer, source, target) or _keeps_masked_partial(producer, source, target)
+                or self._shards_activation(producer, source, target))
 
     def _shards_activation(self, producer: OpNode, source, target) -> bool:
         """Without sequence parallelism: whether the move makes (or moves) a shard of an activation
@@ -432,6 +434,14 @@ class ProblemBuilder:
                 if self._forbidden_move(producer, source, placement):
                     cost[s, t] += FORBIDDEN_S
         _accumulate(edges, group_index, fanout_index, cost, np.zeros_like(cost))
+
+
+def _keeps_masked_partial(producer: OpNode, source, target) -> bool:
+    """A vocab-parallel embedding's Partial is DTensor's _MaskPartial, which DTensor (and codegen,
+    interpreter._check_output) reduces before any op reads it, even a linear one with another
+    Partial operand (strategies/embedding.py): no consumer may take it as Partial."""
+    return producer.target.startswith("aten.embedding") and any(
+        placement == PARTIAL and wanted == PARTIAL for placement, wanted in zip(source, target))
 
 
 def _accumulate(edges: dict, u: int, v: int, cost: np.ndarray, memory: np.ndarray) -> None:

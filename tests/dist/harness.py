@@ -83,9 +83,11 @@ def tiny_model_cluster(num_devices: int, *, memory_bandwidth_gbs: float | None =
     linears and embeddings, as it shards a large model on real GPUs. Only the planner reads the
     file (rank 0); the processes still run on this machine's CPUs.
 
-    `memory_bandwidth_gbs` slows the memory too (norms, dropouts and residual adds become costly
-    enough that sharding them by sequence pays for a reduce-scatter and an all-gather in place of
-    an all-reduce: sequence parallelism; at 2 GB/s the planner chooses it for the tiny GPT).
+    `memory_bandwidth_gbs` slows the memory too, so that memory-bound work (lookups, norms,
+    residual adds) is worth splitting: at 4 GB/s the tiny GPT on tp = 2 gets vocabulary-parallel
+    embeddings and, without sequence parallelism, Megatron's all-reduces (at 2 GB/s sequence-
+    sharded norms when allowed, and without them hidden-sharded residuals behind column-parallel
+    projections).
     """
     suffix = f"-membw{memory_bandwidth_gbs:g}" if memory_bandwidth_gbs is not None else ""
     path = Path(tempfile.gettempdir()) / "autopar-tests" / f"tiny-model-cluster-{num_devices}{suffix}.toml"
