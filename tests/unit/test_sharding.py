@@ -232,3 +232,24 @@ def test_without_sp_activations_are_sharded_only_where_weights_shard_them(spec, 
     sharded = [name for name, strategy in results[False].strategies.items()
                if graph[name].kind == "param" and strategy.output != ("R",)]
     assert len(sharded) >= 6  # still tensor parallel: q, k, v, o and the MLP's matmuls per layer
+
+
+def test_a_vocab_parallel_lookup_is_reduced_before_anything_reads_it():
+    """DTensor's _MaskPartial (strategies/embedding.py) is all-reduced before any op reads it,
+    even add(P, P): the ILP may not plan a consumer that keeps it Partial. With both GPT lookups
+    fixed vocabulary-parallel, their sum (one all-reduce after it, were the partials ordinary)
+    is taken after each lookup is reduced, as codegen runs it."""
+    from autopar.strategies import mesh_strategies
+
+    graph = api.capture_for_planning("gpt:layers=2,hidden=1024,heads=16,seq=1024,vocab=8192").with_batch(1)
+    mesh = Mesh(axis_names=("tp",), shape=(8,), devices_per_node=8)
+    lookups = [node for node in graph.calls() if node.target == "aten.embedding.default"]
+    fixed = {node.name: next(strategy for strategy in mesh_strategies(node, [graph[s].output for s in node.inputs],
+                                                                         mesh.shape) if strategy.name == "vocab")
+             for node in lookups}
+    assert len(fixed) == 2
+    result = solve_sharding(graph, mesh, A100, fixed=fixed)
+    readers = [(node.name, index) for node in graph.calls() for index, source in enumerate(node.inputs)
+               if source in fixed]
+    assert readers and all(result.strategies[name].inputs[index] != ("P",) for name, index in readers), \
+        [(name, result.strategies[name].inputs) for name, _ in readers]
