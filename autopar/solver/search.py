@@ -347,10 +347,12 @@ class Planner:
         return self.prepared_for(config, RECOMPUTE_MODES[0])
 
     def _lighter(self, config: ParallelConfig) -> dict[str, PreparedSegments]:
-        """Cheaper recomputation modes than the configuration's, for stages that can afford them."""
+        """Cheaper recomputation modes than the configuration's, for stages that can afford them
+        ("gathers" only with sequence parallelism: GATHERS_WITHOUT_SP)."""
         if config.pp == 1:
             return {}
-        modes = RECOMPUTE_MODES[:RECOMPUTE_MODES.index(config.recompute)]
+        modes = [mode for mode in RECOMPUTE_MODES[:RECOMPUTE_MODES.index(config.recompute)]
+                 if mode != "gathers" or config.sequence_parallel]
         return {mode: self.prepared_for(config, mode) for mode in modes}
 
     def counts(self, tp: int, microbatch_size: int, sequence_parallel: bool = True) -> dict[str, SegmentCounts]:

@@ -105,3 +105,14 @@ def test_command_line(capsys):
     assert main(["evaluate", *common, "--pp", "1", "--microbatch-size", "4", "--sequence-parallel", "off",
                  "--recompute", "gathers"]) == 2
     assert "sequence_parallel=False" in capsys.readouterr().err
+
+
+def test_no_pipeline_stage_takes_gathers_without_sp(planner):
+    """A stage that fits may take a lighter mode than the plan's; 'gathers' is not one of them
+    without sequence parallelism (it would name a mechanism the plan does not have)."""
+    from autopar.solver.step_model import ParallelConfig
+
+    for sp, expected in ((True, ["none", "gathers", "selective", "op"]), (False, ["none", "selective", "op"])):
+        config = ParallelConfig(dp=2, tp=2, pp=2, microbatch_size=1, num_microbatches=4, recompute="full",
+                                sequence_parallel=sp)
+        assert list(planner._lighter(config)) == expected
