@@ -192,6 +192,7 @@ def _tune_parser(commands) -> None:
     for axis in ("dp", "tp", "pp"):
         parser.add_argument(f"--{axis}", type=count(), help=f"fix the {axis} degree")
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+    _sequence_parallel_flag(parser)
     parser.set_defaults(handler=_tune)
 
 
@@ -287,7 +288,8 @@ def _calibrate_in_job(args, *, exists: bool) -> int:
 def _tune(args) -> int:
     from autopar.tune.command import tune
 
-    constraints = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "zero_stage": args.zero}
+    constraints = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "zero_stage": args.zero,
+                   "sequence_parallel": False if args.sequence_parallel == "off" else None}
     return tune(args.model, cluster=args.cluster, global_batch=args.global_batch, num_trials=args.trials,
                 steps=args.steps, constraints={k: v for k, v in constraints.items() if v is not None},
                 precision=args.precision, out=args.out, as_json=args.json)
