@@ -236,7 +236,8 @@ def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constr
          example_targets=None, precision: str = "bf16", options: SearchOptions | None = None,
          verbose: bool = False, example_kwargs=None) -> Plan:
     """Search the best parallelization; `constraints` may fix dp, tp, pp, cp, microbatch_size,
-    schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage and ep.
+    schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage, ep, offload and
+    sequence_parallel (False: tensor parallelism without sequence parallelism).
     `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones."""
     return candidate_plans(model, example_inputs, cluster, global_batch=global_batch, num_candidates=1,
                            constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
@@ -278,11 +279,12 @@ def candidates_with(planner: Planner, constraints: Constraints = Constraints(), 
     for estimate in _distinct(result.ranked)[:num_candidates]:
         config = estimate.config
         plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
-                         sharding=planner.sharding(config.tp, config.microbatch_size),
+                         sharding=planner.sharding(config.tp, config.microbatch_size, config.sequence_parallel),
                          memory_budget_bytes=planner.step_model.memory_budget_bytes,
                          search=result if estimate is result.best else None, precision=planner.precision,
-                         segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp),
-                         strategies=planner.strategies(config.tp, config.microbatch_size))
+                         segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
+                                                        config.sequence_parallel),
+                         strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel))
         plans.append(_with_error_bar(plan, planner))
     return plans
 
@@ -294,7 +296,7 @@ def _distinct(ranked: list) -> list:
     for estimate in ranked:
         config = estimate.config
         key = (config.dp, config.tp, config.pp, config.cp, config.microbatch_size, config.schedule,
-               config.virtual_stages, config.zero_stage, config.ep, config.offload)
+               config.virtual_stages, config.zero_stage, config.ep, config.offload, config.sequence_parallel)
         if key not in seen:
             seen.add(key)
             kept.append(estimate)
@@ -318,13 +320,15 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
              virtual_stages: int | None = None, layers_per_virtual_stage: int | None = None,
              recompute: str = "none", zero_stage: int = 0, loss_fn=None, example_targets=None,
              precision: str = "bf16", verbose: bool = False, example_kwargs=None, ep: int = 1,
-             cp: int = 1, offload: bool = False) -> Plan:
+             cp: int = 1, offload: bool = False, sequence_parallel: bool = True) -> Plan:
     """Price one fully fixed configuration (no search); `ep` splits the experts of an MoE over
     groups of ep data-parallel ranks, `cp` splits each sequence over cp ranks, `offload` is optimizer
-    offload (ZeRO-3, pp = 1)."""
+    offload (ZeRO-3, pp = 1), `sequence_parallel=False` is tensor parallelism without sequence
+    parallelism (Megatron-LM without --sequence-parallel)."""
     check_fixed_config(tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                        virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
-                       recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload)
+                       recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,
+                       sequence_parallel=sequence_parallel)
     check_model_arguments(model, example_inputs, loss_fn, example_targets)
     cluster = Cluster.from_spec(cluster)
     check_degrees(cluster, check_global_batch(global_batch), dp=dp, tp=tp, pp=pp,
@@ -334,13 +338,15 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
                           example_kwargs=example_kwargs)
     config = fixed_config(planner, tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                           virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
-                          recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload)
+                          recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,
+                          sequence_parallel=sequence_parallel)
     return evaluate_with(planner, config)
 
 
 def fixed_config(planner: Planner, *, tp: int, pp: int, dp: int | None, microbatch_size: int, schedule: str,
                  virtual_stages: int | None, layers_per_virtual_stage: int | None, recompute: str,
-                 zero_stage: int, ep: int = 1, cp: int = 1, offload: bool = False) -> ParallelConfig:
+                 zero_stage: int, ep: int = 1, cp: int = 1, offload: bool = False,
+                 sequence_parallel: bool = True) -> ParallelConfig:
     check_pipeline_depth(planner.graph, pp)
     devices = planner.cluster.num_devices
     if tp < 1 or pp < 1 or cp < 1 or devices % (tp * pp * cp):
@@ -357,7 +363,8 @@ def fixed_config(planner: Planner, *, tp: int, pp: int, dp: int | None, microbat
         virtual = (planner.virtual_stages(pp, constraints) or [2 if schedule == "interleaved" else 1])[0]
     config = ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
                             num_microbatches=planner.global_batch // (dp * microbatch_size), schedule=schedule,
-                            virtual_stages=virtual, recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload)
+                            virtual_stages=virtual, recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp,
+                            offload=offload, sequence_parallel=sequence_parallel)
     planner.check(config)
     return config
 
@@ -370,6 +377,7 @@ def evaluate_with(planner: Planner, config: ParallelConfig) -> Plan:
     plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
                      sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes,
                      precision=planner.precision,
-                     segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp),
-                     strategies=planner.strategies(config.tp, config.microbatch_size))
+                     segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
+                                                    config.sequence_parallel),
+                     strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel))
     return _with_error_bar(plan, planner)

@@ -134,6 +134,7 @@ def _plan_parser(commands) -> None:
     parser.add_argument("--ep", type=count(), help="fix the expert-parallel degree (divides dp; MoE models)")
     parser.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
                         help="optimizer offload (FSDP2 CPUOffloadPolicy): auto uses it only when nothing fits without")
+    _sequence_parallel_flag(parser)
     parser.add_argument("--jobs", type=count(1024), metavar="N",
                         help="processes that price configurations (default: $AUTOPAR_JOBS, else the usable cores up "
                              "to 8; 1 for a small search)")
@@ -154,7 +155,15 @@ def _evaluate_parser(commands) -> None:
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     parser.add_argument("--ep", type=count(), default=1, help="expert-parallel degree (divides dp; MoE models)")
     parser.add_argument("--offload", action="store_true", help="optimizer offload (needs --zero 3 and --pp 1)")
+    _sequence_parallel_flag(parser)
     parser.set_defaults(handler=_evaluate)
+
+
+def _sequence_parallel_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sequence-parallel", choices=["on", "off"], default="on",
+                        help="on (default): tensor parallelism may shard norms, dropouts and residuals by sequence "
+                             "where cheaper (Korthikanti et al.); off: as Megatron-LM without --sequence-parallel "
+                             "(replicated on the tp ranks, partial outputs all-reduced)")
 
 
 def _profile_parser(commands) -> None:
@@ -183,6 +192,7 @@ def _tune_parser(commands) -> None:
     for axis in ("dp", "tp", "pp"):
         parser.add_argument(f"--{axis}", type=count(), help=f"fix the {axis} degree")
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+    _sequence_parallel_flag(parser)
     parser.set_defaults(handler=_tune)
 
 
@@ -199,7 +209,8 @@ def _plan(args) -> int:
     constraints = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "cp": args.cp, "microbatch_size": args.microbatch_size,
                    "schedule": args.schedule, "layers_per_virtual_stage": args.layers_per_virtual_stage,
                    "recompute": args.recompute, "zero_stage": args.zero, "ep": args.ep,
-                   "offload": {"on": True, "off": False}.get(args.offload)}
+                   "offload": {"on": True, "off": False}.get(args.offload),
+                   "sequence_parallel": False if args.sequence_parallel == "off" else None}
     plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
                     constraints={key: value for key, value in constraints.items() if value is not None},
                     precision=args.precision, verbose=args.verbose,
@@ -214,7 +225,7 @@ def _evaluate(args) -> int:
                         dp=args.dp, microbatch_size=args.microbatch_size, schedule=args.schedule,
                         layers_per_virtual_stage=args.layers_per_virtual_stage, recompute=args.recompute,
                         zero_stage=args.zero, precision=args.precision, verbose=args.verbose, ep=args.ep,
-                        cp=args.cp, offload=args.offload)
+                        cp=args.cp, offload=args.offload, sequence_parallel=args.sequence_parallel == "on")
     return _emit(plan, args)
 
 
@@ -277,7 +288,8 @@ def _calibrate_in_job(args, *, exists: bool) -> int:
 def _tune(args) -> int:
     from autopar.tune.command import tune
 
-    constraints = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "zero_stage": args.zero}
+    constraints = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "zero_stage": args.zero,
+                   "sequence_parallel": False if args.sequence_parallel == "off" else None}
     return tune(args.model, cluster=args.cluster, global_batch=args.global_batch, num_trials=args.trials,
                 steps=args.steps, constraints={k: v for k, v in constraints.items() if v is not None},
                 precision=args.precision, out=args.out, as_json=args.json)

@@ -42,6 +42,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         recompute=config.recompute,
         zero_stage=config.zero_stage,
         offload=config.offload,
+        sequence_parallel=config.sequence_parallel,
         loss_parallel=config.tp > 1 and any(strategies[node.name].name == VOCAB for node in graph.nodes
                                             if node.name in graph.loss_nodes and node.name in strategies),
         stages=tuple(_stage_plans(graph, estimate, segments)),
@@ -230,5 +231,6 @@ def _runner_up(estimate: Estimate) -> dict:
             "settings": {"dp": config.dp, "tp": config.tp, "pp": config.pp, "cp": config.cp, "microbatch_size": config.microbatch_size,
                          "num_microbatches": config.num_microbatches, "schedule": config.schedule,
                          "virtual_stages": config.virtual_stages, "recompute": config.recompute,
-                         "zero_stage": config.zero_stage, "ep": config.ep, "offload": config.offload},
+                         "zero_stage": config.zero_stage, "ep": config.ep, "offload": config.offload,
+                         "sequence_parallel": config.sequence_parallel},
             "stage_recompute": [stage.recompute for stage in estimate.stages]}

@@ -151,7 +151,8 @@ def _tensor_parallel(plan: "Plan", max_params: int) -> list[str]:
         return []
     shown = [(name, placement) for name, placement in plan.param_placements.items()
              if all(index == "0" for index in _BLOCK_INDEX.findall(f".{name}.")) and not name.endswith("bias")]
-    lines = ["  tensor parallel, weights of the first block (identical blocks share it; biases follow):"]
+    lines = [_sequence_parallel_line(plan),
+             "  tensor parallel, weights of the first block (identical blocks share it; biases follow):"]
     for name, placement in shown[:max_params]:
         role = plan.param_roles.get(name, "")
         op, _, strategy = role.partition(" ")
@@ -161,6 +162,18 @@ def _tensor_parallel(plan: "Plan", max_params: int) -> list[str]:
         lines.append(f"  loss          vocabulary-parallel cross-entropy: the logits stay sharded by class over "
                      f"tp={plan.mesh['tp']} (DTensor loss_parallel; three all-reduces of one value per token)")
     return lines
+
+
+def _sequence_parallel_line(plan: "Plan") -> str:
+    tp = plan.mesh["tp"]
+    if not plan.sequence_parallel:
+        return (f"  sequence par. off: norms, dropouts and residual adds run replicated on the tp={tp} ranks, "
+                "partial outputs are all-reduced (Megatron-LM without --sequence-parallel)")
+    scatters = plan.predicted.collectives_per_microbatch.get("reduce_scatter", 0)
+    if not scatters:
+        return "  sequence par. allowed, not chosen: partial outputs are all-reduced"
+    return (f"  sequence par. on: activations sequence-sharded across tp={tp} where cheaper ({scatters} "
+            "reduce-scatters per microbatch in place of all-reduces; Korthikanti et al.)")
 
 
 def _role_words(strategy: str) -> str:

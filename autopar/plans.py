@@ -108,6 +108,11 @@ class Plan:
     loss_parallel: bool = False
     """The cross-entropy loss runs on logits sharded by class over tp (a vocabulary-parallel loss:
     DTensor's loss_parallel); the model output feeding it is not gathered."""
+    sequence_parallel: bool = True
+    """Whether the tp placements were allowed to shard activations by sequence where cheaper
+    (Korthikanti et al.); False: tensor parallelism without sequence parallelism, as Megatron-LM
+    runs without --sequence-parallel (norms, dropouts, residual adds replicated on the tp ranks,
+    partial outputs all-reduced). Plans written before this field read as True."""
     stages: tuple[StagePlan, ...]
     placements: dict[str, str]
     """Per graph node on the tp axis: "output|input0;input1;..." (R, S<dim>, P)."""
@@ -187,13 +192,19 @@ class Plan:
 
         choices = [("schedule", self.schedule, ("none",) + SCHEDULES), ("recompute", self.recompute, RECOMPUTE_MODES),
                    ("zero_stage", self.zero_stage, (0, 1, 2, 3)), ("precision", self.precision, ("bf16", "fp32")),
-                   ("offload", self.offload, (False, True))]
+                   ("offload", self.offload, (False, True)), ("sequence_parallel", self.sequence_parallel, (False, True))]
         choices += [(f"stages[{i}].recompute", stage.recompute, ("",) + RECOMPUTE_MODES)
                     for i, stage in enumerate(self.stages)]
         for name, value, allowed in choices:
             if value not in allowed:
                 raise PlanMismatchError(f"plan {shorten(source)} has {name}={shorten(value)}; expected one of "
                                         f"{', '.join(repr(a) for a in allowed)}: fix the file or re-run `autopar plan`")
+        gathers = [name for name, value in [("recompute", self.recompute)] + [
+            (f"stages[{i}].recompute", stage.recompute) for i, stage in enumerate(self.stages)] if value == "gathers"]
+        if gathers and not self.sequence_parallel:
+            raise PlanMismatchError(f"plan {shorten(source)} has {gathers[0]}='gathers' with sequence_parallel=false: "
+                                    "'gathers' re-gathers sequence-parallel shards, and this plan has none; fix the "
+                                    "file or re-run `autopar plan`")
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

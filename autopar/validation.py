@@ -248,11 +248,19 @@ def check_constraint_values(value: Any) -> dict[str, Any]:
             checked[key] = check_choice(item, "constraints['schedule']", SCHEDULES)
         elif key == "recompute":
             checked[key] = check_choice(item, "constraints['recompute']", RECOMPUTE_MODES)
-        elif key == "offload":
-            checked[key] = _check_flag(item, "constraints['offload']")
+        elif key in ("offload", "sequence_parallel"):
+            checked[key] = _check_flag(item, f"constraints['{key}']")
         else:
             checked[key] = item  # an unknown name: Constraints.from_value names the known ones
+    if checked.get("sequence_parallel") is False and checked.get("recompute") == "gathers":
+        _refuse_gathers_without_sp("constraints['recompute']")
     return checked
+
+
+def _refuse_gathers_without_sp(name: str) -> None:
+    from autopar.solver.search import GATHERS_WITHOUT_SP
+
+    raise ConfigError(f"{name}='gathers' with sequence_parallel=False: {GATHERS_WITHOUT_SP}")
 
 
 def _check_flag(value: Any, name: str) -> bool:
@@ -263,7 +271,7 @@ def _check_flag(value: Any, name: str) -> bool:
 
 def check_fixed_config(*, tp: Any, pp: Any, dp: Any, microbatch_size: Any, schedule: Any, virtual_stages: Any,
                        layers_per_virtual_stage: Any, recompute: Any, zero_stage: Any, ep: Any = 1,
-                       cp: Any = 1, offload: Any = False) -> None:
+                       cp: Any = 1, offload: Any = False, sequence_parallel: Any = True) -> None:
     """The arguments of `evaluate`: types and ranges, before anything is captured."""
     from autopar.solver.step_model import RECOMPUTE_MODES, SCHEDULES
 
@@ -277,6 +285,8 @@ def check_fixed_config(*, tp: Any, pp: Any, dp: Any, microbatch_size: Any, sched
     check_choice(recompute, "recompute", RECOMPUTE_MODES)
     check_choice(zero_stage, "zero_stage", (0, 1, 2, 3))
     _check_flag(offload, "offload")
+    if not _check_flag(sequence_parallel, "sequence_parallel") and recompute == "gathers":
+        _refuse_gathers_without_sp("recompute")
 
 
 def check_degrees(cluster, global_batch: int, *, dp: int | None = None, tp: int | None = None,
@@ -450,7 +460,7 @@ def check_plan_data(data: dict, source: str) -> None:
         fields.text(item[0], f"{path}[0]")
         fields.integer(item[1], f"{path}[1]", minimum=0, maximum=2**62)
     fields.object(fields.get(data, "search", "search", {}), "search")
-    for flag in ("offload", "loss_parallel"):
+    for flag in ("offload", "loss_parallel", "sequence_parallel"):
         if not isinstance(fields.get(data, flag, flag, False), bool):
             fields.fail(f"{flag} must be true or false, got {shorten(data[flag])}")
     for index, row in enumerate(fields.list(fields.get(data, "trials", "trials", []), "trials")):

@@ -4,7 +4,9 @@
 
 For each row: the model (GPT, seq 2048, vocab 51200) on dgx-a100-80g nodes (GPUs / 8), the
 global batch; `evaluate` prices Megatron's configuration (tp, pp, microbatch size, full
-recomputation, interleaving) and `plan` searches; throughput per GPU uses the table's FLOP
+recomputation, interleaving; tensor parallelism without sequence parallelism, which SC21 predates;
+the "with SP" column prices it with sequence parallelism allowed, for comparison) and `plan`
+searches (sequence parallelism allowed); throughput per GPU uses the table's FLOP
 formula F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) / step time / GPUs.
 """
 
@@ -70,13 +72,15 @@ def planner_for(row: Row):
     return api.planner_for(row.model, None, row.cluster, global_batch=row.global_batch)
 
 
-def evaluate_published(planner, row: Row):
-    """Megatron's configuration as Megatron-LM runs it: bf16 parameters used directly (no cast per
-    use, which autopar's own runtime, the `plan` column, pays)."""
+def evaluate_published(planner, row: Row, *, sequence_parallel: bool = False):
+    """Megatron's configuration as Megatron-LM ran it: bf16 parameters used directly (no cast per
+    use, which autopar's own runtime, the `plan` column, pays), and tensor parallelism without
+    sequence parallelism (SC21 predates it: Korthikanti et al. 2022)."""
     planner = Planner(planner.graph, planner.cluster, global_batch=row.global_batch, policy=MEGATRON_BF16)
     config = api.fixed_config(planner, tp=row.tp, pp=row.pp, dp=None, microbatch_size=row.microbatch_size,
                               schedule="interleaved" if row.interleave else "1f1b", virtual_stages=None,
-                              layers_per_virtual_stage=row.interleave, recompute="full", zero_stage=0)
+                              layers_per_virtual_stage=row.interleave, recompute="full", zero_stage=0,
+                              sequence_parallel=sequence_parallel)
     estimate, _ = planner.evaluate(config)
     return estimate
 
@@ -89,22 +93,24 @@ def main() -> int:
     rows = read_rows()
     if args.rows:
         rows = [rows[int(i) - 1] for i in args.rows.split(",")]
-    print("| model | GPUs | published tp/pp/b | published TF/s | predicted TF/s | error | autopar plan | autopar TF/s | "
-          "plan time (s) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | GPUs | published tp/pp/b | published TF/s | predicted TF/s | error | with SP: TF/s | error | "
+          "autopar plan | autopar TF/s | plan time (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         started = time.perf_counter()
         planner = planner_for(row)
         published = evaluate_published(planner, row)
         predicted = row.tflops(published.step_time_s)
         error = 100 * (predicted / row.tflops_per_gpu - 1)
+        with_sp = row.tflops(evaluate_published(planner, row, sequence_parallel=True).step_time_s)
         found, found_tflops = "-", float("nan")
         if not args.no_search:
             best = planner.search(Constraints()).best
             found, found_tflops = best.config.describe(), row.tflops(best.step_time_s)
         print(f"| {row.params_billion}B | {row.gpus} | {row.tp}/{row.pp}/{row.microbatch_size}"
               f"{'/v' + str(row.interleave) if row.interleave else ''} | {row.tflops_per_gpu:.0f} | {predicted:.0f} | "
-              f"{error:+.1f}% | {found} | {found_tflops:.0f} | {time.perf_counter() - started:.1f} |", flush=True)
+              f"{error:+.1f}% | {with_sp:.0f} | {100 * (with_sp / row.tflops_per_gpu - 1):+.1f}% | {found} | "
+              f"{found_tflops:.0f} | {time.perf_counter() - started:.1f} |", flush=True)
     return 0
 
 

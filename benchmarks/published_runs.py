@@ -11,6 +11,10 @@ source's unit (step time, tokens/s per GPU, or TFLOP/s per GPU by the formula th
 where the source measured memory ("NN GiB used" in its notes), the predicted peak is shown
 beside it. The reference numbers are only read here, to compare; the product never sees them.
 
+Tensor parallelism is priced as the run had it: where the notes say "TP without SP" (or "without
+sequence parallelism"), with `sequence_parallel=False` (norms, dropouts, residual adds replicated
+on the tp ranks, row-parallel outputs all-reduced), else with sequence parallelism allowed.
+
 Recomputation is priced as the run's framework did it: torchtitan's "selective" activation
 checkpointing in these runs is its op-level policy (autopar's "op" mode: keep matmul outputs
 except every second one, attention and reduce-scatters), Megatron-LM's selective
@@ -57,6 +61,7 @@ _OP_LEVEL = re.compile(r"\bop(?:-level)? (?:SAC|AC)\b|\bselective op AC\b", re.I
 _EAGER = re.compile(r"\beager \(compile off", re.IGNORECASE)
 _POWER_CAP = re.compile(r"power-capped at (\d+(?:\.\d+)?)\s*W\b", re.IGNORECASE)
 _EAGER_MEASURED = re.compile(r"\beager\b[^;]*?\bmeasured (\d+(?:\.\d+)?)", re.IGNORECASE)
+_NO_SEQUENCE_PARALLEL = re.compile(r"\bTP without (?:SP|sequence parallelism)\b", re.IGNORECASE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +119,12 @@ class Run:
         return str(path)
 
     @property
+    def sequence_parallel(self) -> bool:
+        """False where the notes say the run's tensor parallelism had no sequence parallelism
+        (Korthikanti et al.'s baselines): it is then priced with `sequence_parallel=False`."""
+        return not _NO_SEQUENCE_PARALLEL.search(self.notes)
+
+    @property
     def recompute_mode(self) -> str:
         """autopar's mode for the run's recomputation (the notes say when it was op-level)."""
         if self.recompute == "selective" and _OP_LEVEL.search(self.notes):
@@ -125,7 +136,8 @@ class Run:
         return api.fixed_config(planner, tp=self.tp, pp=self.pp, dp=self.dp, microbatch_size=self.microbatch,
                                 schedule="interleaved" if interleaved else "1f1b",
                                 virtual_stages=self.virtual_stages if interleaved else None,
-                                layers_per_virtual_stage=None, recompute=self.recompute_mode, zero_stage=self.zero)
+                                layers_per_virtual_stage=None, recompute=self.recompute_mode, zero_stage=self.zero,
+                                sequence_parallel=self.sequence_parallel)
 
     def predicted(self, step_time_s: float) -> float:
         """The prediction in the source's unit."""

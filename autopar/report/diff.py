@@ -42,7 +42,14 @@ def _settings(plan: Plan) -> dict[str, str]:
                     + (f" cp={plan.mesh['cp']}" if plan.mesh.get("cp", 1) > 1 else "")
                     + (f" ep={plan.ep}" if plan.ep > 1 else ""),
             "microbatches": f"{plan.num_microbatches} of {plan.microbatch_size}", "schedule": schedule,
-            "recompute": plan.recompute, "ZeRO stage": str(plan.zero_stage), "precision": plan.precision}
+            "recompute": plan.recompute, "ZeRO stage": str(plan.zero_stage), "precision": plan.precision,
+            "sequence parallel": _sequence_parallel(plan)}
+
+
+def _sequence_parallel(plan: Plan) -> str:
+    if plan.mesh["tp"] == 1:
+        return "- (tp=1)"
+    return "allowed" if plan.sequence_parallel else "off (all-reduce)"
 
 
 def _stage_text(plan: Plan, index: int) -> str:

@@ -151,7 +151,7 @@ def _priced_from(planner, found: Found) -> dict:
     sharding, costs = {}, {}
     for _, estimate in found.ranked:
         config = estimate.config
-        key = (config.tp, config.microbatch_size)
+        key = planner.tp_key(config.tp, config.microbatch_size, config.sequence_parallel)
         sharding[key] = planner.sharding(*key)
         for cp in {1, config.cp}:
             if key + (cp,) in planner._costs:

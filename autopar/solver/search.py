@@ -82,6 +82,18 @@ class Constraints:
     offload: bool | None = None
     """Optimizer offload: True forces it, False forbids it, None uses it only when nothing fits
     without it."""
+    sequence_parallel: bool | None = None
+    """False: tensor parallelism without sequence parallelism (norms, dropouts and residual adds
+    replicated on the tp ranks, partial outputs all-reduced), as Megatron-LM runs without
+    --sequence-parallel. True or None: the intra-op solve may shard activations by sequence where
+    that is cheaper (less compute and activation memory on norms, dropouts and residuals, against a
+    reduce-scatter and an all-gather in place of each all-reduce: small messages favour the
+    all-reduce). Unlike other constraints this one is not searched as two options: the allowed
+    placements include every one the restricted solve could choose."""
+
+    @property
+    def sequence_parallel_allowed(self) -> bool:
+        return self.sequence_parallel is not False
 
     @classmethod
     def from_value(cls, value: "Constraints | dict | None") -> "Constraints":
@@ -133,6 +145,10 @@ class SearchResult:
 
 
 Progress = Callable[[str], None]
+
+GATHERS_WITHOUT_SP = ("recompute 'gathers' keeps sequence-parallel norm outputs sharded and gathers them again in "
+                      "backward; without sequence parallelism nothing is gathered: use recompute 'none' (or "
+                      "'selective', which recomputes attention), or allow sequence parallelism")
 
 JOBS_ENV = "AUTOPAR_JOBS"
 """Environment variable: processes of a search whose options leave `jobs` unset."""
@@ -248,11 +264,12 @@ class Planner:
         self.condensed = condense(graph)
         self.expert_ops = find_expert_ops(self.condensed)
         """The expert matmuls expert parallelism can split (solver/experts.py)."""
-        self._counts: dict[tuple[int, int], dict[str, SegmentCounts]] = {}
-        self._sharding: dict[tuple[int, int], ShardingResult] = {}
+        self._counts: dict[tuple[int, int, bool], dict[str, SegmentCounts]] = {}
+        self._sharding: dict[tuple[int, int, bool], ShardingResult] = {}
+        """Intra-op solves by tp_key (tp, microbatch, sequence parallelism allowed)."""
         self._prepared: dict[tuple, PreparedSegments] = {}
-        self._costs: dict[tuple[int, int, int], list[SegmentCost]] = {}
-        """segment_costs by (tp, microbatch, cp): each recomputation mode reads them again."""
+        self._costs: dict[tuple[int, int, bool, int], list[SegmentCost]] = {}
+        """segment_costs by (tp, microbatch, sequence parallel, cp): each recomputation mode reads them again."""
         self.sequence_length = sequence_length(graph)
         self.cp_blocker = context_parallel_blocker(graph, self.sequence_length)
         """Why the sequence cannot be split over cp ranks ("" when it can)."""
@@ -261,37 +278,45 @@ class Planner:
     def num_blocks(self) -> int:
         return sum(1 for segment in self.graph.segments if segment.block_group is not None)
 
-    def sharding(self, tp: int, microbatch_size: int) -> ShardingResult:
+    @staticmethod
+    def tp_key(tp: int, microbatch_size: int, sequence_parallel: bool = True) -> tuple[int, int, bool]:
+        """What an intra-op solve depends on: (tp, microbatch, sequence parallelism allowed); with
+        tp = 1 there is nothing to shard by sequence, and both flags share one solve."""
+        return tp, microbatch_size, bool(sequence_parallel) or tp == 1
+
+    def sharding(self, tp: int, microbatch_size: int, sequence_parallel: bool = True) -> ShardingResult:
         """Intra-op solution on a tp mesh at one microbatch size (of the condensed graph)."""
-        key = (tp, microbatch_size)
+        key = self.tp_key(tp, microbatch_size, sequence_parallel)
         if key not in self._sharding:
             graph = self.condensed.with_batch(microbatch_size) if self.graph.batch_dynamic else self.condensed
             mesh = Mesh(axis_names=("tp",), shape=(tp,), devices_per_node=self.cluster.devices_per_node)
             ctx = cost_context(mesh, self.cluster, self.policy)
-            self._sharding[key] = solve_sharding(graph, mesh, self.cluster, self.options.sharding, ctx=ctx)
+            options = replace(self.options.sharding, sequence_parallel=key[2])
+            self._sharding[key] = solve_sharding(graph, mesh, self.cluster, options, ctx=ctx)
         return self._sharding[key]
 
-    def strategies(self, tp: int, microbatch_size: int) -> dict:
+    def strategies(self, tp: int, microbatch_size: int, sequence_parallel: bool = True) -> dict:
         """Strategy of every node of the full graph (dropped blocks take their stand-in's)."""
-        kept = self.sharding(tp, microbatch_size).strategies
+        kept = self.sharding(tp, microbatch_size, sequence_parallel).strategies
         found = dict(kept)
         for name, stand_in in self.condensed.stand_ins.items():
             if stand_in in kept:
                 found[name] = kept[stand_in]
         return found
 
-    def segment_costs(self, tp: int, microbatch_size: int, cp: int = 1) -> list[SegmentCost]:
+    def segment_costs(self, tp: int, microbatch_size: int, cp: int = 1,
+                      sequence_parallel: bool = True) -> list[SegmentCost]:
         """Per segment of the full model (identical blocks share block 1's cost); with cp > 1 per
         rank of a sequence split over cp ranks."""
-        key = (tp, microbatch_size, cp)
+        key = self.tp_key(tp, microbatch_size, sequence_parallel) + (cp,)
         if key not in self._costs:
-            per_block = list(self.sharding(tp, microbatch_size).segments) if cp == 1 else \
-                self._sequence_split(tp, microbatch_size, cp)
+            per_block = list(self.sharding(tp, microbatch_size, sequence_parallel).segments) if cp == 1 else \
+                self._sequence_split(tp, microbatch_size, cp, sequence_parallel)
             self._costs[key] = expand_segments(self.graph, self.condensed, per_block)
         return list(self._costs[key])
 
-    def _sequence_split(self, tp: int, microbatch_size: int, cp: int) -> list[SegmentCost]:
-        sharding = self.sharding(tp, microbatch_size)
+    def _sequence_split(self, tp: int, microbatch_size: int, cp: int, sequence_parallel: bool) -> list[SegmentCost]:
+        sharding = self.sharding(tp, microbatch_size, sequence_parallel)
         graph = self.condensed.with_batch(microbatch_size) if self.graph.batch_dynamic else self.condensed
         ctx = cost_context(sharding.mesh, self.cluster, self.policy)
         attentions = attention_costs(graph, sharding.strategies, ctx)
@@ -301,37 +326,48 @@ class Planner:
                                compute=compute.get(segment.name))
                 for segment in sharding.segments]
 
-    def prepared(self, tp: int, microbatch_size: int, recompute: str, cp: int = 1) -> PreparedSegments:
-        key = (tp, microbatch_size, recompute) + ((cp,) if cp > 1 else ())
+    def prepared(self, tp: int, microbatch_size: int, recompute: str, cp: int = 1,
+                 sequence_parallel: bool = True) -> PreparedSegments:
+        key = self.tp_key(tp, microbatch_size, sequence_parallel) + (recompute, cp)
         if key not in self._prepared:
-            self._prepared[key] = PreparedSegments.build(self.segment_costs(tp, microbatch_size, cp), recompute)
+            self._prepared[key] = PreparedSegments.build(
+                self.segment_costs(tp, microbatch_size, cp, sequence_parallel), recompute)
         return self._prepared[key]
+
+    def prepared_for(self, config: ParallelConfig, recompute: str | None = None) -> PreparedSegments:
+        """The prepared segments of a configuration (under another recomputation mode if given)."""
+        return self.prepared(config.tp, config.microbatch_size, recompute or config.recompute, config.cp,
+                             config.sequence_parallel)
 
     def _least_work(self, config: ParallelConfig) -> PreparedSegments:
         """What a lower bound on the configuration's time may count: its own mode's segments, or
         under pipelining the lightest mode's (stages that fit may recompute less, _lighter)."""
         if config.pp == 1:
-            return self.prepared(config.tp, config.microbatch_size, config.recompute, config.cp)
-        return self.prepared(config.tp, config.microbatch_size, RECOMPUTE_MODES[0], config.cp)
+            return self.prepared_for(config)
+        return self.prepared_for(config, RECOMPUTE_MODES[0])
 
     def _lighter(self, config: ParallelConfig) -> dict[str, PreparedSegments]:
-        """Cheaper recomputation modes than the configuration's, for stages that can afford them."""
+        """Cheaper recomputation modes than the configuration's, for stages that can afford them
+        ("gathers" only with sequence parallelism: GATHERS_WITHOUT_SP)."""
         if config.pp == 1:
             return {}
-        modes = RECOMPUTE_MODES[:RECOMPUTE_MODES.index(config.recompute)]
-        return {mode: self.prepared(config.tp, config.microbatch_size, mode, config.cp) for mode in modes}
+        modes = [mode for mode in RECOMPUTE_MODES[:RECOMPUTE_MODES.index(config.recompute)]
+                 if mode != "gathers" or config.sequence_parallel]
+        return {mode: self.prepared_for(config, mode) for mode in modes}
 
-    def counts(self, tp: int, microbatch_size: int) -> dict[str, SegmentCounts]:
-        key = (tp, microbatch_size)
+    def counts(self, tp: int, microbatch_size: int, sequence_parallel: bool = True) -> dict[str, SegmentCounts]:
+        key = self.tp_key(tp, microbatch_size, sequence_parallel)
         if key not in self._counts:
-            self._counts[key] = segment_counts(self.graph, self.segment_costs(tp, microbatch_size))
+            self._counts[key] = segment_counts(self.graph, self.segment_costs(tp, microbatch_size,
+                                                                              sequence_parallel=sequence_parallel))
         return self._counts[key]
 
     def features(self, estimate: Estimate) -> dict[str, float]:
         """Features of the calibrated terms for a priced configuration (overheads.py)."""
         config = estimate.config
         cores = self.overheads.calibration.num_cores if self.overheads else 0
-        return step_features(estimate, self.counts(config.tp, config.microbatch_size), self.step_model,
+        return step_features(estimate, self.counts(config.tp, config.microbatch_size, config.sequence_parallel),
+                             self.step_model,
                              processes_per_node=self.cluster.devices_per_node, num_cores=cores or _cpu_cores(self))
 
     def _calibrated(self, estimate: Estimate | None) -> Estimate | None:
@@ -343,10 +379,9 @@ class Planner:
 
     def evaluate(self, config: ParallelConfig) -> tuple[Estimate, ShardingResult]:
         self.check(config)
-        sharding = self.sharding(config.tp, config.microbatch_size)
+        sharding = self.sharding(config.tp, config.microbatch_size, config.sequence_parallel)
         # A configuration given by hand is priced as given: its recompute mode on every stage.
-        estimate = self.step_model.estimate(self.prepared(config.tp, config.microbatch_size, config.recompute,
-                                                          config.cp), config)
+        estimate = self.step_model.estimate(self.prepared_for(config), config)
         estimate = self._calibrated(estimate)
         if estimate is None:
             raise ConfigError(f"{config.describe()}: the model has {len(self.graph.segments)} segments, too few "
@@ -368,6 +403,8 @@ class Planner:
             raise ConfigError(f"unknown schedule '{config.schedule}'; use one of {', '.join(SCHEDULES)}")
         if config.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"unknown recompute mode '{config.recompute}'; use one of {', '.join(RECOMPUTE_MODES)}")
+        if config.recompute == "gathers" and not config.sequence_parallel:
+            raise ConfigError(GATHERS_WITHOUT_SP)
         if config.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero stage must be 0, 1, 2 or 3, got {config.zero_stage}")
         if config.schedule == "interleaved" and (config.virtual_stages < 2 or config.pp < 2):
@@ -388,11 +425,11 @@ class Planner:
             raise ConfigError(f"the model was captured with a fixed batch of {self.graph.batch_size}; "
                               f"microbatch size {config.microbatch_size} cannot be priced")
 
-    def ep_options(self, tp: int, dp: int, microbatch_size: int) -> list[int]:
+    def ep_options(self, tp: int, dp: int, microbatch_size: int, sequence_parallel: bool = True) -> list[int]:
         """Expert-parallel degrees > 1 this model allows on a dp x tp mesh (none without expert ops)."""
         if not self.expert_ops or dp < 2:
             return []
-        strategies = self.sharding(tp, microbatch_size).strategies
+        strategies = self.sharding(tp, microbatch_size, sequence_parallel).strategies
         return ep_degrees(self.condensed, self.expert_ops, strategies, dp, tp)
 
     def _check_ep(self, config: ParallelConfig) -> None:
@@ -407,7 +444,7 @@ class Planner:
         if not self.expert_ops:
             raise ConfigError(f"ep={config.ep}: the model has no expert matmuls that expert parallelism can split "
                               "(an einsum, bmm or grouped matmul over a 3-D expert weight read only by such ops); use ep=1")
-        if config.ep not in self.ep_options(config.tp, config.dp, config.microbatch_size):
+        if config.ep not in self.ep_options(config.tp, config.dp, config.microbatch_size, config.sequence_parallel):
             counts = sorted({op.num_experts for op in self.expert_ops})
             raise ConfigError(f"ep={config.ep} with tp={config.tp}: the experts ({counts} per layer, split over tp where "
                               f"the plan shards them) do not split evenly into {config.ep} groups, or the "
@@ -472,7 +509,8 @@ class Planner:
             raise self._infeasible(found.least_memory[1] if found.least_memory else None, constraints)
         ranked = [estimate for _, estimate in found.ranked]
         best = ranked[0]
-        return SearchResult(best=best, sharding=self.sharding(best.config.tp, best.config.microbatch_size),
+        return SearchResult(best=best, sharding=self.sharding(best.config.tp, best.config.microbatch_size,
+                                                             best.config.sequence_parallel),
                             num_configs=found.count, num_sharding_solves=len(set(self._sharding) | found.sharding_keys),
                             search_time_s=time.perf_counter() - started, ranked=ranked)
 
@@ -502,7 +540,7 @@ class Planner:
                 fitted_any = False
                 fitted_lighter: dict[tuple, float] = {}
                 for config in self._configs(tp, pp, dp, microbatch, constraints, cp, offload=offload):
-                    prepared = self.prepared(tp, microbatch, config.recompute, cp)
+                    prepared = self.prepared_for(config)
                     work_s = prepared.work_s
                     rest = (config.schedule, config.virtual_stages, config.ep, config.zero_stage)
                     if work_s > fitted_lighter.get(rest, float("inf")):
@@ -598,7 +636,9 @@ class Planner:
                  offload: bool = False):
         m = self.global_batch // (dp * microbatch)
         schedules = self._schedules(pp, constraints)
-        modes = [constraints.recompute] if constraints.recompute else self._distinct_modes(tp, microbatch, cp)
+        sequence_parallel = constraints.sequence_parallel_allowed
+        modes = [constraints.recompute] if constraints.recompute else \
+            self._distinct_modes(tp, microbatch, cp, sequence_parallel)
         zeros = [constraints.zero_stage] if constraints.zero_stage is not None else \
             ([0] if dp * cp == 1 else [0, 1, 2, 3])
         if constraints.zero_stage is None and pp > 1 and self.policy.dp_reduce_bytes >= self.policy.grad_bytes:
@@ -611,12 +651,13 @@ class Planner:
             if constraints.zero_stage or not self.expert_ops:  # wrong for every mesh: say why now
                 self._check_ep(ParallelConfig(dp=constraints.ep, tp=tp, pp=pp, microbatch_size=microbatch,
                                               num_microbatches=m, zero_stage=constraints.zero_stage or 0,
-                                              ep=constraints.ep))
-            eps = [constraints.ep] if cp == 1 and constraints.ep in self.ep_options(tp, dp, microbatch) else []
+                                              ep=constraints.ep, sequence_parallel=sequence_parallel))
+            eps = [constraints.ep] if cp == 1 and constraints.ep in self.ep_options(tp, dp, microbatch,
+                                                                                    sequence_parallel) else []
         elif constraints.ep == 1 or cp > 1:  # codegen runs ep with cp = 1 only
             eps = [1]
         else:
-            eps = [1] + self.ep_options(tp, dp, microbatch)
+            eps = [1] + self.ep_options(tp, dp, microbatch, sequence_parallel)
         if offload:
             eps = [1]
         for schedule, virtual in schedules:
@@ -627,15 +668,20 @@ class Planner:
                     for zero in (zeros if ep == 1 else [0]):
                         yield ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch, num_microbatches=m,
                                              schedule=schedule, virtual_stages=virtual, recompute=recompute,
-                                             zero_stage=zero, ep=ep, cp=cp, offload=offload)
+                                             zero_stage=zero, ep=ep, cp=cp, offload=offload,
+                                             sequence_parallel=sequence_parallel)
 
-    def _distinct_modes(self, tp: int, microbatch: int, cp: int = 1) -> list[str]:
+    def _distinct_modes(self, tp: int, microbatch: int, cp: int = 1, sequence_parallel: bool = True) -> list[str]:
         """Recomputation modes that price differently from every lighter one (without tensor
-        parallelism "gathers" is "none": nothing is gathered)."""
+        parallelism "gathers" is "none": nothing is gathered). Without sequence parallelism
+        "gathers" is not a mode at all (GATHERS_WITHOUT_SP)."""
         distinct: list[str] = []
         for mode in RECOMPUTE_MODES:
-            prepared = self.prepared(tp, microbatch, mode, cp)
-            if not any(prepared.same_as(self.prepared(tp, microbatch, kept, cp)) for kept in distinct):
+            if mode == "gathers" and not sequence_parallel:
+                continue
+            prepared = self.prepared(tp, microbatch, mode, cp, sequence_parallel)
+            if not any(prepared.same_as(self.prepared(tp, microbatch, kept, cp, sequence_parallel))
+                       for kept in distinct):
                 distinct.append(mode)
         return distinct
 

@@ -54,6 +54,11 @@ class ShardingOptions:
     model_parallel_axes: tuple[str, ...] = ("tp",)
     """Mesh axes on which batch dimensions stay whole: tensor parallelism splits the model, the dp
     axis (or the planner's data parallelism) splits the batch."""
+    sequence_parallel: bool = True
+    """Whether activations may be sharded on the model-parallel axes beyond what sharded weights
+    make them (Korthikanti et al.'s sequence parallelism, chosen where it is cheaper); False: tensor
+    parallelism as Megatron-LM ran it before, norms and residuals replicated, partial outputs
+    all-reduced (sharding_problem.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +94,8 @@ def solve_sharding(graph: OpGraph, mesh: Mesh, cluster, options: ShardingOptions
     axes = tuple(index for index, name in enumerate(mesh.axis_names) if name in options.model_parallel_axes)
     builder = ProblemBuilder(graph, quotient, ctx, memory_budget_bytes=options.memory_budget_bytes,
                              memory_weight_s_per_byte=options.memory_weight_s_per_byte,
-                             grad_sync_weight=options.grad_sync_weight, fixed=fixed, model_parallel_axes=axes)
+                             grad_sync_weight=options.grad_sync_weight, fixed=fixed, model_parallel_axes=axes,
+                             sequence_parallel=options.sequence_parallel)
     problem, layout = builder.build()
     if options.use_hint:
         problem = _with_hint(problem)

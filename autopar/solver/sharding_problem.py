@@ -9,6 +9,14 @@ Variables are of two kinds:
   consumers' gradients are accumulated as partial sums before one reduction (autograd sums the
   gradients of all consumers; a partial sum reduced once is what Megatron's f/g operators do).
 
+Tensor parallelism without sequence parallelism (`sequence_parallel=False`, Megatron-LM without
+--sequence-parallel, as in Narayanan et al. 2021): on the model-parallel axes an activation is
+sharded only where a sharded weight made it so (a column-parallel output, the heads after it, a
+vocabulary-parallel logit). No edge may create a shard of an activation (slice a replicated one,
+reduce-scatter a partial one, move a shard to another dim), and the model's inputs arrive
+replicated. Partial outputs are then all-reduced, and norms, dropouts and residual adds run
+replicated on every rank of the axis. The restriction removes choices; it prices nothing.
+
 Costs come from CostContext (forward + backward compute, resharding in both directions, the
 optimizer step) and are multiplied by how many original nodes/edges a folded block stands for.
 """
@@ -123,7 +131,7 @@ class ProblemBuilder:
     def __init__(self, graph: OpGraph, quotient: Quotient, ctx: CostContext, *,
                  memory_budget_bytes: float | None = None, memory_weight_s_per_byte: float = 1e-15,
                  grad_sync_weight: float = 1.0, fixed: dict[str, Strategy] | None = None,
-                 model_parallel_axes: tuple[int, ...] = ()) -> None:
+                 model_parallel_axes: tuple[int, ...] = (), sequence_parallel: bool = True) -> None:
         self.graph = graph
         self.quotient = quotient
         self.ctx = ctx
@@ -134,6 +142,8 @@ class ProblemBuilder:
         self.fixed = fixed or {}
         self.model_parallel_axes = model_parallel_axes
         """Mesh axes that split the model, never the batch (tensor parallelism; dp splits batches)."""
+        self.sequence_parallel = sequence_parallel
+        """False: no activation is sharded on model_parallel_axes but as a sharded weight left it."""
         self.candidates: dict[str, list[Strategy]] = {}
         self.variables: list[OpGroup | FanOut] = []
         self.group_of: dict[str, int] = {}
@@ -172,6 +182,8 @@ class ProblemBuilder:
             return found
         kept = [s for s in found if not _splits_batch(s, inputs, node.outputs, self.model_parallel_axes)
                 and not self._splits_tokens_of_weights(node, s)]
+        if not self.sequence_parallel and node.kind in ("input", "target"):
+            kept = [s for s in kept if all(s.output[axis] == REPLICATE for axis in self.model_parallel_axes)]
         return kept or found[:1]
 
     def _splits_tokens_of_weights(self, node: OpNode, strategy: Strategy) -> bool:
@@ -192,6 +204,21 @@ class ProblemBuilder:
         """Weights are used where they live on model-parallel axes (gathering them is ZeRO's job)."""
         return producer.kind == "param" and any(transition(source[axis], target[axis]) is not None
                                                 for axis in self.model_parallel_axes)
+
+    def _forbidden_move(self, producer: OpNode, source, target) -> bool:
+        """A redistribution the runtime must not make: moving a weight on a model-parallel axis,
+        keeping a vocab-parallel lookup partial, or without sequence parallelism creating a shard
+        of an activation there."""
+        return (self._moves_weight(producer, source, target) or _keeps_masked_partial(producer, source, target)
+                or self._shards_activation(producer, source, target))
+
+    def _shards_activation(self, producer: OpNode, source, target) -> bool:
+        """Without sequence parallelism: whether the move makes (or moves) a shard of an activation
+        on a model-parallel axis: slicing a replicated tensor, reduce-scattering a partial one
+        (Korthikanti et al.'s sequence parallelism) or an all-to-all between dims."""
+        if self.sequence_parallel or producer.kind in ("param", "buffer", "constant"):
+            return False
+        return any(is_shard(target[axis]) and target[axis] != source[axis] for axis in self.model_parallel_axes)
 
     def _place(self, node: OpNode) -> None:
         strategies = self._strategies(node)
@@ -379,7 +406,7 @@ class ProblemBuilder:
                 strategy = target_choice[edge.consumer]
                 events = self.edge_events(producer, source, consumer, strategy, edge.input_index, grad_target)
                 cost[s, t] = multiplicity * self._event_cost(events)
-                if self._moves_weight(producer, source, strategy.inputs[edge.input_index]):
+                if self._forbidden_move(producer, source, strategy.inputs[edge.input_index]):
                     cost[s, t] += FORBIDDEN_S
                 target = strategy.inputs[edge.input_index]
                 if saves and not (isinstance(source_var, FanOut) and target == source):
@@ -404,9 +431,17 @@ class ProblemBuilder:
                 if producer.requires_grad and meta.is_float:
                     events += self.ctx.redistribute(meta, grad, tuple(grad_placement(p) for p in source), "bwd")
                 cost[s, t] = count * total_time(events)
-                if self._moves_weight(producer, source, placement):
+                if self._forbidden_move(producer, source, placement):
                     cost[s, t] += FORBIDDEN_S
         _accumulate(edges, group_index, fanout_index, cost, np.zeros_like(cost))
+
+
+def _keeps_masked_partial(producer: OpNode, source, target) -> bool:
+    """A vocab-parallel embedding's Partial is DTensor's _MaskPartial, which DTensor (and codegen,
+    interpreter._check_output) reduces before any op reads it, even a linear one with another
+    Partial operand (strategies/embedding.py): no consumer may take it as Partial."""
+    return producer.target.startswith("aten.embedding") and any(
+        placement == PARTIAL and wanted == PARTIAL for placement, wanted in zip(source, target))
 
 
 def _accumulate(edges: dict, u: int, v: int, cost: np.ndarray, memory: np.ndarray) -> None:

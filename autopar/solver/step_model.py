@@ -129,6 +129,10 @@ class ParallelConfig:
     offload: bool = False
     """FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer states in host memory
     and the optimizer step on the CPU (ZeRO-3 without pipelining)."""
+    sequence_parallel: bool = True
+    """Whether the tp solution may shard activations beyond what sharded weights make them
+    (Korthikanti et al.'s sequence parallelism, where cheaper); False: Megatron-LM's tensor
+    parallelism without it (solver/sharding_problem.py). Meaningless with tp = 1."""
 
     @property
     def chunks_per_device(self) -> int:
@@ -141,7 +145,7 @@ class ParallelConfig:
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         return (f"dp={self.dp}{experts}{cp} tp={self.tp} pp={self.pp} microbatch={self.microbatch_size}x"
                 f"{self.num_microbatches} {schedule} recompute={self.recompute} zero={self.zero_stage}"
-                + (" offload" if self.offload else ""))
+                + (" offload" if self.offload else "") + (" no-sp" if self.tp > 1 and not self.sequence_parallel else ""))
 
 
 def chunks_per_device(schedule: str, virtual_stages: int) -> int:

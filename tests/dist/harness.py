@@ -74,7 +74,7 @@ bf16_tflops = 0.01
 """
 
 
-def tiny_model_cluster(num_devices: int) -> str:
+def tiny_model_cluster(num_devices: int, *, memory_bandwidth_gbs: float | None = None) -> str:
     """A cluster file on which the planner chooses real tensor parallelism for tiny models.
 
     On real A100 figures a 32-wide model is all latency: sharding a matmul saves nanoseconds and
@@ -82,9 +82,18 @@ def tiny_model_cluster(num_devices: int) -> str:
     divided by 10^4 (links unchanged) the same model is compute-bound and the planner shards its
     linears and embeddings, as it shards a large model on real GPUs. Only the planner reads the
     file (rank 0); the processes still run on this machine's CPUs.
+
+    `memory_bandwidth_gbs` slows the memory too, so that memory-bound work (lookups, norms,
+    residual adds) is worth splitting: at 4 GB/s the tiny GPT on tp = 2 gets vocabulary-parallel
+    embeddings and, without sequence parallelism, Megatron's all-reduces (at 2 GB/s sequence-
+    sharded norms when allowed, and without them hidden-sharded residuals behind column-parallel
+    projections).
     """
-    path = Path(tempfile.gettempdir()) / "autopar-tests" / f"tiny-model-cluster-{num_devices}.toml"
+    suffix = f"-membw{memory_bandwidth_gbs:g}" if memory_bandwidth_gbs is not None else ""
+    path = Path(tempfile.gettempdir()) / "autopar-tests" / f"tiny-model-cluster-{num_devices}{suffix}.toml"
     text = _TINY_MODEL_CLUSTER.format(num_devices=num_devices)
+    if memory_bandwidth_gbs is not None:
+        text += f"memory_bandwidth_gbs = {memory_bandwidth_gbs}\n"
     if not path.exists() or path.read_text() != text:
         path.parent.mkdir(exist_ok=True)
         staging = path.with_suffix(f".{os.getpid()}.tmp")

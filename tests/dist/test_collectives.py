@@ -5,6 +5,11 @@ forward + backward), `CommDebugMode` counts the collectives DTensor issues (its 
 collectives); they must equal `plan.predicted.collectives_per_microbatch` kind by kind, and no op
 may run with another output placement than the plan chose (`stats.mismatches` is empty).
 On a tp-only plan nothing else communicates: no FSDP (dp = 1), no pipeline p2p (pp = 1).
+
+The same step's loss and gradients are compared with one process's. With sequence_parallel=False,
+on a cluster whose memory is slow too (harness.tiny_model_cluster(memory_bandwidth_gbs=4), where
+vocabulary-parallel embeddings pay), the tiny GPT runs Megatron's tensor parallelism without
+sequence parallelism: all-reduces only.
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ from dataclasses import dataclass
 import pytest
 
 from harness import case_outcome, fail, tiny_model_cluster  # noqa: F401 (a fixture)
-from one_process import CaseTable, case_param, parallelize_reusing_captures
+from one_process import CaseTable, case_param, parallelize_reusing_captures, train_one_process, train_parallel
 
 pytestmark = pytest.mark.dist
 
 GLOBAL_BATCH = 8
+LEARNING_RATE = 0.5
+TOLERANCE = 1e-5
 TINY_GPT = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64,dropout=0.0"
 # Wide enough that the planner shards it on real A100 figures (Megatron-style, with the
 # attention output projection replicated at this size).
@@ -32,7 +39,10 @@ class Case:
     model: str
     world_size: int
     cluster: str
-    """A cluster spec, or "tiny" for harness.tiny_model_cluster."""
+    """A cluster spec, "tiny" for harness.tiny_model_cluster, or "tiny-slow-memory" for it with
+    4 GB/s of memory bandwidth."""
+    sequence_parallel: bool | None = None
+    """The constraint (None: allowed where cheaper)."""
     known_error: str = ""
     """What the failure of a case marked with a known bug says."""
     timeout_s: float = 120.0
@@ -59,20 +69,26 @@ def count_case(case: Case) -> dict:
 
     bundle = build_model(case.model, device="cpu", seed=0, batch_size=GLOBAL_BATCH)
     (tokens,), targets = bundle.example_inputs, bundle.example_targets
-    cluster = tiny_model_cluster(case.world_size) if case.cluster == "tiny" else case.cluster
+    cluster = {"tiny": lambda: tiny_model_cluster(case.world_size),
+               "tiny-slow-memory": lambda: tiny_model_cluster(case.world_size, memory_bandwidth_gbs=4)}.get(
+                   case.cluster, lambda: case.cluster)()
+    constraints = {"tp": case.world_size, "dp": 1, "pp": 1, "microbatch_size": GLOBAL_BATCH}
+    if case.sequence_parallel is not None:
+        constraints["sequence_parallel"] = case.sequence_parallel
+    batches = [((tokens,), targets)]
+    reference = train_one_process(bundle.model, bundle.loss_fn, batches, LEARNING_RATE)
     module = parallelize_reusing_captures(case.model, bundle.model, cluster, (tokens,), loss_fn=bundle.loss_fn,
-                                          example_targets=targets,
-                                          constraints={"tp": case.world_size, "dp": 1, "pp": 1,
-                                                       "microbatch_size": GLOBAL_BATCH})
+                                          example_targets=targets, constraints=constraints)
     counter = CommDebugMode()
-    with counter:
-        module.train_step((tokens,), targets)
+    run = train_parallel(module, batches, LEARNING_RATE, reference, first_step=counter)
     actual = Counter()
     for op, count in counter.get_comm_counts().items():
         actual[collective_kind(str(op))] += count
     return dict(predicted=dict(module.plan.predicted.collectives_per_microbatch), actual=dict(actual),
                 num_microbatches=module.plan.num_microbatches, mismatches=dict(module.stats.mismatches),
-                sharded=[name for name, placement in module.plan.param_placements.items() if placement != "R"])
+                sharded=[name for name, placement in module.plan.param_placements.items() if placement != "R"],
+                sequence_parallel=module.plan.sequence_parallel, loss=run.losses[0], reference_loss=reference.losses[0],
+                grad_errors=run.grad_errors)
 
 
 TABLE = CaseTable([
@@ -82,6 +98,7 @@ TABLE = CaseTable([
     case_param(Case(TINY_GPT, 4, "dgx-a100-80g:gpus_per_node=4"), "gpt-tp4-dgx-replicated"),
     case_param(Case(MEDIUM_GPT, 2, "dgx-a100-80g:gpus_per_node=2", known_error="predicted - ran: {'all_reduce': 2}"),
                "gpt256-tp2-dgx"),
+    case_param(Case(TINY_GPT, 2, "tiny-slow-memory", sequence_parallel=False), "gpt-tp2-no-sp"),
 ])
 CASES = TABLE.cases
 
@@ -106,3 +123,20 @@ def test_tiny_model_cluster_gives_tensor_parallelism(case_outcome):
     assert outcome.ok, outcome.error
     assert outcome.values[0]["sharded"], "the plan shards no parameter"
     assert sum(outcome.values[0]["predicted"].values()) > 0
+
+
+def test_without_sequence_parallelism_all_reduces_and_matches_one_process(case_outcome):
+    """Megatron's tensor parallelism without sequence parallelism, as the plan asked codegen for
+    it: only all-reduces run (kind by kind the plan's prediction, test above), the plan shards
+    the weights, and the step gives one process's loss and gradients."""
+    outcome = case_outcome(count_case, CASES, "gpt-tp2-no-sp")
+    assert outcome.ok, outcome.error
+    for rank, result in enumerate(outcome.values):
+        assert result["sequence_parallel"] is False
+        assert set(result["actual"]) == {"all_reduce"}, f"rank {rank}: {result['actual']}"
+        assert result["sharded"], "the plan shards no parameter: it tests nothing"
+        assert result["loss"] == pytest.approx(result["reference_loss"], rel=TOLERANCE, abs=TOLERANCE)
+        assert result["grad_errors"], "no gradient compared"
+        for parameter, error in result["grad_errors"].items():  # fp32 throughout: round-off only
+            assert error is not None and error["max_abs"] <= TOLERANCE, (rank, parameter, error)
+            assert error["norm"] <= TOLERANCE * max(error["reference_norm"], 1.0), (rank, parameter, error)

@@ -49,6 +49,9 @@ PLAN_CASES = [
     (dict(constraints={"recompute": "partial"}), ["recompute", "partial"]),
     (dict(constraints={"zero_stage": 5}), ["zero_stage"]),
     (dict(constraints={"zero_stage": "1"}), ["zero_stage"]),
+    (dict(constraints={"sequence_parallel": "off"}), ["sequence_parallel", "True or False", "str"]),
+    (dict(constraints={"sequence_parallel": False, "recompute": "gathers"}), ["gathers", "sequence_parallel=False",
+                                                                            "use recompute 'none'"]),
     (dict(constraints={"foo": 1}), ["unknown constraint", "foo"]),
     (dict(constraints={1: 2}), ["constraint"]),
     (dict(constraints=[("tp", 2)]), ["constraints", "dict"]),
@@ -104,6 +107,8 @@ EVALUATE_CASES = [
     (dict(tp=3), ["tp=3", "divide"]),
     (dict(global_batch="8"), ["global_batch", "int"]),
     (dict(precision="int8"), ["precision"]),
+    (dict(sequence_parallel=0), ["sequence_parallel", "True or False"]),
+    (dict(sequence_parallel=False, recompute="gathers"), ["gathers", "sequence_parallel=False"]),
 ]
 
 

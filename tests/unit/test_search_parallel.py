@@ -58,11 +58,11 @@ def test_ranked_plans_with_two_jobs_equal_one_job(graph, alone):
     assert _no_workers_left()
     # The plan is built from the workers' intra-op results (this process solved nothing).
     best = paired.best.config
-    assert set(planner._sharding) == {(e.config.tp, e.config.microbatch_size) for e in paired.ranked}
+    assert set(planner._sharding) == {planner.tp_key(e.config.tp, e.config.microbatch_size) for e in paired.ranked}
     assert paired.num_sharding_solves == alone[1].num_sharding_solves
     strip = lambda plan: {k: v for k, v in plan.to_dict().items() if k != "search"}  # noqa: E731
     assert strip(_plan(planner, paired)) == strip(_plan(*alone))
-    assert (best.tp, best.microbatch_size) in planner._sharding
+    assert planner.tp_key(best.tp, best.microbatch_size) in planner._sharding
 
 
 def test_more_jobs_than_tensor_parallel_degrees(graph, alone):

@@ -132,3 +132,124 @@ def test_hugging_face_models_plan(name):
     for target, count in plan.replicated_ops:  # listed, with how often they occur
         assert target and count >= 1
     assert "replicated" in plan.summary() or not plan.replicated_ops
+
+
+# --- tensor parallelism with and without sequence parallelism ---------------------------------------
+
+TP8 = Mesh(axis_names=("tp",), shape=(8,), devices_per_node=8)
+RESIDUAL_STREAM_OPS = ("aten.layer_norm.default", "aten.dropout.default", "aten.add.Tensor")
+"""Ops on the [batch, sequence, hidden] stream between the tensor-parallel regions."""
+
+
+@pytest.fixture(scope="module")
+def with_and_without_sp(gpt_block):
+    return {sp: solve_sharding(gpt_block, TP8, A100, ShardingOptions(sequence_parallel=sp)) for sp in (True, False)}
+
+
+def _stream_ops(graph):
+    """Layer 1's norms, dropouts and residual adds on [b, s, h] (not the attention's dropout)."""
+    return [graph[name] for name in graph.blocks[0].nodes[1]
+            if graph[name].target in RESIDUAL_STREAM_OPS and len(graph[name].output.shape) == 3]
+
+
+def test_without_sp_norms_dropouts_and_residuals_cost_tp_times_more(gpt_block, with_and_without_sp):
+    """Korthikanti et al.: sequence parallelism divides the work and the saved activations of the
+    ops between the tensor-parallel regions by tp; without it every tp rank does all of it."""
+    from autopar.solver.quotient import fold_blocks
+    from autopar.solver.sharding import cost_context
+    from autopar.solver.sharding_problem import ProblemBuilder
+
+    ctx = cost_context(TP8, A100)
+    builder = ProblemBuilder(gpt_block, fold_blocks(gpt_block), ctx)
+    ops = _stream_ops(gpt_block)
+    assert sorted(node.target for node in ops) == sorted(["aten.layer_norm.default"] * 2 + ["aten.dropout.default"] * 2
+                                                         + ["aten.add.Tensor"] * 2)
+    saved = {True: 0.0, False: 0.0}
+    for node in ops:
+        inputs = builder.inputs_of(node)
+        sharded, replicated = with_and_without_sp[True].strategies[node.name], with_and_without_sp[False].strategies[node.name]
+        assert sharded.output == ("S1",) and replicated.output == ("R",), node.name  # by sequence / whole
+        assert (sharded.work_divisor(TP8.shape), replicated.work_divisor(TP8.shape)) == (8, 1)
+        # Memory-bound kernels: their bytes are the activations' (x 1/8 on sequence shards) and a
+        # norm's weight and bias (4096 values each, read whole by every rank: 0.3% here).
+        for split, whole in zip(ctx.node_compute(node, sharded, inputs), ctx.node_compute(node, replicated, inputs)):
+            assert whole.memory_s == pytest.approx(8 * split.memory_s, rel=0.01), node.name
+        for sp, strategy in ((True, sharded), (False, replicated)):
+            saved[sp] += builder.node_cost_memory(node, strategy)[1]
+    assert saved[True] > 0 and saved[False] == pytest.approx(8 * saved[True], rel=1e-9)
+
+
+def test_without_sp_the_tp_collectives_are_all_reduces(with_and_without_sp):
+    """Megatron's f and g: one all-reduce after each row-parallel matmul in forward, one before
+    each column-parallel one in backward; with sequence parallelism a reduce-scatter and an
+    all-gather take each one's place, moving the same bytes."""
+    kinds = {}
+    for sp, result in with_and_without_sp.items():
+        layer = next(segment for segment in result.segments if segment.name == "layers.1")
+        kinds[sp] = sorted((event.op, event.phase) for event in layer.comm if event.message_bytes > 1e6)
+    assert kinds[False] == [("all_reduce", "bwd")] * 2 + [("all_reduce", "fwd")] * 2
+    assert kinds[True] == sorted([("all_gather", "fwd"), ("reduce_scatter", "fwd"), ("all_gather", "bwd"),
+                                  ("reduce_scatter", "bwd")] * 2)
+
+
+def test_sp_allowed_is_chosen_where_cheaper_and_never_worse(with_and_without_sp):
+    """Allowing sequence parallelism only adds choices: the solve is never worse, and on this
+    block (h = 4096, s = 2048, tp = 8) sequence-sharded norms are cheaper, so it takes them."""
+    allowed, forbidden = with_and_without_sp[True].solution, with_and_without_sp[False].solution
+    assert allowed.status == forbidden.status == "optimal"
+    assert allowed.objective < forbidden.objective
+    assert allowed.memory_bytes < forbidden.memory_bytes
+
+
+def _activation_shards_come_from_weights(graph, strategies) -> list[str]:
+    """Edges on which an activation's shard on tp is not the one its producer left (a slice, a
+    reduce-scatter, an all-to-all), and inputs that arrive sharded: what no-SP forbids."""
+    wrong = []
+    for node in graph.nodes:
+        strategy = strategies.get(node.name)
+        if strategy is None:
+            continue
+        if node.kind in ("input", "target") and strategy.output != ("R",):
+            wrong.append(f"{node.name} arrives {strategy.output}")
+        for index, source in enumerate(node.inputs if node.kind == "call" else ()):
+            producer = graph[source]
+            wanted = strategy.inputs[index][0]
+            if producer.kind in ("param", "buffer", "constant") or source not in strategies:
+                continue
+            if wanted.startswith("S") and strategies[source].output[0] != wanted:
+                wrong.append(f"{source} {strategies[source].output[0]} -> {node.name} {wanted}")
+    return wrong
+
+
+@pytest.mark.parametrize("spec", ["gpt:layers=2,hidden=4096,heads=32,seq=2048,vocab=51200",
+                                  "llama:layers=2,hidden=4096,heads=32,kv_heads=8,ffn_hidden=14336,seq=2048,vocab=32000"])
+def test_without_sp_activations_are_sharded_only_where_weights_shard_them(spec, gpt_block, with_and_without_sp):
+    graph = gpt_block if spec.startswith("gpt") else api.capture_for_planning(spec).with_batch(1)
+    results = with_and_without_sp if spec.startswith("gpt") else {
+        sp: solve_sharding(graph, TP8, A100, ShardingOptions(sequence_parallel=sp)) for sp in (True, False)}
+    assert _activation_shards_come_from_weights(graph, results[False].strategies) == []
+    assert _activation_shards_come_from_weights(graph, results[True].strategies)  # what SP does, and the check sees
+    sharded = [name for name, strategy in results[False].strategies.items()
+               if graph[name].kind == "param" and strategy.output != ("R",)]
+    assert len(sharded) >= 6  # still tensor parallel: q, k, v, o and the MLP's matmuls per layer
+
+
+def test_a_vocab_parallel_lookup_is_reduced_before_anything_reads_it():
+    """DTensor's _MaskPartial (strategies/embedding.py) is all-reduced before any op reads it,
+    even add(P, P): the ILP may not plan a consumer that keeps it Partial. With both GPT lookups
+    fixed vocabulary-parallel, their sum (one all-reduce after it, were the partials ordinary)
+    is taken after each lookup is reduced, as codegen runs it."""
+    from autopar.strategies import mesh_strategies
+
+    graph = api.capture_for_planning("gpt:layers=2,hidden=1024,heads=16,seq=1024,vocab=8192").with_batch(1)
+    mesh = Mesh(axis_names=("tp",), shape=(8,), devices_per_node=8)
+    lookups = [node for node in graph.calls() if node.target == "aten.embedding.default"]
+    fixed = {node.name: next(strategy for strategy in mesh_strategies(node, [graph[s].output for s in node.inputs],
+                                                                         mesh.shape) if strategy.name == "vocab")
+             for node in lookups}
+    assert len(fixed) == 2
+    result = solve_sharding(graph, mesh, A100, fixed=fixed)
+    readers = [(node.name, index) for node in graph.calls() for index, source in enumerate(node.inputs)
+               if source in fixed]
+    assert readers and all(result.strategies[name].inputs[index] != ("P",) for name, index in readers), \
+        [(name, result.strategies[name].inputs) for name, _ in readers]
