@@ -319,10 +319,10 @@ def test_matches_one_device(case_name, case_outcome):
             assert error["norm"] <= case.grad_tolerance * max(error["reference_norm"], 1.0), \
                 f"rank {rank}: {name}: {error}"
     if case.locally_tied:
-        assert any(case.locally_tied in result["in_several_chunks"] for result in results), \
-            f"no rank holds {case.locally_tied} in two chunks: {[result['in_several_chunks'] for result in results]}"
-        assert not case.tied_across_ranks or all(case.locally_tied in result["tied_across_ranks"]
-                                                 for result in results), [result["tied_across_ranks"] for result in results]
+        held = [result["in_several_chunks"] for result in results]
+        assert any(case.locally_tied in names for names in held), f"no rank holds {case.locally_tied} twice: {held}"
+        tied = [result["tied_across_ranks"] for result in results]
+        assert not case.tied_across_ranks or all(case.locally_tied in names for names in tied), tied
     checked = set().union(*(result["grad_errors"] for result in results))
     assert checked == set(results[0]["all_parameters"]), "parameters no rank holds: " \
         f"{sorted(set(results[0]['all_parameters']) - checked)}"
