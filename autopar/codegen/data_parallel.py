@@ -16,6 +16,13 @@
 Every segment module (a transformer block) is one FSDP unit, the stage program the root unit
 for parameters shared by several segments, as torchtitan shards a model: the parameters are
 already tensor-parallel DTensors on the tp dimension of the same device mesh.
+
+A weight that several of one rank's pipeline chunks read (a tied embedding and head under ZB-V,
+T5's shared embedding interleaved) is one Parameter of several stage programs. FSDP2 shards per
+fully_shard call, so each stage would get its own sharded copy: two weights, each with part of
+the gradient, updated apart. Such weights are left whole (`ignored_params`): autograd sums their
+gradient over the chunks, and ParallelModule averages it over dp with an all-reduce, as under
+ZeRO 0 (their parameters, gradients and optimizer states are replicated over dp, not sharded).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.codegen.program import StageProgram
+from autopar.codegen.program import StageProgram, shared_parameters
 
 
 def uses_fsdp(zero_stage: int, dp: int, offload: bool = False) -> bool:
@@ -53,10 +60,12 @@ def apply_fsdp(stages: list[StageProgram], dp_mesh, zero_stage: int, *, offload:
         policy = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
     precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
                                      cast_forward_inputs=False)
-    options = dict(mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy, mp_policy=precision)
+    whole = {id(param): param for param in shared_parameters(stages)}
+    options = dict(mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy, mp_policy=precision,
+                   ignored_params=set(whole.values()))
     for stage in stages:
         for segment in stage.segments:
-            if next(segment.parameters(recurse=False), None) is not None:
+            if any(id(param) not in whole for param in segment.parameters(recurse=False)):
                 fully_shard(segment, **options)
         fully_shard(stage, **options)
 

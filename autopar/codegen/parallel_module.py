@@ -25,7 +25,7 @@ from autopar.codegen.data_parallel import (all_reduce_gradients, set_gradient_sy
 from autopar.codegen.interpreter import RunStats
 from autopar.codegen.loss_parallel import ModelLoss, replicated_local
 from autopar.codegen.pipeline import forward_only
-from autopar.codegen.program import ParameterOwner, WeightCasts, attribute_name
+from autopar.codegen.program import ParameterOwner, WeightCasts, attribute_name, shared_parameters
 from autopar.codegen.runtime import Runtime
 from autopar.errors import PlanMismatchError
 from autopar.plans import Plan
@@ -218,6 +218,8 @@ class ParallelModule(nn.Module):
             all_reduce_gradients(others, group, dp)
             if experts:  # complete within the expert group: summed over its replicas, averaged over dp
                 all_reduce_gradients(experts, self.runtime.expert_replica_group, dp)
+        else:  # FSDP averaged what it shards; it leaves whole a weight several local chunks read (data_parallel.py)
+            all_reduce_gradients(shared_parameters(list(self.stages)), group, dp)
         for fqn, group in self.tied_groups.items():
             grad = params[fqn].grad
             if grad is not None:

@@ -23,7 +23,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from autopar.codegen.build import ChunkSpec
-from autopar.codegen.program import GraphParts, StageProgram
+from autopar.codegen.program import GraphParts, StageProgram, shared_parameters
 from autopar.graph import TensorMeta
 from autopar.plans import Plan
 from autopar.solver.pipeline import rank_of
@@ -113,13 +113,7 @@ def forward_only(schedule) -> Iterator[None]:
 
 def shares_parameters(stages: list[PipelineStage]) -> bool:
     """Whether a parameter object belongs to several of this rank's stages."""
-    seen: set[int] = set()
-    for stage in stages:
-        mine = {id(param) for param in stage.submod.parameters()}
-        if mine & seen:
-            return True
-        seen |= mine
-    return False
+    return bool(shared_parameters([stage.submod for stage in stages]))
 
 
 def tied_weight_groups(plan: Plan, parts: GraphParts, chunk_segments: list[list[str]], mesh_shape, rank: int):

@@ -378,5 +378,18 @@ def distribute_parameter(param: torch.Tensor, placement: str, mesh, device: torc
     return nn.Parameter(tensor, requires_grad=param.requires_grad)
 
 
+def shared_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The parameters that belong to several of `modules` (one rank's pipeline chunks reading one
+    tied weight: ZB-V's embedding and head on its first rank, T5's three readers interleaved), once each."""
+    seen: dict[int, nn.Parameter] = {}
+    shared: dict[int, nn.Parameter] = {}
+    for module in modules:
+        for param in {id(param): param for param in module.parameters()}.values():
+            if id(param) in seen:
+                shared[id(param)] = param
+            seen[id(param)] = param
+    return list(shared.values())
+
+
 def recomputable_nodes(graph: OpGraph) -> set[str]:
     return {node.name for node in graph.calls() if is_recomputable(graph, node)}
