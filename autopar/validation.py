@@ -254,7 +254,15 @@ def check_constraint_values(value: Any) -> dict[str, Any]:
             checked[key] = item  # an unknown name: Constraints.from_value names the known ones
     if checked.get("sequence_parallel") is False and checked.get("recompute") == "gathers":
         _refuse_gathers_without_sp("constraints['recompute']")
+    _refuse_zero3_with_zero_bubble(checked.get("schedule"), checked.get("zero_stage"), "constraints")
     return checked
+
+
+def _refuse_zero3_with_zero_bubble(schedule: Any, zero_stage: Any, where: str) -> None:
+    from autopar.solver.search import ZERO3_WITH_ZERO_BUBBLE
+
+    if schedule in ("zb1p", "zbv") and zero_stage == 3:
+        raise ConfigError(f"{where}: schedule '{schedule}' with zero_stage 3: {ZERO3_WITH_ZERO_BUBBLE}")
 
 
 def _refuse_gathers_without_sp(name: str) -> None:
@@ -287,6 +295,7 @@ def check_fixed_config(*, tp: Any, pp: Any, dp: Any, microbatch_size: Any, sched
     _check_flag(offload, "offload")
     if not _check_flag(sequence_parallel, "sequence_parallel") and recompute == "gathers":
         _refuse_gathers_without_sp("recompute")
+    _refuse_zero3_with_zero_bubble(schedule, zero_stage, "evaluate")
 
 
 def check_degrees(cluster, global_batch: int, *, dp: int | None = None, tp: int | None = None,
@@ -436,7 +445,11 @@ def check_plan_data(data: dict, source: str) -> None:
         fields.fail(f"dp x microbatch_size x num_microbatches = {mesh['dp']} x {microbatch} x {count} = "
                     f"{mesh['dp'] * microbatch * count}, but global_batch is {global_batch}")
     fields.integer(fields.get(data, "virtual_stages", "virtual_stages"), "virtual_stages", maximum=MAX_DEVICES)
-    fields.integer(fields.get(data, "zero_stage", "zero_stage"), "zero_stage", minimum=0)  # choices: Plan
+    zero_stage = fields.integer(fields.get(data, "zero_stage", "zero_stage"), "zero_stage", minimum=0)  # choices: Plan
+    if data["schedule"] in ("zb1p", "zbv") and zero_stage == 3:
+        from autopar.solver.search import ZERO3_WITH_ZERO_BUBBLE
+
+        fields.fail(f"schedule '{data['schedule']}' with zero_stage 3 does not train correctly: {ZERO3_WITH_ZERO_BUBBLE}")
     ep = fields.integer(fields.get(data, "ep", "ep", 1), "ep", maximum=MAX_DEVICES)
     if mesh["dp"] % ep:
         fields.fail(f"ep={ep} does not divide mesh dp={mesh['dp']}: experts are split over groups of ep "

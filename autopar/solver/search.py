@@ -150,6 +150,13 @@ GATHERS_WITHOUT_SP = ("recompute 'gathers' keeps sequence-parallel norm outputs 
                       "backward; without sequence parallelism nothing is gathered: use recompute 'none' (or "
                       "'selective', which recomputes attention), or allow sequence parallelism")
 
+ZERO3_WITH_ZERO_BUBBLE = (
+    "ZeRO-3 reshards each FSDP unit after its forward, and torch's zero-bubble schedules run a unit's "
+    "weight-gradient pass after its input-gradient pass, when FSDP has already resharded the unit and "
+    "reduced its gradients: the gradients come out wrong (measured on gloo against one process). Use "
+    "ZeRO-1 or -2 with zb1p/zbv (under pipelining they keep the parameters gathered for the step), or "
+    "ZeRO-3 with 1f1b, interleaved or gpipe")
+
 JOBS_ENV = "AUTOPAR_JOBS"
 """Environment variable: processes of a search whose options leave `jobs` unset."""
 MAX_DEFAULT_JOBS = 8
@@ -411,6 +418,8 @@ class Planner:
             raise ConfigError("the interleaved schedule needs pp >= 2 and at least 2 model chunks per device")
         if config.schedule in ZERO_BUBBLE_SCHEDULES and config.pp < 2:
             raise ConfigError(f"the {config.schedule} schedule is a pipeline schedule: it needs pp >= 2")
+        if config.schedule in ZERO_BUBBLE_SCHEDULES and config.zero_stage == 3:
+            raise ConfigError(f"schedule {config.schedule} with zero_stage 3: {ZERO3_WITH_ZERO_BUBBLE}")
         if config.schedule == "zbv" and config.virtual_stages != 2:
             raise ConfigError(f"the zbv schedule runs exactly 2 model chunks per device (a V), got "
                               f"virtual_stages={config.virtual_stages}; use 2, or the zb1p schedule")
@@ -666,6 +675,8 @@ class Planner:
             for recompute in modes:
                 for ep in eps:
                     for zero in (zeros if ep == 1 else [0]):
+                        if zero == 3 and schedule in ZERO_BUBBLE_SCHEDULES:
+                            continue  # ZERO3_WITH_ZERO_BUBBLE
                         yield ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch, num_microbatches=m,
                                              schedule=schedule, virtual_stages=virtual, recompute=recompute,
                                              zero_stage=zero, ep=ep, cp=cp, offload=offload,

@@ -175,3 +175,24 @@ def test_zbv_needs_two_chunks_and_a_pipeline():
                                        virtual_stages=3))
     with pytest.raises(ConfigError, match="pp >= 2"):
         planner().check(ParallelConfig(dp=4, tp=2, pp=1, microbatch_size=1, num_microbatches=4, schedule="zb1p"))
+
+
+def test_zero3_is_never_paired_with_a_zero_bubble_schedule():
+    """FSDP's reshard after forward does not survive torch's split backward (measured: gradients
+    wrong on gloo, tests/dist/test_numerics.py runs zbv with ZeRO-1): the search does not offer it,
+    and a configuration, constraints or a plan file that asks for it is refused with the reason."""
+    from autopar.errors import ConfigError, PlanMismatchError
+    from autopar.validation import check_constraint_values
+
+    result = planner().search(Constraints(pp=2, tp=1, microbatch_size=1, recompute="none"), keep=200)
+    pairs = {(estimate.config.schedule, estimate.config.zero_stage) for estimate in result.ranked}
+    assert ("zbv", 1) in pairs and ("1f1b", 3) in pairs  # both kinds were priced...
+    assert not any(schedule in ("zb1p", "zbv") and zero == 3 for schedule, zero in pairs)  # ...never together
+    with pytest.raises(ConfigError, match="zero_stage 3.*weight-gradient pass"):
+        planner().check(ParallelConfig(dp=4, tp=1, pp=2, microbatch_size=1, num_microbatches=4, schedule="zbv",
+                                       virtual_stages=2, zero_stage=3))
+    with pytest.raises(ConfigError, match="zb1p.*zero_stage 3"):
+        check_constraint_values({"schedule": "zb1p", "zero_stage": 3})
+    data = evaluated(schedule="zbv", zero_stage=1).to_dict()
+    with pytest.raises(PlanMismatchError, match="zbv.*zero_stage 3"):
+        Plan.from_dict({**data, "zero_stage": 3})
