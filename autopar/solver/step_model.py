@@ -69,7 +69,7 @@ Memory of stage k = model states (ZeRO, memory.py) + in_flight(k) x sum_{S_k} a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -513,6 +513,23 @@ class StepModel(StepFsdp, StepTail):
             self._send_recv_cache[key] = self.comm.send_recv_s(message_bytes, crosses_nodes=crosses_nodes)
         return self._send_recv_cache[key]
 
+    def _tied_numel_held(self, own, num_segments: int, config: ParallelConfig) -> tuple[float, float]:
+        """(numel of a copy, numel held whole) of the tied weight (read by the first and the last
+        segment) on a rank whose chunks are `own`. Each pipeline rank that reads it keeps its own
+        copy (codegen/pipeline.py): the segments count it once, on the first, so a rank with the
+        last segment and not the first holds a copy more. A rank with both (ZB-V's rank 0) holds
+        it whole under FSDP, as ZeRO-0 (codegen/data_parallel.py: two chunks' FSDP units cannot
+        share a sharded parameter)."""
+        if config.pp <= 1 or not self.tied_param_numel:
+            return 0.0, 0.0
+        first, last = _holds_ends(own, num_segments)
+        numel = self.tied_param_numel / config.tp
+        if last and not first:
+            return numel, 0.0
+        if first and last and uses_fsdp(config) and config.data_shards > 1:
+            return 0.0, numel
+        return 0.0, 0.0
+
     def _states(self, numel: float, expert_numel: float, config: ParallelConfig) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer) bytes on a device for numel parameters, of them
         expert_numel experts split over ep ranks."""
@@ -570,7 +587,8 @@ class StepModel(StepFsdp, StepTail):
                             signature: tuple[int, ...] | None = None) -> dict:
         """_stage_parts through prepared.stage_cache; `signature`: prepared.signature(own), if known."""
         key = (prepared.signature(own) if signature is None else signature, p2p, config.dp, config.cp, config.tp, config.pp, config.zero_stage,
-               config.ep, config.offload, config.num_microbatches if config.offload else 0, config.recompute == "none")
+               config.ep, config.offload, config.num_microbatches if config.offload else 0, config.recompute == "none",
+               _holds_ends(own, len(prepared)))
         parts = prepared.stage_cache.get(key)
         if parts is None:
             parts = prepared.stage_cache[key] = self._stage_parts(own, prepared, config, p2p)
@@ -580,9 +598,14 @@ class StepModel(StepFsdp, StepTail):
         """StageEstimate's fields for a stage of these segments, but where it sits (index, span,
         names) and its activations ("activations" in memory_bytes is 0 here)."""
         total = prepared.total
-        numel = total("param_numel", own)
+        tied_copy, tied_whole = self._tied_numel_held(own, len(prepared), config)
+        numel = total("param_numel", own) + tied_copy
         expert_numel = total("expert_numel", own) if config.ep > 1 and prepared.expert_numel is not None else 0.0
         params, grads, optimizer = self._states(numel, expert_numel, config)
+        if tied_whole:
+            params, grads, optimizer = (state + whole - sharded for state, whole, sharded in
+                                        zip((params, grads, optimizer), self._states(tied_whole, 0.0, replace(config, zero_stage=0)),
+                                            self._states(tied_whole, 0.0, config)))
         numel -= expert_numel * (1 - 1 / config.ep)
         copies = numel * self.weight_copy_bytes(config)
         if _accumulates_unsharded(config):
@@ -752,3 +775,8 @@ def _in_flight(config: ParallelConfig, stage: int) -> float:
     """Microbatches whose activations `stage` holds at its peak under the configuration's schedule."""
     return microbatches_in_flight(config.schedule, stage=stage, num_stages=config.pp,
                                   num_microbatches=config.num_microbatches, virtual_stages=config.virtual_stages)
+
+
+def _holds_ends(own, num_segments: int) -> tuple[bool, bool]:
+    """Whether these chunks hold the model's first segment, and its last."""
+    return any(span.start == 0 for span in own), any(span.stop == num_segments for span in own)

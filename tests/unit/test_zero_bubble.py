@@ -196,3 +196,30 @@ def test_zero3_is_never_paired_with_a_zero_bubble_schedule():
     data = evaluated(schedule="zbv", zero_stage=1).to_dict()
     with pytest.raises(PlanMismatchError, match="zbv.*zero_stage 3"):
         Plan.from_dict({**data, "zero_stage": 3})
+
+
+def test_a_tied_weight_is_priced_as_each_rank_holds_it():
+    """The tied embedding (read by the first and the last segment) is one copy per pipeline rank
+    that reads it: under 1F1B the last rank holds a copy more than its segments; under ZB-V rank 0
+    reads it in both its chunks and FSDP (ZeRO >= 1) leaves it whole there, as ZeRO-0."""
+    from autopar import api
+
+    model = planner()
+    tied = model.step_model.tied_param_numel
+    assert tied > 0
+
+    def stages(schedule, zero):
+        config = api.fixed_config(model, tp=1, pp=2, dp=None, microbatch_size=1, schedule=schedule, virtual_stages=None,
+                                  layers_per_virtual_stage=None, recompute="none", zero_stage=zero)
+        estimate, _ = model.evaluate(config)
+        return estimate.config, estimate.stages
+
+    config, (first, last) = stages("1f1b", 0)
+    segments = model.prepared_for(config).param_numel
+    assert last.param_numel == pytest.approx(segments[len(segments) // 2:].sum() + tied, rel=1e-9)  # the copy
+    dp, adam_bytes = config.dp, 12  # fp32 master + two moments: what ZeRO-1 shards
+    _, (first_sharded, _) = stages("1f1b", 1)
+    assert first_sharded.memory_bytes["optimizer"] == pytest.approx(adam_bytes * first_sharded.param_numel / dp)
+    _, (zbv_rank0, _) = stages("zbv", 1)
+    rest = zbv_rank0.param_numel - tied
+    assert zbv_rank0.memory_bytes["optimizer"] == pytest.approx(adam_bytes * (rest / dp + tied), rel=1e-9)
