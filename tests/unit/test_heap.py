@@ -1,0 +1,77 @@
+import gc
+import weakref
+
+import pytest
+
+from autopar.heap import collector_paused, frozen_heap
+
+
+@pytest.fixture(autouse=True)
+def _thawed():
+    gc.unfreeze()  # no test starts with (or leaves) a frozen heap
+    yield
+    gc.unfreeze()
+
+
+def test_frozen_heap_freezes_until_the_outermost_phase_ends():
+    with frozen_heap():
+        outer = gc.get_freeze_count()
+        assert outer > 0
+        made_between = [[] for _ in range(1000)]  # tracked containers made inside the outer phase
+        with frozen_heap():
+            assert gc.get_freeze_count() >= outer + len(made_between)
+        assert gc.get_freeze_count() >= outer + len(made_between)  # the inner end does not thaw
+    assert gc.get_freeze_count() == 0
+
+
+def test_frozen_heap_thaws_after_an_exception():
+    with pytest.raises(ValueError):
+        with frozen_heap():
+            raise ValueError("boom")
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():  # and the next phase freezes again
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_heap_the_program_froze_is_left_alone():
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    extra = [[] for _ in range(1000)]
+    with frozen_heap():
+        assert gc.get_freeze_count() == frozen  # the program's freeze is not added to
+    assert gc.get_freeze_count() == frozen and extra  # nor undone
+
+
+def test_objects_left_in_cycles_while_frozen_are_collected_after():
+    class Node:
+        pass
+
+    with frozen_heap():
+        node = Node()
+        node.self = node
+        alive = weakref.ref(node)
+        with frozen_heap():  # freezes the cycle
+            del node
+            gc.collect()
+            assert alive() is not None  # frozen: skipped by collections
+    gc.collect()
+    assert alive() is None  # thawed at the end: collected as usual
+
+
+def test_collector_paused_restores_the_previous_state():
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # a program that turned it off keeps it off
+    finally:
+        gc.enable()
+    with pytest.raises(KeyError):
+        with collector_paused():
+            raise KeyError("x")
+    assert gc.isenabled()
