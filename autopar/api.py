@@ -24,7 +24,7 @@ from torch import nn
 
 from autopar import capture_cache
 from autopar.block_reuse import capture_reusing_blocks
-from autopar.capture import capture, targets_like_output
+from autopar.capture import capture, targets_like_output, without_stack_traces
 from autopar.cluster import Cluster
 from autopar.errors import CaptureError, ConfigError
 from autopar.graph import OpGraph
@@ -159,7 +159,7 @@ def _capture_replica(model, spec: ModelInput, precision: str, verbose: bool, reu
     with frozen_heap():  # what lives now (torch, the model) stays out of the collector's passes
         with collector_paused():
             importlib.import_module("torch.export._trace")  # export's stack (torch._dynamo), else its first use's
-        with frozen_heap():  # and that stack's objects
+        with frozen_heap(), without_stack_traces():  # and that stack's objects
             return _traced_replica(model, spec, precision, verbose, reuse_blocks)
 
 

@@ -23,7 +23,7 @@ import contextlib
 import os
 import sys
 
-from autopar.heap import collector_paused
+from autopar.heap import collector_paused, freeze_at_exit
 
 with collector_paused():  # torch and the planner: 0.25 CPU s of the collector's passes, nothing to free
     from autopar import api
@@ -37,6 +37,7 @@ EXIT_INPUT_ERROR = 2
 
 
 def main(argv: list[str] | None = None) -> int:
+    freeze_at_exit()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -17,6 +17,7 @@ program that has frozen objects itself is left as it is (no freeze, no unfreeze)
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 from collections.abc import Iterator
@@ -56,3 +57,18 @@ def collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+_freeze_at_exit_registered = False
+
+
+def freeze_at_exit() -> None:
+    """When the interpreter exits, freeze the heap before it is torn down: its last full
+    collection then skips the objects of torch and the planner, which the exit frees without
+    collecting (0.35 of the 0.5 CPU s an `autopar plan` spent after printing its plan).
+    Registered once per process; objects with finalizers in cycles are no more promised a
+    finalizer at exit than they were (Python does not guarantee __del__ at exit)."""
+    global _freeze_at_exit_registered
+    if not _freeze_at_exit_registered:
+        _freeze_at_exit_registered = True
+        atexit.register(gc.freeze)

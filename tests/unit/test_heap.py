@@ -1,4 +1,7 @@
 import gc
+import os
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -75,3 +78,14 @@ def test_collector_paused_restores_the_previous_state():
         with collector_paused():
             raise KeyError("x")
     assert gc.isenabled()
+
+
+def test_freeze_at_exit_freezes_before_the_interpreter_tears_down():
+    probe = ("import atexit, gc\n"
+             "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0))\n"
+             "from autopar.heap import freeze_at_exit\n"
+             "freeze_at_exit(); freeze_at_exit()\n"
+             "print('not frozen before exit:', gc.get_freeze_count() == 0)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert done.stdout.splitlines() == ["not frozen before exit: True", "frozen at exit: True"]
