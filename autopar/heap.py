@@ -10,9 +10,16 @@ search forks its workers, the parent's objects also stay out of the workers' col
 which would otherwise write to (copy) every page of the inherited heap (the fork advice of
 CPython's gc documentation).
 
+Inside, the youngest generation is also collected every YOUNG_THRESHOLD allocations instead
+of CPython's 700: tracing and searching make millions of short-lived objects, most freed by
+reference counting before a larger threshold is reached, so fewer are traversed and promoted
+(GPT-3 175B's cold plan: the collector's CPU time in the capture 0.25 -> 0.11 s, in the
+search 0.10 -> 0.04 s; peak RSS unchanged, 364 MB).
+
 Nothing frozen is lost: the outermost `frozen_heap` hands the objects back to the collector
-when it ends (`gc.unfreeze`), so a program calling the API keeps its usual collector. A
-program that has frozen objects itself is left as it is (no freeze, no unfreeze).
+when it ends (`gc.unfreeze`) and restores the thresholds, so a program calling the API keeps
+its usual collector. A program that has frozen objects itself is left as it is (no freeze, no
+unfreeze; the threshold is still raised inside).
 """
 
 from __future__ import annotations
@@ -22,18 +29,25 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
+YOUNG_THRESHOLD = 20_000
+"""Allocations between collections of the youngest generation inside frozen_heap."""
+
 _depth = 0
 _owned = False
 """Whether the outermost frozen_heap froze (and will unfreeze) the heap."""
+_thresholds: tuple[int, ...] = ()
+"""The thresholds the outermost frozen_heap found (restored when it ends)."""
 
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
     """Freeze the objects alive now (and, when nested, those made since the enclosing phase
     began) until the outermost phase ends."""
-    global _depth, _owned
+    global _depth, _owned, _thresholds
     if _depth == 0:
         _owned = gc.get_freeze_count() == 0
+        _thresholds = gc.get_threshold()
+        gc.set_threshold(max(_thresholds[0], YOUNG_THRESHOLD), *_thresholds[1:])
     if _owned:
         gc.freeze()
     _depth += 1
@@ -41,9 +55,11 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         _depth -= 1
-        if _depth == 0 and _owned:
-            _owned = False
-            gc.unfreeze()
+        if _depth == 0:
+            gc.set_threshold(*_thresholds)
+            if _owned:
+                _owned = False
+                gc.unfreeze()
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ import weakref
 
 import pytest
 
-from autopar.heap import collector_paused, frozen_heap
+from autopar.heap import YOUNG_THRESHOLD, collector_paused, frozen_heap
 
 
 @pytest.fixture(autouse=True)
@@ -22,9 +22,27 @@ def test_frozen_heap_freezes_until_the_outermost_phase_ends():
         assert outer > 0
         made_between = [[] for _ in range(1000)]  # tracked containers made inside the outer phase
         with frozen_heap():
-            assert gc.get_freeze_count() >= outer + len(made_between)
-        assert gc.get_freeze_count() >= outer + len(made_between)  # the inner end does not thaw
+            assert gc.get_freeze_count() >= outer + len(made_between) - 100  # (a few frozen objects may die)
+        assert gc.get_freeze_count() >= outer + len(made_between) - 100  # the inner end does not thaw
     assert gc.get_freeze_count() == 0
+
+
+def test_frozen_heap_raises_the_young_threshold_and_restores_it():
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        with frozen_heap():
+            assert gc.get_threshold() == (YOUNG_THRESHOLD, 10, 10)
+            with frozen_heap():
+                assert gc.get_threshold() == (YOUNG_THRESHOLD, 10, 10)
+            assert gc.get_threshold() == (YOUNG_THRESHOLD, 10, 10)
+        assert gc.get_threshold() == (700, 10, 10)
+        gc.set_threshold(50_000, 5, 5)  # a program's larger threshold is kept
+        with frozen_heap():
+            assert gc.get_threshold() == (50_000, 5, 5)
+        assert gc.get_threshold() == (50_000, 5, 5)
+    finally:
+        gc.set_threshold(*before)
 
 
 def test_frozen_heap_thaws_after_an_exception():
@@ -42,8 +60,8 @@ def test_a_heap_the_program_froze_is_left_alone():
     frozen = gc.get_freeze_count()
     extra = [[] for _ in range(1000)]
     with frozen_heap():
-        assert gc.get_freeze_count() == frozen  # the program's freeze is not added to
-    assert gc.get_freeze_count() == frozen and extra  # nor undone
+        assert gc.get_freeze_count() <= frozen  # the program's freeze is not added to (the 1,000 lists)
+    assert frozen - 100 < gc.get_freeze_count() <= frozen and extra  # nor undone (frozen objects may die)
 
 
 def test_objects_left_in_cycles_while_frozen_are_collected_after():
