@@ -28,7 +28,7 @@ from autopar.capture import capture, targets_like_output, without_stack_traces
 from autopar.cluster import Cluster
 from autopar.errors import CaptureError, ConfigError
 from autopar.graph import OpGraph
-from autopar.heap import collector_paused, frozen_heap
+from autopar.heap import collector_paused, freeze_more, frozen_heap
 from autopar.plans import Plan
 from autopar.plan_build import make_plan
 from autopar.replica import meta_inputs, meta_replica
@@ -105,6 +105,7 @@ def check_model_arguments(model, example_inputs=None, loss_fn=None, example_targ
                           f"got {type_name(example_targets)} {shorten(example_targets)}")
 
 
+@frozen_heap()  # building the model, the import of export's stack and the trace: see heap.py
 def capture_for_planning(model, example_inputs=None, *, loss_fn=None, example_targets=None, example_kwargs=None,
                          precision: str = "bf16", verbose: bool = False, reuse_blocks: bool = True,
                          cache: bool | None = None) -> OpGraph:
@@ -156,11 +157,11 @@ def capture_for_planning(model, example_inputs=None, *, loss_fn=None, example_ta
 
 
 def _capture_replica(model, spec: ModelInput, precision: str, verbose: bool, reuse_blocks: bool) -> OpGraph:
-    with frozen_heap():  # what lives now (torch, the model) stays out of the collector's passes
-        with collector_paused():
-            importlib.import_module("torch.export._trace")  # export's stack (torch._dynamo), else its first use's
-        with frozen_heap(), without_stack_traces():  # and that stack's objects
-            return _traced_replica(model, spec, precision, verbose, reuse_blocks)
+    with collector_paused():
+        importlib.import_module("torch.export._trace")  # export's stack (torch._dynamo), else its first use's
+        freeze_more()  # its 300,000 objects, before a collection walks them
+    with without_stack_traces():
+        return _traced_replica(model, spec, precision, verbose, reuse_blocks)
 
 
 def _traced_replica(model, spec: ModelInput, precision: str, verbose: bool, reuse_blocks: bool) -> OpGraph:

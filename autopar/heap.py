@@ -62,6 +62,12 @@ def frozen_heap() -> Iterator[None]:
                 gc.unfreeze()
 
 
+def freeze_more() -> None:
+    """Inside frozen_heap: freeze what was made since it began too (a phase's imports)."""
+    if _depth and _owned:
+        gc.freeze()
+
+
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """No automatic collection inside (imports: many long-lived objects, little garbage); the

@@ -6,7 +6,7 @@ import weakref
 
 import pytest
 
-from autopar.heap import YOUNG_THRESHOLD, collector_paused, frozen_heap
+from autopar.heap import YOUNG_THRESHOLD, collector_paused, freeze_more, frozen_heap
 
 
 @pytest.fixture(autouse=True)
@@ -43,6 +43,26 @@ def test_frozen_heap_raises_the_young_threshold_and_restores_it():
         assert gc.get_threshold() == (50_000, 5, 5)
     finally:
         gc.set_threshold(*before)
+
+
+def test_freeze_more_freezes_only_inside_a_phase_that_froze():
+    freeze_more()  # outside any phase: nothing
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        outer = gc.get_freeze_count()
+        made = [[] for _ in range(1000)]
+        freeze_more()
+        assert gc.get_freeze_count() >= outer + len(made) - 100
+    assert gc.get_freeze_count() == 0
+
+
+def test_frozen_heap_is_a_decorator_too():
+    @frozen_heap()
+    def inside() -> int:
+        return gc.get_freeze_count()
+
+    assert inside() > 0 and inside() > 0  # a fresh phase per call
+    assert gc.get_freeze_count() == 0
 
 
 def test_frozen_heap_thaws_after_an_exception():
