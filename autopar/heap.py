@@ -2,10 +2,11 @@
 
 A full collection (CPython's generation 2) traverses every object the collector tracks. After
 `import torch` and torch.export's first use (torch._dynamo, sympy) that is about 380,000
-objects, 0.1-0.2 CPU s per full collection, and one cold `autopar plan gpt3-175b` ran six of
-them (0.7 CPU s of about 10) over objects that live until the process exits anyway: modules,
-functions, classes. `gc.freeze()` moves the objects alive now to the permanent generation,
-which collections skip; objects made afterwards are collected as before. Frozen before the
+objects, 0.1-0.2 CPU s per full collection, and one cold `autopar plan gpt3-175b` ran seven
+of them (0.5-0.9 CPU s of about 10) over objects that live until the process exits anyway:
+modules, functions, classes. `gc.freeze()` moves the objects alive now to the permanent generation,
+which collections skip; objects made afterwards are collected as before (`freeze_more`
+adds those of an import made inside a phase). Frozen before the
 search forks its workers, the parent's objects also stay out of the workers' collections,
 which would otherwise write to (copy) every page of the inherited heap (the fork advice of
 CPython's gc documentation).
