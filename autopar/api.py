@@ -11,6 +11,7 @@ the user's weights nor their dtype matter.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import socket
 import sys
@@ -23,10 +24,11 @@ from torch import nn
 
 from autopar import capture_cache
 from autopar.block_reuse import capture_reusing_blocks
-from autopar.capture import capture, targets_like_output
+from autopar.capture import capture, targets_like_output, without_stack_traces
 from autopar.cluster import Cluster
 from autopar.errors import CaptureError, ConfigError
 from autopar.graph import OpGraph
+from autopar.heap import collector_paused, freeze_more, frozen_heap
 from autopar.plans import Plan
 from autopar.plan_build import make_plan
 from autopar.replica import meta_inputs, meta_replica
@@ -103,6 +105,7 @@ def check_model_arguments(model, example_inputs=None, loss_fn=None, example_targ
                           f"got {type_name(example_targets)} {shorten(example_targets)}")
 
 
+@frozen_heap()  # building the model, the import of export's stack and the trace: see heap.py
 def capture_for_planning(model, example_inputs=None, *, loss_fn=None, example_targets=None, example_kwargs=None,
                          precision: str = "bf16", verbose: bool = False, reuse_blocks: bool = True,
                          cache: bool | None = None) -> OpGraph:
@@ -154,6 +157,14 @@ def capture_for_planning(model, example_inputs=None, *, loss_fn=None, example_ta
 
 
 def _capture_replica(model, spec: ModelInput, precision: str, verbose: bool, reuse_blocks: bool) -> OpGraph:
+    with collector_paused():
+        importlib.import_module("torch.export._trace")  # export's stack (torch._dynamo), else its first use's
+        freeze_more()  # its 300,000 objects, before a collection walks them
+    with without_stack_traces():
+        return _traced_replica(model, spec, precision, verbose, reuse_blocks)
+
+
+def _traced_replica(model, spec: ModelInput, precision: str, verbose: bool, reuse_blocks: bool) -> OpGraph:
     dtype = torch.bfloat16 if precision == "bf16" else None
     if _built_here(model, spec.model):
         # A built-in family's model was just built on meta and nobody else holds it: converting
@@ -274,6 +285,11 @@ def candidates_with(planner: Planner, constraints: Constraints = Constraints(), 
         raise ConfigError(f"the number of candidate plans must be >= 1, got {num_candidates}")
     _check_constraints(planner.cluster, planner.global_batch, constraints)
     check_pipeline_depth(planner.graph, constraints.pp)
+    with frozen_heap():
+        return _candidates(planner, constraints, num_candidates)
+
+
+def _candidates(planner: Planner, constraints: Constraints, num_candidates: int) -> list[Plan]:
     result = planner.search(constraints, keep=max(5, 4 * num_candidates))
     plans = []
     for estimate in _distinct(result.ranked)[:num_candidates]:

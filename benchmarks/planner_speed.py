@@ -10,8 +10,11 @@ then one table for the ILP (the 96 identical layers
 are condensed to two and solved once) on several meshes. Each plan runs twice: cold (traced in
 this process, which also pays torch.export's import on the first one; the capture is stored in a
 temporary capture cache) and cached (a fresh process, as `autopar plan` run again, that loads
-the capture from that cache). `--full-capture` adds rows that trace every layer instead of three
-(block_reuse.py), interleaved with the others. The user's own capture cache is not touched.
+the capture from that cache). Then the command itself, `python -m autopar.cli plan ...` in a fresh
+process (Python's start, imports and exit included, the search's workers in its CPU seconds):
+cold (AUTOPAR_CAPTURE_CACHE=0) and with the capture cached. `--full-capture` adds rows that
+trace every layer instead of three (block_reuse.py), interleaved with the others. The user's
+own capture cache is not touched.
 """
 
 from __future__ import annotations
@@ -66,6 +69,20 @@ def cached_plan(spec: str, cluster: str, global_batch: int) -> dict:
     done = subprocess.run([sys.executable, __file__, "--cached-one", json.dumps([spec, cluster, global_batch])],
                           capture_output=True, text=True, check=True)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]), wall_s=time.perf_counter() - started)
+
+
+def cli_plan(spec: str, cluster: str, global_batch: int, *, cached: bool) -> dict:
+    """`autopar plan` as a command, in a fresh process: wall and CPU seconds (its workers included)."""
+    env = dict(os.environ, **{capture_cache.SWITCH_ENV: "1" if cached else "0"})
+    started, started_cpu = time.perf_counter(), children_cpu_s()
+    subprocess.run([sys.executable, "-m", "autopar.cli", "plan", spec, "--cluster", cluster, "--global-batch",
+                    str(global_batch)], capture_output=True, text=True, check=True, env=env)
+    return dict(wall_s=time.perf_counter() - started, cpu_s=children_cpu_s() - started_cpu)
+
+
+def children_cpu_s() -> float:
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return children.ru_utime + children.ru_stime
 
 
 def _cached_one(request: str) -> None:
@@ -125,6 +142,10 @@ def _tables(args) -> None:
               f"{cached['num_nodes']:,} | {cached['capture_s']:.1f} | {cached['search_s']:.1f} | "
               f"{cached['total_s']:.1f} | | | same plan: {abs(cached['step_time_s'] - runs[spec]['plan'].predicted.step_time_s) < 1e-9} "
               f"| {cached['step_time_s']:.2f} |", flush=True)
+        for cached in (False, True):
+            command = cli_plan(spec, cluster, batch, cached=cached)
+            print(f"| {label} | {cluster} | {batch} | `autopar plan` command, {'capture cached' if cached else 'cold'}: "
+                  f"{command['wall_s']:.1f} s wall ({command['cpu_s']:.1f} CPU s) | | | | | | | | |", flush=True)
     planner = runs[PLANS[0][0]]["planner"]
     condensed = condense(planner.graph).with_batch(1)
     print(f"\ngpt3-175b: {len(planner.graph.nodes):,} nodes; condensed to {len(condensed.nodes):,} nodes "

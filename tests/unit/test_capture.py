@@ -518,3 +518,22 @@ def test_fallback_and_export_agree_on_module_paths():
                     if node.target not in ("aten.broadcast_tensors.default", "getitem")]
     assert traced_ops == exported_ops
     assert [segment.name for segment in traced.segments] == [segment.name for segment in exported.segments]
+
+
+def test_planning_capture_without_stack_traces_is_the_same_graph():
+    """api's planning capture turns torch.fx's stack recording off (without_stack_traces): the
+    OpGraph is unchanged, the program's nodes carry no stack, and the switch comes back."""
+    import torch.fx.config
+
+    from autopar.capture import capture_program, without_stack_traces
+
+    bundle = build_model("gpt:layers=2,hidden=64,heads=4,seq=16,vocab=64", device="meta", batch_size=2)
+    inputs = dict(loss_fn=bundle.loss_fn, example_targets=bundle.example_targets)
+    program, with_stacks = capture_program(bundle.model, bundle.example_inputs, **inputs)
+    assert any(node.stack_trace for node in program.graph.nodes)
+    with without_stack_traces():
+        assert torch.fx.config.do_not_emit_stack_traces
+        program, without = capture_program(bundle.model, bundle.example_inputs, **inputs)
+    assert not torch.fx.config.do_not_emit_stack_traces
+    assert not any(node.stack_trace for node in program.graph.nodes)
+    assert without == with_stacks
