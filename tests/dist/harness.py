@@ -149,7 +149,24 @@ def run_workers(worker: Callable, world_size: int, args: tuple = (), *, timeout_
                 threads_per_process: int = 1, progress: Callable[[], int] | None = None) -> list[Any]:
     """`worker(*args)` on `world_size` gloo ranks; returns the per-rank results in rank order.
 
-    The job is killed after `timeout_s`, counted from the last time `progress()` changed when given."""
+    The job is killed after `timeout_s`, counted from the last time `progress()` changed when given.
+    A job whose rendezvous port was taken between free_port() and rank 0's listen (another
+    process on the machine bound it first) runs again on another port, up to PORT_RETRIES times."""
+    for attempt in range(PORT_RETRIES + 1):
+        try:
+            return _run_job(worker, world_size, args, timeout_s, threads_per_process, progress)
+        except WorkerError as error:
+            if attempt == PORT_RETRIES or _PORT_TAKEN not in str(error):
+                raise
+    raise AssertionError("unreachable")
+
+
+PORT_RETRIES = 2
+_PORT_TAKEN = "EADDRINUSE"
+
+
+def _run_job(worker: Callable, world_size: int, args: tuple, timeout_s: float, threads_per_process: int,
+             progress: Callable[[], int] | None) -> list[Any]:
     context = _fork_server_context()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="autopar-dist-") as folder:
