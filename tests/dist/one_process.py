@@ -110,7 +110,7 @@ _PLANNERS: dict[Any, Any] = {}
 _CAPTURES: dict[Any, tuple] = {}
 
 
-def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple, *, loss_fn, example_targets,
+def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple | dict, *, loss_fn, example_targets,
                                  constraints: dict, precision: str = "fp32", plan=None, init_fn=None):
     """What `autopar.parallelize(model, cluster, inputs, loss_fn=..., example_targets=...,
     constraints=..., precision=..., plan=..., init_fn=...)` returns, planned (rank 0, unless
@@ -120,43 +120,48 @@ def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple, *, los
     built the same model (same caller, key, class, parameter shapes, inputs, loss and precision)
     left its planning graph and codegen capture in the test process's shared folder
     (harness.SHARED_DIR_VARIABLE): rank 0 loads them instead of capturing again (each cluster is
-    still planned). The 4-process job of a module mostly builds the models of its 2-process job."""
+    still planned). The 4-process job of a module mostly builds the models of its 2-process job.
+    `inputs` is a tuple of positional inputs or a dict of keyword inputs, as parallelize takes them."""
     import torch.distributed as dist
 
-    from autopar.api import Constraints, capture_for_planning, plan_with, planner_for
+    from autopar.api import Constraints, capture_for_planning, plan_with, planner_for, split_inputs
     from autopar.codegen.parallelize import build_parallel_module
     from autopar.codegen.runtime import run_on_rank0
 
     folder = _shared_folder(sys._getframe(1).f_globals.get("__name__", ""), key, model, inputs, loss_fn,
                             example_targets, precision)
+    positional, keywords = split_inputs(inputs)
+    global_batch = next(int(value.shape[0]) for value in (*positional, *keywords.values())
+                        if isinstance(value, torch.Tensor) and value.dim() > 0)
 
     def planning_graph():
         stored = _read_stored(folder, "planning.pkl")
         if stored is not None:
             return pickle.loads(stored)
-        graph = capture_for_planning(model, inputs, loss_fn=loss_fn, example_targets=example_targets,
-                                     precision=precision)
+        graph = capture_for_planning(model, positional, loss_fn=loss_fn, example_targets=example_targets,
+                                     example_kwargs=keywords, precision=precision)
         _store(folder, "planning.pkl", pickle.dumps(graph))
         return graph
 
     def plan_on_rank0():
         planner_key = (key, cluster, dist.get_world_size())
         if planner_key not in _PLANNERS:
-            _PLANNERS[planner_key] = planner_for(planning_graph(), inputs, cluster,
-                                                 global_batch=int(inputs[0].shape[0]), loss_fn=loss_fn,
-                                                 example_targets=example_targets, precision=precision)
+            _PLANNERS[planner_key] = planner_for(planning_graph(), positional, cluster, global_batch=global_batch,
+                                                 loss_fn=loss_fn, example_targets=example_targets,
+                                                 example_kwargs=keywords, precision=precision)
         return plan_with(_PLANNERS[planner_key], Constraints.from_value(constraints))
 
     chosen = plan if plan is not None else run_on_rank0(plan_on_rank0)
     if key not in _CAPTURES:
-        _CAPTURES[key] = _codegen_capture(model, inputs, folder)
+        _CAPTURES[key] = _codegen_capture(model, positional, keywords, folder)
     program, graph = _CAPTURES[key]
     live = {**dict(model.named_parameters(remove_duplicate=False)),
             **dict(model.named_buffers(remove_duplicate=False))}
     for name in list(program.state_dict):
         if name in live:
             program.state_dict[name] = live[name]
-    return build_parallel_module(model, inputs, chosen, loss_fn, captured=(program, graph), init_fn=init_fn)
+    return build_parallel_module(model, positional, chosen, loss_fn, keywords, captured=(program, graph),
+                                 init_fn=init_fn)
 
 
 def _shared_folder(caller: str, key, model, inputs: tuple, loss_fn, example_targets, precision: str) -> Path | None:
@@ -200,12 +205,12 @@ def _store(folder: Path | None, name: str, data: bytes) -> None:
     staging.rename(folder / name)
 
 
-def _codegen_capture(model, inputs: tuple, folder: Path | None = None) -> tuple:
-    """capture_program(model, inputs) on every rank, exported once: rank 0 captures and sends the
-    saved program (torch.export.save) and its OpGraph, or sends what an earlier job saved in
-    `folder` (loading it itself); the other ranks load them, ~4x cheaper than exporting again. A
-    program that does not serialise (or a one-process job) is captured by every rank itself.
-    Every rank calls this for the same keys in the same order."""
+def _codegen_capture(model, inputs: tuple, keywords: dict, folder: Path | None = None) -> tuple:
+    """capture_program(model, inputs, keywords) on every rank, exported once: rank 0 captures and
+    sends the saved program (torch.export.save) and its OpGraph, or sends what an earlier job
+    saved in `folder` (loading it itself); the other ranks load them, ~4x cheaper than exporting
+    again. A program that does not serialise (or a one-process job) is captured by every rank
+    itself. Every rank calls this for the same keys in the same order."""
     import io
 
     import torch.distributed as dist
@@ -221,7 +226,7 @@ def _codegen_capture(model, inputs: tuple, folder: Path | None = None) -> tuple:
         if program is not None and graph is not None:
             captured = load_program(io.BytesIO(program)), pickle.loads(graph)
             return (program, graph) if dist.get_world_size() > 1 else None
-        captured = capture_program(model, inputs, {}, allow_fallback=False)
+        captured = capture_program(model, inputs, keywords, allow_fallback=False)
         if dist.get_world_size() == 1 and folder is None:
             return None
         buffer = io.BytesIO()
@@ -238,7 +243,7 @@ def _codegen_capture(model, inputs: tuple, folder: Path | None = None) -> tuple:
     if captured is not None:
         return captured
     if saved is None:
-        return capture_program(model, inputs, {}, allow_fallback=False)
+        return capture_program(model, inputs, keywords, allow_fallback=False)
     return load_program(io.BytesIO(saved[0])), pickle.loads(saved[1])
 
 
