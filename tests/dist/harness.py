@@ -139,6 +139,25 @@ _FORK_SERVER_STOP: list = []
 """Set up once per process (the atexit hook stopping the fork server)."""
 
 
+SHARED_DIR_VARIABLE = "AUTOPAR_DIST_SHARED_DIR"
+"""Names the folder of the test process that starts the jobs, where a job leaves what later jobs
+of that process may reuse (one_process.py: the captures of the models it built)."""
+
+
+def _shared_folder() -> str:
+    """This test process's SHARED_DIR_VARIABLE folder, named in the environment the ranks get;
+    made at the first job and removed when the process exits."""
+    import atexit
+    import shutil
+
+    folder = os.environ.get(SHARED_DIR_VARIABLE)
+    if not folder:
+        folder = tempfile.mkdtemp(prefix="autopar-dist-shared-")
+        os.environ[SHARED_DIR_VARIABLE] = folder
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -168,6 +187,7 @@ _PORT_TAKEN = "EADDRINUSE"
 def _run_job(worker: Callable, world_size: int, args: tuple, timeout_s: float, threads_per_process: int,
              progress: Callable[[], int] | None) -> list[Any]:
     context = _fork_server_context()
+    _shared_folder()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="autopar-dist-") as folder:
         results_dir = Path(folder)

@@ -27,9 +27,13 @@ codegen capture is exported by rank 0 alone and loaded by the others (`load_prog
 from __future__ import annotations
 
 import copy
+import hashlib
+import os
 import pickle
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -100,51 +104,113 @@ def grad_error(grad, reference: torch.Tensor) -> dict:
                 reference_norm=reference.norm().item())
 
 
-# --- captures shared between the cases of one job -----------------------------------------------------
+# --- captures shared between the cases of one job, and between the jobs of one test process ---------
 
 _PLANNERS: dict[Any, Any] = {}
 _CAPTURES: dict[Any, tuple] = {}
 
 
-def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple, *, loss_fn, example_targets,
+def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple | dict, *, loss_fn, example_targets,
                                  constraints: dict, precision: str = "fp32", plan=None, init_fn=None):
     """What `autopar.parallelize(model, cluster, inputs, loss_fn=..., example_targets=...,
     constraints=..., precision=..., plan=..., init_fn=...)` returns, planned (rank 0, unless
     `plan` is given) and built from the captures of the first model this process saw under
     `key` (the same model: same class, sizes, inputs and device, meta or not; its own
-    parameters are bound into the reused program)."""
+    parameters are bound into the reused program). An earlier job of the same test process that
+    built the same model (same caller, key, class, parameter shapes, inputs, loss and precision)
+    left its planning graph and codegen capture in the test process's shared folder
+    (harness.SHARED_DIR_VARIABLE): rank 0 loads them instead of capturing again (each cluster is
+    still planned). The 4-process job of a module mostly builds the models of its 2-process job.
+    `inputs` is a tuple of positional inputs or a dict of keyword inputs, as parallelize takes them."""
     import torch.distributed as dist
 
-    from autopar.api import Constraints, plan_with, planner_for
-    from autopar.capture import capture_program
+    from autopar.api import Constraints, capture_for_planning, plan_with, planner_for, split_inputs
     from autopar.codegen.parallelize import build_parallel_module
     from autopar.codegen.runtime import run_on_rank0
+
+    folder = _shared_folder(sys._getframe(1).f_globals.get("__name__", ""), key, model, inputs, loss_fn,
+                            example_targets, precision)
+    positional, keywords = split_inputs(inputs)
+    global_batch = next(int(value.shape[0]) for value in (*positional, *keywords.values())
+                        if isinstance(value, torch.Tensor) and value.dim() > 0)
+
+    def planning_graph():
+        stored = _read_stored(folder, "planning.pkl")
+        if stored is not None:
+            return pickle.loads(stored)
+        graph = capture_for_planning(model, positional, loss_fn=loss_fn, example_targets=example_targets,
+                                     example_kwargs=keywords, precision=precision)
+        _store(folder, "planning.pkl", pickle.dumps(graph))
+        return graph
 
     def plan_on_rank0():
         planner_key = (key, cluster, dist.get_world_size())
         if planner_key not in _PLANNERS:
-            _PLANNERS[planner_key] = planner_for(model, inputs, cluster, global_batch=int(inputs[0].shape[0]),
+            _PLANNERS[planner_key] = planner_for(planning_graph(), positional, cluster, global_batch=global_batch,
                                                  loss_fn=loss_fn, example_targets=example_targets,
-                                                 precision=precision)
+                                                 example_kwargs=keywords, precision=precision)
         return plan_with(_PLANNERS[planner_key], Constraints.from_value(constraints))
 
     chosen = plan if plan is not None else run_on_rank0(plan_on_rank0)
     if key not in _CAPTURES:
-        _CAPTURES[key] = _codegen_capture(model, inputs)
+        _CAPTURES[key] = _codegen_capture(model, positional, keywords, folder)
     program, graph = _CAPTURES[key]
     live = {**dict(model.named_parameters(remove_duplicate=False)),
             **dict(model.named_buffers(remove_duplicate=False))}
     for name in list(program.state_dict):
         if name in live:
             program.state_dict[name] = live[name]
-    return build_parallel_module(model, inputs, chosen, loss_fn, captured=(program, graph), init_fn=init_fn)
+    return build_parallel_module(model, positional, chosen, loss_fn, keywords, captured=(program, graph),
+                                 init_fn=init_fn)
 
 
-def _codegen_capture(model, inputs: tuple) -> tuple:
-    """capture_program(model, inputs) on every rank, exported once: rank 0 captures and sends the
-    saved program (torch.export.save) and its OpGraph; the other ranks load them, ~4x cheaper
-    than exporting again. A program that does not serialise (or a one-process job) is
-    captured by every rank itself. Every rank calls this for the same keys in the same order."""
+def _shared_folder(caller: str, key, model, inputs: tuple, loss_fn, example_targets, precision: str) -> Path | None:
+    """This model's folder in the test process's shared folder (None without one): named by a hash
+    of everything that makes two calls capture the same graphs."""
+    from harness import SHARED_DIR_VARIABLE
+
+    root = os.environ.get(SHARED_DIR_VARIABLE)
+    if not root:
+        return None
+
+    def described(value) -> Any:
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), str(value.dtype), value.device.type)
+        if isinstance(value, (tuple, list)):
+            return tuple(described(item) for item in value)
+        if isinstance(value, dict):
+            return tuple(sorted((name, described(item)) for name, item in value.items()))
+        return repr(value)
+
+    loss = getattr(loss_fn, "__module__", ""), getattr(loss_fn, "__qualname__", repr(loss_fn))
+    identity = (caller, repr(key), type(model).__module__, type(model).__qualname__,
+                described(dict(model.named_parameters(remove_duplicate=False))),
+                described(dict(model.named_buffers(remove_duplicate=False))),
+                described(inputs), described(example_targets), loss, precision)
+    return Path(root) / hashlib.sha256(repr(identity).encode()).hexdigest()[:24]
+
+
+def _read_stored(folder: Path | None, name: str) -> bytes | None:
+    path = folder / name if folder is not None else None
+    return path.read_bytes() if path is not None and path.exists() else None
+
+
+def _store(folder: Path | None, name: str, data: bytes) -> None:
+    """Written whole (renamed into place): a later job reads it complete or not at all."""
+    if folder is None:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = folder / f"{name}.{os.getpid()}.tmp"
+    staging.write_bytes(data)
+    staging.rename(folder / name)
+
+
+def _codegen_capture(model, inputs: tuple, keywords: dict, folder: Path | None = None) -> tuple:
+    """capture_program(model, inputs, keywords) on every rank, exported once: rank 0 captures and
+    sends the saved program (torch.export.save) and its OpGraph, or sends what an earlier job
+    saved in `folder` (loading it itself); the other ranks load them, ~4x cheaper than exporting
+    again. A program that does not serialise (or a one-process job) is captured by every rank
+    itself. Every rank calls this for the same keys in the same order."""
     import io
 
     import torch.distributed as dist
@@ -156,73 +222,104 @@ def _codegen_capture(model, inputs: tuple) -> tuple:
 
     def capture_and_save():
         nonlocal captured
-        captured = capture_program(model, inputs, {}, allow_fallback=False)
-        if dist.get_world_size() == 1:
+        program, graph = _read_stored(folder, "program.pt2"), _read_stored(folder, "graph.pkl")
+        if program is not None and graph is not None:
+            captured = load_program(io.BytesIO(program)), pickle.loads(graph)
+            return (program, graph) if dist.get_world_size() > 1 else None
+        captured = capture_program(model, inputs, keywords, allow_fallback=False)
+        if dist.get_world_size() == 1 and folder is None:
             return None
         buffer = io.BytesIO()
         try:
             torch.export.save(captured[0], buffer)
         except Exception:  # noqa: BLE001 - not every program serialises: the ranks then capture themselves
             return None
-        return buffer.getvalue(), pickle.dumps(captured[1])
+        saved = buffer.getvalue(), pickle.dumps(captured[1])
+        _store(folder, "graph.pkl", saved[1])
+        _store(folder, "program.pt2", saved[0])
+        return saved if dist.get_world_size() > 1 else None
 
     saved = run_on_rank0(capture_and_save)
     if captured is not None:
         return captured
     if saved is None:
-        return capture_program(model, inputs, {}, allow_fallback=False)
+        return capture_program(model, inputs, keywords, allow_fallback=False)
     return load_program(io.BytesIO(saved[0])), pickle.loads(saved[1])
 
 
-class _CachedTypeHints:
-    """The `typing` module as torch's export deserializer sees it, with `get_type_hints` memoized.
+class _MemoizedModule:
+    """A module as torch's export deserializer sees it, with one of its functions memoized.
 
-    The deserializer asks for the type hints of its schema dataclass again for every object it
-    rebuilds (8,000 times for a 2-layer T5), and each answer re-evaluates the same annotations:
-    40% of a load. The schema's classes do not change while a program loads, so one answer per
-    (class, namespaces) is the same answer."""
+    The deserializer calls `typing.get_type_hints` on its schema dataclasses again for every
+    object it rebuilds (8,000 times for a 2-layer T5; each call re-evaluates the same
+    annotations: 40% of a load), and `sympy.sympify` on the same symbolic-size strings for every
+    node whose shape has the batch symbol in it (256 times for T5, ~25% of what was left). Both
+    answers depend only on their arguments (the schema's classes; the string and the names it may
+    use, the symbols of this load included), so one answer per arguments is the same answer.
+    `key(args, kwargs)` says which arguments make a call the same (None: a call not memoized)."""
 
-    def __init__(self, typing_module) -> None:
-        self.__dict__.update({name: value for name, value in vars(typing_module).items()
-                              if name != "get_type_hints"})  # every other name as typing has it
-        self._get_type_hints = typing_module.get_type_hints
-        self._hints: dict = {}
+    def __init__(self, module, name: str, key) -> None:
+        self.__dict__.update({attr: value for attr, value in vars(module).items() if attr != name})
+        self._function, self._key, self._answers = getattr(module, name), key, {}
+        self.__dict__[name] = self._memoized
 
-    def get_type_hints(self, obj, globalns=None, localns=None, include_extras=False):
-        key = (obj, id(globalns), id(localns), include_extras)
-        if key not in self._hints:
-            self._hints[key] = self._get_type_hints(obj, globalns, localns, include_extras)
-        return self._hints[key]
+    def _memoized(self, *args, **kwargs):
+        key = self._key(args, kwargs)
+        if key is None:
+            return self._function(*args, **kwargs)
+        if key not in self._answers:
+            self._answers[key] = self._function(*args, **kwargs)
+        return self._answers[key]
 
 
-_SERDE_TYPING: list = []
-"""This process's _CachedTypeHints (made on first use; its answers serve every later load)."""
+def _type_hints_key(args, kwargs) -> tuple:
+    """get_type_hints(obj, globalns=None, localns=None, include_extras=False): the namespaces by id."""
+    bound = dict(zip(("obj", "globalns", "localns", "include_extras"), args), **kwargs)
+    return (bound["obj"], id(bound.get("globalns")), id(bound.get("localns")), bound.get("include_extras", False))
+
+
+def _sympify_key(args, kwargs) -> tuple | None:
+    """sympify(expr_str, locals=...) of a string: the string and every name it may use (the
+    deserializer also passes sympy objects back through it: those calls are not memoized)."""
+    if len(args) != 1 or set(kwargs) != {"locals"} or not isinstance(args[0], str):
+        return None
+    return args[0], frozenset(kwargs["locals"].items())
+
+
+_SERDE_MODULES: dict = {}
+"""This process's memoized modules, by the serde module's attribute name (made on first use; their
+answers serve every later load)."""
 
 
 def load_program(source):
     """torch.export.load(source) (a path or a file object), with torch's serde module seeing
-    `typing` through _CachedTypeHints: ~40% less CPU per load."""
-    with _type_hints_cached_in_torch_serde():
+    `typing` and `sympy` through _MemoizedModule: ~half the CPU per load."""
+    with _memoized_in_torch_serde():
         return torch.export.load(source)
 
 
-class _type_hints_cached_in_torch_serde:
-    """While loading: torch's serde module reads `typing` through _CachedTypeHints (a torch
-    without that module attribute loads as it is)."""
+class _memoized_in_torch_serde:
+    """While loading: torch's serde module reads `typing` and `sympy` through _MemoizedModule (a
+    torch whose serde module lacks one of these attributes loads as it is)."""
+
+    _MEMOS = (("typing", "get_type_hints", _type_hints_key), ("sympy", "sympify", _sympify_key))
 
     def __enter__(self):
         from torch._export.serde import serialize
 
-        self._module = serialize
-        self._typing = getattr(serialize, "typing", None)
-        if self._typing is not None:
-            if not _SERDE_TYPING:
-                _SERDE_TYPING.append(_CachedTypeHints(self._typing))
-            serialize.typing = _SERDE_TYPING[0]
+        self._module, self._saved = serialize, {}
+        for attribute, name, key in self._MEMOS:
+            module = getattr(serialize, attribute, None)
+            if module is None or not callable(getattr(module, name, None)):
+                continue
+            self._saved[attribute] = module
+            if attribute not in _SERDE_MODULES:
+                _SERDE_MODULES[attribute] = _MemoizedModule(module, name, key)
+            setattr(serialize, attribute, _SERDE_MODULES[attribute])
 
     def __exit__(self, *exc_info):
-        if self._typing is not None:
-            self._module.typing = self._typing
+        for attribute, module in self._saved.items():
+            setattr(self._module, attribute, module)
 
 
 # --- the case table of a numerics module ------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness import case_outcome, tiny_model_cluster  # noqa: F401 (a fixture)
-from one_process import CaseTable, case_param, train_one_process, train_parallel
+from one_process import CaseTable, case_param, parallelize_reusing_captures, train_one_process, train_parallel
 
 pytestmark = pytest.mark.dist
 
@@ -64,13 +64,13 @@ def _workload(name: str):
 def experts_case(case: Case) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
-    import autopar
-
     model, loss_fn, batches = _workload(case.model)
     reference = train_one_process(model, loss_fn, batches, LEARNING_RATE)
     (inputs, targets), *_ = batches
-    module = autopar.parallelize(model, tiny_model_cluster(case.world_size), inputs, loss_fn=loss_fn,
-                                 example_targets=targets, constraints=case.constraints)
+    # What autopar.parallelize builds; rank 0 exports the model for codegen and the other ranks
+    # load it (one_process.py), and the 4-process cases reuse the 2-process cases' captures.
+    module = parallelize_reusing_captures(case.model, model, tiny_model_cluster(case.world_size), inputs,
+                                          loss_fn=loss_fn, example_targets=targets, constraints=case.constraints)
     # CommDebugMode's module hooks break pipelining: all-to-alls are counted without pp only.
     counter = CommDebugMode() if case.constraints.get("pp", 1) == 1 else None
     run = train_parallel(module, batches, LEARNING_RATE, reference, first_step=counter)
