@@ -88,18 +88,19 @@ def without_kv_cache(model: nn.Module):
     """Hugging Face models return a key/value cache when `config.use_cache` is set, as their configs
     do by default: an inference feature that a training step never reads, whose cache object
     torch.export cannot return (and a pipeline would have to ship from every stage to the loss).
-    The capture, which is what autopar runs, is traced with it off, as Hugging Face's Trainer does
-    under gradient checkpointing; the model's config is left as it was. An explicit `use_cache=`
-    input still wins."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "use_cache", None) is not True:
-        yield
-        return
-    config.use_cache = False
+    The capture, which is what autopar runs, is traced with it off on every config the model's
+    modules hold (T5's decoder stack keeps a copy of its own), as Hugging Face's Trainer does under
+    gradient checkpointing; the configs are left as they were. An explicit `use_cache=` input
+    still wins."""
+    configs = {id(config): config for module in model.modules()
+               if getattr(config := getattr(module, "config", None), "use_cache", None) is True}
+    for config in configs.values():
+        config.use_cache = False
     try:
         yield
     finally:
-        config.use_cache = True
+        for config in configs.values():
+            config.use_cache = True
 
 
 def _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dynamic_batch, name, verbose,

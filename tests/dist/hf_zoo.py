@@ -72,7 +72,7 @@ def _causal(config_name: str, model_name: str, **fields) -> Callable[[], torch.n
     def build():
         import transformers
 
-        config = getattr(transformers, config_name)(vocab_size=VOCAB, use_cache=False,
+        config = getattr(transformers, config_name)(vocab_size=VOCAB,
                                                     **{"bos_token_id": 0, "eos_token_id": 0, **fields})
         return getattr(transformers, model_name)(config)
 
@@ -88,7 +88,7 @@ def _build_t5():
     from transformers import T5Config, T5ForConditionalGeneration
 
     config = T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=FFN, num_layers=LAYERS,
-                      num_heads=HEADS, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0)
+                      num_heads=HEADS, dropout_rate=0.0, decoder_start_token_id=0)
     return T5ForConditionalGeneration(config)
 
 
@@ -97,8 +97,7 @@ def _build_bart():
 
     config = BartConfig(vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS,
                         encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=FFN,
-                        decoder_ffn_dim=FFN, max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0,
-                        use_cache=False)
+                        decoder_ffn_dim=FFN, max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0)
     return BartForConditionalGeneration(config)
 
 

@@ -72,3 +72,20 @@ def test_a_default_config_with_its_kv_cache_trains(one_process_group) -> None:
         torch.testing.assert_close(grads[name].grad, param.grad, rtol=1e-5, atol=1e-6)
     # The SwiGLU of each layer kept its activation as a recipe (activation_saves.py).
     assert pm.stats.kept["recomputed_activation"] == 2
+
+
+def test_every_config_of_the_model_is_captured_without_its_cache() -> None:
+    """T5's decoder stack holds a config of its own (a copy): the cache is off on every config
+    while the model is traced (its output then holds no EncoderDecoderCache), and back on after."""
+    from autopar.capture import capture
+
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                   decoder_start_token_id=0)
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(config)
+    configs = [module.config for module in model.modules() if hasattr(module, "config")]
+    before = [c.use_cache for c in configs]
+    assert sum(c.use_cache is True and c is not model.config for c in configs) >= 1  # the decoder's copy
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    graph = capture(model, (), dict(input_ids=tokens, decoder_input_ids=tokens))
+    assert graph.nodes and [c.use_cache for c in configs] == before
