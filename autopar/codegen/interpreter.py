@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.fx.node import map_aggregate
 
+from autopar.codegen.all_to_all import runs_own_all_to_all, shard_to_shard
 from autopar.codegen.local_ops import has_local_rule, no_dtensor_strategy, run_replicated, run_sharded
 from autopar.codegen.placements import parse_node_placements, same_placement, to_dtensor_placement
 
@@ -69,6 +70,16 @@ def contiguous_grad(value):
     return value
 
 
+def redistribute(value: DTensor, placement: str) -> DTensor:
+    """`value` on its one-axis mesh with the plan's `placement` (not "P"), by the collective the
+    planner priced: DTensor's redistribution, or an all-to-all where DTensor would all-gather a
+    shard-dim change instead (codegen/all_to_all.py)."""
+    target = to_dtensor_placement(placement)
+    if runs_own_all_to_all(value, target):
+        return shard_to_shard(contiguous_grad(value), target.dim)
+    return contiguous_grad(value).redistribute(value.device_mesh, [target])
+
+
 def _special_partial(placement) -> bool:
     return isinstance(placement, Partial) and type(placement) is not Partial
 
@@ -110,7 +121,7 @@ class PlannedInterpreter:
         # makes that operand Partial (a row-parallel linear's replicated bias becomes bias / n).
         if same_placement(value.placements[0], placement) or placement == "P":
             return value
-        result = contiguous_grad(value).redistribute(self.mesh, [to_dtensor_placement(placement)])
+        result = redistribute(value, placement)
         if self.on_gather is not None and value.placements[0].is_shard() and placement == "R":
             self.on_gather(value, result)
         return result
@@ -253,7 +264,7 @@ class PlannedInterpreter:
                 self.stats.details.append((node.name, placement, str(value.placements[0])))
                 if placement == "P":  # DTensor allows no user redistribution to Partial
                     return value
-                return contiguous_grad(value).redistribute(self.mesh, [to_dtensor_placement(placement)])
+                return redistribute(value, placement)
             return value
 
         if isinstance(result, (list, tuple)):
