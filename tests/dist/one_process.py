@@ -55,6 +55,8 @@ class ParallelRun:
     grad_errors: dict[str, dict | None] = field(default_factory=dict)
     """Per parameter this rank holds: max_abs, norm (of the difference) and reference_norm;
     None when the parameter got no gradient."""
+    partial_grads: list[str] = field(default_factory=list)
+    """Parameters whose first-step gradient train_step left as pending sums (DTensor Partial)."""
 
 
 def call(model, inputs):
@@ -87,6 +89,10 @@ def train_parallel(module, batches, learning_rate: float, reference: Reference, 
     for step, (inputs, targets) in enumerate(batches):
         with first_step if step == 0 and first_step is not None else nullcontext():
             run.losses.append(module.train_step(inputs, targets).item())
+            if step == 0:
+                run.partial_grads = [name for name, param in module.named_model_parameters().items()
+                                     if any(type(placement).__name__ == "Partial"
+                                            for placement in getattr(param.grad, "placements", ()))]
             optimizer.step()
         if step == 0:
             for name, param in module.named_model_parameters().items():
