@@ -5,7 +5,9 @@ redistributed to the placement the plan chose for that op's input (once per prod
 placement: the same redistributed tensor serves every consumer asking for it, as the ILP
 priced). After the op, DTensor's own output placement is checked against the plan's; a
 difference is redistributed away and counted (`mismatches`), so the collectives that run are
-those the plan priced. Autograd runs the backward through the same DTensor ops.
+those the plan priced. Autograd runs the backward through the same DTensor ops, and each
+output's gradient is moved to the placement the plan priced for it (`pin_grad`) before it
+reaches its producer.
 """
 
 from __future__ import annotations
