@@ -31,8 +31,8 @@ def clip_grad_norm(module, max_norm: float, norm_type: float = 2.0) -> torch.Ten
         if param.grad is None:
             continue
         if isinstance(param.grad, DTensor) and any(isinstance(p, Partial) for p in param.grad.placements):
-            # A replicated weight's gradient under tensor parallelism is left as pending sums (the
-            # optimizer's DTensor op would reduce it): reduce it now, to the parameter's layout.
+            # Pending sums of a replicated weight's gradient (train_step reduces them: a gradient
+            # made outside it may still be partial): reduce it now, to the parameter's layout.
             param.grad = param.grad.redistribute(param.grad.device_mesh, param.placements)
         local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
         grads.append(local)

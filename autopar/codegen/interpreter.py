@@ -5,7 +5,9 @@ redistributed to the placement the plan chose for that op's input (once per prod
 placement: the same redistributed tensor serves every consumer asking for it, as the ILP
 priced). After the op, DTensor's own output placement is checked against the plan's; a
 difference is redistributed away and counted (`mismatches`), so the collectives that run are
-those the plan priced. Autograd runs the backward through the same DTensor ops.
+those the plan priced. Autograd runs the backward through the same DTensor ops, and each
+output's gradient is moved to the placement the plan priced for it (`pin_grad`) before it
+reaches its producer.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.fx.node import map_aggregate
 
+from autopar.codegen.all_to_all import runs_own_all_to_all, shard_to_shard
 from autopar.codegen.local_ops import has_local_rule, no_dtensor_strategy, run_replicated, run_sharded
 from autopar.codegen.placements import parse_node_placements, same_placement, to_dtensor_placement
+from autopar.strategies.placement import grad_placement
 
 
 @dataclass
@@ -69,6 +73,54 @@ def contiguous_grad(value):
     return value
 
 
+def redistribute(value: DTensor, placement: str) -> DTensor:
+    """`value` on its one-axis mesh with the plan's `placement` (not "P"), by the collective the
+    planner priced: DTensor's redistribution, or an all-to-all where DTensor would all-gather a
+    shard-dim change instead (codegen/all_to_all.py)."""
+    target = to_dtensor_placement(placement)
+    if runs_own_all_to_all(value, target):
+        return shard_to_shard(contiguous_grad(value), target.dim)
+    return contiguous_grad(value).redistribute(value.device_mesh, [target])
+
+
+class _PinnedGrad(torch.autograd.Function):
+    """Identity whose backward redistributes the gradient (summed over every reader) to `placement`."""
+
+    @staticmethod
+    def forward(ctx, value, placement: str):
+        ctx.placement = placement
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor) and not same_placement(grad.placements[0], ctx.placement):
+            grad = redistribute(grad, ctx.placement)
+        return grad, None
+
+
+def pin_grad(value, placement: str):
+    """`value`, whose gradient reaches its producer as `placement` (the plan's grad_placement of
+    its output: a partial output's gradient replicated, any other as the output).
+
+    DTensor's backward rules leave a gradient as they find it cheapest locally, and autograd sums
+    a tensor's gradients from its readers as they come: the gradient of a replicated activation
+    read by column-parallel matmuls stays Partial, and DTensor carries those pending sums on
+    through linear backward ops (an RMS norm's, a residual add's, the next matmul's) until some
+    rule needs them whole, so the all-reduce runs elsewhere, or becomes reduce-scatters of weight
+    gradients and all-gathers inside matmul backwards. The planner priced each edge's backward as
+    its reader's gradient moved to this placement (solver/sharding_problem.py's edge_events; a
+    fan-out's readers summed first, one collective), and that is where it runs."""
+    if not isinstance(value, DTensor) or not value.requires_grad:
+        return value
+    return _PinnedGrad.apply(value, placement)
+
+
+def _map_tensors(result, fn):
+    if isinstance(result, (list, tuple)):
+        return type(result)(fn(item) for item in result)
+    return fn(result)
+
+
 def _special_partial(placement) -> bool:
     return isinstance(placement, Partial) and type(placement) is not Partial
 
@@ -110,7 +162,7 @@ class PlannedInterpreter:
         # makes that operand Partial (a row-parallel linear's replicated bias becomes bias / n).
         if same_placement(value.placements[0], placement) or placement == "P":
             return value
-        result = contiguous_grad(value).redistribute(self.mesh, [to_dtensor_placement(placement)])
+        result = redistribute(value, placement)
         if self.on_gather is not None and value.placements[0].is_shard() and placement == "R":
             self.on_gather(value, result)
         return result
@@ -171,6 +223,7 @@ class PlannedInterpreter:
             self.current_node = None
         if output_placement is not None and node.target is not operator.getitem and self.distributed:
             result = self._check_output(node, result, output_placement)
+            result = _map_tensors(result, lambda value: pin_grad(value, grad_placement(output_placement)))
         if self.on_activation is not None and node.name in self.recomputed_activations:
             self.on_activation(node, args, kwargs, result)
         return result
@@ -253,7 +306,7 @@ class PlannedInterpreter:
                 self.stats.details.append((node.name, placement, str(value.placements[0])))
                 if placement == "P":  # DTensor allows no user redistribution to Partial
                     return value
-                return contiguous_grad(value).redistribute(self.mesh, [to_dtensor_placement(placement)])
+                return redistribute(value, placement)
             return value
 
         if isinstance(result, (list, tuple)):

@@ -5,6 +5,8 @@ on them as on one device. With it (the planner chose the vocabulary-parallel cro
 strategies/loss.py), the outputs stay DTensors with their planned placements and `loss_fn` runs
 under DTensor's `loss_parallel`, whose log_softmax / nll_loss rules work on logits sharded by
 class: no all-gather of the logits, and each device holds and differentiates its share of them.
+Logits that reach the cross-entropy otherwise placed (partial sums) are moved onto the class dim
+at its input first, as the plan priced it.
 
 While active, `loss_parallel` replaces the dispatch of log_softmax and nll_loss for every DTensor,
 and its log_softmax backward rule returns its input unchanged (the nll_loss backward rule has done
@@ -23,10 +25,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel
+from torch.overrides import TorchFunctionMode
 
-from autopar.codegen.interpreter import contiguous_grad
+from autopar.codegen.interpreter import contiguous_grad, redistribute
 
 
 def replicated_local(value):
@@ -48,13 +51,41 @@ def as_float(value):
 @contextmanager
 def loss_parallel() -> Iterator[None]:
     """DTensor's loss_parallel, switched off again when its body raises (torch 2.13's own context
-    manager leaves its rules on for every later DTensor op then)."""
+    manager leaves its rules on for every later DTensor op then), with each cross-entropy's
+    logits sharded by class first (_ClassShardedLogits)."""
     context = _torch_loss_parallel()
     context.__enter__()
     try:
-        yield
+        with _ClassShardedLogits():
+            yield
     finally:
         context.__exit__(None, None, None)
+
+
+class _ClassShardedLogits(TorchFunctionMode):
+    """Gives `F.cross_entropy` its logits sharded on the class dim, as the planner's vocabulary-
+    parallel strategy takes them (strategies/loss.py): logits that reach the loss otherwise (the
+    partial sums of a head whose weight is split on the hidden dim, a tied embedding's) are
+    redistributed there, at the loss's input, which is where the plan put and priced that edge
+    (a reduce-scatter of partial logits; its backward an all-gather). DTensor's loss_parallel
+    would refuse them instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.cross_entropy:
+            if args and isinstance(args[0], DTensor):
+                args = (_class_sharded(args[0]),) + tuple(args[1:])
+            elif isinstance(kwargs.get("input"), DTensor):
+                kwargs["input"] = _class_sharded(kwargs["input"])
+        return func(*args, **kwargs)
+
+
+def _class_sharded(logits: DTensor) -> DTensor:
+    """`logits` ([C] or [N, C, ...]) sharded on the class dim over its one-axis mesh."""
+    class_dim = 0 if logits.dim() == 1 else 1
+    if logits.device_mesh.ndim != 1 or logits.placements[0] == Shard(class_dim):
+        return logits
+    return redistribute(logits, f"S{class_dim}")
 
 
 class ModelLoss:

@@ -211,6 +211,7 @@ class ParallelModule(nn.Module):
     def _sync_gradients(self) -> None:
         group, dp = self._gradient_replicas()
         params = self.named_model_parameters()
+        reduce_partial_gradients(params.values())
         if not uses_fsdp(self.plan.zero_stage, dp, self.plan.offload):
             experts = [param for fqn, param in params.items() if fqn in self.expert_params]
             expert_ids = {id(param) for param in experts}
@@ -395,6 +396,24 @@ class ParallelModule(nn.Module):
     def __exit__(self, *exc_info) -> None:
         if exc_info[0] is None:
             self.close()
+
+
+@torch.no_grad()
+def reduce_partial_gradients(params) -> None:
+    """Sum the gradients DTensor left as pending sums over the tensor-parallel mesh.
+
+    A replicated weight read by an op whose work is split (a norm over sequence-sharded
+    activations, a bias after a row-parallel matmul) gets a Partial gradient: each device holds
+    its tokens' share. DTensor would reduce it only when something reads it (the optimizer's
+    update, `full_tensor`), after the step. The planner prices that all-reduce in the step, once
+    per step ("grad" phase, solver/sharding_problem.py's edge_events), and the step leaves
+    finished gradients (as FSDP2 leaves its own: it reduces them before its reduce-scatter), so
+    the optimizer, clipping and the user's code read whole values."""
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and isinstance(param, DTensor) \
+                and any(isinstance(placement, Partial) for placement in grad.placements):
+            param.grad = grad.redistribute(grad.device_mesh, param.placements)
 
 
 @torch.no_grad()

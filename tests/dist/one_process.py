@@ -59,6 +59,8 @@ class ParallelRun:
     grad_errors: dict[str, dict | None] = field(default_factory=dict)
     """Per parameter this rank holds: max_abs, norm (of the difference) and reference_norm;
     None when the parameter got no gradient."""
+    partial_grads: list[str] = field(default_factory=list)
+    """Parameters whose first-step gradient train_step left as pending sums (DTensor Partial)."""
 
 
 def call(model, inputs):
@@ -82,17 +84,23 @@ def train_one_process(model, loss_fn, batches, learning_rate: float) -> Referenc
 
 
 def train_parallel(module, batches, learning_rate: float, reference: Reference, *, first_step=None) -> ParallelRun:
-    """SGD through `module.train_step`; `first_step` is a context manager the first step runs
-    in (a collective counter, say)."""
+    """SGD through `module.train_step`; `first_step` is a context manager the first training
+    step runs in, `train_step` and the optimizer's step (a collective counter, say: what the
+    optimizer would still reduce belongs to the step too). Plain SGD leaves the gradients as
+    they are, so they are compared after its step."""
     optimizer = torch.optim.SGD(module.parameters(), lr=learning_rate)
     run = ParallelRun(losses=[])
     for step, (inputs, targets) in enumerate(batches):
         with first_step if step == 0 and first_step is not None else nullcontext():
             run.losses.append(module.train_step(inputs, targets).item())
+            if step == 0:
+                run.partial_grads = [name for name, param in module.named_model_parameters().items()
+                                     if any(type(placement).__name__ == "Partial"
+                                            for placement in getattr(param.grad, "placements", ()))]
+            optimizer.step()
         if step == 0:
             for name, param in module.named_model_parameters().items():
                 run.grad_errors[name] = None if param.grad is None else grad_error(param.grad, reference.grads[name])
-        optimizer.step()
         optimizer.zero_grad()
     return run
 

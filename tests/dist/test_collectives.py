@@ -9,7 +9,12 @@ On a tp-only plan nothing else communicates: no FSDP (dp = 1), no pipeline p2p (
 The same step's loss and gradients are compared with one process's. With sequence_parallel=False,
 on a cluster whose memory is slow too (harness.tiny_model_cluster(memory_bandwidth_gbs=4), where
 vocabulary-parallel embeddings pay), the tiny GPT runs Megatron's tensor parallelism without
-sequence parallelism: all-reduces only.
+sequence parallelism: all-reduces only. With sequence parallelism (allowed, at 2 GB/s) the tiny
+GPT and Llama shard their norms by sequence, and the run's all-to-alls (gloo included: DTensor
+would all-gather there, codegen/all_to_all.py), reduce-scatters of partial logits into the
+vocabulary-parallel loss and all-reduces of the norm weights' partial gradients (in train_step)
+are those the plan priced. The counted step is train_step and the optimizer's step: a gradient
+left partial would be reduced by the optimizer, and counted.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ GLOBAL_BATCH = 8
 LEARNING_RATE = 0.5
 TOLERANCE = 1e-5
 TINY_GPT = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64,dropout=0.0"
+TINY_LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn_hidden=64,seq=16,vocab=64"
 # Wide enough that the planner shards it on real A100 figures (Megatron-style, with the
 # attention output projection replicated at this size).
 MEDIUM_GPT = "gpt:layers=2,hidden=256,heads=4,seq=64,vocab=256,dropout=0.0"
@@ -39,8 +45,9 @@ class Case:
     model: str
     world_size: int
     cluster: str
-    """A cluster spec, "tiny" for harness.tiny_model_cluster, or "tiny-slow-memory" for it with
-    4 GB/s of memory bandwidth."""
+    """A cluster spec, or "tiny" for harness.tiny_model_cluster."""
+    memory_bandwidth_gbs: float | None = None
+    """The tiny cluster's memory bandwidth (None: the A100's)."""
     sequence_parallel: bool | None = None
     """The constraint (None: allowed where cheaper)."""
     known_error: str = ""
@@ -69,9 +76,8 @@ def count_case(case: Case) -> dict:
 
     bundle = build_model(case.model, device="cpu", seed=0, batch_size=GLOBAL_BATCH)
     (tokens,), targets = bundle.example_inputs, bundle.example_targets
-    cluster = {"tiny": lambda: tiny_model_cluster(case.world_size),
-               "tiny-slow-memory": lambda: tiny_model_cluster(case.world_size, memory_bandwidth_gbs=4)}.get(
-                   case.cluster, lambda: case.cluster)()
+    cluster = tiny_model_cluster(case.world_size, memory_bandwidth_gbs=case.memory_bandwidth_gbs) \
+        if case.cluster == "tiny" else case.cluster
     constraints = {"tp": case.world_size, "dp": 1, "pp": 1, "microbatch_size": GLOBAL_BATCH}
     if case.sequence_parallel is not None:
         constraints["sequence_parallel"] = case.sequence_parallel
@@ -85,6 +91,7 @@ def count_case(case: Case) -> dict:
     for op, count in counter.get_comm_counts().items():
         actual[collective_kind(str(op))] += count
     return dict(predicted=dict(module.plan.predicted.collectives_per_microbatch), actual=dict(actual),
+                partial_grads=run.partial_grads,
                 num_microbatches=module.plan.num_microbatches, mismatches=dict(module.stats.mismatches),
                 sharded=[name for name, placement in module.plan.param_placements.items() if placement != "R"],
                 sequence_parallel=module.plan.sequence_parallel, loss=run.losses[0], reference_loss=reference.losses[0],
@@ -98,7 +105,13 @@ TABLE = CaseTable([
     case_param(Case(TINY_GPT, 4, "dgx-a100-80g:gpus_per_node=4"), "gpt-tp4-dgx-replicated"),
     case_param(Case(MEDIUM_GPT, 2, "dgx-a100-80g:gpus_per_node=2", known_error="predicted - ran: {'all_reduce': 2}"),
                "gpt256-tp2-dgx"),
-    case_param(Case(TINY_GPT, 2, "tiny-slow-memory", sequence_parallel=False), "gpt-tp2-no-sp"),
+    case_param(Case(TINY_GPT, 2, "tiny", memory_bandwidth_gbs=4, sequence_parallel=False), "gpt-tp2-no-sp"),
+    # RMS norms: DTensor would carry the partial gradients of the replicated residual stream on
+    # through their backward (interpreter.pin_grad).
+    case_param(Case(TINY_LLAMA, 2, "tiny", memory_bandwidth_gbs=4, sequence_parallel=False), "llama-tp2-no-sp"),
+    # Sequence parallelism allowed (the default) where memory-bound norms are worth splitting.
+    case_param(Case(TINY_GPT, 2, "tiny", memory_bandwidth_gbs=2), "gpt-tp2-sp"),
+    case_param(Case(TINY_LLAMA, 2, "tiny", memory_bandwidth_gbs=2), "llama-tp2-sp"),
 ])
 CASES = TABLE.cases
 
@@ -125,18 +138,46 @@ def test_tiny_model_cluster_gives_tensor_parallelism(case_outcome):
     assert sum(outcome.values[0]["predicted"].values()) > 0
 
 
-def test_without_sequence_parallelism_all_reduces_and_matches_one_process(case_outcome):
+@pytest.mark.parametrize("case_name", ["gpt-tp2-no-sp", "llama-tp2-no-sp"])
+def test_without_sequence_parallelism_all_reduces_and_matches_one_process(case_name, case_outcome):
     """Megatron's tensor parallelism without sequence parallelism, as the plan asked codegen for
-    it: only all-reduces run (kind by kind the plan's prediction, test above), the plan shards
-    the weights, and the step gives one process's loss and gradients."""
-    outcome = case_outcome(count_case, CASES, "gpt-tp2-no-sp")
+    it: all-reduces (and Llama's one all-gather of its hidden-sharded embedding) run, kind by
+    kind the plan's prediction (test above), the plan shards the weights, and the step gives one
+    process's loss and gradients."""
+    outcome = case_outcome(count_case, CASES, case_name)
     assert outcome.ok, outcome.error
     for rank, result in enumerate(outcome.values):
         assert result["sequence_parallel"] is False
-        assert set(result["actual"]) == {"all_reduce"}, f"rank {rank}: {result['actual']}"
-        assert result["sharded"], "the plan shards no parameter: it tests nothing"
-        assert result["loss"] == pytest.approx(result["reference_loss"], rel=TOLERANCE, abs=TOLERANCE)
-        assert result["grad_errors"], "no gradient compared"
-        for parameter, error in result["grad_errors"].items():  # fp32 throughout: round-off only
-            assert error is not None and error["max_abs"] <= TOLERANCE, (rank, parameter, error)
-            assert error["norm"] <= TOLERANCE * max(error["reference_norm"], 1.0), (rank, parameter, error)
+        assert "reduce_scatter" not in result["actual"], f"rank {rank}: {result['actual']}"
+        assert result["actual"].get("all_reduce", 0) > 0, f"rank {rank}: {result['actual']}"
+        if case_name.startswith("gpt"):
+            assert set(result["actual"]) == {"all_reduce"}, f"rank {rank}: {result['actual']}"
+        assert_one_process_numerics(rank, result)
+
+
+@pytest.mark.parametrize("case_name", ["gpt-tp2-sp", "llama-tp2-sp"])
+def test_sequence_parallelism_runs_its_collectives_and_matches_one_process(case_name, case_outcome):
+    """Sequence parallelism, the default path of large models: the plan shards the norms'
+    activations on the sequence (reduce-scatters, all-gathers), moves shards between dims with
+    all-to-alls (GPT: into and out of its hidden-sharded embeddings and tied head) and reduces
+    the norm weights' partial gradients in the step; the step gives one process's loss and
+    gradients. Kind by kind the plan's prediction: test_collectives_match_prediction."""
+    outcome = case_outcome(count_case, CASES, case_name)
+    assert outcome.ok, outcome.error
+    for rank, result in enumerate(outcome.values):
+        assert result["sequence_parallel"] is True
+        assert result["predicted"].get("reduce_scatter", 0) > 0, f"rank {rank}: no sequence shard: {result}"
+        if case_name.startswith("gpt"):
+            assert result["predicted"].get("all_to_all", 0) > 0, f"rank {rank}: no shard-dim change: {result}"
+        # Reduced in train_step, where the plan priced it, not left to the optimizer's update.
+        assert result["partial_grads"] == [], f"rank {rank}: gradients left partial: {result['partial_grads']}"
+        assert_one_process_numerics(rank, result)
+
+
+def assert_one_process_numerics(rank: int, result: dict) -> None:
+    assert result["sharded"], "the plan shards no parameter: it tests nothing"
+    assert result["loss"] == pytest.approx(result["reference_loss"], rel=TOLERANCE, abs=TOLERANCE)
+    assert result["grad_errors"], "no gradient compared"
+    for parameter, error in result["grad_errors"].items():  # fp32 throughout: round-off only
+        assert error is not None and error["max_abs"] <= TOLERANCE, (rank, parameter, error)
+        assert error["norm"] <= TOLERANCE * max(error["reference_norm"], 1.0), (rank, parameter, error)
