@@ -115,6 +115,26 @@ def pin_grad(value, placement: str):
     return _PinnedGrad.apply(value, placement)
 
 
+def _written_in_place(node: torch.fx.Node) -> bool:
+    """Whether a reader of `node`'s output, or of an item or a view of it, writes to it in place
+    (Hugging Face's MoE routers divide top-k weights in place; `index_put_` into an empty tensor):
+    such an output keeps DTensor's own gradient."""
+    for reader in node.users:
+        if reader.target is operator.getitem or getattr(reader.target, "is_view", False):
+            if _written_in_place(reader):
+                return True
+            continue
+        schema = getattr(reader.target, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            continue
+        passed = list(zip(schema.arguments, reader.args)) + \
+            [(argument, reader.kwargs[argument.name]) for argument in schema.arguments if argument.name in reader.kwargs]
+        if any(value is node and argument.alias_info is not None and argument.alias_info.is_write
+               for argument, value in passed):
+            return True
+    return False
+
+
 def _map_tensors(result, fn):
     if isinstance(result, (list, tuple)):
         return type(result)(fn(item) for item in result)
@@ -223,7 +243,8 @@ class PlannedInterpreter:
             self.current_node = None
         if output_placement is not None and node.target is not operator.getitem and self.distributed:
             result = self._check_output(node, result, output_placement)
-            result = _map_tensors(result, lambda value: pin_grad(value, grad_placement(output_placement)))
+            if not _written_in_place(node):  # autograd forbids in-place writes to a custom Function's view
+                result = _map_tensors(result, lambda value: pin_grad(value, grad_placement(output_placement)))
         if self.on_activation is not None and node.name in self.recomputed_activations:
             self.on_activation(node, args, kwargs, result)
         return result
