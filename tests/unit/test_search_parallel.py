@@ -50,15 +50,23 @@ def _plan(planner, result):
     return api.plan_with(planner)
 
 
-def test_ranked_plans_with_two_jobs_equal_one_job(graph, alone):
+def test_ranked_plans_with_two_jobs_equal_one_job(graph, alone, monkeypatch):
+    import autopar.solver.search as search_module
+
     planner = _planner(graph, 2)
     assert len({mesh[0] for mesh in planner._meshes(Constraints())}) == 4  # work units: one per tp degree
-    paired = planner.search()
+    solved_here = []
+    solve = search_module.solve_sharding
+    monkeypatch.setattr(search_module, "solve_sharding", lambda *a, **k: solved_here.append(1) or solve(*a, **k))
+    paired = planner.search()  # the workers are forked: their solves are not counted here
     assert _ranked(paired) == _ranked(alone[1])  # exactly: the same float arithmetic in each process
     assert _no_workers_left()
-    # The plan is built from the workers' intra-op results (this process solved nothing).
+    # The plan is built from the workers' intra-op results (this process solved nothing). Each worker
+    # sends those of its own ranked configurations, so keys of configurations that a worker ranked
+    # but the merged top list dropped may come too (how many depends on the workers' timing).
     best = paired.best.config
-    assert set(planner._sharding) == {planner.tp_key(e.config.tp, e.config.microbatch_size) for e in paired.ranked}
+    assert not solved_here
+    assert {planner.tp_key(e.config.tp, e.config.microbatch_size) for e in paired.ranked} <= set(planner._sharding)
     assert paired.num_sharding_solves == alone[1].num_sharding_solves
     strip = lambda plan: {k: v for k, v in plan.to_dict().items() if k != "search"}  # noqa: E731
     assert strip(_plan(planner, paired)) == strip(_plan(*alone))
