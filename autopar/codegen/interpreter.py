@@ -12,6 +12,7 @@ reaches its producer.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
@@ -115,6 +116,7 @@ def pin_grad(value, placement: str):
     return _PinnedGrad.apply(value, placement)
 
 
+@functools.cache  # asked for every op of every step; the graph does not change
 def _written_in_place(node: torch.fx.Node) -> bool:
     """Whether a reader of `node`'s output, or of an item or a view of it, writes to it in place
     (Hugging Face's MoE routers divide top-k weights in place; `index_put_` into an empty tensor):

@@ -405,10 +405,11 @@ def reduce_partial_gradients(params) -> None:
     A replicated weight read by an op whose work is split (a norm over sequence-sharded
     activations, a bias after a row-parallel matmul) gets a Partial gradient: each device holds
     its tokens' share. DTensor would reduce it only when something reads it (the optimizer's
-    update, `full_tensor`), after the step. The planner prices that all-reduce in the step, once
-    per step ("grad" phase, solver/sharding_problem.py's edge_events), and the step leaves
-    finished gradients (as FSDP2 leaves its own: it reduces them before its reduce-scatter), so
-    the optimizer, clipping and the user's code read whole values."""
+    update, `full_tensor`), after the step. It is reduced here, once per step, so the step leaves
+    finished gradients (as FSDP2 leaves its own: it reduces them before its reduce-scatter) and
+    the optimizer, clipping and the user's code read whole values. The planner prices this
+    all-reduce in each microbatch's backward (the "grad" phase of solver/sharding_problem.py's
+    edge_events): with several microbatches that over-prices these small collectives."""
     for param in params:
         grad = param.grad
         if isinstance(grad, DTensor) and isinstance(param, DTensor) \
