@@ -14,8 +14,9 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Shard
 
+from autopar.codegen.data_parallel import reduce_partial_gradients
 from autopar.errors import ConfigError
 
 
@@ -27,13 +28,11 @@ def clip_grad_norm(module, max_norm: float, norm_type: float = 2.0) -> torch.Ten
     device = module.runtime.device
     total = torch.zeros((), dtype=torch.float64, device=device)
     grads = []
-    for fqn, param in module.named_model_parameters().items():
+    params = module.named_model_parameters()
+    reduce_partial_gradients(params.values())  # train_step did; a gradient made outside it may be partial
+    for fqn, param in params.items():
         if param.grad is None:
             continue
-        if isinstance(param.grad, DTensor) and any(isinstance(p, Partial) for p in param.grad.placements):
-            # Pending sums of a replicated weight's gradient (train_step reduces them: a gradient
-            # made outside it may still be partial): reduce it now, to the parameter's layout.
-            param.grad = param.grad.redistribute(param.grad.device_mesh, param.placements)
         local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
         grads.append(local)
         if norm_type == math.inf:

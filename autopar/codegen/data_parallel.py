@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 
 from autopar.codegen.program import StageProgram, shared_parameters
 
@@ -102,3 +103,22 @@ def sum_over_group(value: torch.Tensor, group) -> torch.Tensor:
     value = value.detach().clone()
     dist.all_reduce(value, group=group)
     return value
+
+
+@torch.no_grad()
+def reduce_partial_gradients(params) -> None:
+    """Sum the gradients DTensor left as pending sums over the tensor-parallel mesh.
+
+    A replicated weight read by an op whose work is split (a norm over sequence-sharded
+    activations, a bias after a row-parallel matmul) gets a Partial gradient: each device holds
+    its tokens' share. DTensor would reduce it only when something reads it (the optimizer's
+    update, `full_tensor`), after the step. It is reduced here, once per step, so the step leaves
+    finished gradients (as FSDP2 leaves its own: it reduces them before its reduce-scatter) and
+    the optimizer, clipping and the user's code read whole values. The planner prices this
+    all-reduce in each microbatch's backward (the "grad" phase of solver/sharding_problem.py's
+    edge_events): with several microbatches that over-prices these small collectives."""
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and isinstance(param, DTensor) \
+                and any(isinstance(placement, Partial) for placement in grad.placements):
+            param.grad = grad.redistribute(grad.device_mesh, param.placements)

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from autopar.codegen.data_parallel import (all_reduce_gradients, set_gradient_sync, set_reshard_after_backward,
-                                          sum_over_group, uses_fsdp)
+from autopar.codegen.data_parallel import (all_reduce_gradients, reduce_partial_gradients, set_gradient_sync,
+                                          set_reshard_after_backward, sum_over_group, uses_fsdp)
 from autopar.codegen.interpreter import RunStats
 from autopar.codegen.loss_parallel import ModelLoss, replicated_local
 from autopar.codegen.pipeline import forward_only
@@ -396,25 +396,6 @@ class ParallelModule(nn.Module):
     def __exit__(self, *exc_info) -> None:
         if exc_info[0] is None:
             self.close()
-
-
-@torch.no_grad()
-def reduce_partial_gradients(params) -> None:
-    """Sum the gradients DTensor left as pending sums over the tensor-parallel mesh.
-
-    A replicated weight read by an op whose work is split (a norm over sequence-sharded
-    activations, a bias after a row-parallel matmul) gets a Partial gradient: each device holds
-    its tokens' share. DTensor would reduce it only when something reads it (the optimizer's
-    update, `full_tensor`), after the step. It is reduced here, once per step, so the step leaves
-    finished gradients (as FSDP2 leaves its own: it reduces them before its reduce-scatter) and
-    the optimizer, clipping and the user's code read whole values. The planner prices this
-    all-reduce in each microbatch's backward (the "grad" phase of solver/sharding_problem.py's
-    edge_events): with several microbatches that over-prices these small collectives."""
-    for param in params:
-        grad = param.grad
-        if isinstance(grad, DTensor) and isinstance(param, DTensor) \
-                and any(isinstance(placement, Partial) for placement in grad.placements):
-            param.grad = grad.redistribute(grad.device_mesh, param.placements)
 
 
 @torch.no_grad()
