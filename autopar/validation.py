@@ -258,11 +258,20 @@ def check_constraint_values(value: Any) -> dict[str, Any]:
     return checked
 
 
-def _refuse_zero3_with_zero_bubble(schedule: Any, zero_stage: Any, where: str) -> None:
+def _zero3_with_zero_bubble(schedule: Any, zero_stage: Any) -> str:
+    """Why this schedule cannot run with this ZeRO stage ("" when it can)."""
     from autopar.solver.search import ZERO3_WITH_ZERO_BUBBLE
+    from autopar.solver.step_model import ZERO_BUBBLE_SCHEDULES
 
-    if schedule in ("zb1p", "zbv") and zero_stage == 3:
-        raise ConfigError(f"{where}: schedule '{schedule}' with zero_stage 3: {ZERO3_WITH_ZERO_BUBBLE}")
+    if schedule in ZERO_BUBBLE_SCHEDULES and zero_stage == 3:
+        return f"schedule '{schedule}' with zero_stage 3: {ZERO3_WITH_ZERO_BUBBLE}"
+    return ""
+
+
+def _refuse_zero3_with_zero_bubble(schedule: Any, zero_stage: Any, where: str) -> None:
+    reason = _zero3_with_zero_bubble(schedule, zero_stage)
+    if reason:
+        raise ConfigError(f"{where}: {reason}")
 
 
 def _refuse_gathers_without_sp(name: str) -> None:
@@ -446,10 +455,9 @@ def check_plan_data(data: dict, source: str) -> None:
                     f"{mesh['dp'] * microbatch * count}, but global_batch is {global_batch}")
     fields.integer(fields.get(data, "virtual_stages", "virtual_stages"), "virtual_stages", maximum=MAX_DEVICES)
     zero_stage = fields.integer(fields.get(data, "zero_stage", "zero_stage"), "zero_stage", minimum=0)  # choices: Plan
-    if data["schedule"] in ("zb1p", "zbv") and zero_stage == 3:
-        from autopar.solver.search import ZERO3_WITH_ZERO_BUBBLE
-
-        fields.fail(f"schedule '{data['schedule']}' with zero_stage 3 does not train correctly: {ZERO3_WITH_ZERO_BUBBLE}")
+    unsound = _zero3_with_zero_bubble(data["schedule"], zero_stage)
+    if unsound:
+        fields.fail(f"it does not train correctly: {unsound}")
     ep = fields.integer(fields.get(data, "ep", "ep", 1), "ep", maximum=MAX_DEVICES)
     if mesh["dp"] % ep:
         fields.fail(f"ep={ep} does not divide mesh dp={mesh['dp']}: experts are split over groups of ep "
