@@ -336,11 +336,13 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
              virtual_stages: int | None = None, layers_per_virtual_stage: int | None = None,
              recompute: str = "none", zero_stage: int = 0, loss_fn=None, example_targets=None,
              precision: str = "bf16", verbose: bool = False, example_kwargs=None, ep: int = 1,
-             cp: int = 1, offload: bool = False, sequence_parallel: bool = True) -> Plan:
+             cp: int = 1, offload: bool = False, sequence_parallel: bool = True,
+             options: SearchOptions | None = None) -> Plan:
     """Price one fully fixed configuration (no search); `ep` splits the experts of an MoE over
     groups of ep data-parallel ranks, `cp` splits each sequence over cp ranks, `offload` is optimizer
     offload (ZeRO-3, pp = 1), `sequence_parallel=False` is tensor parallelism without sequence
-    parallelism (Megatron-LM without --sequence-parallel)."""
+    parallelism (Megatron-LM without --sequence-parallel). `options` as for `plan` (its
+    `optimizer` says how AdamW runs)."""
     check_fixed_config(tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                        virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
                        recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,
@@ -351,7 +353,7 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
                   microbatch_size=microbatch_size, schedule=schedule, cp=cp if cp > 1 else None)
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
                           example_targets=example_targets, precision=precision, verbose=verbose,
-                          example_kwargs=example_kwargs)
+                          example_kwargs=example_kwargs, options=options)
     config = fixed_config(planner, tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                           virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
                           recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,

@@ -112,6 +112,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=count(MAX_GLOBAL_BATCH), required=True, metavar="B",
                         help="samples per optimizer step")
     parser.add_argument("--precision", choices=sorted(api.PRECISIONS), default="bf16")
+    parser.add_argument("--optimizer", choices=["foreach", "fused"], default="foreach",
+                        help="how the training script's AdamW runs, for the optimizer step's price: foreach "
+                             "(torch.optim.AdamW's default, the default here) or fused (AdamW(fused=True), Apex)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument("--out", metavar="FILE", help="also save the plan as JSON")
     parser.add_argument("--verbose", "-v", action="store_true", help="progress on stderr")
@@ -218,7 +221,7 @@ def _plan(args) -> int:
     plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
                     constraints={key: value for key, value in constraints.items() if value is not None},
                     precision=args.precision, verbose=args.verbose,
-                    options=None if args.jobs is None else SearchOptions(jobs=args.jobs))
+                    options=SearchOptions(jobs=args.jobs, optimizer=args.optimizer))
     return _emit(plan, args)
 
 
@@ -229,7 +232,8 @@ def _evaluate(args) -> int:
                         dp=args.dp, microbatch_size=args.microbatch_size, schedule=args.schedule,
                         layers_per_virtual_stage=args.layers_per_virtual_stage, recompute=args.recompute,
                         zero_stage=args.zero, precision=args.precision, verbose=args.verbose, ep=args.ep,
-                        cp=args.cp, offload=args.offload, sequence_parallel=args.sequence_parallel == "on")
+                        cp=args.cp, offload=args.offload, sequence_parallel=args.sequence_parallel == "on",
+                        options=SearchOptions(optimizer=args.optimizer))
     return _emit(plan, args)
 
 
@@ -296,7 +300,7 @@ def _tune(args) -> int:
                    "sequence_parallel": False if args.sequence_parallel == "off" else None}
     return tune(args.model, cluster=args.cluster, global_batch=args.global_batch, num_trials=args.trials,
                 steps=args.steps, constraints={k: v for k, v in constraints.items() if v is not None},
-                precision=args.precision, out=args.out, as_json=args.json)
+                precision=args.precision, out=args.out, as_json=args.json, optimizer=args.optimizer)
 
 
 def _show(args) -> int:

@@ -74,6 +74,8 @@ class Kernel:
     """Runs on tensor cores (mm, bmm, conv, attention); else memory-bound."""
     dtype: str = "float32"
     """dtype of the kernel's first floating-point tensor (sets the peak FLOP/s)."""
+    causal: bool = False
+    """A fused attention kernel with a causal mask (a measured attention rate prices it)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from autopar.attention_flops import attention_flops, is_causal
 from autopar.graph import Kernel, Ref
 
 aten = torch.ops.aten
@@ -94,8 +95,11 @@ class KernelRecorder(TorchDispatchMode):
         if func in _FREE_OPS or _is_view_op(func):
             return out
         packet = func._overloadpacket
-        is_matmul = packet in flop_registry or _is_grouped_mm(func)
-        if packet in flop_registry:
+        attention = attention_flops(func, args)
+        is_matmul = attention is not None or packet in flop_registry or _is_grouped_mm(func)
+        if attention is not None:
+            flops = attention
+        elif packet in flop_registry:
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
         elif is_matmul:
             flops = _grouped_mm_flops(args)
@@ -103,7 +107,8 @@ class KernelRecorder(TorchDispatchMode):
             flops = float(sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)))
         io_bytes = _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out)
         self.kernels.append(Kernel(name=str(func), flops=flops, io_bytes=float(io_bytes), is_matmul=is_matmul,
-                                   dtype=_compute_dtype(args, out)))
+                                   dtype=_compute_dtype(args, out),
+                                   causal=attention is not None and is_causal(func, args, kwargs)))
         return out
 
 

@@ -1,18 +1,34 @@
 #!/usr/bin/env bash
-# The one GPU check of the developers' guide, as one script for a lent device (run via the device
-# tool from the repository root; results land in $OUT, default ./gpu-check):
-#   1. `autopar profile --device cuda --quick` -> benchmarks/profiles/<gpu>.json
-#   2. one training step of gpt3-1.3b on one GPU, predicted vs measured (benchmarks/one_device_step.py)
-# Needs: make install done on the device machine (or a carried .venv).
-set -euo pipefail
+# The one GPU check of the developers' guide, as one script for a lent device (run from the
+# repository root; results land in $OUT, default ./gpu-check). Each stage runs even if an earlier
+# one failed. PYTHON defaults to .venv/bin/python; on the lent machine use its python3 with
+# ortools carried as wheels (.whl/, see BENCHMARKS.md "One GPU").
+#   1. `autopar profile --device cuda` (the full sweep; --quick measures only 3 matmul sizes),
+#      unless PROFILE names an existing profile of this GPU kind
+#   2. one training step of gpt3-1.3b (sdpa attention) on one GPU, predicted vs measured, with
+#      device time by kernel kind and by aten op
+#   3. the same for a Llama 3 8B-shaped model cut to 8 layers at seq 8192, local batch 2 (the
+#      shapes of torchtitan's measured Llama 3 8B run, published_runs row tt-8b-fsdp-8), with
+#      torch's default AdamW (foreach) and with AdamW(fused=True)
+#   4. gpt3-1.3b as named (eager attention: masked_fill, softmax and dropout kernels)
+#   5. with RATES=1, benchmarks/kernel_rates.py: fused attention and dtype-cast rates
+set -uo pipefail
 OUT="${OUT:-gpu-check}"
-mkdir -p "$OUT" benchmarks/profiles
+mkdir -p "$OUT"
 PY="${PYTHON:-.venv/bin/python}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
-PROFILE="benchmarks/profiles/${GPU}.json"
-PRESET="${PRESET:-hgx-h200}"
-timeout 300 "$PY" -m autopar.cli profile --device cuda --quick --out "$PROFILE" 2>&1 | tee "$OUT/profile.log"
-cp "$PROFILE" "$OUT/"
-timeout 240 "$PY" benchmarks/one_device_step.py --model "${MODEL:-gpt3-1.3b}" --global-batch "${BATCH:-8}" \
-    --cluster "$PRESET:nodes=1,gpus_per_node=1,profile=$PROFILE" 2>&1 | tee "$OUT/step.md"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,power.limit,clocks.max.sm --format=csv
+"$PY" -c "import torch, ortools; print('torch', torch.__version__, 'ortools', ortools.__version__)"
+PROFILE="${PROFILE:-$OUT/h200.json}"
+[ -f "$PROFILE" ] || timeout 240 "$PY" -m autopar.cli profile --device cuda --out "$PROFILE" 2>&1 | tail -2
+CLUSTER="${PRESET:-hgx-h200}:nodes=1,gpus_per_node=1,profile=$PROFILE"
+step() {  # name, model, batch, extra arguments
+    timeout 150 "$PY" benchmarks/one_device_step.py --model "$2" --global-batch "$3" --cluster "$CLUSTER" \
+        --kernels-out "$OUT/kernels-$1.txt" "${@:4}" 2>&1 | grep -v -i "warn" | tee "$OUT/step-$1.md"
+}
+LLAMA8="llama:layers=8,hidden=4096,heads=32,kv_heads=8,ffn_hidden=14336,seq=8192,vocab=128256"
+step llama8 "$LLAMA8" 2
+step llama8-fused "$LLAMA8" 2 --optimizer fused && rm -f "$OUT/kernels-llama8-fused.txt"
+step gpt3-1.3b-sdpa "gpt3-1.3b:attention=sdpa" 8
+step gpt3-1.3b gpt3-1.3b 8
+if [ "${RATES:-0}" = 1 ]; then timeout 120 "$PY" benchmarks/kernel_rates.py 2>&1 | tee "$OUT/kernel-rates.md"; fi

@@ -9,7 +9,9 @@ Without a profile, matmul efficiency saturates with size: eff(f) = eff_max x f /
 so a large GEMM runs near (not at) peak and a tiny one is overhead-bound. With a profile the
 measured throughput is interpolated in log(FLOPs) for the kernel's dtype, and element-wise
 kernels heavy in arithmetic (GELU, softmax, norms) meet their kind's measured element rate: on
-a GPU that ceiling is far above bandwidth, on a CPU it is what bounds them.
+a GPU that ceiling is far above bandwidth, on a CPU it is what bounds them. Fused attention
+kernels (flash / efficient / cuDNN sdpa, forward and backward) meet the profile's measured
+attention rate for their phase and mask, interpolated the same way; without one, a matmul's.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class KernelLike(Protocol):
     io_bytes: float
     is_matmul: bool
     dtype: str
+    causal: bool
 
 
 # Element-wise kernels whose arithmetic, not memory traffic, can bound them (on CPUs): their
@@ -48,8 +51,18 @@ _KERNEL_KINDS = {
 }
 
 
-def kernel_kind(name: str) -> str | None:
-    """"transcendental", "normalize" or None for an aten overload name like "aten.gelu.default"."""
+_WIDENING_BYTES_PER_ELEMENT = 5.5
+"""A cast reading 2 bytes and writing 4 per element moves 6 (a same-width copy 4 or 8)."""
+
+
+def kernel_kind(name: str, dtype: str = "", elements: float = 0.0, io_bytes: float = 0.0) -> str | None:
+    """"transcendental", "normalize", "upcast" or None for an aten overload name like
+    "aten.gelu.default". "upcast" is a cast from a 16-bit float to a wider type (`dtype` is the
+    input's): GPUs run it at about half the bandwidth of a same-width stream (H200: 2.1 against
+    4.2 TB/s read + written), so it has its own measured rate."""
+    if name == "aten._to_copy.default" and dtype in ("bfloat16", "float16") and elements > 0 \
+            and io_bytes >= _WIDENING_BYTES_PER_ELEMENT * elements:
+        return "upcast"
     return _KERNEL_KINDS.get(name.removeprefix("aten.").split(".")[0])
 
 
@@ -91,6 +104,7 @@ class ComputeModel:
             self.overhead_s = device.kernel_overhead_s
         self._tables = _matmul_tables(profile) if profile is not None else {}
         self.element_rates = {point.kind: point.elements_per_s for point in profile.elementwise} if profile else {}
+        self._attention = _attention_tables(profile) if profile is not None else {}
 
     def matmul_rate(self, flops: float, dtype: str) -> float:
         """Achieved FLOP/s of a matmul of `flops` FLOPs."""
@@ -102,10 +116,13 @@ class ComputeModel:
         return self.device.peak_flops(key) * max(efficiency, 1e-6)
 
     def kernel(self, flops: float, io_bytes: float, is_matmul: bool, dtype: str = "bfloat16",
-               name: str = "") -> ComputeTime:
+               name: str = "", causal: bool = False) -> ComputeTime:
         memory_s = io_bytes / self.bandwidth_bytes_per_s
+        attention = self._attention.get((attention_phase(name), causal)) if self._attention else None
+        if attention is not None and flops > 0:
+            return ComputeTime(matmul_s=flops / _interpolate(attention, flops), overhead_s=self.overhead_s)
         if not is_matmul or flops <= 0:
-            rate = self.element_rates.get(kernel_kind(name)) if name else None
+            rate = self.element_rates.get(kernel_kind(name, dtype, flops, io_bytes)) if name else None
             if rate:  # flops of an element-wise kernel count its output elements
                 memory_s = max(memory_s, flops / rate)
             return ComputeTime(memory_s=memory_s, overhead_s=self.overhead_s)
@@ -119,8 +136,26 @@ class ComputeModel:
         total = ComputeTime()
         for kernel in kernels:
             total = total + self.kernel(kernel.flops * flops_scale, kernel.io_bytes * bytes_scale,
-                                        kernel.is_matmul, kernel.dtype, kernel.name)
+                                        kernel.is_matmul, kernel.dtype, kernel.name, getattr(kernel, "causal", False))
         return total
+
+
+_ATTENTION_KERNELS = {f"aten._scaled_dot_product_{kind}_attention{suffix}.default": phase
+                      for kind in ("flash", "efficient", "cudnn")
+                      for suffix, phase in (("", "forward"), ("_backward", "backward"))}
+
+
+def attention_phase(name: str) -> str | None:
+    """"forward" or "backward" for a fused attention kernel's aten name, else None."""
+    return _ATTENTION_KERNELS.get(name)
+
+
+def _attention_tables(profile: HardwareProfile) -> dict[tuple[str, bool], tuple[list[float], list[float]]]:
+    tables: dict[tuple[str, bool], list[tuple[float, float]]] = {}
+    for point in profile.attention:
+        tables.setdefault((point.phase, point.causal), []).append((math.log(point.flops), point.achieved_flops_per_s))
+    return {key: (list(x for x, _ in sorted(points)), list(y for _, y in sorted(points)))
+            for key, points in tables.items()}
 
 
 def _matmul_tables(profile: HardwareProfile) -> dict[str, tuple[list[float], list[float]]]:

@@ -31,6 +31,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from cost_model.optimizer import ADAMW_IO_BYTES_PER_PARAM
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "zbv")
 
 
@@ -62,6 +64,9 @@ class PrecisionPolicy:
     master_bytes: float = 4.0
     """Bytes per element of the weights the optimizer updates (fp32): what a once-per-step cast
     reads, and what FSDP2's CPU offload copies to the device before each all-gather."""
+    optimizer_io_bytes_per_param: float = ADAMW_IO_BYTES_PER_PARAM["fused"]
+    """Device memory one optimizer step reads and writes per parameter (cost_model/optimizer.py):
+    fused AdamW unless the policy says otherwise."""
 
     @property
     def model_state_bytes(self) -> float:
@@ -78,11 +83,14 @@ class PrecisionPolicy:
 
 # autopar's codegen keeps fp32 parameters and makes bf16 copies once per step; FSDP2 gathers bf16
 # (MixedPrecisionPolicy) and gradients are reduced in fp32.
-BF16_ADAM = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0, casts_once_per_step=True)
+BF16_ADAM = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0, casts_once_per_step=True,
+                            optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])
+"""autopar's runtime with `torch.optim.AdamW(pm.parameters())` as the README writes it (foreach)."""
 MEGATRON_BF16 = PrecisionPolicy(gather_bytes=4.0, reduce_bytes=4.0)
 """Megatron-LM's mixed precision (for pricing runs made that way): bf16/fp16 parameters used
 directly by every microbatch, the fp32 master copy inside the optimizer; no cast."""
-FP32_ADAM = PrecisionPolicy(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0, activation_dtype="float32")
+FP32_ADAM = PrecisionPolicy(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0, activation_dtype="float32",
+                            optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])
 FSDP2_BF16_FP32_REDUCE = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0)
 """torchtitan's FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathers,
 fp32 reduce-scatters (for pricing runs made that way)."""

@@ -27,7 +27,7 @@ MAX_COUNT = 1 << 20
 SHOWN_CHARS = 80
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 LINK_LEVELS = ("intra_node", "inter_node")
-ELEMENTWISE_KINDS = ("transcendental", "normalize")
+ELEMENTWISE_KINDS = ("transcendental", "normalize", "upcast")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +50,23 @@ class ElementwisePoint:
     """One of ELEMENTWISE_KINDS."""
     elements_per_s: float
     """Output elements per second, measured on a tensor that streams from memory."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionPoint:
+    """Fused attention (sdpa, bf16) at one size: torch's FLOP count over the measured time."""
+
+    phase: str
+    """"forward" or "backward" (measured as forward + backward less forward)."""
+    causal: bool
+    """is_causal: the kernel skips the masked half, so its rate on the full count runs above a
+    matmul's."""
+    flops: float
+    """FLOPs as torch counts them (the full s x s square; autopar/attention_flops.py)."""
+    achieved_flops_per_s: float
+
+
+ATTENTION_PHASES = ("forward", "backward")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +109,9 @@ class HardwareProfile:
     """Collective sweep (empty when measured with one process)."""
     elementwise: tuple[ElementwisePoint, ...] = ()
     """Element rates of arithmetic-heavy kernels (GELU, softmax...); absent in older profiles."""
+    attention: tuple[AttentionPoint, ...] = ()
+    """Fused attention throughput by phase, mask and size (GPUs; absent in older profiles and on
+    CPUs: attention is then priced as a matmul of its FLOPs)."""
     created: str = ""
     """ISO timestamp."""
     host: str = ""
@@ -167,6 +187,8 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfil
         _collective_point(item, source, index) for index, item in enumerate(reader.list("collectives", required=False)))
     elementwise = tuple(_elementwise_point(item, source, index)
                         for index, item in enumerate(reader.list("elementwise", required=False)))
+    attention = tuple(_attention_point(item, source, index)
+                      for index, item in enumerate(reader.list("attention", required=False)))
     device_kind = reader.text("device_kind")
     if device_kind not in ("cpu", "cuda"):
         raise CostModelInputError(f"profile '{source}': field 'device_kind' must be 'cpu' or 'cuda', "
@@ -182,6 +204,7 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfil
         matmul=matmul,
         collectives=collectives,
         elementwise=elementwise,
+        attention=attention,
         created=str(data.get("created", ""))[:MAX_TEXT_CHARS],
         host=str(data.get("host", ""))[:MAX_TEXT_CHARS],
         calibrations=tuple(calibration_from_dict(item, source=source)
@@ -238,6 +261,20 @@ class _FieldReader:
             raise CostModelInputError(f"profile '{self.source}': field '{name}' must be >= 0, got {value}")
         return value
 
+    def choice(self, name: str, choices: tuple[str, ...]) -> str:
+        value = self.text(name)
+        if value not in choices:
+            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be one of "
+                                      f"{', '.join(choices)}, got {_shorten(value)}")
+        return value
+
+    def flag(self, name: str) -> bool:
+        value = self._get(name)
+        if not isinstance(value, bool):
+            raise CostModelInputError(f"profile '{self.source}': field '{name}' must be true or false, "
+                                      f"got {_shown(value)}")
+        return value
+
     def list(self, name: str, *, required: bool = True) -> list:
         if not required and name not in self.data:
             return []
@@ -263,21 +300,18 @@ def _matmul_point(item: Any, source: str, index: int) -> MatmulPoint:
 
 def _collective_point(item: Any, source: str, index: int) -> CollectivePoint:
     reader = _item_reader(item, source, "collectives", index)
-    op, level = reader.text("op"), reader.text("level")
-    if op not in COLLECTIVE_OPS:
-        raise CostModelInputError(f"profile '{source}': collectives[{index}].op {_shorten(op)} is not one of "
-                                  f"{COLLECTIVE_OPS}")
-    if level not in LINK_LEVELS:
-        raise CostModelInputError(f"profile '{source}': collectives[{index}].level {_shorten(level)} is not one of "
-                                  f"{LINK_LEVELS}")
-    return CollectivePoint(op=op, level=level, num_devices=reader.count("num_devices"),
-                           message_bytes=reader.positive("message_bytes"), time_s=reader.positive("time_s"))
+    return CollectivePoint(op=reader.choice("op", COLLECTIVE_OPS), level=reader.choice("level", LINK_LEVELS),
+                           num_devices=reader.count("num_devices"), message_bytes=reader.positive("message_bytes"),
+                           time_s=reader.positive("time_s"))
 
 
 def _elementwise_point(item: Any, source: str, index: int) -> ElementwisePoint:
     reader = _item_reader(item, source, "elementwise", index)
-    kind = reader.text("kind")
-    if kind not in ELEMENTWISE_KINDS:
-        raise CostModelInputError(f"profile '{source}': elementwise[{index}].kind {_shorten(kind)} is not one of "
-                                  f"{ELEMENTWISE_KINDS}")
-    return ElementwisePoint(kind=kind, elements_per_s=reader.positive("elements_per_s"))
+    return ElementwisePoint(kind=reader.choice("kind", ELEMENTWISE_KINDS),
+                            elements_per_s=reader.positive("elements_per_s"))
+
+
+def _attention_point(item: Any, source: str, index: int) -> AttentionPoint:
+    reader = _item_reader(item, source, "attention", index)
+    return AttentionPoint(phase=reader.choice("phase", ATTENTION_PHASES), causal=reader.flag("causal"),
+                          flops=reader.positive("flops"), achieved_flops_per_s=reader.positive("achieved_flops_per_s"))

@@ -51,8 +51,9 @@ from datetime import datetime, timezone
 import torch
 
 from cost_model.errors import CostModelInputError
-from cost_model.profile import (COLLECTIVE_OPS, SCHEMA_VERSION, CollectivePoint, ElementwisePoint, HardwareProfile,
-                                MatmulPoint)
+from cost_model.profile import (COLLECTIVE_OPS, SCHEMA_VERSION, AttentionPoint, CollectivePoint, ElementwisePoint,
+                                HardwareProfile, MatmulPoint)
+from cost_model.profile_attention import measure_attention
 from cost_model.profile_collectives import (Launch, measure_collectives, plan_collectives, ranks_by_node,
                                             spawn_collectives, torchrun_launch)
 from cost_model.profile_timing import (Progress, ProgressFn, Timer, compute_device, interleaved_medians,
@@ -248,6 +249,7 @@ def _assemble(options: ProfileOptions, num_processes: int, compute: "_ComputeFig
         matmul=compute.matmul,
         collectives=tuple(collectives),
         elementwise=compute.elementwise,
+        attention=compute.attention,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         host=socket.gethostname(),
     )
@@ -262,6 +264,7 @@ class _ComputeFigures:
     bandwidth_bytes_per_s: float
     matmul: tuple[MatmulPoint, ...]
     elementwise: tuple[ElementwisePoint, ...] = ()
+    attention: tuple[AttentionPoint, ...] = ()
 
 
 def _measure_compute(options: ProfileOptions, num_processes: int, report: Progress,
@@ -281,11 +284,13 @@ def _measure_compute(options: ProfileOptions, num_processes: int, report: Progre
         report("matmul sweep", 0.15)
         dtypes = _without_slow_bf16(timer, device, options.matmul_dtypes) if probe_bf16 else options.matmul_dtypes
         matmul = _measure_matmuls(timer, device, replace(options, matmul_dtypes=dtypes), overhead_s,
-                                  report.span(0.15, 1.0), deadline_s)
+                                  report.span(0.15, 0.9), deadline_s)
+        report("attention sweep", 0.9)
+        attention = measure_attention(timer, device, options, deadline_s)
     finally:
         torch.set_num_threads(previous_threads)
     return _ComputeFigures(overhead_s=overhead_s, bandwidth_bytes_per_s=bandwidth, matmul=matmul,
-                           elementwise=elementwise)
+                           elementwise=elementwise, attention=attention)
 
 
 def _measure_overhead(timer: Timer, device: torch.device, options: ProfileOptions, deadline_s: float) -> float:
@@ -310,17 +315,23 @@ def _measure_bandwidth(timer: Timer, device: torch.device, options: ProfileOptio
 
 def _measure_elementwise(timer: Timer, device: torch.device, options: ProfileOptions, overhead_s: float,
                          deadline_s: float) -> tuple[ElementwisePoint, ...]:
-    """Output elements per second of GELU ("transcendental") and softmax over rows of 1024
-    ("normalize"), into preallocated outputs like the bandwidth kernel."""
+    """Output elements per second of GELU ("transcendental"), softmax over rows of 1024
+    ("normalize") and a bf16 -> fp32 cast ("upcast"), into preallocated outputs like the
+    bandwidth kernel. The cast streams from memory like the bandwidth kernel (its size)."""
     numel = 2**22 // (2 if options.quick else 1)
     source = torch.randn(numel, device=device)
     target = torch.empty_like(source)
     rows, row_target = source.view(-1, 1024), target.view(-1, 1024)
+    wide = torch.empty(_STREAM_ELEMENTS[options.device] // (2 if options.quick else 1), device=device)
+    narrow = torch.randn(wide.numel(), device=device, dtype=torch.bfloat16)
     cases = {"transcendental": lambda: torch.ops.aten.gelu.out(source, out=target),
-             "normalize": lambda: torch.ops.aten._softmax.out(rows, -1, False, out=row_target)}
+             "normalize": lambda: torch.ops.aten._softmax.out(rows, -1, False, out=row_target),
+             "upcast": lambda: wide.copy_(narrow)}
     times = interleaved_medians(timer, list(cases.values()), warmup=options.warmup, repeats=options.repeats,
                                 min_sample_s=options.min_sample_s, deadline_s=deadline_s)
-    return tuple(ElementwisePoint(kind=kind, elements_per_s=numel / _compute_time_s(options.device, time_s, overhead_s))
+    sizes = {"upcast": wide.numel()}
+    return tuple(ElementwisePoint(kind=kind, elements_per_s=sizes.get(kind, numel)
+                                  / _compute_time_s(options.device, time_s, overhead_s))
                  for kind, time_s in zip(cases, times))
 
 

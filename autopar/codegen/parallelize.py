@@ -50,7 +50,7 @@ def default_cluster(world_size: int) -> str:
 def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Plan | str | Path | None = None,
                 loss_fn: Callable | None = None, example_targets=None, global_batch: int | None = None,
                 constraints=None, precision: str | None = None, example_kwargs: dict | None = None,
-                init_fn=None, trials: int = 1, trial_options=None, progress=None) -> ParallelModule:
+                init_fn=None, trials: int = 1, trial_options=None, progress=None, options=None) -> ParallelModule:
     """Plan (on rank 0) or take `plan`, and return this rank's ParallelModule. `example_inputs`
     is a tuple of positional inputs or a dict of keyword inputs (`input_ids=`, `attention_mask=`);
     `example_kwargs` adds keyword inputs to positional ones.
@@ -62,7 +62,9 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
     With `trials=k` > 1 the k best predicted plans each run a few training steps on a copy of
     the model in this job (autopar.tune.trials) and the measured fastest is built; the plan
     records every candidate's predicted and measured step time. `trial_options` is a
-    TrialOptions; `progress(message)` receives trial progress on rank 0 (default: stderr)."""
+    TrialOptions; `progress(message)` receives trial progress on rank 0 (default: stderr).
+    `options` is the planner's SearchOptions (e.g. `SearchOptions(optimizer="fused")` when the
+    script builds `AdamW(..., fused=True)`: the optimizer step is priced as it will run)."""
     from autopar import api
 
     _check_arguments(model, example_inputs, example_kwargs, plan, global_batch)
@@ -75,14 +77,14 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
             return plan if isinstance(plan, Plan) else Plan.load(plan)
         return api.plan(model, inputs, cluster or default_cluster(world), global_batch=batch,
                         constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
-                        example_kwargs=keywords,
+                        example_kwargs=keywords, options=options,
                         precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"))
 
     if trials > 1 and plan is None:
         chosen = _chosen_by_trials(model, inputs, keywords, cluster or default_cluster(world), batch, trials,
                                    loss_fn=loss_fn, example_targets=example_targets, constraints=constraints,
                                    precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"),
-                                   trial_options=trial_options, progress=progress)
+                                   trial_options=trial_options, progress=progress, options=options)
     elif trials < 1:
         raise ConfigError(f"trials must be >= 1 (1: no trial runs), got {trials}")
     else:
@@ -94,7 +96,7 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
 
 
 def _chosen_by_trials(model, inputs, keywords, cluster, batch: int, trials: int, *, loss_fn, example_targets, constraints,
-                      precision: str, trial_options, progress) -> Plan:
+                      precision: str, trial_options, progress, options=None) -> Plan:
     import sys
 
     from autopar import api
@@ -102,7 +104,7 @@ def _chosen_by_trials(model, inputs, keywords, cluster, batch: int, trials: int,
 
     candidates = run_on_rank0(lambda: api.candidate_plans(
         model, inputs, cluster, global_batch=batch, num_candidates=trials, constraints=constraints, loss_fn=loss_fn,
-        example_targets=example_targets, precision=precision, example_kwargs=keywords))
+        example_targets=example_targets, precision=precision, example_kwargs=keywords, options=options))
     for candidate in candidates:
         if candidate.num_devices != dist.get_world_size():
             raise PlanMismatchError(f"the candidate plans are for {candidate.num_devices} devices, but the job has "

@@ -46,8 +46,6 @@ class CostContext:
     compute: ComputeModel
     comm: CommModel
     policy: PrecisionPolicy = BF16_ADAM
-    optimizer_io_bytes_per_param: float = 32.0
-    """Adam step traffic: read master, m, v, grad; write master, m, v, working copy (fp32/bf16 mix)."""
     _redistribute_cache: dict = field(default_factory=dict)
     _compute_cache: dict = field(default_factory=dict)
 
@@ -111,8 +109,8 @@ class CostContext:
         return divisor
 
     def optimizer_step_s(self, numel: float) -> float:
-        """Adam update of `numel` parameters (memory-bound)."""
-        return numel * self.optimizer_io_bytes_per_param / self.compute.bandwidth_bytes_per_s
+        """Adam update of `numel` parameters (memory-bound; the policy's implementation)."""
+        return numel * self.policy.optimizer_io_bytes_per_param / self.compute.bandwidth_bytes_per_s
 
     def param_state_bytes(self, numel: float) -> float:
         return numel * self.policy.model_state_bytes

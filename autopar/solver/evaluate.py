@@ -320,7 +320,8 @@ def _add_gradient_cast(builder: ProblemBuilder, segment: SegmentCost, numel: flo
     back from the step's bf16 copy, or FSDP2's copy-in to its fp32 reduce-scatter buffer. The
     forward cast is once per step (solver/step_model.py), and the copies are the step's."""
     policy = builder.ctx.policy  # bf16 (param_bytes) read, fp32 (master_bytes) written
-    cast = builder.ctx.compute.kernel(0.0, numel * (policy.param_bytes + policy.master_bytes), False,
+    cast = builder.ctx.compute.kernel(numel, numel * (policy.param_bytes + policy.master_bytes), False,
+                                      dtype="bfloat16" if policy.param_bytes == 2 else "float32",
                                       name="aten._to_copy.default")
     segment.backward = segment.backward + cast
     segment.cast = segment.cast + cast

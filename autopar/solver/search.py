@@ -56,6 +56,7 @@ from cost_model.allocator import DEFAULT_ALLOCATOR, NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
 from cost_model.memory import BF16_ADAM, PrecisionPolicy
+from cost_model.optimizer import OPTIMIZER_IMPLEMENTATIONS, adamw_io_bytes_per_param
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,8 +127,16 @@ class SearchOptions:
     jobs: int | None = None
     """Processes that price configurations (forked after the capture, solver/parallel_search.py);
     None: $AUTOPAR_JOBS if set, else the usable cores (at most 8), and 1 for a small search."""
+    optimizer: str | None = None
+    """How the training script's AdamW runs: "foreach" (`torch.optim.AdamW`'s default), "fused"
+    (`fused=True`, Apex, torchtitan); None: the precision policy's (foreach for autopar's runtime).
+    It prices the optimizer step (cost_model/optimizer.py)."""
 
     def __post_init__(self) -> None:
+        if self.optimizer is not None and self.optimizer not in OPTIMIZER_IMPLEMENTATIONS:
+            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZER_IMPLEMENTATIONS)} (how AdamW runs: "
+                              f"'foreach' is torch.optim.AdamW's default, 'fused' is AdamW(fused=True)) or None, "
+                              f"got {self.optimizer!r}")
         if self.jobs is not None and (isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1):
             raise ConfigError(f"jobs must be an integer >= 1 (processes that price configurations; 1: search in "
                               f"this process) or None (the usable cores), got {self.jobs!r}")
@@ -251,6 +260,8 @@ class Planner:
         self.graph = graph
         self.cluster = cluster
         self.global_batch = global_batch
+        if options.optimizer is not None:
+            policy = replace(policy, optimizer_io_bytes_per_param=adamw_io_bytes_per_param(options.optimizer))
         self.policy = policy
         self.precision = precision
         """Name of the precision policy ("bf16" or "fp32"), recorded in plans."""

@@ -244,7 +244,6 @@ class StepModel(StepFsdp, StepTail):
     comm: CommModel
     policy: PrecisionPolicy
     memory_budget_bytes: float
-    optimizer_io_bytes_per_param: float = 32.0
     tied_param_numel: float = 0.0
     """Parameters used both in the first and last segment (tied embeddings)."""
     allocator: AllocatorModel = NO_OVERHEAD

@@ -25,6 +25,11 @@ def uses_fsdp(config: ParallelConfig) -> bool:
 class StepTail:
     """StepModel's per-step terms (a mixin: the figures they read are StepModel's fields)."""
 
+    @property
+    def optimizer_io_bytes_per_param(self) -> float:
+        """Bytes one optimizer step moves per parameter (the precision policy's implementation)."""
+        return self.policy.optimizer_io_bytes_per_param
+
     def _cpu_adam_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
         """The optimizer step on the CPU over this device's shard, memory-bound like the device's."""
         numel = stage.param_numel / config.data_shards

@@ -17,7 +17,7 @@ from autopar.errors import ConfigError
 
 def tune(model_spec: str, *, cluster: str, global_batch: int, num_trials: int, steps: int = 5,
          constraints: dict | None = None, precision: str = "fp32", out: str | None = None,
-         as_json: bool = False) -> int:
+         as_json: bool = False, optimizer: str | None = None) -> int:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ConfigError("`autopar tune` runs the candidate plans on the job's processes: launch it with torchrun, "
                           "e.g. `torchrun --nproc-per-node 4 -m autopar.cli tune MODEL --cluster cpu:procs=4 ...`")
@@ -27,6 +27,7 @@ def tune(model_spec: str, *, cluster: str, global_batch: int, num_trials: int, s
     from autopar import api
     from autopar.codegen.runtime import ensure_process_group, run_on_rank0
     from autopar.models import build_model
+    from autopar.solver.search import SearchOptions
     from autopar.tune.trials import TrialOptions, record_trials, run_trials, select_winner
 
     rank, world = ensure_process_group()
@@ -37,7 +38,7 @@ def tune(model_spec: str, *, cluster: str, global_batch: int, num_trials: int, s
     candidates = run_on_rank0(lambda: api.candidate_plans(
         bundle.model, bundle.example_inputs, cluster, global_batch=global_batch, num_candidates=num_trials,
         constraints=constraints, loss_fn=bundle.loss_fn, example_targets=bundle.example_targets,
-        precision=precision))
+        precision=precision, options=SearchOptions(optimizer=optimizer)))
     if candidates[0].num_devices != world:
         raise ConfigError(f"the cluster '{cluster}' has {candidates[0].num_devices} devices but torchrun started "
                           f"{world} processes: plan for this job (e.g. cpu:procs={world})")

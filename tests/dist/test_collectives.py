@@ -141,7 +141,7 @@ def test_tiny_model_cluster_gives_tensor_parallelism(case_outcome):
 @pytest.mark.parametrize("case_name", ["gpt-tp2-no-sp", "llama-tp2-no-sp"])
 def test_without_sequence_parallelism_all_reduces_and_matches_one_process(case_name, case_outcome):
     """Megatron's tensor parallelism without sequence parallelism, as the plan asked codegen for
-    it: all-reduces (and Llama's one all-gather of its hidden-sharded embedding) run, kind by
+    it: all-reduces (and at most one all-gather, of a hidden-sharded embedding) run, kind by
     kind the plan's prediction (test above), the plan shards the weights, and the step gives one
     process's loss and gradients."""
     outcome = case_outcome(count_case, CASES, case_name)
@@ -150,8 +150,10 @@ def test_without_sequence_parallelism_all_reduces_and_matches_one_process(case_n
         assert result["sequence_parallel"] is False
         assert "reduce_scatter" not in result["actual"], f"rank {rank}: {result['actual']}"
         assert result["actual"].get("all_reduce", 0) > 0, f"rank {rank}: {result['actual']}"
-        if case_name.startswith("gpt"):
-            assert set(result["actual"]) == {"all_reduce"}, f"rank {rank}: {result['actual']}"
+        # At most one all-gather: an embedding sharded on its hidden dim (its optimizer step halved;
+        # the tiny cases' 4 GB/s memory makes that worth a gather of its output).
+        assert set(result["actual"]) <= {"all_reduce", "all_gather"}, f"rank {rank}: {result['actual']}"
+        assert result["actual"].get("all_gather", 0) <= 1, f"rank {rank}: {result['actual']}"
         assert_one_process_numerics(rank, result)
 
 

@@ -49,3 +49,43 @@ def test_profile_table_is_interpolated():
     assert 1e9 < model.matmul_rate(1e7, "float32") < 5e10
     assert model.matmul_rate(1e5, "float32") < 1e9
     assert model.bandwidth_bytes_per_s == 1e10
+
+
+def test_fused_attention_meets_the_measured_rate_of_its_phase_and_mask():
+    from autopar.graph import Kernel
+    from cost_model.profile import AttentionPoint
+
+    matmul = (MatmulPoint(dtype="bf16", flops=1e9, achieved_flops_per_s=1e12),)
+    base = dict(schema_version=2, device_kind="cuda", device_name="GPU", num_processes=1, memory_bytes=1e9,
+                memory_bandwidth_bytes_per_s=1e12, kernel_overhead_s=0.0, matmul=matmul)
+    rates = {("forward", True): 4e12, ("forward", False): 2e12, ("backward", True): 3e12, ("backward", False): 1e12}
+    attention = tuple(AttentionPoint(phase=phase, causal=causal, flops=flops, achieved_flops_per_s=rate)
+                      for (phase, causal), rate in rates.items() for flops in (1e9, 1e12))
+    measured = ComputeModel(Cluster.from_spec("cpu").device, HardwareProfile(**base, attention=attention))
+    plain = ComputeModel(Cluster.from_spec("cpu").device, HardwareProfile(**base))
+    for (phase, causal), rate in rates.items():
+        name = f"aten._scaled_dot_product_flash_attention{'_backward' if phase == 'backward' else ''}.default"
+        kernel = Kernel(name=name, flops=1e11, io_bytes=1e6, is_matmul=True, dtype="bfloat16", causal=causal)
+        assert measured.kernels([kernel]).total_s == pytest.approx(1e11 / rate)
+        assert plain.kernels([kernel]).total_s == pytest.approx(1e11 / 1e12)  # no sweep: a matmul of its count
+    mm = Kernel(name="aten.mm.default", flops=1e11, io_bytes=1e6, is_matmul=True, dtype="bfloat16")
+    assert measured.kernels([mm]).total_s == pytest.approx(1e11 / 1e12)
+
+
+def test_widening_casts_meet_the_measured_upcast_rate():
+    from autopar.graph import Kernel
+    from cost_model.profile import ElementwisePoint
+
+    profile = HardwareProfile(
+        schema_version=2, device_kind="cuda", device_name="GPU", num_processes=1, memory_bytes=1e9,
+        memory_bandwidth_bytes_per_s=4e12, kernel_overhead_s=0.0,
+        matmul=(MatmulPoint(dtype="bf16", flops=1e9, achieved_flops_per_s=1e12),),
+        elementwise=(ElementwisePoint(kind="upcast", elements_per_s=3.5e11),))
+    model = ComputeModel(Cluster.from_spec("cpu").device, profile)
+    elements = 1e9
+    cast = lambda dtype, bytes_per_element: Kernel(  # noqa: E731
+        name="aten._to_copy.default", flops=elements, io_bytes=bytes_per_element * elements, is_matmul=False,
+        dtype=dtype)
+    assert model.kernels([cast("bfloat16", 6)]).total_s == pytest.approx(elements / 3.5e11)  # bf16 -> fp32
+    assert model.kernels([cast("float32", 6)]).total_s == pytest.approx(6 * elements / 4e12)  # fp32 -> bf16
+    assert model.kernels([cast("bfloat16", 4)]).total_s == pytest.approx(4 * elements / 4e12)  # a bf16 copy

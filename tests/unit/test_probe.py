@@ -49,3 +49,39 @@ def test_grouped_query_attention_keeps_key_and_value_at_their_own_head_count():
                         [_spec(query), _spec(query), _spec(query)])
     flops = lambda result: sum(kernel.flops for kernel in result.fwd_kernels + result.bwd_kernels)  # noqa: E731
     assert flops(grouped) == flops(repeated)  # each query head still attends to a whole K
+
+
+def test_grouped_query_attention_flops_do_not_depend_on_torchs_counter(monkeypatch):
+    """torch before 2.13 asserted equal head counts in its sdpa FLOP formulas; the probe then
+    priced GQA attention by its bytes alone. The probe counts attention itself, as torch 2.13 does."""
+    from torch.utils import flop_counter
+
+    query, kv = (2, 16, 128, 64), (2, 2, 128, 64)
+    args = (Ref(index=0), Ref(index=1), Ref(index=2))
+    call = lambda: probe_op(aten.scaled_dot_product_attention.default, args,  # noqa: E731
+                            {"is_causal": True, "enable_gqa": True}, [_spec(query), _spec(kv), _spec(kv)])
+    counted = call()
+
+    def equal_heads_only(*shapes, **_):
+        raise AssertionError("h == _h2")  # torch 2.11's sdpa_flop_count on GQA shapes
+
+    for packet in (aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward):
+        monkeypatch.setitem(flop_counter.flop_registry, packet, equal_heads_only)
+    old_torch = call()
+    pairs = 2 * 16 * 128 * 128
+    for result in (counted, old_torch):
+        (forward,) = [k for k in result.fwd_kernels if "flash_attention" in k.name]
+        (backward,) = [k for k in result.bwd_kernels if "flash_attention" in k.name]
+        assert forward.is_matmul and forward.flops == 2 * (2 * pairs * 64)
+        assert backward.is_matmul and backward.flops == 5 * (2 * pairs * 64)
+
+
+def test_attention_kernels_carry_their_causal_mask():
+    shape = (1, 4, 64, 32)
+    args = (Ref(index=0), Ref(index=1), Ref(index=2))
+    for causal in (True, False):
+        result = probe_op(aten.scaled_dot_product_attention.default, args, {"is_causal": causal},
+                          [_spec(shape), _spec(shape), _spec(shape)])
+        attention = [k for k in result.fwd_kernels + result.bwd_kernels if "attention" in k.name]
+        assert len(attention) == 2 and all(kernel.causal == causal for kernel in attention)
+        assert not any(kernel.causal for kernel in result.fwd_kernels + result.bwd_kernels if kernel not in attention)

@@ -182,3 +182,21 @@ def test_multi_node_plan_labels_levels():
     }
     single_node = plan_collectives(options, [[0, 1]])
     assert {case.level for case in single_node} == {"intra_node"}
+
+
+def test_a_cpu_profile_has_no_attention_sweep_and_a_gpu_ones_round_trips(profile):
+    from dataclasses import replace
+
+    from cost_model.profile import AttentionPoint
+
+    assert profile.attention == ()  # measured on the CPU: attention is priced by its FLOPs there
+    points = (AttentionPoint(phase="forward", causal=True, flops=1e12, achieved_flops_per_s=9e14),
+              AttentionPoint(phase="backward", causal=False, flops=2e12, achieved_flops_per_s=5e14))
+    data = json.loads(replace(profile, attention=points).to_json())
+    assert profile_from_dict(data).attention == points
+    data["attention"][0]["causal"] = "yes"
+    with pytest.raises(CostModelInputError, match=r"attention\[0\]': field 'causal' must be true or false"):
+        profile_from_dict(data)
+    data["attention"][0].update(causal=True, phase="sideways")
+    with pytest.raises(CostModelInputError, match=r"attention\[0\]': field 'phase' must be one of forward, backward"):
+        profile_from_dict(data)

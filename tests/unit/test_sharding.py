@@ -2,6 +2,7 @@
 Hugging Face models, infeasible budgets, and block folding."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -11,6 +12,8 @@ from autopar.condense import condense, expand_segments
 from autopar.errors import InfeasiblePlanError
 from autopar.mesh import Mesh
 from autopar.solver.sharding import ShardingOptions, solve_sharding
+from cost_model.memory import BF16_ADAM
+from cost_model.optimizer import ADAMW_IO_BYTES_PER_PARAM
 
 A100 = Cluster.from_spec("dgx-a100-80g")
 
@@ -65,11 +68,15 @@ def test_memory_pressure_shards_parameters_over_dp():
     mesh = Mesh(axis_names=("dp",), shape=(2,), devices_per_node=1)
     params = [p.node for p in graph.params if p.trainable and len(p.meta.shape) == 2]
     patient = ShardingOptions(time_limit_s=120)  # optimal even on a loaded machine
-    free = solve_sharding(graph, mesh, cluster, patient)
+    # With a fused AdamW (32 bytes per parameter). torch's default foreach AdamW moves 84, and
+    # then a weight's optimizer step alone can pay for sharding it (ZeRO's own argument).
+    fused = replace(BF16_ADAM, optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["fused"])
+    free = solve_sharding(graph, mesh, cluster, patient, policy=fused)
     assert free.solution.status == "optimal"
     assert all(free.strategies[name].output[0] == "R" for name in params)  # plain data parallel
     budget = free.solution.memory_bytes * 0.7
-    tight = solve_sharding(graph, mesh, cluster, ShardingOptions(memory_budget_bytes=budget, time_limit_s=120))
+    tight = solve_sharding(graph, mesh, cluster, ShardingOptions(memory_budget_bytes=budget, time_limit_s=120),
+                           policy=fused)
     assert tight.solution.memory_bytes <= budget
     assert tight.solution.cost_s > free.solution.cost_s
     sharded = [name for name in params if tight.strategies[name].output[0].startswith("S")]
