@@ -76,6 +76,9 @@ class Kernel:
     """dtype of the kernel's first floating-point tensor (sets the peak FLOP/s)."""
     causal: bool = False
     """A fused attention kernel with a causal mask (a measured attention rate prices it)."""
+    broadcast: bool = False
+    """A pointwise kernel with an operand broadcast along the output (a [s, s] mask over
+    [b, h, s, s] scores, RoPE's [s, d] tables): GPUs run these unvectorized (a measured rate)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -108,8 +108,18 @@ class KernelRecorder(TorchDispatchMode):
         io_bytes = _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out)
         self.kernels.append(Kernel(name=str(func), flops=flops, io_bytes=float(io_bytes), is_matmul=is_matmul,
                                    dtype=_compute_dtype(args, out),
-                                   causal=attention is not None and is_causal(func, args, kwargs)))
+                                   causal=attention is not None and is_causal(func, args, kwargs),
+                                   broadcast=_broadcasts(func, args, out)))
         return out
+
+
+def _broadcasts(func, args, out) -> bool:
+    """A pointwise op reading a tensor operand that is smaller than its output but not a scalar."""
+    if torch.Tag.pointwise not in func.tags:
+        return False
+    outputs = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    largest = max(outputs, default=0)
+    return any(isinstance(t, torch.Tensor) and 1 < t.numel() < largest for t in tree_flatten(args)[0])
 
 
 def _is_grouped_mm(func) -> bool:

@@ -55,15 +55,18 @@ _WIDENING_BYTES_PER_ELEMENT = 5.5
 """A cast reading 2 bytes and writing 4 per element moves 6 (a same-width copy 4 or 8)."""
 
 
-def kernel_kind(name: str, dtype: str = "", elements: float = 0.0, io_bytes: float = 0.0) -> str | None:
-    """"transcendental", "normalize", "upcast" or None for an aten overload name like
+def kernel_kind(name: str, dtype: str = "", elements: float = 0.0, io_bytes: float = 0.0,
+                broadcast: bool = False) -> str | None:
+    """"transcendental", "normalize", "upcast", "broadcast" or None for an aten overload name like
     "aten.gelu.default". "upcast" is a cast from a 16-bit float to a wider type (`dtype` is the
     input's): GPUs run it at about half the bandwidth of a same-width stream (H200: 2.1 against
-    4.2 TB/s read + written), so it has its own measured rate."""
+    4.2 TB/s read + written), so it has its own measured rate. "broadcast" is any other pointwise
+    kernel with a broadcast operand (Kernel.broadcast): unvectorized on GPUs."""
     if name == "aten._to_copy.default" and dtype in ("bfloat16", "float16") and elements > 0 \
             and io_bytes >= _WIDENING_BYTES_PER_ELEMENT * elements:
         return "upcast"
-    return _KERNEL_KINDS.get(name.removeprefix("aten.").split(".")[0])
+    kind = _KERNEL_KINDS.get(name.removeprefix("aten.").split(".")[0])
+    return kind or ("broadcast" if broadcast else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,13 +119,13 @@ class ComputeModel:
         return self.device.peak_flops(key) * max(efficiency, 1e-6)
 
     def kernel(self, flops: float, io_bytes: float, is_matmul: bool, dtype: str = "bfloat16",
-               name: str = "", causal: bool = False) -> ComputeTime:
+               name: str = "", causal: bool = False, broadcast: bool = False) -> ComputeTime:
         memory_s = io_bytes / self.bandwidth_bytes_per_s
         attention = self._attention.get((attention_phase(name), causal)) if self._attention else None
         if attention is not None and flops > 0:
             return ComputeTime(matmul_s=flops / _interpolate(attention, flops), overhead_s=self.overhead_s)
         if not is_matmul or flops <= 0:
-            rate = self.element_rates.get(kernel_kind(name, dtype, flops, io_bytes)) if name else None
+            rate = self.element_rates.get(kernel_kind(name, dtype, flops, io_bytes, broadcast)) if name else None
             if rate:  # flops of an element-wise kernel count its output elements
                 memory_s = max(memory_s, flops / rate)
             return ComputeTime(memory_s=memory_s, overhead_s=self.overhead_s)
@@ -136,7 +139,8 @@ class ComputeModel:
         total = ComputeTime()
         for kernel in kernels:
             total = total + self.kernel(kernel.flops * flops_scale, kernel.io_bytes * bytes_scale,
-                                        kernel.is_matmul, kernel.dtype, kernel.name, getattr(kernel, "causal", False))
+                                        kernel.is_matmul, kernel.dtype, kernel.name, getattr(kernel, "causal", False),
+                                        getattr(kernel, "broadcast", False))
         return total
 
 

@@ -27,7 +27,7 @@ MAX_COUNT = 1 << 20
 SHOWN_CHARS = 80
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 LINK_LEVELS = ("intra_node", "inter_node")
-ELEMENTWISE_KINDS = ("transcendental", "normalize", "upcast")
+ELEMENTWISE_KINDS = ("transcendental", "normalize", "upcast", "broadcast")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -316,20 +316,25 @@ def _measure_bandwidth(timer: Timer, device: torch.device, options: ProfileOptio
 def _measure_elementwise(timer: Timer, device: torch.device, options: ProfileOptions, overhead_s: float,
                          deadline_s: float) -> tuple[ElementwisePoint, ...]:
     """Output elements per second of GELU ("transcendental"), softmax over rows of 1024
-    ("normalize") and a bf16 -> fp32 cast ("upcast"), into preallocated outputs like the
-    bandwidth kernel. The cast streams from memory like the bandwidth kernel (its size)."""
+    ("normalize"), a bf16 -> fp32 cast ("upcast") and a bf16 multiply by a [1024, 1024] operand
+    broadcast over the leading dim ("broadcast", as a causal mask over attention scores), into
+    preallocated outputs like the bandwidth kernel. The last two stream from memory like the
+    bandwidth kernel (its size)."""
     numel = 2**22 // (2 if options.quick else 1)
     source = torch.randn(numel, device=device)
     target = torch.empty_like(source)
     rows, row_target = source.view(-1, 1024), target.view(-1, 1024)
     wide = torch.empty(_STREAM_ELEMENTS[options.device] // (2 if options.quick else 1), device=device)
     narrow = torch.randn(wide.numel(), device=device, dtype=torch.bfloat16)
+    blocks, table = narrow.view(-1, 1024, 1024), torch.randn(1024, 1024, device=device, dtype=torch.bfloat16)
+    blocks_out = torch.empty_like(blocks)
     cases = {"transcendental": lambda: torch.ops.aten.gelu.out(source, out=target),
              "normalize": lambda: torch.ops.aten._softmax.out(rows, -1, False, out=row_target),
-             "upcast": lambda: wide.copy_(narrow)}
+             "upcast": lambda: wide.copy_(narrow),
+             "broadcast": lambda: torch.mul(blocks, table, out=blocks_out)}
     times = interleaved_medians(timer, list(cases.values()), warmup=options.warmup, repeats=options.repeats,
                                 min_sample_s=options.min_sample_s, deadline_s=deadline_s)
-    sizes = {"upcast": wide.numel()}
+    sizes = {"upcast": wide.numel(), "broadcast": wide.numel()}
     return tuple(ElementwisePoint(kind=kind, elements_per_s=sizes.get(kind, numel)
                                   / _compute_time_s(options.device, time_s, overhead_s))
                  for kind, time_s in zip(cases, times))

@@ -89,3 +89,19 @@ def test_widening_casts_meet_the_measured_upcast_rate():
     assert model.kernels([cast("bfloat16", 6)]).total_s == pytest.approx(elements / 3.5e11)  # bf16 -> fp32
     assert model.kernels([cast("float32", 6)]).total_s == pytest.approx(6 * elements / 4e12)  # fp32 -> bf16
     assert model.kernels([cast("bfloat16", 4)]).total_s == pytest.approx(4 * elements / 4e12)  # a bf16 copy
+
+
+def test_pointwise_kernels_with_a_broadcast_operand_meet_the_measured_broadcast_rate():
+    from autopar.graph import Kernel
+    from cost_model.profile import ElementwisePoint
+
+    profile = HardwareProfile(
+        schema_version=2, device_kind="cuda", device_name="GPU", num_processes=1, memory_bytes=1e9,
+        memory_bandwidth_bytes_per_s=4e12, kernel_overhead_s=0.0,
+        matmul=(MatmulPoint(dtype="bf16", flops=1e9, achieved_flops_per_s=1e12),),
+        elementwise=(ElementwisePoint(kind="broadcast", elements_per_s=3e11),))
+    model = ComputeModel(Cluster.from_spec("cpu").device, profile)
+    fill = lambda broadcast: Kernel(name="aten.masked_fill.Scalar", flops=1e9, io_bytes=4e9,  # noqa: E731
+                                    is_matmul=False, dtype="bfloat16", broadcast=broadcast)
+    assert model.kernels([fill(True)]).total_s == pytest.approx(1e9 / 3e11)
+    assert model.kernels([fill(False)]).total_s == pytest.approx(4e9 / 4e12)

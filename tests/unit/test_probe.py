@@ -85,3 +85,16 @@ def test_attention_kernels_carry_their_causal_mask():
         attention = [k for k in result.fwd_kernels + result.bwd_kernels if "attention" in k.name]
         assert len(attention) == 2 and all(kernel.causal == causal for kernel in attention)
         assert not any(kernel.causal for kernel in result.fwd_kernels + result.bwd_kernels if kernel not in attention)
+
+
+def test_pointwise_kernels_with_a_broadcast_operand_are_marked():
+    scores, mask = (2, 4, 16, 16), (16, 16)
+    masked = probe_op(aten.masked_fill.Scalar, (Ref(index=0), Ref(index=1), -1e4), {},
+                      [_spec(scores), InputSpec(shape=mask, stride=(16, 1), dtype=torch.bool, requires_grad=False,
+                                                is_param=False)])
+    assert [k.broadcast for k in masked.fwd_kernels] == [True]
+    assert all(k.broadcast for k in masked.bwd_kernels if "masked_fill" in k.name)
+    same = probe_op(aten.mul.Tensor, (Ref(index=0), Ref(index=1)), {}, [_spec(scores), _spec(scores)])
+    scalar = probe_op(aten.mul.Tensor, (Ref(index=0), 0.5), {}, [_spec(scores)])
+    gelu = probe_op(aten.gelu.default, (Ref(index=0),), {}, [_spec(scores)])
+    assert not any(k.broadcast for result in (same, scalar, gelu) for k in result.fwd_kernels + result.bwd_kernels)
