@@ -2,7 +2,8 @@ import pytest
 
 from autopar.cluster import Cluster
 from cost_model.compute import ComputeModel
-from cost_model.profile import HardwareProfile, MatmulPoint
+from autopar.graph import Kernel
+from cost_model.profile import AttentionPoint, ElementwisePoint, HardwareProfile, MatmulPoint
 
 
 def test_large_matmuls_run_near_but_not_at_peak():
@@ -51,18 +52,21 @@ def test_profile_table_is_interpolated():
     assert model.bandwidth_bytes_per_s == 1e10
 
 
-def test_fused_attention_meets_the_measured_rate_of_its_phase_and_mask():
-    from autopar.graph import Kernel
-    from cost_model.profile import AttentionPoint
+def _gpu_model(*, bandwidth_bytes_per_s: float = 4e12, **measured) -> ComputeModel:
+    """A GPU profile with one bf16 matmul point (1 TFLOP/s) and `measured` (attention=...,
+    elementwise=...)."""
+    profile = HardwareProfile(
+        schema_version=2, device_kind="cuda", device_name="GPU", num_processes=1, memory_bytes=1e9,
+        memory_bandwidth_bytes_per_s=bandwidth_bytes_per_s, kernel_overhead_s=0.0,
+        matmul=(MatmulPoint(dtype="bf16", flops=1e9, achieved_flops_per_s=1e12),), **measured)
+    return ComputeModel(Cluster.from_spec("cpu").device, profile)
 
-    matmul = (MatmulPoint(dtype="bf16", flops=1e9, achieved_flops_per_s=1e12),)
-    base = dict(schema_version=2, device_kind="cuda", device_name="GPU", num_processes=1, memory_bytes=1e9,
-                memory_bandwidth_bytes_per_s=1e12, kernel_overhead_s=0.0, matmul=matmul)
+
+def test_fused_attention_meets_the_measured_rate_of_its_phase_and_mask():
     rates = {("forward", True): 4e12, ("forward", False): 2e12, ("backward", True): 3e12, ("backward", False): 1e12}
     attention = tuple(AttentionPoint(phase=phase, causal=causal, flops=flops, achieved_flops_per_s=rate)
                       for (phase, causal), rate in rates.items() for flops in (1e9, 1e12))
-    measured = ComputeModel(Cluster.from_spec("cpu").device, HardwareProfile(**base, attention=attention))
-    plain = ComputeModel(Cluster.from_spec("cpu").device, HardwareProfile(**base))
+    measured, plain = _gpu_model(attention=attention), _gpu_model()
     for (phase, causal), rate in rates.items():
         name = f"aten._scaled_dot_product_flash_attention{'_backward' if phase == 'backward' else ''}.default"
         kernel = Kernel(name=name, flops=1e11, io_bytes=1e6, is_matmul=True, dtype="bfloat16", causal=causal)
@@ -73,15 +77,7 @@ def test_fused_attention_meets_the_measured_rate_of_its_phase_and_mask():
 
 
 def test_widening_casts_meet_the_measured_upcast_rate():
-    from autopar.graph import Kernel
-    from cost_model.profile import ElementwisePoint
-
-    profile = HardwareProfile(
-        schema_version=2, device_kind="cuda", device_name="GPU", num_processes=1, memory_bytes=1e9,
-        memory_bandwidth_bytes_per_s=4e12, kernel_overhead_s=0.0,
-        matmul=(MatmulPoint(dtype="bf16", flops=1e9, achieved_flops_per_s=1e12),),
-        elementwise=(ElementwisePoint(kind="upcast", elements_per_s=3.5e11),))
-    model = ComputeModel(Cluster.from_spec("cpu").device, profile)
+    model = _gpu_model(elementwise=(ElementwisePoint(kind="upcast", elements_per_s=3.5e11),))
     elements = 1e9
     cast = lambda dtype, bytes_per_element: Kernel(  # noqa: E731
         name="aten._to_copy.default", flops=elements, io_bytes=bytes_per_element * elements, is_matmul=False,
@@ -92,15 +88,7 @@ def test_widening_casts_meet_the_measured_upcast_rate():
 
 
 def test_pointwise_kernels_with_a_broadcast_operand_meet_the_measured_broadcast_rate():
-    from autopar.graph import Kernel
-    from cost_model.profile import ElementwisePoint
-
-    profile = HardwareProfile(
-        schema_version=2, device_kind="cuda", device_name="GPU", num_processes=1, memory_bytes=1e9,
-        memory_bandwidth_bytes_per_s=4e12, kernel_overhead_s=0.0,
-        matmul=(MatmulPoint(dtype="bf16", flops=1e9, achieved_flops_per_s=1e12),),
-        elementwise=(ElementwisePoint(kind="broadcast", elements_per_s=3e11),))
-    model = ComputeModel(Cluster.from_spec("cpu").device, profile)
+    model = _gpu_model(elementwise=(ElementwisePoint(kind="broadcast", elements_per_s=3e11),))
     fill = lambda broadcast: Kernel(name="aten.masked_fill.Scalar", flops=1e9, io_bytes=4e9,  # noqa: E731
                                     is_matmul=False, dtype="bfloat16", broadcast=broadcast)
     assert model.kernels([fill(True)]).total_s == pytest.approx(1e9 / 3e11)
