@@ -114,9 +114,8 @@ def reduce_partial_gradients(params) -> None:
     its tokens' share. DTensor would reduce it only when something reads it (the optimizer's
     update, `full_tensor`), after the step. It is reduced here, once per step, so the step leaves
     finished gradients (as FSDP2 leaves its own: it reduces them before its reduce-scatter) and
-    the optimizer, clipping and the user's code read whole values. The planner prices this
-    all-reduce in each microbatch's backward (the "grad" phase of solver/sharding_problem.py's
-    edge_events): with several microbatches that over-prices these small collectives."""
+    the optimizer, clipping and the user's code read whole values. The planner prices these
+    reductions once per step too (solver/prepared.once_per_step: "tp.grad_reduce.once")."""
     for param in params:
         grad = param.grad
         if isinstance(grad, DTensor) and isinstance(param, DTensor) \

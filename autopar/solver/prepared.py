@@ -58,6 +58,10 @@ class PreparedSegments:
     recompute repeats the forward ones."""
     ep_dropless_compute_s: np.ndarray | None = None
     """Per segment, compute of its dropless expert ops (what load imbalance stretches)."""
+    grad_reduce_s: np.ndarray | None = None
+    """Per segment, the reductions of weights' Partial gradients (a replicated norm weight read by
+    sequence-sharded activations): the runtime makes them once per step, after the last
+    microbatch (codegen/data_parallel.reduce_partial_gradients), so they are not in time_s."""
     ep_times: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
     """Cache per (ep, tp, devices per node): all-to-all forward, backward, load imbalance seconds."""
     fsdp_cache: dict[tuple, tuple] = field(default_factory=dict)
@@ -95,10 +99,14 @@ class PreparedSegments:
     def _build_distinct(cls, segments: list[SegmentCost], recompute: str) -> "PreparedSegments":
         comm: dict[str, np.ndarray] = {}
         forward_comm = np.zeros(len(segments))
+        grad_reduce = np.zeros(len(segments))
         for index, segment in enumerate(segments):
             forward_comm[index] = segment.comm_s("fwd")
             for event in segment.comm:
-                _column(comm, event.op, len(segments))[index] += event.time_s
+                if once_per_step(event):
+                    grad_reduce[index] += event.time_s
+                else:
+                    _column(comm, event.op, len(segments))[index] += event.time_s
             for op, seconds in recompute_comm_s(segment, recompute).items():
                 _column(comm, op, len(segments))[index] += seconds
             for event in segment.selective_recompute_comm if recompute == "selective" else ():
@@ -126,6 +134,7 @@ class PreparedSegments:
                    buffer_bytes=array(s.buffer_bytes for s in segments),
                    output_bytes=array(s.output_bytes for s in segments),
                    grad_workspace_bytes=array(s.grad_workspace_bytes for s in segments),
+                   grad_reduce_s=grad_reduce,
                    max_saved_bytes=max((s.saved_bytes for s in segments), default=0.0),
                    max_recomputed_bytes=max((max(0.0, s.saved_bytes - _activation_bytes(s, recompute))
                                              for s in segments), default=0.0))
@@ -172,8 +181,8 @@ class PreparedSegments:
             arrays = [self.forward_s, self.backward_s, self.recompute_s, self.forward_comm_s, self.weight_grad_s,
                       self.time_s, self.activation_bytes, self.param_numel, self.buffer_bytes, self.output_bytes,
                       *self.comm_by_op_s.values()]
-            arrays += [a for a in (self.grad_workspace_bytes, self.expert_numel, self.ep_dropless_compute_s)
-                       if a is not None]
+            arrays += [a for a in (self.grad_workspace_bytes, self.expert_numel, self.ep_dropless_compute_s,
+                                   self.grad_reduce_s) if a is not None]
             ids: dict[tuple, int] = {}
             rows = zip(*(np.asarray(a, dtype=float).tolist() for a in arrays), self.ep_messages or [()] * len(self))
             self._signatures = [ids.setdefault(row, len(ids)) for row in rows]
@@ -215,6 +224,12 @@ class PreparedSegments:
 
     def __len__(self) -> int:
         return len(self.names)
+
+
+def once_per_step(event) -> bool:
+    """A weight's Partial gradient reduced (all-reduce to a replicated weight, reduce-scatter to a
+    sharded one): the runtime sums the microbatches' partial gradients first and reduces once."""
+    return event.phase == "grad" and event.op in ("all_reduce", "reduce_scatter")
 
 
 _content = attrgetter(*(f.name for f in fields(SegmentCost) if f.name != "name"))

@@ -175,6 +175,8 @@ class StageEstimate:
     zero-bubble schedules)."""
     weight_grad_s: float = 0.0
     """One microbatch's weight-gradient compute (the W of the zero-bubble schedules)."""
+    grad_reduce_s: float = 0.0
+    """Reductions of Partial weight gradients, once per step after the last microbatch (prepared.py)."""
     host_memory_bytes: dict[str, float] = field(default_factory=dict)
     """Model states kept in host memory (optimizer offload)."""
     offload_s: dict[str, float] = field(default_factory=dict)
@@ -628,7 +630,8 @@ class StepModel(StepFsdp, StepTail):
                     memory_bytes=memory, recompute=prepared.recompute, fsdp=timeline, fsdp_exposed_s=exposed,
                     fsdp_step_end_s=step_end, expert_param_numel=expert_numel / config.ep, ep_s=ep_s,
                     ep_segment_s=ep_segments, forward_pass_s=forward + total("forward_comm_s", own) + p2p / 2,
-                    weight_grad_s=total("weight_grad_s", own), host_memory_bytes=host, offload_s=offload)
+                    weight_grad_s=total("weight_grad_s", own), host_memory_bytes=host, offload_s=offload,
+                    grad_reduce_s=total("grad_reduce_s", own) if prepared.grad_reduce_s is not None else 0.0)
 
     def _ep_parts(self, prepared: PreparedSegments, own, config: ParallelConfig):
         """Expert parallelism on a stage: seconds per microbatch by part, and per segment."""
@@ -654,6 +657,7 @@ class StepModel(StepFsdp, StepTail):
         tied_s = self._tied_sync_s(config)
         cast_s = max(self._weight_cast_s(stage, config) for stage in stages)
         accumulate_s = max(self._gradient_accumulate_s(stage, config) for stage in stages)
+        grad_reduce_s = max(stage.grad_reduce_s for stage in stages)
         breakdown = {"compute": m * (slowest.forward_s + slowest.backward_s), "recompute": m * slowest.recompute_s}
         for op, seconds in sorted(slowest.tp_comm_s.items()):
             breakdown[op if op.startswith("cp.") else f"tp.{op}"] = m * seconds
@@ -677,6 +681,8 @@ class StepModel(StepFsdp, StepTail):
             breakdown["weight_cast"] = cast_s
         if accumulate_s:
             breakdown["gradient_accumulate"] = accumulate_s
+        if grad_reduce_s:
+            breakdown["tp.grad_reduce.once"] = grad_reduce_s
         if config.offload:
             breakdown["offload.cpu_adam"] = cpu_adam_s
         if tied_s:
@@ -685,7 +691,7 @@ class StepModel(StepFsdp, StepTail):
         host_peak = max(stages, key=lambda s: sum(s.host_memory_bytes.values()))
         host_fits = not config.offload or sum(host_peak.host_memory_bytes.values()) <= self.host_memory_bytes
         return Estimate(config=config, step_time_s=pipeline_s + sync_s + optimizer_s + cpu_adam_s + tied_s + cast_s
-                        + accumulate_s,
+                        + accumulate_s + grad_reduce_s,
                         breakdown_s=breakdown, stages=tuple(stages), peak_memory_bytes=peak.total_memory_bytes,
                         memory_bytes=dict(peak.memory_bytes),
                         fits=fits and host_fits and peak.total_memory_bytes <= self.memory_budget_bytes,

@@ -116,3 +116,23 @@ def test_no_pipeline_stage_takes_gathers_without_sp(planner):
         config = ParallelConfig(dp=2, tp=2, pp=2, microbatch_size=1, num_microbatches=4, recompute="full",
                                 sequence_parallel=sp)
         assert list(planner._lighter(config)) == expected
+
+
+def test_partial_weight_gradients_are_reduced_once_per_step(planner):
+    """Sequence-parallel norms' replicated weights get Partial gradients; the runtime sums the
+    microbatches' and reduces once after the last one (reduce_partial_gradients), so the price
+    of those reductions does not grow with the microbatches and is outside each microbatch's."""
+    from autopar.solver.prepared import once_per_step
+
+    config = dict(tp=8, pp=1, dp=1, schedule="1f1b", virtual_stages=None, layers_per_virtual_stage=None,
+                  recompute="none", zero_stage=0, ep=1, cp=1, offload=False, sequence_parallel=True)
+    one, four = (api.evaluate_with(planner, api.fixed_config(planner, microbatch_size=size, **config))
+                 for size in (8, 2))
+    assert (one.num_microbatches, four.num_microbatches) == (1, 4)
+    reductions = sum(event.time_s for segment in planner.segment_costs(8, 2) for event in segment.comm
+                     if once_per_step(event))
+    assert reductions > 0
+    assert four.predicted.breakdown_s["tp.grad_reduce.once"] == pytest.approx(reductions)
+    per_microbatch = sum(event.time_s for segment in planner.segment_costs(8, 2) for event in segment.comm
+                         if event.op == "all_reduce" and not once_per_step(event))
+    assert four.predicted.breakdown_s.get("tp.all_reduce", 0.0) == pytest.approx(4 * per_microbatch)
