@@ -61,6 +61,24 @@ def measured_ms(path: str) -> Counter:
     return rows
 
 
+def op_table(model_spec: str, global_batch: int, cluster_spec: str, kernels_path: str | None = None,
+             rows: int = 20) -> str:
+    """The markdown table: predicted beside measured milliseconds by op, largest first."""
+    predicted = predicted_ms(model_spec, global_batch, cluster_spec)
+    measured = measured_ms(kernels_path) if kernels_path else Counter()
+    names = sorted(set(predicted) | set(measured), key=lambda row: -max(predicted[row], measured[row]))
+    lines = ["| op | predicted ms | measured ms | predicted / measured |", "|---|---:|---:|---:|"]
+    for row in names[:rows]:
+        ratio = f"{predicted[row] / measured[row]:.2f}" if measured[row] else ""
+        lines.append(f"| {row} | {predicted[row]:.1f} | {measured[row]:.1f} | {ratio} |")
+    rest_p, rest_m = (sum(values[row] for row in names[rows:]) for values in (predicted, measured))
+    lines.append(f"| (the other {max(len(names) - rows, 0)}) | {rest_p:.1f} | {rest_m:.1f} | |")
+    in_graph = sum(value for row, value in measured.items() if row != "optimizer")
+    total = f"{sum(predicted.values()) / in_graph:.2f}" if in_graph else ""
+    lines.append(f"| **all but the optimizer** | {sum(predicted.values()):.1f} | {in_graph:.1f} | {total} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
@@ -69,19 +87,7 @@ def main() -> int:
     parser.add_argument("--kernels", help="a --kernels-out file of benchmarks/one_device_step.py")
     parser.add_argument("--rows", type=int, default=20)
     args = parser.parse_args()
-    predicted = predicted_ms(args.model, args.global_batch, args.cluster)
-    measured = measured_ms(args.kernels) if args.kernels else Counter()
-    rows = sorted(set(predicted) | set(measured), key=lambda row: -max(predicted[row], measured[row]))
-    print("| op | predicted ms | measured ms | predicted / measured |\n|---|---:|---:|---:|")
-    for row in rows[:args.rows]:
-        ratio = f"{predicted[row] / measured[row]:.2f}" if measured[row] else ""
-        print(f"| {row} | {predicted[row]:.1f} | {measured[row]:.1f} | {ratio} |")
-    rest_p = sum(predicted[row] for row in rows[args.rows:])
-    rest_m = sum(measured[row] for row in rows[args.rows:])
-    print(f"| (the other {max(len(rows) - args.rows, 0)}) | {rest_p:.1f} | {rest_m:.1f} | |")
-    in_graph = sum(value for row, value in measured.items() if row != "optimizer")
-    total = f"{sum(predicted.values()) / in_graph:.2f}" if in_graph else ""
-    print(f"| **all but the optimizer** | {sum(predicted.values()):.1f} | {in_graph:.1f} | {total} |")
+    print(op_table(args.model, args.global_batch, args.cluster, args.kernels, args.rows))
     return 0
 
 

@@ -162,6 +162,10 @@ def main() -> int:
     result = measure(args.model, args.cluster, args.global_batch, precision, args.warmup, args.steps,
                      kernels_out=args.kernels_out, optimizer=args.optimizer)
     print(report(result, args.model, args.global_batch))
+    if result["kernels"]:  # the same step by op, predicted beside measured (benchmarks/kernel_kinds.py)
+        from benchmarks.kernel_kinds import op_table
+
+        print("\n" + op_table(args.model, args.global_batch, args.cluster, args.kernels_out))
     return 0
 
 
