@@ -271,7 +271,7 @@ class Planner:
             devices_per_node=cluster.devices_per_node, compute=ComputeModel(cluster.device, cluster.profile),
             comm=CommModel(cluster), policy=policy,
             memory_budget_bytes=cluster.device.memory_bytes * options.usable_memory_fraction,
-            tied_param_numel=_tied_numel(graph), allocator=_allocator(cluster, options),
+            shared_params=_shared_params(graph), allocator=_allocator(cluster, options),
             expert_pricing=options.experts,
 
             host_link_bytes_per_s=cluster.device.host_link_bytes_per_s,
@@ -829,17 +829,19 @@ def _allocator(cluster, options: SearchOptions) -> AllocatorModel:
     return NO_OVERHEAD if cluster.device_kind == "cpu" else DEFAULT_ALLOCATOR
 
 
-def _tied_numel(graph: OpGraph) -> float:
-    """Parameters read by both the first and the last segment (tied embeddings)."""
+def _shared_params(graph: OpGraph) -> tuple[tuple[float, tuple[int, ...]], ...]:
+    """(numel, indices of the segments that read it) of each trainable parameter read by more
+    than one segment: a tied embedding and head (first and last), T5's shared embedding (the
+    encoder's, the decoder's and the head's)."""
     if len(graph.segments) < 2:
-        return 0.0
-    first, last = set(graph.segments[0].nodes), set(graph.segments[-1].nodes)
-    numel = 0.0
+        return ()
+    index_of = {name: position for position, segment in enumerate(graph.segments) for name in segment.nodes}
+    shared = []
     for param in graph.params:
-        users = set(graph.consumers.get(param.node, ()))
-        if param.trainable and users & first and users & last:
-            numel += param.meta.numel
-    return numel
+        readers = sorted({index_of[user] for user in graph.consumers.get(param.node, ()) if user in index_of})
+        if param.trainable and len(readers) > 1:
+            shared.append((float(param.meta.numel), tuple(readers)))
+    return tuple(shared)
 
 
 def with_constraints(config: ParallelConfig, **changes) -> ParallelConfig:

@@ -177,6 +177,8 @@ class StageEstimate:
     """One microbatch's weight-gradient compute (the W of the zero-bubble schedules)."""
     grad_reduce_s: float = 0.0
     """Reductions of Partial weight gradients, once per step after the last microbatch (prepared.py)."""
+    shared_held: tuple[bool, ...] = ()
+    """Per StepModel.shared_params entry, whether this rank holds a copy (it reads the weight)."""
     host_memory_bytes: dict[str, float] = field(default_factory=dict)
     """Model states kept in host memory (optimizer offload)."""
     offload_s: dict[str, float] = field(default_factory=dict)
@@ -246,8 +248,9 @@ class StepModel(StepFsdp, StepTail):
     comm: CommModel
     policy: PrecisionPolicy
     memory_budget_bytes: float
-    tied_param_numel: float = 0.0
-    """Parameters used both in the first and last segment (tied embeddings)."""
+    shared_params: tuple[tuple[float, tuple[int, ...]], ...] = ()
+    """(numel, reading segments' indices) of each parameter read by several segments (tied
+    embeddings): its segments count it once, on the first reader."""
     allocator: AllocatorModel = NO_OVERHEAD
     """CUDA context, NCCL buffers and caching-allocator fragmentation (none for CPU/gloo)."""
     expert_pricing: ExpertPricing = ExpertPricing()
@@ -515,21 +518,36 @@ class StepModel(StepFsdp, StepTail):
         return self._send_recv_cache[key]
 
     def _tied_numel_held(self, own, num_segments: int, config: ParallelConfig) -> tuple[float, float]:
-        """(numel of a copy, numel held whole) of the tied weight (read by the first and the last
-        segment) on a rank whose chunks are `own`. Each pipeline rank that reads it keeps its own
-        copy (codegen/pipeline.py): the segments count it once, on the first, so a rank with the
-        last segment and not the first holds a copy more. A rank with both (ZB-V's rank 0) holds
-        it whole under FSDP, as ZeRO-0 (codegen/data_parallel.py: two chunks' FSDP units cannot
-        share a sharded parameter)."""
-        if config.pp <= 1 or not self.tied_param_numel:
+        """(numel of copies, numel held whole) of the shared weights on a rank whose chunks are
+        `own`. Each pipeline rank that reads one keeps its own copy (codegen/pipeline.py): the
+        segments count it once, on its first reader, so a rank reading it without that segment
+        holds a copy more. A rank whose two chunks read it (ZB-V's rank 0 with the embedding and
+        the head) holds it whole under FSDP, as ZeRO-0 (codegen/data_parallel.py: two chunks' FSDP
+        units cannot share a sharded parameter)."""
+        if config.pp <= 1:
             return 0.0, 0.0
-        first, last = _holds_ends(own, num_segments)
-        numel = self.tied_param_numel / config.tp
-        if last and not first:
-            return numel, 0.0
-        if first and last and uses_fsdp(config) and config.data_shards > 1:
-            return 0.0, numel
-        return 0.0, 0.0
+        copies = whole = 0.0
+        for (numel, _), (reads, owns, chunks) in zip(self.shared_params, self._shared_held(own)):
+            if reads and not owns:
+                copies += numel / config.tp
+            elif owns and chunks > 1 and uses_fsdp(config) and config.data_shards > 1:
+                whole += numel / config.tp
+        return copies, whole
+
+    def _shared_held(self, own) -> tuple[tuple[bool, bool, int], ...]:
+        """Per shared weight: whether these chunks read it, hold its first reader, and how many
+        of them read it."""
+        held = []
+        for _, readers in self.shared_params:
+            chunks = sum(any(span.start <= reader < span.stop for reader in readers) for span in own)
+            owns = any(span.start <= readers[0] < span.stop for span in own)
+            held.append((chunks > 0, owns, chunks))
+        return tuple(held)
+
+    @property
+    def tied_param_numel(self) -> float:
+        """Parameters read by several segments (tied embeddings), each counted once."""
+        return sum(numel for numel, _ in self.shared_params)
 
     def _states(self, numel: float, expert_numel: float, config: ParallelConfig) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer) bytes on a device for numel parameters, of them
@@ -589,7 +607,7 @@ class StepModel(StepFsdp, StepTail):
         """_stage_parts through prepared.stage_cache; `signature`: prepared.signature(own), if known."""
         key = (prepared.signature(own) if signature is None else signature, p2p, config.dp, config.cp, config.tp, config.pp, config.zero_stage,
                config.ep, config.offload, config.num_microbatches if config.offload else 0, config.recompute == "none",
-               _holds_ends(own, len(prepared)))
+               _holds_ends(own, len(prepared)), self._shared_held(own))
         parts = prepared.stage_cache.get(key)
         if parts is None:
             parts = prepared.stage_cache[key] = self._stage_parts(own, prepared, config, p2p)
@@ -631,7 +649,8 @@ class StepModel(StepFsdp, StepTail):
                     fsdp_step_end_s=step_end, expert_param_numel=expert_numel / config.ep, ep_s=ep_s,
                     ep_segment_s=ep_segments, forward_pass_s=forward + total("forward_comm_s", own) + p2p / 2,
                     weight_grad_s=total("weight_grad_s", own), host_memory_bytes=host, offload_s=offload,
-                    grad_reduce_s=total("grad_reduce_s", own) if prepared.grad_reduce_s is not None else 0.0)
+                    grad_reduce_s=total("grad_reduce_s", own) if prepared.grad_reduce_s is not None else 0.0,
+                    shared_held=tuple(reads for reads, _, _ in self._shared_held(own)))
 
     def _ep_parts(self, prepared: PreparedSegments, own, config: ParallelConfig):
         """Expert parallelism on a stage: seconds per microbatch by part, and per segment."""
@@ -654,7 +673,7 @@ class StepModel(StepFsdp, StepTail):
         sync_s = max(self._dp_sync_exposed_s(stage, config) for stage in stages)
         optimizer_s = 0.0 if config.offload else max(self._optimizer_s(stage, config) for stage in stages)
         cpu_adam_s = max(self._cpu_adam_s(stage, config) for stage in stages) if config.offload else 0.0
-        tied_s = self._tied_sync_s(config)
+        tied_s = self._tied_sync_s(config, stages)
         cast_s = max(self._weight_cast_s(stage, config) for stage in stages)
         accumulate_s = max(self._gradient_accumulate_s(stage, config) for stage in stages)
         grad_reduce_s = max(stage.grad_reduce_s for stage in stages)

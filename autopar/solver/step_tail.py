@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autopar.mesh import Mesh
-from autopar.solver.pipeline import rank_of
 
 if TYPE_CHECKING:
     from autopar.solver.step_model import ParallelConfig, StageEstimate
@@ -111,11 +110,17 @@ class StepTail:
             bytes_per_param = master
         return (m - 1) * stage.param_numel * bytes_per_param / self.compute.bandwidth_bytes_per_s
 
-    def _tied_sync_s(self, config: ParallelConfig) -> float:
-        first, last = 0, config.pp * config.chunks_per_device - 1
-        if config.pp <= 1 or not self.tied_param_numel or \
-                rank_of(config.schedule, stage=first, num_ranks=config.pp) == \
-                rank_of(config.schedule, stage=last, num_ranks=config.pp):
+    def _tied_sync_s(self, config: ParallelConfig, stages) -> float:
+        """The shared weights' gradients summed over the pipeline ranks holding a copy, after the
+        step: per weight and extra rank, a send and a receive of its gradient (an exchange, for
+        the two ranks of a tied embedding and head)."""
+        if config.pp <= 1:
             return 0.0
         crosses = config.data_shards * config.tp * (config.pp - 1) >= self.devices_per_node
-        return 2 * self.comm.send_recv_s(self.tied_param_numel / config.tp * self.policy.grad_bytes, crosses_nodes=crosses)
+        total = 0.0
+        for index, (numel, _) in enumerate(self.shared_params):
+            ranks = sum(1 for stage in stages if index < len(stage.shared_held) and stage.shared_held[index])
+            if ranks > 1:
+                total += (ranks - 1) * 2 * self.comm.send_recv_s(numel / config.tp * self.policy.grad_bytes,
+                                                                  crosses_nodes=crosses)
+        return total

@@ -183,3 +183,39 @@ def test_zero2_under_pipelining_counts_accumulated_gradients_once_and_at_the_pea
         assert stage.memory_bytes["gradients"] == pytest.approx(grads)
         held = 8 if schedule == "gpipe" else 4
         assert stage.memory_bytes["activations"] == pytest.approx(held * saved)
+
+
+def test_a_weight_shared_by_three_segments_is_held_and_summed_on_every_rank_that_reads_it():
+    """T5's shared embedding is read by the encoder's embedding (first segment), the decoder's
+    (a middle one) and the tied head (last): each pipeline rank reading it keeps a copy, counted
+    once on the segments (the first reader's), and the copies' gradients are summed over all of
+    them after the step."""
+    import torch
+    import transformers
+
+    from autopar import api
+
+    config = transformers.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                   num_heads=4)
+    tokens = torch.randint(0, 128, (4, 8))
+    planner = api.planner_for(transformers.T5ForConditionalGeneration(config),
+                              dict(input_ids=tokens, decoder_input_ids=tokens), "dgx-a100-80g:nodes=1,gpus_per_node=3",
+                              global_batch=4, example_targets=tokens,
+                              loss_fn=lambda out, t: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), t.flatten()))
+    ((numel, readers),) = planner.step_model.shared_params
+    names = [segment.name for segment in planner.graph.segments]
+    assert numel == 128 * 32 and len(readers) == 3 and readers[0] == 0 and readers[-1] == len(names) - 1
+    fixed = api.fixed_config(planner, tp=1, pp=3, dp=None, microbatch_size=1, schedule="1f1b", virtual_stages=None,
+                             layers_per_virtual_stage=None, recompute="none", zero_stage=0)
+    estimate, _ = planner.evaluate(fixed)
+    segment_numel = dict(zip(planner.prepared_for(estimate.config).names,
+                             planner.prepared_for(estimate.config).param_numel))
+    reading = 0
+    for stage in estimate.stages:
+        indices = {names.index(name) for name in stage.segment_names}
+        copy = numel if indices & set(readers) and readers[0] not in indices else 0.0
+        reading += bool(indices & set(readers))
+        assert stage.param_numel == pytest.approx(sum(segment_numel[name] for name in stage.segment_names) + copy)
+    assert reading == 3  # the middle reader is on its own rank in this partition
+    exchange = 2 * planner.step_model.comm.send_recv_s(numel * 2, crosses_nodes=False)  # bf16 gradient
+    assert estimate.breakdown_s["pp.tied_weights"] == pytest.approx(2 * exchange)
