@@ -7,6 +7,7 @@ from autopar.plans import SCHEMA_VERSION, Plan, Prediction, StagePlan
 from autopar.solver.experts import expert_param_names, find_expert_ops
 from autopar.solver.search import SearchResult
 from autopar.solver.sharding import ShardingResult
+from autopar.solver.prepared import once_per_step
 from autopar.solver.step_model import ZERO_BUBBLE_SCHEDULES, Estimate, StageEstimate, recompute_comm_s, recompute_compute_s, weight_grad_s
 from autopar.strategies.loss import VOCAB
 
@@ -144,6 +145,8 @@ def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str, *,
                 parts["backward"] -= weight
                 parts["weight"] = parts.get("weight", 0.0) + weight
             for event in segment.comm:
+                if once_per_step(event):  # after the last microbatch, not in this one's time
+                    continue
                 phase = _PHASES.get(event.phase, "backward")
                 name = event.op if event.op.startswith("cp.") else f"tp.{event.op}"  # cp's KV exchange
                 _add(parts, f"{name}.{phase}", event.time_s)
@@ -156,8 +159,10 @@ def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str, *,
             if name in in_chunk:
                 _add(parts, "ep.all_to_all.forward", forward_s)
                 _add(parts, "ep.all_to_all.backward", backward_s)
-        if index in senders and stage.p2p_s:
-            share = stage.p2p_s * (senders[index] / sent_bytes if sent_bytes else 1 / len(senders))
+        # The stage's sends, and all-gathers of what it receives as slices: over the chunks that
+        # send, by bytes; on the first chunk of a stage that only receives.
+        if stage.p2p_s and (index in senders or (not senders and index == 0)):
+            share = stage.p2p_s * ((senders[index] / sent_bytes if sent_bytes else 1 / len(senders)) if senders else 1.0)
             _add(parts, "pp.send_recv.forward", share / 2)
             _add(parts, "pp.send_recv.backward", share / 2)
         times.append(parts)

@@ -111,6 +111,8 @@ class ProgramBuilder:
         """FQN -> this rank's copy of each buffer its stages read."""
         self.meta_born: set[str] = set()
         """FQNs of the parameters and buffers that were on meta (their storage is still unset)."""
+        self.wires: dict[str, str] = {}
+        """Boundary tensors sent otherwise than placed (codegen/pipeline.boundary_wires)."""
         self.expert_mesh = None
         """The (tp, ep) mesh of expert weights under expert parallelism (else None)."""
         self.weight_casts = WeightCasts()
@@ -146,7 +148,8 @@ class ProgramBuilder:
         scalars = {name for name in inputs + spec.outputs if _is_number(self.parts.fx_nodes[name])}
         stage = StageProgram(segments, self.interpreter, inputs=inputs, boundary_inputs=boundary if pipelined else set(),
                              outputs=spec.outputs, output_mode=mode, scalars=scalars,
-                             placements={name: self.placements.get(name, "R").split("|")[0] for name in inputs})
+                             placements={name: self.placements.get(name, "R").split("|")[0] for name in inputs},
+                             wires=self.wires if pipelined else {})
         stage.owned_outputs = pipelined and self.plan.schedule in ("zb1p", "zbv")
         self._attach_params(stage, segments, spec)
         if self.plan.precision == "bf16":  # bf16 compute, fp32 master weights and gradients

@@ -23,7 +23,7 @@ from autopar.codegen.interpreter import RunStats
 from autopar.codegen.listing import program_listing
 from autopar.codegen.loss_parallel import ModelLoss
 from autopar.codegen.parallel_module import ParallelModule
-from autopar.codegen.pipeline import PipelineBuilder, tied_weight_groups
+from autopar.codegen.pipeline import PipelineBuilder, boundary_wires, tied_weight_groups
 from autopar.codegen.placements import to_dtensor_placement
 from autopar.solver.pipeline import rank_of
 from autopar.codegen.program import GraphParts
@@ -179,6 +179,8 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
     if cp_ops is not None:
         cp_ops.install(builder.interpreter)
     specs = chunk_specs(plan, parts)
+    if len(specs) > 1:
+        builder.wires = boundary_wires(plan, parts, builder.placements, specs)
     pp, pp_rank = plan.mesh["pp"], runtime.coordinate("pp")
     mine = [spec for spec in specs if rank_of(plan.schedule, stage=spec.index, num_ranks=pp) == pp_rank]
     stages = [builder.build(spec, num_chunks=len(specs)) for spec in mine]
@@ -187,7 +189,7 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
                    param_dtype=torch.bfloat16 if plan.precision == "bf16" else None)
     schedule, tied = None, {}
     if len(specs) > 1:
-        pipeline = PipelineBuilder(plan, parts, builder.placements, runtime.device, runtime.pp_group)
+        pipeline = PipelineBuilder(plan, parts, builder.placements, runtime.device, runtime.pp_group, builder.wires)
         pipeline_stages = [pipeline.stage(stage, spec, len(specs)) for stage, spec in zip(stages, mine)]
         shards = (runtime.tp_mesh, [builder.placements.get(name, "R").split("|")[0] for name in specs[-1].outputs]) \
             if plan.loss_parallel else None

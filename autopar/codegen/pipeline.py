@@ -27,7 +27,7 @@ from autopar.codegen.program import GraphParts, StageProgram, shared_parameters
 from autopar.graph import TensorMeta
 from autopar.plans import Plan
 from autopar.solver.pipeline import rank_of
-from autopar.strategies.placement import local_shape
+from autopar.strategies.placement import boundary_wire, local_shape
 
 
 def example_tensor(meta: TensorMeta, placement: str, tp: int, device, dtype_override=None) -> torch.Tensor:
@@ -36,11 +36,30 @@ def example_tensor(meta: TensorMeta, placement: str, tp: int, device, dtype_over
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def boundary_wires(plan: Plan, parts: GraphParts, placements: dict[str, str], specs: list[ChunkSpec]) -> dict[str, str]:
+    """The tensors crossing a pipeline boundary that travel otherwise than placed, by name: a
+    replicated activation goes as each tp rank's slice and is all-gathered on arrival
+    (strategies/placement.boundary_wire; the planner prices it so)."""
+    graph = parts.graph.with_batch(plan.microbatch_size) if parts.graph.batch_dynamic else parts.graph
+    wires = {}
+    for name in {name for spec in specs[1:] for name in spec.inputs}:
+        node = graph.by_name.get(name)
+        if node is None or not node.outputs:
+            continue
+        planned = placements.get(name, "R").split("|")[0]
+        wire = boundary_wire(node.output.shape, planned, plan.mesh["tp"], floating=node.output.is_float)
+        if wire != planned:
+            wires[name] = wire
+    return wires
+
+
 class PipelineBuilder:
     """PipelineStages for this rank's chunks and the schedule that drives them."""
 
-    def __init__(self, plan: Plan, parts: GraphParts, placements: dict[str, str], device, pp_group) -> None:
+    def __init__(self, plan: Plan, parts: GraphParts, placements: dict[str, str], device, pp_group,
+                 wires: dict[str, str] | None = None) -> None:
         self.plan = plan
+        self.wires = wires or {}
         self.parts = parts
         self.graph = parts.graph.with_batch(plan.microbatch_size) if parts.graph.batch_dynamic else parts.graph
         self.placements = placements
@@ -55,7 +74,7 @@ class PipelineBuilder:
             if node is None or not node.outputs:  # a Python number crossing the boundary
                 examples.append(torch.tensor(0, device=self.device))
                 continue
-            placement = "R" if replicated else self.placements.get(name, "R").split("|")[0]
+            placement = "R" if replicated else self.wires.get(name) or self.placements.get(name, "R").split("|")[0]
             # Under bf16 what crosses a boundary is sent in bf16 (StageProgram._leave casts fp32).
             dtype = torch.bfloat16 if boundary and self.plan.precision == "bf16" and node.output.dtype == "float32" \
                 else None

@@ -298,7 +298,7 @@ class StageProgram(ParameterOwner):
 
     def __init__(self, segments: list[SegmentModule], interpreter: PlannedInterpreter, *, inputs: list[str],
                  boundary_inputs: set[str], outputs: list[str], output_mode: str, placements: dict[str, str],
-                 scalars: set[str] = frozenset()) -> None:
+                 scalars: set[str] = frozenset(), wires: dict[str, str] | None = None) -> None:
         super().__init__()
         self.segments = nn.ModuleList(segments)
         self.interpreter = interpreter
@@ -310,6 +310,9 @@ class StageProgram(ParameterOwner):
         """Outputs must not be views: torch's split backward (zero-bubble schedules) detaches
         them in place, which a view (a DTensor's local shard) refuses."""
         self.placements = placements
+        self.wires = wires or {}
+        """Boundary tensors that travel as another placement than planned: a replicated activation
+        as each tp rank's slice, all-gathered on arrival (Megatron-LM's scatter/gather)."""
         self.scalars = scalars
         """Python numbers (symbolic sizes) that cross a pipeline boundary as 0-dim tensors."""
         self.fixed_values: dict[str, torch.Tensor] = {}
@@ -335,7 +338,9 @@ class StageProgram(ParameterOwner):
         if name in self.boundary_inputs:
             value = contiguous_grad(value)  # its gradient is sent back to the previous stage
         if name in self.boundary_inputs and self.interpreter.distributed:
-            return DTensor.from_local(value, self.interpreter.mesh, [to_dtensor_placement(placement)], run_check=False)
+            wire = self.wires.get(name, placement)
+            value = DTensor.from_local(value, self.interpreter.mesh, [to_dtensor_placement(wire)], run_check=False)
+            return value if wire == placement else self.interpreter.place(value, placement)
         return self.interpreter.place(value, placement)
 
     def _leave(self, name: str, value):
@@ -343,6 +348,9 @@ class StageProgram(ParameterOwner):
             return torch.tensor(value)
         if self.output_mode == "dtensor":
             return value
+        wire = self.wires.get(name) if self.output_mode == "local" and self.interpreter.distributed else None
+        if wire is not None and isinstance(value, torch.Tensor):  # this rank's slice of a replicated activation
+            value = self.interpreter.as_dtensor(value).redistribute(self.interpreter.mesh, [to_dtensor_placement(wire)])
         if isinstance(value, DTensor) and self.output_mode == "replicated":
             value = contiguous_grad(value).redistribute(self.interpreter.mesh, [Replicate()]).to_local()
         elif isinstance(value, DTensor):

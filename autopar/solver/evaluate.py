@@ -17,7 +17,7 @@ from autopar.solver.experts import ExpertExchange, find_expert_ops
 from autopar.solver.quotient import Quotient
 from autopar.solver.recompute import op_saved_nodes, reads_trainable_param
 from autopar.solver.sharding_problem import Assignment, ProblemBuilder
-from autopar.strategies.placement import PARTIAL, grad_placement, shard_factor, transition
+from autopar.strategies.placement import PARTIAL, boundary_wire, grad_placement, shard_factor, transition
 from cost_model.compute import ComputeTime
 
 
@@ -37,7 +37,11 @@ class SegmentCost:
     """Activations kept for backward, per microbatch."""
     optimizer_s: float = 0.0
     output_bytes: float = 0.0
-    """Size per device of the tensor(s) leaving the segment (pipeline send/recv)."""
+    """Size per device of the tensor(s) leaving the segment (pipeline send/recv), as sent: a
+    replicated activation as each tp rank's slice (strategies/placement.boundary_wire)."""
+    gathered_output_bytes: float = 0.0
+    """Of those, the whole size of the replicated ones: all-gathered over tp where a later
+    pipeline stage receives them."""
     input_bytes: float = 0.0
     """Size per device of activations entering from earlier segments (kept under full recompute)."""
     selective_kept: dict[str, float] = field(default_factory=dict)
@@ -354,10 +358,16 @@ def _add_boundaries(graph: OpGraph, costs: dict[str, SegmentCost], segment_of: d
                 continue
             if order[there] > order[here] and graph[source].outputs:
                 counted.add(source)
+                meta = graph[source].output
                 placement = strategy_of[source].output if strategy_of.get(source) else ()
-                size = graph[source].output.nbytes / shard_factor(placement, mesh_shape)
-                costs[here].output_bytes += size
+                size = meta.nbytes / shard_factor(placement, mesh_shape)
                 costs[there].input_bytes += size
+                if len(mesh_shape) == 1 and len(placement) == 1:  # sent as the runtime sends it
+                    wire = boundary_wire(meta.shape, placement[0], mesh_shape[0], floating=meta.is_float)
+                    if wire != placement[0]:
+                        costs[here].gathered_output_bytes += size
+                        size = meta.nbytes / shard_factor((wire,), mesh_shape)
+                costs[here].output_bytes += size
 
 
 def comm_summary(events) -> dict[tuple[str, int, str], float]:

@@ -58,6 +58,9 @@ class PreparedSegments:
     recompute repeats the forward ones."""
     ep_dropless_compute_s: np.ndarray | None = None
     """Per segment, compute of its dropless expert ops (what load imbalance stretches)."""
+    gathered_output_bytes: np.ndarray | None = None
+    """Per segment, the whole size of the replicated activations among output_bytes (sent as
+    slices, all-gathered over tp by the receiving stage)."""
     grad_reduce_s: np.ndarray | None = None
     """Per segment, the reductions of weights' Partial gradients (a replicated norm weight read by
     sequence-sharded activations): the runtime makes them once per step, after the last
@@ -133,6 +136,7 @@ class PreparedSegments:
                    param_numel=array(s.param_numel for s in segments),
                    buffer_bytes=array(s.buffer_bytes for s in segments),
                    output_bytes=array(s.output_bytes for s in segments),
+                   gathered_output_bytes=array(s.gathered_output_bytes for s in segments),
                    grad_workspace_bytes=array(s.grad_workspace_bytes for s in segments),
                    grad_reduce_s=grad_reduce,
                    max_saved_bytes=max((s.saved_bytes for s in segments), default=0.0),
@@ -182,7 +186,7 @@ class PreparedSegments:
                       self.time_s, self.activation_bytes, self.param_numel, self.buffer_bytes, self.output_bytes,
                       *self.comm_by_op_s.values()]
             arrays += [a for a in (self.grad_workspace_bytes, self.expert_numel, self.ep_dropless_compute_s,
-                                   self.grad_reduce_s) if a is not None]
+                                   self.grad_reduce_s, self.gathered_output_bytes) if a is not None]
             ids: dict[tuple, int] = {}
             rows = zip(*(np.asarray(a, dtype=float).tolist() for a in arrays), self.ep_messages or [()] * len(self))
             self._signatures = [ids.setdefault(row, len(ids)) for row in rows]

@@ -504,12 +504,27 @@ class StepModel(StepFsdp, StepTail):
         # A stage sends to the next one unless it is the last or the next runs on the same rank
         # (the turn of ZB-V's V).
         outputs, count = prepared.listed("output_bytes"), len(prepared)
+        gathered = prepared.listed("gathered_output_bytes") if prepared.gathered_output_bytes is not None else None
         p2p = 0.0
         for s, span in zip(stage_indices, own):
             if span.stop < count and rank_of(config.schedule, stage=s + 1, num_ranks=config.pp) != stage:
                 p2p += 2 * self._send_recv_s(outputs[span.stop - 1], crosses_nodes)
+            if gathered and span.start > 0 and gathered[span.start - 1] and \
+                    rank_of(config.schedule, stage=s - 1, num_ranks=config.pp) != stage:
+                p2p += self._tp_gather_s(gathered[span.start - 1], config)
         return Placement(stage=stage, stage_indices=stage_indices, own=own,
                          in_flight=[flights[s] for s in stage_indices], p2p_s=p2p)
+
+    def _tp_gather_s(self, message_bytes: float, config: ParallelConfig) -> float:
+        """All-gather over the tp ranks of an activation received as slices (its gradient's
+        reduction is the plan's: a reduce-scatter here and an all-gather on the sender cost the
+        all-reduce the plan prices in backward)."""
+        key = ("tp_gather", message_bytes, config.pp, config.data_shards, config.tp)
+        if key not in self._send_recv_cache:
+            mesh = Mesh(axis_names=("pp", "dp_cp", "tp"), shape=(config.pp, config.data_shards, config.tp),
+                        devices_per_node=self.devices_per_node)
+            self._send_recv_cache[key] = self.comm.time_s("all_gather", message_bytes, mesh.group(2))
+        return self._send_recv_cache[key]
 
     def _send_recv_s(self, message_bytes: float, crosses_nodes: bool) -> float:
         key = (message_bytes, crosses_nodes)

@@ -77,3 +77,14 @@ def grad_placement(placement: str) -> str:
 
 def describe(placements: Sequence[str], axis_names: Sequence[str]) -> str:
     return ",".join(f"{name}:{placement}" for name, placement in zip(axis_names, placements))
+
+
+def boundary_wire(shape: Sequence[int], placement: str, tp: int, *, floating: bool = True) -> str:
+    """How an activation crossing a pipeline boundary travels (Megatron-LM's scatter/gather, SC21
+    section 4.1): a floating-point tensor replicated over tp ranks is sent as each rank's 1/tp
+    slice, Shard on its first dim that tp divides, and all-gathered on arrival; any other tensor
+    as it is placed."""
+    if placement != REPLICATE or tp <= 1 or not floating:
+        return placement
+    dim = next((dim for dim, size in enumerate(shape) if size % tp == 0 and size >= tp), None)
+    return placement if dim is None else shard(dim)

@@ -207,6 +207,7 @@ def numerics_case(case: Case) -> dict:
                 all_parameters=sorted(reference.grads), mismatches=dict(module.stats.mismatches),
                 kept=dict(module.stats.kept), in_several_chunks=_in_several_chunks(module),
                 tied_across_ranks=sorted(module.tied_groups),
+                sliced_boundaries=sorted({name for stage in module.stages for name in getattr(stage, "wires", {})}),
                 plan=dict(mesh=plan.mesh, microbatch_size=plan.microbatch_size, schedule=plan.schedule,
                           virtual_stages=plan.virtual_stages, recompute=plan.recompute, zero_stage=plan.zero_stage,
                           offload=plan.offload,
@@ -269,6 +270,10 @@ TABLE = CaseTable([
     _case("gpt", 4, dp=1, tp=2, pp=2, microbatch_size=1, schedule="zbv", recompute="selective"),
     _case("gpt", 4, dp=2, tp=2, pp=1, zero_stage=1, microbatch_size=2, recompute="full"),
     _case("llama", 4, dp=1, tp=2, pp=2, microbatch_size=2, recompute="selective"),
+    # Without sequence parallelism a stage's replicated output goes as each tp rank's slice and is
+    # all-gathered by the next stage (Megatron-LM's scatter/gather)
+    _case("gpt", 4, dp=1, tp=2, pp=2, microbatch_size=2, sequence_parallel=False),
+    _case("llama", 4, dp=1, tp=2, pp=2, microbatch_size=1, schedule="zbv", sequence_parallel=False),
     # A weight two chunks of one rank read: T5's and BART's three-way tie interleaved (its gradient
     # was divided by the microbatch count once per chunk), a tied embedding under ZB-V with ZeRO-1
     # (FSDP sharded it once per chunk: two weights)
@@ -305,6 +310,8 @@ def test_matches_one_device(case_name, case_outcome):
     # The op policy's own rule ran (not a silent fallback to a full recompute). The tiny models
     # plan all-reduces, not sequence parallelism, so "gathers" has nothing to re-gather here:
     # tests/dist/test_recompute.py checks that mechanism.
+    if case.constraints.get("sequence_parallel") is False:
+        assert any(result["sliced_boundaries"] for result in results), "no boundary was sent as slices"
     if case.constraints.get("recompute") == "op":
         assert results[0]["kept"].get("op", 0) > 0, results[0]["kept"]
 

@@ -136,3 +136,25 @@ def test_partial_weight_gradients_are_reduced_once_per_step(planner):
     per_microbatch = sum(event.time_s for segment in planner.segment_costs(8, 2) for event in segment.comm
                          if event.op == "all_reduce" and not once_per_step(event))
     assert four.predicted.breakdown_s.get("tp.all_reduce", 0.0) == pytest.approx(4 * per_microbatch)
+
+
+def test_without_sp_a_stage_sends_its_replicated_output_as_slices(planner):
+    """Megatron-LM's scatter/gather: a replicated activation leaving a stage is sent as each tp
+    rank's 1/tp slice and all-gathered over tp by the receiving stage (codegen/pipeline.py's
+    boundary_wires; tests/dist/test_numerics.py runs it)."""
+    from autopar.strategies.placement import boundary_wire
+
+    assert boundary_wire((2, 2048, 4096), "R", 8) == "S1" and boundary_wire((8, 2048, 4096), "R", 8) == "S0"
+    assert boundary_wire((2, 2048, 4096), "R", 1) == "R" and boundary_wire((2, 2048, 4096), "S1", 8) == "S1"
+    assert boundary_wire((3, 5), "R", 2) == "R" and boundary_wire((2, 2048), "R", 2, floating=False) == "R"
+    config = api.fixed_config(planner, tp=4, pp=2, dp=None, microbatch_size=1, schedule="1f1b", virtual_stages=None,
+                              layers_per_virtual_stage=None, recompute="none", zero_stage=0, sequence_parallel=False)
+    estimate, _ = planner.evaluate(config)
+    segments = planner.segment_costs(4, 1, sequence_parallel=False)
+    sliced = [segment for segment in segments if segment.gathered_output_bytes]
+    assert sliced and all(s.output_bytes == pytest.approx(s.gathered_output_bytes / 4) for s in sliced)
+    names = [segment.name for segment in segments]
+    last_of_first = names.index(estimate.stages[0].segment_names[-1])
+    gathered = segments[last_of_first].gathered_output_bytes
+    assert gathered > 0  # the last stage sends nothing: its p2p is the all-gather of what it receives
+    assert estimate.stages[1].p2p_s == pytest.approx(planner.step_model._tp_gather_s(gathered, estimate.config))
