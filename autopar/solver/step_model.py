@@ -559,11 +559,6 @@ class StepModel(StepFsdp, StepTail):
             held.append((chunks > 0, owns, chunks))
         return tuple(held)
 
-    @property
-    def tied_param_numel(self) -> float:
-        """Parameters read by several segments (tied embeddings), each counted once."""
-        return sum(numel for numel, _ in self.shared_params)
-
     def _states(self, numel: float, expert_numel: float, config: ParallelConfig) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer) bytes on a device for numel parameters, of them
         expert_numel experts split over ep ranks."""
