@@ -34,6 +34,7 @@ from torch import nn
 from autopar.block_match import RepeatedBlocks, repeated_blocks
 from autopar.blocks import find_blocks_and_segments
 from autopar.errors import CaptureError
+from autopar.gradient_sums import with_gradient_sums
 from autopar.graph import OpGraph, OpNode, ParamInfo
 
 _COUNTER = re.compile(r"^(.*)_(\d+)$")
@@ -67,7 +68,8 @@ def capture_reusing_blocks(model: nn.Module, inputs: tuple, kwargs: dict, *, los
             if loss_fn is not None and targets is None:
                 targets = targets_like_output(model, inputs, kwargs)
             program, reduced = capture_program(model, inputs, kwargs, loss_fn=loss_fn, example_targets=targets,
-                                               name=name, verbose=verbose, allow_fallback=False)
+                                               name=name, verbose=verbose, allow_fallback=False,
+                                               gradient_sums=False)
     except Exception as error:  # noqa: BLE001 - the full capture reports what is wrong, if anything
         if strict and not isinstance(error, CaptureError):
             raise
@@ -165,7 +167,7 @@ def expand_blocks(reduced: OpGraph, entries: list[_Entry], model: nn.Module,
         if node.kind in ("param", "buffer"):
             params.append(_replaced(infos[entry.name], node=name))
     blocks, segments = find_blocks_and_segments(model, nodes)
-    return replace(reduced, nodes=tuple(nodes), params=tuple(params), blocks=blocks, segments=segments)
+    return with_gradient_sums(replace(reduced, nodes=tuple(nodes), params=tuple(params), blocks=blocks, segments=segments))
 
 
 def _replaced(instance, **changes):

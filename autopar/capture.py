@@ -33,6 +33,7 @@ from autopar.blocks import find_blocks_and_segments
 from autopar.errors import CaptureError
 from autopar.graph import OpGraph, OpNode, ParamInfo, Ref, TensorMeta
 from autopar.activation_saves import fold_activation_saves
+from autopar.gradient_sums import with_gradient_sums
 from autopar.probe import InputSpec, ProbeResult, io_priced, probe_op
 
 LOSS_WRAPPER_PREFIX = "model."
@@ -70,17 +71,21 @@ def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None =
 
 def capture_program(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None, *,
                     loss_fn: Callable | None = None, example_targets: Any = None, dynamic_batch: bool = True,
-                    name: str = "", verbose: bool = False, allow_fallback: bool = True):
+                    name: str = "", verbose: bool = False, allow_fallback: bool = True,
+                    gradient_sums: bool = True):
     """Like `capture`, also returning the ExportedProgram (None after the fx fallback), which
-    codegen runs. The model is traced in training mode (dropout and friends included)."""
+    codegen runs. The model is traced in training mode (dropout and friends included).
+    `gradient_sums=False` leaves out autograd's sums of gradients (gradient_sums.py), for a
+    partial capture that is completed first."""
     was_training = model.training
     model.train()
     try:
         with without_kv_cache(model):
-            return _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dynamic_batch, name,
-                            verbose, allow_fallback)
+            program, graph = _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dynamic_batch,
+                                      name, verbose, allow_fallback)
     finally:
         model.train(was_training)
+    return program, (with_gradient_sums(graph) if gradient_sums else graph)
 
 
 @contextlib.contextmanager
