@@ -35,6 +35,10 @@ _FREE_OPS = {
     # A view whose schema does not say so (matmul/linear reshape their result with it): no kernel.
     aten._unsafe_view.default,
 }
+_COPY_FIRST_OPS = {aten.masked_fill.Scalar, aten.masked_fill.Tensor}
+"""Out-of-place ops that every backend runs as a copy of `self` and then the in-place op over all
+of it (ATen's composite `masked_fill`: `self.clone()`, then `masked_fill_`): two kernels, the
+copy a device-to-device memcpy (one H200: 24.5 ms of an eager-attention GPT step, BENCHMARKS)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +98,8 @@ class KernelRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in _FREE_OPS or _is_view_op(func):
             return out
+        if func in _COPY_FIRST_OPS:
+            self.kernels.append(_copy_of(out))
         packet = func._overloadpacket
         attention = attention_flops(func, args)
         is_matmul = attention is not None or packet in flop_registry or _is_grouped_mm(func)
@@ -111,6 +117,12 @@ class KernelRecorder(TorchDispatchMode):
                                    causal=attention is not None and is_causal(func, args, kwargs),
                                    broadcast=_broadcasts(func, args, out)))
         return out
+
+
+def _copy_of(tensor: torch.Tensor) -> Kernel:
+    """The contiguous copy of a tensor of `tensor`'s size (read it, write it)."""
+    return Kernel(name=str(aten.clone.default), flops=float(tensor.numel()), io_bytes=2.0 * _tensor_bytes(tensor),
+                  is_matmul=False, dtype=str(tensor.dtype).removeprefix("torch."))
 
 
 def _broadcasts(func, args, out) -> bool:

@@ -84,10 +84,10 @@ def tiny_model_cluster(num_devices: int, *, memory_bandwidth_gbs: float | None =
     file (rank 0); the processes still run on this machine's CPUs.
 
     `memory_bandwidth_gbs` slows the memory too, so that memory-bound work (lookups, norms,
-    residual adds) is worth splitting: at 4 GB/s the tiny GPT on tp = 2 gets vocabulary-parallel
-    embeddings and, without sequence parallelism, Megatron's all-reduces (at 2 GB/s sequence-
-    sharded norms when allowed, and without them hidden-sharded residuals behind column-parallel
-    projections).
+    residual adds) is worth splitting: at 8 GB/s the tiny GPT and Llama on tp = 2 get, without
+    sequence parallelism, Megatron's all-reduces (at 2 GB/s sequence-sharded norms when allowed;
+    at 4 GB/s and below without them, the backward's sums of gradients (autopar/gradient_sums.py)
+    make hidden-sharded residuals behind column-parallel projections cheaper).
     """
     suffix = f"-membw{memory_bandwidth_gbs:g}" if memory_bandwidth_gbs is not None else ""
     path = Path(tempfile.gettempdir()) / "autopar-tests" / f"tiny-model-cluster-{num_devices}{suffix}.toml"

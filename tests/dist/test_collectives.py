@@ -7,7 +7,7 @@ may run with another output placement than the plan chose (`stats.mismatches` is
 On a tp-only plan nothing else communicates: no FSDP (dp = 1), no pipeline p2p (pp = 1).
 
 The same step's loss and gradients are compared with one process's. With sequence_parallel=False,
-on a cluster whose memory is slow too (harness.tiny_model_cluster(memory_bandwidth_gbs=4), where
+on a cluster whose memory is slow too (harness.tiny_model_cluster(memory_bandwidth_gbs=8), where
 vocabulary-parallel embeddings pay), the tiny GPT runs Megatron's tensor parallelism without
 sequence parallelism: all-reduces only. With sequence parallelism (allowed, at 2 GB/s) the tiny
 GPT and Llama shard their norms by sequence, and the run's all-to-alls (gloo included: DTensor
@@ -105,10 +105,10 @@ TABLE = CaseTable([
     case_param(Case(TINY_GPT, 4, "dgx-a100-80g:gpus_per_node=4"), "gpt-tp4-dgx-replicated"),
     case_param(Case(MEDIUM_GPT, 2, "dgx-a100-80g:gpus_per_node=2", known_error="predicted - ran: {'all_reduce': 2}"),
                "gpt256-tp2-dgx"),
-    case_param(Case(TINY_GPT, 2, "tiny", memory_bandwidth_gbs=4, sequence_parallel=False), "gpt-tp2-no-sp"),
+    case_param(Case(TINY_GPT, 2, "tiny", memory_bandwidth_gbs=8, sequence_parallel=False), "gpt-tp2-no-sp"),
     # RMS norms: DTensor would carry the partial gradients of the replicated residual stream on
     # through their backward (interpreter.pin_grad).
-    case_param(Case(TINY_LLAMA, 2, "tiny", memory_bandwidth_gbs=4, sequence_parallel=False), "llama-tp2-no-sp"),
+    case_param(Case(TINY_LLAMA, 2, "tiny", memory_bandwidth_gbs=8, sequence_parallel=False), "llama-tp2-no-sp"),
     # Sequence parallelism allowed (the default) where memory-bound norms are worth splitting.
     case_param(Case(TINY_GPT, 2, "tiny", memory_bandwidth_gbs=2), "gpt-tp2-sp"),
     case_param(Case(TINY_LLAMA, 2, "tiny", memory_bandwidth_gbs=2), "llama-tp2-sp"),

@@ -87,12 +87,30 @@ def test_attention_kernels_carry_their_causal_mask():
         assert not any(kernel.causal for kernel in result.fwd_kernels + result.bwd_kernels if kernel not in attention)
 
 
+def test_masked_fill_runs_as_a_copy_then_the_fill_in_place():
+    """ATen's out-of-place masked_fill clones `self` and fills the copy: forward and backward
+    (grad.masked_fill(mask, 0)) each read and write the whole tensor twice."""
+    scores, mask = (2, 4, 16, 16), (16, 16)
+    masked = probe_op(aten.masked_fill.Scalar, (Ref(index=0), Ref(index=1), -1e4), {},
+                      [_spec(scores), InputSpec(shape=mask, stride=(16, 1), dtype=torch.bool, requires_grad=False,
+                                                is_param=False)])
+    nbytes = 2 * 4 * 16 * 16 * 2  # bf16
+    for kernels in (masked.fwd_kernels, masked.bwd_kernels):
+        assert [k.name for k in kernels] == ["aten.clone.default", "aten.masked_fill.Scalar"]
+        assert kernels[0].io_bytes == 2 * nbytes and not kernels[0].broadcast
+    where = probe_op(aten.where.self, (Ref(index=1), Ref(index=0), Ref(index=2)), {},
+                     [_spec(scores), InputSpec(shape=mask, stride=(16, 1), dtype=torch.bool, requires_grad=False,
+                                               is_param=False), _spec(())])
+    assert [k.name for k in where.fwd_kernels] == ["aten.where.self"]
+
+
 def test_pointwise_kernels_with_a_broadcast_operand_are_marked():
     scores, mask = (2, 4, 16, 16), (16, 16)
     masked = probe_op(aten.masked_fill.Scalar, (Ref(index=0), Ref(index=1), -1e4), {},
                       [_spec(scores), InputSpec(shape=mask, stride=(16, 1), dtype=torch.bool, requires_grad=False,
                                                 is_param=False)])
-    assert [k.broadcast for k in masked.fwd_kernels] == [True]
+    fill = [k for k in masked.fwd_kernels if "masked_fill" in k.name]
+    assert [k.broadcast for k in fill] == [True]
     assert all(k.broadcast for k in masked.bwd_kernels if "masked_fill" in k.name)
     same = probe_op(aten.mul.Tensor, (Ref(index=0), Ref(index=1)), {}, [_spec(scores), _spec(scores)])
     scalar = probe_op(aten.mul.Tensor, (Ref(index=0), 0.5), {}, [_spec(scores)])
