@@ -103,11 +103,14 @@ class SelfAttention(nn.Module):
         return x.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
 
     def _eager_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        scores = query @ key.transpose(-2, -1) * (1.0 / math.sqrt(self.head_dim))
+        """softmax(q k^T / sqrt(d), causal) v with as few passes over the s x s scores as eager
+        PyTorch allows, as Megatron-LM's attention: the scale is applied to q (s x d elements, not
+        s x s) and the mask is one `where` kernel (`masked_fill` would copy the scores first)."""
+        scores = (query * (1.0 / math.sqrt(self.head_dim))) @ key.transpose(-2, -1)
         if self.causal:
             seq_len = query.shape[-2]
             allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=query.device).tril()
-            scores = scores.masked_fill(~allowed, float("-inf"))
+            scores = torch.where(allowed, scores, float("-inf"))
         return self.attn_dropout(scores.softmax(dim=-1)) @ value
 
 
