@@ -33,6 +33,7 @@ from autopar.blocks import find_blocks_and_segments
 from autopar.errors import CaptureError
 from autopar.graph import OpGraph, OpNode, ParamInfo, Ref, TensorMeta
 from autopar.activation_saves import fold_activation_saves
+from autopar.gradient_layouts import with_gradient_layouts
 from autopar.gradient_sums import with_gradient_sums
 from autopar.probe import InputSpec, ProbeResult, io_priced, probe_op
 
@@ -430,6 +431,9 @@ class ExportConverter:
         # contiguous one, which decides whether a later transpose + flatten is a view or a copy.
         self.strides: dict[str, tuple[tuple[int, ...], ...]] = {}
         self.probe_cache: dict[Any, ProbeResult] = {}
+        self.probed: dict[str, tuple] = {}
+        """Call node name -> (fx node, args, kwargs, tensor inputs) it was probed with."""
+        self.results: dict[str, ProbeResult] = {}
         self.notes: list[str] = []
         self.batch_symbol = None
 
@@ -437,6 +441,7 @@ class ExportConverter:
         self._read_signature()
         for fx_node in self.program.graph.nodes:
             self._convert_node(fx_node)
+        self.nodes = with_gradient_layouts(self.nodes, self.results, self._reprobe)
         blocks, segments = find_blocks_and_segments(self.model, self.nodes)
         batch_dynamic = self.dynamic and self.batch_symbol is not None
         return OpGraph(nodes=tuple(fold_activation_saves(self.nodes)), params=tuple(self.params), blocks=blocks, segments=segments,
@@ -530,6 +535,7 @@ class ExportConverter:
             self.nodes.append(OpNode(**common, alias_input=0, requires_grad=grad))
             return
         result = self._probe(fx_node, args, kwargs, tensor_inputs)
+        self.probed[fx_node.name], self.results[fx_node.name] = (fx_node, args, kwargs, tensor_inputs), result
         self.requires_grad[fx_node.name] = result.requires_grad
         values, strides = _tensor_list(value), result.output_strides
         if len(strides) == len(values) and all(t is not None and len(s) == t.dim() for t, s in zip(values, strides)):
@@ -541,12 +547,18 @@ class ExportConverter:
                                  saved_extra_bytes=result.saved_extra_bytes, alias_input=result.alias_input,
                                  requires_grad=result.requires_grad, note=result.note))
 
-    def _probe(self, fx_node, args, kwargs, tensor_inputs) -> ProbeResult:
+    def _reprobe(self, name: str, grad_strides: tuple[tuple[int, ...], ...]) -> ProbeResult | None:
+        """Node `name`'s probe again, its gradient laid out with `grad_strides` (gradient_layouts.py)."""
+        result = self._probe(*self.probed[name], grad_strides=grad_strides)
+        return None if result.note else result
+
+    def _probe(self, fx_node, args, kwargs, tensor_inputs, grad_strides=None) -> ProbeResult:
         specs = tuple(self._input_spec(node) for node in tensor_inputs)
-        key = (fx_node.target, repr(concrete(args)), repr(sorted(concrete(kwargs).items())), specs)
+        key = (fx_node.target, repr(concrete(args)), repr(sorted(concrete(kwargs).items())), specs, grad_strides)
         if key not in self.probe_cache:
             try:
-                self.probe_cache[key] = probe_op(fx_node.target, _probe_value(args), _probe_value(kwargs), specs)
+                self.probe_cache[key] = probe_op(fx_node.target, _probe_value(args), _probe_value(kwargs), specs,
+                                                 grad_strides)
             except Exception as error:  # noqa: BLE001 - an op without a meta kernel is priced by its I/O
                 values = _tensor_list(fx_node.meta.get("val")) or []
                 out_bytes = sum(_hint_nbytes(t) for t in values if t is not None)

@@ -36,7 +36,7 @@ from torch import nn
 
 from autopar.graph import OpGraph
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Bumped when the entry layout changes (old entries then miss)."""
 MAX_ENTRIES = 64
 """Entries kept; the least recently used beyond this are removed when one is stored."""

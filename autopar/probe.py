@@ -64,6 +64,10 @@ class ProbeResult:
     note: str = ""
     output_strides: tuple[tuple[int, ...], ...] = ()
     """Strides of the outputs as the CUDA-equivalent kernels lay them out (empty: unknown)."""
+    input_grad_strides: tuple[tuple[int, ...] | None, ...] = ()
+    """Per input, the strides of the gradient the backward returns for it (None: none returned;
+    empty: unknown). A view's backward keeps its incoming gradient's layout, so a gradient that
+    arrives transposed leaves transposed, and the reshape that undoes a view then copies it."""
 
 
 def _is_view_op(func) -> bool:
@@ -240,8 +244,11 @@ def _sdpa_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
         query, key, value, attn_mask, False, dropout_p, is_causal, scale=scale)[0]
 
 
-def probe_op(target, args, kwargs: dict, specs: Sequence[InputSpec]) -> ProbeResult:
-    """Execute `target(*args, **kwargs)` (with Ref placeholders filled from `specs`) on meta."""
+def probe_op(target, args, kwargs: dict, specs: Sequence[InputSpec],
+             grad_strides: Sequence[tuple[int, ...]] | None = None) -> ProbeResult:
+    """Execute `target(*args, **kwargs)` (with Ref placeholders filled from `specs`) on meta.
+    The backward receives gradients laid out like the outputs, or with `grad_strides` (one per
+    output that needs a gradient): the layout its consumers' backward really hands it."""
     inputs = _make_inputs(specs)
     call_args, call_kwargs = _fill(tuple(args), inputs), _fill(dict(kwargs), inputs)
     saved: list[torch.Tensor] = []
@@ -254,28 +261,40 @@ def probe_op(target, args, kwargs: dict, specs: Sequence[InputSpec]) -> ProbeRes
     alias_input = _alias_input(inputs, out_tensors)
     requires_grad = any(t.requires_grad for t in out_tensors)
     bwd_kernels: tuple[Kernel, ...] = ()
+    grad_strides_out: tuple[tuple[int, ...] | None, ...] = ()
     note = ""
     if requires_grad:
         try:
-            bwd_kernels = tuple(_backward_kernels(out_tensors, inputs))
+            kernels, grad_strides_out = _backward_kernels(out_tensors, inputs, grad_strides)
+            bwd_kernels = tuple(kernels)
         except Exception as error:  # an op whose backward has no meta kernel
             note = f"backward not measurable on meta ({type(error).__name__}); priced as 2x forward"
             bwd_kernels = tuple(fwd.kernels) * 2
     return ProbeResult(fwd_kernels=tuple(fwd.kernels), bwd_kernels=bwd_kernels, saved_inputs=saved_inputs,
                        saved_output=saved_output, saved_extra_bytes=extra_bytes, alias_input=alias_input,
                        requires_grad=requires_grad, note=note,
-                       output_strides=tuple(tuple(t.stride()) for t in out_tensors))
+                       output_strides=tuple(tuple(t.stride()) for t in out_tensors),
+                       input_grad_strides=grad_strides_out)
 
 
-def _backward_kernels(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[Kernel]:
+def _backward_kernels(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                      grad_strides: Sequence[tuple[int, ...]] | None = None
+                      ) -> tuple[list[Kernel], tuple[tuple[int, ...] | None, ...]]:
     diff_outputs = [t for t in outputs if t.requires_grad]
     diff_inputs = [t for t in inputs if t.requires_grad]
     if not diff_inputs:
-        return []
-    grads = [torch.empty_like(t) for t in diff_outputs]
+        return [], ()
+    if grad_strides is not None and len(grad_strides) == len(diff_outputs):
+        grads = [torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+                 for t, stride in zip(diff_outputs, grad_strides)]
+    else:
+        grads = [torch.empty_like(t) for t in diff_outputs]
     with KernelRecorder() as bwd:
-        torch.autograd.grad(diff_outputs, diff_inputs, grads, allow_unused=True)
-    return bwd.kernels
+        returned = torch.autograd.grad(diff_outputs, diff_inputs, grads, allow_unused=True)
+    by_input = iter(returned)
+    strides = tuple((None if (grad := next(by_input)) is None else tuple(grad.stride())) if t.requires_grad else None
+                    for t in inputs)
+    return bwd.kernels, strides
 
 
 def _classify_saved(saved, inputs, specs, outputs) -> tuple[tuple[int, ...], bool, float]:
