@@ -54,6 +54,7 @@ from autopar.cluster import Cluster
 from autopar.solver.search import Planner
 from autopar.solver.step_model import Estimate, ParallelConfig
 from cost_model.memory import FP32_ADAM, FSDP2_BF16_FP32_REDUCE, MEGATRON_BF16, PrecisionPolicy
+from cost_model.optimizer import adamw_io_bytes_per_param
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_runs.csv"
 _MEMORY_NOTE = re.compile(r"(\d+(?:\.\d+)?)\s*(GiB|GB)\s+(?:used|measured)")
@@ -230,13 +231,42 @@ def planner_for(run: Run, directory: Path):
     return _PLANNERS[key]
 
 
+TORCHTITAN_FUSED_ADAMW_SINCE = (2025, 2)
+"""torchtitan built AdamW with `foreach=True` (its `--optimizer.fused` off by default) until
+pytorch/torchtitan#881 ("use Fused AdamW as default", 2025-02-24)."""
+
+
 def policy_of(run: Run) -> PrecisionPolicy:
     """How the run's framework holds and reduces its states: torchtitan's FSDP2 gathers bf16 and
-    reduce-scatters fp32 (MixedPrecisionPolicy); Megatron-LM uses its bf16/fp16 parameters as they
-    are in every microbatch (no cast per use, unlike autopar's runtime)."""
+    reduce-scatters fp32 (MixedPrecisionPolicy), and steps AdamW as its default of the run's time
+    was (foreach before 2025-02, fused since); Megatron-LM uses its bf16/fp16 parameters as they
+    are in every microbatch (no cast per use, unlike autopar's runtime) and a fused Adam."""
     if run.precision == "fp32":
         return FP32_ADAM
-    return FSDP2_BF16_FP32_REDUCE if "torchtitan" in run.source.lower() else MEGATRON_BF16
+    if "torchtitan" not in run.source.lower():
+        return MEGATRON_BF16
+    when = run_month(run.source)
+    if when is not None and when < TORCHTITAN_FUSED_ADAMW_SINCE:
+        return replace(FSDP2_BF16_FP32_REDUCE, optimizer_io_bytes_per_param=adamw_io_bytes_per_param("foreach"))
+    return FSDP2_BF16_FP32_REDUCE
+
+
+_ARXIV_ID = re.compile(r"\barXiv[: ]+(\d{2})(\d{2})\.\d{4,5}", re.IGNORECASE)
+_ISO_MONTH = re.compile(r"\b(20\d\d)-(0[1-9]|1[0-2])\b")
+_NAMED_MONTH = re.compile(r"\b(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)[a-z]*\b[^;()]*?\b(20\d\d)\b")
+_YEAR = re.compile(r"\b(20\d\d)\b")
+_MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+
+
+def run_month(source: str) -> tuple[int, int] | None:
+    """The earliest (year, month) a source text dates its run by: an arXiv id (2410.06511 is
+    2024-10), "2025-06", a named month before its year ("Apr-Aug 2024" is 2024-04), or a bare
+    year, taken as its December (a year alone says the run was not later); None: no date."""
+    found = [(2000 + int(year), int(month)) for year, month in _ARXIV_ID.findall(source)]
+    found += [(int(year), int(month)) for year, month in _ISO_MONTH.findall(source)]
+    found += [(int(year), _MONTHS.index(month.lower()) + 1) for month, year in _NAMED_MONTH.findall(source)]
+    found += [(int(year), 12) for year in _YEAR.findall(source)]
+    return min(found, default=None)
 
 
 def evaluate_run(run: Run, directory: Path) -> Outcome:

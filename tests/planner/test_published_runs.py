@@ -8,6 +8,7 @@ Each is predicted within 10% of the published figure in the source's unit, and f
 since it ran. Rows are data; every number comes from the cost model."""
 
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,16 +30,7 @@ def outcomes():
         return {name: evaluate_run(run, Path(directory)) for name, run in RUNS.items()}
 
 
-POWER_CAPPED = pytest.mark.xfail(strict=True, reason=(
-    "tt-8b-fsdp-8 ran torch.compile'd on H100s power-capped at 500 W: with the cap priced by Hopper's datasheet "
-    "clock/power relation (893 of 989 TF) and FSDP2's copy-out/copy-in on the compute stream it is ~13% "
-    "optimistic; the rest is not found (BENCHMARKS.md, issue 11 round 4: FlashAttention-2's lower share of "
-    "the H100 peak explains ~3 points). Its eager measurement, 6258, is within 5% of the float32-norm model "
-    "(6560): the model's compile gain (1.15x) is what the run did not get (1.07x)."))
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=POWER_CAPPED) if name == "tt-8b-fsdp-8" else name
-                                  for name in SAMPLE if name in RUNS])
+@pytest.mark.parametrize("name", [name for name in SAMPLE if name in RUNS])
 def test_published_run_is_predicted_within_10_percent_and_fits(outcomes, name):
     outcome = outcomes[name]
     assert abs(outcome.error) <= 0.10, (f"{name}: predicted {outcome.predicted:.4g} {outcome.run.metric}, "
@@ -134,6 +126,23 @@ def test_llama3_405b_as_published_fits_80_gb(llama3_405b):
     """It ran. 65.1 KB per token and layer x 127 layer-microbatches is 63 GiB of activations on a
     middle rank; with eager SwiGLU's fourth tensor (78.4 KB) it was 89.6 GiB in all and did not fit."""
     assert llama3_405b.fits, llama3_405b.memory_bytes
+
+
+def test_torchtitan_rows_step_adamw_as_torchtitan_did_when_they_ran():
+    """torchtitan's AdamW was foreach until 2025-02 (pytorch/torchtitan#881), fused since; the
+    run's date is the earliest the source gives. Megatron-LM's Adam is fused."""
+    from benchmarks.published_runs import policy_of, run_month
+    from cost_model.optimizer import adamw_io_bytes_per_param
+
+    assert run_month("Liang et al. TorchTitan (ICLR 2025; arXiv 2410.06511)") == (2024, 10)
+    assert run_month("pytorch/torchtitan docs/performance.md (commit 3faaa1a0d; Apr-Aug 2024)") == (2024, 4)
+    assert run_month("torchtitan docs, 2025-06") == (2025, 6) and run_month("no date") is None
+    foreach, fused = adamw_io_bytes_per_param("foreach"), adamw_io_bytes_per_param("fused")
+    for run in RUNS.values():
+        expected = foreach if "torchtitan" in run.source.lower() else fused
+        assert policy_of(run).optimizer_io_bytes_per_param == expected, run.id
+    later = next(run for run in RUNS.values() if "torchtitan" in run.source.lower())
+    assert policy_of(replace(later, source="torchtitan docs, 2025-06")).optimizer_io_bytes_per_param == fused
 
 
 def test_a_compiled_row_with_an_eager_measurement_has_an_eager_twin():
