@@ -21,6 +21,10 @@ except every second one, attention and reduce-scatters), Megatron-LM's selective
 recomputation with sequence parallelism is autopar's "selective" (which keeps gathered inputs
 sharded and gathers them again in backward, as Megatron does).
 
+The optimizer step is priced as the run's framework stepped it: Megatron-LM's fused Adam, and
+torchtitan's AdamW as its default was at the run's date (foreach before 2025-02, fused since),
+the date being the earliest the source gives (an arXiv id, a month and year).
+
 A power cap the notes state ("power-capped at 500 W") is set as the cluster's
 `device.power_limit_w`, like the figures in cluster_overrides: the device's tensor peak then
 follows its documented clock/power relation (cost_model/hardware.py). `--classes` prints the
