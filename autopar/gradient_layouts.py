@@ -14,7 +14,8 @@ gradient an op receives (the layout its consumers' probes returned for it, when 
 not the layout it was probed with, its backward is probed again with that gradient, and the
 layouts it returns go on to its producers. The copies this finds are autograd's (a composite
 op such as `linear` reshapes its gradient like any view); a copy a GPU library makes inside a
-kernel does not show on meta, on either probe.
+kernel does not show on meta, on either probe. Captures by torch.export only: the
+symbolic_trace fallback (capture_fx.py) keeps each op's first probe.
 """
 
 from __future__ import annotations
