@@ -290,11 +290,9 @@ def _backward_kernels(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
     else:
         grads = [torch.empty_like(t) for t in diff_outputs]
     with KernelRecorder() as bwd:
-        returned = torch.autograd.grad(diff_outputs, diff_inputs, grads, allow_unused=True)
-    by_input = iter(returned)
-    strides = tuple((None if (grad := next(by_input)) is None else tuple(grad.stride())) if t.requires_grad else None
-                    for t in inputs)
-    return bwd.kernels, strides
+        returned = iter(torch.autograd.grad(diff_outputs, diff_inputs, grads, allow_unused=True))
+    grads_by_input = [next(returned) if t.requires_grad else None for t in inputs]
+    return bwd.kernels, tuple(None if grad is None else tuple(grad.stride()) for grad in grads_by_input)
 
 
 def _classify_saved(saved, inputs, specs, outputs) -> tuple[tuple[int, ...], bool, float]:
