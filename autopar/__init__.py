@@ -17,11 +17,11 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     """The API is imported lazily: `import autopar` stays cheap for the CLI."""
     if name in ("plan", "evaluate", "capture_for_planning", "planner_for"):
-        from autopar import api
+        from autopar.plans import planning  # not autopar.api: planning alone does not import codegen
 
-        return getattr(api, name)
+        return getattr(planning, name)
     if name == "parallelize":
-        from autopar.codegen.parallelize import parallelize
+        from autopar.api import parallelize
 
         return parallelize
     if name == "Cluster":
@@ -29,13 +29,13 @@ def __getattr__(name: str):
 
         return Cluster
     if name == "Plan":
-        from autopar.plans import Plan
+        from autopar.plans.plan import Plan
 
         return Plan
-    if name == "capture":
-        from autopar.capture import capture
+    if name == "capture":  # the capture stage's package: autopar.capture.capture(model, inputs)
+        import importlib
 
-        return capture
+        return importlib.import_module("autopar.capture")
     raise AttributeError(f"module 'autopar' has no attribute '{name}'")
 
 __all__ = [

@@ -1,401 +1,140 @@
-"""The public API: plan, evaluate and capture a model for a cluster.
+"""The public API: plan, evaluate and parallelize a model for a cluster.
 
     plan = autopar.plan(model, example_inputs, "dgx-a100-80g:nodes=16", global_batch=1024)
     print(plan.summary())
+    pm = autopar.parallelize(model, "dgx-h100:nodes=2", example_inputs)   # inside torchrun
 
-`model` is an nn.Module (any device, `meta` included), a registry spec ("gpt3-175b",
-"gpt:layers=4,hidden=256", "file.py:factory") or an already captured OpGraph. Planning
-captures a weightless bf16 replica (the compute precision of the default policy), so neither
-the user's weights nor their dtype matter.
+Planning (capture, search, building the Plan) lives in plans/planning.py and building this
+rank's module in codegen/parallelize.py; `parallelize` joins them, with trial runs of the best
+candidates (tune/trials.py) when asked. This module sits above codegen, tune and report because
+`parallelize` uses all three; those stages import plans/planning.py, never this module.
 """
 
 from __future__ import annotations
 
-import importlib
-import itertools
-import socket
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from autopar import capture_cache
-from autopar.block_reuse import capture_reusing_blocks
-from autopar.capture import capture, targets_like_output, without_stack_traces
-from autopar.cluster import Cluster
-from autopar.errors import CaptureError, ConfigError
-from autopar.graph import OpGraph
-from autopar.heap import collector_paused, freeze_more, frozen_heap
-from autopar.plans import Plan
-from autopar.plan_build import make_plan
-from autopar.replica import meta_inputs, meta_replica
-from autopar.solver.overheads import overheads_for
-from autopar.solver.search import Constraints, Planner, SearchOptions, check_jobs_env
-from autopar.solver.step_model import ParallelConfig
-from autopar.validation import (check_choice, check_constraint_values, check_degrees, check_fixed_config,
-                                check_global_batch, check_pipeline_depth, shorten, type_name)
-from cost_model.memory import BF16_ADAM, FP32_ADAM, PrecisionPolicy
+from autopar.codegen.parallel_module import ParallelModule
+from autopar.codegen.parallelize import build_parallel_module
+from autopar.codegen.runtime import ensure_process_group, run_on_rank0
+from autopar.errors import ConfigError, PlanMismatchError
+from autopar.plans.plan import Plan
+from autopar.plans.planning import (candidate_plans, candidates_with, capture_for_planning, check_model_arguments,
+                                    evaluate, evaluate_with, fixed_config, plan_with, planner_for, split_inputs)
+from autopar.plans.planning import plan as plan_model
+from autopar.tune.trials import TrialOptions, record_trials, run_trials, select_winner
+from autopar.validation import check_global_batch, shorten, type_name
 
-PRECISIONS = {"bf16": BF16_ADAM, "fp32": FP32_ADAM}
+plan = plan_model
+"""`autopar.plan(model, example_inputs, cluster, global_batch=...)`: see plans/planning.py."""
 
+__all__ = ["candidate_plans", "candidates_with", "capture_for_planning", "default_cluster", "evaluate",
+           "evaluate_with", "fixed_config", "parallelize", "plan", "plan_with", "planner_for", "split_inputs"]
 
-@dataclass(frozen=True, kw_only=True)
-class ModelInput:
-    """A model with what capture needs besides it."""
-
-    name: str
-    model: nn.Module
-    example_inputs: tuple
-    example_kwargs: dict = field(default_factory=dict)
-    """Keyword inputs of the forward (`input_ids=`, `attention_mask=`...), in call order."""
-    loss_fn: Callable | None = None
-    example_targets: Any = None
+_GPU_PRESETS = (("H200", "hgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100-80g"), ("V100", "p3-16xlarge"))
 
 
-def split_inputs(example_inputs, example_kwargs=None) -> tuple[tuple, dict]:
-    """(positional, keyword) inputs: `example_inputs` is a tuple, one tensor, or a mapping of
-    keyword inputs (`dict(input_ids=..., attention_mask=...)`, a tokenizer's batch)."""
-    keywords = dict(example_kwargs or {})
-    if isinstance(example_inputs, Mapping):
-        return (), {**dict(example_inputs), **keywords}
-    if example_inputs is None:
-        return (), keywords
-    return (tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)), keywords
+def default_cluster(world_size: int) -> str:
+    """This job's machine as a cluster spec: the local CPU, or the matching GPU preset."""
+    if not torch.cuda.is_available():
+        return f"cpu:procs={world_size}"
+    name = torch.cuda.get_device_name()
+    per_node = min(torch.cuda.device_count(), world_size)
+    for marker, preset in _GPU_PRESETS:
+        if marker in name:
+            return f"{preset}:nodes={max(world_size // per_node, 1)},gpus_per_node={per_node}"
+    raise ConfigError(f"no cluster preset matches GPU '{name}': pass cluster= (a preset spec or a TOML file)")
 
 
-def resolve_model(model, example_inputs=None, *, loss_fn=None, example_targets=None, example_kwargs=None,
-                  batch_size: int = 2) -> ModelInput:
-    """Accepts an nn.Module with example inputs (positional and/or keyword), or a registry spec string."""
-    if isinstance(model, str):
-        from autopar.models import build_model
+def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Plan | str | Path | None = None,
+                loss_fn: Callable | None = None, example_targets=None, global_batch: int | None = None,
+                constraints=None, precision: str | None = None, example_kwargs: dict | None = None,
+                init_fn=None, trials: int = 1, trial_options=None, progress=None, options=None) -> ParallelModule:
+    """Plan (on rank 0) or take `plan`, and return this rank's ParallelModule. `example_inputs`
+    is a tuple of positional inputs or a dict of keyword inputs (`input_ids=`, `attention_mask=`);
+    `example_kwargs` adds keyword inputs to positional ones.
 
-        bundle = build_model(model, batch_size=batch_size, device="meta")
-        return ModelInput(name=bundle.name, model=bundle.model, example_inputs=tuple(bundle.example_inputs),
-                          loss_fn=loss_fn or bundle.loss_fn,
-                          example_targets=example_targets if example_targets is not None else bundle.example_targets)
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model must be an nn.Module, a model spec string or an OpGraph, got {type_name(model)}")
-    if example_inputs is None and not example_kwargs:
-        raise ConfigError("example_inputs are required with an nn.Module: a tuple of tensors like one training batch "
-                          "(or a dict of keyword inputs, or example_kwargs=)")
+    A model on meta gets storage for this rank's shards only, initialised by `init_fn(model)`,
+    else its `init_weights()` / `reset_parameters()`; `init_fn` may instead be a checkpoint path
+    (a DCP folder saved by `pm.save`, or a `.safetensors` file / folder) to load.
+
+    With `trials=k` > 1 the k best predicted plans each run a few training steps on a copy of
+    the model in this job (tune/trials.py) and the measured fastest is built; the plan
+    records every candidate's predicted and measured step time. `trial_options` is a
+    TrialOptions; `progress(message)` receives trial progress on rank 0 (default: stderr).
+    `options` is the planner's SearchOptions (e.g. `SearchOptions(optimizer="fused")` when the
+    script builds `AdamW(..., fused=True)`: the optimizer step is priced as it will run)."""
+    _check_arguments(model, example_inputs, example_kwargs, plan, global_batch)
+    _, world = ensure_process_group()
     inputs, keywords = split_inputs(example_inputs, example_kwargs)
-    return ModelInput(name=type(model).__name__, model=model, example_inputs=inputs, example_kwargs=keywords,
-                      loss_fn=loss_fn, example_targets=example_targets)
+    batch = global_batch or _batch_of(inputs + tuple(keywords.values()))
+
+    def make_plan() -> Plan:
+        if plan is not None:
+            return plan if isinstance(plan, Plan) else Plan.load(plan)
+        return plan_model(model, inputs, cluster or default_cluster(world), global_batch=batch,
+                        constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
+                        example_kwargs=keywords, options=options,
+                        precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"))
+
+    if trials > 1 and plan is None:
+        chosen = _chosen_by_trials(model, inputs, keywords, cluster or default_cluster(world), batch, trials,
+                                   loss_fn=loss_fn, example_targets=example_targets, constraints=constraints,
+                                   precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"),
+                                   trial_options=trial_options, progress=progress, options=options)
+    elif trials < 1:
+        raise ConfigError(f"trials must be >= 1 (1: no trial runs), got {trials}")
+    else:
+        chosen = run_on_rank0(make_plan)
+    if chosen.num_devices != world:
+        raise PlanMismatchError(f"this plan is for {chosen.num_devices} devices (mesh {chosen.mesh}), but the job "
+                                f"has {world} processes: launch {chosen.num_devices} or re-plan")
+    return build_parallel_module(model, inputs, chosen, loss_fn, keywords, init_fn=init_fn)
 
 
-def check_model_arguments(model, example_inputs=None, loss_fn=None, example_targets=None) -> None:
-    """What a model and its example batch must be, said before anything is traced (a str given
-    as inputs is a mistake to name, not a capture failure)."""
-    if isinstance(model, type) or not isinstance(model, (str, nn.Module, OpGraph)):
-        raise ConfigError(f"model must be an nn.Module instance, a model spec string such as 'gpt:layers=4' or an "
-                          f"OpGraph, got {type_name(model)} {shorten(model) if not isinstance(model, type) else ''}")
-    if example_inputs is not None and not isinstance(example_inputs, (torch.Tensor, tuple, list, Mapping)):
-        raise ConfigError(f"example_inputs must be a tensor, a tuple of tensors like one training batch (the "
-                          f"model is called as model(*example_inputs)) or a dict of keyword inputs, got "
-                          f"{type_name(example_inputs)} "
-                          f"{shorten(example_inputs)}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise ConfigError(f"loss_fn must be a callable loss_fn(output, targets) such as "
-                          f"torch.nn.functional.mse_loss, got {type_name(loss_fn)} {shorten(loss_fn)}")
-    if example_targets is not None and not isinstance(example_targets, (torch.Tensor, tuple, list, dict)):
-        raise ConfigError(f"example_targets must be a tensor (or a tuple of them) like the targets of one batch, "
-                          f"got {type_name(example_targets)} {shorten(example_targets)}")
+def _chosen_by_trials(model, inputs, keywords, cluster, batch: int, trials: int, *, loss_fn, example_targets, constraints,
+                      precision: str, trial_options, progress, options=None) -> Plan:
+    candidates = run_on_rank0(lambda: candidate_plans(
+        model, inputs, cluster, global_batch=batch, num_candidates=trials, constraints=constraints, loss_fn=loss_fn,
+        example_targets=example_targets, precision=precision, example_kwargs=keywords, options=options))
+    for candidate in candidates:
+        if candidate.num_devices != dist.get_world_size():
+            raise PlanMismatchError(f"the candidate plans are for {candidate.num_devices} devices, but the job has "
+                                    f"{dist.get_world_size()} processes: plan for this job's cluster")
+    say = progress or (lambda message: print(f"autopar: {message}", file=sys.stderr, flush=True))
+    results = run_trials(model, inputs, example_targets, loss_fn, candidates, options=trial_options or TrialOptions(),
+                         progress=say, keywords=keywords)
+    winner = select_winner(results)
+    return record_trials(candidates[winner], results, winner)
 
 
-@frozen_heap()  # building the model, the import of export's stack and the trace: see heap.py
-def capture_for_planning(model, example_inputs=None, *, loss_fn=None, example_targets=None, example_kwargs=None,
-                         precision: str = "bf16", verbose: bool = False, reuse_blocks: bool = True,
-                         cache: bool | None = None) -> OpGraph:
-    """Capture a weightless replica of the model in the compute precision.
-
-    With `reuse_blocks` repeating blocks are traced for three periods and copied for the rest
-    (block_reuse.py): the same graph as tracing them all, in a fraction of the time. With
-    `cache` (None: on unless AUTOPAR_CAPTURE_CACHE=0) a capture made before from the same
-    model, inputs and code is loaded from the capture cache (capture_cache.py)."""
-    check_model_arguments(model, example_inputs, loss_fn, example_targets)
-    _policy(precision)
-    if isinstance(model, OpGraph):
-        return model
-    use_cache = capture_cache.enabled() if cache is None else bool(cache)
-    log = _progress(verbose) or (lambda message: None)
-    key, spec = None, None
-    if use_cache and isinstance(model, str) and example_inputs is None and not example_kwargs:
-        from autopar.models import resolve_spec
-
-        resolved = resolve_spec(model)
-        if resolved.family is not None:  # autopar's own model: keyed by its spec, nothing built
-            key = capture_cache.spec_key(resolved, loss_fn=loss_fn, example_targets=example_targets,
-                                         precision=precision, reuse_blocks=reuse_blocks)
-    if key is None:
-        spec = resolve_model(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
-                             example_kwargs=example_kwargs)
-        if use_cache:
-            key = capture_cache.module_key(spec.model, spec.example_inputs, spec.example_kwargs, name=spec.name,
-                                           loss_fn=spec.loss_fn,
-                                           example_targets=spec.example_targets, precision=precision,
-                                           reuse_blocks=reuse_blocks)
-            if key is None:
-                log("capture: not cached (the model holds state the capture cache cannot key for certain)")
-    if key is not None:
-        graph = capture_cache.lookup(key)
-        if graph is not None:
-            log(f"capture: loaded from the capture cache ({capture_cache.entry_path(key)}; "
-                f"AUTOPAR_CAPTURE_CACHE=0 or --no-capture-cache traces again)")
-            return graph
-    if spec is None:
-        spec = resolve_model(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
-                             example_kwargs=example_kwargs)
-    graph = _capture_replica(model, spec, precision, verbose, reuse_blocks)
-    if key is not None:
-        stored = capture_cache.store(key, graph)
-        log(f"capture: saved to the capture cache ({stored})" if stored else
-            f"capture: the capture cache folder {capture_cache.cache_dir()} cannot be written; not cached")
-    return graph
+def _check_arguments(model, example_inputs, example_kwargs, plan, global_batch) -> None:
+    """Before joining the process group: a wrong argument fails alike on every rank, at once."""
+    if not isinstance(model, nn.Module) or isinstance(model, type):
+        hint = " (build it first, e.g. build_model('gpt').model)" if isinstance(model, str) else ""
+        raise ConfigError(f"parallelize takes the model itself, an nn.Module instance, got {type_name(model)} "
+                          f"{shorten(model)}{hint}")
+    if example_inputs is None and not example_kwargs:
+        raise ConfigError("parallelize needs example_inputs: a tuple of tensors like one global batch "
+                          "(or a dict of keyword inputs)")
+    check_model_arguments(model, example_inputs)
+    if global_batch is not None:
+        check_global_batch(global_batch)
+    if isinstance(plan, Plan):
+        plan.validate()
+    elif plan is not None and not isinstance(plan, (str, Path)):
+        raise ConfigError(f"plan must be a Plan, the path of a plan file or None, got {type_name(plan)} "
+                          f"{shorten(plan)}")
 
 
-def _capture_replica(model, spec: ModelInput, precision: str, verbose: bool, reuse_blocks: bool) -> OpGraph:
-    with collector_paused():
-        importlib.import_module("torch.export._trace")  # export's stack (torch._dynamo), else its first use's
-        freeze_more()  # its 300,000 objects, before a collection walks them
-    with without_stack_traces():
-        return _traced_replica(model, spec, precision, verbose, reuse_blocks)
-
-
-def _traced_replica(model, spec: ModelInput, precision: str, verbose: bool, reuse_blocks: bool) -> OpGraph:
-    dtype = torch.bfloat16 if precision == "bf16" else None
-    if _built_here(model, spec.model):
-        # A built-in family's model was just built on meta and nobody else holds it: converting
-        # it in place spares copying every module (a fifth of GPT-3 175B's capture).
-        replica = spec.model.to(dtype) if dtype is not None else spec.model
-    else:  # the user's model (or a file factory's) is never touched: its replica is a copy
-        replica = meta_replica(spec.model, dtype)
-    inputs, keywords = meta_inputs(spec.example_inputs, dtype), meta_inputs(spec.example_kwargs, dtype)
-    targets = meta_inputs(spec.example_targets) if spec.example_targets is not None else None
-    try:
-        if reuse_blocks:
-            graph = capture_reusing_blocks(replica, inputs, keywords, loss_fn=spec.loss_fn, example_targets=targets,
-                                           name=spec.name, verbose=verbose)
-            if graph is not None:
-                return graph
-        if spec.loss_fn is not None and targets is None:
-            targets = targets_like_output(replica, inputs, keywords)
-        return capture(replica, inputs, keywords, loss_fn=spec.loss_fn, example_targets=targets, name=spec.name,
-                       verbose=verbose)
-    except CaptureError as error:
-        if "device" not in str(error) or _on_meta(spec.model):
-            raise
-    # The forward makes tensors on a fixed device (torch.ones(n) on the CPU), which meets the
-    # meta replica's tensors: trace the model itself (export still allocates no activations).
-    targets = spec.example_targets
-    if spec.loss_fn is not None and targets is None:
-        targets = targets_like_output(spec.model, spec.example_inputs, spec.example_kwargs)
-    graph = capture(spec.model, spec.example_inputs, spec.example_kwargs, loss_fn=spec.loss_fn,
-                    example_targets=targets, name=spec.name, verbose=verbose)
-    note = "captured on the model's own device and dtype: its forward creates tensors on a fixed device"
-    return replace(graph, notes=graph.notes + (note,))
-
-
-def _built_here(model, built: nn.Module) -> bool:
-    """`built` is a registry family's model that resolve_model made from the spec `model`, on meta."""
-    if not isinstance(model, str):
-        return False
-    from autopar.models import resolve_spec
-
-    return resolve_spec(model).family is not None and all(
-        tensor.is_meta for tensor in itertools.chain(built.parameters(), built.buffers()))
-
-
-def _on_meta(model: nn.Module) -> bool:
-    return any(param.device.type == "meta" for param in model.parameters())
-
-
-def _policy(precision: str) -> PrecisionPolicy:
-    return PRECISIONS[check_choice(precision, "precision", tuple(PRECISIONS))]
-
-
-def _progress(verbose: bool):
-    return (lambda message: print(message, file=sys.stderr, flush=True)) if verbose else None
-
-
-def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=None, example_targets=None,
-                precision: str = "bf16", options: SearchOptions | None = None, verbose: bool = False,
-                calibrated: bool = True, example_kwargs=None) -> Planner:
-    """Capture once and return a Planner that can search and price many configurations.
-
-    With `calibrated` (the default) the profile's whole-step calibration, if it has one, adds
-    its terms to every prediction (autopar/solver/overheads.py)."""
-    policy = _policy(precision)
-    global_batch = check_global_batch(global_batch)
-    if options is not None and not isinstance(options, SearchOptions):
-        raise ConfigError(f"options must be a SearchOptions or None, got {type_name(options)} {shorten(options)}")
-    if not isinstance(verbose, bool):
-        raise ConfigError(f"verbose must be a bool, got {type_name(verbose)} {shorten(verbose)}")
-    check_model_arguments(model, example_inputs, loss_fn, example_targets)
-    cluster = Cluster.from_spec(cluster)
-    overheads = overheads_for(cluster, torch_version=torch.__version__, host=socket.gethostname()) if calibrated \
-        else None
-    graph = capture_for_planning(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
-                                 example_kwargs=example_kwargs, precision=precision, verbose=verbose)
-    return Planner(graph, cluster, global_batch=global_batch, policy=policy, precision=precision,
-                   options=options or SearchOptions(), progress=_progress(verbose), overheads=overheads)
-
-
-def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constraints=None, loss_fn=None,
-         example_targets=None, precision: str = "bf16", options: SearchOptions | None = None,
-         verbose: bool = False, example_kwargs=None) -> Plan:
-    """Search the best parallelization; `constraints` may fix dp, tp, pp, cp, microbatch_size,
-    schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage, ep, offload and
-    sequence_parallel (False: tensor parallelism without sequence parallelism).
-    `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones."""
-    return candidate_plans(model, example_inputs, cluster, global_batch=global_batch, num_candidates=1,
-                           constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
-                           precision=precision, options=options, verbose=verbose, example_kwargs=example_kwargs)[0]
-
-
-def _check_constraints(cluster: Cluster, global_batch: int, constraints: Constraints) -> None:
-    check_degrees(cluster, global_batch, dp=constraints.dp, tp=constraints.tp, pp=constraints.pp,
-                  microbatch_size=constraints.microbatch_size, schedule=constraints.schedule, cp=constraints.cp)
-
-
-def plan_with(planner: Planner, constraints: Constraints = Constraints()) -> Plan:
-    return candidates_with(planner, constraints, num_candidates=1)[0]
-
-
-def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: int, num_candidates: int,
-                    constraints=None, loss_fn=None, example_targets=None, precision: str = "bf16",
-                    options: SearchOptions | None = None, verbose: bool = False, example_kwargs=None) -> list[Plan]:
-    """The `num_candidates` fastest predicted plans, fastest first (what trials measure)."""
-    constraints = Constraints.from_value(check_constraint_values(constraints))
-    check_model_arguments(model, example_inputs, loss_fn, example_targets)
-    check_jobs_env()
-    cluster = Cluster.from_spec(cluster)
-    _check_constraints(cluster, check_global_batch(global_batch), constraints)
-    planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
-                          example_targets=example_targets, precision=precision, options=options, verbose=verbose,
-                          example_kwargs=example_kwargs)
-    return candidates_with(planner, constraints, num_candidates=num_candidates)
-
-
-def candidates_with(planner: Planner, constraints: Constraints = Constraints(), *,
-                    num_candidates: int = 1) -> list[Plan]:
-    if num_candidates < 1:
-        raise ConfigError(f"the number of candidate plans must be >= 1, got {num_candidates}")
-    _check_constraints(planner.cluster, planner.global_batch, constraints)
-    check_pipeline_depth(planner.graph, constraints.pp)
-    with frozen_heap():
-        return _candidates(planner, constraints, num_candidates)
-
-
-def _candidates(planner: Planner, constraints: Constraints, num_candidates: int) -> list[Plan]:
-    result = planner.search(constraints, keep=max(5, 4 * num_candidates))
-    plans = []
-    for estimate in _distinct(result.ranked)[:num_candidates]:
-        config = estimate.config
-        plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
-                         sharding=planner.sharding(config.tp, config.microbatch_size, config.sequence_parallel),
-                         memory_budget_bytes=planner.step_model.memory_budget_bytes,
-                         search=result if estimate is result.best else None, precision=planner.precision,
-                         segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
-                                                        config.sequence_parallel),
-                         strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel))
-        plans.append(_with_error_bar(plan, planner))
-    return plans
-
-
-def _distinct(ranked: list) -> list:
-    """Estimates that differ in more than the recomputation mode (the fastest of each): trials
-    of two configurations that run alike would spend the trial budget on one choice twice."""
-    seen, kept = set(), []
-    for estimate in ranked:
-        config = estimate.config
-        key = (config.dp, config.tp, config.pp, config.cp, config.microbatch_size, config.schedule,
-               config.virtual_stages, config.zero_stage, config.ep, config.offload, config.sequence_parallel)
-        if key not in seen:
-            seen.add(key)
-            kept.append(estimate)
-    return kept
-
-
-def _with_error_bar(plan: Plan, planner: Planner) -> Plan:
-    """Record the calibration's expected error of the prediction (0 when uncalibrated)."""
-    if planner.overheads is None:
-        return plan
-    calibration = planner.overheads.calibration
-    note = (f"calibrated step time (profile calibration of {calibration.model} on {calibration.num_processes} "
-            f"processes): expected error +-{100 * calibration.expected_error:.0f}% "
-            f"(worst seen {100 * calibration.worst_error:.0f}%)")
-    return replace(plan, predicted=replace(plan.predicted, expected_error=calibration.expected_error),
-                   notes=plan.notes + (note,))
-
-
-def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp: int = 1, pp: int = 1,
-             dp: int | None = None, microbatch_size: int = 1, schedule: str = "1f1b",
-             virtual_stages: int | None = None, layers_per_virtual_stage: int | None = None,
-             recompute: str = "none", zero_stage: int = 0, loss_fn=None, example_targets=None,
-             precision: str = "bf16", verbose: bool = False, example_kwargs=None, ep: int = 1,
-             cp: int = 1, offload: bool = False, sequence_parallel: bool = True,
-             options: SearchOptions | None = None) -> Plan:
-    """Price one fully fixed configuration (no search); `ep` splits the experts of an MoE over
-    groups of ep data-parallel ranks, `cp` splits each sequence over cp ranks, `offload` is optimizer
-    offload (ZeRO-3, pp = 1), `sequence_parallel=False` is tensor parallelism without sequence
-    parallelism (Megatron-LM without --sequence-parallel). `options` as for `plan` (its
-    `optimizer` says how AdamW runs)."""
-    check_fixed_config(tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
-                       virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
-                       recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,
-                       sequence_parallel=sequence_parallel)
-    check_model_arguments(model, example_inputs, loss_fn, example_targets)
-    cluster = Cluster.from_spec(cluster)
-    check_degrees(cluster, check_global_batch(global_batch), dp=dp, tp=tp, pp=pp,
-                  microbatch_size=microbatch_size, schedule=schedule, cp=cp if cp > 1 else None)
-    planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
-                          example_targets=example_targets, precision=precision, verbose=verbose,
-                          example_kwargs=example_kwargs, options=options)
-    config = fixed_config(planner, tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
-                          virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
-                          recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,
-                          sequence_parallel=sequence_parallel)
-    return evaluate_with(planner, config)
-
-
-def fixed_config(planner: Planner, *, tp: int, pp: int, dp: int | None, microbatch_size: int, schedule: str,
-                 virtual_stages: int | None, layers_per_virtual_stage: int | None, recompute: str,
-                 zero_stage: int, ep: int = 1, cp: int = 1, offload: bool = False,
-                 sequence_parallel: bool = True) -> ParallelConfig:
-    check_pipeline_depth(planner.graph, pp)
-    devices = planner.cluster.num_devices
-    if tp < 1 or pp < 1 or cp < 1 or devices % (tp * pp * cp):
-        shown = f"tp x pp x cp = {tp} x {pp} x {cp}" if cp != 1 else f"tp x pp = {tp} x {pp}"
-        raise ConfigError(f"{shown} must divide the cluster's {devices} devices")
-    planner.check_cp(cp)
-    dp = dp or devices // (tp * pp * cp)
-    if microbatch_size < 1 or planner.global_batch % (dp * microbatch_size):
-        raise ConfigError(f"global batch {planner.global_batch} is not divisible by dp x microbatch size = "
-                          f"{dp} x {microbatch_size}")
-    virtual = (virtual_stages or 2) if schedule == "zbv" else 1
-    if schedule in ("interleaved", "zb1p"):
-        constraints = Constraints(virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage)
-        virtual = (planner.virtual_stages(pp, constraints) or [2 if schedule == "interleaved" else 1])[0]
-    config = ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
-                            num_microbatches=planner.global_batch // (dp * microbatch_size), schedule=schedule,
-                            virtual_stages=virtual, recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp,
-                            offload=offload, sequence_parallel=sequence_parallel)
-    planner.check(config)
-    return config
-
-
-def evaluate_with(planner: Planner, config: ParallelConfig) -> Plan:
-    estimate, sharding = planner.evaluate(config)
-    notes = () if estimate.fits else (
-        f"this configuration does not fit: {estimate.peak_memory_bytes / 2**30:.1f} GiB per device needed, "
-        f"{planner.step_model.memory_budget_bytes / 2**30:.1f} GiB usable",)
-    plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
-                     sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes,
-                     precision=planner.precision,
-                     segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
-                                                    config.sequence_parallel),
-                     strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel))
-    return _with_error_bar(plan, planner)
+def _batch_of(inputs: tuple) -> int:
+    for value in inputs:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    raise ConfigError("could not tell the batch size from example_inputs: pass global_batch=")

@@ -23,10 +23,10 @@ import contextlib
 import os
 import sys
 
-from autopar.heap import collector_paused, freeze_at_exit
+from autopar.capture.heap import collector_paused, freeze_at_exit
 
 with collector_paused():  # torch and the planner: 0.25 CPU s of the collector's passes, nothing to free
-    from autopar import api
+    from autopar.plans import planning
     from autopar.report import commands as report_commands
     from autopar.errors import AutoparError, ConfigError
     from autopar.solver.recompute import RECOMPUTE_MODES
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 @contextlib.contextmanager
 def _capture_cache_switch(off: bool):
     """--no-capture-cache: the capture cache's switch-off for this command (restored after it)."""
-    from autopar import capture_cache
+    from autopar.capture import cache as capture_cache
 
     previous = os.environ.get(capture_cache.SWITCH_ENV)
     if off:
@@ -111,7 +111,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="e.g. dgx-a100-80g:nodes=16, dgx-h100:nodes=2,gpus_per_node=4, cpu:procs=4, or a TOML file")
     parser.add_argument("--global-batch", type=count(MAX_GLOBAL_BATCH), required=True, metavar="B",
                         help="samples per optimizer step")
-    parser.add_argument("--precision", choices=sorted(api.PRECISIONS), default="bf16")
+    parser.add_argument("--precision", choices=sorted(planning.PRECISIONS), default="bf16")
     parser.add_argument("--optimizer", choices=["foreach", "fused"], default="foreach",
                         help="how the training script's AdamW runs, for the optimizer step's price: foreach "
                              "(torch.optim.AdamW's default, the default here) or fused (AdamW(fused=True), Apex)")
@@ -218,7 +218,7 @@ def _plan(args) -> int:
                    "recompute": args.recompute, "zero_stage": args.zero, "ep": args.ep,
                    "offload": {"on": True, "off": False}.get(args.offload),
                    "sequence_parallel": False if args.sequence_parallel == "off" else None}
-    plan = api.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
+    plan = planning.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
                     constraints={key: value for key, value in constraints.items() if value is not None},
                     precision=args.precision, verbose=args.verbose,
                     options=SearchOptions(jobs=args.jobs, optimizer=args.optimizer))
@@ -228,7 +228,7 @@ def _plan(args) -> int:
 def _evaluate(args) -> int:
     if args.out is not None:
         check_output_path(args.out)
-    plan = api.evaluate(args.model, cluster=args.cluster, global_batch=args.global_batch, tp=args.tp, pp=args.pp,
+    plan = planning.evaluate(args.model, cluster=args.cluster, global_batch=args.global_batch, tp=args.tp, pp=args.pp,
                         dp=args.dp, microbatch_size=args.microbatch_size, schedule=args.schedule,
                         layers_per_virtual_stage=args.layers_per_virtual_stage, recompute=args.recompute,
                         zero_stage=args.zero, precision=args.precision, verbose=args.verbose, ep=args.ep,
@@ -240,7 +240,7 @@ def _evaluate(args) -> int:
 def _profile(args) -> int:
     from pathlib import Path
 
-    from autopar.profiling import profile_machine
+    from autopar.tune.profile import profile_machine
 
     check_output_path(args.out)
     if args.calibrate:
@@ -254,7 +254,7 @@ def _profile(args) -> int:
 def _calibrate(args, *, exists: bool) -> int:
     import os
 
-    from autopar.profiling import profile_machine
+    from autopar.tune.profile import profile_machine
     from autopar.tune.calibrate import calibrate_profile, describe_calibration
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -304,7 +304,7 @@ def _tune(args) -> int:
 
 
 def _show(args) -> int:
-    from autopar.plans import Plan
+    from autopar.plans.plan import Plan
 
     plan = Plan.load(args.plan_file)
     written = report_commands.write_pictures(plan, timeline=args.timeline, memory=args.memory, html_path=args.html)
@@ -313,7 +313,9 @@ def _show(args) -> int:
 
 
 def _graph(args) -> int:
-    print(api.capture_for_planning(args.model).summary())
+    from autopar.report.graph_summary import graph_summary
+
+    print(graph_summary(planning.capture_for_planning(args.model)))
     return 0
 
 

@@ -336,12 +336,6 @@ class OpGraph:
             digest.update(repr((node.kind, target, inputs, shapes)).encode())
         return digest.hexdigest()[:16]
 
-    def summary(self) -> str:
-        from autopar.graph_report import graph_summary
-
-        return graph_summary(self)
-
-
 def _io_bytes(node: OpNode, outputs: dict[str, tuple[TensorMeta, ...]]) -> float:
     metas = [meta for name in node.inputs for meta in outputs[name][:1]] + list(outputs[node.name])
     return float(sum(meta.nbytes for meta in metas))

@@ -27,7 +27,7 @@ def measure(spec: str) -> dict:
     """Runs in the child process: build on meta, capture, report."""
     import torch
 
-    from autopar.capture import capture
+    from autopar.capture.export import capture
     from autopar.models import build_model
 
     torch.set_num_threads(1)

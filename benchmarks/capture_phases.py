@@ -53,8 +53,8 @@ def main() -> None:
     import torch.export._trace  # noqa: F401
 
     after_export = clock()
-    import autopar.block_reuse as block_reuse
-    import autopar.capture as capture
+    import autopar.capture.block_reuse as block_reuse
+    import autopar.capture.export as capture
     import autopar.models as models
 
     timed(models, "build_model", "build the model on meta")

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autopar.capture import capture  # noqa: E402
+from autopar.capture.export import capture  # noqa: E402
 from autopar.cluster import Cluster  # noqa: E402
 from autopar.models import build_model  # noqa: E402
 from cost_model.comm import CommModel, Group, latency_steps, volume_factor  # noqa: E402

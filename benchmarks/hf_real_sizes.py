@@ -69,8 +69,8 @@ def measure(name: str) -> dict:
     import transformers
 
     from autopar import api
-    from autopar.api import PRECISIONS, capture_for_planning, plan_with
-    from autopar.block_match import repeated_blocks
+    from autopar.plans.planning import PRECISIONS, capture_for_planning, plan_with
+    from autopar.capture.block_match import repeated_blocks
     from autopar.cluster import Cluster
     from autopar.models import on_meta
     from autopar.solver.search import Planner, SearchOptions

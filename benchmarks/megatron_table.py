@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autopar import api
-from autopar.solver.search import Constraints, Planner, SearchOptions
+from autopar.solver.constraints import Constraints
+from autopar.solver.search import Planner, SearchOptions
 from cost_model.memory import MEGATRON_BF16
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "megatron_table1.csv"

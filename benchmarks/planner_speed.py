@@ -28,10 +28,12 @@ import sys
 import tempfile
 import time
 
-from autopar import api, capture_cache
-from autopar.condense import condense
+from autopar import api
+from autopar.capture import cache as capture_cache
+from autopar.solver.condense import condense
 from autopar.mesh import Mesh
-from autopar.solver.search import Constraints, SearchOptions, search_jobs
+from autopar.solver.constraints import Constraints
+from autopar.solver.search import SearchOptions, search_jobs
 from autopar.solver.sharding import solve_sharding
 
 MESHES = ((("tp",), (8,)), (("dp", "tp"), (4, 8)), (("dp", "tp"), (16, 8)), (("dp", "tp"), (128, 8)))

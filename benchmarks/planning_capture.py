@@ -44,7 +44,7 @@ def measure(argument: str) -> dict:
     dynamo_imported = time.perf_counter(), time.process_time()
     from autopar import api
     from autopar import models
-    from autopar.block_match import repeated_blocks
+    from autopar.capture.block_match import repeated_blocks
 
     torch.set_num_threads(1)
     building = models.build_model

@@ -52,7 +52,8 @@ def worker(num_processes: int, profile: str, steps: int, warmup: int) -> dict:
     from autopar import api
     from autopar.codegen.runtime import run_on_rank0
     from autopar.models import build_model
-    from autopar.solver.search import Constraints, Planner
+    from autopar.solver.constraints import Constraints
+    from autopar.solver.search import Planner
     from autopar.tune.trials import TrialOptions, run_trials, select_winner
 
     bundle = build_model(MODEL, device="cpu", seed=0, batch_size=GLOBAL_BATCH)

@@ -62,7 +62,7 @@ class AttentionPoint:
     """is_causal: the kernel skips the masked half, so its rate on the full count runs above a
     matmul's."""
     flops: float
-    """FLOPs as torch counts them (the full s x s square; autopar/attention_flops.py)."""
+    """FLOPs as torch counts them (the full s x s square; autopar/capture/attention_flops.py)."""
     achieved_flops_per_s: float
 
 

@@ -3,7 +3,7 @@
 scaled_dot_product_attention in bf16 (head dim 128, 32 query heads over 8 key/value heads, as
 Llama 3), causal and not, at several sequence lengths: forward, and forward + backward (the
 backward is the difference). Rates are torch's FLOP count over time (the full s x s square, as
-autopar/attention_flops.py counts kernels), so the price of a kernel is its count over the rate
+autopar/capture/attention_flops.py counts kernels), so the price of a kernel is its count over the rate
 at its size: a causal kernel, which skips the masked half, shows a rate above a matmul's.
 Measured on an H200 (torch 2.11), at seq 8192: causal 1233 / 940 TFLOP/s (forward / backward),
 not causal 655 / 492, against 750-790 for a large square matmul: pricing attention as a matmul

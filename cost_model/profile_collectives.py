@@ -12,15 +12,12 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from cost_model.profile import CollectivePoint
+from cost_model.profile_options import ProfileOptions
 from cost_model.profile_timing import Progress, ProgressFn, Timer, calls_for, compute_device, threads_per_process
-
-if TYPE_CHECKING:
-    from cost_model.profiler import ProfileOptions
 
 
 # --- collectives: the plan -----------------------------------------------------------------

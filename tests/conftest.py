@@ -1,12 +1,17 @@
 """Shared fixtures: reference data from ../shared/reference (tests may read it; the product may not)."""
 
 import csv
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 REFERENCE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+
+# tests/unit mirrors the package in folders; its shared helpers (bad_input_harness.py) are
+# imported by name from any of them.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "unit"))
 
 
 def reference_rows(name: str) -> list[dict[str, str]]:
@@ -39,7 +44,7 @@ def capture_cache_in_tmp(tmp_path_factory):
 def one_search_process():
     """Searches run in one process (AUTOPAR_JOBS=1): the two xdist workers already keep both cores
     busy, so forked search workers would only compete with them; tests of the parallel search ask
-    for their jobs explicitly (tests/unit/test_search_parallel.py)."""
+    for their jobs explicitly (tests/unit/solver/test_search_parallel.py)."""
     import os
 
     saved = os.environ.get("AUTOPAR_JOBS")
@@ -63,7 +68,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def quick_two_process_profile():
     """(profile, progress reports) of one quick profile of this machine with 2 gloo processes,
-    measured once per test process for the tests that read one (tests/unit/test_profiler.py, and
+    measured once per test process for the tests that read one (tests/unit/cost_model/test_profiler.py, and
     tests/dist/test_calibrate_job.py, which calibrates a copy saved to its own file): a
     HardwareProfile is frozen, and a quick profile costs ~15 CPU-s (two spawned processes)."""
     from cost_model.profiler import ProfileOptions, run_profile

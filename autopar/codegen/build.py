@@ -19,7 +19,7 @@ from autopar.codegen.program import (GraphParts, SegmentModule, StageProgram, We
                                      recomputable_nodes)
 from autopar.errors import ConfigError, PlanMismatchError
 from autopar.solver.recompute import op_saved_nodes
-from autopar.plans import Plan
+from autopar.plans.plan import Plan
 from autopar.solver.pipeline import rank_of, stages_of_rank
 
 

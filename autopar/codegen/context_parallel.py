@@ -225,7 +225,7 @@ class ContextParallelModule(ParallelModule):
 
 def local_program(model, inputs: tuple, keywords: dict, graph, plan):
     """(program, graph, seq_len): the model exported at this rank's share of the sequence."""
-    from autopar.capture import capture_program
+    from autopar.capture.export import capture_program
     from autopar.solver.context_parallel import sequence_length
 
     seq_len = sequence_length(graph)

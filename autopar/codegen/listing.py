@@ -7,7 +7,7 @@ import torch
 from autopar.codegen.build import ChunkSpec
 from autopar.codegen.placements import parse_node_placements
 from autopar.codegen.program import GraphParts
-from autopar.plans import Plan
+from autopar.plans.plan import Plan
 from autopar.strategies.placement import transition
 
 _COLLECTIVE_NAMES = {"all_gather": "all-gather", "all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter",

@@ -28,7 +28,7 @@ from autopar.codegen.pipeline import forward_only
 from autopar.codegen.program import ParameterOwner, WeightCasts, attribute_name, shared_parameters
 from autopar.codegen.runtime import Runtime
 from autopar.errors import PlanMismatchError
-from autopar.plans import Plan
+from autopar.plans.plan import Plan
 
 
 class ParallelModule(nn.Module):
@@ -94,7 +94,7 @@ class ParallelModule(nn.Module):
     def timing_report(self, *, skip: int = 2):
         """Measured step time (interval between train_step starts, slowest rank) against the
         plan's prediction; every rank must call it. `print(pm.timing_report())`."""
-        from autopar.tune.timing import timing_report
+        from autopar.codegen.timing import timing_report
 
         return timing_report(list(self._step_starts_s), list(self._step_durations_s), self.plan, skip=skip)
 

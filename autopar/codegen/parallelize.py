@@ -1,14 +1,12 @@
-"""`autopar.parallelize`: plan on rank 0 (or load a plan), then build this rank's module.
+"""This rank's module for a plan (`build_parallel_module`, the last step of `autopar.parallelize`).
 
-Every rank: joins the process group (NCCL on GPUs, gloo on CPUs), receives the plan, checks it
-matches the job's size and the model (fingerprint of the captured graph), builds the device
-mesh, distributes the parameters as the plan places them, shards them over dp (ZeRO) and sets up
-the pipeline schedule.
+Every rank checks that the plan matches the model (fingerprint of the captured graph), builds the
+device mesh, distributes the parameters as the plan places them, shards them over dp (ZeRO) and
+sets up the pipeline schedule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,129 +26,16 @@ from autopar.codegen.placements import to_dtensor_placement
 from autopar.solver.pipeline import rank_of
 from autopar.codegen.program import GraphParts
 from autopar.codegen.init import all_names
-from autopar.codegen.runtime import agree, build_runtime, ensure_process_group, register_shutdown, run_on_rank0
-from autopar.errors import AutoparError, ConfigError, PlanMismatchError
-from autopar.plans import Plan
-
-_GPU_PRESETS = (("H200", "hgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100-80g"), ("V100", "p3-16xlarge"))
-
-
-def default_cluster(world_size: int) -> str:
-    """This job's machine as a cluster spec: the local CPU, or the matching GPU preset."""
-    if not torch.cuda.is_available():
-        return f"cpu:procs={world_size}"
-    name = torch.cuda.get_device_name()
-    per_node = min(torch.cuda.device_count(), world_size)
-    for marker, preset in _GPU_PRESETS:
-        if marker in name:
-            return f"{preset}:nodes={max(world_size // per_node, 1)},gpus_per_node={per_node}"
-    raise ConfigError(f"no cluster preset matches GPU '{name}': pass cluster= (a preset spec or a TOML file)")
-
-
-def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Plan | str | Path | None = None,
-                loss_fn: Callable | None = None, example_targets=None, global_batch: int | None = None,
-                constraints=None, precision: str | None = None, example_kwargs: dict | None = None,
-                init_fn=None, trials: int = 1, trial_options=None, progress=None, options=None) -> ParallelModule:
-    """Plan (on rank 0) or take `plan`, and return this rank's ParallelModule. `example_inputs`
-    is a tuple of positional inputs or a dict of keyword inputs (`input_ids=`, `attention_mask=`);
-    `example_kwargs` adds keyword inputs to positional ones.
-
-    A model on meta gets storage for this rank's shards only, initialised by `init_fn(model)`,
-    else its `init_weights()` / `reset_parameters()`; `init_fn` may instead be a checkpoint path
-    (a DCP folder saved by `pm.save`, or a `.safetensors` file / folder) to load.
-
-    With `trials=k` > 1 the k best predicted plans each run a few training steps on a copy of
-    the model in this job (autopar.tune.trials) and the measured fastest is built; the plan
-    records every candidate's predicted and measured step time. `trial_options` is a
-    TrialOptions; `progress(message)` receives trial progress on rank 0 (default: stderr).
-    `options` is the planner's SearchOptions (e.g. `SearchOptions(optimizer="fused")` when the
-    script builds `AdamW(..., fused=True)`: the optimizer step is priced as it will run)."""
-    from autopar import api
-
-    _check_arguments(model, example_inputs, example_kwargs, plan, global_batch)
-    _, world = ensure_process_group()
-    inputs, keywords = api.split_inputs(example_inputs, example_kwargs)
-    batch = global_batch or _batch_of(inputs + tuple(keywords.values()))
-
-    def make_plan() -> Plan:
-        if plan is not None:
-            return plan if isinstance(plan, Plan) else Plan.load(plan)
-        return api.plan(model, inputs, cluster or default_cluster(world), global_batch=batch,
-                        constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
-                        example_kwargs=keywords, options=options,
-                        precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"))
-
-    if trials > 1 and plan is None:
-        chosen = _chosen_by_trials(model, inputs, keywords, cluster or default_cluster(world), batch, trials,
-                                   loss_fn=loss_fn, example_targets=example_targets, constraints=constraints,
-                                   precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"),
-                                   trial_options=trial_options, progress=progress, options=options)
-    elif trials < 1:
-        raise ConfigError(f"trials must be >= 1 (1: no trial runs), got {trials}")
-    else:
-        chosen = run_on_rank0(make_plan)
-    if chosen.num_devices != world:
-        raise PlanMismatchError(f"this plan is for {chosen.num_devices} devices (mesh {chosen.mesh}), but the job "
-                                f"has {world} processes: launch {chosen.num_devices} or re-plan")
-    return build_parallel_module(model, inputs, chosen, loss_fn, keywords, init_fn=init_fn)
-
-
-def _chosen_by_trials(model, inputs, keywords, cluster, batch: int, trials: int, *, loss_fn, example_targets, constraints,
-                      precision: str, trial_options, progress, options=None) -> Plan:
-    import sys
-
-    from autopar import api
-    from autopar.tune.trials import TrialOptions, record_trials, run_trials, select_winner
-
-    candidates = run_on_rank0(lambda: api.candidate_plans(
-        model, inputs, cluster, global_batch=batch, num_candidates=trials, constraints=constraints, loss_fn=loss_fn,
-        example_targets=example_targets, precision=precision, example_kwargs=keywords, options=options))
-    for candidate in candidates:
-        if candidate.num_devices != dist.get_world_size():
-            raise PlanMismatchError(f"the candidate plans are for {candidate.num_devices} devices, but the job has "
-                                    f"{dist.get_world_size()} processes: plan for this job's cluster")
-    say = progress or (lambda message: print(f"autopar: {message}", file=sys.stderr, flush=True))
-    results = run_trials(model, inputs, example_targets, loss_fn, candidates, options=trial_options or TrialOptions(),
-                         progress=say, keywords=keywords)
-    winner = select_winner(results)
-    return record_trials(candidates[winner], results, winner)
-
-
-def _check_arguments(model, example_inputs, example_kwargs, plan, global_batch) -> None:
-    """Before joining the process group: a wrong argument fails alike on every rank, at once."""
-    from autopar.api import check_model_arguments
-    from autopar.validation import check_global_batch, shorten, type_name
-
-    if not isinstance(model, nn.Module) or isinstance(model, type):
-        hint = " (build it first, e.g. build_model('gpt').model)" if isinstance(model, str) else ""
-        raise ConfigError(f"parallelize takes the model itself, an nn.Module instance, got {type_name(model)} "
-                          f"{shorten(model)}{hint}")
-    if example_inputs is None and not example_kwargs:
-        raise ConfigError("parallelize needs example_inputs: a tuple of tensors like one global batch "
-                          "(or a dict of keyword inputs)")
-    check_model_arguments(model, example_inputs)
-    if global_batch is not None:
-        check_global_batch(global_batch)
-    if isinstance(plan, Plan):
-        plan.validate()
-    elif plan is not None and not isinstance(plan, (str, Path)):
-        raise ConfigError(f"plan must be a Plan, the path of a plan file or None, got {type_name(plan)} "
-                          f"{shorten(plan)}")
-
-
-def _batch_of(inputs: tuple) -> int:
-    for value in inputs:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    raise ConfigError("could not tell the batch size from example_inputs: pass global_batch=")
-
+from autopar.codegen.runtime import agree, build_runtime, register_shutdown
+from autopar.errors import AutoparError, ConfigError
+from autopar.plans.plan import Plan
 
 def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, keywords: dict | None = None, *,
                           captured: tuple | None = None, init_fn=None) -> ParallelModule:
     """This rank's module for `plan`. `captured` is `capture_program(model, inputs, keywords)`'s
     result when the caller has it already (building the same model for several plans); `init_fn`
     initialises meta-born storage (see `parallelize`)."""
-    from autopar.capture import capture_program
+    from autopar.capture.export import capture_program
 
     keywords = dict(keywords or {})
     cp = plan.mesh.get("cp", 1)

@@ -25,7 +25,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from autopar.codegen.build import ChunkSpec
 from autopar.codegen.program import GraphParts, StageProgram, shared_parameters
 from autopar.graph import TensorMeta
-from autopar.plans import Plan
+from autopar.plans.plan import Plan
 from autopar.solver.pipeline import rank_of
 from autopar.strategies.placement import boundary_wire, local_shape
 

@@ -15,7 +15,7 @@ once for all the consumers that saved it (q, k and v projections share one gathe
 it after the last of them, as Megatron-LM's sequence parallelism does.
 
 Every mode that keeps tensors (all but "full" and what "op" and "selective" recompute): the same
-hooks save a gated activation's output as a recipe (autopar/activation_saves.py).
+hooks save a gated activation's output as a recipe (autopar/capture/activation_saves.py).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def compact_saves(interpreter, regather: bool):
     """Within this block, tensors autograd saves are kept smaller where the plan says so:
     gathered inputs as the shards they came from (`regather`: the "gathers" mode and the kept
     parts of "selective"), and gated activations' outputs as a recipe run again in backward from
-    the activation's input, which its own backward keeps anyway (autopar/activation_saves.py)."""
+    the activation's input, which its own backward keeps anyway (autopar/capture/activation_saves.py)."""
     gathered: dict[int, _Gathered] = {}
     activations: dict[int, _Activation] = {}
 

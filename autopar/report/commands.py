@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from autopar.errors import ConfigError
-from autopar.plans import Plan
+from autopar.plans.plan import Plan
 
 FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from autopar.cluster import Cluster
 from autopar.errors import ConfigError, InfeasiblePlanError
-from autopar.plans import Plan
+from autopar.plans.plan import Plan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +74,7 @@ class Comparison:
 def compare_clusters(model, *, global_batch: int, clusters: list[str], prices: list[float] | None = None,
                      amount: float | None = None, precision: str = "bf16", verbose: bool = False) -> Comparison:
     """Plan `model` on each cluster; `prices` (per device-hour) override the clusters' own."""
-    from autopar import api
+    from autopar.plans import planning
 
     if not clusters:
         raise ConfigError("give at least one cluster to compare (--clusters SPEC1 SPEC2 ...)")
@@ -86,12 +86,12 @@ def compare_clusters(model, *, global_batch: int, clusters: list[str], prices: l
     if amount is not None and amount <= 0:
         raise ConfigError(f"the amount to train on must be positive, got {amount:g}")
     parsed = [Cluster.from_spec(spec) for spec in clusters]  # every spec is checked before planning
-    graph = api.capture_for_planning(model, precision=precision, verbose=verbose)
+    graph = planning.capture_for_planning(model, precision=precision, verbose=verbose)
     options = []
     for index, (spec, cluster) in enumerate(zip(clusters, parsed)):
         price = prices[index] if prices is not None else cluster.price_per_gpu_hour
         try:
-            plan = api.plan(graph, cluster=cluster, global_batch=global_batch, precision=precision, verbose=verbose)
+            plan = planning.plan(graph, cluster=cluster, global_batch=global_batch, precision=precision, verbose=verbose)
             options.append(ClusterOption(cluster=spec, num_devices=cluster.num_devices, price_per_gpu_hour=price,
                                          plan=plan))
         except (InfeasiblePlanError, ConfigError) as error:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from autopar.graph_report import human_bytes
-from autopar.plan_report import _chunk_text
-from autopar.plans import Plan
+from autopar.validation import human_bytes
+from autopar.plans.report import _chunk_text
+from autopar.plans.plan import Plan
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 

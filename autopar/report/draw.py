@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from autopar.graph_report import human_bytes
-from autopar.plans import Plan
+from autopar.validation import human_bytes
+from autopar.plans.plan import Plan
 from autopar.report.memory import MemoryChart, memory_layout
 from autopar.report.timeline import PASS_KINDS, TAIL_KINDS, Timeline, layout
 

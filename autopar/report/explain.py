@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.graph_report import human_bytes
-from autopar.plans import Plan
+from autopar.validation import human_bytes
+from autopar.plans.plan import Plan
 
 SETTINGS = ("pp", "dp", "cp", "tp", "microbatch_size", "num_microbatches", "schedule", "virtual_stages", "recompute",
             "zero_stage", "ep", "offload")

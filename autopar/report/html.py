@@ -8,7 +8,7 @@ import base64
 import html
 import io
 
-from autopar.plans import Plan
+from autopar.plans.plan import Plan
 from autopar.report.draw import memory_figure, timeline_figure
 from autopar.report.explain import explain, format_delta, format_value
 from autopar.report.timeline import layout

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.plans import Plan
+from autopar.plans.plan import Plan
 
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "weight_copies", "activations", "buffers", "recompute_workspace",
                 "gradient_workspace",

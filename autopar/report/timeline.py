@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autopar.errors import PlanMismatchError
-from autopar.plans import Plan
+from autopar.plans.plan import Plan
 from autopar.solver.schedule_sim import lay_out
 
 PASS_KINDS = ("forward", "recompute", "backward", "weight")

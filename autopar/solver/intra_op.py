@@ -189,7 +189,7 @@ class IntraOpILP:
             self._add_hint()
             self.solver.SetTimeLimit(int(time_limit_s * 1000))
             # SCIP's weak dual reductions can cut off every optimum of this model (its edge
-            # variables are continuous): seen on 5-variable problems, tests/unit/test_intra_op.py.
+            # variables are continuous): seen on 5-variable problems, tests/unit/solver/test_intra_op.py.
             self.solver.SetSolverSpecificParametersAsString(_SCIP_PARAMETERS)
             # "optimal" means proven, not OR-Tools' default of within 1e-4.
             parameters.SetDoubleParam(parameters.RELATIVE_MIP_GAP, _RELATIVE_GAP)

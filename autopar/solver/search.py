@@ -39,10 +39,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from autopar.condense import condense, expand_segments
+from autopar.solver.condense import condense, expand_segments
+from autopar.solver.constraints import GATHERS_WITHOUT_SP, ZERO3_WITH_ZERO_BUBBLE, Constraints
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.graph import OpGraph
-from autopar.graph_report import human_bytes
+from autopar.validation import human_bytes
 from autopar.mesh import Mesh
 from autopar.solver.evaluate import SegmentCost
 from autopar.solver.context_parallel import attention_costs, sequence_length, split_compute, split_sequence
@@ -57,55 +58,6 @@ from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
 from cost_model.memory import BF16_ADAM, PrecisionPolicy
 from cost_model.optimizer import OPTIMIZER_IMPLEMENTATIONS, adamw_io_bytes_per_param
-
-
-@dataclass(frozen=True, kw_only=True)
-class Constraints:
-    """Fixes any part of the configuration; None leaves it to the search."""
-
-    dp: int | None = None
-    tp: int | None = None
-    pp: int | None = None
-    cp: int | None = None
-    """Context parallelism: ranks each sequence is split over (1: none)."""
-    microbatch_size: int | None = None
-    schedule: str | None = None
-    """"1f1b", "gpipe", "interleaved", "zb1p" or "zbv"."""
-    virtual_stages: int | None = None
-    """Model chunks per device (interleaved, zb1p; zbv always has 2)."""
-    layers_per_virtual_stage: int | None = None
-    """Alternative to virtual_stages, as Megatron-LM's --num-layers-per-virtual-pipeline-stage."""
-    recompute: str | None = None
-    """"none", "selective" or "full"."""
-    zero_stage: int | None = None
-    ep: int | None = None
-    """Expert-parallel degree (divides dp; 1: experts not split over data-parallel ranks)."""
-    offload: bool | None = None
-    """Optimizer offload: True forces it, False forbids it, None uses it only when nothing fits
-    without it."""
-    sequence_parallel: bool | None = None
-    """False: tensor parallelism without sequence parallelism (norms, dropouts and residual adds
-    replicated on the tp ranks, partial outputs all-reduced), as Megatron-LM runs without
-    --sequence-parallel. True or None: the intra-op solve may shard activations by sequence where
-    that is cheaper (less compute and activation memory on norms, dropouts and residuals, against a
-    reduce-scatter and an all-gather in place of each all-reduce: small messages favour the
-    all-reduce). Unlike other constraints this one is not searched as two options: the allowed
-    placements include every one the restricted solve could choose."""
-
-    @property
-    def sequence_parallel_allowed(self) -> bool:
-        return self.sequence_parallel is not False
-
-    @classmethod
-    def from_value(cls, value: "Constraints | dict | None") -> "Constraints":
-        if value is None:
-            return cls()
-        if isinstance(value, Constraints):
-            return value
-        unknown = set(value) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ConfigError(f"unknown constraint(s) {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
-        return cls(**value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,17 +106,6 @@ class SearchResult:
 
 
 Progress = Callable[[str], None]
-
-GATHERS_WITHOUT_SP = ("recompute 'gathers' keeps sequence-parallel norm outputs sharded and gathers them again in "
-                      "backward; without sequence parallelism nothing is gathered: use recompute 'none' (or "
-                      "'selective', which recomputes attention), or allow sequence parallelism")
-
-ZERO3_WITH_ZERO_BUBBLE = (
-    "ZeRO-3 reshards each FSDP unit after its forward, and torch's zero-bubble schedules run a unit's "
-    "weight-gradient pass after its input-gradient pass, when FSDP has already resharded the unit and "
-    "reduced its gradients: the gradients come out wrong (measured on gloo against one process). Use "
-    "ZeRO-1 or -2 with zb1p/zbv (under pipelining they keep the parameters gathered for the step), or "
-    "ZeRO-3 with 1f1b, interleaved or gpipe")
 
 JOBS_ENV = "AUTOPAR_JOBS"
 """Environment variable: processes of a search whose options leave `jobs` unset."""
@@ -713,6 +654,10 @@ class Planner:
         zbv = [("zbv", 2)] if 2 * pp <= len(self.graph.segments) else []
         if constraints.schedule:
             if constraints.schedule == "interleaved":
+                if virtual and virtual[0] < 2:
+                    raise ConfigError(f"the interleaved schedule runs 2 or more model chunks per device, but the "
+                                      f"constraints give {virtual[0]}: ask for more virtual stages (or fewer "
+                                      "layers per virtual stage), or use the 1f1b schedule")
                 return [("interleaved", v) for v in interleavings]
             if constraints.schedule == "zb1p":
                 return [("zb1p", v) for v in (virtual or [1] + interleavings)]
@@ -735,10 +680,14 @@ class Planner:
             # Chunks need not be equal: the stage partition (pipeline.py) may give the first and
             # last chunks fewer layers (they also hold the embedding and the head), as Llama 3's
             # 126 layers on 16 stages did. What must hold is at least one layer per chunk.
-            virtual = round(self.num_blocks / (pp * constraints.layers_per_virtual_stage))
-            if virtual < 1 or pp * virtual > len(self.graph.segments):
-                raise ConfigError(f"{self.num_blocks} layers on {pp} stages cannot be cut into chunks of "
-                                  f"{constraints.layers_per_virtual_stage} layers")
+            # So a chunk may differ from the asked size by less than one layer on average, no more.
+            layers = constraints.layers_per_virtual_stage
+            virtual = max(round(self.num_blocks / (pp * layers)), 1)
+            if abs(self.num_blocks / (pp * virtual) - layers) >= 1 or pp * virtual > len(self.graph.segments):
+                raise ConfigError(f"{self.num_blocks} layers on {pp} stages cannot be cut into chunks of {layers} "
+                                  f"layers (the nearest is {virtual} chunk(s) per stage of about "
+                                  f"{self.num_blocks / (pp * virtual):.3g} layers): ask for a size that divides "
+                                  f"the {self.num_blocks // pp} layers a stage holds, or give virtual_stages")
             return [virtual]
         return []
 

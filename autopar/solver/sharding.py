@@ -18,7 +18,7 @@ import numpy as np
 
 from autopar.errors import InfeasiblePlanError
 from autopar.graph import OpGraph
-from autopar.graph_report import human_bytes
+from autopar.validation import human_bytes
 from autopar.mesh import Mesh
 from autopar.solver.costing import CostContext
 from autopar.solver.evaluate import SegmentCost, evaluate_assignment

@@ -6,16 +6,12 @@ accumulation; the notes the report shows for them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from autopar.solver.configs import ParallelConfig, StageEstimate
+from autopar.solver.prepared import PreparedSegments
 from autopar.solver.step_tail import uses_fsdp
 from cost_model.fsdp import copy_bytes, timelines_of_arrays
-
-if TYPE_CHECKING:
-    from autopar.solver.prepared import PreparedSegments
-    from autopar.solver.step_model import ParallelConfig, StageEstimate
 
 
 class StepFsdp:

@@ -76,6 +76,8 @@ from typing import NamedTuple
 import numpy as np
 
 from autopar.mesh import Mesh
+from autopar.solver.configs import (SCHEDULES, ZERO_BUBBLE_SCHEDULES, Estimate, ParallelConfig, StageEstimate,
+                                    chunks_per_device)
 from autopar.solver.experts import ExpertPricing
 from autopar.solver.prepared import PreparedSegments, recompute_comm_s, recompute_compute_s, weight_grad_s
 from autopar.solver.recompute import RECOMPUTE_MODES
@@ -87,138 +89,13 @@ from autopar.solver.step_tail import StepTail, uses_fsdp
 from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
-from cost_model.fsdp import FsdpTimeline, unsharded_bytes
+from cost_model.fsdp import unsharded_bytes
 from cost_model.memory import (PrecisionPolicy, accumulated_gradient_peak, chunk_microbatches_in_flight,
                                microbatches_in_flight, model_state_memory)
 
-__all__ = ["RECOMPUTE_MODES", "SCHEDULES", "ParallelConfig", "Estimate", "StepModel", "PreparedSegments",
-           "recompute_comm_s", "recompute_compute_s", "weight_grad_s"]
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb1p", "zbv")
-ZERO_BUBBLE_SCHEDULES = ("zb1p", "zbv")
-"""Schedules that split the backward into input- and weight-gradient passes."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    """A fully fixed parallelization of one training step."""
-
-    dp: int
-    tp: int
-    pp: int
-    microbatch_size: int
-    num_microbatches: int
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    """Model chunks per device for the interleaved and zb1p schedules (2 for zbv, 1 otherwise)."""
-    recompute: str = "none"
-    zero_stage: int = 0
-    ep: int = 1
-    """Expert-parallel degree: experts split over groups of ep consecutive dp ranks (divides dp)."""
-    cp: int = 1
-    """Context parallelism: ranks each sequence is split over (solver/context_parallel.py)."""
-
-    @property
-    def data_shards(self) -> int:
-        """Ranks that hold the same parameters and reduce their gradients: dp x cp."""
-        return self.dp * self.cp
-
-    @property
-    def num_devices(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
-
-    offload: bool = False
-    """FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer states in host memory
-    and the optimizer step on the CPU (ZeRO-3 without pipelining)."""
-    sequence_parallel: bool = True
-    """Whether the tp solution may shard activations beyond what sharded weights make them
-    (Korthikanti et al.'s sequence parallelism, where cheaper); False: Megatron-LM's tensor
-    parallelism without it (solver/sharding_problem.py). Meaningless with tp = 1."""
-
-    @property
-    def chunks_per_device(self) -> int:
-        return chunks_per_device(self.schedule, self.virtual_stages)
-
-    def describe(self) -> str:
-        shown = self.schedule in ("interleaved", "zb1p") and self.virtual_stages > 1
-        schedule = self.schedule + (f"(v={self.virtual_stages})" if shown else "")
-        experts = f" ep={self.ep}" if self.ep > 1 else ""
-        cp = f" cp={self.cp}" if self.cp > 1 else ""
-        return (f"dp={self.dp}{experts}{cp} tp={self.tp} pp={self.pp} microbatch={self.microbatch_size}x"
-                f"{self.num_microbatches} {schedule} recompute={self.recompute} zero={self.zero_stage}"
-                + (" offload" if self.offload else "") + (" no-sp" if self.tp > 1 and not self.sequence_parallel else ""))
-
-
-def chunks_per_device(schedule: str, virtual_stages: int) -> int:
-    """Model chunks one pipeline rank runs under `schedule`."""
-    if schedule in ("interleaved", "zb1p"):
-        return virtual_stages
-    return 2 if schedule == "zbv" else 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class StageEstimate:
-    index: int
-    span: StageSpan
-    segment_names: tuple[str, ...]
-    chunks: tuple[tuple[str, ...], ...]
-    """Segment names per model chunk of this device, in pipeline order."""
-    time_per_microbatch_s: float
-    forward_s: float
-    backward_s: float
-    recompute_s: float
-    tp_comm_s: dict[str, float]
-    p2p_s: float
-    param_numel: float
-    memory_bytes: dict[str, float]
-    forward_pass_s: float = 0.0
-    """One microbatch's forward pass: compute, forward collectives, half the sends (the F of the
-    zero-bubble schedules)."""
-    weight_grad_s: float = 0.0
-    """One microbatch's weight-gradient compute (the W of the zero-bubble schedules)."""
-    grad_reduce_s: float = 0.0
-    """Reductions of Partial weight gradients, once per step after the last microbatch (prepared.py)."""
-    shared_held: tuple[bool, ...] = ()
-    """Per StepModel.shared_params entry, whether this rank holds a copy (it reads the weight)."""
-    host_memory_bytes: dict[str, float] = field(default_factory=dict)
-    """Model states kept in host memory (optimizer offload)."""
-    offload_s: dict[str, float] = field(default_factory=dict)
-    """Exposed offload copies per microbatch, by term (included in time_per_microbatch_s)."""
-    recompute: str = "none"
-    """This stage's recomputation (stages with fewer microbatches in flight may need less)."""
-    fsdp: FsdpTimeline | None = None
-    """One microbatch's FSDP2 communication on this stage (ZeRO >= 1 with dp > 1)."""
-    fsdp_exposed_s: dict[str, float] = field(default_factory=dict)
-    """Exposed FSDP2 communication per microbatch, by collective (included in time_per_microbatch_s)."""
-    fsdp_step_end_s: dict[str, float] = field(default_factory=dict)
-    """Exposed FSDP2 communication once per step, by collective (ZeRO-1/2 gathers, reductions
-    made only in the last microbatch)."""
-    expert_param_numel: float = 0.0
-    """Of param_numel, the expert weights this device holds (1/ep of them)."""
-    ep_s: dict[str, float] = field(default_factory=dict)
-    """Expert parallelism per microbatch (in time_per_microbatch_s): "all_to_all", "load_imbalance"."""
-    ep_segment_s: tuple[tuple[str, float, float], ...] = ()
-    """Per segment with expert ops: (name, forward, backward) seconds of expert parallelism."""
-
-    @property
-    def total_memory_bytes(self) -> float:
-        return sum(self.memory_bytes.values())
-
-
-@dataclass(frozen=True, kw_only=True)
-class Estimate:
-    config: ParallelConfig
-    step_time_s: float
-    breakdown_s: dict[str, float]
-    stages: tuple[StageEstimate, ...]
-    peak_memory_bytes: float
-    memory_bytes: dict[str, float]
-    """Breakdown of the stage with the peak."""
-    fits: bool
-    host_memory_bytes: dict[str, float] = field(default_factory=dict)
-    """Model states in host memory per device under optimizer offload (of the peak stage)."""
-    notes: tuple[str, ...] = field(default_factory=tuple)
-
-
+__all__ = ["RECOMPUTE_MODES", "SCHEDULES", "ZERO_BUBBLE_SCHEDULES", "ParallelConfig", "StageEstimate", "Estimate",
+           "StepModel", "PreparedSegments", "chunks_per_device", "recompute_comm_s", "recompute_compute_s",
+           "weight_grad_s"]
 class StageTimes(NamedTuple):
     """What pipeline_time_s reads of a stage (StageEstimate's fields of the same names)."""
 

@@ -7,12 +7,8 @@ step takes the slowest stage's (StepModel.assemble).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from autopar.mesh import Mesh
-
-if TYPE_CHECKING:
-    from autopar.solver.step_model import ParallelConfig, StageEstimate
+from autopar.solver.configs import ParallelConfig, StageEstimate
 
 
 def uses_fsdp(config: ParallelConfig) -> bool:

@@ -31,7 +31,7 @@ MAX_CONFIGS = 12
 
 
 def calibration_configs(num_processes: int, global_batch: int, *, num_layers: int, num_heads: int) -> list[dict]:
-    """The fixed set: constraint dicts for `api.fixed_config` (at most MAX_CONFIGS)."""
+    """The fixed set: constraint dicts for `planning.fixed_config` (at most MAX_CONFIGS)."""
     configs: list[dict] = []
     for pp in _divisors(num_processes):
         for tp in _divisors(num_processes // pp):
@@ -71,7 +71,7 @@ def measure_configs(model_spec: str, cluster: str, global_batch: int, options: T
     import torch
     import torch.distributed as dist
 
-    from autopar import api
+    from autopar.plans import planning
     from autopar.codegen.runtime import run_on_rank0
     from autopar.models import build_model
     from autopar.tune.trials import run_trials
@@ -81,7 +81,7 @@ def measure_configs(model_spec: str, cluster: str, global_batch: int, options: T
     bundle = build_model(model_spec, device=device, seed=0, batch_size=global_batch)
 
     def price():
-        planner = api.planner_for(bundle.model, bundle.example_inputs, cluster, global_batch=global_batch,
+        planner = planning.planner_for(bundle.model, bundle.example_inputs, cluster, global_batch=global_batch,
                                   loss_fn=bundle.loss_fn, example_targets=bundle.example_targets,
                                   precision=precision, calibrated=False)
         if planner.cluster.num_devices != world:
@@ -92,12 +92,12 @@ def measure_configs(model_spec: str, cluster: str, global_batch: int, options: T
             num_heads=getattr(bundle.config, "heads", 0))
         priced = []
         for constraints in chosen:
-            config = api.fixed_config(planner, tp=constraints["tp"], pp=constraints["pp"], dp=constraints["dp"],
+            config = planning.fixed_config(planner, tp=constraints["tp"], pp=constraints["pp"], dp=constraints["dp"],
                                       microbatch_size=constraints["microbatch_size"], schedule="1f1b",
                                       virtual_stages=None, layers_per_virtual_stage=None,
                                       recompute=constraints.get("recompute", "none"),
                                       zero_stage=constraints.get("zero_stage", 0))
-            plan = api.evaluate_with(planner, config)
+            plan = planning.evaluate_with(planner, config)
             estimate, _ = planner.evaluate(config)
             priced.append((plan, planner.features(estimate)))
         return priced

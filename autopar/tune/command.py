@@ -24,7 +24,7 @@ def tune(model_spec: str, *, cluster: str, global_batch: int, num_trials: int, s
     import torch
     import torch.distributed as dist
 
-    from autopar import api
+    from autopar.plans import planning
     from autopar.codegen.runtime import ensure_process_group, run_on_rank0
     from autopar.models import build_model
     from autopar.solver.search import SearchOptions
@@ -35,7 +35,7 @@ def tune(model_spec: str, *, cluster: str, global_batch: int, num_trials: int, s
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     bundle = build_model(model_spec, device=device, seed=0, batch_size=global_batch)
-    candidates = run_on_rank0(lambda: api.candidate_plans(
+    candidates = run_on_rank0(lambda: planning.candidate_plans(
         bundle.model, bundle.example_inputs, cluster, global_batch=global_batch, num_candidates=num_trials,
         constraints=constraints, loss_fn=bundle.loss_fn, example_targets=bundle.example_targets,
         precision=precision, options=SearchOptions(optimizer=optimizer)))

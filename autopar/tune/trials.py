@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import ConfigError
-from autopar.plans import Plan
+from autopar.plans.plan import Plan
 
 
 @dataclass(frozen=True, kw_only=True)

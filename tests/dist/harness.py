@@ -49,7 +49,7 @@ import pytest
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 240.0
-PRELOADED_MODULES = ["torch", "torch.distributed.tensor", "autopar.api", "autopar.codegen.parallelize",
+PRELOADED_MODULES = ["torch", "torch.distributed.tensor", "autopar.api",
                      "torch.distributed.pipelining", "torch.distributed.checkpoint", "torch._functorch.partitioners",
                      "torch._export.serde.serialize", "networkx", "transformers", "transformers.modeling_utils",
                      "pytest"]
@@ -86,7 +86,7 @@ def tiny_model_cluster(num_devices: int, *, memory_bandwidth_gbs: float | None =
     `memory_bandwidth_gbs` slows the memory too, so that memory-bound work (lookups, norms,
     residual adds) is worth splitting: at 8 GB/s the tiny GPT and Llama on tp = 2 get, without
     sequence parallelism, Megatron's all-reduces (at 2 GB/s sequence-sharded norms when allowed;
-    at 4 GB/s and below without them, the backward's sums of gradients (autopar/gradient_sums.py)
+    at 4 GB/s and below without them, the backward's sums of gradients (autopar/capture/gradient_sums.py)
     make hidden-sharded residuals behind column-parallel projections cheaper).
     """
     suffix = f"-membw{memory_bandwidth_gbs:g}" if memory_bandwidth_gbs is not None else ""

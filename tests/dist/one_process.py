@@ -132,7 +132,8 @@ def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple | dict,
     `inputs` is a tuple of positional inputs or a dict of keyword inputs, as parallelize takes them."""
     import torch.distributed as dist
 
-    from autopar.api import Constraints, capture_for_planning, plan_with, planner_for, split_inputs
+    from autopar.api import capture_for_planning, plan_with, planner_for, split_inputs
+    from autopar.solver.constraints import Constraints
     from autopar.codegen.parallelize import build_parallel_module
     from autopar.codegen.runtime import run_on_rank0
 
@@ -223,7 +224,7 @@ def _codegen_capture(model, inputs: tuple, keywords: dict, folder: Path | None =
 
     import torch.distributed as dist
 
-    from autopar.capture import capture_program
+    from autopar.capture.export import capture_program
     from autopar.codegen.runtime import run_on_rank0
 
     captured = None

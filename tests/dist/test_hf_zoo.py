@@ -103,7 +103,8 @@ def _planner(graph_or_model, batches, loss_fn, world_size: int):
 
 
 def _plans(planner, world_size: int) -> dict:
-    from autopar.api import Constraints, plan_with
+    from autopar.api import plan_with
+    from autopar.solver.constraints import Constraints
 
     return {mesh: plan_with(planner, Constraints.from_value(constraints))
             for mesh, (size, constraints) in MESHES.items() if size == world_size}
@@ -115,7 +116,7 @@ def _folder(case: ZooCase) -> Path | None:
 
 def _stored_plans(case: ZooCase) -> tuple[dict, list[float]] | None:
     """This case's plans and one-process losses, if an earlier job left them."""
-    from autopar.plans import Plan
+    from autopar.plans.plan import Plan
 
     folder = _folder(case)
     if folder is None or not all((folder / f"{mesh}.json").exists() for mesh in case.meshes) \
@@ -144,7 +145,7 @@ def _store_plans(case: ZooCase, plans: dict, reference: list[float] | None = Non
 def _capture_and_store(model, inputs, case: ZooCase):
     """capture_program for codegen, saved (torch.export.save, and the OpGraph) for the other
     ranks and the later job: export is most of a tiny model's time in this test."""
-    from autopar.capture import capture_program
+    from autopar.capture.export import capture_program
 
     program, graph = capture_program(model, (), inputs, allow_fallback=False)
     folder = _folder(case)
@@ -185,7 +186,7 @@ def _prepare(case: ZooCase, model, batches, loss_fn) -> tuple[dict, list[float],
     their jobs), and the other ranks load the saved codegen capture. A later job loads it all."""
     import torch.distributed as dist
 
-    from autopar.capture import capture_program
+    from autopar.capture.export import capture_program
     from autopar.codegen.runtime import broadcast_object
 
     stored = _stored_plans(case)

@@ -24,7 +24,7 @@ import pytest
 from autopar import api
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
-from autopar.solver.search import Constraints
+from autopar.solver.constraints import Constraints
 
 SHAPE = "hidden=16384,heads=128,kv_heads=8,ffn_hidden=53248,vocab=128256"
 CLUSTER = "dgx-h100:nodes=2048"

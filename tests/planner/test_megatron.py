@@ -9,7 +9,8 @@ import pytest
 
 from autopar import api
 from autopar.cluster import Cluster
-from autopar.solver.search import Constraints, Planner
+from autopar.solver.constraints import Constraints
+from autopar.solver.search import Planner
 from cost_model.memory import MEGATRON_BF16
 from benchmarks.megatron_table import REFERENCE, Row, evaluate_published, planner_for, read_rows
 

@@ -16,9 +16,8 @@ import torch._dynamo  # noqa: F401 - imported here, never under a case's alarm (
 import torch.export  # noqa: F401   import leaves torch half-initialised for every later case)
 
 import autopar.api  # noqa: F401
-import autopar.capture_fx  # noqa: F401
-import autopar.codegen.parallelize  # noqa: F401
-import autopar.profiling  # noqa: F401
+import autopar.capture.fx  # noqa: F401
+import autopar.tune.profile  # noqa: F401
 from autopar.cli import main
 from autopar.errors import AutoparError
 

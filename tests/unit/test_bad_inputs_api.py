@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import autopar
-from autopar.capture import capture
-from autopar.codegen.parallelize import parallelize  # noqa: F401 - imported before any alarm (see harness)
+from autopar.capture.export import capture
+from autopar.api import parallelize  # noqa: F401 - imported before any alarm (see harness)
 from bad_input_harness import FOUR_GPUS, TINY, api_error
 from autopar.errors import CaptureError, ClusterSpecError, ConfigError, ModelSpecError, PlanMismatchError
 

@@ -141,6 +141,17 @@ def test_bad_plan_argument(capsys, extra, fragments):
     assert "Constraints(" not in outcome.err  # a reason, not a dataclass dump
 
 
+@pytest.mark.parametrize("extra, fragments", [
+    (["--layers-per-virtual-stage", "3"], ["4 layers on 2 stages", "chunks of 3 layers"]),
+    (["--layers-per-virtual-stage", "2"], ["interleaved", "2 or more model chunks", "1f1b"]),
+])
+def test_interleaving_that_cannot_be_met_is_refused(capsys, extra, fragments):
+    """Chunks of 3 layers from 2 layers a stage, or one chunk a device, is not an interleaved
+    schedule: refused with the reason, never planned as something else."""
+    model = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128"
+    cli_error(capsys, plan_argv("--pp", "2", "--schedule", "interleaved", *extra, model=model), *fragments)
+
+
 def test_pipeline_the_batch_cannot_fill(capsys):
     outcome = cli_error(capsys, plan_argv("--pp", "4", "--dp", "1", "--tp", "1", batch="2"), "pp=4", "microbatches")
     assert "Constraints(" not in outcome.err

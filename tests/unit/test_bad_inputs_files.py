@@ -298,6 +298,22 @@ FILE_CASES = [
 ]
 
 
+def test_forward_that_branches_on_a_value_is_not_called_a_bad_input(capsys, tmp_path):
+    """Planning runs the model on meta tensors, where `if y.sum() > 0` cannot be decided: the
+    inputs are fine, the forward reads a tensor's value; the message says so, names the line and
+    says what to write instead."""
+    path = tmp_path / "user_model.py"
+    path.write_text(MODEL_HEADER + "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                    "        self.fc = nn.Linear(8, 8)\n    def forward(self, x):\n        y = self.fc(x)\n"
+                    "        if y.sum() > 0:\n            return y * 2\n        return y\n"
+                    "def make():\n    return M(), (torch.randn(4, 8),)\n")
+    outcome = run_cli(capsys, ["plan", f"{path}:make", "--cluster", "cpu:procs=2", "--global-batch", "4"])
+    from bad_input_harness import assert_clear
+
+    assert_clear(outcome, "reads tensor values", "user_model.py:", "if y.sum() > 0:", "torch.where", "torch.cond")
+    assert "rejects its example inputs" not in outcome.err and "example_inputs of the shapes" not in outcome.err
+
+
 @pytest.mark.parametrize("source, fragments", FILE_CASES, ids=[f"file{i}" for i in range(len(FILE_CASES))])
 def test_bad_model_file(capsys, tmp_path, source, fragments):
     path = tmp_path / "user_model.py"

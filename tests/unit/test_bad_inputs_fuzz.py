@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from autopar.cluster import cluster_from_toml, parse_cluster
 from autopar.errors import AutoparError, PlanMismatchError
-from autopar.plans import Plan
+from autopar.plans.plan import Plan
 from bad_input_harness import FOUR_GPUS, TINY, deadline
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from autopar.capture import capture
+from autopar.capture.export import capture
 from autopar.models import build_model
 
 BUILTIN_BLOCK_MODELS = ["gpt", "llama", "bert", "vit", "moe", "mlp"]
@@ -206,7 +206,9 @@ def test_saved_activations_count_each_storage_once():
 
 def test_summary_names_blocks_and_counts():
     _, graph = captured("gpt:layers=3")
-    text = graph.summary()
+    from autopar.report.graph_summary import graph_summary
+
+    text = graph_summary(graph)
     assert "captured with export, batch 2 (dynamic)" in text
     assert f"parameters: {graph.num_params:,}" in text
     assert "layers[0..] x3 identical" in text

@@ -1,0 +1,209 @@
+"""What a user may fix of a configuration (Constraints) and the checks of fixed values: types and
+ranges of the constraints and of `evaluate`'s arguments, degrees against the cluster and the batch,
+the pipeline against the model's segments, and the pairs that cannot run together (ZeRO-3 with a
+zero-bubble schedule, recompute 'gathers' without sequence parallelism). Each check runs before
+the search (most before the capture) and says what to change."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.errors import ConfigError
+from autopar.solver.step_model import RECOMPUTE_MODES, SCHEDULES, ZERO_BUBBLE_SCHEDULES
+from autopar.validation import MAX_DEVICES, MAX_GLOBAL_BATCH, check_choice, check_int, shorten, type_name
+
+
+@dataclass(frozen=True, kw_only=True)
+class Constraints:
+    """Fixes any part of the configuration; None leaves it to the search."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    cp: int | None = None
+    """Context parallelism: ranks each sequence is split over (1: none)."""
+    microbatch_size: int | None = None
+    schedule: str | None = None
+    """"1f1b", "gpipe", "interleaved", "zb1p" or "zbv"."""
+    virtual_stages: int | None = None
+    """Model chunks per device (interleaved, zb1p; zbv always has 2)."""
+    layers_per_virtual_stage: int | None = None
+    """Alternative to virtual_stages, as Megatron-LM's --num-layers-per-virtual-pipeline-stage."""
+    recompute: str | None = None
+    """"none", "selective" or "full"."""
+    zero_stage: int | None = None
+    ep: int | None = None
+    """Expert-parallel degree (divides dp; 1: experts not split over data-parallel ranks)."""
+    offload: bool | None = None
+    """Optimizer offload: True forces it, False forbids it, None uses it only when nothing fits
+    without it."""
+    sequence_parallel: bool | None = None
+    """False: tensor parallelism without sequence parallelism (norms, dropouts and residual adds
+    replicated on the tp ranks, partial outputs all-reduced), as Megatron-LM runs without
+    --sequence-parallel. True or None: the intra-op solve may shard activations by sequence where
+    that is cheaper (less compute and activation memory on norms, dropouts and residuals, against a
+    reduce-scatter and an all-gather in place of each all-reduce: small messages favour the
+    all-reduce). Unlike other constraints this one is not searched as two options: the allowed
+    placements include every one the restricted solve could choose."""
+
+    @property
+    def sequence_parallel_allowed(self) -> bool:
+        return self.sequence_parallel is not False
+
+    @classmethod
+    def from_value(cls, value: "Constraints | dict | None") -> "Constraints":
+        if value is None:
+            return cls()
+        if isinstance(value, Constraints):
+            return value
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"unknown constraint(s) {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+        return cls(**value)
+
+
+GATHERS_WITHOUT_SP = ("recompute 'gathers' keeps sequence-parallel norm outputs sharded and gathers them again in "
+                      "backward; without sequence parallelism nothing is gathered: use recompute 'none' (or "
+                      "'selective', which recomputes attention), or allow sequence parallelism")
+
+ZERO3_WITH_ZERO_BUBBLE = (
+    "ZeRO-3 reshards each FSDP unit after its forward, and torch's zero-bubble schedules run a unit's "
+    "weight-gradient pass after its input-gradient pass, when FSDP has already resharded the unit and "
+    "reduced its gradients: the gradients come out wrong (measured on gloo against one process). Use "
+    "ZeRO-1 or -2 with zb1p/zbv (under pipelining they keep the parameters gathered for the step), or "
+    "ZeRO-3 with 1f1b, interleaved or gpipe")
+
+
+_DEGREES = ("dp", "tp", "pp")
+_POSITIVE_CONSTRAINTS = ("dp", "tp", "pp", "cp", "microbatch_size", "virtual_stages", "layers_per_virtual_stage",
+                         "ep")
+
+
+def check_constraint_values(value: Any) -> dict[str, Any]:
+    """The constraints as a dict of checked values (None: left to the search)."""
+    if value is None:
+        return {}
+    if isinstance(value, Constraints):
+        value = {name: getattr(value, name) for name in value.__dataclass_fields__}
+    if not isinstance(value, dict):
+        raise ConfigError(f"constraints must be a dict such as {{'tp': 8, 'pp': 2}} (or a Constraints), "
+                          f"got {type_name(value)} {shorten(value)}")
+    checked: dict[str, Any] = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"constraint names are strings such as 'tp', got {shorten(key)}")
+        if item is None:
+            checked[key] = None
+        elif key in _POSITIVE_CONSTRAINTS:
+            checked[key] = check_int(item, f"constraints['{key}']", maximum=MAX_DEVICES)
+        elif key == "zero_stage":
+            checked[key] = check_choice(item, "constraints['zero_stage']", (0, 1, 2, 3))
+        elif key == "schedule":
+            checked[key] = check_choice(item, "constraints['schedule']", SCHEDULES)
+        elif key == "recompute":
+            checked[key] = check_choice(item, "constraints['recompute']", RECOMPUTE_MODES)
+        elif key in ("offload", "sequence_parallel"):
+            checked[key] = _check_flag(item, f"constraints['{key}']")
+        else:
+            checked[key] = item  # an unknown name: Constraints.from_value names the known ones
+    if checked.get("sequence_parallel") is False and checked.get("recompute") == "gathers":
+        _refuse_gathers_without_sp("constraints['recompute']")
+    _refusezero3_with_zero_bubble(checked.get("schedule"), checked.get("zero_stage"), "constraints")
+    return checked
+
+
+def zero3_with_zero_bubble(schedule: Any, zero_stage: Any) -> str:
+    """Why this schedule cannot run with this ZeRO stage ("" when it can)."""
+    if schedule in ZERO_BUBBLE_SCHEDULES and zero_stage == 3:
+        return f"schedule '{schedule}' with zero_stage 3: {ZERO3_WITH_ZERO_BUBBLE}"
+    return ""
+
+
+def _refusezero3_with_zero_bubble(schedule: Any, zero_stage: Any, where: str) -> None:
+    reason = zero3_with_zero_bubble(schedule, zero_stage)
+    if reason:
+        raise ConfigError(f"{where}: {reason}")
+
+
+def _refuse_gathers_without_sp(name: str) -> None:
+    raise ConfigError(f"{name}='gathers' with sequence_parallel=False: {GATHERS_WITHOUT_SP}")
+
+
+def _check_flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {type_name(value)} {shorten(value)}")
+    return value
+
+
+def check_fixed_config(*, tp: Any, pp: Any, dp: Any, microbatch_size: Any, schedule: Any, virtual_stages: Any,
+                       layers_per_virtual_stage: Any, recompute: Any, zero_stage: Any, ep: Any = 1,
+                       cp: Any = 1, offload: Any = False, sequence_parallel: Any = True) -> None:
+    """The arguments of `evaluate`: types and ranges, before anything is captured."""
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp), ("microbatch_size", microbatch_size)):
+        check_int(value, name, maximum=MAX_DEVICES if name != "microbatch_size" else MAX_GLOBAL_BATCH)
+    for name, value in (("dp", dp), ("virtual_stages", virtual_stages),
+                        ("layers_per_virtual_stage", layers_per_virtual_stage)):
+        if value is not None:
+            check_int(value, name, maximum=MAX_DEVICES)
+    check_choice(schedule, "schedule", SCHEDULES)
+    check_choice(recompute, "recompute", RECOMPUTE_MODES)
+    check_choice(zero_stage, "zero_stage", (0, 1, 2, 3))
+    _check_flag(offload, "offload")
+    if not _check_flag(sequence_parallel, "sequence_parallel") and recompute == "gathers":
+        _refuse_gathers_without_sp("recompute")
+    _refusezero3_with_zero_bubble(schedule, zero_stage, "evaluate")
+
+
+def check_degrees(cluster, global_batch: int, *, dp: int | None = None, tp: int | None = None,
+                  pp: int | None = None, microbatch_size: int | None = None, schedule: str | None = None,
+                  cp: int | None = None) -> None:
+    """Fixed parallel degrees that cannot work on this cluster and batch, said in those terms
+    (before any capture: none of this needs the model). An unfixed cp counts as 1 here."""
+    devices, per_node = cluster.num_devices, cluster.devices_per_node
+    fixed = {name: value for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)) if value}
+    for name, value in fixed.items():
+        if value > devices:
+            raise ConfigError(f"{name}={value} is more than the cluster's {devices} devices; use {name} <= {devices}")
+    if tp and tp > per_node:
+        raise ConfigError(f"tp={tp} is more than the {per_node} GPUs of one node: tensor parallelism runs inside a "
+                          f"node; use tp <= {per_node} and spread the rest over pp or dp")
+    for name, value in fixed.items():
+        if devices % value:
+            raise ConfigError(f"{name}={value} does not divide the cluster's {devices} devices")
+    if len(fixed) > 1:
+        product = math.prod(fixed.values())
+        shown = f"{' x '.join(fixed)} = {' x '.join(map(str, fixed.values()))} = {product}"
+        if product > devices or devices % product:
+            raise ConfigError(f"{shown} {'is more than' if product > devices else 'does not divide'} the cluster's "
+                              f"{devices} devices; dp x tp x pp{' x cp' if cp else ''} must equal {devices}")
+        if len(set(fixed) & {"dp", "tp", "pp"}) == 3 and product != devices:
+            raise ConfigError(f"{shown}, but the cluster has {devices} devices; dp x tp x pp{' x cp' if cp else ''} "
+                              f"must equal {devices}")
+    if dp and global_batch % dp:
+        raise ConfigError(f"global batch {global_batch} is not divisible by dp={dp}; every data-parallel replica "
+                          "takes the same number of samples")
+    if microbatch_size:
+        local = global_batch // dp if dp else global_batch
+        if microbatch_size > local or local % microbatch_size:
+            where = f"the per-replica batch {local} (global batch {global_batch} / dp {dp})" if dp else \
+                f"the global batch {global_batch}"
+            raise ConfigError(f"{where} is not divisible by microbatch size {microbatch_size}")
+    if schedule == "interleaved" and pp == 1:
+        raise ConfigError("the interleaved schedule needs pp >= 2 (it interleaves model chunks across stages); "
+                          "use pp >= 2 or another schedule")
+    if schedule in ("zb1p", "zbv") and pp == 1:
+        raise ConfigError(f"the {schedule} schedule needs pp >= 2 (it is a pipeline schedule); use pp >= 2 or "
+                          "another schedule")
+
+
+def check_pipeline_depth(graph, pp: int | None) -> None:
+    """A pipeline needs at least one segment (prologue, block or epilogue) per stage."""
+    segments = len(graph.segments)
+    if pp and pp > segments:
+        blocks = sum(1 for segment in graph.segments if segment.block_group is not None)
+        name = shorten(graph.model_name, 60) if graph.model_name else "the model"
+        raise ConfigError(f"pp={pp} needs at least {pp} pipeline segments, but {name} has "
+                          f"{segments} ({blocks} repeated blocks and {segments - blocks} other segments); "
+                          f"use pp <= {segments}")

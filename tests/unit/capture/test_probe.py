@@ -1,0 +1,118 @@
+"""probe.py: ops priced and their saved tensors as the CUDA kernels keep them.
+
+`rms_norm` is CUDA's fused kernel (its input and a float32 1 / rms per row kept, not float32
+copies of the activations); sdpa with `enable_gqa` keeps K and V at their own head count."""
+
+import torch
+
+from autopar.graph import Ref
+from autopar.capture.probe import InputSpec, probe_op
+
+aten = torch.ops.aten
+
+
+def _spec(shape, dtype=torch.bfloat16, *, param=False) -> InputSpec:
+    stride = torch.empty(shape, device="meta").stride()
+    return InputSpec(shape=tuple(shape), stride=stride, dtype=dtype, requires_grad=True, is_param=param)
+
+
+def _bytes(shape, dtype=torch.bfloat16) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+def test_rms_norm_is_the_fused_kernel_keeping_its_input_and_one_float_per_row():
+    result = probe_op(aten.rms_norm.default, (Ref(index=0), [64], Ref(index=1), 1e-5), {},
+                      [_spec((2, 8, 64)), _spec((64,), param=True)])
+    assert result.saved_inputs == (0,) and not result.saved_output
+    assert result.saved_extra_bytes == 2 * 8 * 4  # rstd, float32, one per row
+    assert [kernel.name for kernel in result.fwd_kernels] == ["aten._fused_rms_norm.default"]
+    (forward,) = result.fwd_kernels
+    assert forward.io_bytes == 2 * _bytes((2, 8, 64)) + _bytes((64,)) + 2 * 8 * 4  # one pass
+    assert any("_fused_rms_norm_backward" in kernel.name for kernel in result.bwd_kernels)
+
+
+def test_rms_norm_with_a_float32_weight_on_bfloat16_input_is_the_composite():
+    result = probe_op(aten.rms_norm.default, (Ref(index=0), [64], Ref(index=1), 1e-5), {},
+                      [_spec((2, 8, 64)), _spec((64,), torch.float32, param=True)])
+    assert len(result.fwd_kernels) > 1 and result.saved_extra_bytes > 2 * 8 * 4
+
+
+def test_grouped_query_attention_keeps_key_and_value_at_their_own_head_count():
+    query, kv = (2, 16, 128, 64), (2, 2, 128, 64)
+    args = (Ref(index=0), Ref(index=1), Ref(index=2))
+    grouped = probe_op(aten.scaled_dot_product_attention.default, args, {"is_causal": True, "enable_gqa": True},
+                       [_spec(query), _spec(kv), _spec(kv)])
+    assert grouped.saved_inputs == (0, 1, 2) and grouped.saved_output
+    log_sum_exp = 2 * 16 * 128 * 4  # float32, per query row (plus the kernel's few bytes of rng state)
+    assert log_sum_exp <= grouped.saved_extra_bytes <= log_sum_exp + 64
+    repeated = probe_op(aten.scaled_dot_product_attention.default, args, {"is_causal": True},
+                        [_spec(query), _spec(query), _spec(query)])
+    flops = lambda result: sum(kernel.flops for kernel in result.fwd_kernels + result.bwd_kernels)  # noqa: E731
+    assert flops(grouped) == flops(repeated)  # each query head still attends to a whole K
+
+
+def test_grouped_query_attention_flops_do_not_depend_on_torchs_counter(monkeypatch):
+    """torch before 2.13 asserted equal head counts in its sdpa FLOP formulas; the probe then
+    priced GQA attention by its bytes alone. The probe counts attention itself, as torch 2.13 does."""
+    from torch.utils import flop_counter
+
+    query, kv = (2, 16, 128, 64), (2, 2, 128, 64)
+    args = (Ref(index=0), Ref(index=1), Ref(index=2))
+    call = lambda: probe_op(aten.scaled_dot_product_attention.default, args,  # noqa: E731
+                            {"is_causal": True, "enable_gqa": True}, [_spec(query), _spec(kv), _spec(kv)])
+    counted = call()
+
+    def equal_heads_only(*shapes, **_):
+        raise AssertionError("h == _h2")  # torch 2.11's sdpa_flop_count on GQA shapes
+
+    for packet in (aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward):
+        monkeypatch.setitem(flop_counter.flop_registry, packet, equal_heads_only)
+    old_torch = call()
+    pairs = 2 * 16 * 128 * 128
+    for result in (counted, old_torch):
+        (forward,) = [k for k in result.fwd_kernels if "flash_attention" in k.name]
+        (backward,) = [k for k in result.bwd_kernels if "flash_attention" in k.name]
+        assert forward.is_matmul and forward.flops == 2 * (2 * pairs * 64)
+        assert backward.is_matmul and backward.flops == 5 * (2 * pairs * 64)
+
+
+def test_attention_kernels_carry_their_causal_mask():
+    shape = (1, 4, 64, 32)
+    args = (Ref(index=0), Ref(index=1), Ref(index=2))
+    for causal in (True, False):
+        result = probe_op(aten.scaled_dot_product_attention.default, args, {"is_causal": causal},
+                          [_spec(shape), _spec(shape), _spec(shape)])
+        attention = [k for k in result.fwd_kernels + result.bwd_kernels if "attention" in k.name]
+        assert len(attention) == 2 and all(kernel.causal == causal for kernel in attention)
+        assert not any(kernel.causal for kernel in result.fwd_kernels + result.bwd_kernels if kernel not in attention)
+
+
+def test_masked_fill_runs_as_a_copy_then_the_fill_in_place():
+    """ATen's out-of-place masked_fill clones `self` and fills the copy: forward and backward
+    (grad.masked_fill(mask, 0)) each read and write the whole tensor twice."""
+    scores, mask = (2, 4, 16, 16), (16, 16)
+    masked = probe_op(aten.masked_fill.Scalar, (Ref(index=0), Ref(index=1), -1e4), {},
+                      [_spec(scores), InputSpec(shape=mask, stride=(16, 1), dtype=torch.bool, requires_grad=False,
+                                                is_param=False)])
+    nbytes = 2 * 4 * 16 * 16 * 2  # bf16
+    for kernels in (masked.fwd_kernels, masked.bwd_kernels):
+        assert [k.name for k in kernels] == ["aten.clone.default", "aten.masked_fill.Scalar"]
+        assert kernels[0].io_bytes == 2 * nbytes and not kernels[0].broadcast
+    where = probe_op(aten.where.self, (Ref(index=1), Ref(index=0), Ref(index=2)), {},
+                     [_spec(scores), InputSpec(shape=mask, stride=(16, 1), dtype=torch.bool, requires_grad=False,
+                                               is_param=False), _spec(())])
+    assert [k.name for k in where.fwd_kernels] == ["aten.where.self"]
+
+
+def test_pointwise_kernels_with_a_broadcast_operand_are_marked():
+    scores, mask = (2, 4, 16, 16), (16, 16)
+    masked = probe_op(aten.masked_fill.Scalar, (Ref(index=0), Ref(index=1), -1e4), {},
+                      [_spec(scores), InputSpec(shape=mask, stride=(16, 1), dtype=torch.bool, requires_grad=False,
+                                                is_param=False)])
+    fill = [k for k in masked.fwd_kernels if "masked_fill" in k.name]
+    assert [k.broadcast for k in fill] == [True]
+    assert all(k.broadcast for k in masked.bwd_kernels if "masked_fill" in k.name)
+    same = probe_op(aten.mul.Tensor, (Ref(index=0), Ref(index=1)), {}, [_spec(scores), _spec(scores)])
+    scalar = probe_op(aten.mul.Tensor, (Ref(index=0), 0.5), {}, [_spec(scores)])
+    gelu = probe_op(aten.gelu.default, (Ref(index=0),), {}, [_spec(scores)])
+    assert not any(k.broadcast for result in (same, scalar, gelu) for k in result.fwd_kernels + result.bwd_kernels)
