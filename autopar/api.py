@@ -24,14 +24,14 @@ from autopar.codegen.parallel_module import ParallelModule
 from autopar.codegen.parallelize import build_parallel_module
 from autopar.codegen.runtime import ensure_process_group, run_on_rank0
 from autopar.errors import ConfigError, PlanMismatchError
+from autopar.plans import planning
 from autopar.plans.plan import Plan
 from autopar.plans.planning import (candidate_plans, candidates_with, capture_for_planning, check_model_arguments,
                                     evaluate, evaluate_with, fixed_config, plan_with, planner_for, split_inputs)
-from autopar.plans.planning import plan as plan_model
 from autopar.tune.trials import TrialOptions, record_trials, run_trials, select_winner
 from autopar.validation import check_global_batch, shorten, type_name
 
-plan = plan_model
+plan = planning.plan
 """`autopar.plan(model, example_inputs, cluster, global_batch=...)`: see plans/planning.py."""
 
 __all__ = ["candidate_plans", "candidates_with", "capture_for_planning", "default_cluster", "evaluate",
@@ -78,10 +78,10 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
     def make_plan() -> Plan:
         if plan is not None:
             return plan if isinstance(plan, Plan) else Plan.load(plan)
-        return plan_model(model, inputs, cluster or default_cluster(world), global_batch=batch,
-                        constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
-                        example_kwargs=keywords, options=options,
-                        precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"))
+        return planning.plan(model, inputs, cluster or default_cluster(world), global_batch=batch,
+                             constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
+                             example_kwargs=keywords, options=options,
+                             precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"))
 
     if trials > 1 and plan is None:
         chosen = _chosen_by_trials(model, inputs, keywords, cluster or default_cluster(world), batch, trials,

@@ -23,21 +23,26 @@ import enum
 import functools
 import hashlib
 import os
-import pickle
+import json
 import site
+import stat
 import sys
 import sysconfig
 import types
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from autopar.capture import graph_codec
 from autopar.graph import OpGraph
 
-FORMAT_VERSION = 4
-"""Bumped when the entry layout changes (old entries then miss)."""
+FORMAT_VERSION = 5
+"""Bumped when the entry layout changes (old entries then miss); 5: JSON, no pickle."""
+ENTRY_SUFFIX = ".json"
+_LEGACY_SUFFIX = ".pkl"
+"""Entries of format 4 and before (pickled): never read, removed by `clear` and eviction."""
 MAX_ENTRIES = 64
 """Entries kept; the least recently used beyond this are removed when one is stored."""
 MAX_HASHED_TENSOR_NUMEL = 1 << 20
@@ -69,7 +74,7 @@ def cache_dir() -> Path:
 def clear() -> int:
     """Removes every entry; returns how many."""
     removed = 0
-    for path in cache_dir().glob("*.pkl"):
+    for path in [*cache_dir().glob(f"*{ENTRY_SUFFIX}"), *cache_dir().glob(f"*{_LEGACY_SUFFIX}")]:
         with _ignoring_os_errors():
             path.unlink()
             removed += 1
@@ -335,33 +340,43 @@ def _file_hash(path: str) -> str | None:
         return None
 
 
-def _current(recorded: dict) -> bool:
-    if recorded.get("distributions") != _distributions(_library_dirs()):
+def _current(recorded) -> bool:
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("files"), dict):
         return False
-    return all(_file_hash(path) == digest for path, digest in recorded.get("files", {}).items())
+    if recorded.get("distributions") != list(_distributions(_library_dirs())):
+        return False
+    return all(isinstance(path, str) and _file_hash(path) == digest for path, digest in recorded["files"].items())
 
 
 # --- entries -------------------------------------------------------------------------------------
+#
+# An entry is two lines of JSON: a header (format, the code it was made with, the model's name)
+# and the graph (graph_codec.py). Nothing read is unpickled, so an entry can hold no code. Entries
+# are trusted no further than the folder: it is made owner-only (0700), and a folder or an entry
+# that another user owns or may write is not read (nor written into), with one warning.
+
+_warned: set[str] = set()
+
 
 def entry_path(key: Key) -> Path:
-    return cache_dir() / f"{key.digest}.pkl"
+    return cache_dir() / f"{key.digest}{ENTRY_SUFFIX}"
 
 
 def lookup(key: Key) -> OpGraph | None:
     """The stored graph of `key` if its recorded code is unchanged, else None."""
     path = entry_path(key)
     try:
+        if not _trusted(path.parent) or not _trusted(path):
+            return None
         with open(path, "rb") as handle:
-            header = pickle.load(handle)
+            header = json.loads(handle.readline())
             if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION or \
-                    not _current(header.get("dependencies", {})):
+                    not _current(header.get("dependencies")):
                 return None
-            graph = pickle.load(handle)
+            graph = graph_codec.decode(handle.read().decode())
     except FileNotFoundError:
         return None
-    except Exception:  # noqa: BLE001 - a damaged or foreign entry is a miss (and is replaced)
-        return None
-    if not isinstance(graph, OpGraph):
+    except (OSError, ValueError, RecursionError):  # a damaged or foreign entry is a miss (and is replaced)
         return None
     with _ignoring_os_errors():
         os.utime(path)  # least recently used goes first
@@ -370,17 +385,21 @@ def lookup(key: Key) -> OpGraph | None:
 
 def store(key: Key, graph: OpGraph) -> Path | None:
     """Saves `graph` under `key` with the code loaded now; returns the file (None if the folder
-    cannot be written: the cache is then simply not used)."""
+    cannot be written, or is not the user's own: the cache is then simply not used)."""
     path = entry_path(key)
-    header = {"format": FORMAT_VERSION, "dependencies": dependencies(with_main=key.uses_main), "model": graph.model_name}
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(temporary, "wb") as handle:
-            pickle.dump(header, handle, protocol=pickle.HIGHEST_PROTOCOL)
-            pickle.dump(replace(graph), handle, protocol=pickle.HIGHEST_PROTOCOL)  # without cached properties
+        body = graph_codec.encode(graph)
+        header = json.dumps({"format": FORMAT_VERSION, "dependencies": dependencies(with_main=key.uses_main),
+                             "model": graph.model_name})
+        _make_private(path.parent)
+        if not _trusted(path.parent):
+            return None
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(header + "\n" + body)
         os.replace(temporary, path)
-    except (OSError, pickle.PicklingError, TypeError, AttributeError):
+    except (OSError, graph_codec.CodecError):
         with _ignoring_os_errors():
             temporary.unlink()
         return None
@@ -388,9 +407,36 @@ def store(key: Key, graph: OpGraph) -> Path | None:
     return path
 
 
+def _make_private(folder: Path) -> None:
+    """The folder, created owner-only; one of this user's own made before (0755) becomes 0700."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = folder.stat()
+    if hasattr(os, "getuid") and info.st_uid == os.getuid() and info.st_mode & 0o077:
+        os.chmod(folder, 0o700)
+
+
+def _trusted(path: Path) -> bool:
+    """Whether `path` (the folder or an entry) is this user's own and nobody else may write it;
+    else one warning on stderr says why it is not used and how to fix it."""
+    info = path.stat()
+    owner = os.getuid() if hasattr(os, "getuid") else info.st_uid
+    if info.st_uid == owner and not info.st_mode & 0o022:
+        return True
+    reason = (f"it belongs to another user (uid {info.st_uid})" if info.st_uid != owner
+              else f"others may write it (mode {stat.filemode(info.st_mode)})")
+    fix = f"chmod go-w {path}" if info.st_uid == owner else f"remove it, or set {DIR_ENV} to a folder of your own"
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        print(f"autopar: the capture cache does not use {path}: {reason}, so anyone could plant a graph there; "
+              f"{fix} (the cache stays off for it)", file=sys.stderr, flush=True)
+    return False
+
+
 def _evict(folder: Path) -> None:
     with _ignoring_os_errors():
-        entries = sorted(folder.glob("*.pkl"), key=lambda path: path.stat().st_mtime)
+        for path in folder.glob(f"*{_LEGACY_SUFFIX}"):
+            path.unlink()
+        entries = sorted(folder.glob(f"*{ENTRY_SUFFIX}"), key=lambda path: path.stat().st_mtime)
         for path in entries[:max(0, len(entries) - MAX_ENTRIES)]:
             path.unlink()
 

@@ -23,7 +23,6 @@ Hugging Face safetensors files (a `.safetensors` file or a folder of them) load 
 
 from __future__ import annotations
 
-import pickle
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
+from autopar.codegen import checkpoint_extra
 from autopar.errors import AutoparError
 
 _METADATA = ".metadata"
@@ -50,6 +50,10 @@ def is_dcp_checkpoint(path: Path) -> bool:
 
 def save(module, path: str | Path, *, optimizer=None, extra: dict | None = None) -> Path:
     """Save the model (and optimizer) state of every rank to `path`, atomically."""
+    try:  # before any collective: every rank refuses the same extra at once
+        stored_extra = checkpoint_extra.encode(extra) if extra is not None else None
+    except checkpoint_extra.ExtraError as error:
+        raise CheckpointError(f"cannot save {path}: {error}") from None
     target = Path(path)
     staging = target.with_name(target.name + ".partial")
     rank = dist.get_rank()
@@ -60,8 +64,8 @@ def save(module, path: str | Path, *, optimizer=None, extra: dict | None = None)
     state = {"model": module.state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer_state(module, optimizer)
-    if extra is not None:
-        state["extra"] = pickle.dumps(dict(extra))  # one opaque entry: DCP would flatten nested dicts
+    if stored_extra is not None:  # JSON (DCP would flatten nested dicts) and its tensors as DCP entries
+        state[checkpoint_extra.JSON_KEY], state[checkpoint_extra.TENSORS_KEY] = stored_extra
     dcp.save(state, checkpoint_id=str(staging))
     dist.barrier()
     if rank == 0:
@@ -98,12 +102,29 @@ def load(module, path: str | Path, *, optimizer=None, prefix: str = "") -> dict:
                                   "load it without optimizer=")
         state["optimizer"] = optimizer_state(module, optimizer)
     if "extra" in saved_keys:
-        state["extra"] = b""
+        raise CheckpointError(f"{source} was saved by an autopar before 0.1 (its extra is a pickle, which autopar "
+                              "no longer loads: it could run code); load it with that version, or save again")
+    tensors = _extra_tensors(metadata)
+    if checkpoint_extra.JSON_KEY in saved_keys:
+        state[checkpoint_extra.JSON_KEY] = ""
+        state[checkpoint_extra.TENSORS_KEY] = tensors
     dcp.load(state, checkpoint_id=str(source))
     if optimizer is not None:
         set_optimizer_state_dict(module, optimizer, optim_state_dict=_renamed(state["optimizer"], module, back=True),
                                  options=_OPTIONS)
-    return pickle.loads(state["extra"]) if state.get("extra") else {}
+    if checkpoint_extra.JSON_KEY not in saved_keys:
+        return {}
+    try:
+        return checkpoint_extra.decode(state[checkpoint_extra.JSON_KEY], tensors)
+    except checkpoint_extra.ExtraError as error:
+        raise CheckpointError(f"{source}: {error}") from None
+
+
+def _extra_tensors(metadata) -> dict[str, torch.Tensor]:
+    """Empty tensors of the saved extra's tensors' shapes and dtypes, for DCP to fill."""
+    prefix = checkpoint_extra.TENSORS_KEY + "."
+    return {key[len(prefix):]: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+            for key, entry in metadata.state_dict_metadata.items() if key.startswith(prefix)}
 
 
 def _model_state(module, saved_keys: set[str], source: Path) -> dict:

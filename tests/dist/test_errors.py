@@ -111,16 +111,16 @@ def _write_whole(path: Path, text: str) -> None:
 @contextmanager
 def _broken_planner():
     """autopar.plan fails (on rank 0, the rank that plans) with an error that is not an AutoparError."""
-    from autopar import api
+    from autopar.plans import planning
 
     def crash(*args, **kwargs):
         raise RuntimeError("the planner crashed")
 
-    working, api.plan = api.plan, crash
+    working, planning.plan = planning.plan, crash
     try:
         yield
     finally:
-        api.plan = working
+        planning.plan = working
 
 
 # case -> (the exception every rank must raise, what its message must say)

@@ -66,7 +66,7 @@ def counting_captures():
 @pytest.mark.parametrize("spec", [SPEC, "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=128"])  # gpt: blocks reused
 def test_a_hit_gives_the_same_graph_without_capturing(cache_on, capsys, spec):
     first = api.capture_for_planning(spec)
-    assert len(list(cache_on.glob("*.pkl"))) == 1
+    assert len(list(cache_on.glob("*.json"))) == 1
     with no_capture():
         second = api.capture_for_planning(spec, verbose=True)
     assert second == first  # every node, parameter, block and segment
@@ -81,7 +81,7 @@ def test_other_requests_miss(cache_on):
         api.capture_for_planning(SPEC, reuse_blocks=False)
         api.capture_for_planning(SPEC.replace("layers=2", "layers=3"))
     assert captured.call_count == 3
-    assert len(list(cache_on.glob("*.pkl"))) == 4
+    assert len(list(cache_on.glob("*.json"))) == 4
 
 
 def write_model(path, operation: str):
@@ -128,7 +128,7 @@ def test_a_file_spec_misses_after_its_file_changes(cache_on, tmp_path):
 def test_the_switch_turns_it_off(cache_on, monkeypatch):
     monkeypatch.setenv(capture_cache.SWITCH_ENV, "0")
     api.capture_for_planning(SPEC)
-    assert not list(cache_on.glob("*.pkl"))
+    assert not list(cache_on.glob("*.json"))
     monkeypatch.setenv(capture_cache.SWITCH_ENV, "1")
     api.capture_for_planning(SPEC)
     with counting_captures() as captured:
@@ -140,17 +140,17 @@ def test_the_switch_turns_it_off(cache_on, monkeypatch):
 
 def test_the_cli_flag_turns_it_off_for_one_command(cache_on, capsys):
     assert main(["graph", SPEC, "--no-capture-cache"]) == 0
-    assert not list(cache_on.glob("*.pkl"))
+    assert not list(cache_on.glob("*.json"))
     assert capture_cache.enabled()  # restored after the command
     assert main(["graph", SPEC]) == 0
-    assert len(list(cache_on.glob("*.pkl"))) == 1
+    assert len(list(cache_on.glob("*.json"))) == 1
     capsys.readouterr()
 
 
 def test_a_damaged_entry_is_a_miss(cache_on):
     first = api.capture_for_planning(SPEC)
-    (entry,) = cache_on.glob("*.pkl")
-    entry.write_bytes(b"not a pickle")
+    (entry,) = cache_on.glob("*.json")
+    entry.write_bytes(b"not an entry")
     assert api.capture_for_planning(SPEC) == first
     with no_capture():
         assert api.capture_for_planning(SPEC) == first  # stored again
@@ -201,7 +201,7 @@ def test_what_cannot_be_keyed_is_not_cached(cache_on):
         handle.remove()
     graph = api.capture_for_planning(model, (torch.zeros(2, 8),))
     assert graph.nodes
-    assert not list(cache_on.glob("*.pkl"))
+    assert not list(cache_on.glob("*.json"))
 
 
 def test_a_changed_installation_misses(cache_on, monkeypatch):
@@ -217,6 +217,6 @@ def test_the_oldest_entries_are_evicted(cache_on, monkeypatch):
     monkeypatch.setattr(capture_cache, "MAX_ENTRIES", 2)
     for layers in (1, 2, 3):
         api.capture_for_planning(SPEC.replace("layers=2", f"layers={layers}"))
-    assert len(list(cache_on.glob("*.pkl"))) == 2
+    assert len(list(cache_on.glob("*.json"))) == 2
     assert capture_cache.clear() == 2
-    assert not list(cache_on.glob("*.pkl"))
+    assert not list(cache_on.glob("*.json"))
