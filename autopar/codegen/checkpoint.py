@@ -102,7 +102,7 @@ def load(module, path: str | Path, *, optimizer=None, prefix: str = "") -> dict:
                                   "load it without optimizer=")
         state["optimizer"] = optimizer_state(module, optimizer)
     if "extra" in saved_keys:
-        raise CheckpointError(f"{source} was saved by an autopar before 0.1 (its extra is a pickle, which autopar "
+        raise CheckpointError(f"{source} was saved by an earlier autopar (its extra is a pickle, which autopar "
                               "no longer loads: it could run code); load it with that version, or save again")
     tensors = _extra_tensors(metadata)
     if checkpoint_extra.JSON_KEY in saved_keys:
