@@ -20,6 +20,9 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
+	# The layering contracts of pyproject.toml (docs/architecture.md): an import that breaks one,
+	# or closes a cycle, fails here before any test runs.
+	$(VENV)/bin/lint-imports --no-cache
 	# Two pytest-xdist workers: the tests/dist jobs one after another in one, the
 	# single-process tests beside them in the other (tests/conftest.py). A short --basetemp:
 	# error messages shorten long paths, and xdist's folders (.../pytest-N/popen-gw1/) are

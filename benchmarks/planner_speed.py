@@ -33,7 +33,8 @@ from autopar.capture import cache as capture_cache
 from autopar.solver.condense import condense
 from autopar.mesh import Mesh
 from autopar.solver.constraints import Constraints
-from autopar.solver.search import SearchOptions, search_jobs
+from autopar.solver.parallel_search import search_jobs
+from autopar.solver.search import SearchOptions
 from autopar.solver.sharding import solve_sharding
 
 MESHES = ((("tp",), (8,)), (("dp", "tp"), (4, 8)), (("dp", "tp"), (16, 8)), (("dp", "tp"), (128, 8)))
@@ -62,7 +63,7 @@ def timed_plan(spec: str, cluster: str, global_batch: int, *, reuse_blocks: bool
     done, done_cpu = time.perf_counter(), cpu_s()
     return dict(planner=planner, plan=plan, graph=graph, num_nodes=len(graph.nodes), capture_s=captured - started,
                 search_s=done - captured, total_s=done - started, capture_cpu_s=captured_cpu - started_cpu,
-                search_cpu_s=done_cpu - captured_cpu, jobs=search_jobs(jobs, planner._meshes(Constraints())))
+                search_cpu_s=done_cpu - captured_cpu, jobs=search_jobs(jobs, planner.candidates.meshes(Constraints())))
 
 
 def cached_plan(spec: str, cluster: str, global_batch: int) -> dict:

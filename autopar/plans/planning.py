@@ -37,7 +37,8 @@ from autopar.plans.plan import Plan
 from autopar.solver.constraints import (Constraints, check_constraint_values, check_degrees, check_fixed_config,
                                         check_pipeline_depth)
 from autopar.solver.overheads import overheads_for
-from autopar.solver.search import Planner, SearchOptions, check_jobs_env
+from autopar.solver.parallel_search import check_jobs_env
+from autopar.solver.search import Planner, SearchOptions
 from autopar.solver.step_model import ParallelConfig
 from autopar.validation import check_choice, check_global_batch, shorten, type_name
 from cost_model.memory import BF16_ADAM, FP32_ADAM, PrecisionPolicy

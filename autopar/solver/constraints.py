@@ -2,16 +2,25 @@
 ranges of the constraints and of `evaluate`'s arguments, degrees against the cluster and the batch,
 the pipeline against the model's segments, and the pairs that cannot run together (ZeRO-3 with a
 zero-bubble schedule, recompute 'gathers' without sequence parallelism). Each check runs before
-the search (most before the capture) and says what to change."""
+the search (most before the capture) and says what to change.
+
+ConfigChecks holds the checks that need the captured model (the Planner's): a whole configuration
+against the cluster, the batch and the model (its schedule's microbatches, schedule_accepts; its
+context-parallel degree against the sequence; its expert-parallel degree against the expert ops;
+optimizer offload against the device), each with the message that says what to change."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.cluster import Cluster
 from autopar.errors import ConfigError
-from autopar.solver.step_model import RECOMPUTE_MODES, SCHEDULES, ZERO_BUBBLE_SCHEDULES
+from autopar.graph import OpGraph
+from autopar.solver.experts import ExpertOp
+from autopar.solver.step_model import RECOMPUTE_MODES, SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, StepModel
 from autopar.validation import MAX_DEVICES, MAX_GLOBAL_BATCH, check_choice, check_int, shorten, type_name
 
 
@@ -207,3 +216,143 @@ def check_pipeline_depth(graph, pp: int | None) -> None:
         raise ConfigError(f"pp={pp} needs at least {pp} pipeline segments, but {name} has "
                           f"{segments} ({blocks} repeated blocks and {segments - blocks} other segments); "
                           f"use pp <= {segments}")
+
+
+def schedule_accepts(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> bool:
+    """What torch.distributed.pipelining's schedules run (and the step model prices): 1F1B and
+    ZB-V need m >= p, interleaved (and zb1p with several chunks) a multiple of p; zb1p with one
+    chunk m >= p in rounds of equal size (torch: m divisible by max(1, m // p))."""
+    if num_stages <= 1 or schedule == "gpipe":
+        return True
+    m, p = num_microbatches, num_stages
+    if schedule == "interleaved" or (schedule == "zb1p" and virtual_stages > 1):
+        return m % p == 0
+    if schedule == "zb1p":
+        return m >= p and m % max(1, m // p) == 0
+    return m >= p
+
+
+EpOptions = Callable[[int, int, int, bool], list[int]]
+"""(tp, dp, microbatch size, sequence parallel) -> the expert-parallel degrees > 1 the model allows."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigChecks:
+    """Checks of a configuration against one captured model, cluster and global batch."""
+
+    graph: OpGraph
+    """The captured model (its segments, its batch)."""
+    cluster: Cluster
+    """The cluster the configuration must fill."""
+    global_batch: int
+    """Samples per step: dp x microbatch size x microbatches."""
+    step_model: StepModel
+    """Says whether the device can offload the optimizer (host link and memory bandwidth)."""
+    expert_ops: tuple[ExpertOp, ...]
+    """The expert matmuls expert parallelism can split (solver/experts.py)."""
+    ep_options: EpOptions
+    """The expert-parallel degrees the intra-op solve of a mesh allows (pricing.Pricing.ep_options)."""
+    sequence_length: int
+    """Tokens of the model's sequence (0 when it has none)."""
+    cp_blocker: str
+    """Why the sequence cannot be split over cp ranks ("" when it can)."""
+
+    def check(self, config: ParallelConfig) -> None:
+        devices = self.cluster.num_devices
+        if config.num_devices != devices:
+            cp = f" x cp={config.cp}" if config.cp > 1 else ""
+            raise ConfigError(f"dp x tp x pp{' x cp' if cp else ''} = {config.dp} x {config.tp} x {config.pp}{cp} = "
+                              f"{config.num_devices}, but the cluster has {devices} devices")
+        if config.cp > 1:
+            self.check_cp(config.cp)
+        if config.microbatch_size * config.num_microbatches * config.dp != self.global_batch:
+            raise ConfigError(f"global batch {self.global_batch} is not dp x microbatch size x microbatches = "
+                              f"{config.dp} x {config.microbatch_size} x {config.num_microbatches}")
+        self._check_choices(config)
+        if not schedule_accepts(config.schedule, config.pp, config.num_microbatches, config.virtual_stages):
+            raise ConfigError(f"{config.num_microbatches} microbatches cannot fill a {config.schedule} pipeline of "
+                              f"{config.pp} stages: 1F1B and the zero-bubble schedules need at least as many "
+                              "microbatches as stages, the interleaved schedule a multiple of them; use a smaller "
+                              "microbatch or a larger batch")
+        self.check_ep(config)
+        self.check_offload(config)
+        if not self.graph.batch_dynamic and config.microbatch_size != self.graph.batch_size:
+            raise ConfigError(f"the model was captured with a fixed batch of {self.graph.batch_size}; "
+                              f"microbatch size {config.microbatch_size} cannot be priced")
+
+    @staticmethod
+    def _check_choices(config: ParallelConfig) -> None:
+        """The schedule, recomputation mode and ZeRO stage, and the pairs that cannot run together."""
+        if config.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule '{config.schedule}'; use one of {', '.join(SCHEDULES)}")
+        if config.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"unknown recompute mode '{config.recompute}'; use one of {', '.join(RECOMPUTE_MODES)}")
+        if config.recompute == "gathers" and not config.sequence_parallel:
+            raise ConfigError(GATHERS_WITHOUT_SP)
+        if config.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero stage must be 0, 1, 2 or 3, got {config.zero_stage}")
+        if config.schedule == "interleaved" and (config.virtual_stages < 2 or config.pp < 2):
+            raise ConfigError("the interleaved schedule needs pp >= 2 and at least 2 model chunks per device")
+        if config.schedule in ZERO_BUBBLE_SCHEDULES and config.pp < 2:
+            raise ConfigError(f"the {config.schedule} schedule is a pipeline schedule: it needs pp >= 2")
+        if config.schedule in ZERO_BUBBLE_SCHEDULES and config.zero_stage == 3:
+            raise ConfigError(f"schedule {config.schedule} with zero_stage 3: {ZERO3_WITH_ZERO_BUBBLE}")
+        if config.schedule == "zbv" and config.virtual_stages != 2:
+            raise ConfigError(f"the zbv schedule runs exactly 2 model chunks per device (a V), got "
+                              f"virtual_stages={config.virtual_stages}; use 2, or the zb1p schedule")
+
+    def check_ep(self, config: ParallelConfig) -> None:
+        if config.ep == 1:
+            return
+        if config.ep < 1 or config.dp % config.ep:
+            raise ConfigError(f"ep={config.ep} must divide dp={config.dp}: expert parallelism splits the experts over "
+                              "groups of ep data-parallel ranks")
+        if config.zero_stage != 0:
+            raise ConfigError(f"ep={config.ep} runs with ZeRO-0 only (FSDP of expert-sharded weights is not built): "
+                              "use zero_stage=0 or ep=1")
+        if not self.expert_ops:
+            raise ConfigError(f"ep={config.ep}: the model has no expert matmuls that expert parallelism can split "
+                              "(an einsum, bmm or grouped matmul over a 3-D expert weight read only by such ops); use ep=1")
+        if config.ep not in self.ep_options(config.tp, config.dp, config.microbatch_size, config.sequence_parallel):
+            counts = sorted({op.num_experts for op in self.expert_ops})
+            raise ConfigError(f"ep={config.ep} with tp={config.tp}: the experts ({counts} per layer, split over tp where "
+                              f"the plan shards them) do not split evenly into {config.ep} groups, or the "
+                              "tensor-parallel plan leaves the expert tokens partial; use another ep or tp")
+
+    def check_cp(self, cp: int) -> None:
+        """A context-parallel degree the model's sequence can be split into (2 cp chunks)."""
+        if cp < 1:
+            raise ConfigError(f"cp must be >= 1, got {cp}")
+        if cp == 1:
+            return
+        if self.cp_blocker:
+            raise ConfigError(f"cp={cp}: context parallelism cannot split this model's sequence: {self.cp_blocker}; "
+                              "plan with cp=1")
+        if self.sequence_length % (2 * cp):
+            raise ConfigError(f"cp={cp}: the sequence of {self.sequence_length} tokens does not split into 2 x cp = "
+                              f"{2 * cp} equal chunks (load-balanced causal attention); choose a cp dividing "
+                              f"{self.sequence_length // 2}")
+
+    def check_offload(self, config: ParallelConfig) -> None:
+        if not config.offload:
+            return
+        if not self.step_model.can_offload:
+            raise ConfigError(f"optimizer offload needs the host link and host memory bandwidth of the device; "
+                              f"{self.cluster.device.name} has none set: set host_link_gbs and "
+                              "host_memory_bandwidth_gbs in the cluster file's [device] table, or drop offload")
+        if config.zero_stage != 3 or config.pp != 1:
+            raise ConfigError(f"optimizer offload runs with ZeRO-3 and no pipeline (FSDP2 CPUOffloadPolicy keeps "
+                              f"parameters sharded in host memory between uses), got zero_stage={config.zero_stage} "
+                              f"pp={config.pp}: use zero_stage=3 and pp=1, or drop offload")
+
+    def check_offload_constraints(self, constraints: Constraints) -> None:
+        """Constraints that ask for optimizer offload where it cannot run (before a search)."""
+        if not constraints.offload:
+            return
+        if constraints.zero_stage not in (None, 3) or constraints.pp not in (None, 1):
+            raise ConfigError(f"optimizer offload runs with ZeRO-3 and no pipeline, but the constraints fix "
+                              f"zero_stage={constraints.zero_stage} pp={constraints.pp}: drop them or the offload")
+        if not self.step_model.can_offload:
+            raise ConfigError(f"optimizer offload needs the host link and host memory bandwidth of the device; "
+                              f"{self.cluster.device.name} has none set: set host_link_gbs and "
+                              "host_memory_bandwidth_gbs in the cluster file's [device] table")

@@ -1,4 +1,4 @@
-"""The search over meshes in forked worker processes (SearchOptions.jobs > 1).
+"""The search over meshes in forked worker processes (SearchOptions.jobs > 1), and how many.
 
 Meshes (tp, pp, dp, cp) are priced independently of one another, except for what they must beat:
 the `keep` best step times found so far. Workers are forked once the graph is captured, so
@@ -10,7 +10,7 @@ share the board of best times (SharedBoard), so that each prunes with what all h
   than degrees the largest units are halved, and their halves solve the same ILPs twice.
   Workers take the next unit, largest first, until none is left; within a unit the meshes go
   in the order search.Planner._promising_first gives them.
-- Each worker sends back its best `keep` (search.Found), the configurations it priced, its
+- Each worker sends back its best `keep` (board.Found), the configurations it priced, its
   leanest estimate, and the intra-op results and segment costs its ranked estimates were
   priced from (the plan is built from them in this process, without solving again).
 - The merge sorts by (step time, peak memory, mesh number, order found), which is the order a
@@ -19,25 +19,74 @@ share the board of best times (SharedBoard), so that each prunes with what all h
 - A worker that fails sends its error, which is raised here; one that dies without a result
   is a SearchWorkerError. On any exception here (Ctrl-C included) every worker is terminated
   and joined before it propagates; workers ignore SIGINT and, on Linux, die with this process.
+
+How many processes (search_jobs): SearchOptions.jobs, else $AUTOPAR_JOBS, else the usable cores
+(at most MAX_DEFAULT_JOBS, one per MIN_MESHES_PER_JOB meshes); one without os.fork or while
+other Python threads run. This module imports the board (board.py), never the search that uses it.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
+import threading
 import traceback
 from multiprocessing.connection import wait
 
-from autopar.errors import AutoparError
-from autopar.solver.search import Found
+from autopar.errors import AutoparError, ConfigError
+from autopar.solver.board import Found
 
 
 class SearchWorkerError(AutoparError, RuntimeError):
     """A process of a parallel search failed or died without its result."""
 
 
+JOBS_ENV = "AUTOPAR_JOBS"
+"""Environment variable: processes of a search whose options leave `jobs` unset."""
+MAX_DEFAULT_JOBS = 8
+MIN_MESHES_PER_JOB = 8
+"""A search of fewer meshes per process runs in one: forking costs more than it saves."""
+
+
+def search_jobs(jobs: int | None, meshes: list) -> int:
+    """How many processes price the meshes: `jobs` (or $AUTOPAR_JOBS) as asked, else the usable
+    cores up to MAX_DEFAULT_JOBS, fewer for a small search, and 1 while other Python threads run;
+    1 where os.fork is unavailable."""
+    if jobs is None and os.environ.get(JOBS_ENV, "").strip():
+        jobs = _jobs_from_env(os.environ[JOBS_ENV])
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1  # no fork (Windows): the workers could not inherit the captured graph
+    if jobs is None and threading.active_count() > 1:
+        return 1  # forking a multi-threaded process (a notebook's kernel) may deadlock its children
+    if jobs is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        local = os.environ.get("LOCAL_WORLD_SIZE", "1")  # torchrun: the node's processes share the cores
+        cores //= max(1, int(local)) if local.isdigit() else 1
+        jobs = min(cores, MAX_DEFAULT_JOBS, len(meshes) // MIN_MESHES_PER_JOB)
+    return max(1, min(jobs, len(meshes)))
+
+
+def check_jobs_env() -> None:
+    """A bad $AUTOPAR_JOBS raises ConfigError now (before a capture that may take seconds)."""
+    if os.environ.get(JOBS_ENV, "").strip():
+        _jobs_from_env(os.environ[JOBS_ENV])
+
+
+def _jobs_from_env(text: str) -> int:
+    try:
+        jobs = int(text)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        raise ConfigError(f"{JOBS_ENV}={text!r}: give the number of processes that price configurations, an "
+                          f"integer >= 1 (1: search in this process), or unset it")
+    return jobs
+
+
+
 class SharedBoard:
-    """search.Board in shared memory: the `keep` best step times found by any worker."""
+    """board.Board in shared memory: the `keep` best step times found by any worker."""
 
     def __init__(self, context, keep: int) -> None:
         self.keep = keep
@@ -109,7 +158,7 @@ def _work(planner, units, next_unit, constraints, keep, offload, board, send) ->
     _die_with_parent()
     try:
         found = Found()
-        before = set(planner._sharding)
+        before = set(planner.pricing.solves)
         while True:
             with next_unit.get_lock():
                 taken = next_unit.value
@@ -118,7 +167,7 @@ def _work(planner, units, next_unit, constraints, keep, offload, board, send) ->
                 break
             part = planner.search_meshes(units[taken], constraints, keep, offload, board)
             found = _combine(found, part, keep)
-        found.sharding_keys = set(planner._sharding) - before
+        found.sharding_keys = set(planner.pricing.solves) - before
         send.send(("ok", found, _priced_from(planner, found)))
     except BaseException as error:  # noqa: BLE001 - every failure goes back to the parent
         send.send(("error", _picklable(error), traceback.format_exc()))
@@ -154,8 +203,8 @@ def _priced_from(planner, found: Found) -> dict:
         key = planner.tp_key(config.tp, config.microbatch_size, config.sequence_parallel)
         sharding[key] = planner.sharding(*key)
         for cp in {1, config.cp}:
-            if key + (cp,) in planner._costs:
-                costs[key + (cp,)] = planner._costs[key + (cp,)]
+            if key + (cp,) in planner.pricing.costs:
+                costs[key + (cp,)] = planner.pricing.costs[key + (cp,)]
     return dict(sharding=sharding, costs=costs)
 
 
@@ -199,7 +248,7 @@ def _merge(planner, results: list[tuple[Found, dict]], keep: int) -> Found:
         merged = _combine(merged, found, keep)
         merged.sharding_keys |= found.sharding_keys
         for key, sharding in priced["sharding"].items():
-            planner._sharding.setdefault(key, sharding)
+            planner.pricing.solves.setdefault(key, sharding)
         for key, costs in priced["costs"].items():
-            planner._costs.setdefault(key, costs)
+            planner.pricing.costs.setdefault(key, costs)
     return merged

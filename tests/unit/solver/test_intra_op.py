@@ -106,3 +106,12 @@ def test_greedy_hint_is_a_valid_assignment():
     assert len(hint) == problem.num_variables
     assert all(0 <= c < len(costs) for c, costs in zip(hint, problem.node_cost_s))
     assert solve_choices(problem).objective <= problem.objective(hint) + 1e-9
+
+
+def test_an_assignment_over_the_budget_by_the_solvers_tolerance_is_not_returned():
+    """Seed 1 at 0.99999 of the range: GLOP accepted (1, 1) at 4e-6 over the budget; the row is
+    tightened and solved again, so the answer is brute force's (0, 1), which fits."""
+    problem = random_problem(1, num_vars=2, max_choices=3, budget_fraction=0.99999)
+    solution = solve_choices(problem, time_limit_s=10)
+    assert solution.status == "optimal" and solution.memory_bytes <= problem.memory_budget_bytes
+    assert solution.objective == pytest.approx(brute_force(problem)[0], rel=1e-6)

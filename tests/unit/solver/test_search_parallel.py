@@ -11,9 +11,10 @@ from autopar.cli import build_parser
 from autopar.cluster import Cluster
 from autopar.errors import ConfigError
 from autopar.solver import parallel_search
-from autopar.solver.parallel_search import SearchWorkerError, SharedBoard, work_units
+from autopar.solver.parallel_search import JOBS_ENV, SearchWorkerError, SharedBoard, search_jobs, work_units
 from autopar.solver.constraints import Constraints
-from autopar.solver.search import JOBS_ENV, Board, Planner, SearchOptions, search_jobs
+from autopar.solver.board import Board
+from autopar.solver.search import Planner, SearchOptions
 
 # Four layers, a sequence cp may split (2048 tokens: cp up to 2), 16 GPUs: 4 tp degrees.
 MODEL = "llama:layers=4,hidden=128,heads=4,kv_heads=2,ffn_hidden=256,seq=2048,vocab=512"
@@ -53,13 +54,13 @@ def _plan(planner, result):
 
 
 def test_ranked_plans_with_two_jobs_equal_one_job(graph, alone, monkeypatch):
-    import autopar.solver.search as search_module
+    import autopar.solver.pricing as pricing_module
 
     planner = _planner(graph, 2)
-    assert len({mesh[0] for mesh in planner._meshes(Constraints())}) == 4  # work units: one per tp degree
+    assert len({mesh[0] for mesh in planner.candidates.meshes(Constraints())}) == 4  # work units: one per tp degree
     solved_here = []
-    solve = search_module.solve_sharding
-    monkeypatch.setattr(search_module, "solve_sharding", lambda *a, **k: solved_here.append(1) or solve(*a, **k))
+    solve = pricing_module.solve_sharding
+    monkeypatch.setattr(pricing_module, "solve_sharding", lambda *a, **k: solved_here.append(1) or solve(*a, **k))
     paired = planner.search()  # the workers are forked: their solves are not counted here
     assert _ranked(paired) == _ranked(alone[1])  # exactly: the same float arithmetic in each process
     assert _no_workers_left()
@@ -68,11 +69,11 @@ def test_ranked_plans_with_two_jobs_equal_one_job(graph, alone, monkeypatch):
     # but the merged top list dropped may come too (how many depends on the workers' timing).
     best = paired.best.config
     assert not solved_here
-    assert {planner.tp_key(e.config.tp, e.config.microbatch_size) for e in paired.ranked} <= set(planner._sharding)
+    assert {planner.tp_key(e.config.tp, e.config.microbatch_size) for e in paired.ranked} <= set(planner.pricing.solves)
     assert paired.num_sharding_solves == alone[1].num_sharding_solves
     strip = lambda plan: {k: v for k, v in plan.to_dict().items() if k != "search"}  # noqa: E731
     assert strip(_plan(planner, paired)) == strip(_plan(*alone))
-    assert planner.tp_key(best.tp, best.microbatch_size) in planner._sharding
+    assert planner.tp_key(best.tp, best.microbatch_size) in planner.pricing.solves
 
 
 def test_more_jobs_than_tensor_parallel_degrees(graph, alone):

@@ -115,7 +115,7 @@ def test_no_pipeline_stage_takes_gathers_without_sp(planner):
     for sp, expected in ((True, ["none", "gathers", "selective", "op"]), (False, ["none", "selective", "op"])):
         config = ParallelConfig(dp=2, tp=2, pp=2, microbatch_size=1, num_microbatches=4, recompute="full",
                                 sequence_parallel=sp)
-        assert list(planner._lighter(config)) == expected
+        assert list(planner.pricing.lighter(config)) == expected
 
 
 def test_partial_weight_gradients_are_reduced_once_per_step(planner):

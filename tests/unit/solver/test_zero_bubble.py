@@ -9,8 +9,7 @@ from autopar.report.timeline import layout
 from autopar.solver.pipeline import rank_of, stage_of, stages_of_rank
 from autopar.solver.schedule_sim import uniform_bubble_s
 from autopar.solver.schedules import rank_order
-from autopar.solver.constraints import Constraints
-from autopar.solver.search import schedule_accepts
+from autopar.solver.constraints import Constraints, schedule_accepts
 from autopar.solver.step_model import ParallelConfig, PreparedSegments
 from report_plans import evaluated, planner
 from test_step_model import BACKWARD_S, FORWARD_S, model, segments
@@ -139,10 +138,10 @@ def test_schedules_accept_what_torch_runs():
 
 
 def test_search_prices_zero_bubble_schedules_beside_1f1b_and_interleaved():
-    schedules = planner()._schedules(2, Constraints())
+    schedules = planner().candidates.schedules(2, Constraints())
     assert ("1f1b", 1) in schedules and ("interleaved", 2) in schedules
     assert ("zb1p", 1) in schedules and ("zbv", 2) in schedules
-    assert ("zb1p", 2) in planner()._schedules(2, Constraints(schedule="zb1p"))
+    assert ("zb1p", 2) in planner().candidates.schedules(2, Constraints(schedule="zb1p"))
     result = planner().search(Constraints(pp=2, tp=2, microbatch_size=1, recompute="none", zero_stage=0), keep=40)
     by_schedule = {estimate.config.schedule: estimate for estimate in result.ranked}
     assert {"1f1b", "interleaved", "zb1p", "zbv"} <= set(by_schedule)

@@ -1,0 +1,195 @@
+"""What the search prices: the intra-op solve of a tensor-parallel mesh at one microbatch size
+(solved once per (tp, microbatch, sequence parallelism) and reused for every pp, dp and cp), the
+per-segment costs and prepared segments built from it (split over cp ranks where the sequence
+is), a configuration's estimate under the step model and the calibrated overheads, and the lower
+bound that lets the search skip a configuration (search.py says which it skips and why)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from autopar.cluster import Cluster
+from autopar.errors import ConfigError
+from autopar.graph import OpGraph
+from autopar.mesh import Mesh
+from autopar.solver.condense import expand_segments
+from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES, Estimate, ParallelConfig
+from autopar.solver.context_parallel import attention_costs, split_compute, split_sequence
+from autopar.solver.evaluate import SegmentCost
+from autopar.solver.experts import ExpertOp, ep_degrees
+from autopar.solver.overheads import Overheads, SegmentCounts, segment_counts, step_features
+from autopar.solver.prepared import PreparedSegments
+from autopar.solver.recompute import RECOMPUTE_MODES
+from autopar.solver.sharding import ShardingOptions, ShardingResult, cost_context, solve_sharding
+from autopar.solver.step_model import StepModel
+from cost_model.memory import PrecisionPolicy
+
+TpKey = tuple[int, int, bool]
+"""What an intra-op solve depends on: (tp, microbatch, sequence parallelism allowed)."""
+
+
+class Pricing:
+    """The intra-op solves of one planner's model and what is priced from them, cached by tp_key."""
+
+    def __init__(self, *, graph: OpGraph, condensed: OpGraph, cluster: Cluster, policy: PrecisionPolicy,
+                 step_model: StepModel, overheads: Overheads | None, sharding_options: ShardingOptions,
+                 cp_kv_exchange: str, expert_ops: tuple[ExpertOp, ...]) -> None:
+        self.graph = graph
+        self.condensed = condensed
+        self.cluster = cluster
+        self.policy = policy
+        self.step_model = step_model
+        self.overheads = overheads
+        self.sharding_options = sharding_options
+        self.cp_kv_exchange = cp_kv_exchange
+        """How context parallelism moves keys and values (SearchOptions.cp_kv_exchange)."""
+        self.expert_ops = expert_ops
+        self.solves: dict[TpKey, ShardingResult] = {}
+        """Intra-op solves by tp_key (tp, microbatch, sequence parallelism allowed)."""
+        self.costs: dict[tuple[int, int, bool, int], list[SegmentCost]] = {}
+        """segment_costs by (tp, microbatch, sequence parallel, cp): each recomputation mode reads them again."""
+        self._prepared: dict[tuple, PreparedSegments] = {}
+        self._counts: dict[TpKey, dict[str, SegmentCounts]] = {}
+
+    @staticmethod
+    def tp_key(tp: int, microbatch_size: int, sequence_parallel: bool = True) -> TpKey:
+        """What an intra-op solve depends on: (tp, microbatch, sequence parallelism allowed); with
+        tp = 1 there is nothing to shard by sequence, and both flags share one solve."""
+        return tp, microbatch_size, bool(sequence_parallel) or tp == 1
+
+    # --- intra-op solves and segment costs ---------------------------------------------------
+
+    def sharding(self, tp: int, microbatch_size: int, sequence_parallel: bool = True) -> ShardingResult:
+        """Intra-op solution on a tp mesh at one microbatch size (of the condensed graph)."""
+        key = self.tp_key(tp, microbatch_size, sequence_parallel)
+        if key not in self.solves:
+            graph = self.condensed.with_batch(microbatch_size) if self.graph.batch_dynamic else self.condensed
+            mesh = Mesh(axis_names=("tp",), shape=(tp,), devices_per_node=self.cluster.devices_per_node)
+            ctx = cost_context(mesh, self.cluster, self.policy)
+            options = replace(self.sharding_options, sequence_parallel=key[2])
+            self.solves[key] = solve_sharding(graph, mesh, self.cluster, options, ctx=ctx)
+        return self.solves[key]
+
+    def strategies(self, tp: int, microbatch_size: int, sequence_parallel: bool = True) -> dict:
+        """Strategy of every node of the full graph (dropped blocks take their stand-in's)."""
+        kept = self.sharding(tp, microbatch_size, sequence_parallel).strategies
+        found = dict(kept)
+        for name, stand_in in self.condensed.stand_ins.items():
+            if stand_in in kept:
+                found[name] = kept[stand_in]
+        return found
+
+    def segment_costs(self, tp: int, microbatch_size: int, cp: int = 1,
+                      sequence_parallel: bool = True) -> list[SegmentCost]:
+        """Per segment of the full model (identical blocks share block 1's cost); with cp > 1 per
+        rank of a sequence split over cp ranks."""
+        key = self.tp_key(tp, microbatch_size, sequence_parallel) + (cp,)
+        if key not in self.costs:
+            per_block = list(self.sharding(tp, microbatch_size, sequence_parallel).segments) if cp == 1 else \
+                self._sequence_split(tp, microbatch_size, cp, sequence_parallel)
+            self.costs[key] = expand_segments(self.graph, self.condensed, per_block)
+        return list(self.costs[key])
+
+    def _sequence_split(self, tp: int, microbatch_size: int, cp: int, sequence_parallel: bool) -> list[SegmentCost]:
+        sharding = self.sharding(tp, microbatch_size, sequence_parallel)
+        graph = self.condensed.with_batch(microbatch_size) if self.graph.batch_dynamic else self.condensed
+        ctx = cost_context(sharding.mesh, self.cluster, self.policy)
+        attentions = attention_costs(graph, sharding.strategies, ctx)
+        compute = split_compute(graph, sharding.strategies, ctx, cp)
+        return [split_sequence(segment, attentions.get(segment.name, []), cp=cp, tp=tp, comm=self.step_model.comm,
+                               devices_per_node=self.cluster.devices_per_node, method=self.cp_kv_exchange,
+                               compute=compute.get(segment.name))
+                for segment in sharding.segments]
+
+    def ep_options(self, tp: int, dp: int, microbatch_size: int, sequence_parallel: bool = True) -> list[int]:
+        """Expert-parallel degrees > 1 this model allows on a dp x tp mesh (none without expert ops)."""
+        if not self.expert_ops or dp < 2:
+            return []
+        strategies = self.sharding(tp, microbatch_size, sequence_parallel).strategies
+        return ep_degrees(self.condensed, self.expert_ops, strategies, dp, tp)
+
+    # --- prepared segments under a recomputation mode ----------------------------------------
+
+    def prepared(self, tp: int, microbatch_size: int, recompute: str, cp: int = 1,
+                 sequence_parallel: bool = True) -> PreparedSegments:
+        key = self.tp_key(tp, microbatch_size, sequence_parallel) + (recompute, cp)
+        if key not in self._prepared:
+            self._prepared[key] = PreparedSegments.build(
+                self.segment_costs(tp, microbatch_size, cp, sequence_parallel), recompute)
+        return self._prepared[key]
+
+    def prepared_for(self, config: ParallelConfig, recompute: str | None = None) -> PreparedSegments:
+        """The prepared segments of a configuration (under another recomputation mode if given)."""
+        return self.prepared(config.tp, config.microbatch_size, recompute or config.recompute, config.cp,
+                             config.sequence_parallel)
+
+    def least_work(self, config: ParallelConfig) -> PreparedSegments:
+        """What a lower bound on the configuration's time may count: its own mode's segments, or
+        under pipelining the lightest mode's (stages that fit may recompute less, `lighter`)."""
+        if config.pp == 1:
+            return self.prepared_for(config)
+        return self.prepared_for(config, RECOMPUTE_MODES[0])
+
+    def lighter(self, config: ParallelConfig) -> dict[str, PreparedSegments]:
+        """Cheaper recomputation modes than the configuration's, for stages that can afford them
+        ("gathers" only with sequence parallelism: GATHERS_WITHOUT_SP)."""
+        if config.pp == 1:
+            return {}
+        modes = [mode for mode in RECOMPUTE_MODES[:RECOMPUTE_MODES.index(config.recompute)]
+                 if mode != "gathers" or config.sequence_parallel]
+        return {mode: self.prepared_for(config, mode) for mode in modes}
+
+    # --- estimates ---------------------------------------------------------------------------
+
+    def evaluate(self, config: ParallelConfig) -> tuple[Estimate, ShardingResult]:
+        """A configuration given by hand, priced as given (its recompute mode on every stage);
+        checked beforehand (constraints.ConfigChecks)."""
+        sharding = self.sharding(config.tp, config.microbatch_size, config.sequence_parallel)
+        estimate = self.step_model.estimate(self.prepared_for(config), config)
+        estimate = self.calibrated(estimate)
+        if estimate is None:
+            raise ConfigError(f"{config.describe()}: the model has {len(self.graph.segments)} segments, too few "
+                              f"for {config.pp * config.virtual_stages} pipeline chunks")
+        return estimate, sharding
+
+    def counts(self, tp: int, microbatch_size: int, sequence_parallel: bool = True) -> dict[str, SegmentCounts]:
+        key = self.tp_key(tp, microbatch_size, sequence_parallel)
+        if key not in self._counts:
+            self._counts[key] = segment_counts(self.graph, self.segment_costs(tp, microbatch_size,
+                                                                              sequence_parallel=sequence_parallel))
+        return self._counts[key]
+
+    def features(self, estimate: Estimate) -> dict[str, float]:
+        """Features of the calibrated terms for a priced configuration (overheads.py)."""
+        config = estimate.config
+        cores = self.overheads.calibration.num_cores if self.overheads else 0
+        return step_features(estimate, self.counts(config.tp, config.microbatch_size, config.sequence_parallel),
+                             self.step_model, processes_per_node=self.cluster.devices_per_node,
+                             num_cores=cores or _cpu_cores(self.cluster))
+
+    def calibrated(self, estimate: Estimate | None) -> Estimate | None:
+        if estimate is None or self.overheads is None:
+            return estimate
+        return self.overheads.apply(estimate, self.features(estimate))
+
+
+def lower_bound_s(prepared: PreparedSegments, config: ParallelConfig) -> float:
+    """No pipeline rank is faster than an even share of the work, nor than the slowest chunk of
+    the most balanced cut: t_max >= max(total / p, slowest chunk). 1F1B and GPipe take
+    (m - 1) t_max + the sum of the stages (>= total), interleaved (m + (p - 1) / v) t_max, the
+    zero-bubble schedules at least m t_max."""
+    total = prepared.work_s
+    m, p = config.num_microbatches, config.pp
+    slowest = max(total / p, prepared.slowest_chunk_s(p * config.chunks_per_device)) if p > 1 else total
+    if config.schedule == "interleaved" and p > 1:
+        return (m + (p - 1) / config.virtual_stages) * slowest
+    if config.schedule in ZERO_BUBBLE_SCHEDULES:
+        return m * slowest
+    return (m - 1) * slowest + total
+
+
+def _cpu_cores(cluster: Cluster) -> int:
+    """Cores of this machine for a CPU cluster (its processes share them), else 0 (GPUs)."""
+    import os
+
+    return (os.cpu_count() or 1) if cluster.device_kind == "cpu" else 0
