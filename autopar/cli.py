@@ -2,8 +2,8 @@
 
     autopar plan MODEL --cluster SPEC --global-batch B [--dp D] [--tp T] [--pp P] [--cp C] [--jobs N] [--json]
     autopar evaluate MODEL --cluster SPEC --global-batch B --tp T --pp P --microbatch-size b ...
-    autopar profile [--device cpu|cuda] [--nproc N] [--out profile.json]
-    autopar profile --calibrate MODEL --nproc N [--out profile.json]   (fit whole-step terms)
+    autopar profile [--device cpu|cuda] [--nproc N] [--out profile.json] [--no-calibrate]
+        (N >= 2 on the CPU: also fits whole-step terms on a small built-in model; --calibrate MODEL for another)
     torchrun --nproc-per-node N -m autopar.cli tune MODEL --cluster SPEC --global-batch B --trials k
     autopar show PLAN.json [--timeline out.png|out.html] [--memory out.png] [--html report.html]
     autopar explain PLAN.json
@@ -24,6 +24,7 @@ import os
 import sys
 
 from autopar.capture.heap import collector_paused, freeze_at_exit
+from autopar.tune.defaults import DEFAULT_CALIBRATION_MODEL
 
 with collector_paused():  # torch and the planner: 0.25 CPU s of the collector's passes, nothing to free
     from autopar.plans import planning
@@ -182,7 +183,11 @@ def _profile_parser(commands) -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller sweep")
     parser.add_argument("--calibrate", metavar="MODEL",
                         help="run a fixed set of configurations of MODEL on --nproc processes and store the fitted "
-                             "whole-step terms in the profile (an existing --out file is calibrated, else measured first)")
+                             "whole-step terms in the profile (an existing --out file is calibrated, else measured "
+                             "first); default with --nproc N >= 2 on the CPU: a small built-in GPT "
+                             f"({DEFAULT_CALIBRATION_MODEL})")
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help="measure only: plans on this profile say they are uncalibrated")
     parser.add_argument("--global-batch", type=count(MAX_GLOBAL_BATCH), metavar="B", help="batch of the calibration runs (default 4 x nproc)")
     parser.add_argument("--cluster", metavar="SPEC",
                         help="with --calibrate under torchrun: this job's cluster, with profile=FILE (needed on GPUs, "
@@ -243,12 +248,30 @@ def _profile(args) -> int:
     from autopar.tune.profile import profile_machine
 
     check_output_path(args.out)
+    if args.calibrate and args.no_calibrate:
+        raise ConfigError("--calibrate MODEL and --no-calibrate contradict each other: give one")
     if args.calibrate:
         return _calibrate(args, exists=Path(args.out).exists())
     profile = profile_machine(device=args.device, num_processes=args.nproc, out=args.out, quick=args.quick)
     print(f"wrote {args.out}: {profile.device_name}, {len(profile.matmul)} matmul and "
           f"{len(profile.collectives)} collective measurements")
+    if args.no_calibrate or "RANK" in os.environ:
+        return 0
+    if profile.device_kind == "cpu" and args.nproc >= 2:  # the default: whole steps of a small built-in model
+        args.calibrate = DEFAULT_CALIBRATION_MODEL
+        return _calibrate(args, exists=True)
+    print(_uncalibrated_note(profile.device_kind, args.out))
     return 0
+
+
+def _uncalibrated_note(device_kind: str, out: str) -> str:
+    """What to run for a calibrated profile where `autopar profile` could not calibrate on its own."""
+    if device_kind == "cpu":
+        return (f"not calibrated: whole steps need --nproc N >= 2 (`autopar profile --nproc 4 --out {out}`); plans "
+                "on this profile say they are uncalibrated")
+    return ("not calibrated: on GPUs calibrate inside the job, `torchrun --nproc-per-node N -m autopar.cli profile "
+            f"--calibrate {DEFAULT_CALIBRATION_MODEL} --out {out} --cluster PRESET:nodes=1,profile={out}`; plans on "
+            "this profile say they are uncalibrated")
 
 
 def _calibrate(args, *, exists: bool) -> int:

@@ -57,7 +57,7 @@ from autopar import api
 from autopar.cluster import Cluster
 from autopar.solver.search import Planner
 from autopar.solver.step_model import Estimate, ParallelConfig
-from cost_model.memory import FP32_ADAM, FSDP2_BF16_FP32_REDUCE, MEGATRON_BF16, PrecisionPolicy
+from cost_model.memory import BF16_ADAM, FP32_ADAM, FSDP2_BF16_FP32_REDUCE, MEGATRON_BF16, PrecisionPolicy
 from cost_model.optimizer import adamw_io_bytes_per_param
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_runs.csv"
@@ -282,6 +282,22 @@ def evaluate_run(run: Run, directory: Path) -> Outcome:
                    seconds=time.perf_counter() - started)
 
 
+AUTOPAR_RUNTIME_FUSED_ADAMW = replace(BF16_ADAM, optimizer_io_bytes_per_param=adamw_io_bytes_per_param("fused"))
+"""autopar's runtime (fp32 weights behind bf16 copies made once per step, gradients accumulated
+into fp32) with a fused AdamW, as the framework rows ran theirs: the same plan in autopar's hands."""
+
+
+def runtime_step_s(run: Run, directory: Path) -> float | None:
+    """The run's configuration priced for autopar's runtime (bf16 rows only; None otherwise)."""
+    if precision_of(run) != "bf16":
+        return None
+    framework = planner_for(run, directory)
+    planner = Planner(framework.graph, framework.cluster, global_batch=run.global_batch,
+                      policy=AUTOPAR_RUNTIME_FUSED_ADAMW, precision="bf16")
+    estimate, _ = planner.evaluate(run.config(planner))
+    return estimate.step_time_s
+
+
 def evaluate_all(runs: list[Run]) -> list[Outcome]:
     with tempfile.TemporaryDirectory() as directory:
         return [evaluate_run(run, Path(directory)) for run in runs]
@@ -339,6 +355,9 @@ def main() -> int:
     parser.add_argument("--compile-gain", action="store_true",
                         help="for compiled rows whose notes give an eager measurement: modelled vs measured gain, "
                              "and what the model's compiled pricing removes, by op class")
+    parser.add_argument("--runtime", action="store_true",
+                        help="also price each bf16 row for autopar's runtime (its precision handling, fused AdamW) "
+                             "against the framework's handling")
     args = parser.parse_args()
     runs = read_runs() + (list(RAN) if args.ran else [])
     if args.rows:
@@ -359,11 +378,21 @@ def main() -> int:
                 _print_classes(run, Path(directory))
             if args.compile_gain:
                 _print_compile_gain(outcome, Path(directory))
+            if args.runtime:
+                _print_runtime(outcome, Path(directory))
     errors = [abs(outcome.error) for outcome in outcomes if outcome.error == outcome.error]
     if errors:
         print(f"\nmedian absolute error {100 * statistics.median(errors):.1f}%, "
               f"largest {100 * max(errors):.1f}%, {sum(e <= 0.10 for e in errors)}/{len(errors)} within 10%")
     return 0
+
+
+def _print_runtime(outcome: Outcome, directory: Path) -> None:
+    runtime_s = runtime_step_s(outcome.run, directory)
+    if runtime_s is not None:
+        framework_s = outcome.estimate.step_time_s
+        print(f"|   | autopar's runtime: step {runtime_s:.4g} s against {framework_s:.4g} s with the framework's "
+              f"handling ({100 * (runtime_s / framework_s - 1):+.1f}%) |")
 
 
 def _print_breakdown(estimate: Estimate) -> None:

@@ -20,6 +20,7 @@ from autopar.codegen.program import (GraphParts, SegmentModule, StageProgram, We
 from autopar.errors import ConfigError, PlanMismatchError
 from autopar.solver.recompute import op_saved_nodes
 from autopar.plans.plan import Plan
+from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES
 from autopar.solver.pipeline import rank_of, stages_of_rank
 
 
@@ -115,7 +116,7 @@ class ProgramBuilder:
         """Boundary tensors sent otherwise than placed (codegen/pipeline.boundary_wires)."""
         self.expert_mesh = None
         """The (tp, ep) mesh of expert weights under expert parallelism (else None)."""
-        self.weight_casts = WeightCasts()
+        self.weight_casts = WeightCasts(accumulate_into_grad=plan.schedule not in ZERO_BUBBLE_SCHEDULES)
         """The bf16 weight copies of this rank's modules under bf16 precision (one per step)."""
 
     def use_expert_parallelism(self, runtime) -> None:

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from autopar.codegen.interpreter import PlannedInterpreter, contiguous_grad
+from autopar.codegen.main_grad import accumulating_copy
 from autopar.codegen.recompute import compact_saves, op_policy_context
 from autopar.codegen.placements import to_dtensor_placement
 from autopar.graph import OpGraph
@@ -126,17 +127,21 @@ class WeightCasts:
     """Mixed precision's compute-dtype copies of fp32 weights, made once per training step.
 
     Inside `step()` (ParallelModule.train_step, eval_step) a weight is cast once and every
-    microbatch uses that copy; the copy's autograd node (a cast, which saves no tensor) is shared,
-    so each microbatch's backward casts its gradient back into the fp32 parameter's .grad as a
-    cast per use would: the same gradients, without a cast per microbatch and a copy per
-    microbatch in flight. Outside a step (`pm(inputs)` and a backward of the user's own) every
+    microbatch uses that copy; the copy's autograd node (which saves no tensor) is shared, so
+    each microbatch's backward adds its gradient into the fp32 parameter's .grad in one kernel
+    (main_grad.AccumulatingCast; a plain cast under zero-bubble schedules): the gradients a cast
+    per use gives, without a cast per microbatch, a copy per microbatch in flight, or a separate
+    cast-and-add pass per microbatch. Outside a step (`pm(inputs)` and a backward of the user's own) every
     use casts afresh. Under FSDP2 the gathered parameters are already bf16 (its
     MixedPrecisionPolicy, codegen/data_parallel.py) and nothing is cast here."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, accumulate_into_grad: bool = True) -> None:
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.num_casts = 0
         """Casts made so far (inside and outside steps)."""
+        self.accumulate_into_grad = accumulate_into_grad
+        """A step's copies add their gradients into the fp32 .grad in one kernel (main_grad.py);
+        False (zero-bubble schedules): plain casts, autograd casts back and accumulates."""
 
     @contextmanager
     def step(self, weights: list[tuple[torch.Tensor, torch.dtype]] = ()):
@@ -157,7 +162,8 @@ class WeightCasts:
         held = self._copies.get(id(weight))
         if held is None or held[0] is not weight:
             self.num_casts += 1
-            held = self._copies[id(weight)] = (weight, weight.to(dtype))
+            copy = accumulating_copy(weight, dtype) if self.accumulate_into_grad else weight.to(dtype)
+            held = self._copies[id(weight)] = (weight, copy)
         return held[1]
 
 

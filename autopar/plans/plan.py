@@ -21,6 +21,8 @@ from autopar.validation import parse_json, read_text_file, shorten
 SCHEMA_VERSION = 2
 """2: the mesh has a context-parallel axis "cp" (version 1 files load with cp = 1)."""
 READABLE_VERSIONS = (1, 2)
+CALIBRATIONS = ("", "calibrated", "uncalibrated", "datasheet")
+"""Values of Plan.calibration."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +141,12 @@ class Plan:
     (`ep_params`) by expert, exchanging tokens by all-to-all (1: no expert parallelism)."""
     ep_params: tuple[str, ...] = ()
     """The expert weights split over the ep group (dim 0, after their tensor-parallel placement)."""
+    calibration: str = ""
+    """What the step time was priced from (CALIBRATIONS): "calibrated" (a profile with a whole-step
+    calibration for the cluster's processes per node: predicted.expected_error is its error bar),
+    "uncalibrated" (a measured profile without one: single kernels and collectives only, which
+    have ranked whole steps on CPUs poorly), "datasheet" (no profile: the preset's figures); ""
+    in plans written before this field."""
 
     @property
     def model_tflops_per_device(self) -> float:
@@ -194,7 +202,8 @@ class Plan:
 
         choices = [("schedule", self.schedule, ("none",) + SCHEDULES), ("recompute", self.recompute, RECOMPUTE_MODES),
                    ("zero_stage", self.zero_stage, (0, 1, 2, 3)), ("precision", self.precision, ("bf16", "fp32")),
-                   ("offload", self.offload, (False, True)), ("sequence_parallel", self.sequence_parallel, (False, True))]
+                   ("offload", self.offload, (False, True)), ("sequence_parallel", self.sequence_parallel, (False, True)),
+                   ("calibration", self.calibration, CALIBRATIONS)]
         choices += [(f"stages[{i}].recompute", stage.recompute, ("",) + RECOMPUTE_MODES)
                     for i, stage in enumerate(self.stages)]
         for name, value, allowed in choices:

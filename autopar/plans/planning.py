@@ -324,15 +324,22 @@ def _distinct(ranked: list) -> list:
 
 
 def _with_error_bar(plan: Plan, planner: Planner) -> Plan:
-    """Record the calibration's expected error of the prediction (0 when uncalibrated)."""
+    """Record what the prediction was priced from (Plan.calibration) and the calibration's
+    expected error (0 when uncalibrated); a plan on an uncalibrated profile says so in its notes."""
     if planner.overheads is None:
-        return plan
+        if planner.cluster.profile is None:
+            return replace(plan, calibration="datasheet")
+        note = ("uncalibrated profile: the step time adds single kernels and collectives, without what whole steps "
+                "add on this machine (on 4 gloo processes such prices ranked configurations poorly and picked "
+                "~1.5x the best measured); `autopar profile --nproc N --out FILE` calibrates whole steps, "
+                "then re-plan")
+        return replace(plan, calibration="uncalibrated", notes=plan.notes + (note,))
     calibration = planner.overheads.calibration
     note = (f"calibrated step time (profile calibration of {calibration.model} on {calibration.num_processes} "
             f"processes): expected error +-{100 * calibration.expected_error:.0f}% "
             f"(worst seen {100 * calibration.worst_error:.0f}%)")
     return replace(plan, predicted=replace(plan.predicted, expected_error=calibration.expected_error),
-                   notes=plan.notes + (note,))
+                   notes=plan.notes + (note,), calibration="calibrated")
 
 
 def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp: int = 1, pp: int = 1,

@@ -71,6 +71,8 @@ def _error_bar(plan) -> str:
     error = plan.predicted.expected_error
     if error:
         return f" (calibrated; expected error +-{100 * error:.0f}%)"
+    if getattr(plan, "calibration", "") == "uncalibrated":
+        return " (UNCALIBRATED profile: error unknown, see notes)"
     return ""
 
 

@@ -8,7 +8,7 @@ step takes the slowest stage's (StepModel.assemble).
 from __future__ import annotations
 
 from autopar.mesh import Mesh
-from autopar.solver.configs import ParallelConfig, StageEstimate
+from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES, ParallelConfig, StageEstimate
 
 
 def uses_fsdp(config: ParallelConfig) -> bool:
@@ -87,19 +87,22 @@ class StepTail:
         return cast_bytes / self.compute.bandwidth_bytes_per_s
 
     def _gradient_accumulate_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
-        """Gradient accumulation over microbatches in autopar's runtime (casts_once_per_step): from
-        the second microbatch on, autograd adds each weight gradient (cast to fp32) into the fp32
-        .grad (read two fp32 tensors, write one); under FSDP2 without a reduce-scatter per
-        microbatch its fused add of the bf16 gradient into the fp32 accumulator moves 4 bytes more
-        than the cast already priced per microbatch (evaluate._add_gradient_cast); with a
-        reduce-scatter per microbatch only the shard accumulates. Megatron-LM accumulates inside the
-        weight-gradient GEMM (not priced: MEGATRON_BF16)."""
+        """Gradient accumulation over microbatches in autopar's runtime (casts_once_per_step), from
+        the second microbatch on. Without FSDP the step's bf16 copy adds each weight gradient into
+        the fp32 .grad in one kernel (codegen/main_grad.py: reads bf16 and fp32, writes fp32, 10
+        bytes): 4 more than the cast already priced per microbatch (evaluate._add_gradient_cast);
+        under the zero-bubble schedules torch's weight pass casts and adds itself (autograd's cast,
+        then a separate add reading two fp32 tensors and writing one, 12 bytes). Under FSDP2
+        without a reduce-scatter per microbatch its fused add of the bf16 gradient into the fp32
+        accumulator is 4 bytes more than the cast; with a reduce-scatter per microbatch only the
+        shard accumulates. Megatron-LM accumulates inside the weight-gradient GEMM (not priced:
+        MEGATRON_BF16)."""
         m = config.num_microbatches
         if not self.policy.casts_once_per_step or m <= 1 or config.offload:  # offload: on the host (offload.*)
             return 0.0
         master = self.policy.master_bytes
         if not uses_fsdp(config):
-            bytes_per_param = 3 * master
+            bytes_per_param = 3 * master if config.schedule in ZERO_BUBBLE_SCHEDULES else master
         elif config.zero_stage >= 2 and config.pp == 1:
             bytes_per_param = 3 * master / config.data_shards
         else:  # reads fp32 and bf16, writes fp32 (10 bytes): 4 more than the cast's 6

@@ -19,6 +19,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 
 from autopar.errors import ConfigError, ProfileError
+from autopar.tune.defaults import DEFAULT_CALIBRATION_MODEL  # noqa: F401 (re-exported)
 from autopar.tune.fit import Observation, fit
 from autopar.tune.trials import TrialOptions
 from cost_model.calibration import CALIBRATION_VERSION, Calibration

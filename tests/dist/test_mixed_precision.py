@@ -11,8 +11,10 @@ pytestmark = pytest.mark.dist
 SPEC = "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=64,dropout=0.0"
 CONFIGS = ({"tp": 2, "microbatch_size": 4}, {"dp": 2, "zero_stage": 0, "microbatch_size": 2},
            {"dp": 2, "zero_stage": 3, "microbatch_size": 2},
-           {"pp": 2, "schedule": "zbv", "microbatch_size": 2, "zero_stage": 0})
-"""Each with two or more microbatches per rank (2 x tp, 2 x dp ZeRO-0 and ZeRO-3, 4 through ZB-V)."""
+           {"pp": 2, "schedule": "zbv", "microbatch_size": 2, "zero_stage": 0},
+           {"pp": 2, "schedule": "1f1b", "microbatch_size": 2, "zero_stage": 0})
+"""Each with two or more microbatches per rank (2 x tp, 2 x dp ZeRO-0 and ZeRO-3, 4 through ZB-V
+(torch's weight pass: plain casts) and through 1F1B (the copies add into the fp32 gradients))."""
 
 
 def _per_use(module):

@@ -97,9 +97,47 @@ def test_profile_writes_a_profile_the_cluster_spec_loads(capsys, tmp_path, monke
     out_file = tmp_path / "profile.json"
     code, out, _ = run(capsys, "profile", "--device", "cpu", "--nproc", "1", "--quick", "--out", str(out_file))
     assert code == 0 and "matmul" in out
+    assert "not calibrated" in out  # one process: no parallel configurations to run whole steps of
     assert [(o.device, o.num_processes, o.quick) for o in asked] == [("cpu", 1, True)]
     code, out, _ = run(capsys, "plan", TINY, "--cluster", f"cpu:procs=1,profile={out_file}", "--global-batch", "2")
     assert code == 0 and "predicted" in out
+    assert "UNCALIBRATED profile" in out and "autopar profile --nproc N" in out
+    code, out, _ = run(capsys, "plan", TINY, "--cluster", f"cpu:procs=1,profile={out_file}", "--global-batch", "2",
+                       "--json")
+    assert code == 0 and json.loads(out)["calibration"] == "uncalibrated"
+
+
+def test_profile_calibrates_on_a_small_built_in_model_unless_told_not_to(capsys, monkeypatch, tmp_path):
+    """`autopar profile --nproc N` (N >= 2, CPU) measures, then calibrates whole steps of the
+    default model into the same file; --no-calibrate measures only; --calibrate MODEL picks it."""
+    import autopar.tune.calibrate as calibrate
+    import autopar.tune.profile as profile
+    from autopar.tune.defaults import DEFAULT_CALIBRATION_MODEL
+
+    measured, calibrated = [], []
+
+    class Measured:
+        device_name, device_kind, matmul, collectives = "cpu", "cpu", (), ()
+
+    monkeypatch.setattr(profile, "profile_machine", lambda **kwargs: measured.append(kwargs) or Measured())
+
+    class Calibration:
+        num_processes = 2
+
+    class Calibrated:
+        calibrations = (Calibration(),)
+
+    monkeypatch.setattr(calibrate, "calibrate_profile",
+                        lambda model, out, **kwargs: calibrated.append((model, out, kwargs["num_processes"])) or Calibrated())
+    monkeypatch.setattr(calibrate, "describe_calibration", lambda calibration: "fitted")
+    out_file = str(tmp_path / "p.json")
+    code, out, _ = run(capsys, "profile", "--device", "cpu", "--nproc", "2", "--quick", "--out", out_file)
+    assert code == 0 and calibrated == [(DEFAULT_CALIBRATION_MODEL, out_file, 2)] and len(measured) == 1
+    calibrated.clear()
+    code, out, _ = run(capsys, "profile", "--device", "cpu", "--nproc", "2", "--no-calibrate", "--out", out_file)
+    assert code == 0 and calibrated == [] and len(measured) == 2
+    code, _, err = run(capsys, "profile", "--nproc", "2", "--no-calibrate", "--calibrate", "tiny-gpt", "--out", out_file)
+    assert code == 2 and "contradict" in err
 
 
 def test_profile_refuses_impossible_requests(capsys, tmp_path):

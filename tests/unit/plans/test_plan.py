@@ -82,9 +82,20 @@ def test_stage_recompute_falls_back_to_the_plans_and_survives_json(plan):
     assert loaded.stage_recompute(0) == "none"
 
 
-@pytest.mark.parametrize("field, value", [("recompute", "sometimes"), ("schedule", "zigzag"), ("zero_stage", 4)])
+@pytest.mark.parametrize("field, value", [("recompute", "sometimes"), ("schedule", "zigzag"), ("zero_stage", 4),
+                                          ("calibration", "maybe")])
 def test_plan_file_with_an_unknown_choice(plan, field, value):
     data = json.loads(plan.to_json())
     data[field] = value
     with pytest.raises(PlanMismatchError, match=f"{field}={value!r}"):
         Plan.from_dict(data, source="edited.json")
+
+
+def test_a_plan_says_what_its_step_time_was_priced_from_and_older_files_load(plan):
+    """A preset cluster without a profile is priced from its datasheet; a plan file written before
+    the field loads with "" (unknown)."""
+    assert plan.calibration == "datasheet"
+    data = json.loads(plan.to_json())
+    assert data["calibration"] == "datasheet"
+    del data["calibration"]
+    assert Plan.from_dict(data, source="old.json").calibration == ""
