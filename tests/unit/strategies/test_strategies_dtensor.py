@@ -243,7 +243,7 @@ def _distribute(tensor: torch.Tensor, placement: str, mesh) -> DTensor:
         pieces = [tensor.clone() for _ in range(WORLD_SIZE)]
     elif placement == "P" and tensor.is_floating_point():
         offset = torch.randn_like(tensor)
-        pieces = [tensor * 0.7 + offset] + [tensor * 0.1 - offset / 3 for _ in range(WORLD_SIZE - 1)]
+        pieces = [tensor * 0.7 + offset] + [(tensor * 0.3 - offset) / (WORLD_SIZE - 1) for _ in range(WORLD_SIZE - 1)]
     elif placement == "P":
         offset = torch.randint_like(tensor, -5, 5)
         pieces = [tensor - (WORLD_SIZE - 1) * offset] + [offset] * (WORLD_SIZE - 1)
