@@ -36,6 +36,7 @@ from autopar.solver.costing import CostContext, total_time
 from autopar.solver.intra_op import ChoiceProblem, Edge
 from autopar.solver.quotient import Quotient, QuotientEdge
 from autopar.strategies import Strategy, mesh_strategies
+from autopar.strategies.aliasing import aliases_written_in_place
 from autopar.strategies.placement import (PARTIAL, REPLICATE, grad_placement, is_shard, shard, shard_dim, shard_factor,
                                          transition)
 
@@ -143,6 +144,8 @@ class ProblemBuilder:
         self.model_parallel_axes = model_parallel_axes
         """Mesh axes that split the model, never the batch (tensor parallelism; dp splits batches)."""
         self.sequence_parallel = sequence_parallel
+        self.written_aliases = aliases_written_in_place(graph)
+        """Tensors that share storage with one written in place: never moved (strategies/aliasing.py)."""
         """False: no activation is sharded on model_parallel_axes but as a sharded weight left it."""
         self.candidates: dict[str, list[Strategy]] = {}
         self.variables: list[OpGroup | FanOut] = []
@@ -208,9 +211,11 @@ class ProblemBuilder:
     def _forbidden_move(self, producer: OpNode, source, target) -> bool:
         """A redistribution the runtime must not make: moving a weight on a model-parallel axis,
         keeping a vocab-parallel lookup partial, or without sequence parallelism creating a shard
-        of an activation there."""
+        of an activation there, or moving a tensor that something writes in place (the write
+        would land in the moved copy)."""
         return (self._moves_weight(producer, source, target) or _keeps_masked_partial(producer, source, target)
-                or self._shards_activation(producer, source, target))
+                or self._shards_activation(producer, source, target)
+                or (producer.name in self.written_aliases and tuple(source) != tuple(target)))
 
     def _shards_activation(self, producer: OpNode, source, target) -> bool:
         """Without sequence parallelism: whether the move makes (or moves) a shard of an activation
@@ -224,7 +229,7 @@ class ProblemBuilder:
         strategies = self._strategies(node)
         self.candidates[node.name] = strategies
         producer = self._single_producer(node)
-        if producer is not None and producer in self.group_of:
+        if producer is not None and producer in self.group_of and not self._starts_written_family(node, producer):
             group_index = self.group_of[producer]
             mapping = self._follow(node, producer, self.variables[group_index], strategies)
             if mapping is not None:
@@ -236,6 +241,11 @@ class ProblemBuilder:
                 return
         self.group_of[node.name] = len(self.variables)
         self.variables.append(OpGroup(members=[node.name], choices=[{node.name: s} for s in strategies]))
+
+    def _starts_written_family(self, node: OpNode, producer: str) -> bool:
+        """A tensor written in place whose producer is not: it gets its own choice, as a follower
+        it would be bound to its producer's placement, which the writer may not be able to read."""
+        return node.name in self.written_aliases and producer not in self.written_aliases
 
     def _single_producer(self, node: OpNode) -> str | None:
         if node.kind != "call" or len(node.inputs) != 1:

@@ -167,4 +167,56 @@ ARCHITECTURES = [
     Architecture(name="BART", kind="encoder-decoder", inputs="seq2seq", build=_build_bart),
     Architecture(name="ViT", kind="vision", inputs="pixels", build=_build_vit),
 ]
-BY_NAME = {arch.name: arch for arch in ARCHITECTURES}
+
+_LINEAR_ATTENTION = dict(head_dim=HIDDEN // HEADS, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=HIDDEN // HEADS,
+                         linear_value_head_dim=HIDDEN // HEADS, linear_num_key_heads=2, linear_num_value_heads=HEADS)
+_MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=HIDDEN // HEADS)
+
+RECENT = [
+    Architecture(name="Qwen3.5", kind="hybrid linear", build=_causal(
+        "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", **_LINEAR_ATTENTION, **_LLAMA_LIKE)),
+    Architecture(name="Qwen3.5-MoE", kind="hybrid linear MoE", build=_causal(
+        "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", num_experts=4, moe_intermediate_size=FFN // 2,
+        shared_expert_intermediate_size=FFN, **_MOE, **_LINEAR_ATTENTION,
+        **{k: v for k, v in _LLAMA_LIKE.items() if k != "intermediate_size"})),
+    Architecture(name="Qwen3-Next", kind="hybrid linear MoE", build=_causal(
+        "Qwen3NextConfig", "Qwen3NextForCausalLM", num_experts=4, moe_intermediate_size=FFN // 2,
+        shared_expert_intermediate_size=FFN, **_MOE, **_LINEAR_ATTENTION, **_LLAMA_LIKE)),
+    Architecture(name="Kimi Linear", kind="hybrid linear MoE", build=_causal(
+        "KimiLinearConfig", "KimiLinearForCausalLM", num_local_experts=4, moe_intermediate_size=FFN // 2,
+        linear_head_dim=HIDDEN // HEADS, linear_num_heads=HEADS, pad_token_id=0,
+        layer_types=["linear_attention", "full_attention"], **_MOE, **_MLA,
+        **_LLAMA_LIKE)),
+    Architecture(name="LFM2", kind="hybrid conv", build=_causal("Lfm2Config", "Lfm2ForCausalLM", block_multiple_of=16,
+                                                                 pad_token_id=0, **_LLAMA_LIKE)),
+    Architecture(name="Gemma3", kind="causal LM", build=_causal(
+        "Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=HIDDEN // HEADS, sliding_window=16, **_LLAMA_LIKE)),
+    Architecture(name="OLMo3", kind="causal LM", build=_causal(
+        "Olmo3Config", "Olmo3ForCausalLM", sliding_window=16, pad_token_id=0, **_LLAMA_LIKE)),
+    Architecture(name="Llama4", kind="MoE", build=_causal(
+        "Llama4TextConfig", "Llama4ForCausalLM", head_dim=HIDDEN // HEADS, num_local_experts=4, intermediate_size_mlp=FFN,
+        attention_chunk_size=16, pad_token_id=0, num_experts_per_tok=1, **_LLAMA_LIKE)),
+    Architecture(name="Phi-MoE", kind="MoE", build=_causal(
+        "PhimoeConfig", "PhimoeForCausalLM", num_local_experts=4, sliding_window=16, **_MOE, **_LLAMA_LIKE)),
+    Architecture(name="DeepSeek-V3.2", kind="MoE", build=_causal(
+        "DeepseekV32Config", "DeepseekV32ForCausalLM", n_routed_experts=4, moe_intermediate_size=FFN // 2,
+        n_group=1, topk_group=1, index_topk=16, index_head_dim=16, index_n_heads=2, head_dim=8, **_MOE, **_MLA,
+        **{**_LLAMA_LIKE, "num_key_value_heads": HEADS})),
+    Architecture(name="ModernBERT", kind="encoder", inputs="masked", build=_causal(
+        "ModernBertConfig", "ModernBertForMaskedLM", hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=SEQ, local_attention=16,
+        pad_token_id=0, cls_token_id=0, sep_token_id=0)),
+    Architecture(name="DBRX", kind="MoE", build=_causal(
+        "DbrxConfig", "DbrxForCausalLM", d_model=HIDDEN, n_heads=HEADS, n_layers=LAYERS, max_seq_len=SEQ,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0), ffn_config=dict(ffn_hidden_size=FFN, moe_num_experts=4, moe_top_k=2))),
+]
+"""Architectures of 2025-2026 (hybrid and linear attention, sliding windows, MoE): checked by
+`python tests/dist/test_hf_zoo.py NAME`; the zoo test runs those of IN_SUITE."""
+IN_SUITE = ("Qwen3.5", "Gemma3")
+"""The recent architectures `make test` runs: Qwen3.5's gated delta rule writes its output in place
+(under tp=2 it was silently wrong before strategies/aliasing.py); Gemma3 mixes sliding-window and
+global attention layers."""
+
+BY_NAME = {arch.name: arch for arch in ARCHITECTURES + RECENT}
+TESTED = ARCHITECTURES + [BY_NAME[name] for name in IN_SUITE]
+"""The architectures of the zoo test and the README's table."""

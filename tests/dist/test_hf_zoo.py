@@ -249,7 +249,7 @@ def zoo_case(case: ZooCase) -> dict:
 
 
 SELECTED = [name for name in os.environ.get("AUTOPAR_ZOO", "").split(",") if name and name != "all"] \
-    or list(hf_zoo.BY_NAME)
+    or [arch.name for arch in hf_zoo.TESTED]
 """The architectures whose tests are collected (AUTOPAR_ZOO=a,b,...; default: all of them)."""
 if set(SELECTED) - set(hf_zoo.BY_NAME):
     raise ValueError(f"AUTOPAR_ZOO names unknown architectures {sorted(set(SELECTED) - set(hf_zoo.BY_NAME))}; "
@@ -271,9 +271,9 @@ def _shared_dir() -> str:
 
 
 CASES = {f"{arch.name}-{size}": ZooCase(arch.name, size, _shared_dir()) for size in (2, 4)
-         for arch in hf_zoo.ARCHITECTURES}
-TESTS = [(f"{arch.name}-{size}", mesh) for mesh, (size, _) in MESHES.items() for arch in hf_zoo.ARCHITECTURES
-         if arch.name in SELECTED]
+         for arch in hf_zoo.ARCHITECTURES + hf_zoo.RECENT}
+TESTS = [(f"{arch.name}-{size}", mesh) for mesh, (size, _) in MESHES.items()
+         for arch in hf_zoo.ARCHITECTURES + hf_zoo.RECENT if arch.name in SELECTED]
 
 
 def check(outcome, mesh: str) -> None:
@@ -334,7 +334,8 @@ def zoo_table(architectures: list[str] | None = None) -> str:
     to stderr."""
     import transformers
 
-    chosen = [arch for arch in hf_zoo.ARCHITECTURES if architectures is None or arch.name in architectures]
+    chosen = [arch for arch in hf_zoo.ARCHITECTURES + hf_zoo.RECENT
+              if (architectures is None and arch in hf_zoo.TESTED) or (architectures and arch.name in architectures)]
     outcomes = run_zoo([arch.name for arch in chosen])
     header = ["architecture", "kind", *MESHES]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
