@@ -11,8 +11,8 @@ rule's output stayed zero on every rank).
 
 So an alias family that something writes in place is read by every consumer in the placement its
 producer gave it (`aliases_written_in_place`; the solver forbids any other move of it). Since an
-in-place op has no sharding rule of its own, the family ends up replicated, which the plan report
-says.
+in-place op has no sharding rule of its own, the family ends up replicated; the plan report lists
+the in-place ops (`copy_ x132`) among those replicated for want of a rule.
 """
 
 from __future__ import annotations
