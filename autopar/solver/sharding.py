@@ -145,6 +145,12 @@ def _with_hint(problem: ChoiceProblem) -> ChoiceProblem:
 def _infeasible(graph: OpGraph, problem: ChoiceProblem, layout: Layout, budget: float | None) -> InfeasiblePlanError:
     """The least memory any assignment needs (each variable and each edge at its leanest: a lower
     bound), and what dominates it."""
+    if budget is None:  # no memory row: the placement rules themselves leave no assignment
+        return InfeasiblePlanError(
+            f"no sharding of {graph.model_name or 'the model'} on this mesh satisfies the placement rules: every "
+            "assignment needs a move they forbid (an op with no rule for its inputs' placements, or a tensor written "
+            "in place that would have to move). Constrain tp=1 (and cp=1) to plan without tensor parallelism, and "
+            "report the model: its ops need a rule")
     least = sum(float(np.min(m)) for m in problem.node_memory_bytes if len(m))
     least += sum(float(np.min(edge.memory_bytes)) for edge in problem.edges
                  if edge.memory_bytes is not None and edge.memory_bytes.size)
@@ -160,5 +166,5 @@ def _infeasible(graph: OpGraph, problem: ChoiceProblem, layout: Layout, budget: 
     else:
         why = f"the leanest assignment needs at least {human_bytes(least)} per device (largest: {dominant})"
     return InfeasiblePlanError(
-        f"no sharding fits in {human_bytes(budget or 0)} per device: {why}. Use more devices, a larger memory "
+        f"no sharding fits in {human_bytes(budget)} per device: {why}. Use more devices, a larger memory "
         "budget, recomputation, or a smaller microbatch.")

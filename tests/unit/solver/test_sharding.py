@@ -260,3 +260,16 @@ def test_a_vocab_parallel_lookup_is_reduced_before_anything_reads_it():
                if source in fixed]
     assert readers and all(result.strategies[name].inputs[index] != ("P",) for name, index in readers), \
         [(name, result.strategies[name].inputs) for name, _ in readers]
+
+
+def test_infeasible_without_a_memory_budget_blames_the_rules_not_memory():
+    """An assignment problem with no memory row can only be infeasible through its placement
+    rules: the message says so and what to do, never "no sharding fits in 0 B"."""
+    from autopar.graph import OpGraph
+    from autopar.solver.sharding import _infeasible
+
+    graph = OpGraph(nodes=(), params=(), blocks=(), segments=(), batch_size=1, batch_dynamic=False,
+                    capture_method="export", model_name="tiny-thing")
+    error = _infeasible(graph, problem=None, layout=None, budget=None)
+    assert "placement rules" in str(error) and "tiny-thing" in str(error) and "tp=1" in str(error)
+    assert "0 B" not in str(error)
