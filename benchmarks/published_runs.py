@@ -86,6 +86,8 @@ class Run:
     pp: int
     dp: int
     virtual_stages: int
+    cp: int
+    """Context parallelism: ranks each sequence is split over (1 where the source has none)."""
     zero: int
     recompute: str
     precision: str
@@ -142,7 +144,7 @@ class Run:
                                 schedule="interleaved" if interleaved else "1f1b",
                                 virtual_stages=self.virtual_stages if interleaved else None,
                                 layers_per_virtual_stage=None, recompute=self.recompute_mode, zero_stage=self.zero,
-                                sequence_parallel=self.sequence_parallel)
+                                cp=self.cp, sequence_parallel=self.sequence_parallel)
 
     def predicted(self, step_time_s: float) -> float:
         """The prediction in the source's unit."""
@@ -186,7 +188,7 @@ def _run(item: dict[str, str]) -> Run:
                cluster_overrides=overrides,
                global_batch=int(item["global_batch"]), microbatch=int(item["microbatch"]), tp=int(item["tp"]),
                pp=int(item["pp"]), dp=int(item["dp"]), virtual_stages=int(item["virtual_stages"] or 1),
-               zero=int(item["zero"] or 0), recompute=item["recompute"], precision=item["precision"],
+               cp=int(item.get("cp") or 1), zero=int(item["zero"] or 0), recompute=item["recompute"], precision=item["precision"],
                metric=item["metric"], published=float(item["published"]), flop_formula=item["flop_formula"],
                measured_memory_bytes=memory_bytes, notes=item.get("notes", ""))
 
@@ -320,7 +322,7 @@ def _ran(id: str, source: str, shape: dict[str, int], *, gpus: int, cluster: str
          dp: int, virtual_stages: int = 1, zero: int = 0, recompute: str, notes: str) -> Run:
     return Run(id=id, source=source, family="gpt" if "kv_heads" not in shape else "llama", shape=shape, gpus=gpus,
                cluster=cluster, cluster_overrides={}, global_batch=global_batch, microbatch=1, tp=tp, pp=pp, dp=dp,
-               virtual_stages=virtual_stages, zero=zero, recompute=recompute, precision="bf16", metric="step_time_s",
+               virtual_stages=virtual_stages, cp=1, zero=zero, recompute=recompute, precision="bf16", metric="step_time_s",
                published=float("nan"), flop_formula="-", measured_memory_bytes=None, notes=notes)
 
 
