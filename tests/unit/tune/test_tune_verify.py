@@ -55,3 +55,43 @@ def test_the_table_shows_each_cell_and_the_verdict():
     exact = VerifyReport(model="m", steps=3, reference_losses=[], cells=cells[:2])
     assert exact.ok and "exact" in format_table(exact).splitlines()[-1]
     assert exact.to_dict()["ok"] is True
+
+
+FACTORY = '''
+import torch
+from torch import nn
+
+def make():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+    return model, (torch.randn(4, 8),), nn.functional.cross_entropy, torch.randint(0, 2, (4,))
+
+def no_loss():
+    return nn.Linear(8, 2), (torch.randn(4, 8),)
+'''
+
+
+def test_a_factory_runs_as_it_is_without_dropout_on_its_one_batch(tmp_path):
+    import torch
+
+    from autopar.tune.verify import _setup, reference_losses
+
+    path = tmp_path / "factory.py"
+    path.write_text(FACTORY)
+    setup = _setup(f"{path}:make", steps=3, batch_size=4)
+    assert [module.p for module in setup.model.modules() if isinstance(module, torch.nn.Dropout)] == [0.0]
+    assert len(setup.batches) == 3 and setup.batches[0] is setup.batches[2]
+    again = _setup(f"{path}:make", steps=3, batch_size=4)  # fixed seeds: every process builds the same
+    assert torch.equal(setup.batches[0][0][0], again.batches[0][0][0])
+    assert reference_losses(setup) == reference_losses(again)
+    with pytest.raises(ConfigError, match="no loss_fn"):
+        _setup(f"{path}:no_loss", steps=1, batch_size=4)
+
+
+def test_a_built_in_spec_draws_a_new_batch_each_step():
+    import torch
+
+    from autopar.tune.verify import _setup
+
+    setup = _setup(tiny_spec("tiny-gpt"), steps=2, batch_size=4)
+    assert not torch.equal(setup.batches[0][0][0], setup.batches[1][0][0])
+    assert setup.batches[0][0][0].shape == (4, 32)
