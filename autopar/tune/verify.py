@@ -12,7 +12,9 @@ spawned gloo processes. The kinds of one world size run in one job: rank 0 plans
 one capture, every rank captures the program once and builds each kind's module from it. A kind
 the planner refuses for this model (cp without a splittable sequence, ep without expert
 matmuls, pp with one layer) is "n/a" with the planner's reason; a kind that fails while building
-or training is an error; the others compare their losses with the reference's (TOLERANCE).
+or training is an error; the others compare their losses with the reference's (TOLERANCE). A
+job whose processes die or hang (one rank failed inside a collective) is stopped after
+`timeout_s`, and its kinds show the first failed rank's error.
 """
 
 from __future__ import annotations
@@ -286,7 +288,7 @@ def compare(kind: str, outcome: dict, reference: list[float]) -> Cell:
 
 
 def verify(model: str, *, num_processes: int = 4, steps: int = 3, kinds: list[str] | None = None,
-           timeout_s: float = 600.0, progress=None) -> VerifyReport:
+           timeout_s: float = 300.0, progress=None) -> VerifyReport:
     """Train a tiny copy of `model` (a built-in spec or file.py:factory) under each plan kind on
     spawned gloo processes and compare its losses with one process's; see the module docstring."""
     from autopar.tune.launch import spawn
