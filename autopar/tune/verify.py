@@ -98,7 +98,7 @@ def select_kinds(num_processes: int, names: list[str] | None = None) -> list[Kin
     for name in names:
         kind = by_name.get(name.replace(" ", "").lower())
         if kind is None:
-            raise ConfigError(f"unknown plan kind '{name}'; the kinds are {', '.join(k.name.replace(' ', '') for k in KINDS)}")
+            raise ConfigError(f"unknown plan kind '{name}'; the kinds are {', '.join(by_name)}")
         if kind.world_size > num_processes:
             raise ConfigError(f"the kind '{kind.name}' runs on {kind.world_size} processes: give --nproc "
                               f"{kind.world_size}")
