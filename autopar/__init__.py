@@ -24,6 +24,10 @@ def __getattr__(name: str):
         from autopar.api import parallelize
 
         return parallelize
+    if name == "verify":  # not autopar.api: verify spawns its own processes and needs no process group here
+        from autopar.tune.verify import verify
+
+        return verify
     if name == "Cluster":
         from autopar.cluster import Cluster
 
@@ -44,6 +48,7 @@ __all__ = [
     "evaluate",
     "parallelize",
     "plan",
+    "verify",
     "AutoparError",
     "CaptureError",
     "ClusterSpecError",

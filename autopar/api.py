@@ -3,10 +3,12 @@
     plan = autopar.plan(model, example_inputs, "dgx-a100-80g:nodes=16", global_batch=1024)
     print(plan.summary())
     pm = autopar.parallelize(model, "dgx-h100:nodes=2", example_inputs)   # inside torchrun
+    report = autopar.verify("my_model.py:tiny", num_processes=4)         # is its sharding exact?
 
 Planning (capture, search, building the Plan) lives in plans/planning.py and building this
 rank's module in codegen/parallelize.py; `parallelize` joins them, with trial runs of the best
-candidates (tune/trials.py) when asked. This module sits above codegen, tune and report because
+candidates (tune/trials.py) when asked. `verify` (tune/verify.py) trains a tiny copy of a model
+under each plan kind on spawned processes against one process. This module sits above codegen, tune and report because
 `parallelize` uses all three; those stages import plans/planning.py, never this module.
 """
 
@@ -29,13 +31,15 @@ from autopar.plans.plan import Plan
 from autopar.plans.planning import (candidate_plans, candidates_with, capture_for_planning, check_model_arguments,
                                     evaluate, evaluate_with, fixed_config, plan_with, planner_for, split_inputs)
 from autopar.tune.trials import TrialOptions, record_trials, run_trials, select_winner
+from autopar.tune.verify import VerifyReport, verify
 from autopar.validation import check_global_batch, shorten, type_name
 
 plan = planning.plan
 """`autopar.plan(model, example_inputs, cluster, global_batch=...)`: see plans/planning.py."""
 
 __all__ = ["candidate_plans", "candidates_with", "capture_for_planning", "default_cluster", "evaluate",
-           "evaluate_with", "fixed_config", "parallelize", "plan", "plan_with", "planner_for", "split_inputs"]
+           "evaluate_with", "fixed_config", "parallelize", "plan", "plan_with", "planner_for", "split_inputs",
+           "verify", "VerifyReport"]
 
 _GPU_PRESETS = (("H200", "hgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100-80g"), ("V100", "p3-16xlarge"))
 

@@ -10,6 +10,8 @@
     autopar diff A.json B.json
     autopar compare MODEL --global-batch B --clusters SPEC1 SPEC2 ... [--price-per-gpu-hour P1 P2 ...]
     autopar graph MODEL            (plan, evaluate, graph: --no-capture-cache traces again)
+    autopar verify MODEL [--nproc 2|4] [--steps S] [--kinds dp,tp,pp,...] [--json]
+        (exit 1 when a kind's losses differ from one process's or a kind fails)
     autopar models
 
 Errors in the input (model, cluster, constraints, plan or profile files, infeasible models)
@@ -100,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     graph.add_argument("model", metavar="MODEL")
     _cache_flag(graph)
     graph.set_defaults(handler=_graph)
+    _verify_parser(commands)
     models = commands.add_parser("models", help="list the built-in models and named sizes")
     models.set_defaults(handler=_models)
     return parser
@@ -206,6 +209,26 @@ def _tune_parser(commands) -> None:
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     _sequence_parallel_flag(parser)
     parser.set_defaults(handler=_tune)
+
+
+def _verify_parser(commands) -> None:
+    parser = commands.add_parser(
+        "verify", help="train a tiny copy of MODEL under each plan kind on gloo processes and compare with one process",
+        description="Train a tiny copy of MODEL (a built-in spec with its sizes capped at the family's tiny "
+                    "defaults, or file.py:factory as the factory builds it: give a factory of a small "
+                    "configuration) for a few SGD steps in fp32 under each plan kind on spawned gloo processes of "
+                    "this machine, and compare the losses with one process. Exit status: 0 when every kind matches "
+                    "(|loss difference| <= 1e-4) or is n/a for this model, 1 when a kind mismatches or fails, 2 "
+                    "for bad input.")
+    parser.add_argument("model", metavar="MODEL",
+                        help="registry name with overrides (llama3-8b, gpt:attention=sdpa) or file.py:factory")
+    parser.add_argument("--nproc", type=int, choices=[2, 4], default=4,
+                        help="2: dp, tp, pp, cp, ep; 4 (default): also the mixes dp x tp, pp x tp, pp x dp")
+    parser.add_argument("--steps", type=count(100), default=3, help="SGD steps per kind (default 3)")
+    parser.add_argument("--kinds", metavar="K1,K2",
+                        help="only these kinds (dp, tp, pp, cp, ep, dpxtp, ppxtp, ppxdp)")
+    parser.add_argument("--json", action="store_true", help="print the cells as one JSON object")
+    parser.set_defaults(handler=_verify)
 
 
 def _emit(plan, args) -> int:
@@ -340,6 +363,21 @@ def _graph(args) -> int:
 
     print(graph_summary(planning.capture_for_planning(args.model)))
     return 0
+
+
+def _verify(args) -> int:
+    import json
+
+    from autopar.tune.verify import format_table, select_kinds, verify
+
+    kinds = [name.strip() for name in args.kinds.split(",") if name.strip()] if args.kinds is not None else None
+    if kinds is not None and not kinds:
+        raise ConfigError("--kinds needs at least one kind, e.g. --kinds dp,tp,pp")
+    select_kinds(args.nproc, kinds)  # bad kinds fail before the model is built
+    report = verify(args.model, num_processes=args.nproc, steps=args.steps, kinds=kinds,
+                    progress=lambda message: print(f"verify: {message}", file=sys.stderr, flush=True))
+    print(json.dumps(report.to_dict(), indent=1) if args.json else format_table(report))
+    return 0 if report.ok else 1
 
 
 def _models(args) -> int:

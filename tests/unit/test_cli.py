@@ -54,6 +54,9 @@ def test_evaluate_prices_a_fixed_configuration(capsys):
     (["evaluate", TINY, "--cluster", "dgx-h100", "--global-batch", "8", "--tp", "2", "--pp", "2",
       "--microbatch-size", "3"], "not divisible"),
     (["show", "no-such-plan.json"], "cannot read plan"),
+    (["verify", TINY, "--nproc", "2", "--kinds", "dp,dpxtp"], "give --nproc 4"),
+    (["verify", TINY, "--kinds", "dp,zz"], "unknown plan kind 'zz'"),
+    (["verify", "no-such-model", "--nproc", "2"], "unknown model"),
 ])
 def test_bad_input_exits_2_with_one_message(capsys, argv, fragment):
     code, out, err = run(capsys, *argv)
