@@ -1,5 +1,6 @@
-"""`autopar verify` end to end: a tiny built-in model's kinds on 2 spawned gloo processes match one
-process, and a wrong reference shows as MISMATCH with exit status 1."""
+"""`autopar verify` end to end: a tiny built-in model's kinds and two Hugging Face models given as
+factories (GPT-2, Llama) on 2 spawned gloo processes match one process, and a wrong reference
+shows as MISMATCH with exit status 1."""
 
 from __future__ import annotations
 
@@ -38,3 +39,51 @@ def test_a_wrong_reference_is_a_mismatch_and_exit_status_1(capsys, monkeypatch):
     assert code == 1
     assert table[2].startswith("tp ") and table[2].endswith("MISMATCH")
     assert table[-1].endswith("1 MISMATCH; NOT exact")
+
+
+HF_FACTORY = '''
+import torch
+import torch.nn.functional as F
+import transformers
+
+
+class TokensOnly(torch.nn.Module):
+    """A Hugging Face causal LM called with input_ids only (a factory's inputs are positional)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def make(batch_size=4):
+    config = transformers.{config}({sizes})
+    model = TokensOnly(transformers.{model}(config))
+    tokens = torch.randint(0, 128, (batch_size, 16), generator=torch.Generator().manual_seed(0))
+    return model, (tokens,), loss_fn, tokens
+'''
+HF_MODELS = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", "n_embd=32, n_layer=2, n_head=4, n_positions=16, vocab_size=128"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "hidden_size=32, intermediate_size=64, num_hidden_layers=2, "
+              "num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, vocab_size=128"),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_MODELS))
+def test_a_hugging_face_model_from_a_factory_matches_under_dp_tp_pp(capsys, tmp_path, name):
+    pytest.importorskip("transformers")
+    config, model, sizes = HF_MODELS[name]
+    path = tmp_path / f"hf_{name}.py"
+    path.write_text(HF_FACTORY.format(config=config, model=model, sizes=sizes))
+    code = main(["verify", f"{path}:make", "--nproc", "2", "--kinds", "dp,tp,pp", "--steps", "2", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    cells = {cell["kind"]: cell for cell in report["cells"]}
+    assert code == 0 and report["ok"], report
+    assert all(cells[kind]["result"] == "match" for kind in ("dp", "tp", "pp")), cells
+    assert cells["tp"]["sharded_params"] > 0, cells["tp"]
