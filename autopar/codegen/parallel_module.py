@@ -374,6 +374,21 @@ class ParallelModule(nn.Module):
 
         return load(self, path, optimizer=optimizer, prefix=prefix)
 
+    checkpointing = None
+    """The CheckpointPolicy `steps` saves and resumes by (parallelize's checkpoint=), or None."""
+
+    def steps(self, total_steps: int, dataset, *, optimizer=None, scheduler=None, shuffle: bool = True,
+              seed: int = 0, collate_fn=None):
+        """Iterate `(step, batch)` up to step `total_steps`, resuming from the newest complete
+        checkpoint of parallelize's `checkpoint=` folder and saving one every `checkpoint_every`
+        steps: `batch` is this rank's data-parallel share of the step's global batch of `dataset`
+        (collated), the same samples whatever the world size (codegen/training_loop.py). Every rank
+        must run the loop."""
+        from autopar.codegen.training_loop import run_steps
+
+        return run_steps(self, self.checkpointing, total_steps, dataset, optimizer=optimizer, scheduler=scheduler,
+                         shuffle=shuffle, seed=seed, collate_fn=collate_fn)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient so that their total norm over the whole model is at most
         `max_norm`, as `torch.nn.utils.clip_grad_norm_` does on one device; returns the norm."""
