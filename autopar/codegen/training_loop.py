@@ -76,6 +76,9 @@ def run_steps(pm, policy: CheckpointPolicy | None, total_steps: int, dataset, *,
         indices = order.rank_indices(done, pm.dp_rank, pm.dp_size)
         yield done + 1, collate([dataset[index] for index in indices])
         done += 1
+        if pending is not None and pending.done():  # published as soon as written, not at the next save
+            _finish(pending, policy)
+            pending = None
         if policy and (done % policy.every_steps == 0 or done == total_steps):
             if pending is not None:
                 _finish(pending, policy)
