@@ -123,7 +123,12 @@ def _async_group():
     collectives). Made at the first asynchronous save, which every rank reaches together."""
     world = dist.group.WORLD
     if _ASYNC["world"] is not world:  # none yet, or made in a process group since destroyed
-        _ASYNC["world"], _ASYNC["group"] = world, dist.new_group(backend="gloo")
+        from datetime import timedelta
+
+        from autopar.codegen.runtime import collective_timeout_s
+
+        timeout = timedelta(seconds=collective_timeout_s())  # not gloo's 30 minutes: a lost peer fails the write
+        _ASYNC["world"], _ASYNC["group"] = world, dist.new_group(backend="gloo", timeout=timeout)
     return _ASYNC["group"]
 
 
