@@ -57,6 +57,7 @@ def test_a_lost_node_resumes_on_the_survivors_with_the_same_losses_and_samples(t
     spec = importlib.util.spec_from_file_location(
         "elastic_drill", Path(__file__).parents[2] / "examples" / "elastic_drill.py")
     drill = importlib.util.module_from_spec(spec)
+    sys.modules["elastic_drill"] = drill  # its dataclasses look their module up by name
     spec.loader.exec_module(drill)
     args = drill.parse_args(["--steps", "10", "--save-every", "2", "--step-sleep-s", "0.5", "--timeout-s", "400"])
     result = drill.run_drill(args, tmp_path)
