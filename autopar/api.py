@@ -25,6 +25,7 @@ from torch import nn
 from autopar.codegen.parallel_module import ParallelModule
 from autopar.codegen.parallelize import build_parallel_module
 from autopar.codegen.runtime import ensure_process_group, run_on_rank0
+from autopar.codegen.training_loop import DEFAULT_CHECKPOINT_EVERY, CheckpointPolicy
 from autopar.errors import ConfigError, PlanMismatchError
 from autopar.plans import planning
 from autopar.plans.plan import Plan
@@ -59,7 +60,9 @@ def default_cluster(world_size: int) -> str:
 def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Plan | str | Path | None = None,
                 loss_fn: Callable | None = None, example_targets=None, global_batch: int | None = None,
                 constraints=None, precision: str | None = None, example_kwargs: dict | None = None,
-                init_fn=None, trials: int = 1, trial_options=None, progress=None, options=None) -> ParallelModule:
+                init_fn=None, trials: int = 1, trial_options=None, progress=None, options=None,
+                checkpoint: str | Path | None = None, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
+                checkpoint_async: bool = True) -> ParallelModule:
     """Plan (on rank 0) or take `plan`, and return this rank's ParallelModule. `example_inputs`
     is a tuple of positional inputs or a dict of keyword inputs (`input_ids=`, `attention_mask=`);
     `example_kwargs` adds keyword inputs to positional ones.
@@ -73,7 +76,13 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
     records every candidate's predicted and measured step time. `trial_options` is a
     TrialOptions; `progress(message)` receives trial progress on rank 0 (default: stderr).
     `options` is the planner's SearchOptions (e.g. `SearchOptions(optimizer="fused")` when the
-    script builds `AdamW(..., fused=True)`: the optimizer step is priced as it will run)."""
+    script builds `AdamW(..., fused=True)`: the optimizer step is priced as it will run).
+
+    `checkpoint` (a folder) makes the job elastic: `pm.steps(...)` resumes from its newest complete
+    checkpoint and saves one every `checkpoint_every` steps (asynchronously unless
+    `checkpoint_async=False`); a `plan` made for another number of processes (torchrun restarted
+    the job on fewer or more nodes) is replaced by one planned for this world, with the plan's
+    global batch (codegen/training_loop.py)."""
     _check_arguments(model, example_inputs, example_kwargs, plan, global_batch)
     _, world = ensure_process_group()
     inputs, keywords = split_inputs(example_inputs, example_kwargs)
@@ -96,10 +105,31 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
         raise ConfigError(f"trials must be >= 1 (1: no trial runs), got {trials}")
     else:
         chosen = run_on_rank0(make_plan)
+    if chosen.num_devices != world and checkpoint is not None:
+        chosen = _replanned(chosen, world, model, inputs, keywords, cluster, loss_fn=loss_fn,
+                            example_targets=example_targets, constraints=constraints, options=options)
     if chosen.num_devices != world:
         raise PlanMismatchError(f"this plan is for {chosen.num_devices} devices (mesh {chosen.mesh}), but the job "
                                 f"has {world} processes: launch {chosen.num_devices} or re-plan")
-    return build_parallel_module(model, inputs, chosen, loss_fn, keywords, init_fn=init_fn)
+    pm = build_parallel_module(model, inputs, chosen, loss_fn, keywords, init_fn=init_fn)
+    if checkpoint is not None:
+        pm.checkpointing = CheckpointPolicy(folder=Path(checkpoint), every_steps=checkpoint_every,
+                                            asynchronous=checkpoint_async)
+    return pm
+
+
+def _replanned(given: Plan, world: int, model, inputs, keywords, cluster, *, loss_fn, example_targets, constraints,
+               options) -> Plan:
+    """A plan for this world in place of `given` (made for another), with its global batch and
+    precision; the capture comes from the capture cache when the model was planned before."""
+    def make() -> Plan:
+        print(f"autopar: the plan is for {given.num_devices} processes, the job has {world}: re-planning",
+              file=sys.stderr, flush=True)
+        return planning.plan(model, inputs, cluster or default_cluster(world), global_batch=given.global_batch,
+                             constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
+                             example_kwargs=keywords, options=options, precision=given.precision)
+
+    return run_on_rank0(make)
 
 
 def _chosen_by_trials(model, inputs, keywords, cluster, batch: int, trials: int, *, loss_fn, example_targets, constraints,

@@ -14,11 +14,20 @@ over `pm.dp_size` replicas), gradients are clipped by the whole model's norm, an
 that any later plan can resume. Leaving the `with pm:` block ends the job in order (exit code 0).
 
 The data is synthetic with a learnable rule (next token = current token + 1), so the loss falls.
+
+`--elastic` runs the same training as a job that survives lost and added nodes (docs/guide.md,
+"Elastic training"): `parallelize(..., checkpoint=, checkpoint_every=)` and `pm.steps(...)`.
+
+    # two agents of 2 processes on one machine (run each line in its own shell); kill one, the
+    # other goes on with 2 processes from the newest checkpoint; start it again to scale back to 4
+    .venv/bin/torchrun --nnodes 1:2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 \
+        --rdzv-id demo --max-restarts 3 examples/train_llama.py --elastic --steps 200 --save-every 5
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -46,6 +55,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoints", default="ckpt", help="folder of step-N checkpoints")
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    parser.add_argument("--elastic", action="store_true",
+                        help="elastic job: resume from --checkpoints, re-plan for the world torchrun gives")
+    parser.add_argument("--step-log", default=None, help="--elastic: append each step's loss and samples (JSON lines)")
+    parser.add_argument("--step-sleep-s", type=float, default=0.0, help="--elastic: a pause in each step (tests)")
     return parser.parse_args()
 
 
@@ -60,8 +73,41 @@ def newest_checkpoint(folder: Path) -> Path | None:
     return max(steps, key=lambda path: int(path.name.split("-")[1]), default=None)
 
 
+def elastic_main(args: argparse.Namespace) -> None:
+    """The elastic pattern: a few lines more than a plain loop (docs/guide.md)."""
+    torch.manual_seed(0)  # real weights, the same on every rank and in every plan (a resumed job loads its own)
+    bundle = build_model(args.model, device="cpu", batch_size=args.global_batch)
+    tokens, targets = synthetic_tokens(bundle.config.vocab, bundle.config.seq).tensors
+    dataset = TensorDataset(tokens, targets, torch.arange(len(tokens)))  # the index: to show what was read
+    pm = autopar.parallelize(bundle.model, args.cluster, (tokens[: args.global_batch],), loss_fn=bundle.loss_fn,
+                             example_targets=targets[: args.global_batch], checkpoint=args.checkpoints,
+                             checkpoint_every=args.save_every)
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5))
+    attempt = torch.tensor([time.time_ns() % 2**62])  # this run of the job (the log tells restarts apart)
+    dist.broadcast(attempt, src=0)
+    for step, (batch_tokens, batch_targets, indices) in pm.steps(args.steps, dataset, optimizer=optimizer,
+                                                                 scheduler=scheduler):
+        loss = pm.train_step((batch_tokens,), batch_targets)
+        pm.clip_grad_norm_(args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        time.sleep(args.step_sleep_s)
+        if args.step_log:
+            record = {"step": step, "loss": loss.item(), "world": dist.get_world_size(), "rank": dist.get_rank(),
+                      "dp_rank": pm.dp_rank, "samples": indices.tolist(), "attempt": attempt.item()}
+            with open(args.step_log, "a") as log:
+                log.write(json.dumps(record) + "\n")
+        if dist.get_rank() == 0:
+            print(f"step {step:3d}  loss {loss.item():.4f}  ({dist.get_world_size()} processes)", flush=True)
+    dist.destroy_process_group()  # the usual ending; autopar waits for the peers first
+
+
 def main() -> None:
     args = parse_args()
+    if args.elastic:
+        return elastic_main(args)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     world_size = dist.get_world_size()
     cluster = args.cluster or (None if torch.cuda.is_available() else f"dgx-a100-80g:gpus_per_node={world_size}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,8 +49,10 @@ def is_dcp_checkpoint(path: Path) -> bool:
     return (path / _METADATA).is_file()
 
 
-def save(module, path: str | Path, *, optimizer=None, extra: dict | None = None) -> Path:
-    """Save the model (and optimizer) state of every rank to `path`, atomically."""
+def save(module, path: str | Path, *, optimizer=None, extra: dict | None = None, asynchronous: bool = False):
+    """Save the model (and optimizer) state of every rank to `path`, atomically; returns `path`,
+    or with `asynchronous` a PendingSave once the state is copied (DCP's async_save), whose
+    `finish()` every rank calls before the next save."""
     try:  # before any collective: every rank refuses the same extra at once
         stored_extra = checkpoint_extra.encode(extra) if extra is not None else None
     except checkpoint_extra.ExtraError as error:
@@ -66,17 +69,67 @@ def save(module, path: str | Path, *, optimizer=None, extra: dict | None = None)
         state["optimizer"] = optimizer_state(module, optimizer)
     if stored_extra is not None:  # JSON (DCP would flatten nested dicts) and its tensors as DCP entries
         state[checkpoint_extra.JSON_KEY], state[checkpoint_extra.TENSORS_KEY] = stored_extra
+    if asynchronous:
+        group = _async_group()
+        future = dcp.async_save(state, checkpoint_id=str(staging), process_group=group)
+        return PendingSave(target=target, staging=staging, future=future, rank=rank)
     dcp.save(state, checkpoint_id=str(staging))
     dist.barrier()
     if rank == 0:
-        previous = target.with_name(target.name + ".old")
-        if target.exists():
-            shutil.rmtree(previous, ignore_errors=True)
-            target.rename(previous)
-        staging.rename(target)
-        shutil.rmtree(previous, ignore_errors=True)
+        _publish(staging, target)
     dist.barrier()
     return target
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Rename a finished `<name>.partial` to `<name>` (replacing an older one of that name)."""
+    previous = target.with_name(target.name + ".old")
+    if target.exists():
+        shutil.rmtree(previous, ignore_errors=True)
+        target.rename(previous)
+    staging.rename(target)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+@dataclass
+class PendingSave:
+    """An asynchronous save under way: its tensors are copied (staged) already, a thread writes
+    them. `finish()` waits for the write and publishes the checkpoint (rank 0 renames it)."""
+
+    target: Path
+    staging: Path
+    future: object
+    rank: int
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def finish(self) -> Path:
+        """Wait for this rank's write. DCP's coordinator (rank 0 of the save's group) writes the
+        .metadata file only after every rank reported its write, so when rank 0's write is done the
+        whole checkpoint is on disk and rank 0 alone renames it: no barrier of the training ranks."""
+        self.future.result()
+        if self.rank == 0 and self.staging.exists():
+            _publish(self.staging, self.target)
+        return self.target
+
+
+_ASYNC = {"world": None, "group": None}
+
+
+def _async_group():
+    """A gloo group of all ranks for the background writes' collectives (DCP plans and gathers its
+    metadata in the writing thread; on the training group those would interleave with the step's
+    collectives). Made at the first asynchronous save, which every rank reaches together."""
+    world = dist.group.WORLD
+    if _ASYNC["world"] is not world:  # none yet, or made in a process group since destroyed
+        from datetime import timedelta
+
+        from autopar.codegen.runtime import collective_timeout_s
+
+        timeout = timedelta(seconds=collective_timeout_s())  # not gloo's 30 minutes: a lost peer fails the write
+        _ASYNC["world"], _ASYNC["group"] = world, dist.new_group(backend="gloo", timeout=timeout)
+    return _ASYNC["group"]
 
 
 def load(module, path: str | Path, *, optimizer=None, prefix: str = "") -> dict:

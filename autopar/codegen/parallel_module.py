@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from autopar.codegen import watchdog
 from autopar.codegen.data_parallel import (all_reduce_gradients, reduce_partial_gradients, set_gradient_sync,
                                           set_reshard_after_backward, sum_over_group, uses_fsdp)
 from autopar.codegen.interpreter import RunStats
@@ -65,6 +66,7 @@ class ParallelModule(nn.Module):
         """`loss_fn` on the model output, gathered or (plan.loss_parallel) with its logits class-sharded."""
         self._step_starts_s: deque[float] = deque(maxlen=4096)
         self._step_durations_s: deque[float] = deque(maxlen=4096)
+        self._num_train_steps = 0
 
     # --- public API ----------------------------------------------------------------------------
 
@@ -111,13 +113,26 @@ class ParallelModule(nn.Module):
         if self.loss_fn is None:
             raise PlanMismatchError("train_step needs a loss: pass loss_fn to autopar.parallelize")
         local_inputs, local_targets = self._local_batch(inputs, targets)
-        with self._weight_copies():
-            if self.schedule is not None:
-                loss = self._pipelined_step(local_inputs, local_targets)
-            else:
-                loss = self._accumulated_step(local_inputs, local_targets)
-        self._sync_gradients()
-        return self._mean_over_data_parallel(loss)
+        self._num_train_steps += 1
+        step = self._num_train_steps
+        phase = watchdog.PHASES[0]
+        try:  # a collective that times out (a stopped peer) fails naming the peer (watchdog.py)
+            watchdog.record(step, phase)
+            with self._weight_copies():
+                if self.schedule is not None:
+                    loss = self._pipelined_step(local_inputs, local_targets)
+                else:
+                    loss = self._accumulated_step(local_inputs, local_targets)
+            phase = watchdog.PHASES[1]
+            watchdog.record(step, phase)
+            self._sync_gradients()
+            phase = watchdog.PHASES[2]
+            watchdog.record(step, phase)
+            return self._mean_over_data_parallel(loss)
+        except RuntimeError as error:
+            if not watchdog.is_collective_failure(error):
+                raise
+            raise watchdog.diagnosis(error, step=step, phase=phase) from error
 
     @property
     def _sharded_by_fsdp(self) -> bool:
@@ -373,6 +388,21 @@ class ParallelModule(nn.Module):
         from autopar.codegen.checkpoint import load
 
         return load(self, path, optimizer=optimizer, prefix=prefix)
+
+    checkpointing = None
+    """The CheckpointPolicy `steps` saves and resumes by (parallelize's checkpoint=), or None."""
+
+    def steps(self, total_steps: int, dataset, *, optimizer=None, scheduler=None, shuffle: bool = True,
+              seed: int = 0, collate_fn=None):
+        """Iterate `(step, batch)` up to step `total_steps`, resuming from the newest complete
+        checkpoint of parallelize's `checkpoint=` folder and saving one every `checkpoint_every`
+        steps: `batch` is this rank's data-parallel share of the step's global batch of `dataset`
+        (collated), the same samples whatever the world size (codegen/training_loop.py). Every rank
+        must run the loop."""
+        from autopar.codegen.training_loop import run_steps
+
+        return run_steps(self, self.checkpointing, total_steps, dataset, optimizer=optimizer, scheduler=scheduler,
+                         shuffle=shuffle, seed=seed, collate_fn=collate_fn)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient so that their total norm over the whole model is at most

@@ -78,15 +78,37 @@ class Runtime:
         return self._reduce_mesh
 
 
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+"""How long a collective may wait for a peer before it fails (the process groups autopar starts;
+AUTOPAR_COLLECTIVE_TIMEOUT_S overrides it). torch's own default is 30 minutes (gloo) or 10
+(NCCL): a stopped rank would hold its peers that long."""
+
+
+def collective_timeout_s() -> float:
+    value = os.environ.get("AUTOPAR_COLLECTIVE_TIMEOUT_S")
+    try:
+        seconds = float(value) if value else DEFAULT_COLLECTIVE_TIMEOUT_S
+    except ValueError:
+        raise AutoparError(f"AUTOPAR_COLLECTIVE_TIMEOUT_S={value!r} is not a number of seconds: "
+                           "set it to e.g. 60, or unset it") from None
+    if not seconds > 0:
+        raise AutoparError(f"AUTOPAR_COLLECTIVE_TIMEOUT_S={value!r} must be > 0 seconds")
+    return seconds
+
+
 def ensure_process_group() -> tuple[int, int]:
-    """Join the torchrun job (env://), or start a one-process group when run standalone."""
+    """Join the torchrun job (env://), or start a one-process group when run standalone; the
+    groups autopar starts time out after `collective_timeout_s()`."""
     if not dist.is_initialized():
+        from datetime import timedelta
+
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        timeout = timedelta(seconds=collective_timeout_s())
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=timeout)
         else:
             store = dist.HashStore()
-            dist.init_process_group(backend, store=store, rank=0, world_size=1)
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -172,7 +194,10 @@ def shutdown() -> None:
         return
     if dist.get_world_size() > 1 and not _state["failed"]:
         _barrier_with_timeout()
-    dist.destroy_process_group()
+    from torch.distributed import distributed_c10d
+
+    original = getattr(distributed_c10d.destroy_process_group, "__wrapped__", distributed_c10d.destroy_process_group)
+    original()
 
 
 def _barrier_with_timeout() -> None:
@@ -188,11 +213,15 @@ def _barrier_with_timeout() -> None:
 
 
 def register_shutdown() -> None:
-    """Run `shutdown` at interpreter exit, unless the script failed (its peers may never arrive)."""
+    """Run `shutdown` at interpreter exit, unless the script failed (its peers may never arrive),
+    and make the script's own `dist.destroy_process_group()` of the whole job wait for its
+    peers first (`_orderly_destroy`)."""
     if _state["registered"]:
         return
     import atexit
     import sys
+
+    _wrap_destroy_process_group()
 
     previous_hook = sys.excepthook
 
@@ -208,3 +237,37 @@ def register_shutdown() -> None:
 def _shutdown_at_exit() -> None:
     if not _state["failed"]:
         shutdown()
+
+
+def _wrap_destroy_process_group() -> None:
+    """Scripts end with their own `dist.destroy_process_group()` (torchtitan's do). Called
+    straight away, a rank that finished first tears its gloo pairs down while a peer may still be
+    using them, and now and then a rank aborts at exit (SIGABRT, "terminate called without an
+    active exception"; see `_orderly_destroy`). torch offers no hook before a destroy, so the
+    function is replaced in both places scripts reach it from; a destroy of one subgroup is passed
+    through unchanged."""
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.destroy_process_group
+    if getattr(original, "_autopar_orderly", False):
+        return
+
+    def destroy_process_group(group=None):
+        if group is None or group is distributed_c10d.GroupMember.WORLD:
+            _orderly_destroy(original)
+        else:
+            original(group)
+
+    destroy_process_group._autopar_orderly = True
+    destroy_process_group.__doc__ = original.__doc__
+    destroy_process_group.__wrapped__ = original
+    distributed_c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
+
+
+def _orderly_destroy(original) -> None:
+    """Wait (bounded) until every rank has come to its destroy, so no peer is still sending to us
+    or waiting for us, then destroy every group, as `shutdown` does at exit."""
+    if dist.is_initialized() and dist.get_world_size() > 1 and not _state["failed"]:
+        _barrier_with_timeout()
+    original()

@@ -312,6 +312,14 @@ def _run_job(mode: str, world_size: int = 2) -> list[tuple[int, str]]:
     return launch_like_torchrun([sys.executable, str(Path(__file__).with_name("exit_job.py")), mode], world_size)
 
 
+def test_script_that_destroys_the_process_group_itself_exits_zero():
+    """The usual ending (no `with pm:`, the script's own dist.destroy_process_group() after a
+    ZeRO-3 step) exits 0 on every rank, job after job: the destroy waits for the peers."""
+    for job in range(3):
+        for rank, (code, output) in enumerate(_run_job("destroy")):
+            assert code == 0 and "done" in output, f"job {job}, rank {rank} exited {code}:\n{output[-3000:]}"
+
+
 @pytest.mark.parametrize("mode", ["atexit"])  # "with" and "close" end the same way, earlier
 def test_finished_job_exits_zero(mode):
     """A job that trained and ended exits 0 on every rank (pipelined plan; no destroy by the user)."""
