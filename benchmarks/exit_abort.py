@@ -4,10 +4,13 @@
     .venv/bin/python benchmarks/exit_abort.py wait 10      # ... after waiting on its async works
     .venv/bin/python benchmarks/exit_abort.py destroy 10   # ... wait, barrier, destroy_process_group
     .venv/bin/python benchmarks/exit_abort.py autopar 10   # autopar.codegen.runtime's exit hook only
+    .venv/bin/python benchmarks/exit_abort.py train 50     # an autopar dp=4 ZeRO-3 step, then the script's own destroy
 
 Each of N jobs spawns 4 processes that join gloo, build init_device_mesh("cpu", (1, 2, 2)), issue
 one all_reduce(async_op=True) per mesh axis and an all_gather, then return. Printed: the jobs in
 which some process exited non-zero (-6 is SIGABRT: "terminate called without an active exception").
+`train` instead trains one step of a tiny GPT under autopar (dp=4, ZeRO-3) and ends as torchtitan's
+scripts do, with its own dist.destroy_process_group() and no `with pm:`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ def worker(rank: int, world_size: int, port: int, mode: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
+    if mode == "train":
+        _train_then_destroy()
+        return
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     values = torch.ones(1000)
     works = [dist.all_reduce(values, group=mesh[axis].get_group(), async_op=True) for axis in ("pp", "dp", "tp")]
@@ -41,6 +47,24 @@ def worker(rank: int, world_size: int, port: int, mode: str) -> None:
         from autopar.codegen.runtime import register_shutdown
 
         register_shutdown()
+
+
+def _train_then_destroy() -> None:
+    import torch
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.models import build_model
+
+    torch.set_num_threads(1)
+    bundle = build_model("gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64,dropout=0.0", device="meta", batch_size=8)
+    tokens = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    pm = autopar.parallelize(bundle.model, "cpu:procs=4", (tokens,), loss_fn=bundle.loss_fn, example_targets=tokens,
+                             constraints=dict(dp=4, tp=1, pp=1, zero_stage=3))
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    pm.train_step((tokens,), tokens)
+    optimizer.step()
+    dist.destroy_process_group()
 
 
 def main() -> None:

@@ -19,9 +19,12 @@ job whose processes die or hang (one rank failed inside a collective) is stopped
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from autopar.errors import AutoparError, ConfigError, ModelSpecError
 
@@ -185,7 +188,7 @@ def reference_losses(setup: _Setup) -> list[float]:
     return losses
 
 
-_COMPUTE_BOUND_CLUSTER = """\
+COMPUTE_BOUND_CLUSTER = """\
 # autopar verify: a DGX A100 whose GPUs compute 10^4 times slower, so that the planner shards a
 # tiny model as it shards a large one on real GPUs (on real figures a tiny model is all latency
 # and every op stays replicated: nothing would be verified).
@@ -198,21 +201,15 @@ bf16_tflops = 0.01
 """
 
 
-def compute_bound_cluster(num_devices: int) -> str:
-    """The path of a cluster file on which a tiny model is compute-bound (written once per size);
-    only rank 0's planner reads it, the processes run on this machine's CPUs."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    path = Path(tempfile.gettempdir()) / "autopar-verify" / f"compute-bound-{num_devices}.toml"
-    text = _COMPUTE_BOUND_CLUSTER.format(num_devices=num_devices)
-    if not path.exists() or path.read_text() != text:
-        path.parent.mkdir(exist_ok=True)
-        staging = path.with_suffix(f".{os.getpid()}.tmp")
-        staging.write_text(text)
-        staging.rename(path)
-    return str(path)
+@contextlib.contextmanager
+def compute_bound_cluster(num_devices: int):
+    """The path of a cluster file on which a tiny model is compute-bound, in a private temporary
+    folder (removed after); only rank 0's planner reads it, the processes run on this machine's
+    CPUs."""
+    with tempfile.TemporaryDirectory(prefix="autopar-verify-") as folder:
+        path = Path(folder) / f"compute-bound-{num_devices}.toml"
+        path.write_text(COMPUTE_BOUND_CLUSTER.format(num_devices=num_devices))
+        yield str(path)
 
 
 def _short(error: BaseException) -> str:
@@ -237,8 +234,9 @@ def run_kinds(spec: str, steps: int, batch_size: int, kinds: list[Kind]) -> dict
     world = kinds[0].world_size
 
     def plan_all() -> dict:
-        planner = planner_for(setup.model, inputs, compute_bound_cluster(world), global_batch=int(inputs[0].shape[0]),
-                              loss_fn=setup.loss_fn, example_targets=targets, precision="fp32")
+        with compute_bound_cluster(world) as cluster:
+            planner = planner_for(setup.model, inputs, cluster, global_batch=int(inputs[0].shape[0]),
+                                  loss_fn=setup.loss_fn, example_targets=targets, precision="fp32")
         plans = {}
         for kind in kinds:
             try:

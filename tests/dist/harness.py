@@ -48,6 +48,8 @@ from typing import Any
 import pytest
 import torch.multiprocessing as mp
 
+from autopar.tune.verify import COMPUTE_BOUND_CLUSTER
+
 DEFAULT_TIMEOUT_S = 240.0
 PRELOADED_MODULES = ["torch", "torch.distributed.tensor", "autopar.api",
                      "torch.distributed.pipelining", "torch.distributed.checkpoint", "torch._functorch.partitioners",
@@ -60,18 +62,6 @@ _GRACE_AFTER_FAILURE_S = 10.0
 """How long the other ranks may take to finish (or fail too) after one rank failed."""
 _STACKS_WAIT_S = 1.0
 """Time given to a rank to write its Python stacks (where it hangs) before it is killed."""
-
-
-_TINY_MODEL_CLUSTER = """\
-# A DGX A100 whose GPUs compute 10^4 times slower: the dist tests' tiny models become
-# compute-bound on it, so the planner shards them as it shards a large model on real GPUs.
-preset = "dgx-a100-80g"
-gpus_per_node = {num_devices}
-[device]
-fp32_tflops = 0.01
-tf32_tflops = 0.01
-bf16_tflops = 0.01
-"""
 
 
 def tiny_model_cluster(num_devices: int, *, memory_bandwidth_gbs: float | None = None) -> str:
@@ -91,7 +81,7 @@ def tiny_model_cluster(num_devices: int, *, memory_bandwidth_gbs: float | None =
     """
     suffix = f"-membw{memory_bandwidth_gbs:g}" if memory_bandwidth_gbs is not None else ""
     path = Path(tempfile.gettempdir()) / "autopar-tests" / f"tiny-model-cluster-{num_devices}{suffix}.toml"
-    text = _TINY_MODEL_CLUSTER.format(num_devices=num_devices)
+    text = COMPUTE_BOUND_CLUSTER.format(num_devices=num_devices)
     if memory_bandwidth_gbs is not None:
         text += f"memory_bandwidth_gbs = {memory_bandwidth_gbs}\n"
     if not path.exists() or path.read_text() != text:
