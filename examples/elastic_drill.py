@@ -143,6 +143,10 @@ def run_drill(args, workdir: Path) -> DrillResult:
             agents["c"] = start_agent(args, port, log, checkpoints, workdir / "agent-c.txt", host=False)
         for name in ("a", "c") if args.scale_up else ("a",):
             agents[name].wait(timeout=max(deadline_s - time.monotonic(), 1))
+    except (RuntimeError, TimeoutError) as error:  # what the agents said is the diagnosis
+        tails = "".join(f"\n--- {path.name}, last lines:\n" + "\n".join(path.read_text().splitlines()[-30:])
+                        for path in sorted(workdir.glob("agent-*.txt")))
+        raise type(error)(f"{error}{tails}") from None
     finally:
         for agent in agents.values():
             if agent.poll() is None:
