@@ -40,6 +40,7 @@ class CodecError(ValueError):
     """The text is not an OpGraph this codec wrote."""
 
 
+@lru_cache(maxsize=None)
 def _field_kinds(cls: type) -> tuple[tuple[str, str], ...]:
     """(name, declared type without spaces) of each field, in order."""
     return tuple((item.name, str(item.type).replace(" ", "")) for item in fields(cls))
@@ -244,7 +245,8 @@ def _read_key(key):
     return key
 
 
-def _arguments(kind: str) -> list[str]:
+@lru_cache(maxsize=None)
+def _arguments(kind: str) -> tuple[str, ...]:
     """The type arguments of "tuple[...]" or "dict[...]" ("..." dropped), split at top level."""
     text = kind[kind.index("[") + 1:-1]
     parts, depth, start = [], 0, 0
@@ -254,4 +256,4 @@ def _arguments(kind: str) -> list[str]:
             parts.append(text[start:index])
             start = index + 1
     parts.append(text[start:])
-    return [part for part in parts if part != "..."]
+    return tuple(part for part in parts if part != "...")
