@@ -227,8 +227,5 @@ def check_output_path(path: Any, flag: str = "--out") -> Path:
 
 # --- planning arguments -------------------------------------------------------------------------
 
-PRECISION_NAMES = ("bf16", "fp32")
-
-
 def check_global_batch(value: Any, name: str = "global_batch") -> int:
     return check_int(value, name, maximum=MAX_GLOBAL_BATCH)
