@@ -202,6 +202,18 @@ RECENT = [
         "DeepseekV32Config", "DeepseekV32ForCausalLM", n_routed_experts=4, moe_intermediate_size=FFN // 2,
         n_group=1, topk_group=1, index_topk=16, index_head_dim=16, index_n_heads=2, head_dim=8, **_MOE, **_MLA,
         **{**_LLAMA_LIKE, "num_key_value_heads": HEADS})),
+    Architecture(name="Qwen3-MoE", kind="MoE", build=_causal(
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM", head_dim=HIDDEN // HEADS, num_experts=4,
+        moe_intermediate_size=FFN // 2, **_MOE, **_LLAMA_LIKE)),
+    Architecture(name="OLMoE", kind="MoE", build=_causal(
+        "OlmoeConfig", "OlmoeForCausalLM", num_experts=4, pad_token_id=0, **_MOE, **_LLAMA_LIKE)),
+    Architecture(name="GPT-OSS", kind="MoE", build=_causal(
+        "GptOssConfig", "GptOssForCausalLM", head_dim=HIDDEN // HEADS, num_local_experts=4, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0, **_MOE, **_LLAMA_LIKE)),
+    Architecture(name="DeepSeek-V3", kind="MoE", build=_causal(
+        "DeepseekV3Config", "DeepseekV3ForCausalLM", n_routed_experts=4, n_shared_experts=1,
+        moe_intermediate_size=FFN // 2, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32,
+        **_MOE, **_MLA, **{**_LLAMA_LIKE, "num_key_value_heads": HEADS})),
     Architecture(name="ModernBERT", kind="encoder", inputs="masked", build=_causal(
         "ModernBertConfig", "ModernBertForMaskedLM", hidden_size=HIDDEN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=SEQ, local_attention=16,
@@ -212,10 +224,12 @@ RECENT = [
 ]
 """Architectures of 2025-2026 (hybrid and linear attention, sliding windows, MoE): checked by
 `python tests/dist/test_hf_zoo.py NAME`; the zoo test runs those of IN_SUITE."""
-IN_SUITE = ("Qwen3.5", "Gemma3")
+IN_SUITE = ("Qwen3.5", "Gemma3", "Qwen3-MoE", "OLMoE", "GPT-OSS", "DeepSeek-V3")
 """The recent architectures `make test` runs: Qwen3.5's gated delta rule writes its output in place
 (under tp=2 it was silently wrong before strategies/aliasing.py); Gemma3 mixes sliding-window and
-global attention layers."""
+global attention layers; the mixtures of experts of 2025-2026 (grouped-matmul experts; GPT-OSS
+with attention sinks and alternating sliding windows, DeepSeek-V3 with latent attention, a shared
+expert and a leading dense layer), also run expert-parallel by test_experts_runs.py."""
 
 BY_NAME = {arch.name: arch for arch in ARCHITECTURES + RECENT}
 TESTED = ARCHITECTURES + [BY_NAME[name] for name in IN_SUITE]

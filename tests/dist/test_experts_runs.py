@@ -55,7 +55,7 @@ def _workload(name: str):
         return bundle.model, bundle.loss_fn, _batches(generator)
     import hf_zoo
 
-    arch = next(arch for arch in hf_zoo.ARCHITECTURES if arch.name == name)
+    arch = hf_zoo.BY_NAME[name]
     torch.manual_seed(0)
     model = arch.build()
     return model, hf_zoo.loss_for(arch), [hf_zoo.batch(arch, GLOBAL_BATCH, generator) for _ in range(NUM_STEPS)]
@@ -90,6 +90,10 @@ _FOUR = pytest.mark.skipif(not os.environ.get("AUTOPAR_EP_ALL"), reason="4-proce
 TABLE = CaseTable([
     case_param(Case("moe", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "moe-dp2-ep2"),
     case_param(Case("Mixtral", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "mixtral-dp2-ep2"),
+    case_param(Case("Qwen3-MoE", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "qwen3-moe-dp2-ep2"),
+    case_param(Case("OLMoE", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "olmoe-dp2-ep2"),
+    case_param(Case("GPT-OSS", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "gpt-oss-dp2-ep2"),
+    case_param(Case("DeepSeek-V3", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "deepseek-v3-dp2-ep2"),
     # 4 processes (minutes on 2 cores): AUTOPAR_EP_ALL=1 runs them.
     case_param(Case("moe", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "moe-dp2-ep2-tp2", _FOUR),
     case_param(Case("moe", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=2)), "moe-dp4-ep2", _FOUR),
