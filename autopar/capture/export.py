@@ -109,13 +109,15 @@ def _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dy
             failures.append(f"{method_name}: {failure_reason(error, model)}")
             continue
         log(f"capture: traced {len(program.graph.nodes)} nodes in {time.perf_counter() - started:.1f}s; probing ops...")
+        converter = ExportConverter(program, model, prefix, batch or 1, dynamic, name)
         try:
-            graph = ExportConverter(program, model, prefix, batch or 1, dynamic, name).convert()
+            graph = converter.convert()
         except Exception as error:  # noqa: BLE001 - only a data-dependent shape is the user's to fix
             if not is_data_dependent(error):
                 raise
             raise CaptureError(f"could not capture {name or type(model).__name__}:\n  - converting the exported "
-                               f"graph: {failure_reason(error, model)}\n{DATA_DEPENDENT_ADVICE}") from None
+                               f"graph{converter.where()}: {failure_reason(error, model)}\n"
+                               f"{DATA_DEPENDENT_ADVICE}") from None
         log(f"capture: done in {time.perf_counter() - started:.1f}s")
         return program, graph
     if not allow_fallback:
@@ -141,7 +143,11 @@ def _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dy
         raise CaptureError(f"could not capture {model_name}:\n  - " + "\n  - ".join(failures) + "\nMake the forward "
                            "pass traceable (no data-dependent Python control flow, no .item()/.tolist(), no printing "
                            "of tensor values) or capture a simpler model.")
-    where = failing_location(eager_error, model) if eager_error is not None and reads_values(eager_error) else ""
+    # Where the eager run (on meta) first read a value, unless a tracer already named the data-dependent
+    # line: on meta the first read may be harmless code (a mask check) that real tensors pass.
+    traced_there = any(is_data_dependent_text(failure) for failure in failures)
+    where = failing_location(eager_error, model) if eager_error is not None and reads_values(eager_error) \
+        and not traced_there else ""
     raise CaptureError(f"could not capture {model_name}: its forward reads tensor values"
                        + (f" ({where})" if where else "") + ":\n  - "
                        + "\n  - ".join(failures) + "\n" + DATA_DEPENDENT_ADVICE)
@@ -328,6 +334,7 @@ class ExportConverter:
     def convert(self) -> OpGraph:
         self._read_signature()
         for fx_node in self.program.graph.nodes:
+            self.converting = fx_node
             self._convert_node(fx_node)
         self.nodes = with_gradient_layouts(self.nodes, self.results, self._reprobe)
         blocks, segments = find_blocks_and_segments(self.model, self.nodes)
@@ -467,6 +474,17 @@ class ExportConverter:
 
     def _module_path(self, fx_node) -> str:
         return fx_module_path(fx_node, self.prefix)
+
+    def where(self) -> str:
+        """ " at op X of module 'Y' (file:line)" for the node being converted, "" before any."""
+        fx_node = getattr(self, "converting", None)
+        if fx_node is None or fx_node.op != "call_function":
+            return ""
+        path = self._module_path(fx_node)
+        frames = [line.strip() for line in (fx_node.meta.get("stack_trace") or "").splitlines()
+                  if line.strip().startswith("File ")]
+        line = f" ({frames[-1]})" if frames else ""
+        return f" at {_target_name(fx_node.target)} of module '{path or '<root>'}'{line}"
 
 
 def fx_module_path(fx_node, prefix: str = "") -> str:

@@ -8,6 +8,7 @@ import contextlib
 import io
 import linecache
 import logging
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -17,7 +18,10 @@ from torch import nn
 DATA_DEPENDENT_ADVICE = (
     "The forward is data-dependent: a shape or a branch follows tensor values (boolean-mask indexing like "
     "y[y > 0], nonzero, unique; an `if` on a tensor, .item()), and autopar prices ops from shapes alone. Keep "
-    "shapes fixed (torch.where(y > 0, y, 0) instead of y[y > 0]) and branch with torch.where or torch.cond.")
+    "shapes fixed (torch.where(y > 0, y, 0) instead of y[y > 0]) and branch with torch.where or torch.cond. "
+    "A mixture-of-experts layer that loops over the experts that got tokens (nonzero or where on the routing "
+    "mask) can instead sort the token copies by expert and run one grouped matmul (torch._grouped_mm, as "
+    "Hugging Face's Mixtral and autopar's `moe` family do): static shapes, and expert parallelism splits it.")
 _DATA_DEPENDENT_MARKS = ("data-dependent", "datadependent", "data dependent", "unbacked", "nonzero",
                          "masked_select", "dynamic output shape", *(_VALUE_READ_MARKS := (
                              # a value read on the meta tensors planning runs on: `if t.sum() > 0`,
@@ -63,12 +67,15 @@ _TORCH_DIR = str(Path(torch.__file__).parent)
 _AUTOPAR_DIR = str(Path(__file__).parents[1])
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"]
 _LIBRARY_DIRS = (_TORCH_DIR, _STDLIB_DIR, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
-"""Code that is not the user's: a failure's location is the last line outside these."""
+"""Code that is not the user's: a failure's location is the last line outside these, autopar and
+generated code ("<string>", "<eval_with_key>"), or in a file that defines one of the model's module
+classes (an installed model such as transformers' modeling files is the model's code)."""
 
 
 def failing_location(error: BaseException, model: nn.Module) -> str:
     """The innermost model module on the stack, and the last line of user code that ran."""
     names = {id(module): path for path, module in model.named_modules()}
+    model_files = {getattr(sys.modules.get(type(module).__module__), "__file__", None) for module in model.modules()}
     module_text, code_text = "", ""
     traceback = error.__traceback__
     while traceback is not None:
@@ -77,7 +84,7 @@ def failing_location(error: BaseException, model: nn.Module) -> str:
         if isinstance(owner, nn.Module) and id(owner) in names:
             module_text = f"module '{names[id(owner)] or '<root>'}' ({type(owner).__name__})"
         filename = frame.f_code.co_filename
-        if not filename.startswith((*_LIBRARY_DIRS, _AUTOPAR_DIR)):
+        if filename in model_files or not filename.startswith((*_LIBRARY_DIRS, _AUTOPAR_DIR, "<")):
             line = linecache.getline(filename, traceback.tb_lineno).strip()
             code_text = f"{filename}:{traceback.tb_lineno}: {line}"
         traceback = traceback.tb_next

@@ -242,6 +242,15 @@ class Candidates:
                 reasons.append(f"pp={pp} with dp={dp} leaves at most {most} microbatches of the global batch "
                                f"{self.global_batch}, fewer than the {pp} stages a 1F1B pipeline must fill "
                                "(use a larger batch, a smaller pp, or --schedule gpipe)")
+            fixed_batch = self.graph.batch_size
+            if (not self.graph.batch_dynamic and pp > 1 and constraints.schedule != "gpipe" and most >= pp
+                    and most // fixed_batch < pp):
+                reasons.append(f"the model was captured with a fixed batch of {fixed_batch} (torch.export could "
+                               f"not keep its batch dimension dynamic), so every microbatch is {fixed_batch} "
+                               f"sequences and pp={pp} with dp={dp} gets {most // fixed_batch} microbatch(es) of "
+                               f"the global batch {self.global_batch}, fewer than the {pp} stages a 1F1B pipeline "
+                               "must fill (give example inputs whose batch is the microbatch size you want, e.g. "
+                               "1, a larger global batch, or --schedule gpipe)")
             if constraints.schedule == "interleaved" and not (self.virtual_stages(pp, constraints)
                                                               or self.interleavings(pp)):
                 reasons.append(f"the interleaved schedule needs at least 2 chunks of layers per stage, and the "
