@@ -9,8 +9,10 @@ is a `torch.library.custom_op` with a fake (shape) implementation and a register
 that is a custom op too (`autopar::grouped_mm_backward`): autograd and `torch.export` see two
 opaque ops instead of a data-dependent loop, as in transformers' `grouped_mm_fallback`.
 
-Rows past offs[-1] (none in a dropless layer; the ones expert parallelism did not send) are
-zero in the output and in the input gradient. The graph names the op `grouped_mm.default` or
+Rows past offs[-1] are zero in the loop's output and input gradient and undefined in the
+kernel's; the moe layer has none (offs[-1] is every row), and codegen's expert parallelism
+passes only the rows before offs[-1] (codegen/experts.py). The kernel path is not exercised
+on this project's CPU test machines. The graph names the op `grouped_mm.default` or
 `autopar.grouped_mm.default` (capture/export.py's `_target_name`); the planner's expert
 parallelism (solver/experts.py) and codegen recognise both.
 """
