@@ -29,8 +29,8 @@ from autopar.capture.blocks import block_prefixes
 CAPTURED_PERIODS = 3
 """Periods traced per container: the first (it reads the prologue, or the children before
 `first`), and two that show how a period reads the one before it."""
-MAX_FIRST = 2
-"""At most this many leading children may differ from the repeating rest."""
+MAX_FIRST = 3
+"""At most this many leading children may differ from the repeating rest (DeepSeek-V3: three dense layers)."""
 MAX_PERIOD = 8
 """Longest repeat looked for (Gemma-2: 2; Gemma-3's five local layers and one global: 6)."""
 

@@ -19,7 +19,8 @@ from torch.fx.node import map_aggregate
 
 from autopar.codegen.placements import to_dtensor_placement
 
-_GROUPED_MM = {"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default", "grouped_mm_fallback.default"}
+_GROUPED_MM = {"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default", "grouped_mm_fallback.default",
+               "autopar.grouped_mm.default", "grouped_mm.default"}
 
 
 def has_local_rule(target) -> bool:

@@ -5,8 +5,9 @@
     bundle = build_model("examples/my_model.py:make_model")
     loss = bundle.loss_fn(bundle.model(*bundle.example_inputs), bundle.example_targets)
 
-Families: gpt, llama, bert, vit, mlp, moe (one file each); named sizes such as gpt3-175b,
-llama3-8b, bert-base, vit-b16 and tiny-<family> aliases for the family defaults. The spec
+Families: gpt, llama, bert, vit, mlp, moe (one file each, moe with its layer, attention and
+GShard files); named sizes such as gpt3-175b, llama3-8b, mixtral-8x7b, deepseek-v3, bert-base,
+vit-b16 and tiny-<family> aliases for the family defaults. The spec
 grammar is in `autopar.models.spec`. On meta the weight initializers are skipped
 (`on_meta()`, meta_build.py: the same for a model of your own, e.g. `from_config`). Every model keeps its repeated blocks in an
 `nn.ModuleList` named `layers`, takes inputs with the batch as dim 0 and exports with
@@ -73,7 +74,7 @@ class Family:
     name: str  # registry name, e.g. "gpt"
     description: str  # one line for `list_models`
     config_cls: type  # frozen keyword-only config dataclass; its defaults are a tiny model
-    model_cls: type[nn.Module]  # built as model_cls(config)
+    model_cls: Callable[..., nn.Module]  # built as model_cls(config): a class, or a function choosing one
     module: ModuleType  # the family file: example_inputs, example_targets, loss_fn, NAMED_SIZES
 
 
@@ -97,7 +98,7 @@ class ResolvedSpec:
     factory: str | None = None  # factory name of a file spec
 
 
-def _family(module: ModuleType, config_cls: type, model_cls: type[nn.Module], description: str) -> Family:
+def _family(module: ModuleType, config_cls: type, model_cls: Callable[..., nn.Module], description: str) -> Family:
     return Family(
         name=config_cls.family, description=description, config_cls=config_cls, model_cls=model_cls, module=module
     )
@@ -111,7 +112,8 @@ FAMILIES: dict[str, Family] = {
         _family(bert, bert.BertConfig, bert.Bert, "BERT encoder, post-LN, MLM head tied to the word embedding"),
         _family(vit, vit.ViTConfig, vit.ViT, "Vision Transformer: conv patches, class token, pre-LN, class head"),
         _family(mlp, mlp.MLPConfig, mlp.MLP, "plain residual MLP regressor (Linear+GELU blocks)"),
-        _family(moe, moe.MoEConfig, moe.MoEGPT, "GPT with GShard top-k mixture-of-experts MLPs (stacked experts)"),
+        _family(moe, moe.MoEConfig, moe.build, "mixture of experts (Mixtral, Qwen3, DeepSeek-V3): GQA or MLA, "
+                "routed grouped-mm SwiGLU experts, shared experts; router=gshard: GShard GPT"),
     )
 }
 

@@ -1,126 +1,221 @@
-"""GPT with a top-k routed mixture of experts in every block (GShard, Lepikhin et al. 2020).
+"""`moe`: a decoder with routed SwiGLU experts, as Mixtral, Qwen3-MoE, DeepSeek-V3 and GPT-OSS build it.
 
-Routing follows GShard's dispatch/combine formulation with one-hot tensors and einsum, so every
-shape is static except the batch:
+Llama-style blocks (RMSNorm, rotary, causal sdpa) with grouped-query attention or DeepSeek's
+Multi-head Latent Attention (mla.py); the first `dense_layers` blocks have a dense SwiGLU of width
+`ffn_hidden`, the others a mixture of experts (moe_layer.py: router, tokens sorted by expert,
+experts as two grouped matmuls, shared experts). `router=gshard` builds the GShard model of
+2020 instead (moe_gshard.py: GPT blocks, einsum dispatch with a capacity).
 
-- Tokens are routed within groups, and a group is one sequence (GShard splits tokens into groups
-  for the same reason). Each expert takes at most
-      capacity = ceil(capacity_factor * seq * top_k / num_experts)
-  tokens per sequence. A capacity over all batch * seq tokens would make the dispatch tensor
-  quadratic in the batch and, under a dynamic batch, `torch.export` fails on the guards that the
-  float ceil of a symbolic size produces.
-- Slots are given in order of choice, then position: every token's first choice is placed
-  before any second choice. The position in the expert is a cumsum of one-hot masks (no boolean
-  indexing, no data-dependent shapes); a token past capacity is dropped for that expert (its
-  weight is zero) and only the residual carries it.
-- Experts are stacked parameters w_in [experts, hidden, ffn_hidden] and w_out [experts,
-  ffn_hidden, hidden] without biases, so expert parallelism shards their leading dim, like the
-  leading dim of the expert inputs [experts, groups, capacity, hidden].
-
-No load-balancing loss: it would turn the model output into (logits, aux_loss), which every
-pipeline stage would have to carry.
+Named sizes are the published Hugging Face config.json shapes. Common to all: `seq` is 4,096, the
+pre-training length of DeepSeek-V3 and Qwen3 (their long-context stages and Mixtral's 32k and
+GPT-OSS's 128k context only lengthen the rotary tables), no load-balancing loss, no dropout.
+Left out per model (none changes a parameter count by more than 0.1%):
+  mixtral-*       nothing else (46.7B and 140.6B).
+  qwen3-*         the per-head RMSNorm of queries and keys (qk-norm; 2 x head_dim weights a layer).
+  deepseek-v3     group-limited routing (8 groups, top 4) and the routed scaling factor 2.5 (no
+                  shapes), YaRN, and the multi-token-prediction module (14B more weights, counted
+                  apart by DeepSeek: 671B without it).
+  gpt-oss-120b    attention sinks, alternating 128-token sliding windows, biases of attention,
+                  router and experts, and the clamped SwiGLU (116.8B published, 116.8B here).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from autopar.errors import ModelSpecError
-from autopar.models.gpt import GPT, INIT_STD, GPTConfig, example_inputs, example_targets, loss_fn
-from autopar.models.spec import require_positive
+from autopar.models.gpt import check_seq_len, example_inputs, example_targets, init_normal, loss_fn
+from autopar.models.llama import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLU
+from autopar.models.mla import LatentAttention
+from autopar.models.moe_gshard import GShardMoEGPT
+from autopar.models.moe_layer import MoELayer
+from autopar.models.spec import check_field_types, require_divisible, require_positive, require_probability
 
-__all__ = ["MoEConfig", "MoEGPT", "MoEFeedForward", "example_inputs", "example_targets", "loss_fn"]
+__all__ = ["MoE", "MoEConfig", "build", "example_inputs", "example_targets", "loss_fn"]
 
-NAMED_SIZES: dict[str, dict[str, object]] = {}
+RouterKind = Literal["softmax", "sigmoid", "gshard"]
+AttentionKind = Literal["gqa", "mla"]
+GSHARD_CAPACITY_FACTOR = 1.25  # GShard's and Switch Transformer's slack when capacity_factor is not given
 
 
 @dataclass(frozen=True, kw_only=True)
-class MoEConfig(GPTConfig):
-    """A GPT shape plus the expert layer; defaults are a tiny model that trains on a CPU."""
+class MoEConfig:
+    """Shape of a mixture-of-experts decoder; the defaults are a tiny model that trains on a CPU."""
 
     family: ClassVar[str] = "moe"
 
-    num_experts: int = 4  # experts per block
+    layers: int = 2  # transformer blocks, dense ones included
+    hidden: int = 64  # model width
+    heads: int = 4  # query heads
+    kv_heads: int = 2  # key/value heads of gqa attention; must divide heads
+    head_dim: int | None = None  # gqa head width; None: hidden / heads (mla: qk_nope + qk_rope)
+    seq: int = 32  # maximum sequence length (rows of the rotary tables)
+    vocab: int = 128  # vocabulary size (untied embedding and head)
+    ffn_hidden: int = 176  # SwiGLU width of the dense layers
+    dense_layers: int = 0  # leading blocks with a dense SwiGLU instead of experts
+    num_experts: int = 4  # routed experts per MoE layer
     top_k: int = 2  # experts each token is sent to
-    capacity_factor: float = 1.25  # slack over a perfectly balanced load; 1.0 = no slack
+    expert_ffn_hidden: int = 64  # SwiGLU width of one expert (routed or shared)
+    shared_experts: int = 0  # experts every token goes through (one SwiGLU of shared_experts x expert_ffn_hidden)
+    router: RouterKind = "softmax"  # softmax: Mixtral/Qwen3; sigmoid: DeepSeek-V3 aux-loss-free; gshard: GShard GPT
+    capacity_factor: float | None = None  # 0: dropless; > 0: slots per expert over an even load; None: 0 (gshard 1.25)
+    attention: AttentionKind = "gqa"  # gqa: grouped-query attention; mla: Multi-head Latent Attention
+    q_lora_rank: int = 0  # mla: query compression width (0: no compression)
+    kv_lora_rank: int = 0  # mla: key/value latent width
+    qk_nope_head_dim: int = 0  # mla: query/key head width without rotary
+    qk_rope_head_dim: int = 0  # mla: query/key head width with rotary (shared by the heads for keys)
+    v_head_dim: int = 0  # mla: value head width
+    rope_theta: float = 10000.0  # rotary base frequency
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    dropout: float = 0.0  # router=gshard only: the GPT blocks' dropout
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        require_positive(self, "num_experts", "top_k", "capacity_factor")
+        check_field_types(self)
+        require_positive(self, "layers", "hidden", "heads", "kv_heads", "seq", "vocab", "ffn_hidden", "num_experts",
+                         "top_k", "expert_ffn_hidden", "rope_theta", "norm_eps")
+        _require_non_negative(self, "dense_layers", "shared_experts", "q_lora_rank", "kv_lora_rank",
+                              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        require_probability(self, "dropout")
         if self.top_k > self.num_experts:
-            raise ModelSpecError(
-                f"moe: top_k ({self.top_k}) must be at most num_experts ({self.num_experts}); lower top_k"
-            )
+            raise ModelSpecError(f"moe: top_k ({self.top_k}) must be at most num_experts ({self.num_experts}); "
+                                 "lower top_k")
+        if self.dense_layers >= self.layers:
+            raise ModelSpecError(f"moe: dense_layers ({self.dense_layers}) must be less than layers ({self.layers}) "
+                                 "so that some layer has experts; lower dense_layers or use the llama family")
+        self._resolve_capacity_factor()
+        if self.router == "gshard":
+            _check_gshard(self)
+        elif self.dropout:
+            raise ModelSpecError(f"moe: dropout={self.dropout} applies to router=gshard only (the llama-style blocks "
+                                 "have none); drop it or set router=gshard")
+        if self.attention == "mla":
+            _check_mla(self)
+        else:
+            _check_gqa(self)
 
-    def expert_capacity(self, tokens_per_group: int) -> int:
-        """Slots per expert per group (sequence): ceil(capacity_factor * tokens * top_k / experts)."""
-        return math.ceil(self.capacity_factor * tokens_per_group * self.top_k / self.num_experts)
+    def _resolve_capacity_factor(self) -> None:
+        if self.capacity_factor is None:  # frozen: resolve the default once
+            default = GSHARD_CAPACITY_FACTOR if self.router == "gshard" else 0.0
+            object.__setattr__(self, "capacity_factor", default)
+        if self.capacity_factor < 0:
+            raise ModelSpecError(f"moe field 'capacity_factor' must be >= 0 (0 = dropless), got {self.capacity_factor}")
 
 
-class MoEFeedForward(nn.Module):
-    """Router + stacked GELU experts; (batch, seq, hidden) -> (batch, seq, hidden).
+def _require_non_negative(config: MoEConfig, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) < 0:
+            raise ModelSpecError(f"moe field '{name}' must be >= 0, got {getattr(config, name)}")
 
-    Einsum letters: g group (= sequence), s token, k choice, e expert, c capacity slot,
-    m hidden, f ffn_hidden.
-    """
+
+def _check_gshard(config: MoEConfig) -> None:
+    others = {"dense_layers": config.dense_layers, "shared_experts": config.shared_experts,
+              "attention=mla": config.attention == "mla", "capacity_factor=0": config.capacity_factor == 0}
+    unsupported = [name for name, value in others.items() if value]
+    if unsupported:
+        raise ModelSpecError(f"moe: router=gshard builds the 2020 GShard GPT, which has no {', '.join(unsupported)}; "
+                             "drop them or use router=softmax or sigmoid")
+    require_divisible(config, "hidden", "heads")
+
+
+def _check_gqa(config: MoEConfig) -> None:
+    require_divisible(config, "heads", "kv_heads")
+    if config.head_dim is None:
+        require_divisible(config, "hidden", "heads")
+        object.__setattr__(config, "head_dim", config.hidden // config.heads)
+    require_positive(config, "head_dim")
+    if config.head_dim % 2:
+        raise ModelSpecError(f"moe: head_dim ({config.head_dim}) must be even for rotary embeddings; change "
+                             "head_dim, or hidden or heads")
+
+
+def _check_mla(config: MoEConfig) -> None:
+    for name, example in (("kv_lora_rank", 512), ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64),
+                          ("v_head_dim", 128)):
+        if getattr(config, name) <= 0:
+            raise ModelSpecError(f"moe: attention=mla needs {name} > 0 (DeepSeek-V3: {name}={example}); set {name}")
+    if config.qk_rope_head_dim % 2:
+        raise ModelSpecError(f"moe: qk_rope_head_dim ({config.qk_rope_head_dim}) must be even for rotary "
+                             "embeddings")
+    qk_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    if config.head_dim is None:
+        object.__setattr__(config, "head_dim", qk_dim)
+    elif config.head_dim != qk_dim:
+        raise ModelSpecError(f"moe: with attention=mla the head width is qk_nope_head_dim + qk_rope_head_dim = "
+                             f"{qk_dim}, but head_dim={config.head_dim}; drop head_dim")
+
+
+_PRETRAIN_SEQ = 4096
+_MIXTRAL = {"router": "softmax", "kv_heads": 8, "top_k": 2, "num_experts": 8, "rope_theta": 1e6, "seq": _PRETRAIN_SEQ}
+_QWEN3 = {"router": "softmax", "kv_heads": 4, "head_dim": 128, "num_experts": 128, "top_k": 8, "vocab": 151936,
+          "rope_theta": 1e6, "norm_eps": 1e-6, "seq": _PRETRAIN_SEQ}
+NAMED_SIZES: dict[str, dict[str, object]] = {
+    "mixtral-8x7b": {"layers": 32, "hidden": 4096, "heads": 32, "vocab": 32000, "ffn_hidden": 14336,
+                     "expert_ffn_hidden": 14336, **_MIXTRAL},
+    "mixtral-8x22b": {"layers": 56, "hidden": 6144, "heads": 48, "vocab": 32768, "ffn_hidden": 16384,
+                      "expert_ffn_hidden": 16384, **_MIXTRAL},
+    "qwen3-30b-a3b": {"layers": 48, "hidden": 2048, "heads": 32, "ffn_hidden": 6144, "expert_ffn_hidden": 768,
+                      **_QWEN3},
+    "qwen3-235b-a22b": {"layers": 94, "hidden": 4096, "heads": 64, "ffn_hidden": 12288, "expert_ffn_hidden": 1536,
+                        **_QWEN3},
+    "deepseek-v3": {"layers": 61, "hidden": 7168, "heads": 128, "kv_heads": 128, "vocab": 129280,
+                    "ffn_hidden": 18432, "dense_layers": 3, "num_experts": 256, "top_k": 8, "expert_ffn_hidden": 2048,
+                    "shared_experts": 1, "router": "sigmoid", "attention": "mla", "q_lora_rank": 1536,
+                    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                    "norm_eps": 1e-6, "seq": _PRETRAIN_SEQ},
+    "gpt-oss-120b": {"layers": 36, "hidden": 2880, "heads": 64, "kv_heads": 8, "head_dim": 64, "vocab": 201088,
+                     "ffn_hidden": 2880, "num_experts": 128, "top_k": 4, "expert_ffn_hidden": 2880,
+                     "router": "softmax", "rope_theta": 150000.0, "seq": _PRETRAIN_SEQ},
+}
+
+
+class MoEBlock(nn.Module):
+    """Pre-RMSNorm attention and MLP (dense SwiGLU or `MoELayer`), each with a residual."""
+
+    def __init__(self, config: MoEConfig, *, dense: bool) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden, config.norm_eps)
+        self.attn = LatentAttention(config) if config.attention == "mla" else GroupedQueryAttention(config)
+        self.mlp_norm = RMSNorm(config.hidden, config.norm_eps)
+        self.mlp = SwiGLU(config.hidden, config.ffn_hidden) if dense else MoELayer(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class MoE(nn.Module):
+    """Decoder-only language model: token ids (batch, seq) -> logits (batch, seq, vocab)."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
+        if config.router == "gshard":
+            raise ModelSpecError("moe: router=gshard is the GShard GPT; build it with moe.build(config)")
         self.config = config
-        self.router = nn.Linear(config.hidden, config.num_experts, bias=False)
-        self.w_in = nn.Parameter(torch.empty(config.num_experts, config.hidden, config.ffn_hidden))
-        self.w_out = nn.Parameter(torch.empty(config.num_experts, config.ffn_hidden, config.hidden))
-        self.dropout = nn.Dropout(config.dropout)
-        self.reset_parameters()
+        rotary_dim = config.qk_rope_head_dim if config.attention == "mla" else config.head_dim
+        self.embed_tokens = nn.Embedding(config.vocab, config.hidden)
+        self.rotary = RotaryEmbedding(rotary_dim, config.seq, config.rope_theta)
+        self.layers = nn.ModuleList(MoEBlock(config, dense=index < config.dense_layers)
+                                    for index in range(config.layers))
+        self.norm = RMSNorm(config.hidden, config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
+        self.init_weights()
 
-    def reset_parameters(self) -> None:
-        """Initializes the stacked experts (the router is an nn.Linear with its own init)."""
-        nn.init.normal_(self.w_in, std=INIT_STD)
-        nn.init.normal_(self.w_out, std=INIT_STD)
+    def init_weights(self) -> None:
+        """(Re)initializes every parameter, the router biases and the rotary buffers, e.g. after `to_empty()`."""
+        init_normal(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        combine, dispatch = self.route(x)
-        expert_inputs = torch.einsum("gsec,gsm->egcm", dispatch, x)
-        expert_hidden = F.gelu(torch.einsum("egcm,emf->egcf", expert_inputs, self.w_in))
-        expert_outputs = torch.einsum("egcf,efm->egcm", expert_hidden, self.w_out)
-        return self.dropout(torch.einsum("gsec,egcm->gsm", combine, expert_outputs))
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Combine weights and 0/1 dispatch mask, both [groups, seq, experts, capacity]."""
-        num_experts, top_k = self.config.num_experts, self.config.top_k
-        seq_len = x.shape[1]
-        capacity = self.config.expert_capacity(seq_len)
-        gates = self.router(x).float().softmax(dim=-1)  # [g, s, e]
-        top_gates, top_experts = gates.topk(top_k, dim=-1)  # [g, s, k]
-        if top_k > 1:  # GShard renormalizes over the chosen experts; top-1 keeps the gate (Switch)
-            top_gates = top_gates / top_gates.sum(dim=-1, keepdim=True)
-        expert_masks = _one_hot(top_experts, num_experts)  # [g, s, k, e]
-        # Number the slots choice-major: all first choices of the sequence, then all second ones.
-        choice_major = expert_masks.transpose(1, 2).flatten(1, 2)  # [g, k*s, e]
-        slots = (choice_major.cumsum(dim=1) - 1).unflatten(1, (top_k, seq_len)).transpose(1, 2)
-        position_in_expert = (slots * expert_masks).sum(dim=-1)  # [g, s, k]
-        slot_masks = _one_hot(position_in_expert, capacity).float()  # [g, s, k, c]; zero past capacity
-        expert_masks = expert_masks.float()
-        # Summing over the k choices keeps dispatch 0/1: a token's k experts are distinct.
-        dispatch = torch.einsum("gske,gskc->gsec", expert_masks, slot_masks)
-        combine = torch.einsum("gsk,gske,gskc->gsec", top_gates, expert_masks, slot_masks)
-        return combine.to(x.dtype), dispatch.to(x.dtype)
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary(check_seq_len(token_ids, self.config.seq))
+        x = self.embed_tokens(token_ids)
+        for block in self.layers:
+            x = block(x, cos, sin)
+        return self.lm_head(self.norm(x))
 
 
-def _one_hot(indices: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """int64 one-hot by comparison; indices outside [0, num_classes) give all zeros (no range check)."""
-    classes = torch.arange(num_classes, device=indices.device)
-    return (indices.unsqueeze(-1) == classes).long()
-
-
-class MoEGPT(GPT):
-    """GPT whose every MLP is a `MoEFeedForward`; token ids (batch, seq) -> logits (batch, seq, vocab)."""
-
-    def __init__(self, config: MoEConfig) -> None:
-        super().__init__(config, make_mlp=MoEFeedForward)
+def build(config: MoEConfig) -> nn.Module:
+    """The model of `config`: `MoE`, or for router=gshard moe_gshard.py's `GShardMoEGPT`."""
+    return GShardMoEGPT(config) if config.router == "gshard" else MoE(config)

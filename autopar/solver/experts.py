@@ -45,7 +45,7 @@ from autopar.graph import OpGraph, OpNode
 EINSUM_TARGETS = ("aten.einsum.default",)
 BMM_TARGETS = ("aten.bmm.default",)
 GROUPED_MM_TARGETS = ("aten._grouped_mm.default", "grouped_mm_fallback.default",
-                      "transformers.grouped_mm_fallback.default")
+                      "transformers.grouped_mm_fallback.default", "grouped_mm.default", "autopar.grouped_mm.default")
 WEIGHT_VIEWS = ("aten.transpose.int", "aten.t.default")
 """Ops between an expert weight and a grouped mm that keep dim 0 (checked by shape)."""
 

@@ -1,8 +1,9 @@
 """Grouped expert matmuls: out[S, N] = input[S, K] @ weight[e(row), K, N], rows sorted by expert.
 
 Mixture-of-experts layers (Hugging Face's Mixtral, Qwen-MoE...) run every expert's matmul as one
-op: `aten._grouped_mm(input, weight, offs)` on GPUs, or the custom op
-`transformers.grouped_mm_fallback(input, weight, offs)`, where `offs[e]` is the end row of
+op: `aten._grouped_mm(input, weight, offs)` on GPUs, or the custom ops
+`transformers.grouped_mm_fallback(input, weight, offs)` and `autopar.grouped_mm` (the built-in
+`moe` family, models/grouped_mm.py), where `offs[e]` is the end row of
 expert e's tokens. On one mesh axis:
 
     col     input R,  weight S2 (N), offs R  -> out S1       each device computes N / n columns
@@ -27,10 +28,10 @@ from autopar.graph import OpNode, Ref, TensorMeta
 from autopar.strategies import Strategy1D, register
 from autopar.strategies.placement import PARTIAL, REPLICATE, shard
 
-# The graph names a custom op by its bare name ("grouped_mm_fallback.default", see
-# capture._target_name); both spellings are registered.
+# The graph names a custom op by its bare name ("grouped_mm_fallback.default", "grouped_mm.default",
+# see capture._target_name); both spellings of each are registered.
 GROUPED_MM_TARGETS = ("aten._grouped_mm.default", "grouped_mm_fallback.default",
-                      "transformers.grouped_mm_fallback.default")
+                      "transformers.grouped_mm_fallback.default", "grouped_mm.default", "autopar.grouped_mm.default")
 
 
 @register(*GROUPED_MM_TARGETS)

@@ -26,7 +26,7 @@ GLOBAL_BATCH = 8
 NUM_STEPS = 3
 LEARNING_RATE = 0.5
 TOLERANCE = 1e-5
-MOE_SPEC = "moe:layers=2,hidden=32,heads=4,seq=16,vocab=64,num_experts=4,dropout=0.0"
+MOE_SPEC = "moe:router=gshard,layers=2,hidden=32,heads=4,seq=16,vocab=64,num_experts=4,dropout=0.0"
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ def test_optional_and_float_fields():
     assert resolve_spec("gpt:ffn_hidden=100").config.ffn_hidden == 100
     assert resolve_spec("llama:rope_theta=1e6").config.rope_theta == 1e6
     assert resolve_spec("moe:capacity_factor=2").config.capacity_factor == 2.0
+    assert resolve_spec("moe").config.capacity_factor == 0.0 and resolve_spec("moe:router=gshard").config.capacity_factor == 1.25
 
 
 def test_bool_values_parse():
@@ -104,7 +105,7 @@ def format_value_pairs(config) -> str:
         ("llama:hidden=12,heads=4", ["head dim hidden/heads = 3 must be even"]),
         ("vit:image_size=30,patch=8", ["image_size (30) must be divisible by patch (8)"]),
         ("moe:top_k=5,num_experts=4", ["top_k (5) must be at most num_experts (4)"]),
-        ("moe:capacity_factor=0", ["moe field 'capacity_factor' must be positive"]),
+        ("moe:capacity_factor=-1", ["moe field 'capacity_factor' must be >= 0"]),
         ("gpt:layers", ["override 'layers' in model spec 'gpt:layers' is not key=value"]),
         ("gpt:layers=", ["field 'layers' in model spec 'gpt:layers=' has no value"]),
         ("gpt:layers=2,layers=3", ["field 'layers' is set twice"]),

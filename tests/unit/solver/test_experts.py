@@ -12,10 +12,11 @@ from autopar.models import build_model
 from autopar.solver.experts import find_expert_ops
 from autopar.strategies import mesh_strategies
 
-TINY_MOE = "moe:layers=2,hidden=32,heads=4,seq=16,vocab=64,num_experts=4"
+TINY_MOE = "moe:router=gshard,layers=2,hidden=32,heads=4,seq=16,vocab=64,num_experts=4"
 # Experts dominate: 64 experts of 1024 x 4096 per layer (8.6B expert parameters over 16 layers,
 # 0.2B elsewhere), on 8 DGX H100 nodes.
-BIG_MOE = "moe:layers=16,hidden=1024,heads=16,seq=1024,vocab=32000,num_experts=64,top_k=2,ffn_hidden=4096"
+BIG_MOE = ("moe:router=gshard,layers=16,hidden=1024,heads=16,seq=1024,vocab=32000,num_experts=64,top_k=2,"
+           "expert_ffn_hidden=4096")
 BIG_CLUSTER = "dgx-h100:nodes=8"
 
 

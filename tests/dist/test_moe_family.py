@@ -1,0 +1,89 @@
+"""The built-in `moe` family (grouped-mm experts, dropless) under parallel plans, against one process.
+
+Two tiny models: grouped-query attention with the softmax router, and latent attention with the
+sigmoid router, a shared expert and one leading dense layer. Each trains 3 SGD steps under dp2 x
+ep2 (ZeRO-0: the two data-parallel ranks split the experts, tokens exchanged by uneven
+all-to-alls) and under pp2, and must give one process's losses and first gradients (fp32:
+round-off tolerance). The harness is one_process.py's, as in test_experts_runs.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from harness import case_outcome, tiny_model_cluster  # noqa: F401 (a fixture)
+from one_process import CaseTable, case_param, parallelize_reusing_captures, train_one_process, train_parallel
+
+pytestmark = pytest.mark.dist
+
+GLOBAL_BATCH = 8
+SEQ = 16
+VOCAB = 64
+NUM_STEPS = 3
+LEARNING_RATE = 0.5
+TOLERANCE = 1e-5
+_TINY = f"hidden=32,heads=4,seq={SEQ},vocab={VOCAB},num_experts=4,top_k=2,expert_ffn_hidden=32"
+SPECS = {
+    "gqa-softmax": f"moe:layers=2,{_TINY},kv_heads=2,router=softmax",
+    "mla-sigmoid": f"moe:layers=3,{_TINY},dense_layers=1,ffn_hidden=48,shared_experts=1,router=sigmoid,"
+                   "attention=mla,q_lora_rank=16,kv_lora_rank=16,qk_nope_head_dim=8,qk_rope_head_dim=4,v_head_dim=8",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    """A key of SPECS."""
+    world_size: int
+    constraints: dict = field(default_factory=dict)
+    known_error: str = ""
+    timeout_s: float = 150.0
+    """Per case (harness.case_outcome): planning + capture + 3 steps on 2 shared cores."""
+
+
+def moe_case(case: Case) -> dict:
+    from autopar.models import build_model
+
+    bundle = build_model(SPECS[case.model], device="cpu", seed=0, batch_size=GLOBAL_BATCH)
+    generator = torch.Generator().manual_seed(1)
+    batches = [((torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator),),
+                torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator)) for _ in range(NUM_STEPS)]
+    reference = train_one_process(bundle.model, bundle.loss_fn, batches, LEARNING_RATE)
+    (inputs, targets), *_ = batches
+    module = parallelize_reusing_captures(case.model, bundle.model, tiny_model_cluster(case.world_size), inputs,
+                                          loss_fn=bundle.loss_fn, example_targets=targets,
+                                          constraints=case.constraints)
+    run = train_parallel(module, batches, LEARNING_RATE, reference)
+    plan = module.plan
+    return dict(losses=run.losses, reference_losses=reference.losses, grad_errors=run.grad_errors,
+                all_parameters=sorted(reference.grads), ep=plan.ep, ep_params=list(plan.ep_params),
+                pp=plan.mesh.get("pp", 1))
+
+
+EP = dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)
+PP = dict(dp=1, tp=1, pp=2, zero_stage=0, microbatch_size=4)
+TABLE = CaseTable([
+    case_param(Case(model, 2, constraints), f"{model}-{kind}")
+    for model in SPECS for kind, constraints in (("dp2-ep2", EP), ("pp2", PP))
+])
+CASES = TABLE.cases
+
+
+@TABLE.parametrize
+def test_moe_family_matches_one_process(case_name, case_outcome):
+    case, results = TABLE.results(case_outcome, moe_case, case_name)
+    for rank, result in enumerate(results):
+        assert result["ep"] == case.constraints.get("ep", 1), result
+        if result["ep"] > 1:
+            assert {name.rsplit(".", 1)[-1] for name in result["ep_params"]} == {"w_gate_up", "w_down"}
+        assert result["pp"] == case.constraints["pp"]
+        assert result["losses"] == pytest.approx(result["reference_losses"], rel=TOLERANCE, abs=TOLERANCE), \
+            f"rank {rank}'s losses"
+        for name, error in result["grad_errors"].items():
+            assert error is not None, f"rank {rank}: {name} has no gradient"
+            assert error["max_abs"] <= TOLERANCE, f"rank {rank}: gradient of {name} differs: {error}"
+        if case.constraints["pp"] == 1:
+            assert set(result["grad_errors"]) == set(result["all_parameters"])
