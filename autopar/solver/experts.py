@@ -38,14 +38,18 @@ Transformer and GShard train with a capacity factor of 1.25), not fitted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from autopar.errors import ConfigError
 from autopar.graph import OpGraph, OpNode
 
 EINSUM_TARGETS = ("aten.einsum.default",)
 BMM_TARGETS = ("aten.bmm.default",)
 GROUPED_MM_TARGETS = ("aten._grouped_mm.default", "grouped_mm_fallback.default",
                       "transformers.grouped_mm_fallback.default")
+DEFAULT_LOAD_IMBALANCE = 1.25
+"""Switch Transformer's and GShard's capacity factor: the default busiest-rank share of dropless routing."""
 WEIGHT_VIEWS = ("aten.transpose.int", "aten.t.default")
 """Ops between an expert weight and a grouped mm that keep dim 0 (checked by shape)."""
 
@@ -81,9 +85,22 @@ class ExpertOp:
 class ExpertPricing:
     """Assumptions of the expert-parallel price."""
 
-    load_imbalance: float = 1.25
+    load_imbalance: float = DEFAULT_LOAD_IMBALANCE
     """Tokens the busiest ep rank receives and computes, over the even share, for dropless expert
-    ops (capacity-padded ones have static shapes). Switch/GShard's capacity factor 1.25."""
+    ops (capacity-padded ones have static shapes). Switch/GShard's capacity factor 1.25; 1.0 is
+    force-balanced routing (how NVIDIA's published MoE throughputs are measured)."""
+
+    def __post_init__(self) -> None:
+        check_load_imbalance(self.load_imbalance)
+
+
+def check_load_imbalance(value) -> float:
+    """`value` as a load imbalance (a finite number >= 1.0), else a ConfigError saying so."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1.0:
+        raise ConfigError(f"the MoE load imbalance must be a finite number >= 1.0 (tokens the busiest expert rank "
+                          f"gets over the even share: 1.0 = balanced routing, {DEFAULT_LOAD_IMBALANCE} = the "
+                          f"default), got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True, kw_only=True)
