@@ -33,7 +33,14 @@ such ops, whose dim 0 is the expert dim):
 
 Load imbalance: under dropless routing the busiest rank receives and computes more than the even
 share; its price is `ExpertPricing.load_imbalance` times the even share, a parameter (Switch
-Transformer and GShard train with a capacity factor of 1.25), not fitted.
+Transformer and GShard train with a capacity factor of 1.25; 1.0 prices force-balanced routing),
+not fitted: `autopar plan --moe-load-imbalance X`.
+
+Grouped-matmul shapes: a grouped matmul of S rows over the E experts of a device runs E matmuls
+of S / E rows (cost_model/compute.py prices each at its own size's rate). Under ep the rank holds
+E / ep experts and receives the group's rows for them: E / ep matmuls of ep x S / E rows each,
+times the load imbalance on the busiest rank (GroupedMatmul.time_s). The change from the price
+without ep is part of the stage's compute.
 """
 
 from __future__ import annotations
@@ -117,14 +124,37 @@ class ExpertExchange:
     """The op's forward + backward compute on this device."""
     count_bytes: float = 0.0
     """Per-expert token counts exchanged before a dropless op's rows (0: static shapes, none)."""
+    matmuls: tuple[GroupedMatmul, ...] = ()
+    """A grouped op's matmul kernels on this device without expert parallelism (what ep reshapes)."""
 
-    def messages(self) -> tuple[tuple[float, str], ...]:
-        """(bytes each rank sends and receives, phase) of its all-to-alls: the counts (dropless),
-        dispatch and combine forward; the output gradient dispatched and the token gradient
-        combined backward."""
-        counts = ((self.count_bytes, "fwd"),) if self.count_bytes else ()
-        backward = ((self.output_bytes, "bwd"),) + (((self.token_bytes, "bwd"),) if self.token_grad else ())
-        return counts + ((self.token_bytes, "fwd"), (self.output_bytes, "fwd")) + backward
+    def messages(self) -> tuple[tuple[float, str, str], ...]:
+        """(bytes each rank sends and receives, phase, part) of its all-to-alls: the counts
+        (dropless), dispatch and combine forward; the output gradient dispatched and the token
+        gradient combined backward. Parts: "counts", "dispatch", "combine"."""
+        counts = ((self.count_bytes, "fwd", "counts"),) if self.count_bytes else ()
+        backward = ((self.output_bytes, "bwd", "dispatch"),) + (
+            ((self.token_bytes, "bwd", "combine"),) if self.token_grad else ())
+        return counts + ((self.token_bytes, "fwd", "dispatch"), (self.output_bytes, "fwd", "combine")) + backward
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupedMatmul:
+    """One grouped-matmul kernel of an expert op, as priced without expert parallelism."""
+
+    phase: str
+    """"fwd" or "bwd"."""
+    flops: float
+    """On this device (all its experts)."""
+    experts: int
+    """Experts on this device (the kernel's groups)."""
+    dtype: str
+
+    def time_s(self, compute, ep: int = 1, load_imbalance: float = 1.0) -> float:
+        """Its time on the busiest rank of an ep group: experts / ep matmuls of ep x the rows each
+        (the group's tokens for the rank's experts), `load_imbalance` x the even share."""
+        experts = max(self.experts // ep, 1)
+        flops = self.flops * load_imbalance
+        return compute.grouped_matmul_s(flops, flops / experts, self.dtype)
 
 
 def find_expert_ops(graph: OpGraph) -> tuple[ExpertOp, ...]:
