@@ -15,7 +15,8 @@ attention rate for their phase and mask, interpolated the same way; without one,
 
 A grouped matmul (MoE experts: S rows sorted by expert x weight[E, K, N]) is E matmuls of about
 S/E rows each, and each runs at the rate of its own size: `groups` (the experts on the device)
-prices the kernel as that many matmuls of flops / groups, not as one [S, K] x [K, N] matmul.
+prices the kernel as that many matmuls of flops / groups, not as one [S, K] x [K, N] matmul; a
+profile's grouped-matmul sweep (rate by FLOPs per expert) prices it where measured.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class ComputeModel:
         self._tables = _matmul_tables(profile) if profile is not None else {}
         self.element_rates = {point.kind: point.elements_per_s for point in profile.elementwise} if profile else {}
         self._attention = _attention_tables(profile) if profile is not None else {}
+        self._grouped = _grouped_tables(profile) if profile is not None else {}
 
     def matmul_rate(self, flops: float, dtype: str) -> float:
         """Achieved FLOP/s of a matmul of `flops` FLOPs."""
@@ -126,7 +128,12 @@ class ComputeModel:
         """Tensor-core time of a grouped matmul of `flops` made of matmuls of `flops_per_group`
         each (one expert's rows x its weight): each runs at the rate of its own size, so many
         small experts run far below a single matmul of the same total."""
-        return flops / self.matmul_rate(min(flops_per_group, flops), dtype) if flops > 0 else 0.0
+        if flops <= 0:
+            return 0.0
+        per_group = min(flops_per_group, flops)
+        table = self._grouped.get(_DTYPE_KEYS.get(dtype, "fp32"))
+        rate = _interpolate(table, per_group) if table is not None else self.matmul_rate(per_group, dtype)
+        return flops / rate
 
     def kernel(self, flops: float, io_bytes: float, is_matmul: bool, dtype: str = "bfloat16",
                name: str = "", causal: bool = False, broadcast: bool = False, groups: int = 1) -> ComputeTime:
@@ -178,6 +185,16 @@ def _attention_tables(profile: HardwareProfile) -> dict[tuple[str, bool], tuple[
     tables: dict[tuple[str, bool], list[tuple[float, float]]] = {}
     for point in profile.attention:
         tables.setdefault((point.phase, point.causal), []).append((math.log(point.flops), point.achieved_flops_per_s))
+    return {key: (list(x for x, _ in sorted(points)), list(y for _, y in sorted(points)))
+            for key, points in tables.items()}
+
+
+def _grouped_tables(profile: HardwareProfile) -> dict[str, tuple[list[float], list[float]]]:
+    """Measured grouped-matmul rates by log(FLOPs per expert), per dtype key."""
+    tables: dict[str, list[tuple[float, float]]] = {}
+    for point in profile.grouped_matmul:
+        tables.setdefault(_DTYPE_KEYS.get(point.dtype, point.dtype), []).append(
+            (math.log(point.flops_per_expert), point.achieved_flops_per_s))
     return {key: (list(x for x, _ in sorted(points)), list(y for _, y in sorted(points)))
             for key, points in tables.items()}
 
