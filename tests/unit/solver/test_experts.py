@@ -8,12 +8,14 @@ import pytest
 import torch
 
 import autopar
+from autopar.cluster import Cluster
 from autopar.errors import ConfigError
 from autopar.graph import OpNode, Ref, TensorMeta
 from autopar.models import build_model
 from autopar.plans.plan import Plan
 from autopar.solver.experts import find_expert_ops
 from autopar.strategies import mesh_strategies
+from cost_model.compute import ComputeModel
 
 TINY_MOE = "moe:layers=2,hidden=32,heads=4,seq=16,vocab=64,num_experts=4"
 # Experts dominate: 64 experts of 1024 x 4096 per layer (8.6B expert parameters over 16 layers,
@@ -177,3 +179,22 @@ def test_the_load_imbalance_is_checked_and_only_recorded_for_models_with_experts
     plan = autopar.evaluate(dense.model, dense.example_inputs, "dgx-h100:nodes=1", global_batch=16, microbatch_size=2,
                             loss_fn=dense.loss_fn, example_targets=dense.example_targets, moe_load_imbalance=1.0)
     assert plan.moe_load_imbalance is None and "load imbalance" not in plan.summary()
+
+
+def test_router_and_token_permutation_ops_are_priced_as_memory_kernels(mixtral_graph) -> None:
+    """The router (softmax, top-k), the sort of tokens by expert, their counts and the gathers and
+    scatters that permute and un-permute them are graph ops: each is priced (never zero) and none
+    as a matmul; only the expert matmuls themselves are grouped matmul kernels."""
+    compute = ComputeModel(Cluster.from_spec("dgx-h100").device)
+    routing = ("softmax", "topk", "sort", "histc", "cumsum", "index.Tensor", "index_put", "index_add", "scatter",
+               "gather")
+    found = set()
+    for node in mixtral_graph.calls():
+        name = next((word for word in routing if word in node.target), None)
+        if name is None:
+            continue
+        found.add(name)
+        kernels = node.fwd_kernels + node.bwd_kernels
+        assert not any(kernel.is_matmul for kernel in kernels), node.target
+        assert compute.kernels(node.fwd_kernels).total_s > 0, node.target
+    assert {"softmax", "topk", "sort", "histc", "index.Tensor"} <= found
