@@ -563,8 +563,7 @@ class StepModel(StepFsdp, StepTail):
         imbalance = times.load_imbalance_s
         if imbalance[indices].any():
             parts["load_imbalance"] = float(imbalance[indices].sum())
-        forward = times.forward_s + times.shape_forward_s
-        backward = times.backward_s + times.shape_backward_s
+        forward, backward = times.forward_s, times.backward_s
         segments = tuple((prepared.names[i], float(forward[i] + imbalance[i] / 3), float(backward[i] + 2 * imbalance[i] / 3))
                          for i in indices if forward[i] or backward[i] or imbalance[i])
         shape = (float(times.shape_forward_s[indices].sum()), float(times.shape_backward_s[indices].sum()))
