@@ -13,7 +13,7 @@ from autopar.errors import ConfigError
 from autopar.graph import OpNode, Ref, TensorMeta
 from autopar.models import build_model
 from autopar.plans.plan import Plan
-from autopar.solver.experts import find_expert_ops
+from autopar.solver.experts import GroupedMatmul, find_expert_ops
 from autopar.strategies import mesh_strategies
 from cost_model.compute import ComputeModel
 
@@ -198,3 +198,16 @@ def test_router_and_token_permutation_ops_are_priced_as_memory_kernels(mixtral_g
         assert not any(kernel.is_matmul for kernel in kernels), node.target
         assert compute.kernels(node.fwd_kernels).total_s > 0, node.target
     assert {"softmax", "topk", "sort", "histc", "index.Tensor"} <= found
+
+
+def test_expert_parallel_grouped_matmuls_run_fewer_bigger_experts(mixtral_graph) -> None:
+    """Without ep a device runs all 8 experts' matmuls on its own tokens (S / 8 rows each); with
+    ep=4 it runs 2 experts on the group's tokens for them (4 x the rows each): the same FLOPs at a
+    better rate, so the stage's compute falls; the load imbalance is priced on those shapes."""
+    alone = _evaluate(mixtral_graph, tp=1, pp=1, dp=8, moe_load_imbalance=1.0)
+    grouped = _evaluate(mixtral_graph, tp=1, pp=1, dp=8, ep=4, moe_load_imbalance=1.0)
+    assert grouped.predicted.breakdown_s["compute"] < alone.predicted.breakdown_s["compute"]
+    compute = ComputeModel(Cluster.from_spec("dgx-h100").device)
+    matmul = GroupedMatmul(phase="fwd", flops=1e10, experts=8, dtype="bfloat16")
+    assert matmul.time_s(compute, 4) < matmul.time_s(compute)  # 2 experts of 4x the rows
+    assert matmul.time_s(compute, 4) < matmul.time_s(compute, 4, 1.5) < 1.5 * matmul.time_s(compute, 4)
