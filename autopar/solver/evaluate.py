@@ -191,7 +191,10 @@ def _exchange(graph: OpGraph, builder: ProblemBuilder, node, strategy, op) -> Ex
     forward, backward = builder.ctx.node_compute(node, strategy, inputs)
     experts = builder.ctx.local_experts(node, strategy, inputs)
     divisor = strategy.work_divisor(builder.mesh_shape)
-    matmuls = tuple(GroupedMatmul(phase=phase, flops=kernel.flops / divisor, experts=experts, dtype=kernel.dtype)
+    compute = builder.ctx.compute
+    matmuls = tuple(GroupedMatmul(phase=phase, flops=kernel.flops / divisor, experts=experts, dtype=kernel.dtype,
+                                  alone_s=compute.grouped_matmul_s(kernel.flops / divisor,
+                                                                   kernel.flops / divisor / experts, kernel.dtype))
                     for phase, kernels in (("fwd", node.fwd_kernels), ("bwd", node.bwd_kernels))
                     for kernel in kernels if kernel.is_matmul and is_grouped_matmul(kernel.name)
                     ) if op.kind == "grouped_mm" else ()

@@ -148,6 +148,8 @@ class GroupedMatmul:
     experts: int
     """Experts on this device (the kernel's groups)."""
     dtype: str
+    alone_s: float = 0.0
+    """Its time without expert parallelism (in the segment's compute): the most ep can save."""
 
     def time_s(self, compute, ep: int = 1, load_imbalance: float = 1.0) -> float:
         """Its time on the busiest rank of an ep group: experts / ep matmuls of ep x the rows each

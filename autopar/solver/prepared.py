@@ -193,6 +193,12 @@ class PreparedSegments:
         """time_s over every segment: one microbatch through the whole model on one device."""
         return self.total("time_s", (StageSpan(0, len(self)),))
 
+    @cached_property
+    def ep_saving_bound_s(self) -> float:
+        """The most expert parallelism can take off work_s: its grouped matmuls' time without
+        it (under ep they run fewer, bigger experts, faster; StepModel.ep_times), for lower bounds."""
+        return sum(matmul.alone_s for matmuls in self.ep_matmuls for matmul in matmuls)
+
     def listed(self, name: str) -> list[float]:
         """Array `name` as plain floats (cheaper to index one by one than numpy's)."""
         listed = self._lists.get(name)
