@@ -211,3 +211,18 @@ def test_expert_parallel_grouped_matmuls_run_fewer_bigger_experts(mixtral_graph)
     matmul = GroupedMatmul(phase="fwd", flops=1e10, experts=8, dtype="bfloat16")
     assert matmul.time_s(compute, 4) < matmul.time_s(compute)  # 2 experts of 4x the rows
     assert matmul.time_s(compute, 4) < matmul.time_s(compute, 4, 1.5) < 1.5 * matmul.time_s(compute, 4)
+
+
+def test_the_search_lower_bound_holds_for_expert_parallel_configurations(mixtral_graph) -> None:
+    """ep makes the grouped expert matmuls faster than in the segments' own price: the bound that
+    prunes configurations must stay below their priced step time."""
+    from autopar import api
+    from autopar.solver.pricing import lower_bound_s
+
+    planner = api.planner_for(mixtral_graph, None, "dgx-h100:nodes=1", global_batch=16, moe_load_imbalance=1.0)
+    for pp, ep in ((1, 2), (1, 8), (2, 4)):
+        config = api.fixed_config(planner, tp=1, pp=pp, dp=8 // pp, microbatch_size=1, schedule="1f1b",
+                                  virtual_stages=None, layers_per_virtual_stage=None, recompute="none",
+                                  zero_stage=0, ep=ep)
+        estimate, _ = planner.evaluate(config)
+        assert lower_bound_s(planner.pricing.least_work(config), config) <= estimate.step_time_s
