@@ -147,7 +147,8 @@ class ComputeModel:
             if rate:  # flops of an element-wise kernel count its output elements
                 memory_s = max(memory_s, flops / rate)
             return ComputeTime(memory_s=memory_s, overhead_s=self.overhead_s)
-        matmul_s = self.grouped_matmul_s(flops, flops / max(groups, 1), dtype)
+        matmul_s = self.grouped_matmul_s(flops, flops / groups, dtype) if groups > 1 else \
+            flops / self.matmul_rate(flops, dtype)
         if matmul_s >= memory_s:
             return ComputeTime(matmul_s=matmul_s, overhead_s=self.overhead_s)
         return ComputeTime(memory_s=memory_s, overhead_s=self.overhead_s)
