@@ -32,6 +32,7 @@ with collector_paused():  # torch and the planner: 0.25 CPU s of the collector's
     from autopar.plans import planning
     from autopar.report import commands as report_commands
     from autopar.errors import AutoparError, ConfigError
+    from autopar.solver.experts import check_load_imbalance
     from autopar.solver.recompute import RECOMPUTE_MODES
     from autopar.solver.search import SearchOptions
     from autopar.validation import MAX_DEVICES, MAX_DEVICES_PER_NODE, MAX_GLOBAL_BATCH, check_output_path, parse_int
@@ -143,6 +144,7 @@ def _plan_parser(commands) -> None:
     parser.add_argument("--recompute", choices=list(RECOMPUTE_MODES))
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     parser.add_argument("--ep", type=count(), help="fix the expert-parallel degree (divides dp; MoE models)")
+    _load_imbalance_flag(parser)
     parser.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
                         help="optimizer offload (FSDP2 CPUOffloadPolicy): auto uses it only when nothing fits without")
     _sequence_parallel_flag(parser)
@@ -165,9 +167,27 @@ def _evaluate_parser(commands) -> None:
     parser.add_argument("--recompute", choices=list(RECOMPUTE_MODES), default="none")
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     parser.add_argument("--ep", type=count(), default=1, help="expert-parallel degree (divides dp; MoE models)")
+    _load_imbalance_flag(parser)
     parser.add_argument("--offload", action="store_true", help="optimizer offload (needs --zero 3 and --pp 1)")
     _sequence_parallel_flag(parser)
     parser.set_defaults(handler=_evaluate)
+
+
+def _load_imbalance_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--moe-load-imbalance", type=load_imbalance, metavar="X",
+                        help="MoE models: tokens the busiest expert-parallel rank gets over the even share under "
+                             "dropless routing, a number >= 1.0 (default 1.25; 1.0: force-balanced routing)")
+
+
+def load_imbalance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1.0 (1.0: balanced routing), got {text!r}") from None
+    try:
+        return check_load_imbalance(value)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _sequence_parallel_flag(parser: argparse.ArgumentParser) -> None:
@@ -249,7 +269,8 @@ def _plan(args) -> int:
     plan = planning.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
                     constraints={key: value for key, value in constraints.items() if value is not None},
                     precision=args.precision, verbose=args.verbose,
-                    options=SearchOptions(jobs=args.jobs, optimizer=args.optimizer))
+                    options=SearchOptions(jobs=args.jobs, optimizer=args.optimizer),
+                    moe_load_imbalance=args.moe_load_imbalance)
     return _emit(plan, args)
 
 
@@ -261,7 +282,7 @@ def _evaluate(args) -> int:
                         layers_per_virtual_stage=args.layers_per_virtual_stage, recompute=args.recompute,
                         zero_stage=args.zero, precision=args.precision, verbose=args.verbose, ep=args.ep,
                         cp=args.cp, offload=args.offload, sequence_parallel=args.sequence_parallel == "on",
-                        options=SearchOptions(optimizer=args.optimizer))
+                        options=SearchOptions(optimizer=args.optimizer), moe_load_imbalance=args.moe_load_imbalance)
     return _emit(plan, args)
 
 

@@ -11,7 +11,9 @@ bandwidth x efficiency. With B the message size, the bytes each device moves are
     all_reduce      2(n-1)/n B          (B: the tensor; a tree all-reduce moves 2 B)
     all_gather      (n-1)/n B           (B: the gathered tensor)
     reduce_scatter  (n-1)/n B           (B: the input tensor)
-    all_to_all      (n-1)/n B           (B: the per-device buffer)
+    all_to_all      (n-1)/n B           (B: the per-device buffer; across nodes the (n-g)/n
+                                         sent to other nodes goes through the device's own
+                                         network link: all_to_all_bus_bandwidth)
     broadcast       B
     send_recv       B                   (over the link between the two devices)
 
@@ -126,6 +128,8 @@ class CommModel:
         intra, inter = self.link(op, "intra_node"), self.link(op, "inter_node")
         if group.num_nodes <= 1:
             return intra.bandwidth_bytes_per_s
+        if op == "all_to_all":
+            return all_to_all_bus_bandwidth(group, intra.bandwidth_bytes_per_s, inter.bandwidth_bytes_per_s)
         if group.devices_per_node <= 1:
             return inter.bandwidth_bytes_per_s
         return min(intra.bandwidth_bytes_per_s, group.devices_per_node * inter.bandwidth_bytes_per_s)
@@ -207,6 +211,17 @@ def _protocol_ways(op: str, group: Group, bus_bytes_per_s: float, spec: Collecti
             ways.append(Way(name=f"tree/{protocol.name}", latency_s=tree_latency, volume_per_byte=2.0,
                             bus_bandwidth_bytes_per_s=bandwidth * spec.tree_bandwidth_fraction))
     return tuple(ways)
+
+
+def all_to_all_bus_bandwidth(group: Group, intra_bytes_per_s: float, inter_bytes_per_s: float) -> float:
+    """An all-to-all is not a ring: each device sends 1/n of its buffer straight to every peer,
+    the (g-1)/n for the peers of its node over the node's links and the (n-g)/n for the other
+    nodes through its own network link (a device's share of the node's NICs), both at once. Its
+    bus bandwidth (volume (n-1)/n over the time) is therefore bounded by the network share, not
+    by g x the per-device network bandwidth a ring across nodes enjoys."""
+    n, g = group.num_devices, group.devices_per_node
+    seconds_per_byte = max((g - 1) / n / intra_bytes_per_s, (n - g) / n / inter_bytes_per_s)
+    return (n - 1) / n / seconds_per_byte
 
 
 def ring_steps(op: str, num_devices: int, num_nodes: int) -> tuple[int, int]:

@@ -12,6 +12,11 @@ kernels heavy in arithmetic (GELU, softmax, norms) meet their kind's measured el
 a GPU that ceiling is far above bandwidth, on a CPU it is what bounds them. Fused attention
 kernels (flash / efficient / cuDNN sdpa, forward and backward) meet the profile's measured
 attention rate for their phase and mask, interpolated the same way; without one, a matmul's.
+
+A grouped matmul (MoE experts: S rows sorted by expert x weight[E, K, N]) is E matmuls of about
+S/E rows each, and each runs at the rate of its own size: `groups` (the experts on the device)
+prices the kernel as that many matmuls of flops / groups, not as one [S, K] x [K, N] matmul; a
+profile's grouped-matmul sweep (rate by FLOPs per expert) prices it where measured.
 """
 
 from __future__ import annotations
@@ -108,6 +113,7 @@ class ComputeModel:
         self._tables = _matmul_tables(profile) if profile is not None else {}
         self.element_rates = {point.kind: point.elements_per_s for point in profile.elementwise} if profile else {}
         self._attention = _attention_tables(profile) if profile is not None else {}
+        self._grouped = _grouped_tables(profile) if profile is not None else {}
 
     def matmul_rate(self, flops: float, dtype: str) -> float:
         """Achieved FLOP/s of a matmul of `flops` FLOPs."""
@@ -118,8 +124,20 @@ class ComputeModel:
         efficiency = self.device.matmul_efficiency * flops / (flops + self.device.matmul_half_efficiency_flops)
         return self.device.peak_flops(key) * max(efficiency, 1e-6)
 
+    def grouped_matmul_s(self, flops: float, flops_per_group: float, dtype: str) -> float:
+        """Tensor-core time of a grouped matmul of `flops` made of matmuls of `flops_per_group`
+        each (one expert's rows x its weight): each runs at the rate of its own size, so many
+        small experts run far below a single matmul of the same total."""
+        if flops <= 0:
+            return 0.0
+        per_group = min(flops_per_group, flops)
+        table = self._grouped.get(_DTYPE_KEYS.get(dtype, "fp32"))
+        rate = _interpolate(table, per_group) if table is not None else self.matmul_rate(per_group, dtype)
+        return flops / rate
+
     def kernel(self, flops: float, io_bytes: float, is_matmul: bool, dtype: str = "bfloat16",
-               name: str = "", causal: bool = False, broadcast: bool = False) -> ComputeTime:
+               name: str = "", causal: bool = False, broadcast: bool = False, groups: int = 1) -> ComputeTime:
+        """`groups` > 1: a grouped matmul (is_grouped_matmul(name)) of that many equal matmuls."""
         memory_s = io_bytes / self.bandwidth_bytes_per_s
         attention = self._attention.get((attention_phase(name), causal)) if self._attention else None
         if attention is not None and flops > 0:
@@ -129,19 +147,29 @@ class ComputeModel:
             if rate:  # flops of an element-wise kernel count its output elements
                 memory_s = max(memory_s, flops / rate)
             return ComputeTime(memory_s=memory_s, overhead_s=self.overhead_s)
-        matmul_s = flops / self.matmul_rate(flops, dtype)
+        matmul_s = self.grouped_matmul_s(flops, flops / groups, dtype) if groups > 1 else \
+            flops / self.matmul_rate(flops, dtype)
         if matmul_s >= memory_s:
             return ComputeTime(matmul_s=matmul_s, overhead_s=self.overhead_s)
         return ComputeTime(memory_s=memory_s, overhead_s=self.overhead_s)
 
-    def kernels(self, kernels: Iterable[KernelLike], *, flops_scale: float = 1.0, bytes_scale: float = 1.0) -> ComputeTime:
-        """Total time of kernels whose FLOPs and bytes are scaled (e.g. by 1/shards)."""
+    def kernels(self, kernels: Iterable[KernelLike], *, flops_scale: float = 1.0, bytes_scale: float = 1.0,
+                groups: int = 1) -> ComputeTime:
+        """Total time of kernels whose FLOPs and bytes are scaled (e.g. by 1/shards); the grouped
+        matmuls among them (is_grouped_matmul) run `groups` matmuls each (the experts on this device)."""
         total = ComputeTime()
         for kernel in kernels:
             total = total + self.kernel(kernel.flops * flops_scale, kernel.io_bytes * bytes_scale,
                                         kernel.is_matmul, kernel.dtype, kernel.name, getattr(kernel, "causal", False),
-                                        getattr(kernel, "broadcast", False))
+                                        getattr(kernel, "broadcast", False),
+                                        groups if is_grouped_matmul(kernel.name) else 1)
         return total
+
+
+def is_grouped_matmul(name: str) -> bool:
+    """A grouped expert matmul's kernel: torch's `_grouped_mm` (forward and both backward
+    matmuls) or transformers' `grouped_mm_fallback` and its backward."""
+    return "grouped_mm" in name
 
 
 _ATTENTION_KERNELS = {f"aten._scaled_dot_product_{kind}_attention{suffix}.default": phase
@@ -158,6 +186,16 @@ def _attention_tables(profile: HardwareProfile) -> dict[tuple[str, bool], tuple[
     tables: dict[tuple[str, bool], list[tuple[float, float]]] = {}
     for point in profile.attention:
         tables.setdefault((point.phase, point.causal), []).append((math.log(point.flops), point.achieved_flops_per_s))
+    return {key: (list(x for x, _ in sorted(points)), list(y for _, y in sorted(points)))
+            for key, points in tables.items()}
+
+
+def _grouped_tables(profile: HardwareProfile) -> dict[str, tuple[list[float], list[float]]]:
+    """Measured grouped-matmul rates by log(FLOPs per expert), per dtype key."""
+    tables: dict[str, list[tuple[float, float]]] = {}
+    for point in profile.grouped_matmul:
+        tables.setdefault(_DTYPE_KEYS.get(point.dtype, point.dtype), []).append(
+            (math.log(point.flops_per_expert), point.achieved_flops_per_s))
     return {key: (list(x for x, _ in sorted(points)), list(y for _, y in sorted(points)))
             for key, points in tables.items()}
 

@@ -70,6 +70,18 @@ ATTENTION_PHASES = ("forward", "backward")
 
 
 @dataclass(frozen=True, kw_only=True)
+class GroupedMatmulPoint:
+    """A grouped matmul (torch._grouped_mm: `experts` matmuls of equal rows) at one size."""
+
+    dtype: str
+    experts: int
+    flops_per_expert: float
+    """FLOPs of one expert's matmul (2 m k n): what its rate is looked up by."""
+    achieved_flops_per_s: float
+    """All experts' FLOPs over the measured time."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class CollectivePoint:
     """One measured collective."""
 
@@ -112,6 +124,9 @@ class HardwareProfile:
     attention: tuple[AttentionPoint, ...] = ()
     """Fused attention throughput by phase, mask and size (GPUs; absent in older profiles and on
     CPUs: attention is then priced as a matmul of its FLOPs)."""
+    grouped_matmul: tuple[GroupedMatmulPoint, ...] = ()
+    """Grouped (MoE expert) matmul throughput by rows per expert (absent in older profiles, and for
+    dtypes the device's _grouped_mm does not run: the matmul sweep then prices them)."""
     created: str = ""
     """ISO timestamp."""
     host: str = ""
@@ -189,6 +204,8 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfil
                         for index, item in enumerate(reader.list("elementwise", required=False)))
     attention = tuple(_attention_point(item, source, index)
                       for index, item in enumerate(reader.list("attention", required=False)))
+    grouped = tuple(_grouped_point(item, source, index)
+                    for index, item in enumerate(reader.list("grouped_matmul", required=False)))
     device_kind = reader.text("device_kind")
     if device_kind not in ("cpu", "cuda"):
         raise CostModelInputError(f"profile '{source}': field 'device_kind' must be 'cpu' or 'cuda', "
@@ -205,6 +222,7 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfil
         collectives=collectives,
         elementwise=elementwise,
         attention=attention,
+        grouped_matmul=grouped,
         created=str(data.get("created", ""))[:MAX_TEXT_CHARS],
         host=str(data.get("host", ""))[:MAX_TEXT_CHARS],
         calibrations=tuple(calibration_from_dict(item, source=source)
@@ -315,3 +333,10 @@ def _attention_point(item: Any, source: str, index: int) -> AttentionPoint:
     reader = _item_reader(item, source, "attention", index)
     return AttentionPoint(phase=reader.choice("phase", ATTENTION_PHASES), causal=reader.flag("causal"),
                           flops=reader.positive("flops"), achieved_flops_per_s=reader.positive("achieved_flops_per_s"))
+
+
+def _grouped_point(item: Any, source: str, index: int) -> GroupedMatmulPoint:
+    reader = _item_reader(item, source, "grouped_matmul", index)
+    return GroupedMatmulPoint(dtype=reader.text("dtype"), experts=reader.count("experts"),
+                              flops_per_expert=reader.positive("flops_per_expert"),
+                              achieved_flops_per_s=reader.positive("achieved_flops_per_s"))

@@ -12,6 +12,8 @@ What is measured, and how it feeds the cost model (compute.py, comm.py):
 - element-wise rates: output elements per second of GELU and of softmax over rows, a second
   ceiling for arithmetic-heavy element-wise kernels (what bounds them on a CPU).
 - matmul: square (m = n = k) matmuls over a size sweep per dtype; achieved FLOP/s per size.
+- grouped matmul: torch._grouped_mm of 8 experts over rows per expert (profile_grouped.py);
+  achieved FLOP/s by FLOPs per expert, what prices MoE expert matmuls.
   ComputeModel prices a kernel as overhead + flops / rate, so on a CPU (where the two add up)
   the overhead is taken off the measured time first; on a GPU back-to-back launches hide behind
   the previous kernel, so the per-call time is kept. "fp32" on a GPU is whatever torch runs for
@@ -52,8 +54,9 @@ import torch
 
 from cost_model.errors import CostModelInputError
 from cost_model.profile import (SCHEMA_VERSION, AttentionPoint, CollectivePoint, ElementwisePoint,
-                                HardwareProfile, MatmulPoint)
+                                GroupedMatmulPoint, HardwareProfile, MatmulPoint)
 from cost_model.profile_attention import measure_attention
+from cost_model.profile_grouped import measure_grouped_matmuls
 from cost_model.profile_options import TORCH_DTYPES, ProfileOptions
 from cost_model.profile_collectives import (Launch, measure_collectives, plan_collectives, ranks_by_node,
                                             spawn_collectives, torchrun_launch)
@@ -169,6 +172,7 @@ def _assemble(options: ProfileOptions, num_processes: int, compute: "_ComputeFig
         collectives=tuple(collectives),
         elementwise=compute.elementwise,
         attention=compute.attention,
+        grouped_matmul=compute.grouped_matmul,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         host=socket.gethostname(),
     )
@@ -184,6 +188,7 @@ class _ComputeFigures:
     matmul: tuple[MatmulPoint, ...]
     elementwise: tuple[ElementwisePoint, ...] = ()
     attention: tuple[AttentionPoint, ...] = ()
+    grouped_matmul: tuple[GroupedMatmulPoint, ...] = ()
 
 
 def _measure_compute(options: ProfileOptions, num_processes: int, report: Progress,
@@ -204,12 +209,16 @@ def _measure_compute(options: ProfileOptions, num_processes: int, report: Progre
         dtypes = _without_slow_bf16(timer, device, options.matmul_dtypes) if probe_bf16 else options.matmul_dtypes
         matmul = _measure_matmuls(timer, device, replace(options, matmul_dtypes=dtypes), overhead_s,
                                   report.span(0.15, 0.9), deadline_s)
-        report("attention sweep", 0.9)
+        report("grouped matmul sweep", 0.9)
+        grouped = measure_grouped_matmuls(timer, device, replace(options, matmul_dtypes=dtypes),
+                                          lambda call_s: _compute_time_s(options.device, call_s, overhead_s),
+                                          deadline_s)
+        report("attention sweep", 0.95)
         attention = measure_attention(timer, device, options, deadline_s)
     finally:
         torch.set_num_threads(previous_threads)
     return _ComputeFigures(overhead_s=overhead_s, bandwidth_bytes_per_s=bandwidth, matmul=matmul,
-                           elementwise=elementwise, attention=attention)
+                           elementwise=elementwise, attention=attention, grouped_matmul=grouped)
 
 
 def _measure_overhead(timer: Timer, device: torch.device, options: ProfileOptions, deadline_s: float) -> float:

@@ -146,14 +146,16 @@ def _is_grouped_mm(func) -> bool:
 
 
 def _grouped_mm_flops(args) -> float:
-    """Every row meets one expert: 2 S K N for out[S, N] = in[S, K] @ w[e, K, N]; the backward
-    op (input, weight, offsets, grad_output) does two of those."""
+    """Every row meets one expert: 2 S K N for out[S, N] = in[S, K] @ w[e, K, N], and for the
+    weight gradient out[e, K, N] = in[K, S] @ grad[S, N] (both operands 2-D, each expert's rows a
+    slice of S: the backward of aten._grouped_mm); transformers' backward op (input, weight,
+    offsets, grad_output) does two of those."""
     tensors = [t for t in args if isinstance(t, torch.Tensor)]
-    if len(tensors) < 2 or tensors[0].dim() != 2 or tensors[1].dim() != 3:
+    if len(tensors) < 2 or tensors[0].dim() != 2 or tensors[1].dim() not in (2, 3):
         return 0.0
     rows, inner = tensors[0].shape
     flops = 2.0 * rows * inner * tensors[1].shape[-1]
-    return 2 * flops if len(tensors) >= 4 else flops
+    return 2 * flops if len(tensors) >= 4 and tensors[1].dim() == 3 else flops
 
 
 def _compute_dtype(args, out) -> str:

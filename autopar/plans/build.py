@@ -14,8 +14,10 @@ from autopar.strategies.loss import VOCAB
 
 def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate, sharding: ShardingResult,
               memory_budget_bytes: float, search: SearchResult | None = None, notes: tuple[str, ...] = (),
-              precision: str = "bf16", segments=None, strategies: dict | None = None) -> Plan:
-    """`strategies` covers every node of `graph` (defaults to the sharding result's own)."""
+              precision: str = "bf16", segments=None, strategies: dict | None = None,
+              moe_load_imbalance: float | None = None) -> Plan:
+    """`strategies` covers every node of `graph` (defaults to the sharding result's own);
+    `moe_load_imbalance` is what its expert ops were priced with (None: the model has none)."""
     strategies = strategies or sharding.strategies
     segments = segments or sharding.segments
     config = estimate.config
@@ -60,6 +62,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         notes=tuple(graph.notes) + tuple(estimate.notes) + tuple(notes),
         ep=config.ep,
         ep_params=expert_param_names(graph, find_expert_ops(graph)) if config.ep > 1 else (),
+        moe_load_imbalance=moe_load_imbalance,
     )
 
 

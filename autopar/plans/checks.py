@@ -112,6 +112,9 @@ def check_plan_data(data: dict, source: str) -> None:
         fields.fail(f"ep={ep} does not divide mesh dp={mesh['dp']}: experts are split over groups of ep "
                     "data-parallel ranks")
     fields.texts(fields.get(data, "ep_params", "ep_params", []), "ep_params")
+    imbalance = data.get("moe_load_imbalance")
+    if imbalance is not None and fields.number(imbalance, "moe_load_imbalance") < 1.0:
+        fields.fail(f"moe_load_imbalance must be >= 1.0 (1.0: balanced routing), got {imbalance}")
     stages = fields.list(fields.get(data, "stages", "stages"), "stages")
     if len(stages) != mesh["pp"]:
         fields.fail(f"stages lists {len(stages)} pipeline stages, but mesh pp is {mesh['pp']}")

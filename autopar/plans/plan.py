@@ -141,6 +141,10 @@ class Plan:
     (`ep_params`) by expert, exchanging tokens by all-to-all (1: no expert parallelism)."""
     ep_params: tuple[str, ...] = ()
     """The expert weights split over the ep group (dim 0, after their tensor-parallel placement)."""
+    moe_load_imbalance: float | None = None
+    """Tokens the busiest expert-parallel rank of a dropless MoE layer was priced to receive and
+    compute, over the even share (1.0: balanced routing; 1.25 by default); None: the model has no
+    expert ops (or the plan predates this field)."""
     calibration: str = ""
     """What the step time was priced from (CALIBRATIONS): "calibrated" (a profile with a whole-step
     calibration for the cluster's processes per node: predicted.expected_error is its error bar),

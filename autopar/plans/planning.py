@@ -36,6 +36,7 @@ from autopar.plans.build import make_plan
 from autopar.plans.plan import Plan
 from autopar.solver.constraints import (Constraints, check_constraint_values, check_degrees, check_fixed_config,
                                         check_pipeline_depth)
+from autopar.solver.experts import ExpertPricing, check_load_imbalance
 from autopar.solver.overheads import overheads_for
 from autopar.solver.parallel_search import check_jobs_env
 from autopar.solver.search import Planner, SearchOptions
@@ -226,17 +227,20 @@ def _progress(verbose: bool):
 
 def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=None, example_targets=None,
                 precision: str = "bf16", options: SearchOptions | None = None, verbose: bool = False,
-                calibrated: bool = True, example_kwargs=None) -> Planner:
+                calibrated: bool = True, example_kwargs=None, moe_load_imbalance: float | None = None) -> Planner:
     """Capture once and return a Planner that can search and price many configurations.
 
     With `calibrated` (the default) the profile's whole-step calibration, if it has one, adds
-    its terms to every prediction (autopar/solver/overheads.py)."""
+    its terms to every prediction (autopar/solver/overheads.py). `moe_load_imbalance` (None: the
+    options' own, 1.25 by default) is what the busiest expert-parallel rank gets over the even
+    share of a dropless MoE layer's tokens (1.0: balanced routing)."""
     policy = _policy(precision)
     global_batch = check_global_batch(global_batch)
     if options is not None and not isinstance(options, SearchOptions):
         raise ConfigError(f"options must be a SearchOptions or None, got {type_name(options)} {shorten(options)}")
     if not isinstance(verbose, bool):
         raise ConfigError(f"verbose must be a bool, got {type_name(verbose)} {shorten(verbose)}")
+    options = _with_load_imbalance(options or SearchOptions(), moe_load_imbalance)
     check_model_arguments(model, example_inputs, loss_fn, example_targets)
     cluster = Cluster.from_spec(cluster)
     overheads = overheads_for(cluster, torch_version=torch.__version__, host=socket.gethostname()) if calibrated \
@@ -244,19 +248,28 @@ def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=No
     graph = capture_for_planning(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                                  example_kwargs=example_kwargs, precision=precision, verbose=verbose)
     return Planner(graph, cluster, global_batch=global_batch, policy=policy, precision=precision,
-                   options=options or SearchOptions(), progress=_progress(verbose), overheads=overheads)
+                   options=options, progress=_progress(verbose), overheads=overheads)
+
+
+def _with_load_imbalance(options: SearchOptions, moe_load_imbalance: float | None) -> SearchOptions:
+    if moe_load_imbalance is None:
+        return options
+    return replace(options, experts=ExpertPricing(load_imbalance=check_load_imbalance(moe_load_imbalance)))
 
 
 def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constraints=None, loss_fn=None,
          example_targets=None, precision: str = "bf16", options: SearchOptions | None = None,
-         verbose: bool = False, example_kwargs=None) -> Plan:
+         verbose: bool = False, example_kwargs=None, moe_load_imbalance: float | None = None) -> Plan:
     """Search the best parallelization; `constraints` may fix dp, tp, pp, cp, microbatch_size,
     schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage, ep, offload and
     sequence_parallel (False: tensor parallelism without sequence parallelism).
-    `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones."""
+    `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones.
+    `moe_load_imbalance` (>= 1.0; default 1.25) prices dropless MoE routing: what the busiest
+    expert-parallel rank receives and computes over the even share (1.0: balanced routing)."""
     return candidate_plans(model, example_inputs, cluster, global_batch=global_batch, num_candidates=1,
                            constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
-                           precision=precision, options=options, verbose=verbose, example_kwargs=example_kwargs)[0]
+                           precision=precision, options=options, verbose=verbose, example_kwargs=example_kwargs,
+                           moe_load_imbalance=moe_load_imbalance)[0]
 
 
 def _check_constraints(cluster: Cluster, global_batch: int, constraints: Constraints) -> None:
@@ -270,8 +283,11 @@ def plan_with(planner: Planner, constraints: Constraints = Constraints()) -> Pla
 
 def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: int, num_candidates: int,
                     constraints=None, loss_fn=None, example_targets=None, precision: str = "bf16",
-                    options: SearchOptions | None = None, verbose: bool = False, example_kwargs=None) -> list[Plan]:
+                    options: SearchOptions | None = None, verbose: bool = False, example_kwargs=None,
+                    moe_load_imbalance: float | None = None) -> list[Plan]:
     """The `num_candidates` fastest predicted plans, fastest first (what trials measure)."""
+    if moe_load_imbalance is not None:
+        check_load_imbalance(moe_load_imbalance)
     constraints = Constraints.from_value(check_constraint_values(constraints))
     check_model_arguments(model, example_inputs, loss_fn, example_targets)
     check_jobs_env()
@@ -279,7 +295,7 @@ def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: 
     _check_constraints(cluster, check_global_batch(global_batch), constraints)
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
                           example_targets=example_targets, precision=precision, options=options, verbose=verbose,
-                          example_kwargs=example_kwargs)
+                          example_kwargs=example_kwargs, moe_load_imbalance=moe_load_imbalance)
     return candidates_with(planner, constraints, num_candidates=num_candidates)
 
 
@@ -302,6 +318,7 @@ def _candidates(planner: Planner, constraints: Constraints, num_candidates: int)
                          sharding=planner.sharding(config.tp, config.microbatch_size, config.sequence_parallel),
                          memory_budget_bytes=planner.step_model.memory_budget_bytes,
                          search=result if estimate is result.best else None, precision=planner.precision,
+                         moe_load_imbalance=planner.moe_load_imbalance,
                          segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
                                                         config.sequence_parallel),
                          strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel))
@@ -348,12 +365,14 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
              recompute: str = "none", zero_stage: int = 0, loss_fn=None, example_targets=None,
              precision: str = "bf16", verbose: bool = False, example_kwargs=None, ep: int = 1,
              cp: int = 1, offload: bool = False, sequence_parallel: bool = True,
-             options: SearchOptions | None = None) -> Plan:
+             options: SearchOptions | None = None, moe_load_imbalance: float | None = None) -> Plan:
     """Price one fully fixed configuration (no search); `ep` splits the experts of an MoE over
     groups of ep data-parallel ranks, `cp` splits each sequence over cp ranks, `offload` is optimizer
     offload (ZeRO-3, pp = 1), `sequence_parallel=False` is tensor parallelism without sequence
-    parallelism (Megatron-LM without --sequence-parallel). `options` as for `plan` (its
-    `optimizer` says how AdamW runs)."""
+    parallelism (Megatron-LM without --sequence-parallel). `options` and `moe_load_imbalance` as
+    for `plan` (`optimizer` says how AdamW runs)."""
+    if moe_load_imbalance is not None:
+        check_load_imbalance(moe_load_imbalance)
     check_fixed_config(tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                        virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
                        recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,
@@ -364,7 +383,7 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
                   microbatch_size=microbatch_size, schedule=schedule, cp=cp if cp > 1 else None)
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
                           example_targets=example_targets, precision=precision, verbose=verbose,
-                          example_kwargs=example_kwargs, options=options)
+                          example_kwargs=example_kwargs, options=options, moe_load_imbalance=moe_load_imbalance)
     config = fixed_config(planner, tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                           virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
                           recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,
@@ -405,7 +424,7 @@ def evaluate_with(planner: Planner, config: ParallelConfig) -> Plan:
         f"{planner.step_model.memory_budget_bytes / 2**30:.1f} GiB usable",)
     plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
                      sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes,
-                     precision=planner.precision,
+                     precision=planner.precision, moe_load_imbalance=planner.moe_load_imbalance,
                      segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
                                                     config.sequence_parallel),
                      strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel))

@@ -142,10 +142,14 @@ def _chunk_text(segments) -> str:
 
 
 def _experts(plan) -> str:
+    imbalance = "" if plan.moe_load_imbalance is None else (
+        f"\n  moe routing   priced with load imbalance {plan.moe_load_imbalance:g} (the busiest expert rank's "
+        "tokens over the even share, 1 = balanced; --moe-load-imbalance sets it)")
     if plan.ep <= 1:
-        return ""
+        return imbalance
     return (f"\n  experts       split over ep={plan.ep} of the dp ranks ({len(plan.ep_params)} expert weights, "
-            f"tokens exchanged by all-to-all; their gradients reduced over dp/ep={plan.mesh['dp'] // plan.ep})")
+            f"tokens exchanged by all-to-all; their gradients reduced over dp/ep={plan.mesh['dp'] // plan.ep})"
+            + imbalance)
 
 
 def _tensor_parallel(plan, max_params: int) -> list[str]:

@@ -123,6 +123,9 @@ def explain_text(plan: Plan, *, max_alternatives: int = 3) -> str:
     explanation = explain(plan, max_alternatives=max_alternatives)
     lines = [f"autopar explain: {plan.model} on {plan.cluster}, global batch {plan.global_batch}",
              f"  chosen  {explanation.chosen_config}"]
+    if plan.moe_load_imbalance is not None:
+        lines.append(f"          MoE experts priced with load imbalance {plan.moe_load_imbalance:g} (ep.load_imbalance; "
+                     "ep.dispatch, ep.combine, ep.counts are the all-to-alls)")
     if not explanation.alternatives:
         lines.append("  no runners-up recorded (a configuration priced with `autopar evaluate`, or the search "
                      "found only this one)")

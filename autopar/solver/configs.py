@@ -111,7 +111,8 @@ class StageEstimate:
     expert_param_numel: float = 0.0
     """Of param_numel, the expert weights this device holds (1/ep of them)."""
     ep_s: dict[str, float] = field(default_factory=dict)
-    """Expert parallelism per microbatch (in time_per_microbatch_s): "all_to_all", "load_imbalance"."""
+    """Expert parallelism per microbatch (in time_per_microbatch_s): all-to-alls by part ("dispatch",
+    "combine", "counts") and "load_imbalance"."""
     ep_segment_s: tuple[tuple[str, float, float], ...] = ()
     """Per segment with expert ops: (name, forward, backward) seconds of expert parallelism."""
 

@@ -114,8 +114,11 @@ def split_compute(graph: OpGraph, strategies: dict, ctx: CostContext, cp: int) -
         local_bytes += sum(meta.nbytes / shard_factor(strategy.output, ctx.mesh.shape) / cp for meta in node.outputs)
         divisor = strategy.work_divisor(ctx.mesh.shape) * cp
         bytes_scale = local_bytes / full_bytes if full_bytes else 1.0 / divisor
-        forward = ctx.compute.kernels(node.fwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale)
-        backward = ctx.compute.kernels(node.bwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale)
+        groups = ctx.local_experts(node, strategy, inputs)  # a grouped expert matmul's experts
+        forward = ctx.compute.kernels(node.fwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale,
+                                      groups=groups)
+        backward = ctx.compute.kernels(node.bwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale,
+                                       groups=groups)
         parts = totals.setdefault(segment, [ComputeTime(), ComputeTime(), ComputeTime()])
         parts[0], parts[1] = parts[0] + forward, parts[1] + backward
         if is_recomputable(graph, node):

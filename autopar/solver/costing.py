@@ -1,7 +1,8 @@
 """Prices of one op under one sharding strategy, and of resharding a tensor between placements.
 
 Compute: the op's forward and backward kernels (counted on meta at capture) with FLOPs divided
-by the devices the work is split over and bytes scaled by the sharded input + output size.
+by the devices the work is split over and bytes scaled by the sharded input + output size; a
+grouped expert matmul is priced as its device's experts' matmuls, each of its own size.
 Resharding: DTensor redistributes one mesh axis at a time; each axis' collective moves the
 tensor's bytes divided by the shards of the other axes that stay sharded.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from autopar.graph import OpNode, TensorMeta
 from autopar.mesh import Mesh
 from autopar.strategies import Strategy
+from autopar.strategies.grouped_mm import GROUPED_MM_TARGETS
 from autopar.strategies.placement import PARTIAL, is_shard, shard_factor, transition
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel, ComputeTime
@@ -61,10 +63,21 @@ class CostContext:
                           for meta, placements in zip(inputs, strategy.inputs))
         local_bytes += sum(meta.nbytes / shard_factor(strategy.output, self.mesh.shape) for meta in node.outputs)
         bytes_scale = local_bytes / full_bytes if full_bytes else 1.0 / divisor
-        forward = self.compute.kernels(node.fwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale)
-        backward = self.compute.kernels(node.bwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale)
+        groups = self.local_experts(node, strategy, inputs)
+        forward = self.compute.kernels(node.fwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale,
+                                       groups=groups)
+        backward = self.compute.kernels(node.bwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale,
+                                        groups=groups)
         self._compute_cache[key] = (forward, backward)
         return forward, backward
+
+    def local_experts(self, node: OpNode, strategy: Strategy, inputs: Sequence[TensorMeta]) -> int:
+        """Experts a grouped matmul (tokens[S, K], weight[E, K, N], offs) runs on one device: E over
+        the mesh axes that shard the weight by expert (1 for any other op)."""
+        if node.target not in GROUPED_MM_TARGETS or len(inputs) < 2 or len(inputs[1].shape) != 3:
+            return 1
+        shards = math.prod(size for size, placement in zip(self.mesh.shape, strategy.inputs[1]) if placement == "S0")
+        return max(inputs[1].shape[0] // shards, 1)
 
     def redistribute(self, meta: TensorMeta, source: Sequence[str], target: Sequence[str], phase: str) -> tuple[CommEvent, ...]:
         """Collectives that turn a tensor with per-axis placements `source` into `target`."""

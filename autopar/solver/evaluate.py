@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 from autopar.graph import OpGraph
 from autopar.solver.costing import CommEvent
-from autopar.solver.experts import ExpertExchange, find_expert_ops
+from autopar.solver.experts import ExpertExchange, GroupedMatmul, find_expert_ops
 from autopar.solver.quotient import Quotient
 from autopar.solver.recompute import op_saved_nodes, reads_trainable_param
 from autopar.solver.sharding_problem import Assignment, ProblemBuilder
 from autopar.strategies.placement import PARTIAL, boundary_wire, grad_placement, shard_factor, transition
-from cost_model.compute import ComputeTime
+from cost_model.compute import ComputeTime, is_grouped_matmul
 
 
 @dataclass
@@ -187,13 +187,23 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
 
 def _exchange(graph: OpGraph, builder: ProblemBuilder, node, strategy, op) -> ExpertExchange:
     tokens = graph[node.inputs[op.token_input]]
-    forward, backward = builder.ctx.node_compute(node, strategy, builder.inputs_of(node))
+    inputs = builder.inputs_of(node)
+    forward, backward = builder.ctx.node_compute(node, strategy, inputs)
+    experts = builder.ctx.local_experts(node, strategy, inputs)
+    divisor = strategy.work_divisor(builder.mesh_shape)
+    compute = builder.ctx.compute
+    matmuls = tuple(GroupedMatmul(phase=phase, flops=kernel.flops / divisor, experts=experts, dtype=kernel.dtype,
+                                  alone_s=compute.grouped_matmul_s(kernel.flops / divisor,
+                                                                   kernel.flops / divisor / experts, kernel.dtype))
+                    for phase, kernels in (("fwd", node.fwd_kernels), ("bwd", node.bwd_kernels))
+                    for kernel in kernels if kernel.is_matmul and is_grouped_matmul(kernel.name)
+                    ) if op.kind == "grouped_mm" else ()
     return ExpertExchange(
         token_bytes=tokens.output.nbytes / shard_factor(strategy.inputs[op.token_input], builder.mesh_shape),
         output_bytes=node.output.nbytes / shard_factor(strategy.output, builder.mesh_shape),
         token_grad=tokens.requires_grad and tokens.output.is_float, dropless=op.dropless,
         compute_s=forward.total_s + backward.total_s,
-        count_bytes=8.0 * op.num_experts if op.kind == "grouped_mm" else 0.0)
+        count_bytes=8.0 * op.num_experts if op.kind == "grouped_mm" else 0.0, matmuls=matmuls)
 
 
 def is_recomputable(graph: OpGraph, node) -> bool:

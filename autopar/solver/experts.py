@@ -33,19 +33,30 @@ such ops, whose dim 0 is the expert dim):
 
 Load imbalance: under dropless routing the busiest rank receives and computes more than the even
 share; its price is `ExpertPricing.load_imbalance` times the even share, a parameter (Switch
-Transformer and GShard train with a capacity factor of 1.25), not fitted.
+Transformer and GShard train with a capacity factor of 1.25; 1.0 prices force-balanced routing),
+not fitted: `autopar plan --moe-load-imbalance X`.
+
+Grouped-matmul shapes: a grouped matmul of S rows over the E experts of a device runs E matmuls
+of S / E rows (cost_model/compute.py prices each at its own size's rate). Under ep the rank holds
+E / ep experts and receives the group's rows for them: E / ep matmuls of ep x S / E rows each,
+times the load imbalance on the busiest rank (GroupedMatmul.time_s). The change from the price
+without ep is part of the stage's compute.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from autopar.errors import ConfigError
 from autopar.graph import OpGraph, OpNode
 
 EINSUM_TARGETS = ("aten.einsum.default",)
 BMM_TARGETS = ("aten.bmm.default",)
 GROUPED_MM_TARGETS = ("aten._grouped_mm.default", "grouped_mm_fallback.default",
                       "transformers.grouped_mm_fallback.default", "grouped_mm.default", "autopar.grouped_mm.default")
+DEFAULT_LOAD_IMBALANCE = 1.25
+"""Switch Transformer's and GShard's capacity factor: the default busiest-rank share of dropless routing."""
 WEIGHT_VIEWS = ("aten.transpose.int", "aten.t.default")
 """Ops between an expert weight and a grouped mm that keep dim 0 (checked by shape)."""
 
@@ -81,9 +92,22 @@ class ExpertOp:
 class ExpertPricing:
     """Assumptions of the expert-parallel price."""
 
-    load_imbalance: float = 1.25
+    load_imbalance: float = DEFAULT_LOAD_IMBALANCE
     """Tokens the busiest ep rank receives and computes, over the even share, for dropless expert
-    ops (capacity-padded ones have static shapes). Switch/GShard's capacity factor 1.25."""
+    ops (capacity-padded ones have static shapes). Switch/GShard's capacity factor 1.25; 1.0 is
+    force-balanced routing (how NVIDIA's published MoE throughputs are measured)."""
+
+    def __post_init__(self) -> None:
+        check_load_imbalance(self.load_imbalance)
+
+
+def check_load_imbalance(value) -> float:
+    """`value` as a load imbalance (a finite number >= 1.0), else a ConfigError saying so."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1.0:
+        raise ConfigError(f"the MoE load imbalance must be a finite number >= 1.0 (tokens the busiest expert rank "
+                          f"gets over the even share: 1.0 = balanced routing, {DEFAULT_LOAD_IMBALANCE} = the "
+                          f"default), got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,14 +124,39 @@ class ExpertExchange:
     """The op's forward + backward compute on this device."""
     count_bytes: float = 0.0
     """Per-expert token counts exchanged before a dropless op's rows (0: static shapes, none)."""
+    matmuls: tuple[GroupedMatmul, ...] = ()
+    """A grouped op's matmul kernels on this device without expert parallelism (what ep reshapes)."""
 
-    def messages(self) -> tuple[tuple[float, str], ...]:
-        """(bytes each rank sends and receives, phase) of its all-to-alls: the counts (dropless),
-        dispatch and combine forward; the output gradient dispatched and the token gradient
-        combined backward."""
-        counts = ((self.count_bytes, "fwd"),) if self.count_bytes else ()
-        backward = ((self.output_bytes, "bwd"),) + (((self.token_bytes, "bwd"),) if self.token_grad else ())
-        return counts + ((self.token_bytes, "fwd"), (self.output_bytes, "fwd")) + backward
+    def messages(self) -> tuple[tuple[float, str, str], ...]:
+        """(bytes each rank sends and receives, phase, part) of its all-to-alls: the counts
+        (dropless), dispatch and combine forward; the output gradient dispatched and the token
+        gradient combined backward. Parts: "counts", "dispatch", "combine"."""
+        counts = ((self.count_bytes, "fwd", "counts"),) if self.count_bytes else ()
+        backward = ((self.output_bytes, "bwd", "dispatch"),) + (
+            ((self.token_bytes, "bwd", "combine"),) if self.token_grad else ())
+        return counts + ((self.token_bytes, "fwd", "dispatch"), (self.output_bytes, "fwd", "combine")) + backward
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupedMatmul:
+    """One grouped-matmul kernel of an expert op, as priced without expert parallelism."""
+
+    phase: str
+    """"fwd" or "bwd"."""
+    flops: float
+    """On this device (all its experts)."""
+    experts: int
+    """Experts on this device (the kernel's groups)."""
+    dtype: str
+    alone_s: float = 0.0
+    """Its time without expert parallelism (in the segment's compute): the most ep can save."""
+
+    def time_s(self, compute, ep: int = 1, load_imbalance: float = 1.0) -> float:
+        """Its time on the busiest rank of an ep group: experts / ep matmuls of ep x the rows each
+        (the group's tokens for the rank's experts), `load_imbalance` x the even share."""
+        experts = max(self.experts // ep, 1)
+        flops = self.flops * load_imbalance
+        return compute.grouped_matmul_s(flops, flops / experts, self.dtype)
 
 
 def find_expert_ops(graph: OpGraph) -> tuple[ExpertOp, ...]:

@@ -17,8 +17,30 @@ from operator import attrgetter
 import numpy as np
 
 from autopar.solver.evaluate import SegmentCost
+from autopar.solver.experts import GroupedMatmul
 from autopar.solver.pipeline import ChainCosts, StageSpan, partition
 from autopar.solver.recompute import REGATHER_MODES
+
+
+@dataclass(frozen=True)
+class EpTimes:
+    """Expert parallelism's terms per segment, per microbatch, at one (ep, tp, devices per node)."""
+
+    forward_s: np.ndarray
+    """All-to-alls of the forward (a full recompute's replay included)."""
+    backward_s: np.ndarray
+    parts_s: dict[str, np.ndarray]
+    """The same all-to-alls by part: "counts", "dispatch", "combine"."""
+    load_imbalance_s: np.ndarray
+    """Grouped-matmul time the busiest rank adds over the even share (>= 0)."""
+    shape_forward_s: np.ndarray
+    """Change of the forward grouped matmuls' time from running E / ep experts of ep x the rows
+    each instead of E (bigger matmuls run faster: <= 0, within the expert compute itself)."""
+    shape_backward_s: np.ndarray
+
+    @property
+    def total_s(self) -> np.ndarray:
+        return self.forward_s + self.backward_s + self.load_imbalance_s + self.shape_forward_s + self.shape_backward_s
 
 @dataclass
 class PreparedSegments:
@@ -53,11 +75,12 @@ class PreparedSegments:
     """StepModel.chain by what it depends on (dp x cp, dp, ZeRO stage, offload, ep)."""
     expert_numel: np.ndarray | None = None
     """Per segment, the expert weights among param_numel (None: no expert ops)."""
-    ep_messages: tuple[tuple[tuple[float, str, bool], ...], ...] = ()
-    """Per segment, its expert ops' all-to-alls: (bytes, "fwd" | "bwd", dropless); a full
-    recompute repeats the forward ones."""
-    ep_dropless_compute_s: np.ndarray | None = None
-    """Per segment, compute of its dropless expert ops (what load imbalance stretches)."""
+    ep_messages: tuple[tuple[tuple[float, str, bool, str], ...], ...] = ()
+    """Per segment, its expert ops' all-to-alls: (bytes, "fwd" | "bwd", dropless, part: "counts",
+    "dispatch" or "combine"); a full recompute repeats the forward ones."""
+    ep_matmuls: tuple[tuple[GroupedMatmul, ...], ...] = ()
+    """Per segment, its dropless expert ops' grouped-matmul kernels (what ep reshapes and load
+    imbalance stretches); a full recompute repeats the forward ones."""
     gathered_output_bytes: np.ndarray | None = None
     """Per segment, the whole size of the replicated activations among output_bytes (sent as
     slices, all-gathered over tp by the receiving stage)."""
@@ -65,8 +88,8 @@ class PreparedSegments:
     """Per segment, the reductions of weights' Partial gradients (a replicated norm weight read by
     sequence-sharded activations): the runtime makes them once per step, after the last
     microbatch (codegen/data_parallel.reduce_partial_gradients), so they are not in time_s."""
-    ep_times: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
-    """Cache per (ep, tp, devices per node): all-to-all forward, backward, load imbalance seconds."""
+    ep_times: dict[tuple, EpTimes] = field(default_factory=dict)
+    """Cache per (ep, tp, devices per node) of expert parallelism's terms (StepModel.ep_times)."""
     fsdp_cache: dict[tuple, tuple] = field(default_factory=dict)
     """StepModel._fsdp by (a stage's segment costs, dp x cp, pp, tp, ZeRO stage): identical stages, and
     configurations differing only in microbatch count or schedule, share one FSDP2 timeline."""
@@ -121,14 +144,16 @@ class PreparedSegments:
         total_comm = sum(comm.values()) if comm else np.zeros(len(segments))
         experts = any(s.expert_exchanges for s in segments)
         repeat = 2 if recompute == "full" else 1
-        messages = tuple(tuple((size, phase, exchange.dropless) for exchange in s.expert_exchanges
-                               for size, phase in exchange.messages() for _ in range(repeat if phase == "fwd" else 1))
+        messages = tuple(tuple((size, phase, exchange.dropless, part) for exchange in s.expert_exchanges
+                               for size, phase, part in exchange.messages()
+                               for _ in range(repeat if phase == "fwd" else 1))
                          for s in segments)
+        matmuls = tuple(tuple(matmul for exchange in s.expert_exchanges if exchange.dropless
+                              for matmul in exchange.matmuls for _ in range(repeat if matmul.phase == "fwd" else 1))
+                        for s in segments)
         return cls(names=[s.name for s in segments], recompute=recompute, forward_s=forward, backward_s=backward,
                    expert_numel=array(s.expert_param_numel for s in segments) if experts else None,
-                   ep_messages=messages if experts else (),
-                   ep_dropless_compute_s=array(sum(e.compute_s for e in s.expert_exchanges if e.dropless)
-                                               for s in segments) if experts else None,
+                   ep_messages=messages if experts else (), ep_matmuls=matmuls if experts else (),
                    recompute_s=recomputed, comm_by_op_s=comm, forward_comm_s=forward_comm,
                    weight_grad_s=array(weight_grad_s(s) for s in segments),
                    time_s=forward + backward + recomputed + total_comm,
@@ -150,7 +175,8 @@ class PreparedSegments:
             names=names, recompute=self.recompute, max_saved_bytes=self.max_saved_bytes,
             max_recomputed_bytes=self.max_recomputed_bytes,
             comm_by_op_s={op: values[index] for op, values in self.comm_by_op_s.items()},
-            ep_messages=tuple(self.ep_messages[i] for i in index.tolist()) if self.ep_messages else (), **arrays)
+            ep_messages=tuple(self.ep_messages[i] for i in index.tolist()) if self.ep_messages else (),
+            ep_matmuls=tuple(self.ep_matmuls[i] for i in index.tolist()) if self.ep_matmuls else (), **arrays)
 
     def total(self, name: str, own: Sequence[StageSpan]) -> float:
         """Sum of array `name` (an attribute, or "comm:<op>" of comm_by_op_s) over the spans."""
@@ -166,6 +192,12 @@ class PreparedSegments:
     def work_s(self) -> float:
         """time_s over every segment: one microbatch through the whole model on one device."""
         return self.total("time_s", (StageSpan(0, len(self)),))
+
+    @cached_property
+    def ep_saving_bound_s(self) -> float:
+        """The most expert parallelism can take off work_s: its grouped matmuls' time without
+        it (under ep they run fewer, bigger experts, faster; StepModel.ep_times), for lower bounds."""
+        return sum(matmul.alone_s for matmuls in self.ep_matmuls for matmul in matmuls)
 
     def listed(self, name: str) -> list[float]:
         """Array `name` as plain floats (cheaper to index one by one than numpy's)."""
@@ -185,10 +217,11 @@ class PreparedSegments:
             arrays = [self.forward_s, self.backward_s, self.recompute_s, self.forward_comm_s, self.weight_grad_s,
                       self.time_s, self.activation_bytes, self.param_numel, self.buffer_bytes, self.output_bytes,
                       *self.comm_by_op_s.values()]
-            arrays += [a for a in (self.grad_workspace_bytes, self.expert_numel, self.ep_dropless_compute_s,
+            arrays += [a for a in (self.grad_workspace_bytes, self.expert_numel,
                                    self.grad_reduce_s, self.gathered_output_bytes) if a is not None]
             ids: dict[tuple, int] = {}
-            rows = zip(*(np.asarray(a, dtype=float).tolist() for a in arrays), self.ep_messages or [()] * len(self))
+            rows = zip(*(np.asarray(a, dtype=float).tolist() for a in arrays), self.ep_messages or [()] * len(self),
+                       self.ep_matmuls or [()] * len(self))
             self._signatures = [ids.setdefault(row, len(ids)) for row in rows]
         if len(own) == 1:
             return tuple(self._signatures[own[0].start:own[0].stop])

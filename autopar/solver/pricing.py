@@ -178,9 +178,10 @@ def lower_bound_s(prepared: PreparedSegments, config: ParallelConfig) -> float:
     the most balanced cut: t_max >= max(total / p, slowest chunk). 1F1B and GPipe take
     (m - 1) t_max + the sum of the stages (>= total), interleaved (m + (p - 1) / v) t_max, the
     zero-bubble schedules at least m t_max."""
-    total = prepared.work_s
+    saving = prepared.ep_saving_bound_s if config.ep > 1 else 0.0  # ep's bigger expert matmuls
+    total = prepared.work_s - saving
     m, p = config.num_microbatches, config.pp
-    slowest = max(total / p, prepared.slowest_chunk_s(p * config.chunks_per_device)) if p > 1 else total
+    slowest = max(total / p, prepared.slowest_chunk_s(p * config.chunks_per_device) - saving) if p > 1 else total
     if config.schedule == "interleaved" and p > 1:
         return (m + (p - 1) / config.virtual_stages) * slowest
     if config.schedule in ZERO_BUBBLE_SCHEDULES:

@@ -154,6 +154,8 @@ class Planner:
                                step_model=self.step_model, overheads=overheads, sharding_options=options.sharding,
                                cp_kv_exchange=options.cp_kv_exchange, expert_ops=self.expert_ops)
         """Intra-op solves, segment costs and estimates, cached (pricing.py)."""
+        self.moe_load_imbalance = options.experts.load_imbalance if self.expert_ops else None
+        """The load imbalance expert ops were priced with (None: the model has none), recorded in plans."""
         self.checks = ConfigChecks(graph=graph, cluster=cluster, global_batch=global_batch, step_model=self.step_model,
                                    expert_ops=self.expert_ops, ep_options=self.pricing.ep_options,
                                    sequence_length=self.sequence_length, cp_blocker=self.cp_blocker)

@@ -79,7 +79,7 @@ from autopar.mesh import Mesh
 from autopar.solver.configs import (SCHEDULES, ZERO_BUBBLE_SCHEDULES, Estimate, ParallelConfig, StageEstimate,
                                     chunks_per_device)
 from autopar.solver.experts import ExpertPricing
-from autopar.solver.prepared import PreparedSegments, recompute_comm_s, recompute_compute_s, weight_grad_s
+from autopar.solver.prepared import EpTimes, PreparedSegments, recompute_comm_s, recompute_compute_s, weight_grad_s
 from autopar.solver.recompute import RECOMPUTE_MODES
 from autopar.solver.pipeline import ChainCosts, StageSpan, partition, rank_of, stages_of_rank
 from autopar.solver.placement import Placement
@@ -165,8 +165,7 @@ class StepModel(StepFsdp, StepTail):
                                             policy=self.policy).total_bytes / config.ep \
                 + self.weight_copy_bytes(config) / config.ep
             states = states + prepared.expert_numel * (per_expert - self.state_bytes_per_param(config))
-            forward, backward, imbalance = self.ep_times(prepared, config)
-            time_s = time_s + forward + backward + imbalance
+            time_s = time_s + self.ep_times(prepared, config).total_s
         activations = prepared.activation_bytes * (1 + self.allocator.fragmentation_fraction)
         return ChainCosts(time_s=time_s, state_bytes=states, activation_bytes=activations)
 
@@ -176,20 +175,32 @@ class StepModel(StepFsdp, StepTail):
                                                                      config.tp),
                     devices_per_node=self.devices_per_node).group(2)
 
-    def ep_times(self, prepared: PreparedSegments, config: ParallelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per segment: expert parallelism's all-to-alls forward and backward, and the extra compute
-        of the busiest rank under load imbalance (dropless ops)."""
+    def ep_times(self, prepared: PreparedSegments, config: ParallelConfig) -> EpTimes:
+        """Per segment: expert parallelism's all-to-alls (over the ep group where it lies: inside
+        a node or across nodes), the busiest rank's extra grouped-matmul time under load
+        imbalance (dropless ops), and the change of the grouped matmuls' time from their ep shape
+        (E / ep experts of ep x the rows each, solver/experts.py)."""
         key = (config.ep, config.tp, self.devices_per_node)
         if key not in prepared.ep_times:
             group = self.ep_group(config)
             imbalance = self.expert_pricing.load_imbalance
-            times = {"fwd": np.zeros(len(prepared)), "bwd": np.zeros(len(prepared))}
+            zeros = lambda: np.zeros(len(prepared))  # noqa: E731
+            times = {"fwd": zeros(), "bwd": zeros()}
+            parts: dict[str, np.ndarray] = {}
             for index, messages in enumerate(prepared.ep_messages):
-                for size, phase, dropless in messages:
-                    times[phase][index] += self.comm.time_s("all_to_all", size * (imbalance if dropless else 1.0),
-                                                            group)
-            compute = prepared.ep_dropless_compute_s * (imbalance - 1.0)
-            prepared.ep_times[key] = (times["fwd"], times["bwd"], compute)
+                for size, phase, dropless, part in messages:
+                    seconds = self.comm.time_s("all_to_all", size * (imbalance if dropless else 1.0), group)
+                    times[phase][index] += seconds
+                    parts.setdefault(part, zeros())[index] += seconds
+            extra, shape = zeros(), {"fwd": zeros(), "bwd": zeros()}
+            for index, matmuls in enumerate(prepared.ep_matmuls):
+                for matmul in matmuls:
+                    even = matmul.time_s(self.compute, config.ep)
+                    extra[index] += matmul.time_s(self.compute, config.ep, imbalance) - even
+                    shape[matmul.phase][index] += even - matmul.time_s(self.compute)
+            prepared.ep_times[key] = EpTimes(forward_s=times["fwd"], backward_s=times["bwd"], parts_s=parts,
+                                             load_imbalance_s=extra, shape_forward_s=shape["fwd"],
+                                             shape_backward_s=shape["bwd"])
         return prepared.ep_times[key]
 
     def estimate(self, prepared: PreparedSegments, config: ParallelConfig,
@@ -526,11 +537,12 @@ class StepModel(StepFsdp, StepTail):
                   **self._workspace_terms(prepared, config, own)}
         tp_comm = {op: total("comm:" + op, own) for op in prepared.comm_by_op_s}
         timeline, exposed, step_end, offload = self._fsdp(prepared, own, config)
-        ep_s, ep_segments = self._ep_parts(prepared, own, config)
+        ep_s, ep_segments, (ep_forward, ep_backward) = self._ep_parts(prepared, own, config)
         time_per_microbatch = (total("time_s", own) + p2p + sum(exposed.values()) + sum(ep_s.values())
-                               + sum(offload.values()))
-        forward = total("forward_s", own)
-        return dict(time_per_microbatch_s=time_per_microbatch, forward_s=forward, backward_s=total("backward_s", own),
+                               + ep_forward + ep_backward + sum(offload.values()))
+        forward = total("forward_s", own) + ep_forward
+        return dict(time_per_microbatch_s=time_per_microbatch, forward_s=forward,
+                    backward_s=total("backward_s", own) + ep_backward,
                     recompute_s=total("recompute_s", own), tp_comm_s=tp_comm, p2p_s=p2p, param_numel=numel,
                     memory_bytes=memory, recompute=prepared.recompute, fsdp=timeline, fsdp_exposed_s=exposed,
                     fsdp_step_end_s=step_end, expert_param_numel=expert_numel / config.ep, ep_s=ep_s,
@@ -540,17 +552,22 @@ class StepModel(StepFsdp, StepTail):
                     shared_held=tuple(reads for reads, _, _ in self._shared_held(own)))
 
     def _ep_parts(self, prepared: PreparedSegments, own, config: ParallelConfig):
-        """Expert parallelism on a stage: seconds per microbatch by part, and per segment."""
+        """Expert parallelism on a stage: seconds per microbatch by breakdown part ("dispatch",
+        "combine", "counts" all-to-alls, "load_imbalance"), per segment, and the (forward,
+        backward) change of the stage's expert compute from the ep shape of its grouped matmuls."""
         if config.ep <= 1 or prepared.expert_numel is None:
-            return {}, ()
+            return {}, (), (0.0, 0.0)
         indices = [i for span in own for i in range(span.start, span.stop)]
-        forward, backward, imbalance = self.ep_times(prepared, config)
-        parts = {"all_to_all": float(forward[indices].sum() + backward[indices].sum())}
+        times = self.ep_times(prepared, config)
+        parts = {part: float(seconds[indices].sum()) for part, seconds in sorted(times.parts_s.items())}
+        imbalance = times.load_imbalance_s
         if imbalance[indices].any():
             parts["load_imbalance"] = float(imbalance[indices].sum())
+        forward, backward = times.forward_s, times.backward_s
         segments = tuple((prepared.names[i], float(forward[i] + imbalance[i] / 3), float(backward[i] + 2 * imbalance[i] / 3))
                          for i in indices if forward[i] or backward[i] or imbalance[i])
-        return parts, segments
+        shape = (float(times.shape_forward_s[indices].sum()), float(times.shape_backward_s[indices].sum()))
+        return parts, segments, shape
 
     def assemble(self, stages: list[StageEstimate], fits: bool, config: ParallelConfig) -> Estimate:
         m = config.num_microbatches

@@ -131,6 +131,10 @@ PLAN_ARGUMENT_CASES = [
     (["--layers-per-virtual-stage", "3", "--schedule", "interleaved", "--pp", "2"], ["layers"]),
     (["--schedule", "interleaved", "--pp", "1"], ["interleaved", "pp"]),
     (["--schedule", "interleaved", "--pp", "2"], ["interleaved", "chunks", "pp=2"]),
+    (["--moe-load-imbalance", "0.9"], ["--moe-load-imbalance", ">= 1.0", "0.9"]),
+    (["--moe-load-imbalance", "nan"], ["--moe-load-imbalance", "finite"]),
+    (["--moe-load-imbalance", "inf"], ["--moe-load-imbalance", "finite"]),
+    (["--moe-load-imbalance", "lots"], ["--moe-load-imbalance", "number", "'lots'"]),
 ]
 
 
@@ -202,6 +206,7 @@ def test_bad_evaluate_argument(capsys, values, fragments):
     (["--dp", "1", "--tp", "1", "--pp", "2"], ["dp x tp x pp", "4 devices"]),
     (["--layers-per-virtual-stage", "0", "--schedule", "interleaved"], ["--layers-per-virtual-stage", ">= 1"]),
     (["--schedule", "interleaved"], ["interleaved", "pp"]),
+    (["--moe-load-imbalance", "-1"], ["--moe-load-imbalance", ">= 1.0"]),
 ])
 def test_bad_evaluate_option(capsys, extra, fragments):
     cli_error(capsys, evaluate_argv(*extra), *fragments)

@@ -116,3 +116,14 @@ def test_pointwise_kernels_with_a_broadcast_operand_are_marked():
     scalar = probe_op(aten.mul.Tensor, (Ref(index=0), 0.5), {}, [_spec(scores)])
     gelu = probe_op(aten.gelu.default, (Ref(index=0),), {}, [_spec(scores)])
     assert not any(k.broadcast for result in (same, scalar, gelu) for k in result.fwd_kernels + result.bwd_kernels)
+
+
+def test_grouped_mm_backward_counts_the_weight_gradient_as_a_grouped_matmul():
+    """aten._grouped_mm's backward is two grouped matmuls: the token gradient ([S, N] x [e, N, K])
+    and the weight gradient ([K, S] x [S, N] -> [e, K, N], both operands 2-D): each 2 S K N."""
+    offsets = InputSpec(shape=(8,), stride=(1,), dtype=torch.int32, requires_grad=False, is_param=False)
+    result = probe_op(aten._grouped_mm.default, (Ref(index=0), Ref(index=1), Ref(index=2)), {},
+                      [_spec((128, 64)), _spec((8, 64, 256), param=True), offsets])
+    flops = 2.0 * 128 * 64 * 256
+    assert [kernel.flops for kernel in result.fwd_kernels] == [flops]
+    assert [kernel.flops for kernel in result.bwd_kernels if kernel.is_matmul] == [flops, flops]

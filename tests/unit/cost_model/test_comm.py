@@ -210,3 +210,19 @@ def test_protocol_and_library_figures_are_validated():
                                lone_inter_hop_fraction=1, bandwidth_fraction=1, across_nodes=False)
     with pytest.raises(ValueError, match="across nodes"):
         CollectiveSpec(library="lib", protocols=(single_node,), proxy_overhead_s=0)
+
+
+def test_an_all_to_all_across_nodes_is_bound_by_each_devices_own_network_link():
+    """Each device sends (n-g)/n of its buffer to other nodes through its own NIC (50 GB/s on
+    DGX H100), not over a ring with g x that bandwidth; inside a node it runs on NVLink."""
+    cluster = Cluster.from_spec("dgx-h100:nodes=4")
+    model = CommModel(cluster)
+    across = Group(num_nodes=4, devices_per_node=8)
+    per_device_network = cluster.inter_node.bandwidth_bytes_per_s * cluster.inter_node.efficiency
+    busbw = bus_bandwidth(model, "all_to_all", 4e9, across)
+    assert busbw <= per_device_network * (31 / 32) / (24 / 32) * 1.001  # (n-1)/n over (n-g)/n of the network link
+    assert busbw > 0.7 * per_device_network
+    inside = bus_bandwidth(model, "all_to_all", 4e9, NODE)
+    assert inside > 4 * busbw
+    # A ring across the same nodes (all-gather) still enjoys the node's g links.
+    assert bus_bandwidth(model, "all_gather", 4e9, across) > 3 * busbw

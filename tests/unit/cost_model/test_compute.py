@@ -93,3 +93,20 @@ def test_pointwise_kernels_with_a_broadcast_operand_meet_the_measured_broadcast_
                                     is_matmul=False, dtype="bfloat16", broadcast=broadcast)
     assert model.kernels([fill(True)]).total_s == pytest.approx(1e9 / 3e11)
     assert model.kernels([fill(False)]).total_s == pytest.approx(4e9 / 4e12)
+
+
+def test_a_grouped_matmul_runs_each_experts_matmul_at_the_rate_of_its_own_size():
+    """128 experts of 32 rows each are far slower than one [4096, K] x [K, N] matmul of the same
+    FLOPs; as experts get more rows (fewer per device under expert parallelism) they speed up."""
+    model = ComputeModel(Cluster.from_spec("dgx-h100").device)
+    flops, size = 2.0 * 4096 * 2048 * 768, 3 * 4096 * 2048 * 2.0
+    one = model.kernel(flops, size, True, "bfloat16", "aten._grouped_mm.default")
+    grouped = model.kernel(flops, size, True, "bfloat16", "aten._grouped_mm.default", groups=128)
+    fewer = model.kernel(flops, size, True, "bfloat16", "aten._grouped_mm.default", groups=16)
+    assert grouped.total_s > 2 * one.total_s
+    assert one.total_s < fewer.total_s < grouped.total_s
+    assert grouped.matmul_s == pytest.approx(flops / model.matmul_rate(flops / 128, "bfloat16"))
+    kernel = Kernel(name="aten._grouped_mm.default", flops=flops, io_bytes=size, is_matmul=True, dtype="bfloat16")
+    dense = Kernel(name="aten.mm.default", flops=flops, io_bytes=size, is_matmul=True, dtype="bfloat16")
+    assert model.kernels([kernel], groups=128).total_s == pytest.approx(grouped.total_s)
+    assert model.kernels([dense], groups=128).total_s == pytest.approx(one.total_s)  # groups: grouped kernels only

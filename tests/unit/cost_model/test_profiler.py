@@ -200,3 +200,19 @@ def test_a_cpu_profile_has_no_attention_sweep_and_a_gpu_ones_round_trips(profile
     data["attention"][0].update(causal=True, phase="sideways")
     with pytest.raises(CostModelInputError, match=r"attention\[0\]': field 'phase' must be one of forward, backward"):
         profile_from_dict(data)
+
+
+def test_grouped_matmuls_are_measured_by_rows_per_expert_and_price_expert_matmuls(profile):
+    """torch._grouped_mm runs on the CPU: the sweep records fp32 points by FLOPs per expert, they
+    round-trip, and ComputeModel prices a grouped kernel at the measured rate of its expert size."""
+    from cost_model.profile_grouped import EXPERTS
+
+    points = [point for point in profile.grouped_matmul if point.dtype == "fp32"]
+    assert len(points) >= 2 and all(point.experts == EXPERTS and point.achieved_flops_per_s > 0 for point in points)
+    assert [point.flops_per_expert for point in points] == sorted(point.flops_per_expert for point in points)
+    assert profile_from_dict(json.loads(profile.to_json())).grouped_matmul == profile.grouped_matmul
+    model = ComputeModel(cpu_device(), profile)
+    point = points[-1]
+    flops = point.flops_per_expert * 64
+    assert model.grouped_matmul_s(flops, point.flops_per_expert, "float32") == pytest.approx(
+        flops / point.achieved_flops_per_s)

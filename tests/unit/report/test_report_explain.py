@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from autopar import evaluate
 from autopar.cli import main
 from autopar.report.explain import explain, explain_text
 from report_plans import evaluated, searched
@@ -44,3 +45,13 @@ def test_text_names_each_alternative_and_why_it_lost(capsys, tmp_path):
 
 def test_an_evaluated_plan_has_no_runners_up():
     assert "no runners-up" in explain_text(evaluated())
+
+
+def test_expert_parallel_terms_and_the_load_imbalance_are_shown():
+    """An MoE plan's all-to-alls (ep.dispatch, ep.combine) are rows of the table, and the load
+    imbalance its expert ops were priced with is stated."""
+    plan = evaluate("moe:layers=2,hidden=32,heads=4,seq=16,vocab=64,num_experts=4", cluster="dgx-h100:nodes=1",
+                    global_batch=16, tp=1, pp=1, dp=8, microbatch_size=2, ep=4, moe_load_imbalance=1.5)
+    text = explain_text(plan)
+    assert "ep.dispatch" in text and "ep.combine" in text
+    assert "load imbalance 1.5" in text

@@ -2,15 +2,20 @@
 and the exchanges of codegen/experts.py (on one process: the all-to-all of a group of one is the
 identity, so dispatch + combine must give back the op's own result)."""
 
+import json
+
 import pytest
 import torch
 
 import autopar
+from autopar.cluster import Cluster
 from autopar.errors import ConfigError
 from autopar.graph import OpNode, Ref, TensorMeta
 from autopar.models import build_model
-from autopar.solver.experts import find_expert_ops
+from autopar.plans.plan import Plan
+from autopar.solver.experts import GroupedMatmul, find_expert_ops
 from autopar.strategies import mesh_strategies
+from cost_model.compute import ComputeModel
 
 TINY_MOE = "moe:router=gshard,layers=2,hidden=32,heads=4,seq=16,vocab=64,num_experts=4"
 # Experts dominate: 64 experts of 1024 x 4096 per layer (8.6B expert parameters over 16 layers,
@@ -58,7 +63,8 @@ def test_ep_splits_expert_states_and_adds_all_to_alls(tiny_graph) -> None:
     expert_numel = sum(tiny_graph[op.param].output.numel for op in ops)
     saved = without.predicted.memory_bytes["parameters"] - with_ep.predicted.memory_bytes["parameters"]
     assert saved == pytest.approx(expert_numel * (1 - 1 / 4) * 2)  # bf16 working copy
-    assert with_ep.predicted.breakdown_s["ep.all_to_all"] > 0 and "ep.all_to_all" not in without.predicted.breakdown_s
+    for part in ("ep.dispatch", "ep.combine"):  # the all-to-alls, named by what they move
+        assert with_ep.predicted.breakdown_s[part] > 0 and part not in without.predicted.breakdown_s
     # Per expert op: dispatch and combine forward, and both again backward.
     counts = with_ep.predicted.collectives_per_microbatch
     assert counts.get("all_to_all", 0) - without.predicted.collectives_per_microbatch.get("all_to_all", 0) \
@@ -76,10 +82,12 @@ def test_ep_constraints_are_checked(tiny_graph) -> None:
         _evaluate(tiny_graph, tp=1, pp=1, dp=8, ep=8)  # 4 experts
 
 
-def test_a_model_whose_experts_dominate_memory_is_planned_expert_parallel() -> None:
-    plan = autopar.plan(BIG_MOE, cluster=BIG_CLUSTER, global_batch=256)
-    assert plan.ep > 1, plan.summary()
-    assert plan.predicted.breakdown_s["ep.all_to_all"] > 0
+def test_a_model_whose_experts_dominate_memory_plans_with_a_fixed_expert_parallel_degree() -> None:
+    # Not chosen unprompted since all-to-alls across nodes go through each device's own NIC
+    # (cost_model/comm.py): the ep=32 this once picked spanned 4 nodes at 8x that bandwidth.
+    plan = autopar.plan(BIG_MOE, cluster=BIG_CLUSTER, global_batch=256, constraints={"ep": 8})
+    assert plan.ep == 8, plan.summary()
+    assert plan.predicted.breakdown_s["ep.dispatch"] > 0 and plan.predicted.breakdown_s["ep.combine"] > 0
     assert plan.mesh["dp"] % plan.ep == 0
 
 
@@ -127,3 +135,95 @@ def test_grouped_rows_received_from_each_rank_are_put_in_expert_order() -> None:
     # Rows received: from rank 0 one of expert 0 then two of expert 1, from rank 1 three of expert 0.
     order = _expert_major(torch.tensor([[1, 2], [3, 0]]))
     assert order.tolist() == [0, 3, 4, 5, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def mixtral_graph():
+    """Hugging Face's Mixtral (grouped matmuls over tokens sorted by expert: dropless), tiny, on meta."""
+    transformers = pytest.importorskip("transformers")
+    from autopar.models import on_meta
+
+    config = transformers.MixtralConfig(use_cache=False, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                        num_local_experts=8, num_experts_per_tok=2)
+    with on_meta():
+        model = transformers.MixtralForCausalLM(config)
+    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    return autopar.capture_for_planning(
+        model, dict(input_ids=tokens), example_targets=tokens,
+        loss_fn=lambda out, targets: torch.nn.functional.cross_entropy(out.logits.flatten(0, -2).float(),
+                                                                       targets.flatten()))
+
+
+def test_dropless_grouped_experts_price_dispatch_combine_counts_and_the_stated_imbalance(mixtral_graph) -> None:
+    ops = find_expert_ops(mixtral_graph)
+    assert ops and all(op.kind == "grouped_mm" and op.dropless for op in ops)
+    balanced = _evaluate(mixtral_graph, tp=1, pp=1, dp=8, ep=4, moe_load_imbalance=1.0)
+    skewed = _evaluate(mixtral_graph, tp=1, pp=1, dp=8, ep=4, moe_load_imbalance=1.5)
+    default = _evaluate(mixtral_graph, tp=1, pp=1, dp=8, ep=4)
+    for part in ("ep.dispatch", "ep.combine", "ep.counts"):
+        assert balanced.predicted.breakdown_s[part] > 0, part
+    assert "ep.load_imbalance" not in balanced.predicted.breakdown_s
+    assert skewed.predicted.breakdown_s["ep.load_imbalance"] > 0
+    assert skewed.predicted.breakdown_s["ep.dispatch"] > balanced.predicted.breakdown_s["ep.dispatch"]
+    assert skewed.predicted.step_time_s > default.predicted.step_time_s > balanced.predicted.step_time_s
+    assert (balanced.moe_load_imbalance, skewed.moe_load_imbalance, default.moe_load_imbalance) == (1.0, 1.5, 1.25)
+    assert "load imbalance 1.5" in skewed.summary()
+    assert Plan.from_dict(json.loads(skewed.to_json())).moe_load_imbalance == 1.5
+
+
+def test_the_load_imbalance_is_checked_and_only_recorded_for_models_with_experts(mixtral_graph) -> None:
+    for bad in (0.99, float("nan"), float("inf"), "1.5", True):
+        with pytest.raises(ConfigError, match="load imbalance"):
+            _evaluate(mixtral_graph, tp=1, pp=1, dp=8, moe_load_imbalance=bad)
+    dense = build_model("gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64", device="meta", batch_size=2)
+    plan = autopar.evaluate(dense.model, dense.example_inputs, "dgx-h100:nodes=1", global_batch=16, microbatch_size=2,
+                            loss_fn=dense.loss_fn, example_targets=dense.example_targets, moe_load_imbalance=1.0)
+    assert plan.moe_load_imbalance is None and "load imbalance" not in plan.summary()
+
+
+def test_router_and_token_permutation_ops_are_priced_as_memory_kernels(mixtral_graph) -> None:
+    """The router (softmax, top-k), the sort of tokens by expert, their counts and the gathers and
+    scatters that permute and un-permute them are graph ops: each is priced (never zero) and none
+    as a matmul; only the expert matmuls themselves are grouped matmul kernels."""
+    compute = ComputeModel(Cluster.from_spec("dgx-h100").device)
+    routing = ("softmax", "topk", "sort", "histc", "cumsum", "index.Tensor", "index_put", "index_add", "scatter",
+               "gather")
+    found = set()
+    for node in mixtral_graph.calls():
+        name = next((word for word in routing if word in node.target), None)
+        if name is None:
+            continue
+        found.add(name)
+        kernels = node.fwd_kernels + node.bwd_kernels
+        assert not any(kernel.is_matmul for kernel in kernels), node.target
+        assert compute.kernels(node.fwd_kernels).total_s > 0, node.target
+    assert {"softmax", "topk", "sort", "histc", "index.Tensor"} <= found
+
+
+def test_expert_parallel_grouped_matmuls_run_fewer_bigger_experts(mixtral_graph) -> None:
+    """Without ep a device runs all 8 experts' matmuls on its own tokens (S / 8 rows each); with
+    ep=4 it runs 2 experts on the group's tokens for them (4 x the rows each): the same FLOPs at a
+    better rate, so the stage's compute falls; the load imbalance is priced on those shapes."""
+    alone = _evaluate(mixtral_graph, tp=1, pp=1, dp=8, moe_load_imbalance=1.0)
+    grouped = _evaluate(mixtral_graph, tp=1, pp=1, dp=8, ep=4, moe_load_imbalance=1.0)
+    assert grouped.predicted.breakdown_s["compute"] < alone.predicted.breakdown_s["compute"]
+    compute = ComputeModel(Cluster.from_spec("dgx-h100").device)
+    matmul = GroupedMatmul(phase="fwd", flops=1e10, experts=8, dtype="bfloat16")
+    assert matmul.time_s(compute, 4) < matmul.time_s(compute)  # 2 experts of 4x the rows
+    assert matmul.time_s(compute, 4) < matmul.time_s(compute, 4, 1.5) < 1.5 * matmul.time_s(compute, 4)
+
+
+def test_the_search_lower_bound_holds_for_expert_parallel_configurations(mixtral_graph) -> None:
+    """ep makes the grouped expert matmuls faster than in the segments' own price: the bound that
+    prunes configurations must stay below their priced step time."""
+    from autopar import api
+    from autopar.solver.pricing import lower_bound_s
+
+    planner = api.planner_for(mixtral_graph, None, "dgx-h100:nodes=1", global_batch=16, moe_load_imbalance=1.0)
+    for pp, ep in ((1, 2), (1, 8), (2, 4)):
+        config = api.fixed_config(planner, tp=1, pp=pp, dp=8 // pp, microbatch_size=1, schedule="1f1b",
+                                  virtual_stages=None, layers_per_virtual_stage=None, recompute="none",
+                                  zero_stage=0, ep=ep)
+        estimate, _ = planner.evaluate(config)
+        assert lower_bound_s(planner.pricing.least_work(config), config) <= estimate.step_time_s

@@ -1,0 +1,76 @@
+"""benchmarks/published_moe.py: how a row of shared/reference/published_moe.csv is read (the
+configuration as run, the load imbalance its routing implies) and how a predicted step time is
+put in the source's unit (tokens/s per GPU, or TFLOP/s per GPU by Megatron-Core's counting)."""
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.published_moe import REFERENCE, read_runs, recompute_mode, shape_fields, zero_stage
+
+HEADER = ("id,source,table,model,layers,hidden,heads,kv_heads,dense_layers,ffn_hidden,expert_ffn_hidden,num_experts,"
+          "top_k,shared_experts,vocab,seq,gpus,gpu,cluster,global_batch,microbatch,tp,pp,virtual_stages,cp,ep,etp,dp,"
+          "optimizer_sharding,recompute,precision,routing,metric,published,flop_counting,notes")
+
+
+def _write(tmp_path: Path, *rows: str) -> Path:
+    path = tmp_path / "moe.csv"
+    path.write_text("# a comment line\n" + HEADER + "\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def test_a_row_is_read_as_it_ran(tmp_path):
+    path = _write(tmp_path,
+                  'a,"src, with comma",T,Mixtral-8x22B,4,64,4,2,0,,128,8,2,0,100,32,16,H100,dgx-h100,64,2,2,2,2,,4,1,4,'
+                  'distributed optimizer (ZeRO-1),none,bf16,token-drop with capacity factor 1.1,tflops_per_gpu,400,'
+                  '"Megatron-Core model FLOPs (routed top-k experts only)",x',
+                  'b,s,T,gpt-oss-120b,2,64,8,2,0,,64,4,2,0,100,32,8,H100,dgx-h100,16,1,1,1,,1,2,1,8,none,'
+                  '"selective (layernorm, MoE activation)",bf16,force-balanced dropless,tokens_per_s_per_gpu,5000,m,'
+                  '"head_dim 16 (heads x head_dim != hidden); sliding window 128"',
+                  'c,s,T,Qwen3-30B-A3B,2,64,4,4,1,96,32,8,2,0,100,32,8,H100,dgx-h100,16,1,1,1,,1,2,1,8,none,none,bf16,'
+                  'dropless,tokens_per_s_per_gpu,1,m,')
+    a, b, c = read_runs(path)
+    assert (a.id, a.source, a.family, a.num_nodes, a.cluster_spec) == ("a", "src, with comma", "MixtralConfig", 2,
+                                                                      "dgx-h100:nodes=2")
+    assert (a.tp, a.pp, a.virtual_stages, a.cp, a.ep, a.etp, a.dp, a.microbatch) == (2, 2, 2, 1, 4, 1, 4, 2)
+    assert (a.zero, a.recompute, a.head_dim) == (1, "none", 16)
+    assert a.load_imbalance == pytest.approx(1.1)  # token dropping caps the busiest rank at the capacity
+    assert (b.family, b.zero, b.recompute, b.head_dim, b.sliding_window) == ("GptOssConfig", 0, "selective", 16, 128)
+    assert b.load_imbalance == 1.0 and b.virtual_stages == 1
+    assert c.family == "Qwen3MoeConfig" and c.load_imbalance == 1.25  # dropless real routing: the default
+    fields = shape_fields(c)
+    assert fields["mlp_only_layers"] == [0] and fields["moe_intermediate_size"] == 32 and fields["intermediate_size"] == 96
+    assert shape_fields(a)["num_local_experts"] == 8 and shape_fields(a)["intermediate_size"] == 128
+
+
+def test_optimizer_sharding_and_recompute_as_run():
+    assert zero_stage("distributed optimizer with overlapped grad reduce / param gather") == 1
+    assert zero_stage("none") == 0
+    assert recompute_mode("none") == "none" and recompute_mode("selective (layernorm, MoE activation)") == "selective"
+
+
+def test_step_times_are_put_in_the_sources_unit(tmp_path):
+    path = _write(tmp_path,
+                  'a,s,T,Mixtral-8x22B,2,64,4,2,0,,128,8,2,0,100,32,16,H100,dgx-h100,8,1,1,1,,1,2,1,16,none,none,'
+                  'bf16,force-balanced,tflops_per_gpu,1,"Megatron-Core model FLOPs",x',
+                  'q,s,T,Mixtral-8x22B,2,64,4,2,0,,128,8,2,0,100,32,16,H100,dgx-h100,8,1,1,1,,1,2,1,16,none,none,'
+                  'bf16,force-balanced,tflops_per_gpu,1,"routed experts, causal attention halved",x',
+                  't,s,T,Mixtral-8x22B,2,64,4,2,0,,128,8,2,0,100,32,16,H100,dgx-h100,8,1,1,1,,1,2,1,16,none,none,'
+                  'bf16,force-balanced,tokens_per_s_per_gpu,1,m,x')
+    full, halved, tokens = read_runs(path)
+    b, s, h, layers, ffn, k, vocab = 8, 32, 64, 2, 128, 2, 100
+    # per layer forward: Q, K, V, O projections (kv 2 of 4 heads) + scores, and top-k SwiGLU experts; logits.
+    attention = 2 * b * s * h * h * (2 + 2 * 2 / 4) + 4 * b * s * s * h
+    experts = 3 * 2 * b * s * h * ffn * k
+    flops = 3 * (layers * (attention + experts) + 2 * b * s * h * vocab)
+    assert full.flops_per_step() == pytest.approx(flops)
+    assert halved.flops_per_step() == pytest.approx(flops - 3 * layers * 2 * b * s * s * h)
+    assert full.in_unit(2.0) == pytest.approx(flops / 2.0 / 16 / 1e12)
+    assert tokens.in_unit(2.0) == pytest.approx(b * s / 2.0 / 16)
+
+
+@pytest.mark.skipif(not REFERENCE.exists(), reason="reference data not present")
+def test_the_reference_rows_parse():
+    runs = read_runs()
+    assert runs and all(run.ep > 1 and run.dp * run.tp * run.pp * run.cp == run.gpus for run in runs)
+    assert all(run.flops_per_step() > 0 and run.load_imbalance >= 1.0 for run in runs)
