@@ -18,9 +18,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.fx.node import map_aggregate
 
 from autopar.codegen.placements import to_dtensor_placement
+from autopar.strategies.grouped_mm import GROUPED_MM_TARGETS
 
-_GROUPED_MM = {"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default", "grouped_mm_fallback.default",
-               "autopar.grouped_mm.default", "grouped_mm.default"}
+_GROUPED_MM = frozenset(GROUPED_MM_TARGETS)
 
 
 def has_local_rule(target) -> bool:

@@ -50,11 +50,10 @@ from dataclasses import dataclass
 
 from autopar.errors import ConfigError
 from autopar.graph import OpGraph, OpNode
+from autopar.strategies.grouped_mm import GROUPED_MM_TARGETS
 
 EINSUM_TARGETS = ("aten.einsum.default",)
 BMM_TARGETS = ("aten.bmm.default",)
-GROUPED_MM_TARGETS = ("aten._grouped_mm.default", "grouped_mm_fallback.default",
-                      "transformers.grouped_mm_fallback.default", "grouped_mm.default", "autopar.grouped_mm.default")
 DEFAULT_LOAD_IMBALANCE = 1.25
 """Switch Transformer's and GShard's capacity factor: the default busiest-rank share of dropless routing."""
 WEIGHT_VIEWS = ("aten.transpose.int", "aten.t.default")
