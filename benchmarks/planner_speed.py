@@ -42,6 +42,10 @@ PLANS = (
     ("gpt3-175b", "dgx-a100-80g:nodes=128", 1536),
     ("llama:layers=126,hidden=16384,heads=128,kv_heads=8,ffn_hidden=53248,seq=8192,vocab=128256",
      "dgx-h100:nodes=2048", 2048),
+    # DeepSeek-V3 (671B, 256 experts) on its own cluster: 2,048 H800 (clusters/h800-deepseek-v3.toml).
+    ("deepseek-v3", os.path.join(os.path.dirname(os.path.abspath(__file__)), "clusters", "h800-deepseek-v3.toml"),
+     15360),
+    ("mixtral-8x7b", "dgx-h100:nodes=16", 512),
 )
 
 
