@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Shard
 
-from autopar.codegen.program import StageProgram, shared_parameters
+from autopar.codegen.program import ExpertWeights, StageProgram, shared_parameters
 
 
 def uses_fsdp(zero_stage: int, dp: int, offload: bool = False) -> bool:
@@ -42,12 +42,19 @@ def uses_fsdp(zero_stage: int, dp: int, offload: bool = False) -> bool:
 
 
 def apply_fsdp(stages: list[StageProgram], dp_mesh, zero_stage: int, *, offload: bool = False,
-               param_dtype: torch.dtype | None = None) -> None:
+               param_dtype: torch.dtype | None = None, expert_mesh=None) -> None:
     """`param_dtype` (mixed precision): FSDP2 casts each fp32 shard to it before the all-gather,
     so the gathered parameters the segments use are already in the compute dtype (one cast per
     gather, on the shard), and reduce-scatters the gradients in fp32, as torchtitan's
     MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) does. Forward inputs are left as
-    they are: the stage programs cast what the plan computes in bf16 (program.py)."""
+    they are: the stage programs cast what the plan computes in bf16 (program.py).
+
+    `expert_mesh` (expert parallelism): the dp_rep ranks that hold the same experts. Each
+    segment's expert weights (its ExpertWeights child) are one FSDP unit over that mesh, sharded
+    along a dim expert parallelism and tensor parallelism leave whole (`expert_shard_dim`), their
+    gradients reduce-scattered over dp_rep only and divided by the whole dp degree (each expert
+    gradient already sums the tokens of the ep ranks of its group); the rest of the segment is
+    sharded over all dp ranks, as torchtitan shards a MoE block (its "efsdp" mesh)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     reshard = zero_stage == 3
@@ -66,9 +73,28 @@ def apply_fsdp(stages: list[StageProgram], dp_mesh, zero_stage: int, *, offload:
                    ignored_params=set(whole.values()))
     for stage in stages:
         for segment in stage.segments:
+            if expert_mesh is not None and segment.has_experts:
+                _shard_experts(segment.experts, expert_mesh, dp_mesh.size(), options, fully_shard)
             if any(id(param) not in whole for param in segment.parameters(recurse=False)):
                 fully_shard(segment, **options)
         fully_shard(stage, **options)
+
+
+def _shard_experts(experts: ExpertWeights, expert_mesh, dp: int, options: dict, fully_shard) -> None:
+    fully_shard(experts, **{**options, "mesh": expert_mesh, "ignored_params": None},
+                shard_placement_fn=lambda param: Shard(expert_shard_dim(param)))
+    experts.set_gradient_divide_factor(float(dp))
+    if dist.get_backend(expert_mesh.get_group()) == "gloo":  # a custom factor is NCCL's PREMUL_SUM: sum, then divide
+        experts.set_force_sum_reduction_for_comms(True)
+
+
+def expert_shard_dim(param: torch.Tensor) -> int:
+    """The dim FSDP2 shards an expert weight [E, ..] along: its largest dim after the expert dim
+    that tensor parallelism leaves whole (expert parallelism splits dim 0), so the FSDP shards
+    do not interleave with the ep/tp blocks; dim 0 (strided) when none is left."""
+    split = {placement.dim for placement in getattr(param, "placements", ()) if isinstance(placement, Shard)}
+    free = [dim for dim in range(1, param.dim()) if dim not in split]
+    return max(free, key=lambda dim: param.shape[dim]) if free else 0
 
 
 def set_gradient_sync(stages: list[StageProgram], enabled: bool) -> None:

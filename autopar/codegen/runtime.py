@@ -44,6 +44,11 @@ class Runtime:
         return self.experts["ep"].get_group()
 
     @property
+    def expert_replica_mesh(self) -> DeviceMesh:
+        """The dp ranks holding the same experts (FSDP's mesh for expert weights under ZeRO-1/2/3)."""
+        return self.experts["dp_rep"]
+
+    @property
     def expert_replica_group(self):
         """The dp ranks holding the same experts (over which their gradients are reduced)."""
         return self.experts["dp_rep"].get_group()

@@ -90,7 +90,16 @@ _FOUR = pytest.mark.skipif(not os.environ.get("AUTOPAR_EP_ALL"), reason="4-proce
 TABLE = CaseTable([
     case_param(Case("moe", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "moe-dp2-ep2"),
     case_param(Case("Mixtral", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "mixtral-dp2-ep2"),
+    # ZeRO-1/2/3: expert weights FSDP-sharded over the dp ranks holding the same experts (here
+    # one: dp_rep = 1), the rest over dp.
+    *[case_param(Case(model, 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=zero, microbatch_size=4)),
+                 f"{model.lower()}-dp2-ep2-zero{zero}") for model in ("moe", "Mixtral") for zero in (1, 2, 3)],
     # 4 processes (minutes on 2 cores): AUTOPAR_EP_ALL=1 runs them.
+    # dp4 x ep2 ZeRO-3: dp_rep = 2, the experts really sharded by FSDP.
+    case_param(Case("moe", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=3, microbatch_size=2)), "moe-dp4-ep2-zero3",
+               _FOUR),
+    case_param(Case("Mixtral", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=3, microbatch_size=2)),
+               "mixtral-dp4-ep2-zero3", _FOUR),
     case_param(Case("moe", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "moe-dp2-ep2-tp2", _FOUR),
     case_param(Case("moe", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=2)), "moe-dp4-ep2", _FOUR),
     case_param(Case("moe", 4, dict(dp=2, tp=1, pp=2, ep=2, zero_stage=0, microbatch_size=2)), "moe-dp2-ep2-pp2", _FOUR),
