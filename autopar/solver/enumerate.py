@@ -171,9 +171,9 @@ class Candidates:
                 self.checks.check_ep(ParallelConfig(dp=constraints.ep, tp=tp, pp=pp, microbatch_size=microbatch,
                                                     num_microbatches=m, zero_stage=constraints.zero_stage or 0,
                                                     ep=constraints.ep, sequence_parallel=sequence_parallel))
-            eps = [constraints.ep] if cp == 1 and constraints.ep in self.pricing.ep_options(
+            eps = [constraints.ep] if constraints.ep in self.pricing.ep_options(
                 tp, dp, microbatch, sequence_parallel) else []
-        elif constraints.ep == 1 or cp > 1:  # codegen runs ep with cp = 1 only
+        elif constraints.ep == 1:
             eps = [1]
         else:
             eps = [1] + self.pricing.ep_options(tp, dp, microbatch, sequence_parallel)

@@ -32,12 +32,64 @@ MOE_SPEC = "moe:layers=2,hidden=32,heads=4,seq=16,vocab=64,num_experts=4,dropout
 @dataclass(frozen=True)
 class Case:
     model: str
-    """"moe" (built-in) or an architecture of hf_zoo.py ("Mixtral")."""
+    """"moe" (built-in), "dropless" (DroplessMoE) or an architecture of hf_zoo.py ("Mixtral")."""
     world_size: int
     constraints: dict = field(default_factory=dict)
     known_error: str = ""
     timeout_s: float = 120.0
     """Per case (harness.case_outcome): planning + capture + 3 steps, slow when 4 processes share 2 cores."""
+
+
+def _grouped_mm():
+    """transformers' grouped matmul custom op (fp32 on CPU; torch._grouped_mm traces bf16 only)."""
+    import transformers.integrations.moe  # noqa: F401 (registers the op)
+
+    return torch.ops.transformers.grouped_mm_fallback
+
+
+class DroplessExperts(torch.nn.Module):
+    """Top-2 token choice over 4 experts without capacity (Mixtral's routing): the rows of each
+    token's experts sorted by expert, two grouped matmuls, the rows weighted and summed back."""
+
+    def __init__(self, hidden: int = 32, ffn: int = 64, num_experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = torch.nn.Linear(hidden, num_experts, bias=False)
+        self.w_in = torch.nn.Parameter(torch.randn(num_experts, hidden, ffn) * 0.1)
+        self.w_out = torch.nn.Parameter(torch.randn(num_experts, ffn, hidden) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, experts = self.router(tokens).softmax(dim=-1).topk(self.top_k, dim=-1)
+        order = experts.reshape(-1).argsort(stable=True)
+        rows = tokens[order // self.top_k]
+        counts = (experts.reshape(-1, 1) == torch.arange(self.w_in.shape[0], device=x.device)).sum(dim=0)
+        offsets = counts.cumsum(0).to(torch.int32)
+        grouped_mm = _grouped_mm()
+        hidden = torch.nn.functional.gelu(grouped_mm(rows, self.w_in, offsets))
+        out = grouped_mm(hidden, self.w_out, offsets) * weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(tokens).index_add(0, order // self.top_k, out).reshape(x.shape)
+
+
+class DroplessMoE(torch.nn.Module):
+    """Embedding, 2 pre-norm blocks of causal sdpa attention and DroplessExperts, a head."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(hidden) for _ in range(2 * layers))
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(hidden, 3 * hidden) for _ in range(layers))
+        self.experts = torch.nn.ModuleList(DroplessExperts(hidden) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for index, (qkv, experts) in enumerate(zip(self.qkv, self.experts)):
+            q, k, v = qkv(self.norms[2 * index](x)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+            x = x + torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+            x = x + experts(self.norms[2 * index + 1](x))
+        return self.head(x).transpose(1, 2)  # [batch, vocab, seq]: cross_entropy's class dim
 
 
 def _batches(generator: torch.Generator):
@@ -48,6 +100,9 @@ def _batches(generator: torch.Generator):
 def _workload(name: str):
     """(model, loss_fn, batches of (inputs, targets)); inputs a tuple or a dict of keywords."""
     generator = torch.Generator().manual_seed(1)
+    if name == "dropless":
+        torch.manual_seed(0)
+        return DroplessMoE(), torch.nn.functional.cross_entropy, _batches(generator)
     if name == "moe":
         from autopar.models import build_model
 
@@ -61,6 +116,33 @@ def _workload(name: str):
     return model, hf_zoo.loss_for(arch), [hf_zoo.batch(arch, GLOBAL_BATCH, generator) for _ in range(NUM_STEPS)]
 
 
+class _AllToAllCalls:
+    """Counts torch.distributed.all_to_all_single calls while entered (as CommDebugMode's counts)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.original = dist.all_to_all_single
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self.original(*args, **kwargs)
+
+        dist.all_to_all_single = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        dist.all_to_all_single = self.original
+
+    def get_comm_counts(self) -> dict:
+        return {"all_to_all_single": self.calls}
+
+
 def experts_case(case: Case) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -71,8 +153,10 @@ def experts_case(case: Case) -> dict:
     # load it (one_process.py), and the 4-process cases reuse the 2-process cases' captures.
     module = parallelize_reusing_captures(case.model, model, tiny_model_cluster(case.world_size), inputs,
                                           loss_fn=loss_fn, example_targets=targets, constraints=case.constraints)
-    # CommDebugMode's module hooks break pipelining: all-to-alls are counted without pp only.
-    counter = CommDebugMode() if case.constraints.get("pp", 1) == 1 else None
+    # CommDebugMode's module hooks break pipelining, and under cp its dispatch mode breaks sdpa's
+    # CausalBias: there the all-to-alls are counted where codegen/experts.py calls them.
+    counter = None if case.constraints.get("pp", 1) > 1 else \
+        CommDebugMode() if case.constraints.get("cp", 1) == 1 else _AllToAllCalls()
     run = train_parallel(module, batches, LEARNING_RATE, reference, first_step=counter)
     ran = Counter()
     for op, count in (counter.get_comm_counts() if counter is not None else {}).items():
@@ -105,6 +189,12 @@ TABLE = CaseTable([
     case_param(Case("moe", 4, dict(dp=2, tp=1, pp=2, ep=2, zero_stage=0, microbatch_size=2)), "moe-dp2-ep2-pp2", _FOUR),
     case_param(Case("Mixtral", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4)),
                "mixtral-dp2-ep2-tp2", _FOUR),
+    # ep x cp: ep borrows dp ranks; each cp rank exchanges its sequence shard's tokens with the
+    # ep ranks of its own cp index.
+    # A dropless MoE with causal sdpa (DroplessMoE below: cp splits sdpa only, the zoo's Mixtral
+    # passes sdpa an explicit mask, and the built-in MoE's GShard dispatch sums over the sequence).
+    *[case_param(Case("dropless", 4, dict(dp=2, cp=2, tp=1, pp=1, ep=2, zero_stage=zero, microbatch_size=4)),
+                 f"dropless-dp2-cp2-ep2-zero{zero}", _FOUR) for zero in (0, 3)],
     # ep x pp under every schedule, with ZeRO (pipelined FSDP2 units of experts and the rest).
     *[case_param(Case(model, 4, dict(dp=2, tp=1, pp=2, ep=2, microbatch_size=2, **extra)),
                  f"{model.lower()}-dp2-ep2-pp2-{name}", _FOUR)
