@@ -154,7 +154,8 @@ class ProgramBuilder:
         stage.owned_outputs = pipelined and self.plan.schedule in ("zb1p", "zbv")
         self._attach_params(stage, segments, spec)
         if self.plan.precision == "bf16":  # bf16 compute, fp32 master weights and gradients
-            for module in [stage, *segments, *(segment.experts for segment in segments if segment.has_experts)]:
+            experts = [segment.experts for segment in segments if segment.has_experts]
+            for module in [stage, *segments, *experts]:
                 module.compute_dtype = torch.bfloat16
                 module.weight_casts = self.weight_casts
         return stage

@@ -27,7 +27,7 @@ from autopar.solver.pipeline import rank_of
 from autopar.codegen.program import GraphParts
 from autopar.codegen.init import all_names
 from autopar.codegen.runtime import agree, build_runtime, register_shutdown
-from autopar.errors import AutoparError, ConfigError
+from autopar.errors import AutoparError
 from autopar.plans.plan import Plan
 
 def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, keywords: dict | None = None, *,
