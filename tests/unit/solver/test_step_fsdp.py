@@ -116,3 +116,16 @@ def test_a_forced_ep_is_planned_with_zero_where_that_is_faster() -> None:
     assert plan.ep == 8 and plan.zero_stage > 0, plan.summary()
     zero0 = autopar.plan(big_moe, cluster="dgx-h100:nodes=8", global_batch=256, constraints={"ep": 8, "zero_stage": 0})
     assert plan.predicted.step_time_s < zero0.predicted.step_time_s
+
+
+def test_pipelined_zero2_accumulates_only_this_ranks_experts(planner) -> None:
+    """Under pipelining ZeRO-2 accumulates unsharded gradients until the step's reduce-scatter:
+    of the experts, only the 1/ep this rank holds."""
+    from autopar.solver.configs import ParallelConfig
+
+    def gradients(ep: int) -> float:
+        config = ParallelConfig(dp=4, tp=1, pp=2, microbatch_size=2, num_microbatches=2, zero_stage=2, ep=ep)
+        estimate, _ = planner.evaluate(config)
+        return max(stage.memory_bytes["gradients"] for stage in estimate.stages)
+
+    assert gradients(4) < gradients(2) < gradients(1)
