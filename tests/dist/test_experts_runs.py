@@ -4,8 +4,9 @@ Each case trains a tiny MoE for a few SGD steps under a forced expert-parallel p
 the losses and the first step's gradients with one process (fp32: round-off tolerance), and
 counts the all-to-alls the first step runs (one microbatch): they must be the plan's predicted
 all-to-alls. Models: the built-in MoE (4 experts, top-2, capacity-padded GShard routing: even
-exchanges) and Hugging Face Mixtral from the zoo (4 experts, top-2, dropless grouped matmuls:
-uneven exchanges).
+exchanges), Hugging Face Mixtral from the zoo (4 experts, top-2, dropless grouped matmuls:
+uneven exchanges) and, for context parallelism, DroplessMoE below. Expert parallelism is run
+with ZeRO-0/1/2/3, tp, every pipeline schedule and cp.
 """
 
 from __future__ import annotations
@@ -184,6 +185,9 @@ TABLE = CaseTable([
                _FOUR),
     case_param(Case("Mixtral", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=3, microbatch_size=2)),
                "mixtral-dp4-ep2-zero3", _FOUR),
+    # tp x ep x ZeRO: expert weights DTensors on (tp, ep), FSDP-sharded over dp_rep on top.
+    *[case_param(Case(model, 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=zero, microbatch_size=4)),
+                 f"{model.lower()}-dp2-ep2-tp2-zero{zero}", _FOUR) for model in ("moe", "Mixtral") for zero in (1, 3)],
     case_param(Case("moe", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "moe-dp2-ep2-tp2", _FOUR),
     case_param(Case("moe", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=2)), "moe-dp4-ep2", _FOUR),
     case_param(Case("moe", 4, dict(dp=2, tp=1, pp=2, ep=2, zero_stage=0, microbatch_size=2)), "moe-dp2-ep2-pp2", _FOUR),
