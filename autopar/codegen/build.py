@@ -154,7 +154,8 @@ class ProgramBuilder:
         stage.owned_outputs = pipelined and self.plan.schedule in ("zb1p", "zbv")
         self._attach_params(stage, segments, spec)
         if self.plan.precision == "bf16":  # bf16 compute, fp32 master weights and gradients
-            for module in [stage, *segments]:
+            experts = [segment.experts for segment in segments if segment.has_experts]
+            for module in [stage, *segments, *experts]:
                 module.compute_dtype = torch.bfloat16
                 module.weight_casts = self.weight_casts
         return stage
@@ -176,8 +177,14 @@ class ProgramBuilder:
             if not readers:
                 continue
             param = self._parameter(fqn)
-            if len(readers) == 1:
+            if len(readers) == 1 and self.expert_mesh is not None and fqn in self.plan.ep_params:
+                by_name[next(iter(readers))].own_expert_parameter(placeholder, fqn, param)
+            elif len(readers) == 1:
                 by_name[next(iter(readers))].own_parameter(placeholder, fqn, param)
+            elif fqn in self.plan.ep_params and self.plan.zero_stage > 0:
+                raise PlanMismatchError(f"the expert weight '{fqn}' is read by several segments ({sorted(readers)}); "
+                                        f"ZeRO-{self.plan.zero_stage} shards expert weights per segment: re-plan "
+                                        "with zero_stage=0 or ep=1")
             else:
                 stage.own_parameter(placeholder, fqn, param)
         for placeholder, fqn in {**self.parts.buffer_of, **self.parts.constant_of}.items():

@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Shard
 
-from autopar.codegen.program import StageProgram, shared_parameters
+from autopar.codegen.program import ExpertWeights, StageProgram, shared_parameters
 
 
 def uses_fsdp(zero_stage: int, dp: int, offload: bool = False) -> bool:
@@ -42,12 +42,20 @@ def uses_fsdp(zero_stage: int, dp: int, offload: bool = False) -> bool:
 
 
 def apply_fsdp(stages: list[StageProgram], dp_mesh, zero_stage: int, *, offload: bool = False,
-               param_dtype: torch.dtype | None = None) -> None:
+               param_dtype: torch.dtype | None = None, expert_mesh=None) -> None:
     """`param_dtype` (mixed precision): FSDP2 casts each fp32 shard to it before the all-gather,
     so the gathered parameters the segments use are already in the compute dtype (one cast per
     gather, on the shard), and reduce-scatters the gradients in fp32, as torchtitan's
     MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) does. Forward inputs are left as
-    they are: the stage programs cast what the plan computes in bf16 (program.py)."""
+    they are: the stage programs cast what the plan computes in bf16 (program.py).
+
+    `expert_mesh` (expert parallelism): the dp_rep ranks that hold the same experts. Each
+    segment's expert weights (its ExpertWeights child) are one FSDP unit over that mesh, sharded
+    along a dim expert parallelism and tensor parallelism leave whole (`expert_shard_dim`), their
+    gradients reduce-scattered (averaged) over dp_rep only, then divided by ep
+    (`divide_expert_gradients`: each expert gradient already sums the tokens of the ep ranks of
+    its group); the rest of the segment is
+    sharded over all dp ranks, as torchtitan shards a MoE block (its "efsdp" mesh)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     reshard = zero_stage == 3
@@ -66,9 +74,39 @@ def apply_fsdp(stages: list[StageProgram], dp_mesh, zero_stage: int, *, offload:
                    ignored_params=set(whole.values()))
     for stage in stages:
         for segment in stage.segments:
+            if expert_mesh is not None and segment.has_experts:
+                _shard_experts(segment.experts, expert_mesh, options, fully_shard)
             if any(id(param) not in whole for param in segment.parameters(recurse=False)):
                 fully_shard(segment, **options)
         fully_shard(stage, **options)
+
+
+def _shard_experts(experts: ExpertWeights, expert_mesh, options: dict, fully_shard) -> None:
+    """FSDP2 averages the expert gradients over dp_rep; ParallelModule divides them by ep after
+    (`divide_expert_gradients`)."""
+    replicas = expert_mesh.size()
+    fully_shard(experts, **{**options, "mesh": expert_mesh, "ignored_params": None},
+                shard_placement_fn=lambda param: Shard(expert_shard_dim(param, replicas)))
+
+
+def divide_expert_gradients(parameters: list[nn.Parameter], ep: int) -> None:
+    """Under FSDP, after its reduce-scatter over the dp_rep ranks holding the same experts (an
+    average over dp_rep): the average over all dp = dp_rep x ep ranks, as every expert gradient
+    already sums the tokens of the ep ranks of its group (their all-to-all's backward)."""
+    for param in parameters:
+        if param.grad is not None and ep > 1:
+            param.grad.div_(ep)
+
+
+def expert_shard_dim(param: torch.Tensor, replicas: int) -> int:
+    """The dim FSDP2 shards an expert weight [E, ..] along: its largest dim after the expert dim
+    that tensor parallelism leaves whole (expert parallelism splits dim 0) and that splits evenly
+    over the `replicas` (FSDP2 shards other dims than 0 evenly only), so the FSDP shards do not
+    interleave with the ep/tp blocks; dim 0 (strided, padded) when none is left."""
+    split = {placement.dim for placement in getattr(param, "placements", ()) if isinstance(placement, Shard)}
+    local = param.to_local().shape if isinstance(param, DTensor) else param.shape
+    free = [dim for dim in range(1, param.dim()) if dim not in split and local[dim] % replicas == 0]
+    return max(free, key=lambda dim: local[dim]) if free else 0
 
 
 def set_gradient_sync(stages: list[StageProgram], enabled: bool) -> None:

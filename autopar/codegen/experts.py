@@ -5,7 +5,10 @@ Mesh. The ranks are laid out (pp, dp, tp) with tp fastest; dp = dp_rep x ep with
 expert group is ep consecutive dp ranks. An expert weight is a DTensor on the (tp, ep) sub-mesh,
 placed (its tensor-parallel placement, Shard(0)): tp first, so that with experts also split on
 tp (Shard(0) twice) rank (t, c) holds block t x ep + c, the c-th ep block of tp rank t's experts,
-which is what the dispatch below sends it.
+which is what the dispatch below sends it. Under context parallelism the expert group is ep
+consecutive dp ranks of one cp index (each exchanges its own sequence shard's tokens), and under
+ZeRO-1/2/3 FSDP2 shards each block's expert weights over the ranks holding the same experts
+(dp_rep x cp: codegen/data_parallel.py, codegen/runtime.expert_device_mesh).
 
 One expert op (an einsum/bmm whose weight operand is an expert weight) runs as
     tokens  (this rank's tensor-parallel shard) --dispatch--> the tokens of every rank of the

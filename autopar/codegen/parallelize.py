@@ -27,7 +27,7 @@ from autopar.solver.pipeline import rank_of
 from autopar.codegen.program import GraphParts
 from autopar.codegen.init import all_names
 from autopar.codegen.runtime import agree, build_runtime, register_shutdown
-from autopar.errors import AutoparError, ConfigError
+from autopar.errors import AutoparError
 from autopar.plans.plan import Plan
 
 def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, keywords: dict | None = None, *,
@@ -51,9 +51,6 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
     except AutoparError as caught:
         error = caught
     agree(error)
-    if plan.ep > 1 and plan.zero_stage != 0:
-        raise ConfigError(f"the plan has ep={plan.ep} with ZeRO-{plan.zero_stage}: expert parallelism runs with "
-                          "ZeRO-0 only (FSDP of expert-sharded weights is not built); re-plan with zero_stage=0")
     runtime = build_runtime(plan.mesh, ep=plan.ep)
     _factories_on(parts.program, runtime.device)
     stats = RunStats()
@@ -71,7 +68,8 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
     stages = [builder.build(spec, num_chunks=len(specs)) for spec in mine]
     if uses_fsdp(plan.zero_stage, plan.mesh["dp"] * cp, plan.offload):
         apply_fsdp(stages, runtime.reduce_mesh, plan.zero_stage, offload=plan.offload,
-                   param_dtype=torch.bfloat16 if plan.precision == "bf16" else None)
+                   param_dtype=torch.bfloat16 if plan.precision == "bf16" else None,
+                   expert_mesh=runtime.expert_replica_mesh if plan.ep > 1 else None)
     schedule, tied = None, {}
     if len(specs) > 1:
         pipeline = PipelineBuilder(plan, parts, builder.placements, runtime.device, runtime.pp_group, builder.wires)

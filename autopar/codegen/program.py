@@ -194,6 +194,7 @@ class ParameterOwner(nn.Module):
     def _params(self) -> dict[str, torch.Tensor]:
         return {placeholder: self._weight(getattr(self, attr)) for placeholder, attr in self.param_attrs.items()}
 
+
     def _weight(self, value: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is None or value.dtype != torch.float32:
             return value
@@ -205,6 +206,18 @@ class ParameterOwner(nn.Module):
         if self.compute_dtype is not None and isinstance(value, torch.Tensor) and value.dtype == torch.float32:
             return value.to(self.compute_dtype)
         return value
+
+
+class ExpertWeights(ParameterOwner):
+    """The expert weights one segment reads (split by expert over ep), in a module of their own:
+    under ZeRO-1/2/3 FSDP2 shards them over the dp ranks that hold the same experts (`dp_rep`,
+    codegen/data_parallel.py), apart from the segment's other weights (sharded over all dp ranks),
+    as torchtitan shards a MoE layer's experts. The segment runs its nodes through this module's
+    forward, so FSDP2 gathers the experts before the nodes run and, under ZeRO-3, again before
+    their backward (its hooks on this module's outputs)."""
+
+    def forward(self, run, values: dict) -> dict:
+        return run(values)
 
 
 class SegmentModule(ParameterOwner):
@@ -224,7 +237,30 @@ class SegmentModule(ParameterOwner):
         self.op_kept = op_kept
         """Nodes whose outputs the "op" mode keeps (autopar/solver/recompute.py)."""
 
+    def own_expert_parameter(self, placeholder: str, fqn: str, param: nn.Parameter) -> None:
+        """An expert weight: held by the `experts` child module (ExpertWeights)."""
+        if not self.has_experts:
+            self.experts = ExpertWeights()
+        self.experts.own_parameter(placeholder, fqn, param)
+
+    @property
+    def has_experts(self) -> bool:
+        return isinstance(getattr(self, "experts", None), ExpertWeights)
+
     def forward(self, values: dict):
+        if self.has_experts:
+            return self.experts(self._forward, values)
+        return self._forward(values)
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        params = super()._params()
+        if self.has_experts:
+            experts = self.experts
+            params.update({placeholder: self._weight(getattr(experts, attr))
+                           for placeholder, attr in experts.param_attrs.items()})
+        return params
+
+    def _forward(self, values: dict):
         if self.recompute in ("full", "op"):
             names = [name for name, value in values.items() if isinstance(value, torch.Tensor)]
             others = {name: value for name, value in values.items() if name not in names}

@@ -31,8 +31,8 @@ class Runtime:
     mesh: DeviceMesh
     """(pp, dp, tp) over all ranks, tp fastest."""
     experts: DeviceMesh | None = None
-    """With expert parallelism: (pp, dp_rep, tp, ep) over the same ranks, where dp = dp_rep x ep
-    with ep fastest (codegen/experts.py); None without."""
+    """With expert parallelism: (pp, dp_rep, [cp,] tp, ep) over the same ranks, where dp = dp_rep x ep
+    with ep fastest (codegen/experts.py, expert_device_mesh); None without."""
 
     @property
     def expert_mesh(self) -> DeviceMesh:
@@ -44,9 +44,19 @@ class Runtime:
         return self.experts["ep"].get_group()
 
     @property
+    def expert_replica_mesh(self) -> DeviceMesh:
+        """The ranks holding the same experts (FSDP's mesh for expert weights under ZeRO-1/2/3):
+        dp_rep, or dp_rep x cp flattened."""
+        if "cp" not in self.experts.mesh_dim_names:
+            return self.experts["dp_rep"]
+        if not hasattr(self, "_expert_replica_mesh"):
+            self._expert_replica_mesh = self.experts["dp_rep", "cp"]._flatten("dp_rep_cp")
+        return self._expert_replica_mesh
+
+    @property
     def expert_replica_group(self):
-        """The dp ranks holding the same experts (over which their gradients are reduced)."""
-        return self.experts["dp_rep"].get_group()
+        """The ranks holding the same experts (over which their gradients are reduced)."""
+        return self.expert_replica_mesh.get_group()
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -131,13 +141,19 @@ def build_runtime(mesh_sizes: dict[str, int], ep: int = 1) -> Runtime:
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=axes)
     experts = None
     if ep > 1:
-        if len(shape) != 3:
-            raise PlanMismatchError("expert parallelism with context parallelism is not supported yet: "
-                                    "re-plan with cp=1 or ep=1")
-        pp, dp, tp = shape
-        ranks = torch.arange(world).reshape(pp, dp // ep, ep, tp).permute(0, 1, 3, 2)
-        experts = DeviceMesh(device.type, ranks, mesh_dim_names=("pp", "dp_rep", "tp", "ep"))
+        experts = expert_device_mesh(device.type, shape, ep)
     return Runtime(rank=rank, world_size=world, device=device, mesh=mesh, experts=experts)
+
+
+def expert_device_mesh(device_type: str, shape: tuple[int, ...], ep: int) -> DeviceMesh:
+    """The ranks of the (pp, dp, tp) or (pp, dp, cp, tp) mesh as (pp, dp_rep, [cp,] tp, ep), where
+    dp = dp_rep x ep with ep fastest: an expert group is ep consecutive dp ranks of the same cp
+    and tp index (each cp rank exchanges the tokens of its own sequence shard)."""
+    pp, dp, *rest = shape
+    ranks = torch.arange(math.prod(shape)).reshape(pp, dp // ep, ep, *rest)
+    order = (0, 1, *range(3, 3 + len(rest)), 2)  # ep last
+    names = ("pp", "dp_rep", "cp", "tp", "ep") if len(rest) == 2 else ("pp", "dp_rep", "tp", "ep")
+    return DeviceMesh(device_type, ranks.permute(order), mesh_dim_names=names)
 
 
 def broadcast_object(value, src: int = 0):

@@ -147,9 +147,12 @@ def _experts(plan) -> str:
         "tokens over the even share, 1 = balanced; --moe-load-imbalance sets it)")
     if plan.ep <= 1:
         return imbalance
+    cp = plan.mesh.get("cp", 1)
+    replicas = f"dp/ep={plan.mesh['dp'] // plan.ep}" + (f" x cp={cp}" if cp > 1 else "")
+    held = f"FSDP-sharded and their gradients reduce-scattered over {replicas}" if plan.zero_stage >= 1 \
+        else f"their gradients reduced over {replicas}"
     return (f"\n  experts       split over ep={plan.ep} of the dp ranks ({len(plan.ep_params)} expert weights, "
-            f"tokens exchanged by all-to-all; their gradients reduced over dp/ep={plan.mesh['dp'] // plan.ep})"
-            + imbalance)
+            f"tokens exchanged by all-to-all; {held})" + imbalance)
 
 
 def _tensor_parallel(plan, max_params: int) -> list[str]:

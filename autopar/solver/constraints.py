@@ -307,9 +307,9 @@ class ConfigChecks:
         if config.ep < 1 or config.dp % config.ep:
             raise ConfigError(f"ep={config.ep} must divide dp={config.dp}: expert parallelism splits the experts over "
                               "groups of ep data-parallel ranks")
-        if config.zero_stage != 0:
-            raise ConfigError(f"ep={config.ep} runs with ZeRO-0 only (FSDP of expert-sharded weights is not built): "
-                              "use zero_stage=0 or ep=1")
+        if config.offload:
+            raise ConfigError(f"ep={config.ep} with optimizer offload: offload runs without expert parallelism; "
+                              "use ep=1 or drop the offload")
         if not self.expert_ops:
             raise ConfigError(f"ep={config.ep}: the model has no expert matmuls that expert parallelism can split "
                               "(an einsum, bmm or grouped matmul over a 3-D expert weight read only by such ops); use ep=1")

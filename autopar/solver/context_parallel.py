@@ -170,7 +170,13 @@ def split_sequence(segment: SegmentCost, attentions: list[AttentionCost], *, cp:
                    activation_recompute=_per_token(segment.activation_recompute, scale),
                    gathered={key: (saved_bytes * scale, shard_bytes * scale, seconds * scale, dedup)
                              for key, (saved_bytes, shard_bytes, seconds, dedup) in segment.gathered.items()},
-                   grad_workspace_bytes=segment.grad_workspace_bytes * scale)
+                   grad_workspace_bytes=segment.grad_workspace_bytes * scale,
+                   # expert parallelism exchanges this rank's tokens, 1 / cp of them (within the
+                   # ep group of its cp index: codegen/runtime.expert_device_mesh)
+                   expert_exchanges=[replace(exchange, token_bytes=exchange.token_bytes * scale,
+                                             output_bytes=exchange.output_bytes * scale,
+                                             compute_s=exchange.compute_s * scale)
+                                     for exchange in segment.expert_exchanges])
 
 
 def _minus(time: ComputeTime, part: ComputeTime) -> ComputeTime:

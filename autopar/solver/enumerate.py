@@ -121,7 +121,7 @@ class Candidates:
                 continue
             for recompute in modes:
                 for ep in eps:
-                    for zero in (zeros if ep == 1 else [0]):
+                    for zero in zeros:
                         if zero == 3 and schedule in ZERO_BUBBLE_SCHEDULES:
                             continue  # ZERO3_WITH_ZERO_BUBBLE
                         yield ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch, num_microbatches=m,
@@ -163,17 +163,17 @@ class Candidates:
 
     def ep_degrees(self, tp: int, pp: int, dp: int, microbatch: int, constraints: Constraints, cp: int = 1, *,
                    offload: bool = False) -> list[int]:
-        """Expert-parallel degrees (1: none); with ep > 1 only ZeRO-0 (`configs`)."""
+        """Expert-parallel degrees (1: none); ep > 1 with every ZeRO stage, not with offload."""
         sequence_parallel = constraints.sequence_parallel_allowed
         if constraints.ep and constraints.ep > 1:
-            if constraints.zero_stage or not self.checks.expert_ops:  # wrong for every mesh: say why now
+            if not self.checks.expert_ops:  # wrong for every mesh: say why now
                 m = self.global_batch // (dp * microbatch)
                 self.checks.check_ep(ParallelConfig(dp=constraints.ep, tp=tp, pp=pp, microbatch_size=microbatch,
                                                     num_microbatches=m, zero_stage=constraints.zero_stage or 0,
                                                     ep=constraints.ep, sequence_parallel=sequence_parallel))
-            eps = [constraints.ep] if cp == 1 and constraints.ep in self.pricing.ep_options(
+            eps = [constraints.ep] if constraints.ep in self.pricing.ep_options(
                 tp, dp, microbatch, sequence_parallel) else []
-        elif constraints.ep == 1 or cp > 1:  # codegen runs ep with cp = 1 only
+        elif constraints.ep == 1:
             eps = [1]
         else:
             eps = [1] + self.pricing.ep_options(tp, dp, microbatch, sequence_parallel)

@@ -24,32 +24,47 @@ class StepFsdp:
             return None, {}, {}, {}
         # What the timeline depends on: identical stages (the middle ones of a deep model) share one.
         key = (prepared.signature(own), config.data_shards, config.pp, config.tp, config.zero_stage,
-               config.offload, config.num_microbatches if config.offload else 0)
+               config.offload, config.num_microbatches if config.offload else 0, self._fsdp_ep(prepared, config))
         if key not in prepared.fsdp_cache:
             prepared.fsdp_cache[key] = self._fsdp_uncached(prepared, own, config)
         timeline, per_microbatch, step_end, offload = prepared.fsdp_cache[key]
         return timeline, dict(per_microbatch), dict(step_end), dict(offload)
 
+    @staticmethod
+    def _fsdp_ep(prepared: PreparedSegments, config: ParallelConfig) -> int:
+        """The ep the FSDP units are priced with (1: no expert weights split)."""
+        return config.ep if config.ep > 1 and prepared.expert_numel is not None else 1
+
     def _fsdp_uncached(self, prepared: PreparedSegments, own, config: ParallelConfig):
         group = self._data_shard_group(config)
         indices = [i for span in own for i in range(span.start, span.stop)]
         numel = prepared.param_numel[indices]
+        ep = self._fsdp_ep(prepared, config)
+        experts = prepared.expert_numel[indices] / ep if ep > 1 else np.zeros(len(indices))
+        numel = numel - experts * (ep - 1)  # this rank's experts, 1/ep of them
         # Identical blocks: price each size once (np.unique's sorted sizes, without its cost on a
-        # stage's few segments).
-        listed = numel.tolist()
+        # stage's few segments). A segment with experts is two FSDP units, gathered one after
+        # the other: its experts over the dp ranks holding the same ones (expert_replica_group),
+        # the rest over all data shards.
+        listed = list(zip((numel - experts).tolist(), experts.tolist()))
         sizes = sorted(set(listed))
         position = {size: index for index, size in enumerate(sizes)}
         inverse = [position[size] for size in listed]
-        gather = [self.comm.time_s("all_gather", float(size) * self.policy.fsdp_gather_bytes, group) for size in sizes]
-        scatter = [self.comm.time_s("reduce_scatter", float(size) * self.policy.dp_reduce_bytes, group)
-                   for size in sizes]
+        replicas = self.expert_replica_group(config) if ep > 1 else group
+        gather = [self.comm.time_s("all_gather", dense * self.policy.fsdp_gather_bytes, group)
+                  + self.comm.time_s("all_gather", expert * self.policy.fsdp_gather_bytes, replicas)
+                  for dense, expert in sizes]
+        scatter = [self.comm.time_s("reduce_scatter", dense * self.policy.dp_reduce_bytes, group)
+                   + self.comm.time_s("reduce_scatter", expert * self.policy.dp_reduce_bytes, replicas)
+                   for dense, expert in sizes]
         forward = prepared.forward_s[indices]
         arrays = dict(forward_s=forward.tolist(), backward_s=(prepared.time_s[indices] - forward).tolist(),
                       gather_s=[gather[i] for i in inverse], scatter_s=[scatter[i] for i in inverse])
         reshard = config.zero_stage == 3
         offload: dict[str, float] = {}
-        if config.offload:
-            arrays, offload, overlapped = self._with_offload_copies(arrays, np.asarray(sizes), np.asarray(inverse),
+        if config.offload:  # (offload runs with ep = 1: constraints.check_ep)
+            arrays, offload, overlapped = self._with_offload_copies(arrays, np.asarray([sum(size) for size in sizes]),
+                                                                    np.asarray(inverse),
                                                                     config, reshard)
         timeline, gathers_only_s = timelines_of_arrays(**arrays, reshard_after_forward=reshard)
         scatter_s = max(0.0, timeline.exposed_s - gathers_only_s)

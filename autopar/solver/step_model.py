@@ -42,7 +42,10 @@ Expert parallelism (ep > 1, solver/experts.py): ep consecutive dp ranks split ev
 weight by expert; each expert matmul adds its all-to-alls (dispatch and combine, forward and
 backward) over the ep group to t_k, plus the load imbalance of dropless expert ops (the busiest
 rank computes load_imbalance x its share); expert weights' states are 1/ep per device and their
-gradients are all-reduced over the dp / ep ranks holding the same experts (ZeRO-0 only).
+gradients are reduced over the dp / ep (x cp) ranks holding the same experts: all-reduced under
+ZeRO-0; under ZeRO-1/2/3 FSDP2 shards them over those ranks (their own unit per segment, its
+all-gather and reduce-scatter on that group, solver/step_fsdp.py) and the other weights over all
+data shards, as torchtitan does.
 Context parallelism (cp > 1) splits each sequence over cp ranks: the segment costs come in per
 (tp, b, cp) already divided (solver/context_parallel.py, with the exposed KV exchange as
 "cp.*" collectives), and the ranks holding the same parameters are dp x cp: ZeRO shards and
@@ -161,7 +164,7 @@ class StepModel(StepFsdp, StepTail):
         states = prepared.param_numel * self.state_bytes_per_param(config) + prepared.buffer_bytes
         time_s = prepared.time_s
         if config.ep > 1 and prepared.expert_numel is not None:
-            per_expert = model_state_memory(1.0, dp=config.dp // config.ep, zero_stage=config.zero_stage,
+            per_expert = model_state_memory(1.0, dp=config.data_shards // config.ep, zero_stage=config.zero_stage,
                                             policy=self.policy).total_bytes / config.ep \
                 + self.weight_copy_bytes(config) / config.ep
             states = states + prepared.expert_numel * (per_expert - self.state_bytes_per_param(config))
@@ -348,7 +351,7 @@ class StepModel(StepFsdp, StepTail):
     def _workspace_terms(self, prepared: PreparedSegments, config: ParallelConfig, own, *,
                          with_fsdp: bool = True, signature: tuple[int, ...] | None = None) -> dict[str, float]:
         key = (prepared.signature(own) if signature is None else signature, with_fsdp, config.recompute == "none", config.zero_stage, config.data_shards,
-               config.offload, _num_communicators(config), _accumulates_unsharded(config))
+               config.offload, _num_communicators(config), _accumulates_unsharded(config), config.ep)
         if key not in prepared.workspace_cache:
             prepared.workspace_cache[key] = self._workspace_terms_uncached(prepared, config, own, with_fsdp)
         return dict(prepared.workspace_cache[key])
@@ -363,7 +366,11 @@ class StepModel(StepFsdp, StepTail):
             # "gradients" (accumulated until the step's reduce-scatter under pipelining).
             param_bytes = self.policy.fsdp_gather_bytes if config.zero_stage == 3 else 0.0
             accumulated = _accumulates_unsharded(config) and not config.offload
-            fsdp = unsharded_bytes(prepared.values("param_numel", own), param_bytes=param_bytes,
+            units = prepared.values("param_numel", own)  # a segment's units, gathered one after the other
+            if config.ep > 1 and prepared.expert_numel is not None:  # hold this rank's experts only
+                units = [numel - experts * (1 - 1 / config.ep)
+                         for numel, experts in zip(units, prepared.values("expert_numel", own))]
+            fsdp = unsharded_bytes(units, param_bytes=param_bytes,
                                    grad_bytes=0.0 if accumulated else self.policy.dp_reduce_bytes)
         gradients = 0.0
         if prepared.grad_workspace_bytes is not None and len(prepared):
@@ -454,8 +461,8 @@ class StepModel(StepFsdp, StepTail):
                                     policy=self.policy)
         params, grads, optimizer = states.params_bytes, states.grads_bytes, states.optimizer_bytes
         if expert_numel:
-            # ep runs with cp = 1 (search.py): the ranks holding the same experts are dp / ep.
-            experts = model_state_memory(expert_numel / config.ep, dp=config.dp // config.ep,
+            # The ranks holding the same experts (FSDP's shards of them): dp / ep x cp.
+            experts = model_state_memory(expert_numel / config.ep, dp=config.data_shards // config.ep,
                                          zero_stage=config.zero_stage, policy=self.policy)
             params, grads = params + experts.params_bytes, grads + experts.grads_bytes
             optimizer += experts.optimizer_bytes
@@ -475,8 +482,9 @@ class StepModel(StepFsdp, StepTail):
         chunk_activations = [prepared.total("activation_bytes", (span,)) for span in own]
         activations = sum(count * size for count, size in zip(in_flight, chunk_activations))
         memory = dict(parts["memory_bytes"])
-        if _accumulates_unsharded(config) and config.ep == 1 and not config.offload:
-            chunk_gradients = tuple(prepared.total("param_numel", (span,)) * self.policy.dp_reduce_bytes for span in own)
+        if _accumulates_unsharded(config) and not config.offload:
+            chunk_gradients = tuple(self._local_numel(prepared, (span,), config) * self.policy.dp_reduce_bytes
+                                    for span in own)
             peak = accumulated_gradient_peak(config.schedule, rank=rank, num_stages=config.pp,
                                              num_microbatches=config.num_microbatches,
                                              virtual_stages=config.chunks_per_device,
@@ -487,6 +495,14 @@ class StepModel(StepFsdp, StepTail):
         memory["activations"] = activations
         memory["fragmentation"] += self.allocator.fragmentation_bytes(activations)
         return memory
+
+    @staticmethod
+    def _local_numel(prepared: PreparedSegments, own, config: ParallelConfig) -> float:
+        """Parameters of these segments on a device before ZeRO sharding: 1/ep of the experts."""
+        numel = prepared.total("param_numel", own)
+        if config.ep > 1 and prepared.expert_numel is not None:
+            numel -= prepared.total("expert_numel", own) * (1 - 1 / config.ep)
+        return numel
 
     def _stage(self, stage, own, prepared: PreparedSegments, config, p2p, in_flight: list[float], *,
                signature: tuple[int, ...] | None = None) -> StageEstimate:

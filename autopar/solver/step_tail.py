@@ -9,12 +9,34 @@ from __future__ import annotations
 
 from autopar.mesh import Mesh
 from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES, ParallelConfig, StageEstimate
+from cost_model.comm import Group
 
 
 def uses_fsdp(config: ParallelConfig) -> bool:
     """Whether the runtime shards with FSDP2 (codegen/data_parallel.py's uses_fsdp): ZeRO-1 and
     up over more than one data shard, and optimizer offload even at dp = 1."""
     return config.offload or (config.zero_stage >= 1 and config.data_shards > 1)
+
+
+def sharded_numel(stage: StageEstimate, config: ParallelConfig) -> float:
+    """Parameters of the stage in this device's optimizer shard: all of them under ZeRO-0, else
+    the dense ones over the data shards and this rank's experts over the ranks holding the same
+    experts (data shards / ep)."""
+    if config.zero_stage == 0:
+        return stage.param_numel
+    experts = stage.expert_param_numel
+    return (stage.param_numel - experts) / config.data_shards + experts * config.ep / config.data_shards
+
+
+def replica_group(dp_rep: int, ep: int, cp: int, tp: int, devices_per_node: int) -> Group:
+    """The dp_rep x cp ranks of the (dp_rep, ep, cp, tp) layout that share an (ep, tp) index:
+    how many nodes they span and how many sit in one node."""
+    cp_group = Mesh(axis_names=("cp", "tp"), shape=(cp, tp), devices_per_node=devices_per_node).group(0)
+    rep_group = Mesh(axis_names=("dp_rep", "ep", "cp", "tp"), shape=(dp_rep, ep, cp, tp),
+                     devices_per_node=devices_per_node).group(0)
+    if cp_group.num_nodes > 1:  # the cp ranks already span nodes: each dp_rep rank on other nodes
+        return Group(num_nodes=cp_group.num_nodes * dp_rep, devices_per_node=cp_group.devices_per_node)
+    return Group(num_nodes=rep_group.num_nodes, devices_per_node=rep_group.devices_per_node * cp)
 
 
 class StepTail:
@@ -49,6 +71,16 @@ class StepTail:
             self._group_cache[key] = mesh.group(1)
         return self._group_cache[key]
 
+    def expert_replica_group(self, config: ParallelConfig) -> Group:
+        """The ranks holding the same experts, over which expert gradients are reduced (and FSDP
+        shards expert weights): the dp_rep x cp ranks of the (pp, dp_rep, ep, cp, tp) layout
+        (codegen/runtime.py), dp_rep strided by ep x cp x tp, cp by tp."""
+        key = ("experts", config.pp, config.dp, config.ep, config.cp, config.tp)
+        if key not in self._group_cache:
+            self._group_cache[key] = replica_group(config.dp // config.ep, config.ep, config.cp, config.tp,
+                                                   self.devices_per_node)
+        return self._group_cache[key]
+
     def _dp_group_time(self, op: str, message_bytes: float, config: ParallelConfig) -> float:
         return self.comm.time_s(op, message_bytes, self._data_shard_group(config))
 
@@ -63,18 +95,15 @@ class StepTail:
         num_buckets = max(1, len(stage.segment_names))
         backward_one = stage.backward_s + stage.recompute_s
         sync = self._dp_group_time("all_reduce", grad_bytes, config)
-        if stage.expert_param_numel and config.dp > config.ep:
+        if stage.expert_param_numel and config.data_shards > config.ep:
             # Expert gradients are complete within the expert group: reduced over the dp / ep
-            # ranks that hold the same experts (stride ep x tp).
-            replicas = Mesh(axis_names=("pp", "dp_rep", "ep", "tp"),
-                            shape=(config.pp, config.dp // config.ep, config.ep, config.tp),
-                            devices_per_node=self.devices_per_node).group(1)
-            sync += self.comm.time_s("all_reduce", stage.expert_param_numel * self.policy.dp_reduce_bytes, replicas)
+            # (x cp) ranks that hold the same experts.
+            sync += self.comm.time_s("all_reduce", stage.expert_param_numel * self.policy.dp_reduce_bytes,
+                                     self.expert_replica_group(config))
         return max(sync - backward_one, sync / num_buckets)
 
     def _optimizer_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
-        numel = stage.param_numel / (config.data_shards if config.zero_stage >= 1 else 1)
-        return numel * self.optimizer_io_bytes_per_param / self.compute.bandwidth_bytes_per_s
+        return sharded_numel(stage, config) * self.optimizer_io_bytes_per_param / self.compute.bandwidth_bytes_per_s
 
     def _weight_cast_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
         """The step's bf16 copies of the weights (PrecisionPolicy.casts_once_per_step), made when
@@ -103,8 +132,8 @@ class StepTail:
         master = self.policy.master_bytes
         if not uses_fsdp(config):
             bytes_per_param = 3 * master if config.schedule in ZERO_BUBBLE_SCHEDULES else master
-        elif config.zero_stage >= 2 and config.pp == 1:
-            bytes_per_param = 3 * master / config.data_shards
+        elif config.zero_stage >= 2 and config.pp == 1:  # only the shard accumulates
+            return (m - 1) * sharded_numel(stage, config) * 3 * master / self.compute.bandwidth_bytes_per_s
         else:  # reads fp32 and bf16, writes fp32 (10 bytes): 4 more than the cast's 6
             bytes_per_param = master
         return (m - 1) * stage.param_numel * bytes_per_param / self.compute.bandwidth_bytes_per_s

@@ -74,8 +74,8 @@ def test_ep_splits_expert_states_and_adds_all_to_alls(tiny_graph) -> None:
 
 
 def test_ep_constraints_are_checked(tiny_graph) -> None:
-    with pytest.raises(ConfigError, match="ZeRO-0"):
-        _evaluate(tiny_graph, tp=1, pp=1, dp=8, ep=2, zero_stage=1)
+    with pytest.raises(ConfigError, match="offload"):
+        _evaluate(tiny_graph, tp=1, pp=1, dp=8, ep=2, zero_stage=3, offload=True)
     with pytest.raises(ConfigError, match="must divide dp"):
         _evaluate(tiny_graph, tp=1, pp=1, dp=8, ep=3)
     with pytest.raises(ConfigError, match="do not split evenly"):

@@ -1,0 +1,131 @@
+"""Expert parallelism under ZeRO-1/2/3 in the step model: expert states sharded over the ranks
+holding the same experts (dp / ep, x cp), their FSDP all-gathers and reduce-scatters on that group,
+and the search trying ep with every ZeRO stage."""
+
+import pytest
+
+import autopar
+from autopar.models import build_model
+from autopar.solver.experts import find_expert_ops
+from autopar.solver.step_tail import replica_group
+from cost_model.comm import Group
+
+TINY_MOE = "moe:layers=2,hidden=32,heads=4,seq=16,vocab=64,num_experts=4"
+
+
+@pytest.fixture(scope="module")
+def tiny_graph():
+    bundle = build_model(TINY_MOE, device="meta", batch_size=2)
+    return autopar.capture_for_planning(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                        example_targets=bundle.example_targets)
+
+
+def _evaluate(graph, **config):
+    return autopar.evaluate(graph, cluster="dgx-h100:nodes=1", global_batch=16, microbatch_size=2, tp=1, pp=1,
+                            dp=8, **config).predicted
+
+
+def _expert_numel(graph) -> int:
+    return sum(graph[op.param].output.numel for op in find_expert_ops(graph))
+
+
+def test_zero3_shards_experts_over_ep_times_dp_rep_as_all_weights_over_dp(tiny_graph) -> None:
+    """ep x dp_rep = dp: ZeRO-3 with ep holds what ZeRO-3 without it holds."""
+    plain, split = _evaluate(tiny_graph, zero_stage=3), _evaluate(tiny_graph, zero_stage=3, ep=2)
+    for term in ("parameters", "gradients", "optimizer"):
+        assert split.memory_bytes[term] == pytest.approx(plain.memory_bytes[term]), term
+
+
+def test_zero1_keeps_its_experts_whole_and_shards_their_optimizer_states(tiny_graph) -> None:
+    plain, split = _evaluate(tiny_graph, zero_stage=1), _evaluate(tiny_graph, zero_stage=1, ep=2)
+    experts = _expert_numel(tiny_graph)
+    # bf16 parameters of the other half of the experts are not held; optimizer states are sharded
+    # over all 8 ranks either way (1/2 of the experts over 4, or all of them over 8).
+    assert plain.memory_bytes["parameters"] - split.memory_bytes["parameters"] == pytest.approx(experts / 2 * 2)
+    assert split.memory_bytes["optimizer"] == pytest.approx(plain.memory_bytes["optimizer"])
+
+
+# Experts large enough that the gathers' bandwidth, not their latency, sets their time.
+WIDE_MOE = "moe:layers=2,hidden=1024,heads=16,seq=512,vocab=1024,num_experts=16,ffn_hidden=4096"
+
+
+@pytest.fixture(scope="module")
+def wide_graph():
+    bundle = build_model(WIDE_MOE, device="meta", batch_size=2)
+    return autopar.capture_for_planning(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                        example_targets=bundle.example_targets)
+
+
+@pytest.fixture(scope="module")
+def planner(wide_graph):
+    from autopar.plans.planning import planner_for
+
+    return planner_for(wide_graph, None, "dgx-h100:nodes=1", global_batch=16)
+
+
+def _stage(planner, dp: int = 8, **config):
+    from autopar.solver.configs import ParallelConfig
+
+    estimate, _ = planner.evaluate(ParallelConfig(dp=dp, tp=1, pp=1, microbatch_size=2,
+                                                  num_microbatches=16 // (dp * 2), **config))
+    return estimate.stages[0]
+
+
+def test_expert_gathers_move_this_ranks_experts_over_their_replicas(planner) -> None:
+    plain, split, alone = (_stage(planner, zero_stage=3, ep=ep).fsdp for ep in (1, 2, 4))
+    # ep = 2: the experts' gathers move half the experts, over 4 ranks instead of 8.
+    assert 0 < split.gather_s < plain.gather_s and 0 < split.reduce_scatter_s < plain.reduce_scatter_s
+    # ep = 4 of dp = 8: a quarter of the experts over 2 ranks: less again.
+    assert alone.gather_s < split.gather_s
+
+
+def test_with_dp_equal_to_ep_experts_are_not_gathered(planner, wide_graph) -> None:
+    """dp_rep = 1: each rank holds its experts whole; only the other weights are gathered, as
+    a dp8 x ep8 stage gathers less than a dp8 x ep4 one, whose experts are sharded over 2."""
+    alone, paired = _stage(planner, zero_stage=3, ep=8), _stage(planner, zero_stage=3, ep=4)
+    assert alone.expert_param_numel == _expert_numel(wide_graph) / 8
+    assert 0 < alone.fsdp.gather_s < paired.fsdp.gather_s
+    assert _stage(planner, zero_stage=0, ep=8).fsdp is None
+
+
+def test_ep_runs_with_every_zero_stage(tiny_graph) -> None:
+    for zero in (1, 2, 3):
+        plan = autopar.plan(tiny_graph, cluster="dgx-h100:nodes=1", global_batch=16,
+                            constraints={"ep": 2, "zero_stage": zero, "tp": 1})
+        assert plan.ep == 2 and plan.zero_stage == zero, plan.summary()
+        assert plan.predicted.breakdown_s["ep.all_to_all"] > 0
+
+
+@pytest.mark.parametrize("dp_rep, ep, cp, tp, expected", [
+    (4, 2, 1, 1, Group(num_nodes=1, devices_per_node=4)),   # stride 2: four in a node of 8
+    (2, 8, 1, 1, Group(num_nodes=2, devices_per_node=1)),   # stride 8: one per node
+    (2, 2, 2, 2, Group(num_nodes=2, devices_per_node=2)),   # cp pairs in a node, dp_rep across nodes
+    (4, 2, 2, 1, Group(num_nodes=2, devices_per_node=4)),   # a node holds 2 dp_rep x 2 cp of one ep index
+    (2, 1, 4, 4, Group(num_nodes=4, devices_per_node=2)),   # cp strided by tp = 4: 2 cp ranks per node
+])
+def test_the_expert_replica_group_spans_what_the_layout_places(dp_rep, ep, cp, tp, expected) -> None:
+    assert replica_group(dp_rep, ep, cp, tp, devices_per_node=8) == expected
+
+
+def test_a_forced_ep_is_planned_with_zero_where_that_is_faster() -> None:
+    """Experts dominate (64 experts of 1024 x 4096 per layer): with ep = 8 forced, ZeRO shards the
+    rest and the experts' optimizer states, instead of a pipeline holding them (ZeRO-0 pp2, 0.164 s
+    predicted before ep ran with ZeRO)."""
+    big_moe = "moe:layers=16,hidden=1024,heads=16,seq=1024,vocab=32000,num_experts=64,top_k=2,ffn_hidden=4096"
+    plan = autopar.plan(big_moe, cluster="dgx-h100:nodes=8", global_batch=256, constraints={"ep": 8})
+    assert plan.ep == 8 and plan.zero_stage > 0, plan.summary()
+    zero0 = autopar.plan(big_moe, cluster="dgx-h100:nodes=8", global_batch=256, constraints={"ep": 8, "zero_stage": 0})
+    assert plan.predicted.step_time_s < zero0.predicted.step_time_s
+
+
+def test_pipelined_zero2_accumulates_only_this_ranks_experts(planner) -> None:
+    """Under pipelining ZeRO-2 accumulates unsharded gradients until the step's reduce-scatter:
+    of the experts, only the 1/ep this rank holds."""
+    from autopar.solver.configs import ParallelConfig
+
+    def gradients(ep: int) -> float:
+        config = ParallelConfig(dp=4, tp=1, pp=2, microbatch_size=2, num_microbatches=2, zero_stage=2, ep=ep)
+        estimate, _ = planner.evaluate(config)
+        return max(stage.memory_bytes["gradients"] for stage in estimate.stages)
+
+    assert gradients(4) < gradients(2) < gradients(1)
