@@ -2,11 +2,11 @@
 autopar's prediction of the same configuration, and against the plan autopar would choose.
 
     .venv/bin/python benchmarks/published_moe.py [--rows qwen3-30b-a3b-32,...] [--markdown] [--breakdown]
-        [--no-plan]
+        [--no-plan] [--hf]
 
-Each row's model is built on meta from its Hugging Face config class (MixtralConfig,
-Qwen3MoeConfig, GptOssConfig) with the row's shape columns (`build_model`, the one builder), and
-priced as published: tp, pp, virtual stages, cp, ep, dp, microbatch, the optimizer sharding
+Each row's model is built on meta as the built-in `moe:` family from the row's shape columns
+(`build_model`, the one builder; `--hf` builds its Hugging Face config class instead: MixtralConfig,
+Qwen3MoeConfig, GptOssConfig), and priced as published: tp, pp, virtual stages, cp, ep, dp, microbatch, the optimizer sharding
 (Megatron's distributed optimizer is ZeRO-1) and recomputation as run, with the load imbalance
 the routing implies (force-balanced routing and token dropping at capacity factor c put at most
 1.0 and c x the even share on the busiest rank; dropless real routing the planner's default).
@@ -175,9 +175,17 @@ def _token_loss(output, targets):
     return F.cross_entropy(output.logits.flatten(0, -2).float(), targets.flatten())
 
 
-def build_model(run: MoeRun, batch: int = 1):
-    """(model on meta, keyword inputs, targets, loss) from the row's Hugging Face config class and
-    shape columns (the one builder of this benchmark)."""
+def build_model(run: MoeRun, batch: int = 1, source: str = "builtin"):
+    """(model on meta, inputs, targets, loss) of the row (the one builder of this benchmark): the
+    built-in `moe:` family from the row's shape columns (`model_spec`; Megatron's layers: SDPA,
+    one RMSNorm kernel, SwiGLU experts as grouped matmuls), or with source="hf" the row's Hugging
+    Face config class as users build it (unfused fp32 norms and rotary; gpt-oss's sinks make it
+    eager attention)."""
+    if source == "builtin":
+        from autopar.models import build_model as build_builtin
+
+        bundle = build_builtin(model_spec(run), batch_size=batch, device="meta")
+        return bundle.model, bundle.example_inputs, bundle.example_targets, bundle.loss_fn
     import torch
     import transformers
 
@@ -191,6 +199,21 @@ def build_model(run: MoeRun, batch: int = 1):
         model = getattr(transformers, model_class)(config)
     tokens = torch.zeros(batch, run.shape["seq"], dtype=torch.long, device="meta")
     return model, dict(input_ids=tokens), tokens, _token_loss
+
+
+def model_spec(run: MoeRun) -> str:
+    """The row's model as a built-in `moe:` spec: its shape columns, softmax routing, dropless
+    unless the row dropped tokens at a capacity factor. Left out: gpt-oss's sliding windows and
+    attention sinks (every layer is priced with full causal attention)."""
+    shape = dict(run.shape)
+    shape.setdefault("ffn_hidden", shape["expert_ffn_hidden"])
+    shape["head_dim"] = run.head_dim
+    shape["kv_heads"] = shape.get("kv_heads", shape["heads"])
+    capacity = _CAPACITY.search(run.routing)
+    shape["capacity_factor"] = capacity.group(1) if capacity and "drop" in run.routing else 0
+    fields = ("layers", "hidden", "heads", "kv_heads", "head_dim", "seq", "vocab", "ffn_hidden", "dense_layers",
+              "num_experts", "top_k", "expert_ffn_hidden", "shared_experts", "capacity_factor")
+    return "moe:" + ",".join(f"{key}={shape[key]}" for key in fields if key in shape) + ",router=softmax,attention=gqa"
 
 
 def shape_fields(run: MoeRun) -> dict:
@@ -238,31 +261,33 @@ class Outcome:
         return None if self.zero0 is None else self.run.in_unit(self.zero0[0]) / self.run.published - 1
 
 
-def planner_for(run: MoeRun):
-    """(a Planner of the row's model on its cluster and batch, the attention implementation the
-    Hugging Face model runs: "eager" materializes the scores, as gpt-oss's attention sinks do)."""
+def planner_for(run: MoeRun, source: str = "builtin"):
+    """(a Planner of the row's model on its cluster and batch, the attention it runs: SDPA for the
+    built-in family; a Hugging Face model's implementation, "eager" materializing the scores as
+    gpt-oss's attention sinks do)."""
     from autopar.cluster import Cluster
     from autopar.plans.planning import capture_for_planning
     from autopar.solver.experts import ExpertPricing
     from autopar.solver.search import Planner, SearchOptions
     from cost_model.memory import MEGATRON_BF16
 
-    model, inputs, targets, loss = build_model(run)
+    model, inputs, targets, loss = build_model(run, source=source)
     graph = capture_for_planning(model, inputs, loss_fn=loss, example_targets=targets)
+    attention = model.config._attn_implementation if source == "hf" else "sdpa"
     options = SearchOptions(experts=ExpertPricing(load_imbalance=run.load_imbalance), jobs=1)
     planner = Planner(graph, Cluster.from_spec(run.cluster_spec), global_batch=run.global_batch, policy=MEGATRON_BF16,
                       precision="bf16", options=options)
-    return planner, model.config._attn_implementation
+    return planner, attention
 
 
-def evaluate_run(run: MoeRun, plan: bool = True) -> Outcome:
+def evaluate_run(run: MoeRun, plan: bool = True, source: str = "builtin") -> Outcome:
     from autopar import api
     from autopar.errors import AutoparError
     from autopar.plans.planning import plan_with
     from autopar.solver.experts import find_expert_ops
 
     started = time.perf_counter()
-    planner, attention = planner_for(run)
+    planner, attention = planner_for(run, source)
     ops = find_expert_ops(planner.graph)
     kinds = sorted({op.kind for op in ops})
     expert_ops = (f"{len(ops)} {'/'.join(kinds)}" if ops else "none found") + f"; attention {attention}"
@@ -345,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="print one markdown table")
     parser.add_argument("--breakdown", action="store_true", help="also print the as-published step's breakdown")
     parser.add_argument("--no-plan", action="store_true", help="price the published configurations only")
+    parser.add_argument("--hf", action="store_true", help="build each model from its Hugging Face config class "
+                        "instead of the built-in moe: family")
     args = parser.parse_args(argv)
     runs = read_runs()
     if args.rows:
@@ -352,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [run for run in runs if run.id in wanted]
     outcomes = []
     for run in runs:
-        outcome = evaluate_run(run, plan=not args.no_plan)
+        outcome = evaluate_run(run, plan=not args.no_plan, source="hf" if args.hf else "builtin")
         outcomes.append(outcome)
         if not args.markdown:
             print(plain([outcome]) + "\n", flush=True)

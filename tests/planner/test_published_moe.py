@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.published_moe import REFERENCE, read_runs, recompute_mode, shape_fields, zero_stage
+from benchmarks.published_moe import REFERENCE, model_spec, read_runs, recompute_mode, shape_fields, zero_stage
 
 HEADER = ("id,source,table,model,layers,hidden,heads,kv_heads,dense_layers,ffn_hidden,expert_ffn_hidden,num_experts,"
           "top_k,shared_experts,vocab,seq,gpus,gpu,cluster,global_batch,microbatch,tp,pp,virtual_stages,cp,ep,etp,dp,"
@@ -74,3 +74,21 @@ def test_the_reference_rows_parse():
     runs = read_runs()
     assert runs and all(run.ep > 1 and run.dp * run.tp * run.pp * run.cp == run.gpus for run in runs)
     assert all(run.flops_per_step() > 0 and run.load_imbalance >= 1.0 for run in runs)
+
+
+def test_a_row_becomes_a_builtin_moe_spec_with_its_shape(tmp_path):
+    from autopar.models import build_model
+
+    path = _write(tmp_path,
+                  'a,s,T,Mixtral-8x22B,4,64,4,2,0,,128,8,2,0,100,32,16,H100,dgx-h100,64,2,2,2,2,,4,1,4,none,none,'
+                  'bf16,token-drop with capacity factor 1.1,tflops_per_gpu,400,m,x',
+                  'c,s,T,Qwen3-30B-A3B,2,64,4,4,1,96,32,8,2,0,100,32,8,H100,dgx-h100,16,1,1,1,,1,2,1,8,none,none,'
+                  'bf16,force-balanced,tflops_per_gpu,200,m,"head_dim 32"')
+    dropping, balanced = read_runs(path)
+    spec = model_spec(balanced)
+    assert spec.startswith("moe:layers=2,hidden=64,heads=4,kv_heads=4,head_dim=32,seq=32,vocab=100,ffn_hidden=96,"
+                           "dense_layers=1,num_experts=8,top_k=2,expert_ffn_hidden=32,")
+    assert "capacity_factor=0," in spec  # force-balanced dropless
+    assert "capacity_factor=1.1," in model_spec(dropping)  # token-drop at the row's capacity factor
+    for run in (dropping, balanced):
+        assert build_model(model_spec(run)).model is not None  # the spec is a valid model
