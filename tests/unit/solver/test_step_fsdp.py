@@ -46,7 +46,7 @@ def test_zero1_keeps_its_experts_whole_and_shards_their_optimizer_states(tiny_gr
 
 
 # Experts large enough that the gathers' bandwidth, not their latency, sets their time.
-WIDE_MOE = "moe:layers=2,hidden=1024,heads=16,seq=512,vocab=1024,num_experts=16,ffn_hidden=4096"
+WIDE_MOE = "moe:layers=2,hidden=1024,heads=16,seq=512,vocab=1024,num_experts=16,expert_ffn_hidden=4096"
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_ep_runs_with_every_zero_stage(tiny_graph) -> None:
         plan = autopar.plan(tiny_graph, cluster="dgx-h100:nodes=1", global_batch=16,
                             constraints={"ep": 2, "zero_stage": zero, "tp": 1})
         assert plan.ep == 2 and plan.zero_stage == zero, plan.summary()
-        assert plan.predicted.breakdown_s["ep.all_to_all"] > 0
+        assert plan.predicted.breakdown_s["ep.dispatch"] > 0
 
 
 @pytest.mark.parametrize("dp_rep, ep, cp, tp, expected", [
@@ -111,7 +111,7 @@ def test_a_forced_ep_is_planned_with_zero_where_that_is_faster() -> None:
     """Experts dominate (64 experts of 1024 x 4096 per layer): with ep = 8 forced, ZeRO shards the
     rest and the experts' optimizer states, instead of a pipeline holding them (ZeRO-0 pp2, 0.164 s
     predicted before ep ran with ZeRO)."""
-    big_moe = "moe:layers=16,hidden=1024,heads=16,seq=1024,vocab=32000,num_experts=64,top_k=2,ffn_hidden=4096"
+    big_moe = "moe:layers=16,hidden=1024,heads=16,seq=1024,vocab=32000,num_experts=64,top_k=2,expert_ffn_hidden=4096"
     plan = autopar.plan(big_moe, cluster="dgx-h100:nodes=8", global_batch=256, constraints={"ep": 8})
     assert plan.ep == 8 and plan.zero_stage > 0, plan.summary()
     zero0 = autopar.plan(big_moe, cluster="dgx-h100:nodes=8", global_batch=256, constraints={"ep": 8, "zero_stage": 0})
