@@ -76,7 +76,7 @@ class PipelineBuilder:
                 continue
             placement = "R" if replicated else self.wires.get(name) or self.placements.get(name, "R").split("|")[0]
             # Under bf16 what crosses a boundary is sent in bf16 (StageProgram._leave casts fp32).
-            dtype = torch.bfloat16 if boundary and self.plan.precision == "bf16" and node.output.dtype == "float32" \
+            dtype = torch.bfloat16 if boundary and self.plan.precision in ("bf16", "fp8") and node.output.dtype == "float32" \
                 else None
             example = example_tensor(node.output, placement, self.tp, self.device, dtype_override=dtype)
             # PipelineStage sends gradients back only for inputs whose examples require them.

@@ -88,9 +88,9 @@ def check_plan_data(data: dict, source: str) -> None:
     PlanMismatchError naming the field, so that `show`, `Plan.load` and `parallelize(plan=...)`
     never meet a malformed plan deep in a report or in codegen."""
     fields = _PlanFields(source)
-    for key in ("model", "model_fingerprint", "cluster", "cluster_fingerprint", "schedule", "recompute", "precision",
+    for key in ("model", "model_fingerprint", "cluster", "cluster_fingerprint", "schedule", "recompute", "precision", "fp8_recipe",
                 "calibration"):
-        fields.text(fields.get(data, key, key, "" if key in ("precision", "calibration") else ...), key)
+        fields.text(fields.get(data, key, key, "" if key in ("precision", "calibration", "fp8_recipe") else ...), key)
     num_devices = fields.integer(fields.get(data, "num_devices", "num_devices"), "num_devices")
     global_batch = fields.integer(fields.get(data, "global_batch", "global_batch"), "global_batch",
                                   maximum=MAX_GLOBAL_BATCH)
@@ -112,6 +112,7 @@ def check_plan_data(data: dict, source: str) -> None:
         fields.fail(f"ep={ep} does not divide mesh dp={mesh['dp']}: experts are split over groups of ep "
                     "data-parallel ranks")
     fields.texts(fields.get(data, "ep_params", "ep_params", []), "ep_params")
+    fields.texts(fields.get(data, "fp8_linears", "fp8_linears", []), "fp8_linears")
     stages = fields.list(fields.get(data, "stages", "stages"), "stages")
     if len(stages) != mesh["pp"]:
         fields.fail(f"stages lists {len(stages)} pipeline stages, but mesh pp is {mesh['pp']}")

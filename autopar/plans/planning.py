@@ -36,6 +36,7 @@ from autopar.plans.build import make_plan
 from autopar.plans.plan import Plan
 from autopar.solver.constraints import (Constraints, check_constraint_values, check_degrees, check_fixed_config,
                                         check_pipeline_depth)
+from autopar.solver.fp8 import FP8_RECIPES, Fp8Choice, fp8_linears
 from autopar.solver.overheads import overheads_for
 from autopar.solver.parallel_search import check_jobs_env
 from autopar.solver.search import Planner, SearchOptions
@@ -43,7 +44,9 @@ from autopar.solver.step_model import ParallelConfig
 from autopar.validation import check_choice, check_global_batch, shorten, type_name
 from cost_model.memory import BF16_ADAM, FP32_ADAM, PrecisionPolicy
 
-PRECISIONS = {"bf16": BF16_ADAM, "fp32": FP32_ADAM}
+PRECISIONS = {"bf16": BF16_ADAM, "fp32": FP32_ADAM, "fp8": BF16_ADAM}
+"""Precision policies by name; "fp8" keeps bf16's memory policy (fp32 master weights and Adam, bf16
+activations): its float8 copies and casts are priced as fp8 terms (solver/fp8.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,7 +172,7 @@ def _capture_replica(model, spec: ModelInput, precision: str, verbose: bool, reu
 
 
 def _traced_replica(model, spec: ModelInput, precision: str, verbose: bool, reuse_blocks: bool) -> OpGraph:
-    dtype = torch.bfloat16 if precision == "bf16" else None
+    dtype = torch.bfloat16 if precision in ("bf16", "fp8") else None
     if _built_here(model, spec.model):
         # A built-in family's model was just built on meta and nobody else holds it: converting
         # it in place spares copying every module (a fifth of GPT-3 175B's capture).
@@ -220,18 +223,41 @@ def _policy(precision: str) -> PrecisionPolicy:
     return PRECISIONS[check_choice(precision, "precision", tuple(PRECISIONS))]
 
 
+def check_fp8_arguments(precision: str, fp8_recipe: str, fp8_filter) -> None:
+    check_choice(fp8_recipe, "fp8_recipe", FP8_RECIPES)
+    if fp8_filter is not None and not callable(fp8_filter):
+        raise ConfigError(f"fp8_filter must be a callable fp8_filter(module_fqn, weight_shape) -> bool, got "
+                          f"{type_name(fp8_filter)} {shorten(fp8_filter)}")
+    if precision != "fp8" and fp8_filter is not None:
+        raise ConfigError(f"fp8_filter chooses the linears of precision 'fp8', but precision is {precision!r}: "
+                          "pass precision='fp8' or drop fp8_filter")
+
+
+def check_fp8_device(cluster: Cluster, precision: str) -> None:
+    """Precision "fp8" needs FP8 tensor cores (H100, H200...) or a CPU cluster (emulated)."""
+    if precision != "fp8" or cluster.device_kind == "cpu" or cluster.device.has_fp8:
+        return
+    raise ConfigError(f"precision 'fp8' needs FP8 tensor cores, and the cluster's {cluster.device.name} has none "
+                      "(torch._scaled_mm runs on compute capability 8.9+: H100, H200, L4, L40S; A100 and V100 do "
+                      "not): use --precision bf16, or plan for a cluster of such GPUs")
+
+
 def _progress(verbose: bool):
     return (lambda message: print(message, file=sys.stderr, flush=True)) if verbose else None
 
 
 def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=None, example_targets=None,
                 precision: str = "bf16", options: SearchOptions | None = None, verbose: bool = False,
-                calibrated: bool = True, example_kwargs=None) -> Planner:
+                calibrated: bool = True, example_kwargs=None, fp8_recipe: str = "tensorwise",
+                fp8_filter=None) -> Planner:
     """Capture once and return a Planner that can search and price many configurations.
 
     With `calibrated` (the default) the profile's whole-step calibration, if it has one, adds
-    its terms to every prediction (autopar/solver/overheads.py)."""
+    its terms to every prediction (autopar/solver/overheads.py). Precision "fp8" runs the linears
+    solver/fp8.py chooses (or those `fp8_filter(module_fqn, weight_shape)` keeps) with torchao's
+    `fp8_recipe` ("tensorwise" or "rowwise")."""
     policy = _policy(precision)
+    check_fp8_arguments(precision, fp8_recipe, fp8_filter)
     global_batch = check_global_batch(global_batch)
     if options is not None and not isinstance(options, SearchOptions):
         raise ConfigError(f"options must be a SearchOptions or None, got {type_name(options)} {shorten(options)}")
@@ -241,22 +267,28 @@ def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=No
     cluster = Cluster.from_spec(cluster)
     overheads = overheads_for(cluster, torch_version=torch.__version__, host=socket.gethostname()) if calibrated \
         else None
+    check_fp8_device(cluster, precision)
     graph = capture_for_planning(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
-                                 example_kwargs=example_kwargs, precision=precision, verbose=verbose)
+                                 example_kwargs=example_kwargs, precision="bf16" if precision == "fp8" else precision,
+                                 verbose=verbose)
+    fp8 = Fp8Choice(recipe=fp8_recipe, linears=fp8_linears(graph, fp8_filter)) if precision == "fp8" else None
     return Planner(graph, cluster, global_batch=global_batch, policy=policy, precision=precision,
-                   options=options or SearchOptions(), progress=_progress(verbose), overheads=overheads)
+                   options=options or SearchOptions(), progress=_progress(verbose), overheads=overheads, fp8=fp8)
 
 
 def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constraints=None, loss_fn=None,
          example_targets=None, precision: str = "bf16", options: SearchOptions | None = None,
-         verbose: bool = False, example_kwargs=None) -> Plan:
+         verbose: bool = False, example_kwargs=None, fp8_recipe: str = "tensorwise", fp8_filter=None) -> Plan:
     """Search the best parallelization; `constraints` may fix dp, tp, pp, cp, microbatch_size,
     schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage, ep, offload and
     sequence_parallel (False: tensor parallelism without sequence parallelism).
-    `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones."""
+    `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones.
+    `precision="fp8"` trains the eligible linears in float8 with torchao (`fp8_recipe`, `fp8_filter`:
+    see `planner_for`)."""
     return candidate_plans(model, example_inputs, cluster, global_batch=global_batch, num_candidates=1,
                            constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
-                           precision=precision, options=options, verbose=verbose, example_kwargs=example_kwargs)[0]
+                           precision=precision, options=options, verbose=verbose, example_kwargs=example_kwargs,
+                           fp8_recipe=fp8_recipe, fp8_filter=fp8_filter)[0]
 
 
 def _check_constraints(cluster: Cluster, global_batch: int, constraints: Constraints) -> None:
@@ -270,7 +302,8 @@ def plan_with(planner: Planner, constraints: Constraints = Constraints()) -> Pla
 
 def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: int, num_candidates: int,
                     constraints=None, loss_fn=None, example_targets=None, precision: str = "bf16",
-                    options: SearchOptions | None = None, verbose: bool = False, example_kwargs=None) -> list[Plan]:
+                    options: SearchOptions | None = None, verbose: bool = False, example_kwargs=None,
+                    fp8_recipe: str = "tensorwise", fp8_filter=None) -> list[Plan]:
     """The `num_candidates` fastest predicted plans, fastest first (what trials measure)."""
     constraints = Constraints.from_value(check_constraint_values(constraints))
     check_model_arguments(model, example_inputs, loss_fn, example_targets)
@@ -279,7 +312,7 @@ def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: 
     _check_constraints(cluster, check_global_batch(global_batch), constraints)
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
                           example_targets=example_targets, precision=precision, options=options, verbose=verbose,
-                          example_kwargs=example_kwargs)
+                          example_kwargs=example_kwargs, fp8_recipe=fp8_recipe, fp8_filter=fp8_filter)
     return candidates_with(planner, constraints, num_candidates=num_candidates)
 
 
@@ -301,7 +334,7 @@ def _candidates(planner: Planner, constraints: Constraints, num_candidates: int)
         plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
                          sharding=planner.sharding(config.tp, config.microbatch_size, config.sequence_parallel),
                          memory_budget_bytes=planner.step_model.memory_budget_bytes,
-                         search=result if estimate is result.best else None, precision=planner.precision,
+                         search=result if estimate is result.best else None, precision=planner.precision, fp8=planner.fp8,
                          segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
                                                         config.sequence_parallel),
                          strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel))
@@ -348,7 +381,7 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
              recompute: str = "none", zero_stage: int = 0, loss_fn=None, example_targets=None,
              precision: str = "bf16", verbose: bool = False, example_kwargs=None, ep: int = 1,
              cp: int = 1, offload: bool = False, sequence_parallel: bool = True,
-             options: SearchOptions | None = None) -> Plan:
+             options: SearchOptions | None = None, fp8_recipe: str = "tensorwise", fp8_filter=None) -> Plan:
     """Price one fully fixed configuration (no search); `ep` splits the experts of an MoE over
     groups of ep data-parallel ranks, `cp` splits each sequence over cp ranks, `offload` is optimizer
     offload (ZeRO-3, pp = 1), `sequence_parallel=False` is tensor parallelism without sequence
@@ -364,7 +397,7 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
                   microbatch_size=microbatch_size, schedule=schedule, cp=cp if cp > 1 else None)
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
                           example_targets=example_targets, precision=precision, verbose=verbose,
-                          example_kwargs=example_kwargs, options=options)
+                          example_kwargs=example_kwargs, options=options, fp8_recipe=fp8_recipe, fp8_filter=fp8_filter)
     config = fixed_config(planner, tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                           virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
                           recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,
@@ -405,7 +438,7 @@ def evaluate_with(planner: Planner, config: ParallelConfig) -> Plan:
         f"{planner.step_model.memory_budget_bytes / 2**30:.1f} GiB usable",)
     plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
                      sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes,
-                     precision=planner.precision,
+                     precision=planner.precision, fp8=planner.fp8,
                      segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
                                                     config.sequence_parallel),
                      strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel))

@@ -51,6 +51,7 @@ from autopar.solver.constraints import ConfigChecks, Constraints
 from autopar.solver.context_parallel import sequence_length
 from autopar.solver.enumerate import Candidates, MeshDegrees
 from autopar.solver.evaluate import SegmentCost
+from autopar.solver.fp8 import Fp8Choice
 from autopar.solver.experts import ExpertPricing, find_expert_ops
 from autopar.solver.overheads import Overheads, SegmentCounts
 from autopar.solver.parallel_search import search_in_workers, search_jobs
@@ -119,7 +120,8 @@ class Planner:
 
     def __init__(self, graph: OpGraph, cluster: Cluster, *, global_batch: int, policy: PrecisionPolicy = BF16_ADAM,
                  precision: str = "bf16", options: SearchOptions = SearchOptions(),
-                 progress: Progress | None = None, overheads: Overheads | None = None) -> None:
+                 progress: Progress | None = None, overheads: Overheads | None = None,
+                 fp8: Fp8Choice | None = None) -> None:
         if global_batch < 1:
             raise ConfigError(f"global batch must be >= 1, got {global_batch}")
         self.graph = graph
@@ -129,7 +131,9 @@ class Planner:
             policy = replace(policy, optimizer_io_bytes_per_param=adamw_io_bytes_per_param(options.optimizer))
         self.policy = policy
         self.precision = precision
-        """Name of the precision policy ("bf16" or "fp32"), recorded in plans."""
+        """Name of the precision policy ("bf16", "fp32" or "fp8"), recorded in plans."""
+        self.fp8 = fp8
+        """Precision "fp8": its recipe and the linears run in float8 (solver/fp8.py); else None."""
         self.options = options
         self.progress = progress or (lambda message: None)
         self.step_model = StepModel(
