@@ -3,9 +3,10 @@
 **Where the conversion happens.** Not by `convert_to_float8_training` before capture, but here,
 at codegen, on the exported graph's `aten.linear` ops. Planning captures a weightless bf16
 replica on meta with torch.export, and the interpreter runs the captured aten ops on DTensors,
-taking the backward from autograd of what it ran. A Float8Linear traced by export is flattened
-into the aten ops of its forward (amax, scale, casts, a dequantised matmul): autograd of those is
-not torchao's float8 backward (grad_output cast to e5m2 with its own scale, the grad_input and
+taking the backward from autograd of what it ran. torch.export of a converted model fails outright
+(torch 2.13, torchao 0.18: "Unable to cast NotImplemented to Tensor" from the Float8TrainingTensor
+subclass), and a trace that got through would flatten Float8Linear into the aten ops of its
+forward (amax, scale, casts, a dequantised matmul), whose autograd is not torchao's float8 backward (grad_output cast to e5m2 with its own scale, the grad_input and
 grad_weight matmuls in float8, `matmul_with_hp_or_float8_args.backward`), the planner would meet
 float8 casts as ops to shard, and the graph's fingerprint would change with the recipe. So the
 graph stays the model's own; the plan names the linears that run in float8 (Plan.fp8_linears,
