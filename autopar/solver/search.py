@@ -52,6 +52,7 @@ from autopar.solver.context_parallel import sequence_length
 from autopar.solver.enumerate import Candidates, MeshDegrees
 from autopar.solver.evaluate import SegmentCost
 from autopar.solver.fp8 import Fp8Choice
+from autopar.solver.fp8_pricing import Fp8Pricing
 from autopar.solver.experts import ExpertPricing, find_expert_ops
 from autopar.solver.overheads import Overheads, SegmentCounts
 from autopar.solver.parallel_search import search_in_workers, search_jobs
@@ -158,6 +159,10 @@ class Planner:
                                step_model=self.step_model, overheads=overheads, sharding_options=options.sharding,
                                cp_kv_exchange=options.cp_kv_exchange, expert_ops=self.expert_ops)
         """Intra-op solves, segment costs and estimates, cached (pricing.py)."""
+        if fp8 is not None:
+            self.pricing.fp8 = Fp8Pricing(graph, fp8, compute=self.step_model.compute, comm=self.step_model.comm,
+                                          devices_per_node=cluster.devices_per_node,
+                                          memory_budget_bytes=self.step_model.memory_budget_bytes)
         self.checks = ConfigChecks(graph=graph, cluster=cluster, global_batch=global_batch, step_model=self.step_model,
                                    expert_ops=self.expert_ops, ep_options=self.pricing.ep_options,
                                    sequence_length=self.sequence_length, cp_blocker=self.cp_blocker)
