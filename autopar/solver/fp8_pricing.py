@@ -143,7 +143,8 @@ class Fp8Pricing:
 
     def _matmul_s(self, linear: _Linear, config: ParallelConfig, weight_sharded: bool) -> tuple[float, float]:
         """This rank's matmul time of one linear per microbatch at the bf16 rate and at the fp8 rate
-        (a measured bf16 rate scaled by the datasheet's fp8/bf16 peak ratio); (0, 0) where the
+        (the profile's fp8 sweep, `autopar profile` with torch._scaled_mm, else its bf16 rate
+        scaled by the datasheet's fp8/bf16 peak ratio); (0, 0) where the
         device has no FP8 tensor cores (emulated: the bf16 time stays in `compute`)."""
         device = self.compute.device
         ratio = device.peak_flops("fp8") / device.peak_flops("bf16")
@@ -156,7 +157,9 @@ class Fp8Pricing:
                 continue
             runs = 2 if forward and config.recompute == "full" else 1
             bf16_s += runs * flops / self.compute.matmul_rate(flops, dtype)
-            fp8_s += runs * flops / (self.compute.matmul_rate(flops, "bf16") * ratio)
+            fp8_rate = self.compute.matmul_rate(flops, "fp8") if self.compute.measured("fp8") \
+                else self.compute.matmul_rate(flops, "bf16") * ratio
+            fp8_s += runs * flops / fp8_rate
         return bf16_s, fp8_s
 
     def _cast_s(self, elements, config: ParallelConfig, gathered: bool) -> float:

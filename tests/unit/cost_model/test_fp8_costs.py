@@ -28,3 +28,33 @@ def test_hopper_has_twice_the_bf16_peak_in_fp8_and_ampere_none():
         assert device.has_fp8 and device.peak_flops("fp8") == pytest.approx(2 * device.peak_flops("bf16"), rel=1e-3)
     assert not A100_80G.has_fp8
     assert A100_80G.peak_flops("fp8") == A100_80G.peak_flops("bf16")  # emulated at the bf16 rate
+
+
+def test_the_profile_measures_fp8_with_scaled_mm_on_gpus_only():
+    import torch
+
+    from cost_model.errors import CostModelInputError
+    from cost_model.profile_options import ProfileOptions
+    from cost_model.profiler import _scaled_mm_case, _with_fp8_where_supported
+
+    with pytest.raises(CostModelInputError, match="torch._scaled_mm on GPUs"):
+        ProfileOptions(device="cpu", matmul_dtypes=("fp8",))
+    assert "fp8" not in ProfileOptions(device="cpu").resolved().matmul_dtypes
+    cpu = torch.device("cpu")
+    assert _with_fp8_where_supported(cpu, ("bf16", "fp8")) == ("bf16",)
+    output = _scaled_mm_case(32, cpu)()  # the case itself (torch has a CPU _scaled_mm)
+    assert output.shape == (32, 32) and output.dtype == torch.bfloat16
+
+
+def test_a_measured_fp8_sweep_prices_the_float8_matmuls():
+    from cost_model.compute import ComputeModel
+    from cost_model.profile import SCHEMA_VERSION, HardwareProfile, MatmulPoint
+
+    assert not ComputeModel(H100_SXM).measured("fp8")
+    points = tuple(MatmulPoint(dtype=dtype, flops=flops, achieved_flops_per_s=rate)
+                   for dtype, rate in (("bf16", 600e12), ("fp8", 1100e12)) for flops in (1e9, 1e12))
+    profile = HardwareProfile(schema_version=SCHEMA_VERSION, device_name="H100", device_kind="cuda", num_processes=1,
+                              memory_bytes=80e9, matmul=points, memory_bandwidth_bytes_per_s=3e12,
+                              kernel_overhead_s=5e-6)
+    compute = ComputeModel(H100_SXM, profile)
+    assert compute.measured("fp8") and compute.matmul_rate(1e12, "fp8") == pytest.approx(1100e12)
