@@ -271,7 +271,8 @@ def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=No
     graph = capture_for_planning(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                                  example_kwargs=example_kwargs, precision="bf16" if precision == "fp8" else precision,
                                  verbose=verbose)
-    fp8 = Fp8Choice(recipe=fp8_recipe, linears=fp8_linears(graph, fp8_filter)) if precision == "fp8" else None
+    fp8 = Fp8Choice(recipe=fp8_recipe, linears=fp8_linears(graph, fp8_filter),
+                    auto=fp8_filter is None and cluster.device.has_fp8) if precision == "fp8" else None
     return Planner(graph, cluster, global_batch=global_batch, policy=policy, precision=precision,
                    options=options or SearchOptions(), progress=_progress(verbose), overheads=overheads, fp8=fp8)
 
@@ -334,12 +335,23 @@ def _candidates(planner: Planner, constraints: Constraints, num_candidates: int)
         plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
                          sharding=planner.sharding(config.tp, config.microbatch_size, config.sequence_parallel),
                          memory_budget_bytes=planner.step_model.memory_budget_bytes,
-                         search=result if estimate is result.best else None, precision=planner.precision, fp8=planner.fp8,
+                         search=result if estimate is result.best else None, precision=planner.precision,
+                         fp8=_fp8_of(planner, config),
                          segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
                                                         config.sequence_parallel),
                          strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel))
         plans.append(_with_error_bar(plan, planner))
     return plans
+
+
+def _fp8_of(planner: Planner, config: ParallelConfig) -> Fp8Choice | None:
+    """Precision "fp8": the linears that run in float8 under `config` (the planner's choice where
+    it chooses: fp8_pricing.Fp8Pricing.chosen)."""
+    if planner.fp8 is None or planner.pricing.fp8 is None:
+        return planner.fp8
+    linears = planner.pricing.fp8.chosen(config, lambda chosen: planner.pricing.strategies(
+        chosen.tp, chosen.microbatch_size, chosen.sequence_parallel))
+    return replace(planner.fp8, linears=linears)
 
 
 def _distinct(ranked: list) -> list:
@@ -438,7 +450,7 @@ def evaluate_with(planner: Planner, config: ParallelConfig) -> Plan:
         f"{planner.step_model.memory_budget_bytes / 2**30:.1f} GiB usable",)
     plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
                      sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes,
-                     precision=planner.precision, fp8=planner.fp8,
+                     precision=planner.precision, fp8=_fp8_of(planner, config),
                      segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
                                                     config.sequence_parallel),
                      strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel))

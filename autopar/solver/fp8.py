@@ -83,3 +83,6 @@ class Fp8Choice:
     """torchao's scaling recipe (FP8_RECIPES)."""
     linears: tuple[str, ...] = ()
     """Weight FQNs of the linears run in float8 (fp8_linears)."""
+    auto: bool = False
+    """The planner keeps a linear in float8 only where it is priced faster than in bf16 under the
+    configuration (fp8_pricing.py); set on devices with FP8 tensor cores when no filter chose."""

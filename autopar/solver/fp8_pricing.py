@@ -46,6 +46,7 @@ MASTER_BYTES = 4
 @dataclass(frozen=True, kw_only=True)
 class _Linear:
     node: str
+    fqn: str
     weight_numel: float
     input_per_sample: float
     output_per_sample: float
@@ -55,12 +56,27 @@ class _Linear:
     """(FLOPs per sample, dtype, forward) of each matmul kernel."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Priced:
+    """One linear's float8 prices per microbatch on one rank."""
+
+    linear: _Linear
+    elements: fp8_cost.Fp8LinearElements
+    bf16_s: float
+    fp8_s: float
+    cast_s: float
+    amax_s: float
+    kept: bool
+
+
 class Fp8Pricing:
     """The fp8 terms of one planner's estimates."""
 
     def __init__(self, graph: OpGraph, choice: Fp8Choice, *, compute: ComputeModel, comm: CommModel,
-                 devices_per_node: int, memory_budget_bytes: float) -> None:
+                 devices_per_node: int, memory_budget_bytes: float, auto: bool = False) -> None:
         self.choice = choice
+        self.auto = auto
+        """Keep only the linears whose float8 run is priced faster (the planner's choice)."""
         self.compute = compute
         self.comm = comm
         self.devices_per_node = devices_per_node
@@ -76,37 +92,54 @@ class Fp8Pricing:
             kernels = tuple((kernel.flops / batch, kernel.dtype, forward)
                             for forward, group in ((True, op.fwd_kernels), (False, op.bwd_kernels))
                             for kernel in group if kernel.is_matmul)
-            self.linears.append(_Linear(node=node, weight_numel=float(shape[0] * shape[1]),
+            self.linears.append(_Linear(node=node, fqn=fqn, weight_numel=float(shape[0] * shape[1]),
                                         input_per_sample=source.numel / batch, output_per_sample=op.output.numel / batch,
                                         in_features=shape[1], out_features=shape[0], matmul_flops_per_sample=kernels))
-        self.weight_share = (sum(linear.weight_numel for linear in self.linears)
-                             / max(sum(param.meta.numel for param in graph.params if param.trainable), 1.0))
+        self.param_numel = max(float(sum(param.meta.numel for param in graph.params if param.trainable)), 1.0)
 
-    def apply(self, estimate: Estimate, strategies: Callable[[ParallelConfig], dict]) -> Estimate:
-        config = estimate.config
+    def priced(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> list[_Priced]:
+        """Each chosen linear's float8 prices per microbatch under `config`, and whether it stays
+        in float8 (with `auto`: when its float8 matmul, casts and amax all-reduces take less than
+        its bf16 matmul)."""
         placements = strategies(config) if config.tp > 1 else {}
         gathered = self.choice.recipe == "tensorwise" and uses_fsdp(config)
-        per_microbatch = {"fp8.cast": 0.0, "fp8.amax": 0.0}
-        bf16_matmul_s = fp8_matmul_s = 0.0
-        copies = held_weight = 0.0
+        found = []
         for linear in self.linears:
             elements, sharded = self._elements(linear, config, placements.get(linear.node))
             bf16_s, fp8_s = self._matmul_s(linear, config, sharded["weight"])
-            bf16_matmul_s, fp8_matmul_s = bf16_matmul_s + bf16_s, fp8_matmul_s + fp8_s
-            per_microbatch["fp8.cast"] += self._cast_s(elements, config, gathered)
-            per_microbatch["fp8.amax"] += self._amax_s(linear, elements, sharded, config, gathered)
-            copies = max(copies, fp8_cost.transient_bytes(elements))
-            held_weight += elements.weight
+            cast_s = self._cast_s(elements, config, gathered)
+            amax_s = self._amax_s(linear, elements, sharded, config, gathered)
+            kept = not self.auto or fp8_s + cast_s + amax_s < bf16_s
+            found.append(_Priced(linear=linear, elements=elements, bf16_s=bf16_s, fp8_s=fp8_s, cast_s=cast_s,
+                                 amax_s=amax_s, kept=kept))
+        return found
+
+    def chosen(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> tuple[str, ...]:
+        """Weight FQNs of the linears that run in float8 under `config` (sorted)."""
+        return tuple(sorted(item.linear.fqn for item in self.priced(config, strategies) if item.kept))
+
+    def apply(self, estimate: Estimate, strategies: Callable[[ParallelConfig], dict]) -> Estimate:
+        config = estimate.config
+        gathered = self.choice.recipe == "tensorwise" and uses_fsdp(config)
+        kept = [item for item in self.priced(config, strategies) if item.kept]
+        per_microbatch = {"fp8.cast": sum(item.cast_s for item in kept), "fp8.amax": sum(item.amax_s for item in kept)}
+        bf16_matmul_s, fp8_matmul_s = sum(item.bf16_s for item in kept), sum(item.fp8_s for item in kept)
+        copies = max((fp8_cost.transient_bytes(item.elements) for item in kept), default=0.0)
+        held_weight = sum(item.elements.weight for item in kept)
         slots = config.num_microbatches + (config.pp - 1 if config.pp > 1 else 0)
         terms = {name: seconds * slots / config.pp for name, seconds in per_microbatch.items()}
         breakdown = dict(estimate.breakdown_s)
         notes = estimate.notes
-        if gathered:
-            terms.update(self._gather_terms(config, held_weight / config.pp))
-            saved = self._gather_saving(breakdown)
+        if self.auto and len(kept) < len(self.linears):
+            notes += (f"fp8: {len(kept)} of {len(self.linears)} eligible linears run in float8 (the others' casts "
+                      "would cost more than their faster matmuls save)",)
+        if gathered and kept:
+            terms.update(self._gather_terms(config, held_weight / config.pp, len(kept)))
+            share = sum(item.linear.weight_numel for item in kept) / self.param_numel
+            saved = self._gather_saving(breakdown, share)
             terms["dp.all_gather"] = -saved  # already in the step time: only its change is added
             if saved:
-                notes += (f"fp8: FSDP2 gathers {len(self.linears)} float8 weights at 1 byte per element; "
+                notes += (f"fp8: FSDP2 gathers {len(kept)} float8 weights at 1 byte per element; "
                           f"dp.all_gather priced {saved:.3g} s lower",)
         if fp8_matmul_s:
             m, pp = config.num_microbatches, config.pp
@@ -188,27 +221,28 @@ class Fp8Pricing:
             seconds += count * self.comm.time_s("all_reduce", message, group)
         return seconds
 
-    def _gather_saving(self, breakdown: dict[str, float]) -> float:
-        """Exposed all-gather time the float8 weights' bytes no longer take; the dp.all_gather
-        terms shrink by it, each by its share."""
-        fraction = self.weight_share * (COMPUTE_BYTES - fp8_cost.FP8_BYTES) / COMPUTE_BYTES
+    @staticmethod
+    def _gather_saving(breakdown: dict[str, float], share: float) -> float:
+        """Exposed all-gather time the float8 weights' bytes (`share` of all parameters) no longer
+        take; the dp.all_gather terms shrink by it, each by its share."""
+        fraction = share * (COMPUTE_BYTES - fp8_cost.FP8_BYTES) / COMPUTE_BYTES
         saved = 0.0
         for name in [name for name in breakdown if name.startswith("dp.all_gather")]:
             saved += breakdown[name] * fraction
             breakdown[name] *= 1.0 - fraction
         return saved
 
-    def _gather_terms(self, config: ParallelConfig, stage_weight: float) -> dict[str, float]:
+    def _gather_terms(self, config: ParallelConfig, stage_weight: float, num_weights: int) -> dict[str, float]:
         """FSDP2's float8 all-gather: the shard casts before each gather, and the step's one
         all-reduce of the weights' amaxes (the scales precomputed)."""
         shard = stage_weight / config.data_shards  # of a stage's float8 weights (tp shards, 1/pp of them)
         gathers = 2 * config.num_microbatches if config.zero_stage == 3 else 1
-        cast = gathers * fp8_cost.cast_time_s(shard, len(self.linears), source_bytes=MASTER_BYTES,
+        cast = gathers * fp8_cost.cast_time_s(shard, num_weights, source_bytes=MASTER_BYTES,
                                               bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s,
                                               kernel_overhead_s=self.compute.overhead_s)
         mesh = Mesh(axis_names=("pp", "dp_cp", "tp"), shape=(config.pp, config.data_shards, config.tp),
                     devices_per_node=self.devices_per_node)
-        amax = self.comm.time_s("all_reduce", fp8_cost.SCALE_BYTES * len(self.linears), mesh.group(1))
+        amax = self.comm.time_s("all_reduce", fp8_cost.SCALE_BYTES * num_weights, mesh.group(1))
         return {"fp8.cast.all_gather": cast, "fp8.amax.precompute": amax}
 
     def _tp_group(self, config: ParallelConfig):

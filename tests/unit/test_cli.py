@@ -53,7 +53,8 @@ def test_fp8_flags_plan_float8_linears(capsys, command, fixed):
                        *fixed, "--precision", "fp8", "--fp8-recipe", "rowwise", "--json")
     assert code == 0
     data = json.loads(out)
-    assert (data["precision"], data["fp8_recipe"], len(data["fp8_linears"])) == ("fp8", "rowwise", 12)
+    # A 64-wide model on H100: the planner keeps every linear in bf16 (eager casts cost more).
+    assert (data["precision"], data["fp8_recipe"], data["fp8_linears"]) == ("fp8", "rowwise", [])
     code, out, _ = run(capsys, command, TINY, "--cluster", "cpu:procs=2", "--global-batch", "8", *fixed,
                        "--precision", "fp8")
     assert code == 0 and "12 linears in float8 (torchao, tensorwise scaling)" in out
