@@ -152,7 +152,7 @@ class Fp8Pricing:
                 terms["bubble"] = bubble_s
         breakdown.update({name: seconds for name, seconds in terms.items()
                           if seconds and name.startswith("fp8.")})
-        memory = {**estimate.memory_bytes, "fp8.copies": copies}
+        memory = {**estimate.memory_bytes, **({"fp8.copies": copies} if copies else {})}
         peak = estimate.peak_memory_bytes + copies
         return replace(estimate, step_time_s=estimate.step_time_s + sum(terms.values()), breakdown_s=breakdown,
                        memory_bytes=memory, peak_memory_bytes=peak, notes=notes,
