@@ -127,7 +127,8 @@ class ProgramBuilder:
         from autopar.codegen.data_parallel import uses_fsdp
         from autopar.codegen.fp8 import Float8Linears
 
-        gathered = uses_fsdp(self.plan.zero_stage, self.plan.mesh["dp"] * self.plan.mesh.get("cp", 1), self.plan.offload)
+        data_shards = self.plan.mesh["dp"] * self.plan.mesh.get("cp", 1)
+        gathered = uses_fsdp(self.plan.zero_stage, data_shards, self.plan.offload)
         fp8 = Float8Linears(self.plan.fp8_recipe or "tensorwise", self.plan.fp8_linears, self.device,
                             fsdp_float8_all_gather=gathered)
         fp8.install(self.interpreter, self.parts.param_of, self.parts.fx_nodes)

@@ -1,18 +1,18 @@
 """Float8 training of a plan's linears with torchao (precision "fp8").
 
-**Where the conversion happens.** Not by `convert_to_float8_training` before capture, but here,
-at codegen, on the exported graph's `aten.linear` ops. Planning captures a weightless bf16
-replica on meta with torch.export, and the interpreter runs the captured aten ops on DTensors,
-taking the backward from autograd of what it ran. torch.export of a converted model fails outright
-(torch 2.13, torchao 0.18: "Unable to cast NotImplemented to Tensor" from the Float8TrainingTensor
-subclass), and a trace that got through would flatten Float8Linear into the aten ops of its
-forward (amax, scale, casts, a dequantised matmul), whose autograd is not torchao's float8 backward (grad_output cast to e5m2 with its own scale, the grad_input and
-grad_weight matmuls in float8, `matmul_with_hp_or_float8_args.backward`), the planner would meet
-float8 casts as ops to shard, and the graph's fingerprint would change with the recipe. So the
-graph stays the model's own; the plan names the linears that run in float8 (Plan.fp8_linears,
-solver/fp8.py's rule, by weight), and each of those ops runs torchao's own autograd.Function on
-the DTensors the plan placed, with the Float8LinearConfig the recipe names: forward, backward
-and scales are torchao's.
+**Where the conversion happens.** Not by `convert_to_float8_training` before capture, but here, at
+codegen, on the exported graph's `aten.linear` ops. Planning captures a weightless bf16 replica on
+meta with torch.export, and the interpreter runs the captured aten ops on DTensors, taking the
+backward from autograd of what it ran. torch.export of a converted model fails outright (torch
+2.13, torchao 0.18: "Unable to cast NotImplemented to Tensor" from the Float8TrainingTensor
+subclass), and a trace that got through would flatten Float8Linear into the aten ops of its forward
+(amax, scale, casts, a dequantised matmul), whose autograd is not torchao's float8 backward
+(grad_output cast to e5m2 with its own scale, the grad_input and grad_weight matmuls in float8,
+`matmul_with_hp_or_float8_args.backward`), and the planner would meet float8 casts as ops to shard.
+So the graph stays the model's own; the plan names the linears that run in float8
+(Plan.fp8_linears, solver/fp8.py's rule, by weight), and each of those ops runs torchao's own
+autograd.Function on the DTensors the plan placed, with the Float8LinearConfig the recipe names:
+forward, backward and scales are torchao's.
 
 **Composition.** Tensor parallelism: torchao casts DTensors (`hp_tensor_and_scale_to_float8`
 wraps the local Float8TrainingTensor in a DTensor) and DTensor shards the float8 matmul like the

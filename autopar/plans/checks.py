@@ -88,8 +88,8 @@ def check_plan_data(data: dict, source: str) -> None:
     PlanMismatchError naming the field, so that `show`, `Plan.load` and `parallelize(plan=...)`
     never meet a malformed plan deep in a report or in codegen."""
     fields = _PlanFields(source)
-    for key in ("model", "model_fingerprint", "cluster", "cluster_fingerprint", "schedule", "recompute", "precision", "fp8_recipe",
-                "calibration"):
+    for key in ("model", "model_fingerprint", "cluster", "cluster_fingerprint", "schedule", "recompute", "precision",
+                "fp8_recipe", "calibration"):
         fields.text(fields.get(data, key, key, "" if key in ("precision", "calibration", "fp8_recipe") else ...), key)
     num_devices = fields.integer(fields.get(data, "num_devices", "num_devices"), "num_devices")
     global_batch = fields.integer(fields.get(data, "global_batch", "global_batch"), "global_batch",

@@ -93,7 +93,8 @@ class Fp8Pricing:
                             for forward, group in ((True, op.fwd_kernels), (False, op.bwd_kernels))
                             for kernel in group if kernel.is_matmul)
             self.linears.append(_Linear(node=node, fqn=fqn, weight_numel=float(shape[0] * shape[1]),
-                                        input_per_sample=source.numel / batch, output_per_sample=op.output.numel / batch,
+                                        input_per_sample=source.numel / batch,
+                                        output_per_sample=op.output.numel / batch,
                                         in_features=shape[1], out_features=shape[0], matmul_flops_per_sample=kernels))
         self.param_numel = max(float(sum(param.meta.numel for param in graph.params if param.trainable)), 1.0)
 

@@ -155,7 +155,8 @@ def _check(results: list[dict], tolerance: float) -> None:
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_under_dp_fsdp_and_pp_matches_one_process(recipe, tmp_path):
     """dp2 (ZeRO-0), dp2 ZeRO-3 (FSDP2; tensorwise: weights gathered in float8 with precomputed
-    scales), pp2 and dp2 with full recomputation: the same float8 casts of the same values as one process, to bf16 round-off."""
+    scales), pp2 and dp2 with full recomputation: the same float8 casts of the same values as one
+    process, to bf16 round-off."""
     for rank_results in run_workers(fp8_worker, world_size=2, args=(fp8_cluster(2, tmp_path), CONFIGS_2, recipe)):
         _check(rank_results, EXACT)
 
