@@ -27,11 +27,12 @@ FP8_EFFECT = 0.05
 reference (measured 0.087): the exact comparisons see whether the linears ran in float8."""
 TP_TOLERANCE = 0.15
 """Gradient error under tensor parallelism. Row-parallel outputs are partial sums added in another
-order, so the next linear's bf16 input differs from one process's in the last bit here and there;
-a float8 cast (3 mantissa bits) rounds such an element to the neighbouring float8 value, 1/8 away,
+order, so the next linear's bf16 input differs from one process's in the last bit here and there; a
+float8 cast (3 mantissa bits) rounds such an element to the neighbouring float8 value, 1/8 away,
 and the gradients decorrelate as far as float8's own rounding moves them (bf16 against float8:
-0.087; dp2 x tp2 against one process: 0.081, with ZeRO-3's float8 gathers 0.10, pp2 x tp2 0.08). That each float8 linear on tp shards is one
-process's is the exact test below (test_fp8_linear_on_tensor_parallel_shards_is_one_process_linear)."""
+0.087; dp2 x tp2 against one process: 0.081, with ZeRO-3's float8 gathers 0.10, pp2 x tp2 0.08).
+That each float8 linear on tp shards is one process's is the exact test below
+(test_fp8_linear_on_tensor_parallel_shards_is_one_process_linear)."""
 
 
 def fp8_cluster(num_devices: int, folder) -> str:
