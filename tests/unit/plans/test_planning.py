@@ -51,6 +51,13 @@ def test_gpus_without_fp8_tensor_cores_are_refused_with_the_reason(cluster):
         autopar.evaluate(GPT, cluster=cluster, global_batch=8, precision="fp8")
 
 
+def test_a_cluster_file_may_give_a_device_fp8_tensor_cores(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text('preset = "dgx-a100-80g"\n[device]\nfp8_tflops = 624\n')
+    assert autopar.Cluster.from_spec(str(path)).device.has_fp8
+    assert autopar.evaluate(GPT, cluster=str(path), global_batch=8, precision="fp8").precision == "fp8"
+
+
 def test_cpu_clusters_run_fp8_emulated_and_bad_arguments_are_named():
     assert autopar.evaluate(GPT, cluster="cpu", global_batch=8, precision="fp8").precision == "fp8"
     with pytest.raises(ConfigError, match="fp8_recipe"):
