@@ -69,12 +69,6 @@ def fp8_linears(graph: OpGraph, keep: Callable[[str, tuple[int, ...]], bool] | N
     return tuple(sorted(fqn for fqn, ok in qualifies.items() if ok))
 
 
-def fp8_nodes(graph: OpGraph, weights: tuple[str, ...]) -> frozenset[str]:
-    """The linear ops of `graph` that read one of `weights` (a plan's fp8_linears)."""
-    wanted = set(weights)
-    return frozenset(node for node, fqn, _ in linear_weights(graph) if fqn in wanted)
-
-
 @dataclass(frozen=True, kw_only=True)
 class Fp8Choice:
     """What precision "fp8" runs in float8 for one graph."""

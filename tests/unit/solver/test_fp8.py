@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from autopar.solver.fp8 import fp8_linears, fp8_nodes, linear_weights
+from autopar.solver.fp8 import fp8_linears, linear_weights
 
 LLAMA = "llama:layers=2,hidden=64,heads=4,ffn_hidden=72,seq=16,vocab=64"
 GPT = "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=64"
@@ -42,8 +42,3 @@ def test_a_filter_replaces_the_default_rule(llama):
     chosen = fp8_linears(llama, keep)
     assert chosen == ("layers.0.mlp.down_proj.weight", "layers.1.mlp.down_proj.weight", "lm_head.weight")
     assert ("layers.0.mlp.down_proj", (64, 72)) in seen
-
-
-def test_fp8_nodes_are_the_linear_ops_reading_the_chosen_weights(llama):
-    nodes = fp8_nodes(llama, ("layers.0.attn.q_proj.weight",))
-    assert len(nodes) == 1 and all(llama[name].target == "aten.linear.default" for name in nodes)
