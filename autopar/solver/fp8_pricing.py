@@ -98,6 +98,13 @@ class Fp8Pricing:
                                         in_features=shape[1], out_features=shape[0], matmul_flops_per_sample=kernels))
         self.param_numel = max(float(sum(param.meta.numel for param in graph.params if param.trainable)), 1.0)
 
+    @property
+    def lower_bound_factor(self) -> float:
+        """No fp8 step is faster than its bf16 lower bound times this: at most the matmuls get
+        faster, by the fp8/bf16 peak ratio (the search's pruning must not drop faster fp8 plans)."""
+        device = self.compute.device
+        return device.peak_flops("bf16") / device.peak_flops("fp8") if device.has_fp8 else 1.0
+
     def priced(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> list[_Priced]:
         """Each chosen linear's float8 prices per microbatch under `config`, and whether it stays
         in float8 (with `auto`: when its float8 matmul, casts and amax all-reduces take less than

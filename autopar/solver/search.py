@@ -270,6 +270,8 @@ class Planner:
         them): what a configuration must beat to be priced."""
         found = Found()
         bound_factor = self.overheads.lower_bound_factor if self.overheads else 1.0
+        if self.pricing.fp8 is not None:  # float8 matmuls may make a step faster than its bf16 bound
+            bound_factor *= self.pricing.fp8.lower_bound_factor
         for index, (tp, pp, dp, cp) in self._promising_first(meshes, constraints, offload):
             for microbatch in self.candidates.microbatches(dp, constraints):
                 self.progress(f"planning: tp={tp} pp={pp} dp={dp}{f' cp={cp}' if cp > 1 else ''} microbatch={microbatch}"

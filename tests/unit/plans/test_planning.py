@@ -71,3 +71,12 @@ def test_a_plan_file_with_an_unknown_recipe_is_refused():
     data["fp8_recipe"] = "blockwise"
     with pytest.raises(Exception, match="fp8_recipe"):
         Plan.from_dict(data)
+
+
+def test_the_search_prices_float8_and_keeps_the_faster_plan():
+    """The search prices every configuration with its float8 linears (its pruning bound allows for
+    matmuls up to the fp8/bf16 peak ratio faster): the fp8 plan beats the bf16 plan."""
+    fp8 = autopar.plan(BIG, cluster="dgx-h100", global_batch=16, precision="fp8")
+    bf16 = autopar.plan(BIG, cluster="dgx-h100", global_batch=16)
+    assert fp8.fp8_linears and fp8.predicted.step_time_s < bf16.predicted.step_time_s
+    assert fp8.predicted.breakdown_s["fp8.matmul"] > 0
