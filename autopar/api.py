@@ -62,7 +62,7 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
                 constraints=None, precision: str | None = None, example_kwargs: dict | None = None,
                 init_fn=None, trials: int = 1, trial_options=None, progress=None, options=None,
                 checkpoint: str | Path | None = None, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
-                checkpoint_async: bool = True) -> ParallelModule:
+                checkpoint_async: bool = True, fp8_recipe: str = "tensorwise", fp8_filter=None) -> ParallelModule:
     """Plan (on rank 0) or take `plan`, and return this rank's ParallelModule. `example_inputs`
     is a tuple of positional inputs or a dict of keyword inputs (`input_ids=`, `attention_mask=`);
     `example_kwargs` adds keyword inputs to positional ones.
@@ -82,7 +82,10 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
     checkpoint and saves one every `checkpoint_every` steps (asynchronously unless
     `checkpoint_async=False`); a `plan` made for another number of processes (torchrun restarted
     the job on fewer or more nodes) is replaced by one planned for this world, with the plan's
-    global batch (codegen/training_loop.py)."""
+    global batch (codegen/training_loop.py).
+
+    `precision="fp8"` trains the linears that solver/fp8.py picks (or `fp8_filter(module_fqn,
+    weight_shape)` keeps) in float8 with torchao's `fp8_recipe` ("tensorwise" or "rowwise")."""
     _check_arguments(model, example_inputs, example_kwargs, plan, global_batch)
     _, world = ensure_process_group()
     inputs, keywords = split_inputs(example_inputs, example_kwargs)
@@ -93,14 +96,15 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
             return plan if isinstance(plan, Plan) else Plan.load(plan)
         return planning.plan(model, inputs, cluster or default_cluster(world), global_batch=batch,
                              constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
-                             example_kwargs=keywords, options=options,
+                             example_kwargs=keywords, options=options, fp8_recipe=fp8_recipe, fp8_filter=fp8_filter,
                              precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"))
 
     if trials > 1 and plan is None:
         chosen = _chosen_by_trials(model, inputs, keywords, cluster or default_cluster(world), batch, trials,
                                    loss_fn=loss_fn, example_targets=example_targets, constraints=constraints,
                                    precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"),
-                                   trial_options=trial_options, progress=progress, options=options)
+                                   trial_options=trial_options, progress=progress, options=options,
+                                   fp8=dict(fp8_recipe=fp8_recipe, fp8_filter=fp8_filter))
     elif trials < 1:
         raise ConfigError(f"trials must be >= 1 (1: no trial runs), got {trials}")
     else:
@@ -127,16 +131,18 @@ def _replanned(given: Plan, world: int, model, inputs, keywords, cluster, *, los
               file=sys.stderr, flush=True)
         return planning.plan(model, inputs, cluster or default_cluster(world), global_batch=given.global_batch,
                              constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
-                             example_kwargs=keywords, options=options, precision=given.precision)
+                             example_kwargs=keywords, options=options, precision=given.precision,
+                             **({"fp8_recipe": given.fp8_recipe} if given.precision == "fp8" else {}))
 
     return run_on_rank0(make)
 
 
 def _chosen_by_trials(model, inputs, keywords, cluster, batch: int, trials: int, *, loss_fn, example_targets, constraints,
-                      precision: str, trial_options, progress, options=None) -> Plan:
+                      precision: str, trial_options, progress, options=None, fp8: dict | None = None) -> Plan:
     candidates = run_on_rank0(lambda: candidate_plans(
         model, inputs, cluster, global_batch=batch, num_candidates=trials, constraints=constraints, loss_fn=loss_fn,
-        example_targets=example_targets, precision=precision, example_kwargs=keywords, options=options))
+        example_targets=example_targets, precision=precision, example_kwargs=keywords, options=options,
+        **(fp8 or {})))
     for candidate in candidates:
         if candidate.num_devices != dist.get_world_size():
             raise PlanMismatchError(f"the candidate plans are for {candidate.num_devices} devices, but the job has "

@@ -116,7 +116,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="e.g. dgx-a100-80g:nodes=16, dgx-h100:nodes=2,gpus_per_node=4, cpu:procs=4, or a TOML file")
     parser.add_argument("--global-batch", type=count(MAX_GLOBAL_BATCH), required=True, metavar="B",
                         help="samples per optimizer step")
-    parser.add_argument("--precision", choices=sorted(planning.PRECISIONS), default="bf16")
+    parser.add_argument("--precision", choices=sorted(planning.PRECISIONS), default="bf16",
+                        help="bf16 (default), fp32, or fp8: bf16 with the linears in float8 through torchao "
+                             "(GPUs with FP8 tensor cores, H100/H200; emulated on CPU clusters)")
     parser.add_argument("--optimizer", choices=["foreach", "fused"], default="foreach",
                         help="how the training script's AdamW runs, for the optimizer step's price: foreach "
                              "(torch.optim.AdamW's default, the default here) or fused (AdamW(fused=True), Apex)")
@@ -124,6 +126,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE", help="also save the plan as JSON")
     parser.add_argument("--verbose", "-v", action="store_true", help="progress on stderr")
     _cache_flag(parser)
+
+
+def _fp8_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise",
+                        help="with --precision fp8: torchao's scaling, one scale per tensor (default; FSDP "
+                             "gathers weights in float8) or one per row")
 
 
 def _cache_flag(parser: argparse.ArgumentParser) -> None:
@@ -148,6 +156,7 @@ def _plan_parser(commands) -> None:
     parser.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
                         help="optimizer offload (FSDP2 CPUOffloadPolicy): auto uses it only when nothing fits without")
     _sequence_parallel_flag(parser)
+    _fp8_flag(parser)
     parser.add_argument("--jobs", type=count(1024), metavar="N",
                         help="processes that price configurations (default: $AUTOPAR_JOBS, else the usable cores up "
                              "to 8; 1 for a small search)")
@@ -160,6 +169,7 @@ def _evaluate_parser(commands) -> None:
     parser.add_argument("--tp", type=count(), required=True)
     parser.add_argument("--pp", type=count(), required=True)
     parser.add_argument("--dp", type=count(), help="default: devices / (tp x pp x cp)")
+    _fp8_flag(parser)
     parser.add_argument("--cp", type=count(), default=1, help="context-parallel degree (default 1)")
     parser.add_argument("--microbatch-size", type=count(MAX_GLOBAL_BATCH), required=True)
     parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "zb1p", "zbv"], default="1f1b")
@@ -268,7 +278,7 @@ def _plan(args) -> int:
                    "sequence_parallel": False if args.sequence_parallel == "off" else None}
     plan = planning.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
                     constraints={key: value for key, value in constraints.items() if value is not None},
-                    precision=args.precision, verbose=args.verbose,
+                    precision=args.precision, verbose=args.verbose, fp8_recipe=args.fp8_recipe,
                     options=SearchOptions(jobs=args.jobs, optimizer=args.optimizer),
                     moe_load_imbalance=args.moe_load_imbalance)
     return _emit(plan, args)
@@ -282,7 +292,8 @@ def _evaluate(args) -> int:
                         layers_per_virtual_stage=args.layers_per_virtual_stage, recompute=args.recompute,
                         zero_stage=args.zero, precision=args.precision, verbose=args.verbose, ep=args.ep,
                         cp=args.cp, offload=args.offload, sequence_parallel=args.sequence_parallel == "on",
-                        options=SearchOptions(optimizer=args.optimizer), moe_load_imbalance=args.moe_load_imbalance)
+                        options=SearchOptions(optimizer=args.optimizer), moe_load_imbalance=args.moe_load_imbalance,
+                        fp8_recipe=args.fp8_recipe)
     return _emit(plan, args)
 
 

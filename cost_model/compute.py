@@ -32,7 +32,7 @@ from cost_model.profile import HardwareProfile
 
 # torch dtype names -> the keys of DeviceSpec.peak_flops_per_s
 _DTYPE_KEYS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp32",
-               "bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "tf32": "tf32"}
+               "bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "tf32": "tf32", "fp8": "fp8"}
 
 
 class KernelLike(Protocol):
@@ -114,6 +114,10 @@ class ComputeModel:
         self.element_rates = {point.kind: point.elements_per_s for point in profile.elementwise} if profile else {}
         self._attention = _attention_tables(profile) if profile is not None else {}
         self._grouped = _grouped_tables(profile) if profile is not None else {}
+
+    def measured(self, dtype: str) -> bool:
+        """Whether the profile measured matmuls of this dtype key ("fp8": torch._scaled_mm)."""
+        return _DTYPE_KEYS.get(dtype, dtype) in self._tables
 
     def matmul_rate(self, flops: float, dtype: str) -> float:
         """Achieved FLOP/s of a matmul of `flops` FLOPs."""

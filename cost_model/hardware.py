@@ -20,7 +20,7 @@ GB = 1e9
 GIB = 2**30
 TFLOPS = 1e12
 
-DTYPES = ("bf16", "fp16", "fp32", "tf32")
+DTYPES = ("bf16", "fp16", "fp32", "tf32", "fp8")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +30,8 @@ class DeviceSpec:
     name: str
     """Human-readable name, e.g. "A100 SXM4 80GB"."""
     peak_flops_per_s: dict[str, float]
-    """Dense peak FLOP/s per dtype key ("bf16", "fp16", "fp32", "tf32")."""
+    """Dense peak FLOP/s per dtype key ("bf16", "fp16", "fp32", "tf32", "fp8"); "fp8" only where
+    the device has FP8 tensor cores (torch._scaled_mm: compute capability 8.9 and up)."""
     memory_bytes: float
     """Device memory capacity in bytes (as the runtime reports it)."""
     memory_bandwidth_bytes_per_s: float
@@ -87,11 +88,16 @@ class DeviceSpec:
         device has it."""
         if dtype in self.peak_flops_per_s:
             peak = self.peak_flops_per_s[dtype]
-        elif dtype == "fp16" and "bf16" in self.peak_flops_per_s:
+        elif dtype in ("fp16", "fp8") and "bf16" in self.peak_flops_per_s:  # fp8 without: emulated in bf16
             peak = self.peak_flops_per_s["bf16"]
         else:
             peak = self.peak_flops_per_s.get("fp32", min(self.peak_flops_per_s.values()))
         return peak * self.clock_fraction
+
+    @property
+    def has_fp8(self) -> bool:
+        """FP8 tensor cores (a float8 matmul runs at the "fp8" peak, not emulated)."""
+        return "fp8" in self.peak_flops_per_s
 
     @property
     def clock_fraction(self) -> float:
@@ -277,7 +283,9 @@ HOPPER_CLOCK_POWER_EXPONENT = (math.log(H100_SXM_BF16_TFLOPS / H100_NVL_BF16_TFL
 
 H100_SXM = DeviceSpec(
     name="H100 SXM5 80GB",
-    peak_flops_per_s={"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "tf32": 495 * TFLOPS, "fp32": 67 * TFLOPS},
+    # Dense FP8 (e4m3/e5m2) is twice dense bf16 on Hopper: 1,979 TF/s on the datasheet.
+    peak_flops_per_s={"bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS, "tf32": 495 * TFLOPS, "fp32": 67 * TFLOPS,
+                      "fp8": 1979 * TFLOPS},
     memory_bytes=79.6 * GIB,
     memory_bandwidth_bytes_per_s=3350 * GB,
     # Large bf16 GEMMs on H100 reach a smaller fraction of the (higher) peak than on A100.

@@ -12,6 +12,9 @@ from cost_model.profile import COLLECTIVE_OPS
 
 KIB, MIB = 2**10, 2**20
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP8 = "fp8"
+"""torch._scaled_mm on float8_e4m3fn operands (bf16 out), measured on GPUs with FP8 tensor cores."""
+MATMUL_DTYPES = (*TORCH_DTYPES, FP8)
 
 # Default sweeps. CPU matmuls step by ~sqrt(2) in size (2.8x in FLOPs) so that log-linear
 # interpolation between points stays within the curve's wiggles (cache-blocking steps).
@@ -63,8 +66,11 @@ class ProfileOptions:
         if isinstance(self.num_processes, bool) or not isinstance(self.num_processes, int) or self.num_processes < 1:
             raise CostModelInputError(f"profile: num_processes must be an integer >= 1, got {self.num_processes!r}")
         for dtype in self.matmul_dtypes or ():
-            if dtype not in TORCH_DTYPES:
-                raise CostModelInputError(f"profile: unknown matmul dtype {dtype!r}; use {', '.join(TORCH_DTYPES)}")
+            if dtype not in MATMUL_DTYPES:
+                raise CostModelInputError(f"profile: unknown matmul dtype {dtype!r}; use {', '.join(MATMUL_DTYPES)}")
+            if dtype == FP8 and self.device == "cpu":
+                raise CostModelInputError("profile: fp8 matmuls are measured with torch._scaled_mm on GPUs with FP8 "
+                                          "tensor cores; on CPUs float8 is emulated (priced at the bf16 rate): drop fp8")
         for op in self.collective_ops:
             if op not in COLLECTIVE_OPS:
                 raise CostModelInputError(f"profile: unknown collective {op!r}; use {', '.join(COLLECTIVE_OPS)}")
@@ -86,7 +92,8 @@ class ProfileOptions:
         return replace(
             self,
             matmul_sizes=tuple(sorted(set(self.matmul_sizes or sizes))),
-            matmul_dtypes=self.matmul_dtypes or (("fp32", "bf16") if on_cpu else ("bf16", "fp16", "fp32")),
+            # fp8: measured where the GPU has FP8 tensor cores (the profiler drops it elsewhere).
+            matmul_dtypes=self.matmul_dtypes or (("fp32", "bf16") if on_cpu else ("bf16", "fp16", "fp32", FP8)),
             message_sizes_bytes=tuple(sorted(set(self.message_sizes_bytes or messages))),
             repeats=self.repeats or (3 if quick else 9),
             min_sample_s=self.min_sample_s or (0.005 if quick else 0.02),

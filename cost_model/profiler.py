@@ -57,7 +57,7 @@ from cost_model.profile import (SCHEMA_VERSION, AttentionPoint, CollectivePoint,
                                 GroupedMatmulPoint, HardwareProfile, MatmulPoint)
 from cost_model.profile_attention import measure_attention
 from cost_model.profile_grouped import measure_grouped_matmuls
-from cost_model.profile_options import TORCH_DTYPES, ProfileOptions
+from cost_model.profile_options import FP8, TORCH_DTYPES, ProfileOptions
 from cost_model.profile_collectives import (Launch, measure_collectives, plan_collectives, ranks_by_node,
                                             spawn_collectives, torchrun_launch)
 from cost_model.profile_timing import (Progress, ProgressFn, Timer, compute_device, interleaved_medians,
@@ -207,6 +207,7 @@ def _measure_compute(options: ProfileOptions, num_processes: int, report: Progre
         elementwise = _measure_elementwise(timer, device, options, overhead_s, deadline_s)
         report("matmul sweep", 0.15)
         dtypes = _without_slow_bf16(timer, device, options.matmul_dtypes) if probe_bf16 else options.matmul_dtypes
+        dtypes = _with_fp8_where_supported(device, dtypes)
         matmul = _measure_matmuls(timer, device, replace(options, matmul_dtypes=dtypes), overhead_s,
                                   report.span(0.15, 0.9), deadline_s)
         report("grouped matmul sweep", 0.9)
@@ -284,8 +285,11 @@ def _measure_matmuls(timer: Timer, device: torch.device, options: ProfileOptions
     cases, keys = [], []
     for dtype in options.matmul_dtypes:
         for size in options.matmul_sizes:
-            left, right = _matmul_operands(size, TORCH_DTYPES[dtype], device)
-            cases.append(lambda left=left, right=right: torch.matmul(left, right))
+            if dtype == FP8:
+                cases.append(_scaled_mm_case(size, device))
+            else:
+                left, right = _matmul_operands(size, TORCH_DTYPES[dtype], device)
+                cases.append(lambda left=left, right=right: torch.matmul(left, right))
             keys.append((dtype, size))
     repeats = options.repeats
 
@@ -303,6 +307,24 @@ def _measure_matmuls(timer: Timer, device: torch.device, options: ProfileOptions
 def _matmul_operands(size: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     # Random normal data, made on the device: zeros or constants could take fast paths.
     return (torch.randn(size, size, dtype=dtype, device=device), torch.randn(size, size, dtype=dtype, device=device))
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """FP8 tensor cores: torch._scaled_mm runs on CUDA compute capability 8.9+ (Ada, Hopper)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _with_fp8_where_supported(device: torch.device, dtypes: tuple[str, ...]) -> tuple[str, ...]:
+    return dtypes if fp8_supported(device) else tuple(dtype for dtype in dtypes if dtype != FP8)
+
+
+def _scaled_mm_case(size: int, device: torch.device) -> Callable[[], object]:
+    """A float8 matmul as torchao's float8 linears run it: e4m3 operands (the right one
+    column-major, as _scaled_mm requires), fp32 tensorwise scales, bf16 out."""
+    left, right = _matmul_operands(size, torch.bfloat16, device)
+    left, right = left.to(torch.float8_e4m3fn), right.to(torch.float8_e4m3fn).t().contiguous().t()
+    scale = torch.ones((), dtype=torch.float32, device=device)
+    return lambda: torch._scaled_mm(left, right, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16)
 
 
 def _without_slow_bf16(timer: Timer, device: torch.device, dtypes: tuple[str, ...]) -> tuple[str, ...]:

@@ -118,6 +118,21 @@ class ProgramBuilder:
         """The (tp, ep) mesh of expert weights under expert parallelism (else None)."""
         self.weight_casts = WeightCasts(accumulate_into_grad=plan.schedule not in ZERO_BUBBLE_SCHEDULES)
         """The bf16 weight copies of this rank's modules under bf16 precision (one per step)."""
+        self.fp8 = self._float8_linears()
+        """Precision "fp8": the plan's float8 linears (codegen/fp8.py), else None."""
+
+    def _float8_linears(self):
+        if self.plan.precision != "fp8":
+            return None
+        from autopar.codegen.data_parallel import uses_fsdp
+        from autopar.codegen.fp8 import Float8Linears
+
+        data_shards = self.plan.mesh["dp"] * self.plan.mesh.get("cp", 1)
+        gathered = uses_fsdp(self.plan.zero_stage, data_shards, self.plan.offload)
+        fp8 = Float8Linears(self.plan.fp8_recipe or "tensorwise", self.plan.fp8_linears, self.device,
+                            fsdp_float8_all_gather=gathered)
+        fp8.install(self.interpreter, self.parts.param_of, self.parts.fx_nodes)
+        return fp8
 
     def use_expert_parallelism(self, runtime) -> None:
         """Run the plan's expert ops expert-parallel and place its expert weights on the (tp, ep)
@@ -153,7 +168,7 @@ class ProgramBuilder:
                              wires=self.wires if pipelined else {})
         stage.owned_outputs = pipelined and self.plan.schedule in ("zb1p", "zbv")
         self._attach_params(stage, segments, spec)
-        if self.plan.precision == "bf16":  # bf16 compute, fp32 master weights and gradients
+        if self.plan.precision in ("bf16", "fp8"):  # bf16 compute, fp32 master weights and gradients
             experts = [segment.experts for segment in segments if segment.has_experts]
             for module in [stage, *segments, *experts]:
                 module.compute_dtype = torch.bfloat16

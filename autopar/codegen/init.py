@@ -133,7 +133,11 @@ def check_initialised(params: dict[str, torch.Tensor], buffers: dict[str, torch.
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    # A wrapper subclass without storage of its own keeps its data in `_tensor` (torchao's
+    # WeightWithDynamicFloat8CastTensor: float8 weights FSDP2 gathers in float8, codegen/fp8.py).
+    inner = getattr(local, "_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else local
 
 
 @contextlib.contextmanager

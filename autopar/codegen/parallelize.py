@@ -67,8 +67,11 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
     mine = [spec for spec in specs if rank_of(plan.schedule, stage=spec.index, num_ranks=pp) == pp_rank]
     stages = [builder.build(spec, num_chunks=len(specs)) for spec in mine]
     if uses_fsdp(plan.zero_stage, plan.mesh["dp"] * cp, plan.offload):
+        if builder.fp8 is not None:  # float8 all-gathers: the weights become torchao's FSDP2 extension first
+            builder.fp8.wrap_for_fsdp([module for stage in stages for module in stage.modules()], builder.params)
+            builder.weight_casts.before_step.append(builder.fp8.precompute_scales)
         apply_fsdp(stages, runtime.reduce_mesh, plan.zero_stage, offload=plan.offload,
-                   param_dtype=torch.bfloat16 if plan.precision == "bf16" else None,
+                   param_dtype=torch.bfloat16 if plan.precision in ("bf16", "fp8") else None,
                    expert_mesh=runtime.expert_replica_mesh if plan.ep > 1 else None)
     schedule, tied = None, {}
     if len(specs) > 1:

@@ -76,8 +76,8 @@ class PipelineBuilder:
                 continue
             placement = "R" if replicated else self.wires.get(name) or self.placements.get(name, "R").split("|")[0]
             # Under bf16 what crosses a boundary is sent in bf16 (StageProgram._leave casts fp32).
-            dtype = torch.bfloat16 if boundary and self.plan.precision == "bf16" and node.output.dtype == "float32" \
-                else None
+            bf16 = self.plan.precision in ("bf16", "fp8")
+            dtype = torch.bfloat16 if boundary and bf16 and node.output.dtype == "float32" else None
             example = example_tensor(node.output, placement, self.tp, self.device, dtype_override=dtype)
             # PipelineStage sends gradients back only for inputs whose examples require them.
             examples.append(example.requires_grad_(node.requires_grad and example.is_floating_point()))

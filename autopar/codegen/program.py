@@ -140,6 +140,9 @@ class WeightCasts:
         self.num_casts = 0
         """Casts made so far (inside and outside steps)."""
         self.accumulate_into_grad = accumulate_into_grad
+        self.before_step: list = []
+        """Called on entering each step, before any cast (precision "fp8": the float8 weights'
+        scales for FSDP2's float8 all-gathers, after the previous optimizer step)."""
         """A step's copies add their gradients into the fp32 .grad in one kernel (main_grad.py);
         False (zero-bubble schedules): plain casts, autograd casts back and accumulates."""
 
@@ -147,6 +150,8 @@ class WeightCasts:
     def step(self, weights: list[tuple[torch.Tensor, torch.dtype]] = ()):
         """Copies made inside serve until the end; `weights` are cast on entry (before the first
         forward, so a later pipeline stage casts while it waits for its first microbatch)."""
+        for call in self.before_step:
+            call()
         self._copies = {}
         try:
             for weight, dtype in weights:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from autopar.graph import OpGraph
 from autopar.plans.plan import SCHEMA_VERSION, Plan, Prediction, StagePlan
+from autopar.solver.fp8 import Fp8Choice
 from autopar.solver.experts import expert_param_names, find_expert_ops
 from autopar.solver.search import SearchResult
 from autopar.solver.sharding import ShardingResult
@@ -15,9 +16,10 @@ from autopar.strategies.loss import VOCAB
 def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate, sharding: ShardingResult,
               memory_budget_bytes: float, search: SearchResult | None = None, notes: tuple[str, ...] = (),
               precision: str = "bf16", segments=None, strategies: dict | None = None,
-              moe_load_imbalance: float | None = None) -> Plan:
+              moe_load_imbalance: float | None = None, fp8: Fp8Choice | None = None) -> Plan:
     """`strategies` covers every node of `graph` (defaults to the sharding result's own);
-    `moe_load_imbalance` is what its expert ops were priced with (None: the model has none)."""
+    `moe_load_imbalance` is what its expert ops were priced with (None: the model has none); `fp8`
+    is precision "fp8"'s choice (recorded as fp8_recipe and fp8_linears)."""
     strategies = strategies or sharding.strategies
     segments = segments or sharding.segments
     config = estimate.config
@@ -56,6 +58,8 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         input_placements=tuple(",".join(strategies[node.name].output) for node in graph.nodes
                                if node.kind == "input" and node.name in strategies),
         precision=precision,
+        fp8_recipe=fp8.recipe if fp8 is not None else "",
+        fp8_linears=fp8.linears if fp8 is not None else (),
         predicted=prediction,
         replicated_ops=sharding.replicated_ops,
         search=_search_stats(estimate, sharding, search),

@@ -89,8 +89,8 @@ def check_plan_data(data: dict, source: str) -> None:
     never meet a malformed plan deep in a report or in codegen."""
     fields = _PlanFields(source)
     for key in ("model", "model_fingerprint", "cluster", "cluster_fingerprint", "schedule", "recompute", "precision",
-                "calibration"):
-        fields.text(fields.get(data, key, key, "" if key in ("precision", "calibration") else ...), key)
+                "fp8_recipe", "calibration"):
+        fields.text(fields.get(data, key, key, "" if key in ("precision", "calibration", "fp8_recipe") else ...), key)
     num_devices = fields.integer(fields.get(data, "num_devices", "num_devices"), "num_devices")
     global_batch = fields.integer(fields.get(data, "global_batch", "global_batch"), "global_batch",
                                   maximum=MAX_GLOBAL_BATCH)
@@ -115,6 +115,7 @@ def check_plan_data(data: dict, source: str) -> None:
     imbalance = data.get("moe_load_imbalance")
     if imbalance is not None and fields.number(imbalance, "moe_load_imbalance") < 1.0:
         fields.fail(f"moe_load_imbalance must be >= 1.0 (1.0: balanced routing), got {imbalance}")
+    fields.texts(fields.get(data, "fp8_linears", "fp8_linears", []), "fp8_linears")
     stages = fields.list(fields.get(data, "stages", "stages"), "stages")
     if len(stages) != mesh["pp"]:
         fields.fail(f"stages lists {len(stages)} pipeline stages, but mesh pp is {mesh['pp']}")

@@ -132,7 +132,12 @@ class Plan:
     """How the plan was found: configurations priced, solver statistics, runners-up."""
     notes: tuple[str, ...] = ()
     precision: str = "bf16"
-    """"bf16": bf16 compute, fp32 master weights and Adam; "fp32": fp32 throughout."""
+    """"bf16": bf16 compute, fp32 master weights and Adam; "fp32": fp32 throughout; "fp8": as
+    "bf16", with the linears of `fp8_linears` run by torchao's float8 training (codegen/fp8.py)."""
+    fp8_recipe: str = ""
+    """precision "fp8": torchao's scaling recipe, "tensorwise" or "rowwise" ("" otherwise)."""
+    fp8_linears: tuple[str, ...] = ()
+    """precision "fp8": the weight FQNs of the linears run in float8 (solver/fp8.py's rule)."""
     trials: tuple[dict[str, Any], ...] = ()
     """Trial runs that chose this plan among candidates (autopar.tune): per candidate its
     config, predicted_s, measured_s (None when it failed), error and chosen."""
@@ -192,7 +197,7 @@ class Plan:
             values.update(schema_version=SCHEMA_VERSION, predicted=predicted, stages=stages, input_placements=tuple(data.get("input_placements", ())),
                           replicated_ops=tuple(tuple(item) for item in data.get("replicated_ops", ())),
                           notes=tuple(data.get("notes", ())), trials=tuple(data.get("trials", ())),
-                          ep_params=tuple(data.get("ep_params", ())))
+                          ep_params=tuple(data.get("ep_params", ())), fp8_linears=tuple(data.get("fp8_linears", ())))
             plan = cls(**values)
         except (KeyError, TypeError) as error:
             raise PlanMismatchError(f"plan {shorten(source)} is missing or has a malformed field ({error}); "
@@ -202,10 +207,12 @@ class Plan:
 
     def _check_choices(self, source: str) -> None:
         """Fields that name a choice must name a known one (a hand-edited plan may not)."""
+        from autopar.solver.fp8 import FP8_RECIPES
         from autopar.solver.step_model import RECOMPUTE_MODES, SCHEDULES
 
         choices = [("schedule", self.schedule, ("none",) + SCHEDULES), ("recompute", self.recompute, RECOMPUTE_MODES),
-                   ("zero_stage", self.zero_stage, (0, 1, 2, 3)), ("precision", self.precision, ("bf16", "fp32")),
+                   ("zero_stage", self.zero_stage, (0, 1, 2, 3)), ("precision", self.precision, ("bf16", "fp32", "fp8")),
+                   ("fp8_recipe", self.fp8_recipe, ("",) + FP8_RECIPES if self.precision == "fp8" else ("",)),
                    ("offload", self.offload, (False, True)), ("sequence_parallel", self.sequence_parallel, (False, True)),
                    ("calibration", self.calibration, CALIBRATIONS)]
         choices += [(f"stages[{i}].recompute", stage.recompute, ("",) + RECOMPUTE_MODES)

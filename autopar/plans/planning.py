@@ -37,6 +37,7 @@ from autopar.plans.plan import Plan
 from autopar.solver.constraints import (Constraints, check_constraint_values, check_degrees, check_fixed_config,
                                         check_pipeline_depth)
 from autopar.solver.experts import ExpertPricing, check_load_imbalance
+from autopar.solver.fp8 import FP8_RECIPES, Fp8Choice, fp8_linears
 from autopar.solver.overheads import overheads_for
 from autopar.solver.parallel_search import check_jobs_env
 from autopar.solver.search import Planner, SearchOptions
@@ -44,7 +45,9 @@ from autopar.solver.step_model import ParallelConfig
 from autopar.validation import check_choice, check_global_batch, shorten, type_name
 from cost_model.memory import BF16_ADAM, FP32_ADAM, PrecisionPolicy
 
-PRECISIONS = {"bf16": BF16_ADAM, "fp32": FP32_ADAM}
+PRECISIONS = {"bf16": BF16_ADAM, "fp32": FP32_ADAM, "fp8": BF16_ADAM}
+"""Precision policies by name; "fp8" keeps bf16's memory policy (fp32 master weights and Adam, bf16
+activations): its float8 copies and casts are priced as fp8 terms (solver/fp8.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,7 +173,7 @@ def _capture_replica(model, spec: ModelInput, precision: str, verbose: bool, reu
 
 
 def _traced_replica(model, spec: ModelInput, precision: str, verbose: bool, reuse_blocks: bool) -> OpGraph:
-    dtype = torch.bfloat16 if precision == "bf16" else None
+    dtype = torch.bfloat16 if precision in ("bf16", "fp8") else None
     if _built_here(model, spec.model):
         # A built-in family's model was just built on meta and nobody else holds it: converting
         # it in place spares copying every module (a fifth of GPT-3 175B's capture).
@@ -221,20 +224,43 @@ def _policy(precision: str) -> PrecisionPolicy:
     return PRECISIONS[check_choice(precision, "precision", tuple(PRECISIONS))]
 
 
+def check_fp8_arguments(precision: str, fp8_recipe: str, fp8_filter) -> None:
+    check_choice(fp8_recipe, "fp8_recipe", FP8_RECIPES)
+    if fp8_filter is not None and not callable(fp8_filter):
+        raise ConfigError(f"fp8_filter must be a callable fp8_filter(module_fqn, weight_shape) -> bool, got "
+                          f"{type_name(fp8_filter)} {shorten(fp8_filter)}")
+    if precision != "fp8" and fp8_filter is not None:
+        raise ConfigError(f"fp8_filter chooses the linears of precision 'fp8', but precision is {precision!r}: "
+                          "pass precision='fp8' or drop fp8_filter")
+
+
+def check_fp8_device(cluster: Cluster, precision: str) -> None:
+    """Precision "fp8" needs FP8 tensor cores (H100, H200...) or a CPU cluster (emulated)."""
+    if precision != "fp8" or cluster.device_kind == "cpu" or cluster.device.has_fp8:
+        return
+    raise ConfigError(f"precision 'fp8' needs FP8 tensor cores, and the cluster's {cluster.device.name} has none "
+                      "(torch._scaled_mm runs on compute capability 8.9+: H100, H200, L4, L40S; A100 and V100 do "
+                      "not): use --precision bf16, or plan for a cluster of such GPUs")
+
+
 def _progress(verbose: bool):
     return (lambda message: print(message, file=sys.stderr, flush=True)) if verbose else None
 
 
 def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=None, example_targets=None,
                 precision: str = "bf16", options: SearchOptions | None = None, verbose: bool = False,
-                calibrated: bool = True, example_kwargs=None, moe_load_imbalance: float | None = None) -> Planner:
+                calibrated: bool = True, example_kwargs=None, moe_load_imbalance: float | None = None,
+                fp8_recipe: str = "tensorwise", fp8_filter=None) -> Planner:
     """Capture once and return a Planner that can search and price many configurations.
 
     With `calibrated` (the default) the profile's whole-step calibration, if it has one, adds
     its terms to every prediction (autopar/solver/overheads.py). `moe_load_imbalance` (None: the
     options' own, 1.25 by default) is what the busiest expert-parallel rank gets over the even
-    share of a dropless MoE layer's tokens (1.0: balanced routing)."""
+    share of a dropless MoE layer's tokens (1.0: balanced routing). Precision "fp8" runs the linears
+    solver/fp8.py chooses (or those `fp8_filter(module_fqn, weight_shape)` keeps) with torchao's
+    `fp8_recipe` ("tensorwise" or "rowwise")."""
     policy = _policy(precision)
+    check_fp8_arguments(precision, fp8_recipe, fp8_filter)
     global_batch = check_global_batch(global_batch)
     if options is not None and not isinstance(options, SearchOptions):
         raise ConfigError(f"options must be a SearchOptions or None, got {type_name(options)} {shorten(options)}")
@@ -245,10 +271,14 @@ def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=No
     cluster = Cluster.from_spec(cluster)
     overheads = overheads_for(cluster, torch_version=torch.__version__, host=socket.gethostname()) if calibrated \
         else None
+    check_fp8_device(cluster, precision)
     graph = capture_for_planning(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
-                                 example_kwargs=example_kwargs, precision=precision, verbose=verbose)
+                                 example_kwargs=example_kwargs, precision="bf16" if precision == "fp8" else precision,
+                                 verbose=verbose)
+    fp8 = Fp8Choice(recipe=fp8_recipe, linears=fp8_linears(graph, fp8_filter),
+                    auto=fp8_filter is None and cluster.device.has_fp8) if precision == "fp8" else None
     return Planner(graph, cluster, global_batch=global_batch, policy=policy, precision=precision,
-                   options=options, progress=_progress(verbose), overheads=overheads)
+                   options=options, progress=_progress(verbose), overheads=overheads, fp8=fp8)
 
 
 def _with_load_imbalance(options: SearchOptions, moe_load_imbalance: float | None) -> SearchOptions:
@@ -259,17 +289,20 @@ def _with_load_imbalance(options: SearchOptions, moe_load_imbalance: float | Non
 
 def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constraints=None, loss_fn=None,
          example_targets=None, precision: str = "bf16", options: SearchOptions | None = None,
-         verbose: bool = False, example_kwargs=None, moe_load_imbalance: float | None = None) -> Plan:
+         verbose: bool = False, example_kwargs=None, moe_load_imbalance: float | None = None,
+         fp8_recipe: str = "tensorwise", fp8_filter=None) -> Plan:
     """Search the best parallelization; `constraints` may fix dp, tp, pp, cp, microbatch_size,
     schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage, ep, offload and
     sequence_parallel (False: tensor parallelism without sequence parallelism).
     `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones.
     `moe_load_imbalance` (>= 1.0; default 1.25) prices dropless MoE routing: what the busiest
-    expert-parallel rank receives and computes over the even share (1.0: balanced routing)."""
+    expert-parallel rank receives and computes over the even share (1.0: balanced routing).
+    `precision="fp8"` trains the eligible linears in float8 with torchao (`fp8_recipe`, `fp8_filter`:
+    see `planner_for`)."""
     return candidate_plans(model, example_inputs, cluster, global_batch=global_batch, num_candidates=1,
                            constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
                            precision=precision, options=options, verbose=verbose, example_kwargs=example_kwargs,
-                           moe_load_imbalance=moe_load_imbalance)[0]
+                           moe_load_imbalance=moe_load_imbalance, fp8_recipe=fp8_recipe, fp8_filter=fp8_filter)[0]
 
 
 def _check_constraints(cluster: Cluster, global_batch: int, constraints: Constraints) -> None:
@@ -284,7 +317,8 @@ def plan_with(planner: Planner, constraints: Constraints = Constraints()) -> Pla
 def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: int, num_candidates: int,
                     constraints=None, loss_fn=None, example_targets=None, precision: str = "bf16",
                     options: SearchOptions | None = None, verbose: bool = False, example_kwargs=None,
-                    moe_load_imbalance: float | None = None) -> list[Plan]:
+                    moe_load_imbalance: float | None = None, fp8_recipe: str = "tensorwise",
+                    fp8_filter=None) -> list[Plan]:
     """The `num_candidates` fastest predicted plans, fastest first (what trials measure)."""
     if moe_load_imbalance is not None:
         check_load_imbalance(moe_load_imbalance)
@@ -295,7 +329,8 @@ def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: 
     _check_constraints(cluster, check_global_batch(global_batch), constraints)
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
                           example_targets=example_targets, precision=precision, options=options, verbose=verbose,
-                          example_kwargs=example_kwargs, moe_load_imbalance=moe_load_imbalance)
+                          example_kwargs=example_kwargs, moe_load_imbalance=moe_load_imbalance,
+                          fp8_recipe=fp8_recipe, fp8_filter=fp8_filter)
     return candidates_with(planner, constraints, num_candidates=num_candidates)
 
 
@@ -318,12 +353,22 @@ def _candidates(planner: Planner, constraints: Constraints, num_candidates: int)
                          sharding=planner.sharding(config.tp, config.microbatch_size, config.sequence_parallel),
                          memory_budget_bytes=planner.step_model.memory_budget_bytes,
                          search=result if estimate is result.best else None, precision=planner.precision,
-                         moe_load_imbalance=planner.moe_load_imbalance,
+                         moe_load_imbalance=planner.moe_load_imbalance, fp8=_fp8_of(planner, config),
                          segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
                                                         config.sequence_parallel),
                          strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel))
         plans.append(_with_error_bar(plan, planner))
     return plans
+
+
+def _fp8_of(planner: Planner, config: ParallelConfig) -> Fp8Choice | None:
+    """Precision "fp8": the linears that run in float8 under `config` (the planner's choice where
+    it chooses: fp8_pricing.Fp8Pricing.chosen)."""
+    if planner.fp8 is None or planner.pricing.fp8 is None:
+        return planner.fp8
+    linears = planner.pricing.fp8.chosen(config, lambda chosen: planner.pricing.strategies(
+        chosen.tp, chosen.microbatch_size, chosen.sequence_parallel))
+    return replace(planner.fp8, linears=linears)
 
 
 def _distinct(ranked: list) -> list:
@@ -365,7 +410,8 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
              recompute: str = "none", zero_stage: int = 0, loss_fn=None, example_targets=None,
              precision: str = "bf16", verbose: bool = False, example_kwargs=None, ep: int = 1,
              cp: int = 1, offload: bool = False, sequence_parallel: bool = True,
-             options: SearchOptions | None = None, moe_load_imbalance: float | None = None) -> Plan:
+             options: SearchOptions | None = None, moe_load_imbalance: float | None = None,
+             fp8_recipe: str = "tensorwise", fp8_filter=None) -> Plan:
     """Price one fully fixed configuration (no search); `ep` splits the experts of an MoE over
     groups of ep data-parallel ranks, `cp` splits each sequence over cp ranks, `offload` is optimizer
     offload (ZeRO-3, pp = 1), `sequence_parallel=False` is tensor parallelism without sequence
@@ -383,7 +429,8 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
                   microbatch_size=microbatch_size, schedule=schedule, cp=cp if cp > 1 else None)
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
                           example_targets=example_targets, precision=precision, verbose=verbose,
-                          example_kwargs=example_kwargs, options=options, moe_load_imbalance=moe_load_imbalance)
+                          example_kwargs=example_kwargs, options=options, moe_load_imbalance=moe_load_imbalance,
+                          fp8_recipe=fp8_recipe, fp8_filter=fp8_filter)
     config = fixed_config(planner, tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                           virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
                           recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,
@@ -425,6 +472,7 @@ def evaluate_with(planner: Planner, config: ParallelConfig) -> Plan:
     plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
                      sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes,
                      precision=planner.precision, moe_load_imbalance=planner.moe_load_imbalance,
+                     fp8=_fp8_of(planner, config),
                      segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
                                                     config.sequence_parallel),
                      strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel))

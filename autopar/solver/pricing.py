@@ -50,6 +50,8 @@ class Pricing:
         """segment_costs by (tp, microbatch, sequence parallel, cp): each recomputation mode reads them again."""
         self._prepared: dict[tuple, PreparedSegments] = {}
         self._counts: dict[TpKey, dict[str, SegmentCounts]] = {}
+        self.fp8 = None
+        """Precision "fp8": its terms (fp8_pricing.Fp8Pricing), added to every estimate; else None."""
 
     @staticmethod
     def tp_key(tp: int, microbatch_size: int, sequence_parallel: bool = True) -> TpKey:
@@ -168,6 +170,9 @@ class Pricing:
                              num_cores=cores or _cpu_cores(self.cluster))
 
     def calibrated(self, estimate: Estimate | None) -> Estimate | None:
+        if estimate is not None and self.fp8 is not None:
+            estimate = self.fp8.apply(estimate, lambda config: self.strategies(config.tp, config.microbatch_size,
+                                                                               config.sequence_parallel))
         if estimate is None or self.overheads is None:
             return estimate
         return self.overheads.apply(estimate, self.features(estimate))

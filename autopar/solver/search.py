@@ -51,6 +51,8 @@ from autopar.solver.constraints import ConfigChecks, Constraints
 from autopar.solver.context_parallel import sequence_length
 from autopar.solver.enumerate import Candidates, MeshDegrees
 from autopar.solver.evaluate import SegmentCost
+from autopar.solver.fp8 import Fp8Choice
+from autopar.solver.fp8_pricing import Fp8Pricing
 from autopar.solver.experts import ExpertPricing, find_expert_ops
 from autopar.solver.overheads import Overheads, SegmentCounts
 from autopar.solver.parallel_search import search_in_workers, search_jobs
@@ -119,7 +121,8 @@ class Planner:
 
     def __init__(self, graph: OpGraph, cluster: Cluster, *, global_batch: int, policy: PrecisionPolicy = BF16_ADAM,
                  precision: str = "bf16", options: SearchOptions = SearchOptions(),
-                 progress: Progress | None = None, overheads: Overheads | None = None) -> None:
+                 progress: Progress | None = None, overheads: Overheads | None = None,
+                 fp8: Fp8Choice | None = None) -> None:
         if global_batch < 1:
             raise ConfigError(f"global batch must be >= 1, got {global_batch}")
         self.graph = graph
@@ -129,7 +132,9 @@ class Planner:
             policy = replace(policy, optimizer_io_bytes_per_param=adamw_io_bytes_per_param(options.optimizer))
         self.policy = policy
         self.precision = precision
-        """Name of the precision policy ("bf16" or "fp32"), recorded in plans."""
+        """Name of the precision policy ("bf16", "fp32" or "fp8"), recorded in plans."""
+        self.fp8 = fp8
+        """Precision "fp8": its recipe and the linears run in float8 (solver/fp8.py); else None."""
         self.options = options
         self.progress = progress or (lambda message: None)
         self.step_model = StepModel(
@@ -156,6 +161,10 @@ class Planner:
         """Intra-op solves, segment costs and estimates, cached (pricing.py)."""
         self.moe_load_imbalance = options.experts.load_imbalance if self.expert_ops else None
         """The load imbalance expert ops were priced with (None: the model has none), recorded in plans."""
+        if fp8 is not None:
+            self.pricing.fp8 = Fp8Pricing(graph, fp8, compute=self.step_model.compute, comm=self.step_model.comm,
+                                          devices_per_node=cluster.devices_per_node,
+                                          memory_budget_bytes=self.step_model.memory_budget_bytes, auto=fp8.auto)
         self.checks = ConfigChecks(graph=graph, cluster=cluster, global_batch=global_batch, step_model=self.step_model,
                                    expert_ops=self.expert_ops, ep_options=self.pricing.ep_options,
                                    sequence_length=self.sequence_length, cp_blocker=self.cp_blocker)
@@ -263,6 +272,8 @@ class Planner:
         them): what a configuration must beat to be priced."""
         found = Found()
         bound_factor = self.overheads.lower_bound_factor if self.overheads else 1.0
+        if self.pricing.fp8 is not None:  # float8 matmuls may make a step faster than its bf16 bound
+            bound_factor *= self.pricing.fp8.lower_bound_factor
         for index, (tp, pp, dp, cp) in self._promising_first(meshes, constraints, offload):
             for microbatch in self.candidates.microbatches(dp, constraints):
                 self.progress(f"planning: tp={tp} pp={pp} dp={dp}{f' cp={cp}' if cp > 1 else ''} microbatch={microbatch}"

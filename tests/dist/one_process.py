@@ -119,7 +119,8 @@ _CAPTURES: dict[Any, tuple] = {}
 
 
 def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple | dict, *, loss_fn, example_targets,
-                                 constraints: dict, precision: str = "fp32", plan=None, init_fn=None):
+                                 constraints: dict, precision: str = "fp32", plan=None, init_fn=None,
+                                 fp8_recipe: str = "tensorwise"):
     """What `autopar.parallelize(model, cluster, inputs, loss_fn=..., example_targets=...,
     constraints=..., precision=..., plan=..., init_fn=...)` returns, planned (rank 0, unless
     `plan` is given) and built from the captures of the first model this process saw under
@@ -153,11 +154,12 @@ def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple | dict,
         return graph
 
     def plan_on_rank0():
-        planner_key = (key, cluster, dist.get_world_size())
+        planner_key = (key, cluster, dist.get_world_size(), precision, fp8_recipe)
         if planner_key not in _PLANNERS:
             _PLANNERS[planner_key] = planner_for(planning_graph(), positional, cluster, global_batch=global_batch,
                                                  loss_fn=loss_fn, example_targets=example_targets,
-                                                 example_kwargs=keywords, precision=precision)
+                                                 example_kwargs=keywords, precision=precision,
+                                                 **({"fp8_recipe": fp8_recipe} if precision == "fp8" else {}))
         return plan_with(_PLANNERS[planner_key], Constraints.from_value(constraints))
 
     chosen = plan if plan is not None else run_on_rank0(plan_on_rank0)

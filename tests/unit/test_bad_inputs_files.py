@@ -221,7 +221,7 @@ PLAN_CASES = [
     (_set("predicted", _DELETE), ["predicted"]),
     (_set("predicted.step_time_s", _DELETE), ["step_time_s"]),
     (_set("stages.0.layers", _DELETE), ["stages[0]", "layers"]),
-    (_set("precision", "fp8"), ["precision"]),
+    (_set("precision", "fp4"), ["precision"]),
     (_set("cluster", None), ["cluster", "string"]),
 ]
 PLAN_ERROR_CASES = [case for case in PLAN_CASES if case[1] is not None]

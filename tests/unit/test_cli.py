@@ -46,6 +46,20 @@ def test_evaluate_prices_a_fixed_configuration(capsys):
     assert (data["microbatch_size"], data["num_microbatches"], data["recompute"], data["zero_stage"]) == (2, 4, "full", 1)
 
 
+@pytest.mark.parametrize("command, fixed", [
+    ("plan", ()), ("evaluate", ("--tp", "1", "--pp", "1", "--microbatch-size", "1"))])
+def test_fp8_flags_plan_float8_linears(capsys, command, fixed):
+    code, out, _ = run(capsys, command, TINY, "--cluster", "dgx-h100:gpus_per_node=4", "--global-batch", "8",
+                       *fixed, "--precision", "fp8", "--fp8-recipe", "rowwise", "--json")
+    assert code == 0
+    data = json.loads(out)
+    # A 64-wide model on H100: the planner keeps every linear in bf16 (eager casts cost more).
+    assert (data["precision"], data["fp8_recipe"], data["fp8_linears"]) == ("fp8", "rowwise", [])
+    code, out, _ = run(capsys, command, TINY, "--cluster", "cpu:procs=2", "--global-batch", "8", *fixed,
+                       "--precision", "fp8")
+    assert code == 0 and "12 linears in float8 (torchao, tensorwise scaling)" in out
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["plan", TINY, "--cluster", "dgx-a100-8g", "--global-batch", "8"], "did you mean 'dgx-a100-80g'"),
     (["plan", "gtp:layers=2", "--cluster", "dgx-h100", "--global-batch", "8"], "did you mean 'gpt'"),
@@ -54,6 +68,10 @@ def test_evaluate_prices_a_fixed_configuration(capsys):
     (["evaluate", TINY, "--cluster", "dgx-h100", "--global-batch", "8", "--tp", "2", "--pp", "2",
       "--microbatch-size", "3"], "not divisible"),
     (["show", "no-such-plan.json"], "cannot read plan"),
+    (["plan", TINY, "--cluster", "dgx-a100-80g", "--global-batch", "8", "--precision", "fp8"],
+     "needs FP8 tensor cores"),
+    (["evaluate", TINY, "--cluster", "p3-16xlarge", "--global-batch", "8", "--tp", "1", "--pp", "1",
+      "--microbatch-size", "1", "--precision", "fp8"], "needs FP8 tensor cores"),
     (["verify", TINY, "--nproc", "2", "--kinds", "dp,dpxtp"], "give --nproc 4"),
     (["verify", TINY, "--kinds", "dp,zz"], "unknown plan kind 'zz'"),
     (["verify", "no-such-model", "--nproc", "2"], "unknown model"),

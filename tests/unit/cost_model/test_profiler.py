@@ -168,7 +168,7 @@ def test_options_are_checked():
         ProfileOptions(collective_ops=("all_shuffle",))
     cuda = ProfileOptions(device="cuda").resolved()
     assert cuda.matmul_sizes[0] == 256 and cuda.matmul_sizes[-1] == 16384
-    assert set(cuda.matmul_dtypes) == {"bf16", "fp16", "fp32"}
+    assert set(cuda.matmul_dtypes) == {"bf16", "fp16", "fp32", "fp8"}  # fp8 where the GPU has FP8 tensor cores
 
 
 def test_multi_node_plan_labels_levels():

@@ -1,0 +1,259 @@
+"""Prices precision "fp8": what torchao's float8 linears add to and take from a step.
+
+Terms (each named in the plan's breakdown; hardware figures from cost_model/fp8.py):
+
+- `fp8.matmul`: the chosen linears' matmuls at the device's fp8 rate; their bf16 time leaves
+  `compute` (and the bubble its share). Where the device emulates float8 (CPUs) the matmuls stay
+  in `compute` at the bf16 rate.
+- `fp8.cast`: the eager casts, six per linear and microbatch (two fewer for weights FSDP2 gathers
+  in float8), from each rank's share of the operands under the plan's placements; with FSDP2's
+  float8 all-gather, the cast of each weight shard before every gather.
+- `fp8.amax`: tensorwise scaling of a tensor sharded over tp is an amax all-reduce across the tp
+  ranks per cast (rowwise: one scale per row, all-reduced when the row is split); FSDP2's float8
+  gather adds one all-reduce of every weight's amax per step (the scales precomputed).
+- FSDP2 gathers the float8 weights at 1 byte per element instead of the compute dtype's 2: the
+  exposed `dp.all_gather` terms shrink by their bytes' share (a note says so).
+- memory `fp8.copies`: the float8 copies alive around one linear's matmuls. What a float8 linear
+  saves for backward is the high-precision input and weight (torchao saves those, not the float8
+  copies), as a bf16 linear does: nothing to add.
+
+The terms are added to the estimate after its stages are laid out (the pipeline cut is chosen on
+bf16 times): per stage a 1/pp share of the linears, paid by each of the m + pp - 1 microbatch
+slots of the pipeline's critical path (m without a pipeline); under full recomputation the
+forward's casts and matmuls run twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from autopar.graph import OpGraph
+from autopar.mesh import Mesh
+from autopar.solver.configs import Estimate, ParallelConfig
+from autopar.solver.fp8 import Fp8Choice, linear_weights
+from autopar.solver.step_tail import uses_fsdp
+from cost_model import fp8 as fp8_cost
+from cost_model.comm import CommModel
+from cost_model.compute import ComputeModel
+
+COMPUTE_BYTES = 2
+"""The bf16 activations, weight copies and gradients the casts read."""
+MASTER_BYTES = 4
+"""fp32 master weight shards (what FSDP2's float8 gather casts)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Linear:
+    node: str
+    fqn: str
+    weight_numel: float
+    input_per_sample: float
+    output_per_sample: float
+    in_features: int
+    out_features: int
+    matmul_flops_per_sample: tuple[tuple[float, str, bool], ...]
+    """(FLOPs per sample, dtype, forward) of each matmul kernel."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Priced:
+    """One linear's float8 prices per microbatch on one rank."""
+
+    linear: _Linear
+    elements: fp8_cost.Fp8LinearElements
+    bf16_s: float
+    fp8_s: float
+    cast_s: float
+    amax_s: float
+    kept: bool
+
+
+class Fp8Pricing:
+    """The fp8 terms of one planner's estimates."""
+
+    def __init__(self, graph: OpGraph, choice: Fp8Choice, *, compute: ComputeModel, comm: CommModel,
+                 devices_per_node: int, memory_budget_bytes: float, auto: bool = False) -> None:
+        self.choice = choice
+        self.auto = auto
+        """Keep only the linears whose float8 run is priced faster (the planner's choice)."""
+        self.compute = compute
+        self.comm = comm
+        self.devices_per_node = devices_per_node
+        self.memory_budget_bytes = memory_budget_bytes
+        chosen = set(choice.linears)
+        batch = max(graph.batch_size, 1)
+        self.linears: list[_Linear] = []
+        for node, fqn, shape in linear_weights(graph):
+            if fqn not in chosen:
+                continue
+            op = graph[node]
+            source = graph[op.inputs[0]].output
+            kernels = tuple((kernel.flops / batch, kernel.dtype, forward)
+                            for forward, group in ((True, op.fwd_kernels), (False, op.bwd_kernels))
+                            for kernel in group if kernel.is_matmul)
+            self.linears.append(_Linear(node=node, fqn=fqn, weight_numel=float(shape[0] * shape[1]),
+                                        input_per_sample=source.numel / batch,
+                                        output_per_sample=op.output.numel / batch,
+                                        in_features=shape[1], out_features=shape[0], matmul_flops_per_sample=kernels))
+        self.param_numel = max(float(sum(param.meta.numel for param in graph.params if param.trainable)), 1.0)
+
+    @property
+    def lower_bound_factor(self) -> float:
+        """No fp8 step is faster than its bf16 lower bound times this: at most the matmuls get
+        faster, by the fp8/bf16 peak ratio (the search's pruning must not drop faster fp8 plans)."""
+        device = self.compute.device
+        return device.peak_flops("bf16") / device.peak_flops("fp8") if device.has_fp8 else 1.0
+
+    def priced(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> list[_Priced]:
+        """Each chosen linear's float8 prices per microbatch under `config`, and whether it stays
+        in float8 (with `auto`: when its float8 matmul, casts and amax all-reduces take less than
+        its bf16 matmul)."""
+        placements = strategies(config) if config.tp > 1 else {}
+        gathered = self.choice.recipe == "tensorwise" and uses_fsdp(config)
+        found = []
+        for linear in self.linears:
+            elements, sharded = self._elements(linear, config, placements.get(linear.node))
+            bf16_s, fp8_s = self._matmul_s(linear, config, sharded["weight"])
+            cast_s = self._cast_s(elements, config, gathered)
+            amax_s = self._amax_s(linear, elements, sharded, config, gathered)
+            kept = not self.auto or fp8_s + cast_s + amax_s < bf16_s
+            found.append(_Priced(linear=linear, elements=elements, bf16_s=bf16_s, fp8_s=fp8_s, cast_s=cast_s,
+                                 amax_s=amax_s, kept=kept))
+        return found
+
+    def chosen(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> tuple[str, ...]:
+        """Weight FQNs of the linears that run in float8 under `config` (sorted)."""
+        return tuple(sorted(item.linear.fqn for item in self.priced(config, strategies) if item.kept))
+
+    def apply(self, estimate: Estimate, strategies: Callable[[ParallelConfig], dict]) -> Estimate:
+        config = estimate.config
+        gathered = self.choice.recipe == "tensorwise" and uses_fsdp(config)
+        kept = [item for item in self.priced(config, strategies) if item.kept]
+        per_microbatch = {"fp8.cast": sum(item.cast_s for item in kept), "fp8.amax": sum(item.amax_s for item in kept)}
+        bf16_matmul_s, fp8_matmul_s = sum(item.bf16_s for item in kept), sum(item.fp8_s for item in kept)
+        copies = max((fp8_cost.transient_bytes(item.elements) for item in kept), default=0.0)
+        held_weight = sum(item.elements.weight for item in kept)
+        slots = config.num_microbatches + (config.pp - 1 if config.pp > 1 else 0)
+        terms = {name: seconds * slots / config.pp for name, seconds in per_microbatch.items()}
+        breakdown = dict(estimate.breakdown_s)
+        notes = estimate.notes
+        if self.auto and len(kept) < len(self.linears):
+            notes += (f"fp8: {len(kept)} of {len(self.linears)} eligible linears run in float8 (the others' casts "
+                      "would cost more than their faster matmuls save)",)
+        if gathered and kept:
+            terms.update(self._gather_terms(config, held_weight / config.pp, len(kept)))
+            share = sum(item.linear.weight_numel for item in kept) / self.param_numel
+            saved = self._gather_saving(breakdown, share)
+            terms["dp.all_gather"] = -saved  # already in the step time: only its change is added
+            if saved:
+                notes += (f"fp8: FSDP2 gathers {len(kept)} float8 weights at 1 byte per element; "
+                          f"dp.all_gather priced {saved:.3g} s lower",)
+        if fp8_matmul_s:
+            m, pp = config.num_microbatches, config.pp
+            breakdown["compute"] = breakdown.get("compute", 0.0) - m * bf16_matmul_s / pp
+            terms["fp8.matmul"] = m * fp8_matmul_s / pp
+            terms["compute"] = -m * bf16_matmul_s / pp
+            if pp > 1 and "bubble" in breakdown:
+                bubble_s = (slots - m) * (fp8_matmul_s - bf16_matmul_s) / pp
+                breakdown["bubble"] = max(breakdown["bubble"] + bubble_s, 0.0)
+                terms["bubble"] = bubble_s
+        breakdown.update({name: seconds for name, seconds in terms.items()
+                          if seconds and name.startswith("fp8.")})
+        memory = {**estimate.memory_bytes, **({"fp8.copies": copies} if copies else {})}
+        peak = estimate.peak_memory_bytes + copies
+        return replace(estimate, step_time_s=estimate.step_time_s + sum(terms.values()), breakdown_s=breakdown,
+                       memory_bytes=memory, peak_memory_bytes=peak, notes=notes,
+                       fits=estimate.fits and peak <= self.memory_budget_bytes)
+
+    def _elements(self, linear: _Linear, config: ParallelConfig, strategy) -> tuple:
+        """This rank's operand elements per microbatch, and which operands the plan shards over tp."""
+        def split(placement: str | None) -> bool:
+            return config.tp > 1 and bool(placement) and placement.startswith("S")
+
+        inputs = getattr(strategy, "inputs", ())
+        sharded = {"input": split(inputs[0][0] if len(inputs) > 0 and inputs[0] else None),
+                   "weight": split(inputs[1][0] if len(inputs) > 1 and inputs[1] else None),
+                   "grad_output": split(getattr(strategy, "output", (None,))[0] if strategy is not None else None)}
+        samples = config.microbatch_size / config.cp
+        elements = fp8_cost.Fp8LinearElements(
+            input=linear.input_per_sample * samples / (config.tp if sharded["input"] else 1),
+            weight=linear.weight_numel / (config.tp if sharded["weight"] else 1),
+            grad_output=linear.output_per_sample * samples / (config.tp if sharded["grad_output"] else 1))
+        return elements, sharded
+
+    def _matmul_s(self, linear: _Linear, config: ParallelConfig, weight_sharded: bool) -> tuple[float, float]:
+        """This rank's matmul time of one linear per microbatch at the bf16 rate and at the fp8 rate
+        (the profile's fp8 sweep, `autopar profile` with torch._scaled_mm, else its bf16 rate
+        scaled by the datasheet's fp8/bf16 peak ratio); (0, 0) where the
+        device has no FP8 tensor cores (emulated: the bf16 time stays in `compute`)."""
+        device = self.compute.device
+        ratio = device.peak_flops("fp8") / device.peak_flops("bf16")
+        if not device.has_fp8 or ratio <= 1.0:
+            return 0.0, 0.0
+        bf16_s = fp8_s = 0.0
+        for per_sample, dtype, forward in linear.matmul_flops_per_sample:
+            flops = per_sample * config.microbatch_size / config.cp / (config.tp if weight_sharded else 1)
+            if flops <= 0:
+                continue
+            runs = 2 if forward and config.recompute == "full" else 1
+            bf16_s += runs * flops / self.compute.matmul_rate(flops, dtype)
+            fp8_rate = self.compute.matmul_rate(flops, "fp8") if self.compute.measured("fp8") \
+                else self.compute.matmul_rate(flops, "bf16") * ratio
+            fp8_s += runs * flops / fp8_rate
+        return bf16_s, fp8_s
+
+    def _cast_s(self, elements, config: ParallelConfig, gathered: bool) -> float:
+        count = fp8_cost.cast_elements(elements, weight_precast=gathered)
+        casts = fp8_cost.num_casts(weight_precast=gathered)
+        if config.recompute == "full":  # the forward's input (and weight) casts run again
+            count += elements.input + (0 if gathered else elements.weight)
+            casts += 1 if gathered else 2
+        return fp8_cost.cast_time_s(count, casts, source_bytes=COMPUTE_BYTES,
+                                    bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s,
+                                    kernel_overhead_s=self.compute.overhead_s)
+
+    def _amax_s(self, linear: _Linear, elements, sharded: dict, config: ParallelConfig, gathered: bool) -> float:
+        if config.tp == 1:
+            return 0.0
+        seconds = 0.0
+        group = self._tp_group(config)
+        for operand, count in (("input", 2), ("weight", 0 if gathered else 2), ("grad_output", 2)):
+            if not sharded[operand] or not count:
+                continue
+            if self.choice.recipe == "tensorwise":
+                message = fp8_cost.SCALE_BYTES
+            else:  # one scale per row of the operand as the matmul reads it
+                width = linear.in_features if operand != "grad_output" else linear.out_features
+                message = fp8_cost.SCALE_BYTES * getattr(elements, operand) * config.tp / width
+            seconds += count * self.comm.time_s("all_reduce", message, group)
+        return seconds
+
+    @staticmethod
+    def _gather_saving(breakdown: dict[str, float], share: float) -> float:
+        """Exposed all-gather time the float8 weights' bytes (`share` of all parameters) no longer
+        take; the dp.all_gather terms shrink by it, each by its share."""
+        fraction = share * (COMPUTE_BYTES - fp8_cost.FP8_BYTES) / COMPUTE_BYTES
+        saved = 0.0
+        for name in [name for name in breakdown if name.startswith("dp.all_gather")]:
+            saved += breakdown[name] * fraction
+            breakdown[name] *= 1.0 - fraction
+        return saved
+
+    def _gather_terms(self, config: ParallelConfig, stage_weight: float, num_weights: int) -> dict[str, float]:
+        """FSDP2's float8 all-gather: the shard casts before each gather, and the step's one
+        all-reduce of the weights' amaxes (the scales precomputed)."""
+        shard = stage_weight / config.data_shards  # of a stage's float8 weights (tp shards, 1/pp of them)
+        gathers = 2 * config.num_microbatches if config.zero_stage == 3 else 1
+        cast = gathers * fp8_cost.cast_time_s(shard, num_weights, source_bytes=MASTER_BYTES,
+                                              bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s,
+                                              kernel_overhead_s=self.compute.overhead_s)
+        mesh = Mesh(axis_names=("pp", "dp_cp", "tp"), shape=(config.pp, config.data_shards, config.tp),
+                    devices_per_node=self.devices_per_node)
+        amax = self.comm.time_s("all_reduce", fp8_cost.SCALE_BYTES * num_weights, mesh.group(1))
+        return {"fp8.cast.all_gather": cast, "fp8.amax.precompute": amax}
+
+    def _tp_group(self, config: ParallelConfig):
+        mesh = Mesh(axis_names=("pp", "dp_cp", "tp"), shape=(config.pp, config.data_shards, config.tp),
+                    devices_per_node=self.devices_per_node)
+        return mesh.group(2)

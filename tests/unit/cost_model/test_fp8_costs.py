@@ -1,0 +1,60 @@
+"""Float8 training's casts and bytes, from torchao's eager sequence (cost_model/fp8.py)."""
+
+import pytest
+
+from cost_model import fp8
+from cost_model.hardware import A100_80G, H100_SXM, H200_SXM
+
+
+def test_an_eager_cast_moves_33_bytes_per_element():
+    # bf16: abs (2+2), max (2), to fp32 (2+4), mul (4+4), clamp (4+4), to fp8 (4+1).
+    assert fp8.cast_bytes_per_element(2) == 33
+    # fp32 (FSDP2's float8 gather casts the master shard): no widening copy.
+    assert fp8.cast_bytes_per_element(4) == 33
+    assert fp8.cast_kernels(2) == fp8.cast_kernels(4) + 1
+
+
+def test_a_linear_casts_six_operands_four_when_the_weight_arrives_in_float8():
+    linear = fp8.Fp8LinearElements(input=10.0, weight=100.0, grad_output=20.0)
+    assert fp8.num_casts(weight_precast=False) == 6 and fp8.num_casts(weight_precast=True) == 4
+    assert fp8.cast_elements(linear, weight_precast=False) == 2 * 10 + 2 * 100 + 2 * 20
+    assert fp8.cast_elements(linear, weight_precast=True) == 2 * 10 + 2 * 20
+    assert fp8.transient_bytes(linear) == max(10 + 100, 2 * 20 + 100 + 10)
+    assert fp8.all_gather_bytes_saved(100.0, 2) == 100.0
+
+
+def test_hopper_has_twice_the_bf16_peak_in_fp8_and_ampere_none():
+    for device in (H100_SXM, H200_SXM):
+        assert device.has_fp8 and device.peak_flops("fp8") == pytest.approx(2 * device.peak_flops("bf16"), rel=1e-3)
+    assert not A100_80G.has_fp8
+    assert A100_80G.peak_flops("fp8") == A100_80G.peak_flops("bf16")  # emulated at the bf16 rate
+
+
+def test_the_profile_measures_fp8_with_scaled_mm_on_gpus_only():
+    import torch
+
+    from cost_model.errors import CostModelInputError
+    from cost_model.profile_options import ProfileOptions
+    from cost_model.profiler import _scaled_mm_case, _with_fp8_where_supported
+
+    with pytest.raises(CostModelInputError, match="torch._scaled_mm on GPUs"):
+        ProfileOptions(device="cpu", matmul_dtypes=("fp8",))
+    assert "fp8" not in ProfileOptions(device="cpu").resolved().matmul_dtypes
+    cpu = torch.device("cpu")
+    assert _with_fp8_where_supported(cpu, ("bf16", "fp8")) == ("bf16",)
+    output = _scaled_mm_case(32, cpu)()  # the case itself (torch has a CPU _scaled_mm)
+    assert output.shape == (32, 32) and output.dtype == torch.bfloat16
+
+
+def test_a_measured_fp8_sweep_prices_the_float8_matmuls():
+    from cost_model.compute import ComputeModel
+    from cost_model.profile import SCHEMA_VERSION, HardwareProfile, MatmulPoint
+
+    assert not ComputeModel(H100_SXM).measured("fp8")
+    points = tuple(MatmulPoint(dtype=dtype, flops=flops, achieved_flops_per_s=rate)
+                   for dtype, rate in (("bf16", 600e12), ("fp8", 1100e12)) for flops in (1e9, 1e12))
+    profile = HardwareProfile(schema_version=SCHEMA_VERSION, device_name="H100", device_kind="cuda", num_processes=1,
+                              memory_bytes=80e9, matmul=points, memory_bandwidth_bytes_per_s=3e12,
+                              kernel_overhead_s=5e-6)
+    compute = ComputeModel(H100_SXM, profile)
+    assert compute.measured("fp8") and compute.matmul_rate(1e12, "fp8") == pytest.approx(1100e12)

@@ -1,0 +1,65 @@
+"""The fp8 terms of a step (solver/fp8_pricing.py), on datasheet clusters."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+
+SPEC = "gpt:layers=2,hidden=1024,heads=16,seq=512,vocab=1024"
+
+
+def every_linear(fqn: str, shape: tuple[int, ...]) -> bool:
+    """A filter: the planner keeps every eligible linear in float8 (no choice of its own)."""
+    return True
+
+
+def terms(cluster: str, precision: str = "fp8", **config):
+    chosen = {"fp8_filter": every_linear} if precision == "fp8" else {}
+    plan = autopar.evaluate(SPEC, cluster=cluster, global_batch=8, precision=precision, **chosen,
+                            **{"tp": 1, "pp": 1, "microbatch_size": 1, **config})
+    return plan, {name: seconds for name, seconds in plan.predicted.breakdown_s.items() if name.startswith("fp8")}
+
+
+def test_fp8_adds_named_terms_to_the_bf16_step():
+    bf16, _ = terms("dgx-h100:gpus_per_node=2", "bf16")
+    plan, fp8 = terms("dgx-h100:gpus_per_node=2")
+    assert fp8["fp8.matmul"] > 0 and fp8["fp8.cast"] > 0  # eager casts
+    assert "fp8.amax" not in fp8  # nothing sharded over tp: every scale is local
+    # The float8 linears' matmuls leave `compute` at the bf16 rate and come back at twice the rate.
+    moved = bf16.predicted.breakdown_s["compute"] - plan.predicted.breakdown_s["compute"]
+    assert fp8["fp8.matmul"] < moved < 2.5 * fp8["fp8.matmul"]
+    assert plan.predicted.step_time_s == pytest.approx(bf16.predicted.step_time_s + sum(fp8.values()) - moved,
+                                                       rel=1e-9)
+    assert all(seconds >= 0 for seconds in plan.predicted.breakdown_s.values())
+    assert plan.predicted.memory_bytes["fp8.copies"] > 0
+    assert plan.predicted.peak_memory_bytes > bf16.predicted.peak_memory_bytes
+
+
+def test_tensor_parallel_scales_all_reduce_and_fsdp_gathers_float8():
+    _, sharded = terms("dgx-h100:gpus_per_node=4", tp=2, zero_stage=3)
+    assert sharded["fp8.amax"] > 0
+    assert sharded["fp8.cast.all_gather"] > 0 and "fp8.all_gather" not in sharded
+    bf16, _ = terms("dgx-h100:gpus_per_node=4", "bf16", tp=2, zero_stage=3)
+    plan, _ = terms("dgx-h100:gpus_per_node=4", tp=2, zero_stage=3)
+    gathered = [name for name in bf16.predicted.breakdown_s if name.startswith("dp.all_gather")]
+    assert gathered and all(plan.predicted.breakdown_s[name] < bf16.predicted.breakdown_s[name] for name in gathered)
+    assert any("float8 weights at 1 byte per element" in note for note in plan.notes)
+
+
+def test_the_rowwise_recipe_gathers_in_bf16():
+    plan = autopar.evaluate(SPEC, cluster="dgx-h100:gpus_per_node=2", global_batch=8, precision="fp8",
+                            fp8_recipe="rowwise", tp=1, pp=1, microbatch_size=1, zero_stage=3,
+                            fp8_filter=every_linear)
+    assert "fp8.cast.all_gather" not in plan.predicted.breakdown_s and "fp8.cast" in plan.predicted.breakdown_s
+
+
+def test_cpus_emulate_float8_without_a_faster_matmul():
+    _, fp8 = terms("cpu:procs=2")
+    assert "fp8.matmul" not in fp8 and fp8["fp8.cast"] > 0
+
+
+def test_full_recomputation_casts_the_forward_again():
+    _, plain = terms("dgx-h100:gpus_per_node=2")
+    _, full = terms("dgx-h100:gpus_per_node=2", recompute="full")
+    assert full["fp8.cast"] > plain["fp8.cast"] and full["fp8.matmul"] > plain["fp8.matmul"]
