@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.fx.node import map_aggregate
 
 from autopar.codegen.all_to_all import runs_own_all_to_all, shard_to_shard
+from autopar.codegen.experts import Dispatched
 from autopar.codegen.local_ops import has_local_rule, no_dtensor_strategy, run_replicated, run_sharded
 from autopar.codegen.placements import parse_node_placements, same_placement, to_dtensor_placement
 from autopar.strategies.placement import grad_placement
@@ -218,6 +219,8 @@ class PlannedInterpreter:
             return self._expert_call(node, env, cache, output_placement, input_placements)
         if self.experts is not None and node.name in self.experts.views:
             return self.experts.run_view(node, env)
+        if self.experts is not None and node.name in self.experts.between:
+            return self._dispatched_call(node, env)
         position = 0
 
         def load(arg):
@@ -284,7 +287,7 @@ class PlannedInterpreter:
 
         def load(arg):
             nonlocal position
-            if not isinstance(arg, torch.fx.Node) or not isinstance(env[arg.name], torch.Tensor):
+            if not isinstance(arg, torch.fx.Node) or not isinstance(env[arg.name], (torch.Tensor, Dispatched)):
                 return env[arg.name] if isinstance(arg, torch.fx.Node) else arg
             index, position = position, position + 1
             value = env[arg.name]
@@ -302,6 +305,19 @@ class PlannedInterpreter:
         partial_grad = placements[op.token_input] == "R" and placements[op.weight_input] != "R"
         return self.experts.run(node, args, kwargs, self.mesh if self.distributed else None, output_placement,
                                 partial_grad)
+
+    def _dispatched_call(self, node: torch.fx.Node, env: dict[str, Any]) -> Any:
+        """A row-local op between two chained expert ops (tp = 1: plain tensors), run on the rows
+        dispatched to this rank's experts; its result stays dispatched (codegen/experts.py)."""
+        args, kwargs, dispatched = self.experts.unwrap(node, env)
+        self.current_node = node.name
+        try:
+            result = node.target(*args, **kwargs)
+        finally:
+            self.current_node = None
+        if self.on_activation is not None and node.name in self.recomputed_activations:
+            self.on_activation(node, args, kwargs, result)
+        return dispatched.wrap(result)
 
     def _cpu_attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                        enable_gqa=False):
