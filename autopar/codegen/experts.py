@@ -1,5 +1,6 @@
 """Expert parallelism at run time: expert weights split by expert over an ep group of dp ranks,
-tokens exchanged by all-to-all around each expert matmul (the plan's `ep`, solver/experts.py).
+tokens exchanged by all-to-all around each expert matmul or chain of them (the plan's `ep`,
+solver/experts.py).
 
 Mesh. The ranks are laid out (pp, dp, tp) with tp fastest; dp = dp_rep x ep with ep fastest, so an
 expert group is ep consecutive dp ranks. An expert weight is a DTensor on the (tp, ep) sub-mesh,
@@ -24,6 +25,14 @@ rank first sends every other rank how many of its rows go to each of that rank's
 all-to-all of counts), then the rows (uneven splits), reorders what it received from
 source-major to expert-major, runs the grouped matmul on its experts, and sends the rows back in
 the order they came (the backward exchanges the gradients alike).
+
+Chains (solver/experts.py): the first op of a chain dispatches and keeps its output on the
+dispatched rows (`Dispatched`: the value, as planned on tp, and for a grouped mm the `Route`
+back: the expert-major order, local offsets, rows sent and received); the row-local ops between
+run as planned on those rows (the interpreter unwraps and re-wraps them); the last op runs on the
+same rows with the same local offsets and combines. Autograd flows through the all-to-alls'
+functions as for one op: the backward dispatches the last op's output gradient and combines the
+first op's token gradient.
 """
 
 from __future__ import annotations
@@ -223,13 +232,12 @@ class ExpertRunner:
         return node.target(*map_aggregate(node.args, local), **map_aggregate(dict(node.kwargs), local))
 
     @staticmethod
-    def unwrap(node: torch.fx.Node, env: dict) -> tuple[tuple, dict, Dispatched]:
-        """(args, kwargs, a dispatched input) of a chain's row-local op: its inputs' dispatched rows."""
+    def unwrap(node: torch.fx.Node, env: dict) -> tuple[dict, Dispatched]:
+        """(its inputs by name, the dispatched rows as planned: a DTensor on the tp mesh or a
+        plain tensor; one of the dispatched inputs) of a chain's row-local op."""
         found: list[Dispatched] = []
 
         def local(value):
-            if isinstance(value, torch.fx.Node):
-                value = env[value.name]
             if isinstance(value, (list, tuple)) and any(isinstance(item, Dispatched) for item in value):
                 return type(value)(local(item) for item in value)  # a cut's outputs, read by a getitem
             if isinstance(value, Dispatched):
@@ -237,8 +245,8 @@ class ExpertRunner:
                 return value.value
             return value
 
-        args, kwargs = map_aggregate(node.args, local), map_aggregate(dict(node.kwargs), local)
-        return args, kwargs, found[0]
+        inputs = {source.name: local(env[source.name]) for source in node.all_input_nodes}
+        return inputs, found[0]
 
     def run(self, node: torch.fx.Node, args: tuple, kwargs: dict, tp_mesh, output_placement: str | None,
             partial_token_grad: bool):
@@ -257,7 +265,7 @@ class ExpertRunner:
                 return value
             index, position = position, position + 1
             if isinstance(value, Dispatched):
-                return value.value
+                return _token_local(value.value, partial_token_grad)
             if index == op.token_input:
                 return dispatch(_token_local(value, partial_token_grad), op.token_expert_dim, op.token_split_dim,
                                 self.group, self.ep)
@@ -265,7 +273,7 @@ class ExpertRunner:
 
         output = node.target(*map_aggregate(args, local), **map_aggregate(kwargs, local))
         if op.chain_to:
-            return Dispatched(output)
+            return Dispatched(_placed(output, tp_mesh, output_placement))
         output = combine(output, op.output_expert_dim, op.output_split_dim, self.group, self.ep)
         return _placed(output, tp_mesh, output_placement)
 
@@ -273,12 +281,12 @@ class ExpertRunner:
         tokens, weight, offsets, *rest = args
         weight, offsets = (value.to_local() if isinstance(value, DTensor) else value for value in (weight, offsets))
         if isinstance(tokens, Dispatched):
-            rows = tokens
+            rows = tokens.wrap(_token_local(tokens.value, partial_token_grad))
         else:
             rows = dispatch_rows(_token_local(tokens, partial_token_grad), offsets, self.group, self.ep)
         output = node.target(rows.value, weight, rows.route.local_offsets, *rest, **(kwargs or {}))
         if op.chain_to:
-            return rows.wrap(output)
+            return rows.wrap(_placed(output, tp_mesh, output_placement))
         return _placed(combine_rows(output, rows.route, self.group), tp_mesh, output_placement)
 
 

@@ -220,7 +220,14 @@ class PlannedInterpreter:
         if self.experts is not None and node.name in self.experts.views:
             return self.experts.run_view(node, env)
         if self.experts is not None and node.name in self.experts.between:
-            return self._dispatched_call(node, env)
+            # A row-local op between two chained expert ops: as planned, on the rows dispatched
+            # to this rank's experts; its result stays dispatched (codegen/experts.py).
+            inputs, dispatched = self.experts.unwrap(node, env)
+            return dispatched.wrap(self._planned_call(node, inputs, cache, output_placement, input_placements))
+        return self._planned_call(node, env, cache, output_placement, input_placements)
+
+    def _planned_call(self, node: torch.fx.Node, env: dict[str, Any], cache: dict, output_placement,
+                      input_placements: list[str]) -> Any:
         position = 0
 
         def load(arg):
@@ -296,7 +303,8 @@ class PlannedInterpreter:
                 return value
             key = (arg.name, wanted)
             if key not in cache:
-                cache[key] = self.place(value, wanted)
+                cache[key] = value.wrap(self.place(value.value, wanted)) if isinstance(value, Dispatched) \
+                    else self.place(value, wanted)
             return cache[key]
 
         args = map_aggregate(node.args, load)
@@ -305,19 +313,6 @@ class PlannedInterpreter:
         partial_grad = placements[op.token_input] == "R" and placements[op.weight_input] != "R"
         return self.experts.run(node, args, kwargs, self.mesh if self.distributed else None, output_placement,
                                 partial_grad)
-
-    def _dispatched_call(self, node: torch.fx.Node, env: dict[str, Any]) -> Any:
-        """A row-local op between two chained expert ops (tp = 1: plain tensors), run on the rows
-        dispatched to this rank's experts; its result stays dispatched (codegen/experts.py)."""
-        args, kwargs, dispatched = self.experts.unwrap(node, env)
-        self.current_node = node.name
-        try:
-            result = node.target(*args, **kwargs)
-        finally:
-            self.current_node = None
-        if self.on_activation is not None and node.name in self.recomputed_activations:
-            self.on_activation(node, args, kwargs, result)
-        return dispatched.wrap(result)
 
     def _cpu_attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                        enable_gqa=False):

@@ -119,10 +119,8 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
     recomputable = {node.name: is_recomputable(graph, node) for node in graph.nodes}
     op_saved = op_saved_nodes(graph)
     fanout_done: set[str] = set()
-    tp = 1
-    for size in mesh_shape:
-        tp *= size
-    expert_ops = {op.node: op for op in expert_ops_at(find_expert_ops(graph), tp)}
+    running = expert_ops_at(find_expert_ops(graph), lambda name: _placements(strategy_of, name))
+    expert_ops = {op.node: op for op in running}
     expert_params = {op.param for op in expert_ops.values()}
     for node in graph.nodes:
         strategy = strategy_of[node.name]
@@ -208,6 +206,11 @@ def _exchange(graph: OpGraph, builder: ProblemBuilder, node, strategy, op) -> Ex
         compute_s=forward.total_s + backward.total_s,
         count_bytes=8.0 * op.num_experts if op.kind == "grouped_mm" else 0.0, matmuls=matmuls,
         dispatches=not op.chain_from, combines=not op.chain_to)
+
+
+def _placements(strategy_of: dict, name: str) -> tuple | None:
+    strategy = strategy_of.get(name)
+    return None if strategy is None else (tuple(strategy.output), tuple(tuple(p) for p in strategy.inputs))
 
 
 def is_recomputable(graph: OpGraph, node) -> bool:

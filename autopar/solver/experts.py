@@ -25,9 +25,11 @@ constant, none of them (A's output included) is read outside the chain, and all 
 counts) once, runs A, the ops between and B on the rank's own experts, and combines B's output
 once: a SwiGLU layer moves H per token copy each way instead of H + 2F + F + H. Backward: B's
 output gradient is dispatched, A's token gradient combined; the intermediates stay where they are.
-Chains run at tp = 1 only (`expert_ops_at`): with tensor parallelism the ops between would run on
-DTensors of the tp mesh, which the dispatched rows are not; there each op exchanges its own input
-and output (four all-to-alls forward and four backward for a two-matmul layer).
+A chain runs where the plan's tensor-parallel placements split none of its values along the rows
+(`expert_ops_at`): the ops between then run as planned (DTensors on the tp mesh) on rows that are
+the same on every tp rank. Elsewhere each op exchanges its own input and output (four all-to-alls
+forward and four backward for a two-matmul layer). Not chained: ops whose tokens meet a tensor
+from outside between them (GPT-OSS adds a bias gathered per row by its expert).
 Expert weights' gradients are complete on their owner (the tokens of every rank of the group
 reached it), so data parallelism reduces them over the dp / ep ranks that hold the same experts,
 not over the whole dp group.
@@ -60,6 +62,7 @@ without ep is part of the stage's compute.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from autopar.errors import ConfigError
@@ -208,11 +211,34 @@ def find_expert_ops(graph: OpGraph) -> tuple[ExpertOp, ...]:
     return _chained(graph, tuple(op for op in found if op.param in readers_ok))
 
 
-def expert_ops_at(ops: tuple[ExpertOp, ...], tp: int) -> tuple[ExpertOp, ...]:
-    """The expert ops as they run at tensor-parallel degree `tp`: chains only at tp = 1."""
-    if tp == 1:
-        return ops
-    return tuple(replace(op, chain_from="", chain_to="", between=()) for op in ops)
+def expert_ops_at(ops: tuple[ExpertOp, ...], placements: Callable[[str], tuple | None]) -> tuple[ExpertOp, ...]:
+    """The expert ops as they run under the plan's tensor-parallel placements: `placements(node)`
+    is its strategy's (output, inputs) placements, each a tuple with one per mesh axis, or None.
+    A chain runs where none of its values (the first op's tokens and output, the ops between,
+    the last op's tokens) is split along a dim the exchange keeps (grouped mm: the rows; einsum:
+    the expert or token dim) on any axis: every tp rank then dispatches the same rows, so the ops
+    between run as planned on DTensors of them. Elsewhere each op exchanges its own operands."""
+    by_node = {op.node: op for op in ops}
+    broken = set()
+    for op in ops:
+        if op.chain_from and not _chain_runs(by_node[op.chain_from], op, placements):
+            broken |= {op.node, op.chain_from}
+    return tuple(replace(op, chain_from="", chain_to="", between=()) if op.node in broken else op for op in ops)
+
+
+def _chain_runs(first: ExpertOp, last: ExpertOp, placements: Callable[[str], tuple | None]) -> bool:
+    kept = {f"S{dim}" for dim in ((0,) if last.kind == "grouped_mm" else (last.token_expert_dim,
+                                                                           last.token_split_dim))}
+    values = []
+    for name, token_input in ((first.node, first.token_input), (last.node, last.token_input)):
+        found = placements(name)
+        if found is not None:
+            values += list(found[1][token_input:token_input + 1]) + ([found[0]] if name == first.node else [])
+    for name in last.between:
+        found = placements(name)
+        if found is not None:
+            values += [found[0], *found[1]]
+    return not any(placement in kept for value in values for placement in value)
 
 
 def _chained(graph: OpGraph, ops: tuple[ExpertOp, ...]) -> tuple[ExpertOp, ...]:

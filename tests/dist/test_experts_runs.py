@@ -37,6 +37,11 @@ class Case:
     world_size: int
     constraints: dict = field(default_factory=dict)
     known_error: str = ""
+    cluster: str = ""
+    """The cluster the plan is made for ("": tiny_model_cluster, on which tp shards the tiny models)."""
+    all_to_all: int = 0
+    """The all-to-alls of one microbatch where known (0: not checked): with each layer's expert
+    ops chained, 4 per layer (dispatch, combine, both backward), 5 when dropless (the counts)."""
     timeout_s: float = 120.0
     """Per case (harness.case_outcome): planning + capture + 3 steps, slow when 4 processes share 2 cores."""
 
@@ -152,7 +157,8 @@ def experts_case(case: Case) -> dict:
     (inputs, targets), *_ = batches
     # What autopar.parallelize builds; rank 0 exports the model for codegen and the other ranks
     # load it (one_process.py), and the 4-process cases reuse the 2-process cases' captures.
-    module = parallelize_reusing_captures(case.model, model, tiny_model_cluster(case.world_size), inputs,
+    cluster = case.cluster or tiny_model_cluster(case.world_size)
+    module = parallelize_reusing_captures(case.model, model, cluster, inputs,
                                           loss_fn=loss_fn, example_targets=targets, constraints=case.constraints)
     # CommDebugMode's module hooks break pipelining, and under cp its dispatch mode breaks sdpa's
     # CausalBias: there the all-to-alls are counted where codegen/experts.py calls them.
@@ -173,14 +179,18 @@ def experts_case(case: Case) -> dict:
 
 _FOUR = pytest.mark.skipif(not os.environ.get("AUTOPAR_EP_ALL"), reason="4-process cases: set AUTOPAR_EP_ALL=1")
 TABLE = CaseTable([
-    case_param(Case("moe", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "moe-dp2-ep2"),
-    case_param(Case("Mixtral", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "mixtral-dp2-ep2"),
+    case_param(Case("moe", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4), all_to_all=2 * 4),
+               "moe-dp2-ep2"),
+    case_param(Case("Mixtral", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4), all_to_all=2 * 5),
+               "mixtral-dp2-ep2"),
     # ZeRO-1/2/3: expert weights FSDP-sharded over the dp ranks holding the same experts (here
     # one: dp_rep = 1), the rest over dp.
     *[case_param(Case(model, 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=zero, microbatch_size=4)),
                  f"{model.lower()}-dp2-ep2-zero{zero}") for model in ("moe", "Mixtral") for zero in (1, 2, 3)],
-    # The mixtures of experts of 2025-2026 as Hugging Face builds them, under ZeRO-3.
-    *[case_param(Case(model, 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=3, microbatch_size=4)),
+    # The mixtures of experts of 2025-2026 as Hugging Face builds them, under ZeRO-3 (GPT-OSS adds
+    # a bias gathered per row between its expert matmuls: not chained, 5 all-to-alls each).
+    *[case_param(Case(model, 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=3, microbatch_size=4),
+                      all_to_all=2 * 2 * 5 if model == "GPT-OSS" else 0),
                  f"{model.lower()}-dp2-ep2-zero3") for model in ("Qwen3-MoE", "OLMoE", "GPT-OSS", "DeepSeek-V3")],
     # 4 processes (minutes on 2 cores): AUTOPAR_EP_ALL=1 runs them.
     # dp4 x ep2 ZeRO-3: dp_rep = 2, the experts really sharded by FSDP.
@@ -194,6 +204,11 @@ TABLE = CaseTable([
     case_param(Case("moe", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "moe-dp2-ep2-tp2", _FOUR),
     case_param(Case("moe", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=2)), "moe-dp4-ep2", _FOUR),
     case_param(Case("moe", 4, dict(dp=2, tp=1, pp=2, ep=2, zero_stage=0, microbatch_size=2)), "moe-dp2-ep2-pp2", _FOUR),
+    # On real figures every op of the tiny MoE stays replicated on tp: each layer's two expert
+    # einsums then run as one chain (one dispatch, one combine), the gelu between them as a
+    # DTensor on the tp mesh of the dispatched tokens.
+    case_param(Case("moe", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4),
+                    cluster="dgx-a100-80g:gpus_per_node=4", all_to_all=2 * 4), "moe-dp2-ep2-tp2-chained", _FOUR),
     case_param(Case("Mixtral", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4)),
                "mixtral-dp2-ep2-tp2", _FOUR),
     # ep x cp: ep borrows dp ranks; each cp rank exchanges its sequence shard's tokens with the
@@ -232,3 +247,4 @@ def test_expert_parallel_matches_one_process(case_name, case_outcome):
             assert set(result["grad_errors"]) == set(result["all_parameters"])
             assert result["num_microbatches"] == 1
             assert result["ran_all_to_all"] == result["predicted_all_to_all"], result
+            assert case.all_to_all in (0, result["ran_all_to_all"]), result

@@ -275,10 +275,13 @@ def test_a_swiglu_grouped_mm_layer_is_one_chain() -> None:
     assert (first.node, first.chain_from, first.chain_to) == ("gmm1", "", "gmm2")
     assert (last.node, last.chain_from, last.chain_to) == ("gmm2", "gmm1", "")
     assert last.between == ("chunk", "gate", "up", "silu", "mul")
-    # With tensor parallelism the ops between would run on DTensors: each op exchanges its own.
+    # Under tensor parallelism the chain runs where no tp placement splits its rows (the ops
+    # between then run on the same dispatched rows on every tp rank); elsewhere each op exchanges.
+    columns = {"gmm1": (("S1",), (("R",), ("S2",), ("R",))), "silu": (("S1",), (("S1",),))}
+    assert expert_ops_at((first, last), lambda name: columns.get(name)) == (first, last)
+    rows = {**columns, "silu": (("S0",), (("S0",),))}
     assert all(not op.chain_from and not op.chain_to and not op.between
-               for op in expert_ops_at((first, last), tp=2))
-    assert expert_ops_at((first, last), tp=1) == (first, last)
+               for op in expert_ops_at((first, last), lambda name: rows.get(name)))
 
 
 @pytest.mark.parametrize("breaker", ["outside_reader", "row_mixing"])
