@@ -192,6 +192,13 @@ TABLE = CaseTable([
     *[case_param(Case(model, 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=3, microbatch_size=4),
                       all_to_all=2 * 2 * 5 if model == "GPT-OSS" else 0),
                  f"{model.lower()}-dp2-ep2-zero3") for model in ("Qwen3-MoE", "OLMoE", "GPT-OSS", "DeepSeek-V3")],
+    # Recomputed chains: the whole layer again in backward (its forward dispatch and combine too:
+    # 2 more all-to-alls per layer, which the price counts, solver/prepared.py, and the plan's
+    # collective counts leave out), or the gelu between the expert einsums, on the dispatched tokens.
+    case_param(Case("moe", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4, recompute="full"),
+                    all_to_all=2 * (4 + 2)), "moe-dp2-ep2-full"),
+    case_param(Case("moe", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4,
+                                   recompute="selective")), "moe-dp2-ep2-selective"),
     # 4 processes (minutes on 2 cores): AUTOPAR_EP_ALL=1 runs them.
     # dp4 x ep2 ZeRO-3: dp_rep = 2, the experts really sharded by FSDP.
     case_param(Case("moe", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=3, microbatch_size=2)), "moe-dp4-ep2-zero3",
@@ -246,5 +253,6 @@ def test_expert_parallel_matches_one_process(case_name, case_outcome):
         if case.constraints["pp"] == 1:  # one microbatch: the step's all-to-alls are one microbatch's
             assert set(result["grad_errors"]) == set(result["all_parameters"])
             assert result["num_microbatches"] == 1
-            assert result["ran_all_to_all"] == result["predicted_all_to_all"], result
+            if case.constraints.get("recompute") != "full":
+                assert result["ran_all_to_all"] == result["predicted_all_to_all"], result
             assert case.all_to_all in (0, result["ran_all_to_all"]), result
