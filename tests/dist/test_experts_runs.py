@@ -335,7 +335,8 @@ def chain_split_on_tp_case(case: ChainCase) -> dict:
     exchanges = sum(count for op, count in counter.get_comm_counts().items()
                     if "alltoall" in str(op) or "all_to_all" in str(op))
     error = lambda a, b: float((a - b).abs().max() / b.abs().max().clamp(min=1.0))  # noqa: E731 (relative)
-    return dict(all_to_all=exchanges, output=error(output, outputs[member]), token_grad=error(x.grad, tokens[member].grad),
+    return dict(all_to_all=exchanges, output=error(output, outputs[member]),
+                token_grad=error(x.grad, tokens[member].grad),
                 w1_grad=error(local_w1.grad, whole[0].grad[block, column * hidden // 2:(column + 1) * hidden // 2]),
                 w2_grad=error(local_w2.grad, whole[1].grad[block, column * ffn // 2:(column + 1) * ffn // 2]))
 
