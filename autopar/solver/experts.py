@@ -244,9 +244,13 @@ def _chain_runs(first: ExpertOp, last: ExpertOp, placements: Callable[[str], tup
 def _chained(graph: OpGraph, ops: tuple[ExpertOp, ...]) -> tuple[ExpertOp, ...]:
     """`ops` with their chains marked (pairs A -> B, see the module docstring)."""
     by_node = {op.node: op for op in ops}
+    if len(ops) < 2:
+        return ops
+    segment_of = {name: segment.name for segment in graph.segments for name in segment.nodes}
+    order = {node.name: index for index, node in enumerate(graph.nodes)}
     links: dict[str, tuple[str, tuple[str, ...]]] = {}
     for op in ops:
-        link = _chain_from(graph, op, by_node)
+        link = _chain_from(graph, op, by_node, segment_of, order)
         if link is not None and link[0] not in links:
             links[link[0]] = (op.node, link[1])
     ends = {end: (start, between) for start, (end, between) in links.items()}
@@ -258,7 +262,8 @@ def _chained(graph: OpGraph, ops: tuple[ExpertOp, ...]) -> tuple[ExpertOp, ...]:
     return tuple(chained)
 
 
-def _chain_from(graph: OpGraph, op: ExpertOp, by_node: dict[str, ExpertOp]) -> tuple[str, tuple[str, ...]] | None:
+def _chain_from(graph: OpGraph, op: ExpertOp, by_node: dict[str, ExpertOp], segment_of: dict[str, str],
+                order: dict[str, int]) -> tuple[str, tuple[str, ...]] | None:
     """(the expert op A whose output reaches `op`'s tokens only through row-local ops, those
     ops in graph order), or None."""
     node = graph[op.node]
@@ -285,10 +290,8 @@ def _chain_from(graph: OpGraph, op: ExpertOp, by_node: dict[str, ExpertOp]) -> t
     inside = members | {op.node}
     if any(set(graph.consumers.get(name, ())) - inside for name in members):
         return None  # a chain value is read outside the chain
-    segment_of = {name: segment.name for segment in graph.segments for name in segment.nodes}
     if len({segment_of.get(name) for name in inside}) != 1:
         return None
-    order = {node.name: index for index, node in enumerate(graph.nodes)}
     return start, tuple(sorted(members - {start}, key=order.__getitem__))
 
 
