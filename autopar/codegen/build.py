@@ -138,15 +138,23 @@ class ProgramBuilder:
         """Run the plan's expert ops expert-parallel and place its expert weights on the (tp, ep)
         mesh (codegen/experts.py); the expert ops are found in this graph as the planner found them."""
         from autopar.codegen.experts import ExpertRunner
-        from autopar.solver.experts import expert_param_names, find_expert_ops
+        from autopar.solver.experts import expert_ops_at, expert_param_names, find_expert_ops
 
         ops = find_expert_ops(self.parts.graph)
         names = expert_param_names(self.parts.graph, ops)
         if set(names) != set(self.plan.ep_params):
             raise PlanMismatchError(f"the plan splits the expert weights {sorted(self.plan.ep_params)} over ep="
                                     f"{self.plan.ep}, but this model's expert ops read {sorted(names)}: re-plan")
-        self.interpreter.experts = ExpertRunner({op.node: op for op in ops}, runtime.ep_group, self.plan.ep)
+        ops_run = expert_ops_at(ops, self._placements)  # the chains the plan priced
+        self.interpreter.experts = ExpertRunner({op.node: op for op in ops_run}, runtime.ep_group, self.plan.ep)
         self.expert_mesh = runtime.expert_mesh
+
+    def _placements(self, name: str) -> tuple | None:
+        """A node's planned (output, inputs) placements, one per mesh axis each (solver/experts.py)."""
+        if name not in self.interpreter.placements:
+            return None
+        output, inputs = self.interpreter.placements[name]
+        return tuple(output.split(",")), tuple(tuple(item.split(",")) for item in inputs)
 
     def build(self, spec: ChunkSpec, *, num_chunks: int) -> StageProgram:
         recompute = self.plan.stage_recompute(rank_of(self.plan.schedule, stage=spec.index,

@@ -1,5 +1,6 @@
 """Expert parallelism at run time: expert weights split by expert over an ep group of dp ranks,
-tokens exchanged by all-to-all around each expert matmul (the plan's `ep`, solver/experts.py).
+tokens exchanged by all-to-all around each expert matmul or chain of them (the plan's `ep`,
+solver/experts.py).
 
 Mesh. The ranks are laid out (pp, dp, tp) with tp fastest; dp = dp_rep x ep with ep fastest, so an
 expert group is ep consecutive dp ranks. An expert weight is a DTensor on the (tp, ep) sub-mesh,
@@ -24,9 +25,19 @@ rank first sends every other rank how many of its rows go to each of that rank's
 all-to-all of counts), then the rows (uneven splits), reorders what it received from
 source-major to expert-major, runs the grouped matmul on its experts, and sends the rows back in
 the order they came (the backward exchanges the gradients alike).
+
+Chains (solver/experts.py): the first op of a chain dispatches and keeps its output on the
+dispatched rows (`Dispatched`: the value, as planned on tp, and for a grouped mm the `Route`
+back: the expert-major order, local offsets, rows sent and received); the row-local ops between
+run as planned on those rows (the interpreter unwraps and re-wraps them); the last op runs on the
+same rows with the same local offsets and combines. Autograd flows through the all-to-alls'
+functions as for one op: the backward dispatches the last op's output gradient and combines the
+first op's token gradient.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -74,12 +85,43 @@ class _AllToAllUneven(torch.autograd.Function):
         return returned, None, None, None
 
 
-def grouped_mm_expert_parallel(target, tokens: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, group,
-                               ep: int, rest=(), kwargs=None) -> torch.Tensor:
-    """`target(tokens, whole weight, offsets)` where this rank holds experts [c E/ep, (c+1) E/ep)
-    of the weight (`weight`) and every rank of `group` its own tokens."""
-    num_experts = offsets.shape[0]
-    local_experts = num_experts // ep
+@dataclass(frozen=True)
+class Route:
+    """How one rank's rows of a grouped expert op were dispatched: what the combine undoes."""
+
+    order: torch.Tensor
+    """Positions, in the rows received source after source, of the rows in expert-major order."""
+    local_offsets: torch.Tensor
+    """End row of each of this rank's experts in the expert-major rows."""
+    sent: list[int]
+    """Rows this rank sent to each rank of the group."""
+    received: list[int]
+    """Rows this rank received from each rank."""
+    rows: int
+    """Rows of this rank's token operand (those past the last expert's end are unused: zeros)."""
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """A value of a chain (solver/experts.py) on this rank's experts: the rows dispatched to it,
+    expert-major (grouped mm, `route` set), or the einsum tokens after `dispatch` (route None)."""
+
+    value: torch.Tensor
+    route: Route | None = None
+
+    def wrap(self, result):
+        """`result` (a tensor, or a list/tuple of them) of an op on these rows, dispatched alike."""
+        if isinstance(result, torch.Tensor):
+            return Dispatched(result, self.route)
+        if isinstance(result, (list, tuple)):
+            return type(result)(self.wrap(item) for item in result)
+        return result
+
+
+def dispatch_rows(tokens: torch.Tensor, offsets: torch.Tensor, group, ep: int) -> Dispatched:
+    """This rank's rows (sorted by expert, `offsets[e]` the end of expert e's) -> the rows of
+    every rank of `group` for this rank's experts, expert-major: counts, then rows, exchanged."""
+    local_experts = offsets.shape[0] // ep
     used = int(offsets[-1])
     counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
     received_counts = torch.empty_like(counts)
@@ -90,12 +132,26 @@ def grouped_mm_expert_parallel(target, tokens: torch.Tensor, weight: torch.Tenso
     rows = _AllToAllUneven.apply(tokens[:used], received, sent, group)
     order = _expert_major(by_source)
     local_offsets = by_source.sum(dim=0).cumsum(dim=0).to(offsets.dtype)
-    output = target(rows[order], weight, local_offsets, *rest, **(kwargs or {}))
-    back = torch.empty_like(output).index_copy(0, order, output)  # the rows in the order they came
-    mine = _AllToAllUneven.apply(back, sent, received, group)
-    if used == tokens.shape[0]:
+    route = Route(order=order, local_offsets=local_offsets, sent=sent, received=received, rows=tokens.shape[0])
+    return Dispatched(rows[order], route)
+
+
+def combine_rows(output: torch.Tensor, route: Route, group) -> torch.Tensor:
+    """The inverse of `dispatch_rows`: expert-major rows of this rank's experts -> this rank's rows."""
+    back = torch.empty_like(output).index_copy(0, route.order, output)  # the rows in the order they came
+    mine = _AllToAllUneven.apply(back, route.sent, route.received, group)
+    if mine.shape[0] == route.rows:
         return mine
-    return torch.cat([mine, mine.new_zeros((tokens.shape[0] - used, *mine.shape[1:]))])
+    return torch.cat([mine, mine.new_zeros((route.rows - mine.shape[0], *mine.shape[1:]))])
+
+
+def grouped_mm_expert_parallel(target, tokens: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, group,
+                               ep: int, rest=(), kwargs=None) -> torch.Tensor:
+    """`target(tokens, whole weight, offsets)` where this rank holds experts [c E/ep, (c+1) E/ep)
+    of the weight (`weight`) and every rank of `group` its own tokens."""
+    rows = dispatch_rows(tokens, offsets, group, ep)
+    output = target(rows.value, weight, rows.route.local_offsets, *rest, **(kwargs or {}))
+    return combine_rows(output, rows.route, group)
 
 
 def _expert_major(by_source: torch.Tensor) -> torch.Tensor:
@@ -157,9 +213,11 @@ class ExpertRunner:
 
     def __init__(self, ops: dict[str, ExpertOp], group, ep: int) -> None:
         self.ops = ops
-        """Expert op by node name (of the graph codegen runs)."""
+        """Expert op by node name (of the graph codegen runs), chains as they run (expert_ops_at)."""
         self.views = {view for op in ops.values() for view in op.weight_views}
         """Nodes between an expert weight and its op (run on the local expert block)."""
+        self.between = {name for op in ops.values() for name in op.between}
+        """Row-local nodes inside a chain: run on the dispatched rows (`unwrap`)."""
         self.group = group
         self.ep = ep
 
@@ -173,42 +231,69 @@ class ExpertRunner:
 
         return node.target(*map_aggregate(node.args, local), **map_aggregate(dict(node.kwargs), local))
 
+    @staticmethod
+    def unwrap(node: torch.fx.Node, env: dict) -> tuple[dict, Dispatched]:
+        """(its inputs by name, the dispatched rows as planned: a DTensor on the tp mesh or a
+        plain tensor; one of the dispatched inputs) of a chain's row-local op."""
+        found: list[Dispatched] = []
+
+        def local(value):
+            if isinstance(value, (list, tuple)) and any(isinstance(item, Dispatched) for item in value):
+                return type(value)(local(item) for item in value)  # a cut's outputs, read by a getitem
+            if isinstance(value, Dispatched):
+                found.append(value)
+                return value.value
+            return value
+
+        inputs = {source.name: local(env[source.name]) for source in node.all_input_nodes}
+        return inputs, found[0]
+
     def run(self, node: torch.fx.Node, args: tuple, kwargs: dict, tp_mesh, output_placement: str | None,
             partial_token_grad: bool):
-        """`args` hold the token operand as the plan placed it on tp and the expert weight (a
-        DTensor on the (tp, ep) mesh) as it is. Replicated tokens of an op whose weight is split on
-        tp (column or row parallel) get partial gradients from each tp rank: `partial_token_grad`."""
+        """`args` hold the token operand as the plan placed it on tp (or, inside a chain, as the
+        previous op left it: Dispatched) and the expert weight (a DTensor on the (tp, ep) mesh) as
+        it is. Replicated tokens of an op whose weight is split on tp (column or row parallel) get
+        partial gradients from each tp rank: `partial_token_grad`."""
         op = self.ops[node.name]
         position = 0
         if op.kind == "grouped_mm":
-            return self._grouped_mm(node, args, kwargs, tp_mesh, output_placement, partial_token_grad)
+            return self._grouped_mm(op, node, args, kwargs, tp_mesh, output_placement, partial_token_grad)
 
         def local(value):
             nonlocal position
-            if not isinstance(value, torch.Tensor):
+            if not isinstance(value, (torch.Tensor, Dispatched)):
                 return value
             index, position = position, position + 1
-            if index == op.weight_input:
-                return value.to_local() if isinstance(value, DTensor) else value
+            if isinstance(value, Dispatched):
+                return _token_local(value.value, partial_token_grad)
             if index == op.token_input:
                 return dispatch(_token_local(value, partial_token_grad), op.token_expert_dim, op.token_split_dim,
                                 self.group, self.ep)
             return value.to_local() if isinstance(value, DTensor) else value
 
         output = node.target(*map_aggregate(args, local), **map_aggregate(kwargs, local))
+        if op.chain_to:
+            return Dispatched(_placed(output, tp_mesh, output_placement))
         output = combine(output, op.output_expert_dim, op.output_split_dim, self.group, self.ep)
-        if tp_mesh is None:
-            return output
-        return DTensor.from_local(output, tp_mesh, [to_dtensor_placement(output_placement or "R")], run_check=False)
+        return _placed(output, tp_mesh, output_placement)
 
-    def _grouped_mm(self, node, args, kwargs, tp_mesh, output_placement, partial_token_grad: bool):
+    def _grouped_mm(self, op: ExpertOp, node, args, kwargs, tp_mesh, output_placement, partial_token_grad: bool):
         tokens, weight, offsets, *rest = args
-        tokens = _token_local(tokens, partial_token_grad)
-        local = [value.to_local() if isinstance(value, DTensor) else value for value in (weight, offsets)]
-        output = grouped_mm_expert_parallel(node.target, tokens, *local, self.group, self.ep, rest, kwargs)
-        if tp_mesh is None:
-            return output
-        return DTensor.from_local(output, tp_mesh, [to_dtensor_placement(output_placement or "R")], run_check=False)
+        weight, offsets = (value.to_local() if isinstance(value, DTensor) else value for value in (weight, offsets))
+        if isinstance(tokens, Dispatched):
+            rows = tokens.wrap(_token_local(tokens.value, partial_token_grad))
+        else:
+            rows = dispatch_rows(_token_local(tokens, partial_token_grad), offsets, self.group, self.ep)
+        output = node.target(rows.value, weight, rows.route.local_offsets, *rest, **(kwargs or {}))
+        if op.chain_to:
+            return rows.wrap(_placed(output, tp_mesh, output_placement))
+        return _placed(combine_rows(output, rows.route, self.group), tp_mesh, output_placement)
+
+
+def _placed(output: torch.Tensor, tp_mesh, output_placement: str | None):
+    if tp_mesh is None:
+        return output
+    return DTensor.from_local(output, tp_mesh, [to_dtensor_placement(output_placement or "R")], run_check=False)
 
 
 def _token_local(value, partial_grad: bool) -> torch.Tensor:

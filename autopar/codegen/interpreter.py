@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.fx.node import map_aggregate
 
 from autopar.codegen.all_to_all import runs_own_all_to_all, shard_to_shard
+from autopar.codegen.experts import Dispatched
 from autopar.codegen.local_ops import has_local_rule, no_dtensor_strategy, run_replicated, run_sharded
 from autopar.codegen.placements import parse_node_placements, same_placement, to_dtensor_placement
 from autopar.strategies.placement import grad_placement
@@ -218,6 +219,15 @@ class PlannedInterpreter:
             return self._expert_call(node, env, cache, output_placement, input_placements)
         if self.experts is not None and node.name in self.experts.views:
             return self.experts.run_view(node, env)
+        if self.experts is not None and node.name in self.experts.between:
+            # A row-local op between two chained expert ops: as planned, on the rows dispatched
+            # to this rank's experts; its result stays dispatched (codegen/experts.py).
+            inputs, dispatched = self.experts.unwrap(node, env)
+            return dispatched.wrap(self._planned_call(node, inputs, cache, output_placement, input_placements))
+        return self._planned_call(node, env, cache, output_placement, input_placements)
+
+    def _planned_call(self, node: torch.fx.Node, env: dict[str, Any], cache: dict, output_placement,
+                      input_placements: list[str]) -> Any:
         position = 0
 
         def load(arg):
@@ -284,7 +294,7 @@ class PlannedInterpreter:
 
         def load(arg):
             nonlocal position
-            if not isinstance(arg, torch.fx.Node) or not isinstance(env[arg.name], torch.Tensor):
+            if not isinstance(arg, torch.fx.Node) or not isinstance(env[arg.name], (torch.Tensor, Dispatched)):
                 return env[arg.name] if isinstance(arg, torch.fx.Node) else arg
             index, position = position, position + 1
             value = env[arg.name]
@@ -293,7 +303,8 @@ class PlannedInterpreter:
                 return value
             key = (arg.name, wanted)
             if key not in cache:
-                cache[key] = self.place(value, wanted)
+                cache[key] = value.wrap(self.place(value.value, wanted)) if isinstance(value, Dispatched) \
+                    else self.place(value, wanted)
             return cache[key]
 
         args = map_aggregate(node.args, load)

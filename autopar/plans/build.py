@@ -83,7 +83,8 @@ def _param_roles(graph: OpGraph, strategies: dict) -> dict[str, str]:
 
 def _collective_counts(segments, ep: int = 1) -> dict[str, int]:
     """Tensor-parallel collectives, and with ep > 1 expert parallelism's all-to-alls (each expert
-    op's dispatch and combine, forward and backward: ExpertExchange.messages)."""
+    op's dispatch and combine, forward and backward, a chain's first op dispatching and its last
+    combining: ExpertExchange.messages)."""
     counts: dict[str, int] = {}
     for segment in segments:
         for event in segment.comm:

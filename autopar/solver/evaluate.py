@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from autopar.graph import OpGraph
 from autopar.solver.costing import CommEvent
-from autopar.solver.experts import ExpertExchange, GroupedMatmul, find_expert_ops
+from autopar.solver.experts import ExpertExchange, GroupedMatmul, expert_ops_at, find_expert_ops
 from autopar.solver.quotient import Quotient
 from autopar.solver.recompute import op_saved_nodes, reads_trainable_param
 from autopar.solver.sharding_problem import Assignment, ProblemBuilder
@@ -119,7 +119,8 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
     recomputable = {node.name: is_recomputable(graph, node) for node in graph.nodes}
     op_saved = op_saved_nodes(graph)
     fanout_done: set[str] = set()
-    expert_ops = {op.node: op for op in find_expert_ops(graph)}
+    running = expert_ops_at(find_expert_ops(graph), lambda name: _placements(strategy_of, name))
+    expert_ops = {op.node: op for op in running}
     expert_params = {op.param for op in expert_ops.values()}
     for node in graph.nodes:
         strategy = strategy_of[node.name]
@@ -203,7 +204,13 @@ def _exchange(graph: OpGraph, builder: ProblemBuilder, node, strategy, op) -> Ex
         output_bytes=node.output.nbytes / shard_factor(strategy.output, builder.mesh_shape),
         token_grad=tokens.requires_grad and tokens.output.is_float, dropless=op.dropless,
         compute_s=forward.total_s + backward.total_s,
-        count_bytes=8.0 * op.num_experts if op.kind == "grouped_mm" else 0.0, matmuls=matmuls)
+        count_bytes=8.0 * op.num_experts if op.kind == "grouped_mm" else 0.0, matmuls=matmuls,
+        dispatches=not op.chain_from, combines=not op.chain_to)
+
+
+def _placements(strategy_of: dict, name: str) -> tuple | None:
+    strategy = strategy_of.get(name)
+    return None if strategy is None else (tuple(strategy.output), tuple(tuple(p) for p in strategy.inputs))
 
 
 def is_recomputable(graph: OpGraph, node) -> bool:

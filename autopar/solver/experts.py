@@ -12,8 +12,24 @@ weight. An expert matmul then runs in three steps on each rank (codegen/experts.
     combine    all-to-all back: every rank gets its own tokens' outputs
 
 and in the backward the same two all-to-alls in reverse (the output gradient is dispatched,
-the token gradient combined). Each expert matmul exchanges its own input and output: a layer
-with two expert matmuls (in and out projections) runs four all-to-alls forward, four backward.
+the token gradient combined).
+
+Chains: one dispatch and one combine per MoE layer, as Megatron-Core and torchtitan run it. Two
+expert ops A -> B of the same kind and experts (grouped mm: the same `offs` node; einsum/bmm: B's
+token expert and token dims are A's output's) form a chain where B's token operand is reached from
+A's output only through row-local ops (elementwise ops, casts, and chunk/split/slice/getitem along
+a dim the exchange does not touch: not the rows of a grouped mm, not an einsum's expert or token
+dim), every tensor operand of those ops is A's output, another of them, or a 0-d parameter or
+constant, none of them (A's output included) is read outside the chain, and all lie in one segment
+(no pipeline boundary inside). The chain dispatches A's tokens (and, dropless, exchanges the
+counts) once, runs A, the ops between and B on the rank's own experts, and combines B's output
+once: a SwiGLU layer moves H per token copy each way instead of H + 2F + F + H. Backward: B's
+output gradient is dispatched, A's token gradient combined; the intermediates stay where they are.
+A chain runs where the plan's tensor-parallel placements split none of its values along the rows
+(`expert_ops_at`): the ops between then run as planned (DTensors on the tp mesh) on rows that are
+the same on every tp rank. Elsewhere each op exchanges its own input and output (four all-to-alls
+forward and four backward for a two-matmul layer). Not chained: ops whose tokens meet a tensor
+from outside between them (GPT-OSS adds a bias gathered per row by its expert).
 Expert weights' gradients are complete on their owner (the tokens of every rank of the group
 reached it), so data parallelism reduces them over the dp / ep ranks that hold the same experts,
 not over the whole dp group.
@@ -46,11 +62,13 @@ without ep is part of the stage's compute.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from autopar.errors import ConfigError
 from autopar.graph import OpGraph, OpNode
 from autopar.strategies.grouped_mm import GROUPED_MM_TARGETS
+from autopar.strategies.pointwise import CASTS, NONLINEAR_NARY, NONLINEAR_UNARY
 
 EINSUM_TARGETS = ("aten.einsum.default",)
 BMM_TARGETS = ("aten.bmm.default",)
@@ -58,6 +76,13 @@ DEFAULT_LOAD_IMBALANCE = 1.25
 """Switch Transformer's and GShard's capacity factor: the default busiest-rank share of dropless routing."""
 WEIGHT_VIEWS = ("aten.transpose.int", "aten.t.default")
 """Ops between an expert weight and a grouped mm that keep dim 0 (checked by shape)."""
+ELEMENTWISE = NONLINEAR_UNARY + NONLINEAR_NARY + CASTS + (
+    "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar",
+    "aten.add.Scalar", "aten.sub.Scalar", "aten.neg.default", "aten.type_as.default")
+"""Row-local ops a chain may hold between two expert ops (every tensor operand the output's shape)."""
+CUTS = {"aten.chunk.default": 2, "aten.split.Tensor": 2, "aten.split_with_sizes.default": 2,
+        "aten.slice.Tensor": 1}
+"""Ops a chain may hold that cut along a dim (-> the position of the dim argument, default 0)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +110,13 @@ class ExpertOp:
     """"einsum" (einsum or bmm, even exchanges) or "grouped_mm" (rows sorted by expert, uneven)."""
     weight_views: tuple[str, ...] = ()
     """Nodes from the parameter to the op (a transpose), run on the local expert block."""
+    chain_from: str = ""
+    """The expert op whose output, still dispatched, reaches this op's tokens (a chain, see the
+    module docstring): no dispatch, no counts here."""
+    chain_to: str = ""
+    """The expert op this op's output reaches, still dispatched: no combine here."""
+    between: tuple[str, ...] = ()
+    """Of a chain's last op: the row-local nodes from `chain_from` to it (run on dispatched rows)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,15 +157,25 @@ class ExpertExchange:
     """Per-expert token counts exchanged before a dropless op's rows (0: static shapes, none)."""
     matmuls: tuple[GroupedMatmul, ...] = ()
     """A grouped op's matmul kernels on this device without expert parallelism (what ep reshapes)."""
+    dispatches: bool = True
+    """It dispatches its tokens (False: they arrive dispatched from the previous op of its chain)."""
+    combines: bool = True
+    """It combines its output (False: the output stays dispatched for the next op of its chain)."""
 
     def messages(self) -> tuple[tuple[float, str, str], ...]:
         """(bytes each rank sends and receives, phase, part) of its all-to-alls: the counts
         (dropless), dispatch and combine forward; the output gradient dispatched and the token
-        gradient combined backward. Parts: "counts", "dispatch", "combine"."""
-        counts = ((self.count_bytes, "fwd", "counts"),) if self.count_bytes else ()
-        backward = ((self.output_bytes, "bwd", "dispatch"),) + (
-            ((self.token_bytes, "bwd", "combine"),) if self.token_grad else ())
-        return counts + ((self.token_bytes, "fwd", "dispatch"), (self.output_bytes, "fwd", "combine")) + backward
+        gradient combined backward. Parts: "counts", "dispatch", "combine". Within a chain the
+        first op only dispatches (and exchanges counts), the last only combines."""
+        forward, backward = [], []
+        if self.dispatches:
+            forward += ([(self.count_bytes, "fwd", "counts")] if self.count_bytes else []) + [
+                (self.token_bytes, "fwd", "dispatch")]
+            backward += [(self.token_bytes, "bwd", "combine")] if self.token_grad else []
+        if self.combines:
+            forward.append((self.output_bytes, "fwd", "combine"))
+            backward.insert(0, (self.output_bytes, "bwd", "dispatch"))
+        return tuple(forward + backward)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,7 +208,128 @@ def find_expert_ops(graph: OpGraph) -> tuple[ExpertOp, ...]:
         if op is not None:
             found.append(op)
     readers_ok = _params_read_only_by(graph, found)
-    return tuple(op for op in found if op.param in readers_ok)
+    return _chained(graph, tuple(op for op in found if op.param in readers_ok))
+
+
+def expert_ops_at(ops: tuple[ExpertOp, ...], placements: Callable[[str], tuple | None]) -> tuple[ExpertOp, ...]:
+    """The expert ops as they run under the plan's tensor-parallel placements: `placements(node)`
+    is its strategy's (output, inputs) placements, each a tuple with one per mesh axis, or None.
+    A chain runs where none of its values (the first op's tokens and output, the ops between,
+    the last op's tokens) is split along a dim the exchange keeps (grouped mm: the rows; einsum:
+    the expert or token dim) on any axis: every tp rank then dispatches the same rows, so the ops
+    between run as planned on DTensors of them. Elsewhere each op exchanges its own operands."""
+    by_node = {op.node: op for op in ops}
+    broken = set()
+    for op in ops:
+        if op.chain_from and not _chain_runs(by_node[op.chain_from], op, placements):
+            broken |= {op.node, op.chain_from}
+    return tuple(replace(op, chain_from="", chain_to="", between=()) if op.node in broken else op for op in ops)
+
+
+def _chain_runs(first: ExpertOp, last: ExpertOp, placements: Callable[[str], tuple | None]) -> bool:
+    kept = {f"S{dim}" for dim in ((0,) if last.kind == "grouped_mm" else (last.token_expert_dim,
+                                                                           last.token_split_dim))}
+    values = []
+    for name, token_input in ((first.node, first.token_input), (last.node, last.token_input)):
+        found = placements(name)
+        if found is not None:
+            values += list(found[1][token_input:token_input + 1]) + ([found[0]] if name == first.node else [])
+    for name in last.between:
+        found = placements(name)
+        if found is not None:
+            values += [found[0], *found[1]]
+    return not any(placement in kept for value in values for placement in value)
+
+
+def _chained(graph: OpGraph, ops: tuple[ExpertOp, ...]) -> tuple[ExpertOp, ...]:
+    """`ops` with their chains marked (pairs A -> B, see the module docstring)."""
+    by_node = {op.node: op for op in ops}
+    if len(ops) < 2:
+        return ops
+    segment_of = {name: segment.name for segment in graph.segments for name in segment.nodes}
+    order = {node.name: index for index, node in enumerate(graph.nodes)}
+    links: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for op in ops:
+        link = _chain_from(graph, op, by_node, segment_of, order)
+        if link is not None and link[0] not in links:
+            links[link[0]] = (op.node, link[1])
+    ends = {end: (start, between) for start, (end, between) in links.items()}
+    chained = []
+    for op in ops:
+        start, between = ends.get(op.node, ("", ()))
+        end = links.get(op.node, ("",))[0]
+        chained.append(replace(op, chain_from=start, chain_to=end, between=between) if start or end else op)
+    return tuple(chained)
+
+
+def _chain_from(graph: OpGraph, op: ExpertOp, by_node: dict[str, ExpertOp], segment_of: dict[str, str],
+                order: dict[str, int]) -> tuple[str, tuple[str, ...]] | None:
+    """(the expert op A whose output reaches `op`'s tokens only through row-local ops, those
+    ops in graph order), or None."""
+    node = graph[op.node]
+    members: set[str] = set()
+    frontier = [node.inputs[op.token_input]]
+    start = None
+    while frontier:
+        name = frontier.pop()
+        if name in members:
+            continue
+        if name in by_node and name != op.node:
+            if start not in (None, name):
+                return None
+            start = name
+            members.add(name)
+            continue
+        producer = graph[name]
+        if not _row_local(graph, producer, op):
+            return None
+        members.add(name)
+        frontier += [source for source in producer.inputs if not _scalar_constant(graph[source])]
+    if start is None or not _links(graph, by_node[start], op):
+        return None
+    inside = members | {op.node}
+    if any(set(graph.consumers.get(name, ())) - inside for name in members):
+        return None  # a chain value is read outside the chain
+    if len({segment_of.get(name) for name in inside}) != 1:
+        return None
+    return start, tuple(sorted(members - {start}, key=order.__getitem__))
+
+
+def _links(graph: OpGraph, first: ExpertOp, last: ExpertOp) -> bool:
+    """`first`'s dispatched output is what `last` would dispatch (same kind, experts and layout)."""
+    if first.kind != last.kind or first.num_experts != last.num_experts:
+        return False
+    if first.kind == "grouped_mm":
+        return graph[first.node].inputs[2] == graph[last.node].inputs[2]
+    return (first.output_expert_dim, first.output_split_dim) == (last.token_expert_dim, last.token_split_dim)
+
+
+def _row_local(graph: OpGraph, node: OpNode, op: ExpertOp) -> bool:
+    """`node` keeps every row where it was (see the module docstring): for a grouped mm, dim 0;
+    for an einsum/bmm, its expert and token dims."""
+    if node.kind != "call" or not node.outputs:
+        return False
+    kept = {0} if op.kind == "grouped_mm" else {op.token_expert_dim, op.token_split_dim}
+    tensors = [graph[source] for source in node.inputs if not _scalar_constant(graph[source])]
+    if node.target == "getitem":
+        return len(tensors) == 1
+    if len(tensors) != 1 and node.target in CUTS or not tensors:
+        return False
+    shape = tensors[0].output.shape
+    if any(tensor.output.shape != shape for tensor in tensors):
+        return False
+    if node.target in ELEMENTWISE:
+        return node.output.shape == shape
+    if node.target in CUTS:
+        position = CUTS[node.target]
+        dim = node.args[position] if len(node.args) > position else node.kwarg("dim", 0)
+        return isinstance(dim, int) and dim % len(shape) not in kept
+    return False
+
+
+def _scalar_constant(node: OpNode) -> bool:
+    """A 0-d parameter, buffer or constant: the same on every rank, so fine next to dispatched rows."""
+    return node.kind in ("param", "buffer", "constant") and node.outputs and node.output.shape == ()
 
 
 def expert_param_names(graph: OpGraph, ops: tuple[ExpertOp, ...]) -> tuple[str, ...]:

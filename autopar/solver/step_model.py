@@ -39,13 +39,14 @@ Data-parallel gradient synchronisation over the dp group:
                 gather's copy-out and each reduce-scatter's copy-in run on the compute stream
                 (memory-bound, fsdp.copy_bytes): dp.copy_out, dp.copy_in.
 Expert parallelism (ep > 1, solver/experts.py): ep consecutive dp ranks split every expert
-weight by expert; each expert matmul adds its all-to-alls (dispatch and combine, forward and
-backward) over the ep group to t_k, plus the load imbalance of dropless expert ops (the busiest
-rank computes load_imbalance x its share); expert weights' states are 1/ep per device and their
-gradients are reduced over the dp / ep (x cp) ranks holding the same experts: all-reduced under
-ZeRO-0; under ZeRO-1/2/3 FSDP2 shards them over those ranks (their own unit per segment, its
-all-gather and reduce-scatter on that group, solver/step_fsdp.py) and the other weights over all
-data shards, as torchtitan does.
+weight by expert; each expert matmul (or chain of them: one MoE layer, dispatched once, combined
+once) adds its all-to-alls (dispatch and combine, forward and backward) over the ep group to t_k,
+plus the load imbalance of dropless expert ops (the busiest rank computes load_imbalance x its
+share); expert weights' states are 1/ep per device and their gradients are reduced over the
+dp / ep (x cp) ranks holding the same experts: all-reduced under ZeRO-0; under ZeRO-1/2/3
+FSDP2 shards them over those ranks (their own unit per segment, its all-gather and
+reduce-scatter on that group, solver/step_fsdp.py) and the other weights over all data shards,
+as torchtitan does.
 Context parallelism (cp > 1) splits each sequence over cp ranks: the segment costs come in per
 (tp, b, cp) already divided (solver/context_parallel.py, with the exposed KV exchange as
 "cp.*" collectives), and the ranks holding the same parameters are dp x cp: ZeRO shards and

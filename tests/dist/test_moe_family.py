@@ -68,6 +68,11 @@ PP = dict(dp=1, tp=1, pp=2, zero_stage=0, microbatch_size=4)
 TABLE = CaseTable([
     case_param(Case(model, 2, constraints), f"{model}-{kind}")
     for model in SPECS for kind, constraints in (("dp2-ep2", EP), ("pp2", PP))
+] + [
+    # Each layer's grouped expert matmuls run as one chain: recomputed whole (the dispatch, counts
+    # and combine again), or the SwiGLU between them run again on the dispatched rows.
+    case_param(Case("gqa-softmax", 2, dict(EP, recompute=mode)), f"gqa-softmax-dp2-ep2-{mode}")
+    for mode in ("full", "selective")
 ])
 CASES = TABLE.cases
 

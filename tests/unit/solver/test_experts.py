@@ -3,6 +3,7 @@ and the exchanges of codegen/experts.py (on one process: the all-to-all of a gro
 identity, so dispatch + combine must give back the op's own result)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,10 +11,10 @@ import torch
 import autopar
 from autopar.cluster import Cluster
 from autopar.errors import ConfigError
-from autopar.graph import OpNode, Ref, TensorMeta
+from autopar.graph import OpGraph, OpNode, ParamInfo, Ref, TensorMeta
 from autopar.models import build_model
 from autopar.plans.plan import Plan
-from autopar.solver.experts import GroupedMatmul, find_expert_ops
+from autopar.solver.experts import ExpertExchange, GroupedMatmul, expert_ops_at, find_expert_ops
 from autopar.strategies import mesh_strategies
 from cost_model.compute import ComputeModel
 
@@ -65,10 +66,12 @@ def test_ep_splits_expert_states_and_adds_all_to_alls(tiny_graph) -> None:
     assert saved == pytest.approx(expert_numel * (1 - 1 / 4) * 2)  # bf16 working copy
     for part in ("ep.dispatch", "ep.combine"):  # the all-to-alls, named by what they move
         assert with_ep.predicted.breakdown_s[part] > 0 and part not in without.predicted.breakdown_s
-    # Per expert op: dispatch and combine forward, and both again backward.
+    # Per layer (its two expert einsums chained through the gelu): dispatch and combine forward,
+    # and both again backward.
+    assert all(op.chain_from or op.chain_to for op in ops)
     counts = with_ep.predicted.collectives_per_microbatch
     assert counts.get("all_to_all", 0) - without.predicted.collectives_per_microbatch.get("all_to_all", 0) \
-        == 4 * len(ops)
+        == 4 * len(ops) // 2
     assert with_ep.ep == 4 and set(with_ep.ep_params) == {tiny_graph[op.param].target for op in ops}
     assert "ep=4" in with_ep.summary()
 
@@ -227,3 +230,99 @@ def test_the_search_lower_bound_holds_for_expert_parallel_configurations(mixtral
                                   zero_stage=0, ep=ep)
         estimate, _ = planner.evaluate(config)
         assert lower_bound_s(planner.pricing.least_work(config), config) <= estimate.step_time_s
+
+
+def _swiglu_graph(outside_reader: bool = False, row_mixing: bool = False) -> OpGraph:
+    """A grouped-mm SwiGLU expert layer: gate_up, chunk, silu(gate) * up, down (the `offs` shared);
+    optionally the silu also read outside the layer, or a cumsum over the rows before `down`."""
+    rows, hidden, ffn, experts = 12, 8, 6, 4
+    meta = lambda *shape, dtype="float32": TensorMeta(shape=shape, dtype=dtype)  # noqa: E731
+    refs = lambda n: tuple(Ref(index=i) for i in range(n))  # noqa: E731
+
+    def call(name, target, inputs, args, *outputs):
+        return OpNode(name=name, kind="call", target=target, inputs=inputs, args=args, outputs=outputs,
+                      requires_grad=True)
+
+    nodes = [OpNode(name="x", kind="input", target="x", outputs=(meta(rows, hidden),)),
+             OpNode(name="offs", kind="input", target="offs", outputs=(meta(experts, dtype="int32"),)),
+             OpNode(name="w1", kind="param", target="w1", outputs=(meta(experts, hidden, 2 * ffn),),
+                    requires_grad=True),
+             OpNode(name="w2", kind="param", target="w2", outputs=(meta(experts, ffn, hidden),), requires_grad=True),
+             call("gmm1", "aten._grouped_mm.default", ("x", "w1", "offs"), refs(3), meta(rows, 2 * ffn)),
+             call("chunk", "aten.chunk.default", ("gmm1",), (Ref(index=0), 2, -1), meta(rows, ffn), meta(rows, ffn)),
+             call("gate", "getitem", ("chunk",), (Ref(index=0), 0), meta(rows, ffn)),
+             call("up", "getitem", ("chunk",), (Ref(index=0), 1), meta(rows, ffn)),
+             call("silu", "aten.silu.default", ("gate",), refs(1), meta(rows, ffn)),
+             call("mul", "aten.mul.Tensor", ("silu", "up"), refs(2), meta(rows, ffn))]
+    tokens = "mul"
+    if row_mixing:
+        nodes.append(call("mixed", "aten.cumsum.default", ("mul",), (Ref(index=0), 0), meta(rows, ffn)))
+        tokens = "mixed"
+    nodes.append(call("gmm2", "aten._grouped_mm.default", (tokens, "w2", "offs"), refs(3), meta(rows, hidden)))
+    outputs = ("gmm2",)
+    if outside_reader:
+        nodes.append(call("total", "aten.sum.default", ("silu",), refs(1), meta()))
+        outputs += ("total",)
+    nodes.append(OpNode(name="output", kind="output", target="output", inputs=outputs, args=refs(len(outputs))))
+    params = tuple(ParamInfo(name=name, node=name, meta=node.output, trainable=True)
+                   for name, node in ((n.name, n) for n in nodes if n.kind == "param"))
+    return OpGraph(nodes=tuple(nodes), params=params, blocks=(), segments=(), batch_size=1, batch_dynamic=False,
+                   capture_method="export")
+
+
+def test_a_swiglu_grouped_mm_layer_is_one_chain() -> None:
+    first, last = find_expert_ops(_swiglu_graph())
+    assert (first.node, first.chain_from, first.chain_to) == ("gmm1", "", "gmm2")
+    assert (last.node, last.chain_from, last.chain_to) == ("gmm2", "gmm1", "")
+    assert last.between == ("chunk", "gate", "up", "silu", "mul")
+    # Under tensor parallelism the chain runs where no tp placement splits its rows (the ops
+    # between then run on the same dispatched rows on every tp rank); elsewhere each op exchanges.
+    columns = {"gmm1": (("S1",), (("R",), ("S2",), ("R",))), "silu": (("S1",), (("S1",),))}
+    assert expert_ops_at((first, last), lambda name: columns.get(name)) == (first, last)
+    rows = {**columns, "silu": (("S0",), (("S0",),))}
+    assert all(not op.chain_from and not op.chain_to and not op.between
+               for op in expert_ops_at((first, last), lambda name: rows.get(name)))
+
+
+@pytest.mark.parametrize("breaker", ["outside_reader", "row_mixing"])
+def test_an_outside_reader_or_a_row_mixing_op_breaks_the_chain(breaker) -> None:
+    ops = find_expert_ops(_swiglu_graph(**{breaker: True}))
+    assert [op.node for op in ops] == ["gmm1", "gmm2"]
+    assert all(not op.chain_from and not op.chain_to and not op.between for op in ops)
+
+
+def test_the_hf_and_builtin_grouped_layers_chain(mixtral_graph) -> None:
+    bundle = build_model("moe:layers=2,hidden=32,heads=4,seq=16,vocab=64,num_experts=4", device="meta", batch_size=2)
+    builtin = autopar.capture_for_planning(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                           example_targets=bundle.example_targets)
+    for graph in (mixtral_graph, builtin):
+        ops = find_expert_ops(graph)
+        starts = [op for op in ops if op.chain_to]
+        assert len(starts) == 2 and len(ops) == 4  # two layers, one chain each
+        for op in starts:
+            end = next(other for other in ops if other.node == op.chain_to)
+            assert end.chain_from == op.node and any("silu" in graph[name].target for name in end.between)
+
+
+def test_a_chain_exchanges_its_first_input_and_its_last_output_only() -> None:
+    """SwiGLU, Mixtral's shape (F = 3.5 H): per op, H in + 2F out and F in + H out; chained, H + H."""
+    hidden, ffn = 2.0, 7.0
+    ops = dict(token_grad=True, dropless=True, compute_s=0.0, count_bytes=64.0)
+    first = ExpertExchange(token_bytes=hidden, output_bytes=2 * ffn, **ops)
+    last = ExpertExchange(token_bytes=ffn, output_bytes=hidden, **ops)
+    alone = [message for exchange in (first, last) for message in exchange.messages()]
+    chained = [message for exchange in (replace(first, combines=False), replace(last, dispatches=False))
+               for message in exchange.messages()]
+    assert sorted((phase, part) for _, phase, part in chained) == [
+        ("bwd", "combine"), ("bwd", "dispatch"), ("fwd", "combine"), ("fwd", "counts"), ("fwd", "dispatch")]
+    moved = lambda messages: sum(size for size, _, part in messages if part != "counts")  # noqa: E731
+    assert moved(chained) == 4 * hidden and moved(alone) == 4 * hidden + 6 * ffn
+    assert len(alone) == 10 and len(chained) == 5
+
+
+def test_chained_grouped_experts_predict_five_all_to_alls_per_layer(mixtral_graph) -> None:
+    plan = _evaluate(mixtral_graph, tp=1, pp=1, dp=8, ep=4)
+    dense = _evaluate(mixtral_graph, tp=1, pp=1, dp=8)
+    added = plan.predicted.collectives_per_microbatch.get("all_to_all", 0) \
+        - dense.predicted.collectives_per_microbatch.get("all_to_all", 0)
+    assert added == 5 * 2  # counts, dispatch, combine forward; dispatch, combine backward; 2 layers
