@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autopar.codegen.interpreter import PlannedInterpreter, contiguous_grad
 from autopar.codegen.main_grad import accumulating_copy
-from autopar.codegen.recompute import compact_saves, op_policy_context
+from autopar.codegen.recompute import checkpointed, compact_saves, op_policy_context
 from autopar.codegen.placements import to_dtensor_placement
 from autopar.graph import OpGraph
 from autopar.solver.evaluate import is_recomputable
@@ -235,7 +235,7 @@ class SegmentModule(ParameterOwner):
         self.recompute = recompute
         self.recomputable = recomputable
         self.op_kept = op_kept
-        """Nodes whose outputs the "op" mode keeps (autopar/solver/recompute.py)."""
+        """Nodes whose outputs the "op" or "modules:<kinds>" mode keeps (codegen/recompute.kept_nodes)."""
 
     def own_expert_parameter(self, placeholder: str, fqn: str, param: nn.Parameter) -> None:
         """An expert weight: held by the `experts` child module (ExpertWeights)."""
@@ -261,10 +261,11 @@ class SegmentModule(ParameterOwner):
         return params
 
     def _forward(self, values: dict):
-        if self.recompute in ("full", "op"):
+        if checkpointed(self.recompute):
             names = [name for name, value in values.items() if isinstance(value, torch.Tensor)]
             others = {name: value for name, value in values.items() if name not in names}
-            options = {"context_fn": op_policy_context(self.interpreter, self.op_kept)} if self.recompute == "op" else {}
+            options = {"context_fn": op_policy_context(self.interpreter, self.op_kept)} \
+                if self.recompute != "full" else {}
             results = checkpoint(self._run_all, names, others, *[values[name] for name in names], use_reentrant=False,
                                  **options)
             return dict(zip(self.produced, results))

@@ -1,6 +1,6 @@
 """The runtime side of two recomputation modes (autopar/solver/recompute.py says what each keeps).
 
-"op": a segment runs under torch.utils.checkpoint with a selective policy
+"op" and "modules:<kinds>": a segment runs under torch.utils.checkpoint with a selective policy
 (`create_selective_checkpoint_contexts`). The interpreter names the graph node it is running,
 and the policy keeps (MUST_SAVE) what the ops of a kept node produce, except views (a matmul's
 transposed weight is a view of a gathered FSDP parameter, which must not be pinned), plus the
@@ -28,13 +28,29 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from autopar.solver.recompute import op_saved_nodes
+from autopar.solver.recompute_modules import classify, is_modules_mode, mode_kinds
+
+def checkpointed(mode: str) -> bool:
+    """Modes that run a segment under torch.utils.checkpoint ("full", and the selective policy's)."""
+    return mode in ("full", "op") or is_modules_mode(mode)
+
+
+def kept_nodes(graph, mode: str) -> set[str]:
+    """Nodes whose outputs the selective policy keeps under `mode` ("op" or "modules:<kinds>"):
+    solver/recompute.py and solver/recompute_modules.py decide them, as they are priced."""
+    if is_modules_mode(mode):
+        return classify(graph).kept_nodes(mode_kinds(mode))
+    return op_saved_nodes(graph)
+
+
 _KEPT_COLLECTIVES = frozenset(
     getattr(torch.ops._c10d_functional, name).default for name in ("reduce_scatter_tensor", "all_reduce")
     if hasattr(torch.ops._c10d_functional, name))
 
 
 def op_policy_context(interpreter, kept_nodes: set[str]):
-    """`context_fn` for torch.utils.checkpoint under the "op" mode."""
+    """`context_fn` for torch.utils.checkpoint under the "op" and "modules:<kinds>" modes."""
 
     def policy(ctx, func, *args, **kwargs):
         if func in _KEPT_COLLECTIVES or (interpreter.current_node in kept_nodes and not func.is_view):

@@ -16,6 +16,7 @@ from autopar.solver.costing import CommEvent
 from autopar.solver.experts import ExpertExchange, GroupedMatmul, find_expert_ops
 from autopar.solver.quotient import Quotient
 from autopar.solver.recompute import op_saved_nodes, reads_trainable_param
+from autopar.solver.recompute_modules import SegmentModules, classify, mode_kinds
 from autopar.solver.sharding_problem import Assignment, ProblemBuilder
 from autopar.strategies.placement import PARTIAL, boundary_wire, grad_placement, shard_factor, transition
 from cost_model.compute import ComputeTime, is_grouped_matmul
@@ -65,6 +66,12 @@ class SegmentCost:
     """Under the "op" mode (recompute.py), bytes kept besides the segment's inputs, by tensor."""
     op_recompute: ComputeTime = field(default_factory=ComputeTime)
     """Forward time of the ops the "op" mode re-runs (all but the kept ones)."""
+    node_kept_bytes: dict[str, float] = field(default_factory=dict)
+    """Per call node, its outputs as produced (and its saved extras): what the "op" machinery keeps of it."""
+    node_forward: dict[str, ComputeTime] = field(default_factory=dict)
+    """Per call node, its forward time (what recomputing it costs)."""
+    modules: SegmentModules | None = None
+    """The segment's ops by module kind, for the "modules:<kinds>" modes (recompute_modules.py)."""
     activation_recompute: ComputeTime = field(default_factory=ComputeTime)
     """Forward time of the gated activations whose product saves them as a recipe and runs them
     again in backward (activation_saves.py), where the product itself is not recomputed."""
@@ -102,6 +109,22 @@ class SegmentCost:
     @property
     def op_saved_bytes(self) -> float:
         return self.input_bytes + sum(self.op_kept.values())
+
+    def modules_saved_bytes(self, mode: str) -> float:
+        """Kept under "modules:<kinds>": the inputs, what reducing collectives produced (kept
+        wherever they run, as under "op") and the outputs of the ops SegmentModules.kept names."""
+        reduced = sum(size for key, size in self.op_kept.items() if "=>" in key)
+        kept = self.modules.kept(mode_kinds(mode)) if self.modules else frozenset(self.node_kept_bytes)
+        return self.input_bytes + reduced + sum(self.node_kept_bytes.get(name, 0.0) for name in kept)
+
+    def modules_recompute(self, mode: str) -> ComputeTime:
+        """Forward time of the ops "modules:<kinds>" runs again: every op whose output is not kept."""
+        kept = self.modules.kept(mode_kinds(mode)) if self.modules else frozenset(self.node_kept_bytes)
+        total = ComputeTime()
+        for name, forward in self.node_forward.items():
+            if name not in kept:
+                total = total + forward
+        return total
 
     def comm_s(self, phase: str) -> float:
         return sum(event.time_s for event in self.comm if event.phase == phase)
@@ -182,6 +205,9 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
             _keep_chain_input(segment, node, source, producer, source_strategy.output, recomputable, mesh_shape,
                               wanted=strategy.inputs[index])
     _add_boundaries(graph, costs, segment_of, strategy_of, mesh_shape)
+    modules = classify(graph).segments
+    for name, cost in costs.items():
+        cost.modules = modules.get(name)
     return [costs[segment.name] for segment in graph.segments] or list(costs.values())
 
 
@@ -311,10 +337,12 @@ def _add_node(builder: ProblemBuilder, graph: OpGraph, node, strategy, segment: 
             _keep_if(segment, f"{node.name}:own", saved, True)
         if node.name in graph.recomputed_activations:
             segment.activation_recompute = segment.activation_recompute + forward
+        # Its outputs (an attention kernel's log-sum-exp among them) are kept as produced.
+        outputs = sum(meta.nbytes for meta in node.outputs) / shard_factor(strategy.output, mesh_shape)
+        segment.node_kept_bytes[node.name] = outputs + node.saved_extra_bytes / strategy.work_divisor(mesh_shape)
+        segment.node_forward[node.name] = forward
         if op_saved:
-            # Its outputs (an attention kernel's log-sum-exp among them) are kept as produced.
-            outputs = sum(meta.nbytes for meta in node.outputs) / shard_factor(strategy.output, mesh_shape)
-            segment.op_kept[f"{node.name}:out"] = outputs + node.saved_extra_bytes / strategy.work_divisor(mesh_shape)
+            segment.op_kept[f"{node.name}:out"] = segment.node_kept_bytes[node.name]
         else:
             segment.op_recompute = segment.op_recompute + forward
     elif node.kind == "param" and node.requires_grad:
