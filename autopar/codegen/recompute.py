@@ -1,6 +1,6 @@
 """The runtime side of two recomputation modes (autopar/solver/recompute.py says what each keeps).
 
-"op" and "modules:<kinds>": a segment runs under torch.utils.checkpoint with a selective policy
+"op": a segment runs under torch.utils.checkpoint with a selective policy
 (`create_selective_checkpoint_contexts`). The interpreter names the graph node it is running,
 and the policy keeps (MUST_SAVE) what the ops of a kept node produce, except views (a matmul's
 transposed weight is a view of a gathered FSDP parameter, which must not be pinned), plus the
@@ -8,6 +8,9 @@ outputs of reducing collectives wherever they run; everything else is recomputed
 from the segment's inputs and the kept tensors, all-gathers included. The policy sees the same
 op sequence in the recompute as in the forward (the interpreter runs the same nodes), which is
 what the selective-checkpoint cache requires.
+
+"modules:<kinds>": only the regions around the chosen module kinds' ops (solver/recompute_modules.py)
+run under the same policy, each as its own checkpoint; the rest of the segment runs as under "none".
 
 "gathers" (and the kept parts of "selective"): saved-tensor hooks replace a saved tensor that the
 interpreter all-gathered from a shard by a token holding the shard; backward gathers it again,
@@ -32,8 +35,8 @@ from autopar.solver.recompute import op_saved_nodes
 from autopar.solver.recompute_modules import classify, is_modules_mode, mode_kinds
 
 def checkpointed(mode: str) -> bool:
-    """Modes that run a segment under torch.utils.checkpoint ("full", and the selective policy's)."""
-    return mode in ("full", "op") or is_modules_mode(mode)
+    """Modes that run the whole segment under torch.utils.checkpoint ("full", and "op"'s policy)."""
+    return mode in ("full", "op")
 
 
 def kept_nodes(graph, mode: str) -> set[str]:
@@ -42,6 +45,26 @@ def kept_nodes(graph, mode: str) -> set[str]:
     if is_modules_mode(mode):
         return classify(graph).kept_nodes(mode_kinds(mode))
     return op_saved_nodes(graph)
+
+
+def checkpoint_regions(graph, mode: str) -> list[tuple[str, ...]]:
+    """Under "modules:<kinds>", the runs of nodes checkpointed together (recompute_modules.py);
+    none under the other modes."""
+    return classify(graph).regions(mode_kinds(mode)) if is_modules_mode(mode) else []
+
+
+def region_nodes(nodes, regions: list[tuple[str, ...]]) -> set[str] | None:
+    """The names of `nodes` (a segment's fx nodes, in order) inside the regions: from each region's
+    first node to its last, helper nodes between them included (None without regions)."""
+    if not regions:
+        return None
+    position = {node.name: index for index, node in enumerate(nodes)}
+    inside: set[str] = set()
+    for region in regions:
+        indices = [position[name] for name in region if name in position]
+        if indices:
+            inside.update(node.name for node in nodes[min(indices):max(indices) + 1])
+    return inside
 
 
 _KEPT_COLLECTIVES = frozenset(

@@ -21,7 +21,7 @@ from autopar.errors import ConfigError
 from autopar.graph import OpGraph
 from autopar.solver.experts import ExpertOp
 from autopar.solver.recompute_modules import check_recompute, classify, is_modules_mode, mode_kinds, modules_mode
-from autopar.solver.step_model import RECOMPUTE_MODES, SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, StepModel
+from autopar.solver.step_model import SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, StepModel
 from autopar.validation import MAX_DEVICES, MAX_GLOBAL_BATCH, check_choice, check_int, shorten, type_name
 
 

@@ -71,6 +71,9 @@ class SegmentCost:
     node_forward: dict[str, ComputeTime] = field(default_factory=dict)
     """Per call node, its forward time (what recomputing it costs)."""
     modules: SegmentModules | None = None
+    node_comm: dict[str, list[CommEvent]] = field(default_factory=dict)
+    """Per call node, the non-reducing forward collectives that bring its inputs (run again where
+    the node is recomputed under a selective checkpoint)."""
     """The segment's ops by module kind, for the "modules:<kinds>" modes (recompute_modules.py)."""
     activation_recompute: ComputeTime = field(default_factory=ComputeTime)
     """Forward time of the gated activations whose product saves them as a recipe and runs them
@@ -111,20 +114,28 @@ class SegmentCost:
         return self.input_bytes + sum(self.op_kept.values())
 
     def modules_saved_bytes(self, mode: str) -> float:
-        """Kept under "modules:<kinds>": the inputs, what reducing collectives produced (kept
-        wherever they run, as under "op") and the outputs of the ops SegmentModules.kept names."""
-        reduced = sum(size for key, size in self.op_kept.items() if "=>" in key)
-        kept = self.modules.kept(mode_kinds(mode)) if self.modules else frozenset(self.node_kept_bytes)
-        return self.input_bytes + reduced + sum(self.node_kept_bytes.get(name, 0.0) for name in kept)
+        """Kept under "modules:<kinds>": what "none" keeps, less the outputs of the ops it runs
+        again that the backward saved, plus the outputs it keeps that nothing saved (a matmul
+        inside a checkpointed region; recompute_modules.SegmentModules)."""
+        if self.modules is None:
+            return self.saved_bytes
+        kinds = mode_kinds(mode)
+        freed = sum(self.node_kept_bytes.get(name, 0.0) for name in self.modules.freed(kinds))
+        added = sum(self.node_kept_bytes.get(name, 0.0) for name in self.modules.added(kinds))
+        return max(self.saved_bytes - freed, 0.0) + added
 
     def modules_recompute(self, mode: str) -> ComputeTime:
-        """Forward time of the ops "modules:<kinds>" runs again: every op whose output is not kept."""
-        kept = self.modules.kept(mode_kinds(mode)) if self.modules else frozenset(self.node_kept_bytes)
+        """Forward time of the ops "modules:<kinds>" runs again."""
         total = ComputeTime()
-        for name, forward in self.node_forward.items():
-            if name not in kept:
-                total = total + forward
+        for name in self.modules.recomputed(mode_kinds(mode)) if self.modules else ():
+            total = total + self.node_forward.get(name, ComputeTime())
         return total
+
+    def modules_recompute_comm(self, mode: str) -> list[CommEvent]:
+        """Forward collectives that the ops "modules:<kinds>" runs again wait for (all-gathers and
+        other non-reducing redistributions of their inputs: the policy keeps reductions' outputs)."""
+        return [event for name in self.modules.recomputed(mode_kinds(mode)) if self.modules
+                for event in self.node_comm.get(name, ())]
 
     def comm_s(self, phase: str) -> float:
         return sum(event.time_s for event in self.comm if event.phase == phase)
@@ -170,7 +181,9 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                 placement, grad = fanout
                 if source not in fanout_done:
                     fanout_done.add(source)
-                    segment.comm += builder.ctx.redistribute(producer.output, source_strategy.output, placement, "fwd")
+                    events = builder.ctx.redistribute(producer.output, source_strategy.output, placement, "fwd")
+                    segment.comm += events
+                    _note_node_comm(segment, node, events)
                     if producer.requires_grad and producer.output.is_float:
                         target = tuple(grad_placement(p) for p in source_strategy.output)
                         segment.comm += builder.ctx.redistribute(producer.output, grad, target, "bwd")
@@ -180,7 +193,9 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                         _keep_if(segment, source, size, not recomputable[source])
                         _note_gathered(builder, segment, source, producer, source_strategy.output, placement,
                                        mesh_shape)
-                segment.comm += builder.edge_events(producer, placement, node, strategy, index, grad)
+                events = builder.edge_events(producer, placement, node, strategy, index, grad)
+                segment.comm += events
+                _note_node_comm(segment, node, events)
                 target = strategy.inputs[index]
                 if index in node.saved_inputs and target != placement:
                     size = producer.output.nbytes / shard_factor(target, mesh_shape)
@@ -191,7 +206,9 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                 _keep_chain_input(segment, node, source, producer, placement, recomputable, mesh_shape)
                 continue
             grad_target = tuple(grad_placement(p) for p in source_strategy.output)
-            segment.comm += builder.edge_events(producer, source_strategy.output, node, strategy, index, grad_target)
+            events = builder.edge_events(producer, source_strategy.output, node, strategy, index, grad_target)
+            segment.comm += events
+            _note_node_comm(segment, node, events)
             target = strategy.inputs[index]
             if index in node.saved_inputs:
                 size = producer.output.nbytes / shard_factor(target, mesh_shape)
@@ -297,6 +314,13 @@ def _note_gathered(builder: ProblemBuilder, segment: SegmentCost, key: str, prod
         previous = segment.gathered.get(key)
         if previous is None or previous[0] < full:
             segment.gathered[key] = (full, shard, sum(event.time_s for event in events), (producer.name, tuple(target)))
+
+
+def _note_node_comm(segment: SegmentCost, node, events) -> None:
+    """The forward, non-reducing collectives that bring `node`'s inputs (SegmentCost.node_comm)."""
+    rerun = [event for event in events if event.phase == "fwd" and event.op not in ("reduce_scatter", "all_reduce")]
+    if rerun and node.kind == "call":
+        segment.node_comm.setdefault(node.name, []).extend(rerun)
 
 
 def _keep_reduced(segment: SegmentCost, source: str, producer, placement, target, mesh_shape) -> None:

@@ -301,11 +301,14 @@ _REDUCING = ("reduce_scatter", "all_reduce")
 
 def recompute_comm_s(segment: SegmentCost, recompute: str) -> dict[str, float]:
     """Collectives run again in backward, by breakdown key (tp.<key>): a full recompute replays
-    every forward collective, the "op" and "modules:<kinds>" modes those whose outputs they do not
-    keep (all but the reducing ones: the same checkpoint policy runs both); the regathering modes
-    gather their sharded saves again."""
+    every forward collective, the "op" mode those whose outputs it does not keep (all but the
+    reducing ones), "modules:<kinds>" those that bring the inputs of the ops it runs again (the
+    same policy); the regathering modes gather their sharded saves again."""
     extra: dict[str, float] = {}
-    if recompute in ("full", "op") or is_modules_mode(recompute):
+    if is_modules_mode(recompute):
+        for event in segment.modules_recompute_comm(recompute):
+            extra[event.op] = extra.get(event.op, 0.0) + event.time_s
+    elif recompute in ("full", "op"):
         for event in segment.comm:
             if event.phase == "fwd" and (recompute == "full" or event.op not in _REDUCING):
                 extra[event.op] = extra.get(event.op, 0.0) + event.time_s

@@ -17,9 +17,12 @@ keeps what the rest of the segment saves (the "op" machinery of codegen/recomput
     mla_up_proj  MLA's up-projections: matmuls of 2-D weights inside the attention module that read
                  a norm over the output of a low-rank (down) projection
 
-Under "modules:<kinds>" a segment keeps (SegmentModules.kept) the outputs of its other ops that
-its backward needs (saved by autograd, or read by a recomputed op); everything else of the
-segment runs again in backward, from the segment's inputs and the kept outputs. A kind the graph
+Under "modules:<kinds>" each chosen op, with the ops up to the last one reading its output, forms
+a region (SegmentModules.regions) run under a selective checkpoint (codegen/recompute.py's policy):
+in a region the outputs the backward saves, those a chosen op reads and every matmul's are kept,
+the chosen ops (and memory-bound ops whose outputs nothing saves) run again in backward, so a
+chosen op's output, saved by its readers, is not held (Megatron-Core's checkpoint without
+output). Outside the regions the segment runs as under "none". A kind the graph
 does not hold is refused with the reason, never guessed.
 """
 
@@ -102,23 +105,64 @@ def lighter_modes(mode: str) -> tuple[str, ...]:
 class SegmentModules:
     """One segment's ops by module kind, and what its backward needs."""
 
-    calls: frozenset[str]
-    """The segment's call nodes."""
+    order: tuple[str, ...]
+    """The segment's call nodes, in forward order."""
     kinds: dict[str, frozenset[str]]
     """Module kind -> its call nodes in this segment."""
     input_roots: dict[str, frozenset[str]]
     """Module kind -> the segment's call nodes (storage roots) whose outputs its ops read from outside the kind."""
     saved_roots: frozenset[str]
-    """The segment's call nodes (storage roots) whose outputs autograd saves for backward."""
+    """The segment's call nodes (storage roots) whose outputs its own ops save for backward."""
+    matmuls: frozenset[str]
+    """The segment's ops that run matmul kernels (weight matmuls, attention, expert matmuls)."""
+    last_reader: dict[str, int]
+    """Call node -> position in `order` of the last op reading its output (or a view of it)."""
 
-    def recomputed(self, kinds: tuple[str, ...]) -> frozenset[str]:
+    @property
+    def calls(self) -> frozenset[str]:
+        return frozenset(self.order)
+
+    def chosen(self, kinds: tuple[str, ...]) -> frozenset[str]:
+        """The chosen kinds' ops."""
         return frozenset().union(*(self.kinds.get(kind, frozenset()) for kind in kinds))
 
+    def regions(self, kinds: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+        """Contiguous runs of ops checkpointed together: from each chosen op to the last op
+        reading its output (merged where they overlap). Outside them nothing is recomputed."""
+        chosen = self.chosen(kinds)
+        spans: list[list[int]] = []
+        for index, name in enumerate(self.order):
+            if name not in chosen:
+                continue
+            stop = max(index, self.last_reader.get(name, index))
+            if spans and index <= spans[-1][1] + 1:
+                spans[-1][1] = max(spans[-1][1], stop)
+            else:
+                spans.append([index, stop])
+        return tuple(self.order[start:stop + 1] for start, stop in spans)
+
     def kept(self, kinds: tuple[str, ...]) -> frozenset[str]:
-        """Call nodes whose outputs the "modules:<kinds>" mode keeps: what the backward saves
-        and what a recomputed op reads, less the chosen kinds' own ops."""
-        needed = self.saved_roots.union(*(self.input_roots.get(kind, frozenset()) for kind in kinds))
-        return (needed & self.calls) - self.recomputed(kinds)
+        """Ops inside the regions whose outputs the selective policy keeps: what the backward
+        saves, what a chosen op reads and every matmul (no matmul outside the chosen kinds runs
+        twice), less the chosen kinds' own ops. The regions' other ops (memory-bound, nothing
+        saves their outputs) run again in backward."""
+        inside = frozenset(name for region in self.regions(kinds) for name in region)
+        needed = self.saved_roots.union(self.matmuls, *(self.input_roots.get(kind, frozenset()) for kind in kinds))
+        return (needed & inside) - self.chosen(kinds)
+
+    def recomputed(self, kinds: tuple[str, ...]) -> frozenset[str]:
+        """Ops run again in backward: the regions' ops whose outputs are not kept."""
+        inside = frozenset(name for region in self.regions(kinds) for name in region)
+        return inside - self.kept(kinds)
+
+    def freed(self, kinds: tuple[str, ...]) -> frozenset[str]:
+        """Ops whose outputs no recomputation saves (a saved-for-backward tensor) that this mode drops."""
+        return self.saved_roots & self.recomputed(kinds)
+
+    def added(self, kinds: tuple[str, ...]) -> frozenset[str]:
+        """Ops whose outputs this mode keeps and no recomputation saves (a matmul's output only a
+        recomputed op would need again)."""
+        return self.kept(kinds) - self.saved_roots
 
 
 @dataclass(frozen=True)
@@ -145,6 +189,10 @@ class ModuleClassification:
         """Call nodes of every segment whose outputs "modules:<kinds>" keeps (codegen's kept_nodes)."""
         return set().union(*(segment.kept(kinds) for segment in self.segments.values()))
 
+    def regions(self, kinds: tuple[str, ...]) -> list[tuple[str, ...]]:
+        """Every segment's checkpointed regions (SegmentModules.regions)."""
+        return [region for segment in self.segments.values() for region in segment.regions(kinds)]
+
 
 _CACHE: dict[int, tuple[OpGraph, ModuleClassification]] = {}
 _CACHE_SIZE = 8
@@ -169,22 +217,45 @@ def _classify(graph: OpGraph) -> ModuleClassification:
     nodes_by_kind["moe"] = {node.name for node in graph.calls() if _under_any(node.module_path, moe_paths)}
     nodes_by_kind["mlp"] = _mlp_nodes(graph, nodes_by_kind["core_attn"], moe_paths)
     nodes_by_kind["mla_up_proj"] = _mla_up_nodes(graph, nodes_by_kind["layernorm"], nodes_by_kind["core_attn"])
-    saved = _saved_roots(graph)
     segments = {}
     for segment in graph.segments:
-        calls = frozenset(name for name in segment.nodes if graph[name].kind == "call")
+        order = tuple(name for name in segment.nodes if graph[name].kind == "call")
+        calls = frozenset(order)
         kinds = {kind: frozenset(nodes & calls) for kind, nodes in nodes_by_kind.items() if nodes & calls}
         inputs = {kind: frozenset(graph.storage_root(source) for name in nodes for source in graph[name].inputs
                                   if graph.storage_root(source) not in nodes) for kind, nodes in kinds.items()}
-        segments[segment.name] = SegmentModules(calls=calls, kinds=kinds, input_roots=inputs,
-                                                saved_roots=frozenset(saved & calls))
+        matmuls = frozenset(name for name in calls if graph[name].fwd_flops > 0 or _is_matmul(graph[name]))
+        last_reader: dict[str, int] = {}
+        for index, name in enumerate(order):
+            for source in _data_inputs(graph[name]):
+                last_reader[graph.storage_root(source)] = index
+        segments[segment.name] = SegmentModules(order=order, kinds=kinds, input_roots=inputs,
+                                                saved_roots=frozenset(_saved_roots(graph, calls) & calls),
+                                                matmuls=matmuls, last_reader=last_reader)
     return ModuleClassification(segments=segments, found=frozenset(k for k, nodes in nodes_by_kind.items() if nodes))
 
 
-def _saved_roots(graph: OpGraph) -> set[str]:
+_SHAPE_ONLY = frozenset({"aten.zeros_like.default", "aten.ones_like.default", "aten.empty_like.default",
+                         "aten.full_like.default"})
+
+
+def _data_inputs(node) -> tuple[str, ...]:
+    """The inputs whose values `node` reads: a view reads the tensor it views (view_as's template
+    and a *_like op's operand only lend their shapes)."""
+    if node.target in _SHAPE_ONLY:
+        return ()
+    if node.alias_input is not None:
+        return (node.inputs[node.alias_input],)
+    return node.inputs
+
+
+def _saved_roots(graph: OpGraph, names) -> set[str]:
+    """Storage roots of what the ops `names` save for backward (a gated activation saved as a
+    recipe, activation_saves.py, is not: without it the checkpoint's replay runs it again)."""
     roots: set[str] = set()
-    for node in graph.calls():
-        sources = [node.inputs[index] for index in (*node.saved_inputs, *node.recomputed_inputs)]
+    for name in names:
+        node = graph[name]
+        sources = [node.inputs[index] for index in node.saved_inputs]
         if node.saved_output or node.saved_extra_bytes:
             sources.append(node.name)
         roots.update(graph.storage_root(source) for source in sources)

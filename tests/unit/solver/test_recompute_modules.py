@@ -118,12 +118,25 @@ def test_eager_attention_core_is_the_scores_softmax_and_value_matmul():
     assert "mlp" not in classification.found  # two weight matmuls, but around attention
 
 
-def test_kept_nodes_drop_the_chosen_kinds_and_keep_what_they_read(moe_graph):
+def test_regions_recompute_the_chosen_kinds_and_keep_the_rest(moe_graph):
     block = classify(moe_graph).segments["layers.0"]
-    kept = block.kept(("layernorm", "moe_act"))
-    assert not kept & (block.kinds["layernorm"] | block.kinds["moe_act"])
-    assert block.input_roots["moe_act"] <= kept | (block.input_roots["moe_act"] - block.calls)  # the gate_up output
-    assert kept <= block.calls
+    kinds = ("layernorm", "moe_act")
+    chosen = block.chosen(kinds)
+    regions = block.regions(kinds)
+    inside = {name for region in regions for name in region}
+    assert chosen <= inside and chosen <= block.recomputed(kinds)
+    assert not block.kept(kinds) & chosen
+    # the norms' outputs and silu(gate) * up, saved by their readers, are dropped
+    assert {moe_graph[name].target for name in block.freed(kinds)} == {"aten.rms_norm.default", "aten.mul.Tensor"}
+    # only matmuls' outputs are kept beyond what "none" keeps; no matmul runs twice
+    assert all(name in block.matmuls for name in block.added(kinds))
+    assert not block.recomputed(kinds) & block.matmuls
+    # each region is contiguous, in forward order, and the gate_up matmul is read from before it
+    for region in regions:
+        start = block.order.index(region[0])
+        assert region == block.order[start:start + len(region)]
+    gate_up = next(iter(block.input_roots["moe_act"]))
+    assert moe_graph[gate_up].target == "grouped_mm.default" and gate_up not in inside
 
 
 def test_the_mode_string_is_checked_and_canonical():
