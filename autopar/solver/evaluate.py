@@ -71,6 +71,8 @@ class SegmentCost:
     node_forward: dict[str, ComputeTime] = field(default_factory=dict)
     """Per call node, its forward time (what recomputing it costs)."""
     modules: SegmentModules | None = None
+    saved_by_root: dict[str, float] = field(default_factory=dict)
+    """saved_bytes by the node whose storage each saved tensor is (views counted at their root)."""
     node_comm: dict[str, list[CommEvent]] = field(default_factory=dict)
     """Per call node, the non-reducing forward collectives that bring its inputs (run again where
     the node is recomputed under a selective checkpoint)."""
@@ -114,13 +116,13 @@ class SegmentCost:
         return self.input_bytes + sum(self.op_kept.values())
 
     def modules_saved_bytes(self, mode: str) -> float:
-        """Kept under "modules:<kinds>": what "none" keeps, less the outputs of the ops it runs
-        again that the backward saved, plus the outputs it keeps that nothing saved (a matmul
+        """Kept under "modules:<kinds>": what "none" keeps, less what it kept of the ops this mode
+        runs again (saved_by_root), plus the outputs it keeps that nothing saved (a matmul
         inside a checkpointed region; recompute_modules.SegmentModules)."""
         if self.modules is None:
             return self.saved_bytes
         kinds = mode_kinds(mode)
-        freed = sum(self.node_kept_bytes.get(name, 0.0) for name in self.modules.freed(kinds))
+        freed = sum(self.saved_by_root.get(name, 0.0) for name in self.modules.freed(kinds))
         added = sum(self.node_kept_bytes.get(name, 0.0) for name in self.modules.added(kinds))
         return max(self.saved_bytes - freed, 0.0) + added
 
@@ -225,6 +227,11 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
     modules = classify(graph).segments
     for name, cost in costs.items():
         cost.modules = modules.get(name)
+        by_root: dict[str, float] = {}
+        for source, size in cost.saved_by_root.items():
+            root = graph.storage_root(source) if source in graph.by_name else source
+            by_root[root] = by_root.get(root, 0.0) + size
+        cost.saved_by_root = by_root
     return [costs[segment.name] for segment in graph.segments] or list(costs.values())
 
 
@@ -298,6 +305,7 @@ def _save_once(segment: SegmentCost, key: tuple, size: float) -> None:
     if key not in segment.saved_keys:
         segment.saved_keys.add(key)
         segment.saved_bytes += size
+        segment.saved_by_root[key[0]] = segment.saved_by_root.get(key[0], 0.0) + size
 
 
 def _note_gathered(builder: ProblemBuilder, segment: SegmentCost, key: str, producer, source, target,
@@ -354,6 +362,7 @@ def _add_node(builder: ProblemBuilder, graph: OpGraph, node, strategy, segment: 
         segment.backward = segment.backward + backward
         _, saved = builder.node_cost_memory(node, strategy)
         segment.saved_bytes += saved
+        segment.saved_by_root[node.name] = segment.saved_by_root.get(node.name, 0.0) + saved
         segment.comm += builder.ctx.op_collectives(strategy)
         if recomputable:
             segment.selective_recompute = segment.selective_recompute + forward
