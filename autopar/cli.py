@@ -150,6 +150,7 @@ def _plan_parser(commands) -> None:
     parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "zb1p", "zbv"])
     parser.add_argument("--layers-per-virtual-stage", type=count())
     parser.add_argument("--recompute", choices=list(RECOMPUTE_MODES))
+    _recompute_modules_flag(parser)
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     parser.add_argument("--ep", type=count(), help="fix the expert-parallel degree (divides dp; MoE models)")
     _load_imbalance_flag(parser)
@@ -174,7 +175,8 @@ def _evaluate_parser(commands) -> None:
     parser.add_argument("--microbatch-size", type=count(MAX_GLOBAL_BATCH), required=True)
     parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "zb1p", "zbv"], default="1f1b")
     parser.add_argument("--layers-per-virtual-stage", type=count())
-    parser.add_argument("--recompute", choices=list(RECOMPUTE_MODES), default="none")
+    parser.add_argument("--recompute", choices=list(RECOMPUTE_MODES), default=None)
+    _recompute_modules_flag(parser)
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     parser.add_argument("--ep", type=count(), default=1, help="expert-parallel degree (divides dp; MoE models)")
     _load_imbalance_flag(parser)
@@ -268,12 +270,32 @@ def _emit(plan, args) -> int:
     return 0
 
 
+def _recompute_modules_flag(parser) -> None:
+    parser.add_argument("--recompute-modules", metavar="KINDS",
+                        help="recompute only these module kinds' ops in backward, as Megatron-Core's "
+                             "--recompute-modules: a comma-separated list of layernorm, core_attn, moe_act, mlp, moe, "
+                             "mla_up_proj (the recompute mode 'modules:KINDS')")
+
+
+def _recompute(args) -> str | None:
+    """--recompute, or the mode --recompute-modules names (not both)."""
+    from autopar.errors import ConfigError
+    from autopar.solver.recompute_modules import modules_mode
+
+    if args.recompute_modules is None:
+        return args.recompute
+    if args.recompute is not None:
+        raise ConfigError(f"--recompute {args.recompute} and --recompute-modules {args.recompute_modules} both choose "
+                          "what is recomputed: give one")
+    return modules_mode(args.recompute_modules)
+
+
 def _plan(args) -> int:
     if args.out is not None:  # before planning: a typo in the path should not cost the search
         check_output_path(args.out)
     constraints = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "cp": args.cp, "microbatch_size": args.microbatch_size,
                    "schedule": args.schedule, "layers_per_virtual_stage": args.layers_per_virtual_stage,
-                   "recompute": args.recompute, "zero_stage": args.zero, "ep": args.ep,
+                   "recompute": _recompute(args), "zero_stage": args.zero, "ep": args.ep,
                    "offload": {"on": True, "off": False}.get(args.offload),
                    "sequence_parallel": False if args.sequence_parallel == "off" else None}
     plan = planning.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
@@ -289,7 +311,7 @@ def _evaluate(args) -> int:
         check_output_path(args.out)
     plan = planning.evaluate(args.model, cluster=args.cluster, global_batch=args.global_batch, tp=args.tp, pp=args.pp,
                         dp=args.dp, microbatch_size=args.microbatch_size, schedule=args.schedule,
-                        layers_per_virtual_stage=args.layers_per_virtual_stage, recompute=args.recompute,
+                        layers_per_virtual_stage=args.layers_per_virtual_stage, recompute=_recompute(args) or "none",
                         zero_stage=args.zero, precision=args.precision, verbose=args.verbose, ep=args.ep,
                         cp=args.cp, offload=args.offload, sequence_parallel=args.sequence_parallel == "on",
                         options=SearchOptions(optimizer=args.optimizer), moe_load_imbalance=args.moe_load_imbalance,

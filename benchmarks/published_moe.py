@@ -160,12 +160,24 @@ def zero_stage(text: str) -> int:
     return 1 if "distributed optimizer" in text.lower() or "zero-1" in text.lower() else 0
 
 
+_MODULE_WORDS = {"layernorm": "layernorm", "moe activation": "moe_act", "moe_act": "moe_act",
+                 "core attention": "core_attn", "core_attn": "core_attn", "mlp": "mlp", "moe": "moe",
+                 "mla up projection": "mla_up_proj", "mla_up_proj": "mla_up_proj"}
+"""Megatron-Core's --recompute-modules kinds as the reference file writes them."""
+
+
 def recompute_mode(text: str) -> str:
-    """autopar's mode for the run's recomputation: Megatron's selective recompute of parameter-free
-    modules (layernorm, the MoE activation) is autopar's "selective"."""
+    """autopar's mode for the run's recomputation: Megatron's selective recompute of named modules
+    ("selective (layernorm, MoE activation)", Megatron-Core's --recompute-modules) is autopar's
+    "modules:<kinds>"; selective recompute without modules named is autopar's "selective"."""
     text = text.strip().lower()
     if text in ("", "none"):
         return "none"
+    named = re.fullmatch(r"selective\s*\((.*)\)", text)
+    if named:
+        kinds = [_MODULE_WORDS.get(word.strip()) for word in named.group(1).split(",")]
+        if kinds and all(kinds):
+            return "modules:" + ",".join(kinds)
     return "selective" if text.startswith("selective") else "full" if text.startswith("full") else text
 
 

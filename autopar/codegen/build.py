@@ -17,6 +17,7 @@ from autopar.codegen.align import align_names
 from autopar.codegen.interpreter import PlannedInterpreter, RunStats
 from autopar.codegen.program import (GraphParts, SegmentModule, StageProgram, WeightCasts, distribute_parameter,
                                      recomputable_nodes)
+from autopar.codegen.recompute import checkpoint_regions, kept_nodes, region_nodes
 from autopar.errors import ConfigError, PlanMismatchError
 from autopar.solver.recompute import op_saved_nodes
 from autopar.plans.plan import Plan
@@ -189,8 +190,10 @@ class ProgramBuilder:
         inside = set(node_names)
         inputs = sorted({source.name for node in fx_nodes for source in node.all_input_nodes if source.name not in inside})
         produced = [n for n in node_names if n not in self.parts.helpers and self.readers.get(n, set()) - {name}]
-        return SegmentModule(name, fx_nodes, self.interpreter, inputs, produced, recompute, self.recomputable,
-                             op_kept=self.op_kept)
+        regions = region_nodes(fx_nodes, checkpoint_regions(self.parts.graph, recompute))
+        return SegmentModule(name, fx_nodes, self.interpreter, inputs, produced, recompute,
+                             regions if regions is not None else self.recomputable,
+                             op_kept=kept_nodes(self.parts.graph, recompute) if recompute != "op" else self.op_kept)
 
     def _attach_params(self, stage: StageProgram, segments: list[SegmentModule], spec: ChunkSpec) -> None:
         """A parameter read by one segment belongs to it; one read by several, to the stage."""

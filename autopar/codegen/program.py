@@ -23,7 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 from autopar.codegen.interpreter import PlannedInterpreter, contiguous_grad
 from autopar.codegen.main_grad import accumulating_copy
-from autopar.codegen.recompute import compact_saves, op_policy_context
+from autopar.codegen.recompute import checkpointed, compact_saves, op_policy_context
+from autopar.solver.recompute_modules import is_modules_mode
 from autopar.codegen.placements import to_dtensor_placement
 from autopar.graph import OpGraph
 from autopar.solver.evaluate import is_recomputable
@@ -240,7 +241,7 @@ class SegmentModule(ParameterOwner):
         self.recompute = recompute
         self.recomputable = recomputable
         self.op_kept = op_kept
-        """Nodes whose outputs the "op" mode keeps (autopar/solver/recompute.py)."""
+        """Nodes whose outputs the "op" or "modules:<kinds>" mode keeps (codegen/recompute.kept_nodes)."""
 
     def own_expert_parameter(self, placeholder: str, fqn: str, param: nn.Parameter) -> None:
         """An expert weight: held by the `experts` child module (ExpertWeights)."""
@@ -266,16 +267,19 @@ class SegmentModule(ParameterOwner):
         return params
 
     def _forward(self, values: dict):
-        if self.recompute in ("full", "op"):
+        if checkpointed(self.recompute):
             names = [name for name, value in values.items() if isinstance(value, torch.Tensor)]
             others = {name: value for name, value in values.items() if name not in names}
-            options = {"context_fn": op_policy_context(self.interpreter, self.op_kept)} if self.recompute == "op" else {}
+            options = {"context_fn": op_policy_context(self.interpreter, self.op_kept)} \
+                if self.recompute == "op" else {}
             results = checkpoint(self._run_all, names, others, *[values[name] for name in names], use_reentrant=False,
                                  **options)
             return dict(zip(self.produced, results))
         env = {**values, **self._params()}
         if self.recompute == "selective":
             self._run_selective(env)
+        elif is_modules_mode(self.recompute):
+            self._run_regions(env)
         else:
             with compact_saves(self.interpreter, regather=self.recompute == "gathers"):
                 self.interpreter.run_nodes(self.nodes, env)
@@ -305,6 +309,27 @@ class SegmentModule(ParameterOwner):
 
             kept = [self._shard_before_checkpoint(run, name, env) for name in needed]
             env.update(zip(produced, checkpoint(body, *kept, use_reentrant=False)))
+
+    def _run_regions(self, env: dict) -> None:
+        """"modules:<kinds>": each region (`recomputable` holds their nodes) runs as a selective
+        checkpoint keeping `op_kept`; the nodes between run as under "none"."""
+        for run, region in _runs(self.nodes, self.recomputable):
+            if not region:
+                with compact_saves(self.interpreter, regather=False):
+                    self.interpreter.run_nodes(run, env)
+                continue
+            inside = {node.name for node in run}
+            needed = sorted({source.name for node in run for source in node.all_input_nodes
+                             if source.name not in inside and isinstance(env.get(source.name), torch.Tensor)})
+            produced = [node.name for node in run]
+
+            def body(*tensors, _run=run, _needed=needed, _produced=produced, _env=dict(env)):
+                local = {**_env, **dict(zip(_needed, tensors))}
+                self.interpreter.run_nodes(_run, local)
+                return tuple(local[name] for name in _produced)
+
+            env.update(zip(produced, checkpoint(body, *[env[name] for name in needed], use_reentrant=False,
+                                                context_fn=op_policy_context(self.interpreter, self.op_kept))))
 
     def _shard_before_checkpoint(self, run: list[torch.fx.Node], name: str, env: dict) -> torch.Tensor:
         """The input a recomputed run keeps: sharded first where every op of the run wants it

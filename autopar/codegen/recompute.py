@@ -9,6 +9,9 @@ from the segment's inputs and the kept tensors, all-gathers included. The policy
 op sequence in the recompute as in the forward (the interpreter runs the same nodes), which is
 what the selective-checkpoint cache requires.
 
+"modules:<kinds>": only the regions around the chosen module kinds' ops (solver/recompute_modules.py)
+run under the same policy, each as its own checkpoint; the rest of the segment runs as under "none".
+
 "gathers" (and the kept parts of "selective"): saved-tensor hooks replace a saved tensor that the
 interpreter all-gathered from a shard by a token holding the shard; backward gathers it again,
 once for all the consumers that saved it (q, k and v projections share one gather), and drops
@@ -28,13 +31,49 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from autopar.solver.recompute import op_saved_nodes
+from autopar.solver.recompute_modules import classify, is_modules_mode, mode_kinds
+
+def checkpointed(mode: str) -> bool:
+    """Modes that run the whole segment under torch.utils.checkpoint ("full", and "op"'s policy)."""
+    return mode in ("full", "op")
+
+
+def kept_nodes(graph, mode: str) -> set[str]:
+    """Nodes whose outputs the selective policy keeps under `mode` ("op" or "modules:<kinds>"):
+    solver/recompute.py and solver/recompute_modules.py decide them, as they are priced."""
+    if is_modules_mode(mode):
+        return classify(graph).kept_nodes(mode_kinds(mode))
+    return op_saved_nodes(graph)
+
+
+def checkpoint_regions(graph, mode: str) -> list[tuple[str, ...]]:
+    """Under "modules:<kinds>", the runs of nodes checkpointed together (recompute_modules.py);
+    none under the other modes."""
+    return classify(graph).regions(mode_kinds(mode)) if is_modules_mode(mode) else []
+
+
+def region_nodes(nodes, regions: list[tuple[str, ...]]) -> set[str] | None:
+    """The names of `nodes` (a segment's fx nodes, in order) inside the regions: from each region's
+    first node to its last, helper nodes between them included (None without regions)."""
+    if not regions:
+        return None
+    position = {node.name: index for index, node in enumerate(nodes)}
+    inside: set[str] = set()
+    for region in regions:
+        indices = [position[name] for name in region if name in position]
+        if indices:
+            inside.update(node.name for node in nodes[min(indices):max(indices) + 1])
+    return inside
+
+
 _KEPT_COLLECTIVES = frozenset(
     getattr(torch.ops._c10d_functional, name).default for name in ("reduce_scatter_tensor", "all_reduce")
     if hasattr(torch.ops._c10d_functional, name))
 
 
 def op_policy_context(interpreter, kept_nodes: set[str]):
-    """`context_fn` for torch.utils.checkpoint under the "op" mode."""
+    """`context_fn` for torch.utils.checkpoint under the "op" and "modules:<kinds>" modes."""
 
     def policy(ctx, func, *args, **kwargs):
         if func in _KEPT_COLLECTIVES or (interpreter.current_node in kept_nodes and not func.is_view):

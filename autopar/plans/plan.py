@@ -218,7 +218,7 @@ class Plan:
         choices += [(f"stages[{i}].recompute", stage.recompute, ("",) + RECOMPUTE_MODES)
                     for i, stage in enumerate(self.stages)]
         for name, value, allowed in choices:
-            if value not in allowed:
+            if value not in allowed and not (name.endswith("recompute") and _known_modules_mode(value)):
                 raise PlanMismatchError(f"plan {shorten(source)} has {name}={shorten(value)}; expected one of "
                                         f"{', '.join(repr(a) for a in allowed)}: fix the file or re-run `autopar plan`")
         gathers = [name for name, value in [("recompute", self.recompute)] + [
@@ -258,3 +258,14 @@ class Plan:
 
     def summary(self) -> str:
         return plan_summary(self)
+
+
+def _known_modules_mode(value) -> bool:
+    """A well-formed "modules:<kinds>" recomputation mode (solver/recompute_modules.py)."""
+    from autopar.errors import ConfigError
+    from autopar.solver.recompute_modules import check_recompute, is_modules_mode
+
+    try:
+        return is_modules_mode(value) and check_recompute(value) == value
+    except ConfigError:
+        return False

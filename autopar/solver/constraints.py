@@ -20,7 +20,8 @@ from autopar.cluster import Cluster
 from autopar.errors import ConfigError
 from autopar.graph import OpGraph
 from autopar.solver.experts import ExpertOp
-from autopar.solver.step_model import RECOMPUTE_MODES, SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, StepModel
+from autopar.solver.recompute_modules import check_recompute, classify, is_modules_mode, mode_kinds, modules_mode
+from autopar.solver.step_model import SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, StepModel
 from autopar.validation import MAX_DEVICES, MAX_GLOBAL_BATCH, check_choice, check_int, shorten, type_name
 
 
@@ -41,7 +42,8 @@ class Constraints:
     layers_per_virtual_stage: int | None = None
     """Alternative to virtual_stages, as Megatron-LM's --num-layers-per-virtual-pipeline-stage."""
     recompute: str | None = None
-    """"none", "selective" or "full"."""
+    """One of RECOMPUTE_MODES, or "modules:<kinds>" (solver/recompute_modules.py; the constraint
+    `recompute_modules` = "layernorm,moe_act" is a way to write it)."""
     zero_stage: int | None = None
     ep: int | None = None
     """Expert-parallel degree (divides dp; 1: experts not split over data-parallel ranks)."""
@@ -67,6 +69,9 @@ class Constraints:
             return cls()
         if isinstance(value, Constraints):
             return value
+        if isinstance(value, dict) and value.get("recompute_modules") is not None:
+            value = _with_modules_mode(value)
+        value = {key: item for key, item in value.items() if key != "recompute_modules"}
         unknown = set(value) - set(cls.__dataclass_fields__)
         if unknown:
             raise ConfigError(f"unknown constraint(s) {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
@@ -104,7 +109,7 @@ def check_constraint_values(value: Any) -> dict[str, Any]:
         if not isinstance(key, str):
             raise ConfigError(f"constraint names are strings such as 'tp', got {shorten(key)}")
         if item is None:
-            checked[key] = None
+            checked.setdefault(key, None)
         elif key in _POSITIVE_CONSTRAINTS:
             checked[key] = check_int(item, f"constraints['{key}']", maximum=MAX_DEVICES)
         elif key == "zero_stage":
@@ -112,7 +117,9 @@ def check_constraint_values(value: Any) -> dict[str, Any]:
         elif key == "schedule":
             checked[key] = check_choice(item, "constraints['schedule']", SCHEDULES)
         elif key == "recompute":
-            checked[key] = check_choice(item, "constraints['recompute']", RECOMPUTE_MODES)
+            checked[key] = check_recompute(item, "constraints['recompute']")
+        elif key == "recompute_modules":
+            checked["recompute"] = _with_modules_mode(value)["recompute"]
         elif key in ("offload", "sequence_parallel"):
             checked[key] = _check_flag(item, f"constraints['{key}']")
         else:
@@ -120,6 +127,16 @@ def check_constraint_values(value: Any) -> dict[str, Any]:
     if checked.get("sequence_parallel") is False and checked.get("recompute") == "gathers":
         _refuse_gathers_without_sp("constraints['recompute']")
     _refusezero3_with_zero_bubble(checked.get("schedule"), checked.get("zero_stage"), "constraints")
+    return checked
+
+
+def _with_modules_mode(value: dict) -> dict:
+    """Constraints where `recompute_modules` ("layernorm,moe_act") is written as recompute "modules:<kinds>"."""
+    if value.get("recompute") is not None:
+        raise ConfigError("constraints 'recompute' and 'recompute_modules' both name a recomputation mode: give one "
+                          "('recompute_modules': 'layernorm,moe_act' is recompute 'modules:layernorm,moe_act')")
+    checked = {key: item for key, item in value.items() if key != "recompute_modules"}
+    checked["recompute"] = modules_mode(value["recompute_modules"], "constraints['recompute_modules']")
     return checked
 
 
@@ -157,7 +174,7 @@ def check_fixed_config(*, tp: Any, pp: Any, dp: Any, microbatch_size: Any, sched
         if value is not None:
             check_int(value, name, maximum=MAX_DEVICES)
     check_choice(schedule, "schedule", SCHEDULES)
-    check_choice(recompute, "recompute", RECOMPUTE_MODES)
+    check_recompute(recompute, "recompute")
     check_choice(zero_stage, "zero_stage", (0, 1, 2, 3))
     _check_flag(offload, "offload")
     if not _check_flag(sequence_parallel, "sequence_parallel") and recompute == "gathers":
@@ -269,6 +286,8 @@ class ConfigChecks:
             raise ConfigError(f"global batch {self.global_batch} is not dp x microbatch size x microbatches = "
                               f"{config.dp} x {config.microbatch_size} x {config.num_microbatches}")
         self._check_choices(config)
+        if is_modules_mode(config.recompute):
+            classify(self.graph).check(mode_kinds(config.recompute))
         if not schedule_accepts(config.schedule, config.pp, config.num_microbatches, config.virtual_stages):
             raise ConfigError(f"{config.num_microbatches} microbatches cannot fill a {config.schedule} pipeline of "
                               f"{config.pp} stages: 1F1B and the zero-bubble schedules need at least as many "
@@ -285,8 +304,7 @@ class ConfigChecks:
         """The schedule, recomputation mode and ZeRO stage, and the pairs that cannot run together."""
         if config.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule '{config.schedule}'; use one of {', '.join(SCHEDULES)}")
-        if config.recompute not in RECOMPUTE_MODES:
-            raise ConfigError(f"unknown recompute mode '{config.recompute}'; use one of {', '.join(RECOMPUTE_MODES)}")
+        check_recompute(config.recompute, "recompute")
         if config.recompute == "gathers" and not config.sequence_parallel:
             raise ConfigError(GATHERS_WITHOUT_SP)
         if config.zero_stage not in (0, 1, 2, 3):

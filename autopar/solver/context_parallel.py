@@ -167,6 +167,11 @@ def split_sequence(segment: SegmentCost, attentions: list[AttentionCost], *, cp:
                    # the recomputation modes' per-token figures (evaluate.py), on 1 / cp of the tokens
                    op_kept={key: size * scale for key, size in segment.op_kept.items()},
                    op_recompute=_per_token(segment.op_recompute, scale),
+                   node_kept_bytes={name: size * scale for name, size in segment.node_kept_bytes.items()},
+                   saved_by_root={name: size * scale for name, size in segment.saved_by_root.items()},
+                   node_forward={name: _per_token(time, scale) for name, time in segment.node_forward.items()},
+                   node_comm={name: [_rescaled(event, scale, comm, tp_group) for event in events]
+                              for name, events in segment.node_comm.items()},
                    activation_recompute=_per_token(segment.activation_recompute, scale),
                    gathered={key: (saved_bytes * scale, shard_bytes * scale, seconds * scale, dedup)
                              for key, (saved_bytes, shard_bytes, seconds, dedup) in segment.gathered.items()},

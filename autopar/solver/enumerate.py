@@ -20,6 +20,7 @@ from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES, ParallelConfig
 from autopar.solver.constraints import ConfigChecks, Constraints, schedule_accepts
 from autopar.solver.pricing import Pricing
 from autopar.solver.recompute import RECOMPUTE_MODES
+from autopar.solver.recompute_modules import classify, is_modules_mode, mode_kinds
 from cost_model.memory import PrecisionPolicy
 
 MeshDegrees = tuple[int, int, int, int]
@@ -132,15 +133,20 @@ class Candidates:
     def recompute_modes(self, tp: int, microbatch: int, constraints: Constraints, cp: int = 1,
                         sequence_parallel: bool = True) -> list[str]:
         if constraints.recompute:
+            if is_modules_mode(constraints.recompute):
+                classify(self.graph).check(mode_kinds(constraints.recompute))
             return [constraints.recompute]
         return self.distinct_modes(tp, microbatch, cp, sequence_parallel)
 
     def distinct_modes(self, tp: int, microbatch: int, cp: int = 1, sequence_parallel: bool = True) -> list[str]:
         """Recomputation modes that price differently from every lighter one (without tensor
         parallelism "gathers" is "none": nothing is gathered). Without sequence parallelism
-        "gathers" is not a mode at all (GATHERS_WITHOUT_SP)."""
+        "gathers" is not a mode at all (GATHERS_WITHOUT_SP). The module sets the model holds
+        (recompute_modules.CANDIDATE_KINDS) come after "gathers"."""
         distinct: list[str] = []
-        for mode in RECOMPUTE_MODES:
+        modes = list(RECOMPUTE_MODES)
+        modes[modes.index("selective"):modes.index("selective")] = classify(self.graph).candidate_modes()
+        for mode in modes:
             if mode == "gathers" and not sequence_parallel:
                 continue
             prepared = self.pricing.prepared(tp, microbatch, mode, cp, sequence_parallel)

@@ -16,6 +16,7 @@ from autopar.solver.costing import CommEvent
 from autopar.solver.experts import ExpertExchange, GroupedMatmul, expert_ops_at, find_expert_ops
 from autopar.solver.quotient import Quotient
 from autopar.solver.recompute import op_saved_nodes, reads_trainable_param
+from autopar.solver.recompute_modules import SegmentModules, classify, mode_kinds
 from autopar.solver.sharding_problem import Assignment, ProblemBuilder
 from autopar.strategies.placement import PARTIAL, boundary_wire, grad_placement, shard_factor, transition
 from cost_model.compute import ComputeTime, is_grouped_matmul
@@ -65,6 +66,17 @@ class SegmentCost:
     """Under the "op" mode (recompute.py), bytes kept besides the segment's inputs, by tensor."""
     op_recompute: ComputeTime = field(default_factory=ComputeTime)
     """Forward time of the ops the "op" mode re-runs (all but the kept ones)."""
+    node_kept_bytes: dict[str, float] = field(default_factory=dict)
+    """Per call node, its outputs as produced (and its saved extras): what the "op" machinery keeps of it."""
+    node_forward: dict[str, ComputeTime] = field(default_factory=dict)
+    """Per call node, its forward time (what recomputing it costs)."""
+    modules: SegmentModules | None = None
+    saved_by_root: dict[str, float] = field(default_factory=dict)
+    """saved_bytes by the node whose storage each saved tensor is (views counted at their root)."""
+    node_comm: dict[str, list[CommEvent]] = field(default_factory=dict)
+    """Per call node, the non-reducing forward collectives that bring its inputs (run again where
+    the node is recomputed under a selective checkpoint)."""
+    """The segment's ops by module kind, for the "modules:<kinds>" modes (recompute_modules.py)."""
     activation_recompute: ComputeTime = field(default_factory=ComputeTime)
     """Forward time of the gated activations whose product saves them as a recipe and runs them
     again in backward (activation_saves.py), where the product itself is not recomputed."""
@@ -102,6 +114,30 @@ class SegmentCost:
     @property
     def op_saved_bytes(self) -> float:
         return self.input_bytes + sum(self.op_kept.values())
+
+    def modules_saved_bytes(self, mode: str) -> float:
+        """Kept under "modules:<kinds>": what "none" keeps, less what it kept of the ops this mode
+        runs again (saved_by_root), plus the outputs it keeps that nothing saved (a matmul
+        inside a checkpointed region; recompute_modules.SegmentModules)."""
+        if self.modules is None:
+            return self.saved_bytes
+        kinds = mode_kinds(mode)
+        freed = sum(self.saved_by_root.get(name, 0.0) for name in self.modules.freed(kinds))
+        added = sum(self.node_kept_bytes.get(name, 0.0) for name in self.modules.added(kinds))
+        return max(self.saved_bytes - freed, 0.0) + added
+
+    def modules_recompute(self, mode: str) -> ComputeTime:
+        """Forward time of the ops "modules:<kinds>" runs again."""
+        total = ComputeTime()
+        for name in self.modules.recomputed(mode_kinds(mode)) if self.modules else ():
+            total = total + self.node_forward.get(name, ComputeTime())
+        return total
+
+    def modules_recompute_comm(self, mode: str) -> list[CommEvent]:
+        """Forward collectives that the ops "modules:<kinds>" runs again wait for (all-gathers and
+        other non-reducing redistributions of their inputs: the policy keeps reductions' outputs)."""
+        return [event for name in self.modules.recomputed(mode_kinds(mode)) if self.modules
+                for event in self.node_comm.get(name, ())]
 
     def comm_s(self, phase: str) -> float:
         return sum(event.time_s for event in self.comm if event.phase == phase)
@@ -148,7 +184,9 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                 placement, grad = fanout
                 if source not in fanout_done:
                     fanout_done.add(source)
-                    segment.comm += builder.ctx.redistribute(producer.output, source_strategy.output, placement, "fwd")
+                    events = builder.ctx.redistribute(producer.output, source_strategy.output, placement, "fwd")
+                    segment.comm += events
+                    _note_node_comm(segment, node, events)
                     if producer.requires_grad and producer.output.is_float:
                         target = tuple(grad_placement(p) for p in source_strategy.output)
                         segment.comm += builder.ctx.redistribute(producer.output, grad, target, "bwd")
@@ -158,7 +196,9 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                         _keep_if(segment, source, size, not recomputable[source])
                         _note_gathered(builder, segment, source, producer, source_strategy.output, placement,
                                        mesh_shape)
-                segment.comm += builder.edge_events(producer, placement, node, strategy, index, grad)
+                events = builder.edge_events(producer, placement, node, strategy, index, grad)
+                segment.comm += events
+                _note_node_comm(segment, node, events)
                 target = strategy.inputs[index]
                 if index in node.saved_inputs and target != placement:
                     size = producer.output.nbytes / shard_factor(target, mesh_shape)
@@ -169,7 +209,9 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                 _keep_chain_input(segment, node, source, producer, placement, recomputable, mesh_shape)
                 continue
             grad_target = tuple(grad_placement(p) for p in source_strategy.output)
-            segment.comm += builder.edge_events(producer, source_strategy.output, node, strategy, index, grad_target)
+            events = builder.edge_events(producer, source_strategy.output, node, strategy, index, grad_target)
+            segment.comm += events
+            _note_node_comm(segment, node, events)
             target = strategy.inputs[index]
             if index in node.saved_inputs:
                 size = producer.output.nbytes / shard_factor(target, mesh_shape)
@@ -183,6 +225,14 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
             _keep_chain_input(segment, node, source, producer, source_strategy.output, recomputable, mesh_shape,
                               wanted=strategy.inputs[index])
     _add_boundaries(graph, costs, segment_of, strategy_of, mesh_shape)
+    modules = classify(graph).segments
+    for name, cost in costs.items():
+        cost.modules = modules.get(name)
+        by_root: dict[str, float] = {}
+        for source, size in cost.saved_by_root.items():
+            root = graph.storage_root(source) if source in graph.by_name else source
+            by_root[root] = by_root.get(root, 0.0) + size
+        cost.saved_by_root = by_root
     return [costs[segment.name] for segment in graph.segments] or list(costs.values())
 
 
@@ -262,6 +312,7 @@ def _save_once(segment: SegmentCost, key: tuple, size: float) -> None:
     if key not in segment.saved_keys:
         segment.saved_keys.add(key)
         segment.saved_bytes += size
+        segment.saved_by_root[key[0]] = segment.saved_by_root.get(key[0], 0.0) + size
 
 
 def _note_gathered(builder: ProblemBuilder, segment: SegmentCost, key: str, producer, source, target,
@@ -278,6 +329,13 @@ def _note_gathered(builder: ProblemBuilder, segment: SegmentCost, key: str, prod
         previous = segment.gathered.get(key)
         if previous is None or previous[0] < full:
             segment.gathered[key] = (full, shard, sum(event.time_s for event in events), (producer.name, tuple(target)))
+
+
+def _note_node_comm(segment: SegmentCost, node, events) -> None:
+    """The forward, non-reducing collectives that bring `node`'s inputs (SegmentCost.node_comm)."""
+    rerun = [event for event in events if event.phase == "fwd" and event.op not in ("reduce_scatter", "all_reduce")]
+    if rerun and node.kind == "call":
+        segment.node_comm.setdefault(node.name, []).extend(rerun)
 
 
 def _keep_reduced(segment: SegmentCost, source: str, producer, placement, target, mesh_shape) -> None:
@@ -311,6 +369,7 @@ def _add_node(builder: ProblemBuilder, graph: OpGraph, node, strategy, segment: 
         segment.backward = segment.backward + backward
         _, saved = builder.node_cost_memory(node, strategy)
         segment.saved_bytes += saved
+        segment.saved_by_root[node.name] = segment.saved_by_root.get(node.name, 0.0) + saved
         segment.comm += builder.ctx.op_collectives(strategy)
         if recomputable:
             segment.selective_recompute = segment.selective_recompute + forward
@@ -318,10 +377,12 @@ def _add_node(builder: ProblemBuilder, graph: OpGraph, node, strategy, segment: 
             _keep_if(segment, f"{node.name}:own", saved, True)
         if node.name in graph.recomputed_activations:
             segment.activation_recompute = segment.activation_recompute + forward
+        # Its outputs (an attention kernel's log-sum-exp among them) are kept as produced.
+        outputs = sum(meta.nbytes for meta in node.outputs) / shard_factor(strategy.output, mesh_shape)
+        segment.node_kept_bytes[node.name] = outputs + node.saved_extra_bytes / strategy.work_divisor(mesh_shape)
+        segment.node_forward[node.name] = forward
         if op_saved:
-            # Its outputs (an attention kernel's log-sum-exp among them) are kept as produced.
-            outputs = sum(meta.nbytes for meta in node.outputs) / shard_factor(strategy.output, mesh_shape)
-            segment.op_kept[f"{node.name}:out"] = outputs + node.saved_extra_bytes / strategy.work_divisor(mesh_shape)
+            segment.op_kept[f"{node.name}:out"] = segment.node_kept_bytes[node.name]
         else:
             segment.op_recompute = segment.op_recompute + forward
     elif node.kind == "param" and node.requires_grad:

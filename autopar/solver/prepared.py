@@ -20,6 +20,7 @@ from autopar.solver.evaluate import SegmentCost
 from autopar.solver.experts import GroupedMatmul
 from autopar.solver.pipeline import ChainCosts, StageSpan, partition
 from autopar.solver.recompute import REGATHER_MODES
+from autopar.solver.recompute_modules import is_modules_mode, mode_kinds
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class PreparedSegments:
         recomputed = array(recompute_compute_s(s, recompute) for s in segments)
         total_comm = sum(comm.values()) if comm else np.zeros(len(segments))
         experts = any(s.expert_exchanges for s in segments)
-        repeat = 2 if recompute == "full" else 1
+        repeat = 2 if recompute == "full" or (is_modules_mode(recompute) and "moe" in mode_kinds(recompute)) else 1
         messages = tuple(tuple((size, phase, exchange.dropless, part) for exchange in s.expert_exchanges
                                for size, phase, part in exchange.messages()
                                for _ in range(repeat if phase == "fwd" else 1))
@@ -289,6 +290,8 @@ def recompute_compute_s(segment: SegmentCost, recompute: str) -> float:
         return segment.selective_recompute.total_s
     if recompute == "op":
         return segment.op_recompute.total_s
+    if is_modules_mode(recompute):
+        return segment.modules_recompute(recompute).total_s
     # The gated activations' products are kept: their backward runs the activation again.
     return segment.activation_recompute.total_s
 
@@ -299,9 +302,13 @@ _REDUCING = ("reduce_scatter", "all_reduce")
 def recompute_comm_s(segment: SegmentCost, recompute: str) -> dict[str, float]:
     """Collectives run again in backward, by breakdown key (tp.<key>): a full recompute replays
     every forward collective, the "op" mode those whose outputs it does not keep (all but the
-    reducing ones); the regathering modes gather their sharded saves again."""
+    reducing ones), "modules:<kinds>" those that bring the inputs of the ops it runs again (the
+    same policy); the regathering modes gather their sharded saves again."""
     extra: dict[str, float] = {}
-    if recompute in ("full", "op"):
+    if is_modules_mode(recompute):
+        for event in segment.modules_recompute_comm(recompute):
+            extra[event.op] = extra.get(event.op, 0.0) + event.time_s
+    elif recompute in ("full", "op"):
         for event in segment.comm:
             if event.phase == "fwd" and (recompute == "full" or event.op not in _REDUCING):
                 extra[event.op] = extra.get(event.op, 0.0) + event.time_s
@@ -320,6 +327,8 @@ def _activation_bytes(segment: SegmentCost, recompute: str) -> float:
         return segment.regathered_saved_bytes(segment.selective_kept)
     if recompute == "op":
         return segment.op_saved_bytes
+    if is_modules_mode(recompute):
+        return segment.modules_saved_bytes(recompute)
     if recompute == "gathers":
         return segment.regathered_saved_bytes()
     return segment.saved_bytes

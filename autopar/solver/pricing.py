@@ -20,6 +20,7 @@ from autopar.solver.experts import ExpertOp, ep_degrees
 from autopar.solver.overheads import Overheads, SegmentCounts, segment_counts, step_features
 from autopar.solver.prepared import PreparedSegments
 from autopar.solver.recompute import RECOMPUTE_MODES
+from autopar.solver.recompute_modules import lighter_modes
 from autopar.solver.sharding import ShardingOptions, ShardingResult, cost_context, solve_sharding
 from autopar.solver.step_model import StepModel
 from cost_model.memory import PrecisionPolicy
@@ -137,7 +138,7 @@ class Pricing:
         ("gathers" only with sequence parallelism: GATHERS_WITHOUT_SP)."""
         if config.pp == 1:
             return {}
-        modes = [mode for mode in RECOMPUTE_MODES[:RECOMPUTE_MODES.index(config.recompute)]
+        modes = [mode for mode in lighter_modes(config.recompute)
                  if mode != "gathers" or config.sequence_parallel]
         return {mode: self.prepared_for(config, mode) for mode in modes}
 

@@ -35,7 +35,8 @@ def test_a_row_is_read_as_it_ran(tmp_path):
     assert (a.tp, a.pp, a.virtual_stages, a.cp, a.ep, a.etp, a.dp, a.microbatch) == (2, 2, 2, 1, 4, 1, 4, 2)
     assert (a.zero, a.recompute, a.head_dim) == (1, "none", 16)
     assert a.load_imbalance == pytest.approx(1.1)  # token dropping caps the busiest rank at the capacity
-    assert (b.family, b.zero, b.recompute, b.head_dim, b.sliding_window) == ("GptOssConfig", 0, "selective", 16, 128)
+    assert (b.family, b.zero, b.recompute, b.head_dim, b.sliding_window) == (
+        "GptOssConfig", 0, "modules:layernorm,moe_act", 16, 128)
     assert b.load_imbalance == 1.0 and b.virtual_stages == 1
     assert c.family == "Qwen3MoeConfig" and c.load_imbalance == 1.25  # dropless real routing: the default
     fields = shape_fields(c)
@@ -46,7 +47,9 @@ def test_a_row_is_read_as_it_ran(tmp_path):
 def test_optimizer_sharding_and_recompute_as_run():
     assert zero_stage("distributed optimizer with overlapped grad reduce / param gather") == 1
     assert zero_stage("none") == 0
-    assert recompute_mode("none") == "none" and recompute_mode("selective (layernorm, MoE activation)") == "selective"
+    assert recompute_mode("none") == "none"
+    assert recompute_mode("selective (layernorm, MoE activation)") == "modules:layernorm,moe_act"
+    assert recompute_mode("selective") == "selective"
 
 
 def test_step_times_are_put_in_the_sources_unit(tmp_path):

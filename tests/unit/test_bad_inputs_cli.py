@@ -100,6 +100,11 @@ def test_bad_model_spec(capsys, spec, fragments):
     assert "z" * 1000 not in outcome.err
 
 
+def test_bad_recompute_modules_in_evaluate(capsys):
+    cli_error(capsys, evaluate_argv("--recompute-modules", "norms"), "--recompute-modules", "'norms'", "layernorm")
+    cli_error(capsys, evaluate_argv("--recompute-modules", "moe"), "moe", "not found", "top-k")
+
+
 def test_bad_model_spec_in_graph_command(capsys):
     cli_error(capsys, ["graph", "gpt:layers=100000"], "layers", "at most")
 
@@ -120,6 +125,10 @@ PLAN_ARGUMENT_CASES = [
     (["--zero", "5"], ["--zero"]),
     (["--schedule", "zigzag"], ["--schedule"]),
     (["--recompute", "some"], ["--recompute"]),
+    (["--recompute-modules", "layernorm,attention"], ["--recompute-modules", "'attention'", "core_attn", "moe_act"]),
+    (["--recompute-modules", ","], ["--recompute-modules", "layernorm"]),
+    (["--recompute-modules", "layernorm", "--recompute", "full"], ["--recompute full", "--recompute-modules", "one"]),
+    (["--recompute-modules", "moe_act"], ["moe_act", "not found", "expert matmuls"]),
     (["--precision", "fp8"], ["--precision"]),
     (["--tp", "3"], ["tp=3", "divide"]),
     (["--tp", "8"], ["tp=8", "4 devices"]),

@@ -1,0 +1,83 @@
+"""Recomputation by module ("modules:<kinds>", solver/recompute_modules.py) on 2 gloo processes,
+against one process: the tiny built-in MoE recomputing its norms and expert activations under
+dp2 x ep2 (the experts' all-to-alls inside the checkpointed segment), and the tiny Llama its norms
+and attention core under tp2. Each trains 3 SGD steps and must give one process's losses and
+first gradients (fp32: round-off tolerance); the selective policy must have kept tensors (the
+mode ran as a selective checkpoint, not as a full recompute). The harness is one_process.py's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from harness import case_outcome, tiny_model_cluster  # noqa: F401 (a fixture)
+from one_process import CaseTable, case_param, parallelize_reusing_captures, train_one_process, train_parallel
+
+pytestmark = pytest.mark.dist
+
+GLOBAL_BATCH = 8
+SEQ = 16
+VOCAB = 64
+NUM_STEPS = 3
+LEARNING_RATE = 0.5
+TOLERANCE = 1e-5
+SPECS = {
+    "moe": f"moe:layers=2,hidden=32,heads=4,seq={SEQ},vocab={VOCAB},num_experts=4,top_k=2,expert_ffn_hidden=32,"
+           "kv_heads=2,router=softmax",
+    "llama": f"llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn_hidden=64,seq={SEQ},vocab={VOCAB}",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    """A key of SPECS."""
+    world_size: int
+    constraints: dict = field(default_factory=dict)
+    known_error: str = ""
+    timeout_s: float = 150.0
+
+
+def modules_case(case: Case) -> dict:
+    from autopar.models import build_model
+
+    bundle = build_model(SPECS[case.model], device="cpu", seed=0, batch_size=GLOBAL_BATCH)
+    generator = torch.Generator().manual_seed(1)
+    batches = [((torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator),),
+                torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator)) for _ in range(NUM_STEPS)]
+    reference = train_one_process(bundle.model, bundle.loss_fn, batches, LEARNING_RATE)
+    (inputs, targets), *_ = batches
+    module = parallelize_reusing_captures(case.model, bundle.model, tiny_model_cluster(case.world_size), inputs,
+                                          loss_fn=bundle.loss_fn, example_targets=targets,
+                                          constraints=case.constraints)
+    run = train_parallel(module, batches, LEARNING_RATE, reference)
+    return dict(losses=run.losses, reference_losses=reference.losses, grad_errors=run.grad_errors,
+                all_parameters=sorted(reference.grads), recompute=module.plan.recompute, mesh=module.plan.mesh,
+                kept=dict(module.stats.kept))
+
+
+TABLE = CaseTable([
+    case_param(Case("moe", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4,
+                                   recompute_modules="layernorm,moe_act")), "moe-dp2-ep2-layernorm-moe_act"),
+    case_param(Case("llama", 2, dict(dp=1, tp=2, pp=1, recompute_modules="layernorm,core_attn")),
+               "llama-tp2-layernorm-core_attn"),
+])
+CASES = TABLE.cases
+
+
+@TABLE.parametrize
+def test_modules_recompute_matches_one_process(case_name, case_outcome):
+    case, results = TABLE.results(case_outcome, modules_case, case_name)
+    for rank, result in enumerate(results):
+        assert result["recompute"] == "modules:" + case.constraints["recompute_modules"], result["recompute"]
+        for axis in ("dp", "tp", "pp"):
+            assert result["mesh"].get(axis, 1) == case.constraints[axis], result["mesh"]
+        assert result["kept"].get("op", 0) > 0, result["kept"]  # the selective policy kept tensors
+        assert result["losses"] == pytest.approx(result["reference_losses"], rel=TOLERANCE, abs=TOLERANCE), \
+            f"rank {rank}'s losses"
+        assert set(result["grad_errors"]) == set(result["all_parameters"])
+        for name, error in result["grad_errors"].items():
+            assert error is not None, f"rank {rank}: {name} has no gradient"
+            assert error["max_abs"] <= TOLERANCE, f"rank {rank}: gradient of {name} differs: {error}"

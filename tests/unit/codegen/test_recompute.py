@@ -1,0 +1,35 @@
+"""codegen/recompute.py's region helpers for "modules:<kinds>": which fx nodes a region covers and
+which nodes the policy keeps, as solver/recompute_modules.py decides them."""
+
+from types import SimpleNamespace
+
+import autopar
+from autopar.codegen.recompute import checkpoint_regions, checkpointed, kept_nodes, region_nodes
+from autopar.models import build_model
+from autopar.solver.recompute import op_saved_nodes
+
+
+def _nodes(*names):
+    return [SimpleNamespace(name=name) for name in names]
+
+
+def test_a_region_covers_the_helper_nodes_between_its_ends():
+    nodes = _nodes("a", "norm", "size_helper", "linear", "b", "silu", "c")
+    assert region_nodes(nodes, [("norm", "linear"), ("silu",)]) == {"norm", "size_helper", "linear", "silu"}
+    assert region_nodes(nodes, []) is None
+
+
+def test_modules_modes_checkpoint_regions_not_whole_segments():
+    bundle = build_model("llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn_hidden=64,seq=16,vocab=64", device="meta",
+                         batch_size=2)
+    graph = autopar.capture_for_planning(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                         example_targets=bundle.example_targets)
+    mode = "modules:layernorm,core_attn"
+    assert not checkpointed(mode) and checkpointed("op") and checkpointed("full")
+    regions = checkpoint_regions(graph, mode)
+    assert regions and all(regions)
+    inside = {name for region in regions for name in region}
+    kept = kept_nodes(graph, mode)
+    assert kept <= inside  # the policy only sees the regions' nodes
+    assert any(graph[name].target == "aten.scaled_dot_product_attention.default" for name in inside - kept)
+    assert checkpoint_regions(graph, "op") == [] and kept_nodes(graph, "op") == op_saved_nodes(graph)
