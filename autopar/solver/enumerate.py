@@ -183,8 +183,8 @@ class Candidates:
             eps = [1]
         else:
             eps = [1] + self.pricing.ep_options(tp, dp, microbatch, sequence_parallel)
-        if offload:
-            eps = [1]
+        if offload:  # offload runs without ep: none where ep > 1 is asked for
+            eps = [] if constraints.ep and constraints.ep > 1 else [1]
         return eps
 
     # --- schedules and virtual stages --------------------------------------------------------
@@ -238,6 +238,18 @@ class Candidates:
 
     # --- when nothing is left ----------------------------------------------------------------
 
+    def _ep_reasons(self, constraints: Constraints) -> list[str]:
+        """Why the fixed ep is no expert-parallel degree, on the meshes the constraints allow."""
+        reasons = [f"ep={constraints.ep} does not run with optimizer offload"] if constraints.offload else []
+        for tp, _, dp, _ in self.meshes(constraints):
+            microbatch = constraints.microbatch_size or next(iter(self.microbatches(dp, constraints)), 1)
+            blocker = self.pricing.ep_blocker(tp, dp, microbatch, constraints.ep,
+                                              constraints.sequence_parallel_allowed)
+            if blocker:
+                reasons.append(blocker)
+        return reasons or [f"ep={constraints.ep} must divide dp and the experts of every expert layer per "
+                           "tensor-parallel rank"]
+
     def no_config_message(self, constraints: Constraints) -> str:
         """Why no configuration was left to price, in the terms of the constraints given."""
         fixed = ", ".join(f"{name}={value}" for name, value in vars(constraints).items() if value is not None)
@@ -265,8 +277,7 @@ class Candidates:
                 reasons.append(f"the zbv schedule cuts the model into 2 x pp = {2 * pp} chunks, more than its "
                                f"{len(self.graph.segments)} segments")
         if constraints.ep and constraints.ep > 1:
-            reasons.append(f"ep={constraints.ep} must divide dp and the experts of every expert layer per "
-                           "tensor-parallel rank")
+            reasons += self._ep_reasons(constraints)
         unique = list(dict.fromkeys(reasons))[:2]
         return (f"no configuration satisfies {fixed or 'the search'}: "
                 f"{'; '.join(unique) or 'every candidate was ruled out'}; relax a constraint")

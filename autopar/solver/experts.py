@@ -418,19 +418,41 @@ def ep_degrees(graph: OpGraph, ops: tuple[ExpertOp, ...], strategies: dict, dp: 
     """Expert-parallel degrees (> 1) that divide dp and every expert op's experts per tp rank,
     under the tensor-parallel strategies chosen for the ops (tokens must not be Partial on tp:
     the exchange moves whole values)."""
-    if not ops:
+    local_experts, blocker = _local_experts(ops, strategies, tp)
+    if blocker:
         return []
+    return [ep for ep in range(2, dp + 1) if dp % ep == 0 and all(n % ep == 0 for n in local_experts)]
+
+
+def ep_blocker(ops: tuple[ExpertOp, ...], strategies: dict, dp: int, tp: int, ep: int) -> str:
+    """Why `ep` is not an expert-parallel degree on a dp x tp mesh ("" when it is one)."""
+    local_experts, blocker = _local_experts(ops, strategies, tp)
+    if blocker:
+        return blocker
+    if dp % ep:
+        return f"ep={ep} does not divide dp={dp}"
+    uneven = sorted({n for n in local_experts if n % ep})
+    return f"the {uneven[0]} experts per tp rank of an expert layer do not split into ep={ep} groups" if uneven else ""
+
+
+def _local_experts(ops: tuple[ExpertOp, ...], strategies: dict, tp: int) -> tuple[list[int], str]:
+    """(experts per tp rank of each expert op, "" or why the tensor-parallel plan rules ep out)."""
+    if not ops:
+        return [], "the model has no expert matmuls"
     local_experts = []
     for op in ops:
         strategy = strategies.get(op.node)
         if strategy is None:
-            return []
+            return [], f"expert op {op.node} has no tensor-parallel strategy"
         if any(placement == "P" for placement in strategy.inputs[op.token_input]):
-            return []
+            return [], f"the tp={tp} plan leaves the tokens of expert op {op.node} partial"
         weight = strategy.inputs[op.weight_input]
         if op.kind == "grouped_mm" and "S0" in weight:
-            return []  # rows of other tp ranks' experts would need zeros: not combined with ep
+            # rows of other tp ranks' experts would need zeros: not combined with ep
+            return [], (f"the tp={tp} plan splits the experts of {op.node} over tp (cheapest without ep: the "
+                        "intra-op solve does not know ep), which expert parallelism cannot combine with; use tp=1 "
+                        "or ep=1")
         if any(strategy.input_grad(op.weight_input, axis, True) == "P" for axis in range(len(weight))):
-            return []  # the weight's gradient would be partial on tp
+            return [], f"the tp={tp} plan leaves the gradient of {op.node}'s expert weight partial"
         local_experts.append(op.num_experts // (tp if "S0" in weight else 1))
-    return [ep for ep in range(2, dp + 1) if dp % ep == 0 and all(n % ep == 0 for n in local_experts)]
+    return local_experts, ""

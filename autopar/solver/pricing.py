@@ -16,7 +16,7 @@ from autopar.solver.condense import expand_segments
 from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES, Estimate, ParallelConfig
 from autopar.solver.context_parallel import attention_costs, split_compute, split_sequence
 from autopar.solver.evaluate import SegmentCost
-from autopar.solver.experts import ExpertOp, ep_degrees
+from autopar.solver.experts import ExpertOp, ep_blocker, ep_degrees
 from autopar.solver.overheads import Overheads, SegmentCounts, segment_counts, step_features
 from autopar.solver.prepared import PreparedSegments
 from autopar.solver.recompute import RECOMPUTE_MODES
@@ -110,6 +110,13 @@ class Pricing:
             return []
         strategies = self.sharding(tp, microbatch_size, sequence_parallel).strategies
         return ep_degrees(self.condensed, self.expert_ops, strategies, dp, tp)
+
+    def ep_blocker(self, tp: int, dp: int, microbatch_size: int, ep: int, sequence_parallel: bool = True) -> str:
+        """Why `ep` is not an expert-parallel degree on a dp x tp mesh ("" when it is one)."""
+        if not self.expert_ops:
+            return "the model has no expert matmuls"
+        strategies = self.sharding(tp, microbatch_size, sequence_parallel).strategies
+        return ep_blocker(self.expert_ops, strategies, dp, tp, ep)
 
     # --- prepared segments under a recomputation mode ----------------------------------------
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from harness import case_outcome, tiny_model_cluster  # noqa: F401 (a fixture)
+from harness import KnownBugError, case_outcome, tiny_model_cluster  # noqa: F401 (a fixture)
 from one_process import CaseTable, case_param, parallelize_reusing_captures, train_one_process, train_parallel
 
 pytestmark = pytest.mark.dist
@@ -177,6 +177,9 @@ def experts_case(case: Case) -> dict:
                 ran_all_to_all=ran["all_to_all"])
 
 
+_EXPERTS_ON_TP = "splits the experts of"
+"""Known: the intra-op solve does not know ep (issue 29's expert tensor parallelism, etp, is not built)."""
+_KNOWN = pytest.mark.xfail(raises=KnownBugError, strict=True, reason=_EXPERTS_ON_TP)
 _FOUR = pytest.mark.skipif(not os.environ.get("AUTOPAR_EP_ALL"), reason="4-process cases: set AUTOPAR_EP_ALL=1")
 TABLE = CaseTable([
     case_param(Case("moe", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4), all_to_all=2 * 4),
@@ -206,8 +209,12 @@ TABLE = CaseTable([
     case_param(Case("Mixtral", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=3, microbatch_size=2)),
                "mixtral-dp4-ep2-zero3", _FOUR),
     # tp x ep x ZeRO: expert weights DTensors on (tp, ep), FSDP-sharded over dp_rep on top.
-    *[case_param(Case(model, 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=zero, microbatch_size=4)),
-                 f"{model.lower()}-dp2-ep2-tp2-zero{zero}", _FOUR) for model in ("moe", "Mixtral") for zero in (1, 3)],
+    # Mixtral at tp=2 on the test cluster: the intra-op solve, which does not know ep, splits the
+    # experts over tp (cheapest without ep), and ep=2 is refused with that reason.
+    *[case_param(Case(model, 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=zero, microbatch_size=4),
+                      known_error=_EXPERTS_ON_TP if model == "Mixtral" else ""),
+                 f"{model.lower()}-dp2-ep2-tp2-zero{zero}", _FOUR, *([_KNOWN] if model == "Mixtral" else []))
+      for model in ("moe", "Mixtral") for zero in (1, 3)],
     case_param(Case("moe", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "moe-dp2-ep2-tp2", _FOUR),
     case_param(Case("moe", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=2)), "moe-dp4-ep2", _FOUR),
     case_param(Case("moe", 4, dict(dp=2, tp=1, pp=2, ep=2, zero_stage=0, microbatch_size=2)), "moe-dp2-ep2-pp2", _FOUR),
@@ -216,8 +223,8 @@ TABLE = CaseTable([
     # DTensor on the tp mesh of the dispatched tokens.
     case_param(Case("moe", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4),
                     cluster="dgx-a100-80g:gpus_per_node=4", all_to_all=2 * 4), "moe-dp2-ep2-tp2-chained", _FOUR),
-    case_param(Case("Mixtral", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4)),
-               "mixtral-dp2-ep2-tp2", _FOUR),
+    case_param(Case("Mixtral", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4),
+                    known_error=_EXPERTS_ON_TP), "mixtral-dp2-ep2-tp2", _FOUR, _KNOWN),
     # ep x cp: ep borrows dp ranks; each cp rank exchanges its sequence shard's tokens with the
     # ep ranks of its own cp index.
     # A dropless MoE with causal sdpa (DroplessMoE below: cp splits sdpa only, the zoo's Mixtral

@@ -31,3 +31,21 @@ def test_a_fixed_batch_capture_is_the_reason_a_pipeline_has_too_few_microbatches
     assert "captured with a fixed batch of 4" in message
     assert "gets 1 microbatch(es)" in message and "fewer than the 2 stages" in message
     assert "every candidate was ruled out" not in message
+
+
+TINY_MOE = "moe:layers=2,hidden=32,heads=4,kv_heads=2,seq=16,vocab=64,num_experts=4,expert_ffn_hidden=32"
+
+
+def test_a_fixed_ep_is_never_dropped_for_offload():
+    """Offload runs without ep: with ep fixed, offload is refused, not a plan with ep = 1."""
+    with pytest.raises(InfeasiblePlanError) as raised:
+        autopar.plan(TINY_MOE, cluster="cpu:procs=2", global_batch=8,
+                     constraints={"ep": 2, "offload": True, "zero_stage": 3, "tp": 1})
+    assert "does not run with optimizer offload" in str(raised.value)
+
+
+def test_an_ep_that_does_not_split_the_experts_says_so():
+    with pytest.raises(InfeasiblePlanError) as raised:
+        autopar.plan("moe:layers=2,hidden=32,heads=4,kv_heads=2,seq=16,vocab=64,num_experts=4,top_k=2,"
+                     "expert_ffn_hidden=32", cluster="cpu:procs=3", global_batch=6, constraints={"ep": 3, "tp": 1})
+    assert "the 4 experts per tp rank of an expert layer do not split into ep=3 groups" in str(raised.value)
