@@ -297,18 +297,7 @@ class SegmentModule(ParameterOwner):
                 with compact_saves(self.interpreter, regather=True):
                     self.interpreter.run_nodes(run, env)
                 continue
-            inside = {node.name for node in run}
-            needed = sorted({source.name for node in run for source in node.all_input_nodes
-                             if source.name not in inside and isinstance(env.get(source.name), torch.Tensor)})
-            produced = [node.name for node in run]
-
-            def body(*tensors, _run=run, _needed=needed, _produced=produced, _env=dict(env)):
-                local = {**_env, **dict(zip(_needed, tensors))}
-                self.interpreter.run_nodes(_run, local)
-                return tuple(local[name] for name in _produced)
-
-            kept = [self._shard_before_checkpoint(run, name, env) for name in needed]
-            env.update(zip(produced, checkpoint(body, *kept, use_reentrant=False)))
+            self._checkpointed(run, env, lambda name: self._shard_before_checkpoint(run, name, env))
 
     def _run_regions(self, env: dict) -> None:
         """"modules:<kinds>": each region (`recomputable` holds their nodes) runs as a selective
@@ -318,18 +307,24 @@ class SegmentModule(ParameterOwner):
                 with compact_saves(self.interpreter, regather=False):
                     self.interpreter.run_nodes(run, env)
                 continue
-            inside = {node.name for node in run}
-            needed = sorted({source.name for node in run for source in node.all_input_nodes
-                             if source.name not in inside and isinstance(env.get(source.name), torch.Tensor)})
-            produced = [node.name for node in run]
+            self._checkpointed(run, env, env.__getitem__,
+                               context_fn=op_policy_context(self.interpreter, self.op_kept))
 
-            def body(*tensors, _run=run, _needed=needed, _produced=produced, _env=dict(env)):
-                local = {**_env, **dict(zip(_needed, tensors))}
-                self.interpreter.run_nodes(_run, local)
-                return tuple(local[name] for name in _produced)
+    def _checkpointed(self, run: list[torch.fx.Node], env: dict, kept_input, **checkpoint_kwargs) -> None:
+        """Runs `run` under torch.utils.checkpoint from the tensors it reads from outside
+        (`kept_input(name)` is what the checkpoint keeps of each), its outputs into `env`."""
+        inside = {node.name for node in run}
+        needed = sorted({source.name for node in run for source in node.all_input_nodes
+                         if source.name not in inside and isinstance(env.get(source.name), torch.Tensor)})
+        produced = [node.name for node in run]
 
-            env.update(zip(produced, checkpoint(body, *[env[name] for name in needed], use_reentrant=False,
-                                                context_fn=op_policy_context(self.interpreter, self.op_kept))))
+        def body(*tensors, _env=dict(env)):
+            local = {**_env, **dict(zip(needed, tensors))}
+            self.interpreter.run_nodes(run, local)
+            return tuple(local[name] for name in produced)
+
+        kept = [kept_input(name) for name in needed]
+        env.update(zip(produced, checkpoint(body, *kept, use_reentrant=False, **checkpoint_kwargs)))
 
     def _shard_before_checkpoint(self, run: list[torch.fx.Node], name: str, env: dict) -> torch.Tensor:
         """The input a recomputed run keeps: sharded first where every op of the run wants it
