@@ -368,3 +368,22 @@ class CaseTable:
         if not outcome.ok:
             fail(outcome.error, getattr(case, "known_error", ""))
         return case, outcome.values
+
+
+def train_builtin(spec: str, world_size: int, constraints: dict, *, global_batch: int, seq: int, vocab: int,
+                  num_steps: int, learning_rate: float):
+    """(the parallel module, its run, one process's run) of built-in model `spec` trained
+    `num_steps` SGD steps on random token batches under `constraints` on the tiny cluster of
+    `world_size` devices (harness.tiny_model_cluster); its captures are reused under the spec."""
+    from autopar.models import build_model
+    from harness import tiny_model_cluster
+
+    bundle = build_model(spec, device="cpu", seed=0, batch_size=global_batch)
+    generator = torch.Generator().manual_seed(1)
+    batches = [((torch.randint(0, vocab, (global_batch, seq), generator=generator),),
+                torch.randint(0, vocab, (global_batch, seq), generator=generator)) for _ in range(num_steps)]
+    reference = train_one_process(bundle.model, bundle.loss_fn, batches, learning_rate)
+    (inputs, targets), *_ = batches
+    module = parallelize_reusing_captures(spec, bundle.model, tiny_model_cluster(world_size), inputs,
+                                          loss_fn=bundle.loss_fn, example_targets=targets, constraints=constraints)
+    return module, train_parallel(module, batches, learning_rate, reference), reference

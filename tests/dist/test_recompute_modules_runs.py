@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-import torch
 
-from harness import case_outcome, tiny_model_cluster  # noqa: F401 (a fixture)
-from one_process import CaseTable, case_param, parallelize_reusing_captures, train_one_process, train_parallel
+from harness import case_outcome  # noqa: F401 (a fixture)
+from one_process import CaseTable, case_param, train_builtin
 
 pytestmark = pytest.mark.dist
 
@@ -41,18 +40,9 @@ class Case:
 
 
 def modules_case(case: Case) -> dict:
-    from autopar.models import build_model
-
-    bundle = build_model(SPECS[case.model], device="cpu", seed=0, batch_size=GLOBAL_BATCH)
-    generator = torch.Generator().manual_seed(1)
-    batches = [((torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator),),
-                torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator)) for _ in range(NUM_STEPS)]
-    reference = train_one_process(bundle.model, bundle.loss_fn, batches, LEARNING_RATE)
-    (inputs, targets), *_ = batches
-    module = parallelize_reusing_captures(case.model, bundle.model, tiny_model_cluster(case.world_size), inputs,
-                                          loss_fn=bundle.loss_fn, example_targets=targets,
-                                          constraints=case.constraints)
-    run = train_parallel(module, batches, LEARNING_RATE, reference)
+    module, run, reference = train_builtin(SPECS[case.model], case.world_size, case.constraints,
+                                           global_batch=GLOBAL_BATCH, seq=SEQ, vocab=VOCAB, num_steps=NUM_STEPS,
+                                           learning_rate=LEARNING_RATE)
     return dict(losses=run.losses, reference_losses=reference.losses, grad_errors=run.grad_errors,
                 all_parameters=sorted(reference.grads), recompute=module.plan.recompute, mesh=module.plan.mesh,
                 kept=dict(module.stats.kept))
