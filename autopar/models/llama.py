@@ -189,11 +189,21 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab, config.hidden)
-        self.rotary = RotaryEmbedding(config.head_dim, config.seq, config.rope_theta)
-        self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.layers))
-        self.norm = RMSNorm(config.hidden, config.norm_eps, config.norm == "float32")
+        self.rotary = RotaryEmbedding(self.rotary_dim(config), config.seq, config.rope_theta)
+        self.layers = nn.ModuleList(self.make_layers(config))
+        self.norm = RMSNorm(config.hidden, config.norm_eps, getattr(config, "norm", "") == "float32")
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
         self.init_weights()
+
+    @staticmethod
+    def rotary_dim(config) -> int:
+        """Width the rotary tables cover (a subclass's attention may rotate part of a head)."""
+        return config.head_dim
+
+    @staticmethod
+    def make_layers(config) -> list[nn.Module]:
+        """The decoder blocks, each called as block(x, cos, sin)."""
+        return [LlamaBlock(config) for _ in range(config.layers)]
 
     def init_weights(self) -> None:
         """(Re)initializes every parameter and the rotary buffers in place, e.g. after `to_empty()`."""

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from autopar.errors import ModelSpecError
-from autopar.models.gpt import check_seq_len, example_inputs, example_targets, init_normal, loss_fn
-from autopar.models.llama import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLU
+from autopar.models.gpt import example_inputs, example_targets, loss_fn
+from autopar.models.llama import GroupedQueryAttention, Llama, RMSNorm, SwiGLU
 from autopar.models.mla import LatentAttention
 from autopar.models.moe_gshard import GShardMoEGPT
 from autopar.models.moe_layer import MoELayer
@@ -187,33 +187,22 @@ class MoEBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class MoE(nn.Module):
-    """Decoder-only language model: token ids (batch, seq) -> logits (batch, seq, vocab)."""
+class MoE(Llama):
+    """Decoder-only language model: token ids (batch, seq) -> logits (batch, seq, vocab); Llama's
+    embedding, rotary tables, final norm and head around `MoEBlock`s (dense ones first)."""
 
     def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
         if config.router == "gshard":
             raise ModelSpecError("moe: router=gshard is the GShard GPT; build it with moe.build(config)")
-        self.config = config
-        rotary_dim = config.qk_rope_head_dim if config.attention == "mla" else config.head_dim
-        self.embed_tokens = nn.Embedding(config.vocab, config.hidden)
-        self.rotary = RotaryEmbedding(rotary_dim, config.seq, config.rope_theta)
-        self.layers = nn.ModuleList(MoEBlock(config, dense=index < config.dense_layers)
-                                    for index in range(config.layers))
-        self.norm = RMSNorm(config.hidden, config.norm_eps)
-        self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
-        self.init_weights()
+        super().__init__(config)
 
-    def init_weights(self) -> None:
-        """(Re)initializes every parameter, the router biases and the rotary buffers, e.g. after `to_empty()`."""
-        init_normal(self)
+    @staticmethod
+    def rotary_dim(config) -> int:
+        return config.qk_rope_head_dim if config.attention == "mla" else config.head_dim
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rotary(check_seq_len(token_ids, self.config.seq))
-        x = self.embed_tokens(token_ids)
-        for block in self.layers:
-            x = block(x, cos, sin)
-        return self.lm_head(self.norm(x))
+    @staticmethod
+    def make_layers(config) -> list[nn.Module]:
+        return [MoEBlock(config, dense=index < config.dense_layers) for index in range(config.layers)]
 
 
 def build(config: MoEConfig) -> nn.Module:
