@@ -220,6 +220,8 @@ class ExpertRunner:
         """Row-local nodes inside a chain: run on the dispatched rows (`unwrap`)."""
         self.group = group
         self.ep = ep
+        self.rows: dict[str, list[int]] = {}
+        """{node of a dropless layer's first op: [rows received, rows sent]} (RunStats.expert_rows)."""
 
     @staticmethod
     def run_view(node: torch.fx.Node, env: dict):
@@ -284,6 +286,9 @@ class ExpertRunner:
             rows = tokens.wrap(_token_local(tokens.value, partial_token_grad))
         else:
             rows = dispatch_rows(_token_local(tokens, partial_token_grad), offsets, self.group, self.ep)
+            counted = self.rows.setdefault(node.name, [0, 0])
+            counted[0] += sum(rows.route.received)
+            counted[1] += sum(rows.route.sent)
         output = node.target(rows.value, weight, rows.route.local_offsets, *rest, **(kwargs or {}))
         if op.chain_to:
             return rows.wrap(_placed(output, tp_mesh, output_placement))

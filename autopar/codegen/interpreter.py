@@ -42,6 +42,9 @@ class RunStats:
     kept: Counter = field(default_factory=Counter)
     """Forward tensors saved for backward by a recomputation mode's own rule (codegen/recompute.py):
     "op" for the selective policy's MUST_SAVE, "regathered" for gathered saves kept as shards."""
+    expert_rows: dict = field(default_factory=dict)
+    """Dropless expert layers (grouped matmuls) run expert-parallel: {first op's node: [rows this
+    rank received, rows it sent]}, summed over every dispatch (ParallelModule.expert_load)."""
 
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default

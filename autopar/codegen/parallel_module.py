@@ -100,6 +100,24 @@ class ParallelModule(nn.Module):
 
         return timing_report(list(self._step_starts_s), list(self._step_durations_s), self.plan, skip=skip)
 
+    def expert_load(self) -> dict[str, float]:
+        """The router's measured load of each dropless expert layer run expert-parallel: the rows
+        the busiest rank of the ep group received over the group's mean, summed over every step
+        so far ({layer's first expert op: max / mean}; 1.0 = balanced; {} without ep). The price's
+        `moe_load_imbalance` states the same ratio. A collective over the ep group: every rank
+        calls it."""
+        rows = self.stats.expert_rows
+        group = self.runtime.ep_group if self.plan.ep > 1 else None
+        if group is None or not rows:
+            return {}
+        names = sorted(rows)
+        received = torch.tensor([float(rows[name][0]) for name in names], device=self.runtime.device)
+        sent = torch.tensor([float(rows[name][1]) for name in names], device=self.runtime.device)
+        dist.all_reduce(received, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(sent, op=dist.ReduceOp.SUM, group=group)
+        return {name: float(most / (total / self.plan.ep)) if total else 1.0
+                for name, most, total in zip(names, received.tolist(), sent.tolist())}
+
     def train_step(self, inputs, targets) -> torch.Tensor:
         """Forward and backward of the global batch; returns the mean loss (the same on every rank).
         `inputs` is a tuple of positional inputs, one tensor, or a dict of keyword inputs."""

@@ -79,6 +79,9 @@ class TrialResult:
     """Stopped because it could not beat the best so far."""
     error: str = ""
     """Why it failed."""
+    moe_load_imbalance: float | None = None
+    """Dropless expert layers run expert-parallel: the busiest ep rank's rows over the mean,
+    averaged over the layers (ParallelModule.expert_load), what the price assumed; None without."""
 
     @property
     def relative_error(self) -> float | None:
@@ -90,7 +93,8 @@ class TrialResult:
     def to_dict(self, chosen: bool = False) -> dict:
         return {"config": self.config, "predicted_s": self.predicted_s, "measured_s": self.measured_s,
                 "error": self.relative_error, "steps_timed": len(self.step_times_s), "setup_s": self.setup_s,
-                "stopped_early": self.stopped_early, "failure": self.error, "chosen": chosen}
+                "stopped_early": self.stopped_early, "failure": self.error, "chosen": chosen,
+                "moe_load_imbalance": self.moe_load_imbalance}
 
 
 def select_winner(results: list[TrialResult]) -> int:
@@ -110,7 +114,12 @@ def record_trials(plan: Plan, results: list[TrialResult], chosen: int) -> Plan:
     note = (f"chosen by trials: measured {winner.measured_s * 1e3:.1f} ms per step (predicted "
             f"{winner.predicted_s * 1e3:.1f} ms), best of {len(results)} candidates" if winner.measured_s
             else f"trials: no candidate ran ({winner.error}); the predicted best is kept")
-    return replace(plan, trials=rows, notes=plan.notes + (note,))
+    notes = (note,)
+    if winner.moe_load_imbalance is not None and plan.moe_load_imbalance is not None:
+        notes += (f"measured MoE load imbalance {winner.moe_load_imbalance:.3g} (the busiest expert rank's rows over "
+                  f"the mean, averaged over layers); priced with {plan.moe_load_imbalance:g}: re-plan with "
+                  f"--moe-load-imbalance {max(1.0, winner.moe_load_imbalance):.3g} to price the routing measured",)
+    return replace(plan, trials=rows, notes=plan.notes + notes)
 
 
 def run_trials(model: torch.nn.Module, inputs: tuple, targets, loss_fn: Callable, plans: list[Plan], *,
@@ -185,12 +194,20 @@ def _one_trial(model, inputs, targets, loss_fn, plan: Plan, options: TrialOption
         error = f"{type(caught).__name__}: {caught}".splitlines()[0][:300]
         setup_s = time.perf_counter() - started
     error = _agree_on_failure(error)
+    imbalance = None if error else _measured_imbalance(pm)
     del pm, optimizer, trial_model
     gc.collect()
     if error:
         return TrialResult(config=config, predicted_s=predicted, measured_s=None, setup_s=setup_s, error=error)
     return TrialResult(config=config, predicted_s=predicted, measured_s=statistics.median(times),
-                       step_times_s=tuple(times), setup_s=setup_s, stopped_early=stopped)
+                       step_times_s=tuple(times), setup_s=setup_s, stopped_early=stopped,
+                       moe_load_imbalance=imbalance)
+
+
+def _measured_imbalance(pm) -> float | None:
+    """The mean over expert layers of ParallelModule.expert_load (None without dropless ep layers)."""
+    load = pm.expert_load() if hasattr(pm, "expert_load") else {}
+    return statistics.fmean(load.values()) if load else None
 
 
 def _interleaved(model, inputs, targets, loss_fn, plans: list[Plan], options: TrialOptions, build: Callable,
@@ -229,10 +246,12 @@ def _interleaved(model, inputs, targets, loss_fn, plans: list[Plan], options: Tr
             elif round_index >= options.warmup_steps:
                 times[index].append(step_s)
     results = []
-    for plan, step_times, setup_s, error in zip(plans, times, setups, errors):
+    for plan, entry, step_times, setup_s, error in zip(plans, built, times, setups, errors):
         measured = statistics.median(step_times) if step_times and not error else None
+        imbalance = _measured_imbalance(entry[0]) if entry is not None and not error else None
         results.append(TrialResult(config=describe(plan), predicted_s=plan.predicted.step_time_s, measured_s=measured,
-                                   step_times_s=tuple(step_times), setup_s=setup_s, error=error))
+                                   step_times_s=tuple(step_times), setup_s=setup_s, error=error,
+                                   moe_load_imbalance=imbalance))
     del built
     gc.collect()
     return results

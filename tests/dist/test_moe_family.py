@@ -50,7 +50,7 @@ def moe_case(case: Case) -> dict:
     plan = module.plan
     return dict(losses=run.losses, reference_losses=reference.losses, grad_errors=run.grad_errors,
                 all_parameters=sorted(reference.grads), ep=plan.ep, ep_params=list(plan.ep_params),
-                pp=plan.mesh.get("pp", 1))
+                pp=plan.mesh.get("pp", 1), load=module.expert_load())
 
 
 EP = dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)
@@ -75,6 +75,13 @@ def test_moe_family_matches_one_process(case_name, case_outcome):
         if result["ep"] > 1:
             assert {name.rsplit(".", 1)[-1] for name in result["ep_params"]} == {"w_gate_up", "w_down"}
         assert result["pp"] == case.constraints["pp"]
+        # The router's measured load: the busiest ep rank's rows over the mean, per expert layer
+        # (one per MoE layer, the first op of its chain: both models have 2), the same on every rank.
+        if result["ep"] > 1:
+            assert len(result["load"]) == 2 and all(1.0 <= v <= result["ep"] for v in result["load"].values())
+            assert result["load"] == results[0]["load"]
+        else:
+            assert result["load"] == {}
         assert result["losses"] == pytest.approx(result["reference_losses"], rel=TOLERANCE, abs=TOLERANCE), \
             f"rank {rank}'s losses"
         for name, error in result["grad_errors"].items():

@@ -169,3 +169,21 @@ def test_interleaved_trials_run_in_rotating_rounds(candidates, one_process_group
     names = [trials.describe(p) for p in candidates]
     assert order[:3] == names and order[3:6] == names[1:] + names[:1]  # each round starts one later
     assert [len(r.step_times_s) for r in results] == [3, 3, 3] and select_winner(results) == 1
+
+
+def test_a_measured_moe_load_imbalance_is_recorded_and_said(candidates):
+    plan = dataclasses.replace(candidates[0], moe_load_imbalance=1.25)
+    result = dataclasses.replace(_result(0.2, predicted=plan.predicted.step_time_s), moe_load_imbalance=1.4)
+    recorded = record_trials(plan, [result], 0)
+    assert recorded.trials[0]["moe_load_imbalance"] == 1.4
+    assert any("measured MoE load imbalance 1.4" in note and "--moe-load-imbalance 1.4" in note
+               for note in recorded.notes)
+
+
+def test_the_measured_imbalance_is_the_mean_over_expert_layers():
+    class Measured:
+        def expert_load(self):
+            return {"layer0": 1.2, "layer1": 1.6}
+
+    assert trials._measured_imbalance(Measured()) == pytest.approx(1.4)
+    assert trials._measured_imbalance(object()) is None
