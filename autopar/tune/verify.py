@@ -50,10 +50,20 @@ KINDS: tuple[Kind, ...] = (
     Kind(name="pp", world_size=2, constraints=dict(dp=1, tp=1, pp=2, microbatch_size=1, schedule="1f1b")),
     Kind(name="cp", world_size=2, constraints=dict(dp=1, tp=1, pp=1, cp=2)),
     Kind(name="ep", world_size=2, constraints=dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0)),
+    Kind(name="zero3", world_size=2, constraints=dict(dp=2, tp=1, pp=1, zero_stage=3)),
+    Kind(name="recompute", world_size=2, constraints=dict(dp=2, tp=1, pp=1, zero_stage=0, recompute="full")),
+    Kind(name="interleaved", world_size=2, constraints=dict(dp=1, tp=1, pp=2, microbatch_size=1,
+                                                            schedule="interleaved", virtual_stages=2)),
+    Kind(name="ep x zero3", world_size=2, constraints=dict(dp=2, tp=1, pp=1, ep=2, zero_stage=3)),
     Kind(name="dp x tp", world_size=4, constraints=dict(dp=2, tp=2, pp=1, zero_stage=0)),
     Kind(name="pp x tp", world_size=4, constraints=dict(dp=1, tp=2, pp=2, microbatch_size=1, schedule="1f1b")),
     Kind(name="pp x dp", world_size=4, constraints=dict(dp=2, tp=1, pp=2, microbatch_size=1, schedule="1f1b",
                                                          zero_stage=0)),
+    Kind(name="dp x cp", world_size=4, constraints=dict(dp=2, tp=1, pp=1, cp=2, zero_stage=0)),
+    Kind(name="ep x tp", world_size=4, constraints=dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0)),
+    Kind(name="ep x pp", world_size=4, constraints=dict(dp=2, tp=1, pp=2, ep=2, microbatch_size=1, schedule="1f1b",
+                                                        zero_stage=0)),
+    Kind(name="ep x cp", world_size=4, constraints=dict(dp=2, tp=1, pp=1, cp=2, ep=2, zero_stage=0)),
 )
 NUM_PROCESSES = (2, 4)
 

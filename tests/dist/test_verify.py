@@ -27,6 +27,17 @@ def test_every_kind_of_a_tiny_gpt_matches_one_process(capsys):
     assert cells["tp"]["sharded_params"] > 0  # the planner really split the matmuls
     assert cells["cp"]["result"] == "n/a" and "scaled_dot_product_attention" in cells["cp"]["reason"]
     assert cells["ep"]["result"] == "n/a" and "expert" in cells["ep"]["reason"]
+    assert cells["zero3"]["result"] == "match" and cells["recompute"]["result"] == "match"
+    assert cells["interleaved"]["result"] == "match"  # 2 chunks per stage: layers, embedding and head
+
+
+def test_a_mixture_of_experts_matches_under_expert_parallelism_and_zero(capsys):
+    code = main(["verify", "qwen3-30b-a3b", "--nproc", "2", "--kinds", "ep,epxzero3", "--steps", "2", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["ok"], report
+    assert report["model"].startswith("moe:") and "num_experts=4" in report["model"]
+    for cell in report["cells"]:
+        assert cell["result"] == "match" and "ep=2" in cell["mesh"] and cell["sharded_params"] > 0, cell
 
 
 def test_a_wrong_reference_is_a_mismatch_and_exit_status_1(capsys, monkeypatch):
