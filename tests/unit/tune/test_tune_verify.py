@@ -7,9 +7,11 @@ from autopar.tune.verify import TOLERANCE, Cell, VerifyReport, compare, format_t
 
 
 def test_two_processes_run_the_single_axes_and_four_add_the_mixes():
-    assert [kind.name for kind in select_kinds(2)] == ["dp", "tp", "pp", "cp", "ep"]
-    assert [kind.name for kind in select_kinds(4)] == ["dp", "tp", "pp", "cp", "ep", "dp x tp", "pp x tp", "pp x dp"]
-    assert all(kind.world_size == 2 for kind in select_kinds(4)[:5])
+    two = ["dp", "tp", "pp", "cp", "ep", "zero3", "recompute", "interleaved", "ep x zero3"]
+    assert [kind.name for kind in select_kinds(2)] == two
+    assert [kind.name for kind in select_kinds(4)] == two + ["dp x tp", "pp x tp", "pp x dp", "dp x cp", "ep x tp",
+                                                             "ep x pp", "ep x cp"]
+    assert all(kind.world_size == 2 for kind in select_kinds(4)[:len(two)])
 
 
 def test_named_kinds_keep_their_order_and_refuse_what_needs_more_processes():
