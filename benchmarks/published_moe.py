@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from autopar.solver.experts import DEFAULT_LOAD_IMBALANCE  # noqa: E402 (the planner's default, for dropless real routing)
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_moe.csv"
 
@@ -43,10 +44,6 @@ PUBLIC_CONFIG = {
 }
 """Shape figures a model's public config.json has and the reference file's columns do not
 (Qwen/Qwen3-30B-A3B config.json: head_dim 128, so heads x head_dim = 4096 != hidden 2048)."""
-
-DEFAULT_LOAD_IMBALANCE = 1.25
-"""The planner's default for dropless real routing (solver/experts.py), for rows that ran so."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class MoeRun:

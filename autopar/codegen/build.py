@@ -147,8 +147,8 @@ class ProgramBuilder:
             raise PlanMismatchError(f"the plan splits the expert weights {sorted(self.plan.ep_params)} over ep="
                                     f"{self.plan.ep}, but this model's expert ops read {sorted(names)}: re-plan")
         ops_run = expert_ops_at(ops, self._placements)  # the chains the plan priced
-        self.interpreter.experts = ExpertRunner({op.node: op for op in ops_run}, runtime.ep_group, self.plan.ep)
-        self.interpreter.experts.rows = self.interpreter.stats.expert_rows  # counted where ParallelModule reads
+        self.interpreter.experts = ExpertRunner({op.node: op for op in ops_run}, runtime.ep_group, self.plan.ep,
+                                                rows=self.interpreter.stats.expert_rows)  # ParallelModule reads them
         self.expert_mesh = runtime.expert_mesh
 
     def _placements(self, name: str) -> tuple | None:

@@ -211,7 +211,7 @@ def distribute_expert_parameter(param: torch.Tensor, tp_placement: str, mesh, de
 class ExpertRunner:
     """Runs the plan's expert ops expert-parallel (see the module docstring)."""
 
-    def __init__(self, ops: dict[str, ExpertOp], group, ep: int) -> None:
+    def __init__(self, ops: dict[str, ExpertOp], group, ep: int, rows: dict[str, list[int]] | None = None) -> None:
         self.ops = ops
         """Expert op by node name (of the graph codegen runs), chains as they run (expert_ops_at)."""
         self.views = {view for op in ops.values() for view in op.weight_views}
@@ -220,7 +220,7 @@ class ExpertRunner:
         """Row-local nodes inside a chain: run on the dispatched rows (`unwrap`)."""
         self.group = group
         self.ep = ep
-        self.rows: dict[str, list[int]] = {}
+        self.rows = {} if rows is None else rows
         """{node of a dropless layer's first op: [rows received, rows sent]} (RunStats.expert_rows)."""
 
     @staticmethod
