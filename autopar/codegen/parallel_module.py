@@ -27,6 +27,7 @@ from autopar.codegen.interpreter import RunStats
 from autopar.codegen.loss_parallel import ModelLoss, replicated_local
 from autopar.codegen.pipeline import forward_only
 from autopar.codegen.program import ParameterOwner, WeightCasts, attribute_name, shared_parameters
+from autopar.codegen.grad_overlap import OverlappedReduction, ReduceGroup
 from autopar.codegen.runtime import Runtime
 from autopar.errors import PlanMismatchError
 from autopar.plans.plan import Plan
@@ -67,6 +68,7 @@ class ParallelModule(nn.Module):
         self._step_starts_s: deque[float] = deque(maxlen=4096)
         self._step_durations_s: deque[float] = deque(maxlen=4096)
         self._num_train_steps = 0
+        self._overlap: OverlappedReduction | None | bool = False  # False: not built yet
 
     # --- public API ----------------------------------------------------------------------------
 
@@ -136,6 +138,9 @@ class ParallelModule(nn.Module):
         phase = watchdog.PHASES[0]
         try:  # a collective that times out (a stopped peer) fails naming the peer (watchdog.py)
             watchdog.record(step, phase)
+            overlap = self._gradient_overlap()
+            if overlap is not None:
+                overlap.begin_step()
             with self._weight_copies():
                 if self.schedule is not None:
                     loss = self._pipelined_step(local_inputs, local_targets)
@@ -218,10 +223,6 @@ class ParallelModule(nn.Module):
             self.schedule.step(*args, target=targets, losses=losses)
         else:
             self.schedule.step(*args)
-        if not self.schedule.scale_grads:  # scaled here, once per parameter (codegen/pipeline.py)
-            for param in self.parameters():
-                if param.grad is not None:
-                    param.grad.div_(self.plan.num_microbatches)
         loss = torch.stack([value.detach().float() for value in losses]).mean() if losses else \
             torch.zeros((), device=self.runtime.device)
         last_rank = dist.get_global_rank(self.runtime.pp_group, self._last_stage_rank())
@@ -241,13 +242,37 @@ class ParallelModule(nn.Module):
         """(process group, size) over which gradients are averaged (FSDP shards over it)."""
         return self.runtime.dp_mesh.get_group(), self.plan.mesh["dp"]
 
+    def _gradient_overlap(self) -> OverlappedReduction | None:
+        """ZeRO-0 with data parallelism: the all-reduce of each bucket of gradients issued as its
+        last gradient completes in backward (grad_overlap.py), built on the first step."""
+        if self._overlap is False:
+            group, dp = self._gradient_replicas()
+            self._overlap = None
+            if dp > 1 and not uses_fsdp(self.plan.zero_stage, dp, self.plan.offload):
+                experts = {id(param) for fqn, param in self.named_model_parameters().items()
+                           if fqn in self.expert_params}
+                divisor = dp * (self.plan.num_microbatches if self.schedule is not None
+                                and not self.schedule.scale_grads else 1)
+                dense = ReduceGroup(group, divisor)
+                expert = ReduceGroup(self.runtime.expert_replica_group, divisor) if experts else None
+                where = {id(param): (param, expert if id(param) in experts else dense)
+                         for param in self.parameters() if param.requires_grad}
+                self._overlap = OverlappedReduction(where)
+        return self._overlap
+
     def _sync_gradients(self) -> None:
         group, dp = self._gradient_replicas()
         params = self.named_model_parameters()
+        overlap = self._gradient_overlap()
+        done = overlap.finish() if overlap is not None else set()  # averaged while backward ran
+        if self.schedule is not None and not self.schedule.scale_grads:  # once per parameter (pipeline.py)
+            for param in self.parameters():
+                if param.grad is not None and id(param) not in done:
+                    param.grad.div_(self.plan.num_microbatches)
         reduce_partial_gradients(params.values())
         if not uses_fsdp(self.plan.zero_stage, dp, self.plan.offload):
-            experts = [param for fqn, param in params.items() if fqn in self.expert_params]
-            expert_ids = {id(param) for param in experts}
+            experts = [param for fqn, param in params.items() if fqn in self.expert_params and id(param) not in done]
+            expert_ids = {id(param) for param in experts} | done
             others = [param for param in self.parameters() if id(param) not in expert_ids]
             all_reduce_gradients(others, group, dp)
             if experts:  # complete within the expert group: summed over its replicas, averaged over dp

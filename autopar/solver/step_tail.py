@@ -85,8 +85,11 @@ class StepTail:
         return self.comm.time_s(op, message_bytes, self._data_shard_group(config))
 
     def _dp_sync_exposed_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
-        """Synchronisation after the pipeline: ZeRO-0's all-reduce tail, ZeRO-1's last
-        reduce-scatter (ZeRO-2/3 are inside each microbatch's stage time)."""
+        """Synchronisation after the pipeline: ZeRO-1's last reduce-scatter (ZeRO-2/3 are inside
+        each microbatch's stage time); ZeRO-0's all-reduce, issued bucket by bucket inside the
+        last backward (codegen/grad_overlap.py), exposed where it outlasts that backward, and at
+        least its last bucket. Under the zero-bubble schedules torch's weight pass adds the
+        weight gradients by hand, which reports no completed gradient: reduced after the step."""
         if config.data_shards <= 1:
             return 0.0
         if config.zero_stage >= 1:
@@ -100,6 +103,8 @@ class StepTail:
             # (x cp) ranks that hold the same experts.
             sync += self.comm.time_s("all_reduce", stage.expert_param_numel * self.policy.dp_reduce_bytes,
                                      self.expert_replica_group(config))
+        if config.schedule in ZERO_BUBBLE_SCHEDULES:
+            return sync
         return max(sync - backward_one, sync / num_buckets)
 
     def _optimizer_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
