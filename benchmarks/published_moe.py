@@ -308,7 +308,7 @@ def evaluate_run(run: MoeRun, plan: bool = True, source: str = "builtin") -> Out
                                   schedule="interleaved" if interleaved else "1f1b",
                                   virtual_stages=run.virtual_stages if interleaved else None,
                                   layers_per_virtual_stage=None, recompute=run.recompute, zero_stage=zero,
-                                  ep=run.ep, cp=run.cp)
+                                  ep=run.ep, cp=run.cp, etp=run.etp)
         return planner.evaluate(config)[0]
 
     try:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from autopar.graph import OpGraph
 from autopar.solver.costing import CommEvent
+from autopar.solver.expert_folding import TOKEN_LOCAL
 from autopar.solver.experts import ExpertExchange, GroupedMatmul, expert_ops_at, find_expert_ops
 from autopar.solver.quotient import Quotient
 from autopar.solver.recompute import op_saved_nodes, reads_trainable_param
@@ -259,8 +260,12 @@ def _exchange(graph: OpGraph, builder: ProblemBuilder, node, strategy, op) -> Ex
 
 
 def _placements(strategy_of: dict, name: str) -> tuple | None:
+    """A node's (output, inputs) placements; None for a token-local op (a folded MoE layer's
+    rows are each tp rank's own: its chain runs, expert_folding.py)."""
     strategy = strategy_of.get(name)
-    return None if strategy is None else (tuple(strategy.output), tuple(tuple(p) for p in strategy.inputs))
+    if strategy is None or strategy.name == TOKEN_LOCAL:
+        return None
+    return tuple(strategy.output), tuple(tuple(p) for p in strategy.inputs)
 
 
 def is_recomputable(graph: OpGraph, node) -> bool:
