@@ -14,6 +14,8 @@ from autopar.solver.expert_folding import (FOLDING_NOT_RUN, TOKEN_LOCAL, etp_blo
 from autopar.solver.experts import find_expert_ops
 from autopar.solver.search import Planner
 from autopar.cluster import Cluster
+from autopar.plans.plan import Plan
+from autopar.report.explain import explain_text
 
 MOE = "moe:layers=2,hidden=64,heads=4,kv_heads=2,seq=32,vocab=128,num_experts=8,top_k=2,expert_ffn_hidden=64"
 CLUSTER = "dgx-h100:nodes=2"
@@ -74,7 +76,10 @@ def test_evaluate_prices_folding_and_says_it_does_not_run(graph) -> None:
     folded = _evaluate(graph, ep=8, etp=1)
     assert FOLDING_NOT_RUN in folded.notes
     assert folded.predicted.breakdown_s["ep.dispatch"] > 0
-    assert folded.ep == 8
+    assert (folded.ep, folded.etp) == (8, 1)
+    assert "ep=8 etp=1" in explain_text(folded)
+    assert "etp=1: split over ep=8 of the tp x dp ranks" in folded.summary()
+    assert Plan.from_dict(folded.to_dict()).etp == 1
 
 
 @pytest.mark.parametrize("config, message", [
