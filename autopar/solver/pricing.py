@@ -192,18 +192,20 @@ class Pricing:
                               f"for {config.pp * config.virtual_stages} pipeline chunks")
         return estimate, sharding
 
-    def counts(self, tp: int, microbatch_size: int, sequence_parallel: bool = True) -> dict[str, SegmentCounts]:
-        key = self.tp_key(tp, microbatch_size, sequence_parallel)
+    def counts(self, tp: int, microbatch_size: int, sequence_parallel: bool = True,
+               folded: bool = False) -> dict[str, SegmentCounts]:
+        key = self.tp_key(tp, microbatch_size, sequence_parallel) + (("folded",) if folded else ())
         if key not in self._counts:
-            self._counts[key] = segment_counts(self.graph, self.segment_costs(tp, microbatch_size,
-                                                                              sequence_parallel=sequence_parallel))
+            self._counts[key] = segment_counts(self.graph, self.segment_costs(
+                tp, microbatch_size, sequence_parallel=sequence_parallel, folded=folded))
         return self._counts[key]
 
     def features(self, estimate: Estimate) -> dict[str, float]:
         """Features of the calibrated terms for a priced configuration (overheads.py)."""
         config = estimate.config
         cores = self.overheads.calibration.num_cores if self.overheads else 0
-        return step_features(estimate, self.counts(config.tp, config.microbatch_size, config.sequence_parallel),
+        return step_features(estimate, self.counts(config.tp, config.microbatch_size, config.sequence_parallel,
+                                                   config.folds_experts),
                              self.step_model, processes_per_node=self.cluster.devices_per_node,
                              num_cores=cores or _cpu_cores(self.cluster))
 
