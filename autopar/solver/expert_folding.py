@@ -23,9 +23,8 @@ its token dim (the first dim that is a multiple of the sequence length: rows, pa
 sequence itself), parameters and per-expert tensors replicated, the work divided by tp; expert
 weights' gradients are complete per rank (reduced in the expert group, step model), the router's
 are partial over tp (reduced as sequence-parallel weights are). The region of a layer: from its
-entry (walking up from the first expert op's tokens through the largest activation input to the
-first op with two activation inputs: the residual add) down to its exit (walking from the last
-expert op's output through single consumers while they read only the region, factories and
+entry (walking up from the first expert op's tokens through its one activation input to the
+first op with two: the residual add) down to its exit (walking from the last expert op's output through single consumers while they read only the region, factories and
 parameters). A DTensor cannot run this region (sorting rows of one rank is not a shard of the
 global sort): the runtime runs it on local tensors (codegen does not yet; see plans/planning.py).
 """
@@ -64,19 +63,34 @@ def etp_blocker(tp: int, ep: int, etp: int | None) -> str:
 def token_local_region(graph: OpGraph, ops: tuple[ExpertOp, ...]) -> tuple[str, ...]:
     """Nodes of every MoE layer's token-local region (module docstring), in graph order; () when
     a layer's region does not hold all its expert ops (then nothing folds)."""
-    by_node = {op.node: op for op in ops}
     region: set[str] = set()
-    for op in ops:
-        if op.chain_from:
-            continue
-        last = by_node.get(op.chain_to, op)
-        found = _layer_region(graph, op, last)
-        if found is None or not {op.node, last.node} <= found:
+    for layer in _layers(graph, ops):
+        first, last = layer[0], layer[-1]
+        found = _layer_region(graph, first, last)
+        if found is None or not {op.node for op in layer} <= found:
             return ()
         region |= found
     if not all(op.node in region for op in ops):
         return ()
     return tuple(node.name for node in graph.nodes if node.name in region)
+
+
+def _layers(graph: OpGraph, ops: tuple[ExpertOp, ...]) -> list[list[ExpertOp]]:
+    """The expert ops of each MoE layer in graph order: grouped matmuls sharing their `offs`
+    (chained or not: GPT-OSS adds a bias between them), an einsum chain, or an einsum alone."""
+    order = {node.name: index for index, node in enumerate(graph.nodes)}
+    layers: dict[str, list[ExpertOp]] = {}
+    by_node = {op.node: op for op in ops}
+    for op in sorted(ops, key=lambda op: order[op.node]):
+        if op.kind == "grouped_mm":
+            key = graph[op.node].inputs[2]
+        else:
+            start = op
+            while start.chain_from:
+                start = by_node[start.chain_from]
+            key = start.node
+        layers.setdefault(key, []).append(op)
+    return list(layers.values())
 
 
 def _activation_inputs(graph: OpGraph, node: OpNode) -> list[OpNode]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from autopar.cluster import Cluster
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.graph import OpGraph
 from autopar.mesh import Mesh
 from autopar.solver.condense import expand_segments
@@ -75,7 +75,13 @@ class Pricing:
             ctx = cost_context(mesh, self.cluster, self.policy)
             options = replace(self.sharding_options, sequence_parallel=key[2])
             fixed = self._token_local(graph) if folded else None
-            self.solves[key] = solve_sharding(graph, mesh, self.cluster, options, ctx=ctx, fixed=fixed)
+            try:
+                self.solves[key] = solve_sharding(graph, mesh, self.cluster, options, ctx=ctx, fixed=fixed)
+            except InfeasiblePlanError as error:
+                if not folded:
+                    raise
+                raise ConfigError(f"etp=1 with tp={tp}: the MoE layers cannot run token-local on this model's "
+                                  f"tensor-parallel plan ({' '.join(str(error).split()[:40])}...); use etp=tp") from error
         return self.solves[key]
 
     def _token_local(self, graph: OpGraph) -> dict:
