@@ -127,3 +127,18 @@ def test_gpt_oss_unchained_expert_matmuls_form_one_layer_region() -> None:
     plan = autopar.evaluate(oss, cluster="dgx-h100:nodes=1", global_batch=8, tp=2, pp=1, microbatch_size=1,
                             ep=4, etp=1)
     assert plan.predicted.breakdown_s["ep.dispatch"] > 0
+
+
+def test_folded_experts_are_whole_on_tp_and_split_over_ep(graph) -> None:
+    """Each rank holds num_experts / ep whole experts (not split by tp), sharded by ZeRO over the
+    tp x dp / ep ranks holding the same ones."""
+    planner = Planner(graph, Cluster.from_spec(CLUSTER), global_batch=16)
+    experts = sum(param.meta.numel for param in graph.params if param.node in {op.param for op in planner.expert_ops})
+    optimizer = {}
+    for zero in (0, 1):
+        config = ParallelConfig(dp=8, tp=2, pp=1, microbatch_size=1, num_microbatches=2, ep=8, etp=1, zero_stage=zero)
+        assert config.expert_data_shards == 2
+        stage = planner.evaluate(config)[0].stages[0]
+        assert stage.expert_param_numel == pytest.approx(experts / 8)
+        optimizer[zero] = stage.memory_bytes["optimizer"]
+    assert optimizer[1] < optimizer[0]
