@@ -165,7 +165,10 @@ def fixed_token_local(graph: OpGraph, region: tuple[str, ...], ops: tuple[Expert
                       sequence_length: int) -> dict[str, Strategy]:
     """The fixed strategies (one tp axis) of a folded solve: every region node token-local."""
     whole = {op.param for op in ops} | {view for op in ops for view in op.weight_views}
-    fixed = {}
+    # Expert weights and their views (Hugging Face's transposes) replicated on tp: else the solve
+    # may split a view and gather it for the grouped matmul.
+    fixed = {name: Strategy(inputs=tuple((REPLICATE,) for _ in graph[name].inputs), output=(REPLICATE,),
+                            split_axes=(False,), name=TOKEN_LOCAL) for name in whole}
     for name in region:
         node = graph[name]
         inputs = tuple((REPLICATE,) if graph[source].kind in _HELD or source in whole else
