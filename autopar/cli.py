@@ -153,6 +153,9 @@ def _plan_parser(commands) -> None:
     _recompute_modules_flag(parser)
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     parser.add_argument("--ep", type=count(), help="fix the expert-parallel degree (divides dp; MoE models)")
+    parser.add_argument("--etp", type=count(), help="fix the expert tensor-parallel degree; the search plans "
+                        "etp = tp only, so this pins tp; etp 1 with tp > 1 (MoE parallel folding) is refused until "
+                        "the runtime runs it: price it with `evaluate --etp 1`")
     _load_imbalance_flag(parser)
     parser.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
                         help="optimizer offload (FSDP2 CPUOffloadPolicy): auto uses it only when nothing fits without")
@@ -179,6 +182,9 @@ def _evaluate_parser(commands) -> None:
     _recompute_modules_flag(parser)
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
     parser.add_argument("--ep", type=count(), default=1, help="expert-parallel degree (divides dp; MoE models)")
+    parser.add_argument("--etp", type=count(), help="expert tensor-parallel degree: tp (default: experts on the tp "
+                        "solve, ep over dp ranks) or 1 with tp > 1 (MoE parallel folding: experts unsplit by tp, "
+                        "the ep group over tp x dp; ep must divide tp x dp; priced only, not run by the runtime yet)")
     _load_imbalance_flag(parser)
     parser.add_argument("--offload", action="store_true", help="optimizer offload (needs --zero 3 and --pp 1)")
     _sequence_parallel_flag(parser)
@@ -295,7 +301,7 @@ def _plan(args) -> int:
         check_output_path(args.out)
     constraints = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "cp": args.cp, "microbatch_size": args.microbatch_size,
                    "schedule": args.schedule, "layers_per_virtual_stage": args.layers_per_virtual_stage,
-                   "recompute": _recompute(args), "zero_stage": args.zero, "ep": args.ep,
+                   "recompute": _recompute(args), "zero_stage": args.zero, "ep": args.ep, "etp": args.etp,
                    "offload": {"on": True, "off": False}.get(args.offload),
                    "sequence_parallel": False if args.sequence_parallel == "off" else None}
     plan = planning.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
@@ -315,7 +321,7 @@ def _evaluate(args) -> int:
                         zero_stage=args.zero, precision=args.precision, verbose=args.verbose, ep=args.ep,
                         cp=args.cp, offload=args.offload, sequence_parallel=args.sequence_parallel == "on",
                         options=SearchOptions(optimizer=args.optimizer), moe_load_imbalance=args.moe_load_imbalance,
-                        fp8_recipe=args.fp8_recipe)
+                        fp8_recipe=args.fp8_recipe, etp=args.etp)
     return _emit(plan, args)
 
 

@@ -6,7 +6,8 @@ autopar's prediction of the same configuration, and against the plan autopar wou
 
 Each row's model is built on meta as the built-in `moe:` family from the row's shape columns
 (`build_model`, the one builder; `--hf` builds its Hugging Face config class instead: MixtralConfig,
-Qwen3MoeConfig, GptOssConfig), and priced as published: tp, pp, virtual stages, cp, ep, dp, microbatch, the optimizer sharding
+Qwen3MoeConfig, GptOssConfig), and priced as published: tp, pp, virtual stages, cp, ep, etp (1 with tp > 1: MoE parallel
+folding, solver/expert_folding.py), dp, microbatch, the optimizer sharding
 (Megatron's distributed optimizer is ZeRO-1) and recomputation as run, with the load imbalance
 the routing implies (force-balanced routing and token dropping at capacity factor c put at most
 1.0 and c x the even share on the busiest rank; dropless real routing the planner's default).
@@ -308,7 +309,7 @@ def evaluate_run(run: MoeRun, plan: bool = True, source: str = "builtin") -> Out
                                   schedule="interleaved" if interleaved else "1f1b",
                                   virtual_stages=run.virtual_stages if interleaved else None,
                                   layers_per_virtual_stage=None, recompute=run.recompute, zero_stage=zero,
-                                  ep=run.ep, cp=run.cp)
+                                  ep=run.ep, cp=run.cp, etp=run.etp)
         return planner.evaluate(config)[0]
 
     try:

@@ -23,11 +23,12 @@ from autopar.codegen.loss_parallel import ModelLoss
 from autopar.codegen.parallel_module import ParallelModule
 from autopar.codegen.pipeline import PipelineBuilder, boundary_wires, tied_weight_groups
 from autopar.codegen.placements import to_dtensor_placement
+from autopar.solver.expert_folding import FOLDING_NOT_RUN
 from autopar.solver.pipeline import rank_of
 from autopar.codegen.program import GraphParts
 from autopar.codegen.init import all_names
 from autopar.codegen.runtime import agree, build_runtime, register_shutdown
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, ConfigError
 from autopar.plans.plan import Plan
 
 def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, keywords: dict | None = None, *,
@@ -50,6 +51,8 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
         parts = GraphParts.read(program, graph)
     except AutoparError as caught:
         error = caught
+    if error is None and plan.etp == 1 and plan.mesh["tp"] > 1 and plan.ep > 1:
+        error = ConfigError(FOLDING_NOT_RUN)
     agree(error)
     runtime = build_runtime(plan.mesh, ep=plan.ep)
     _factories_on(parts.program, runtime.device)

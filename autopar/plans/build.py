@@ -65,6 +65,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         search=_search_stats(estimate, sharding, search),
         notes=tuple(graph.notes) + tuple(estimate.notes) + tuple(notes),
         ep=config.ep,
+        etp=1 if config.folds_experts else None,
         ep_params=expert_param_names(graph, find_expert_ops(graph)) if config.ep > 1 else (),
         moe_load_imbalance=moe_load_imbalance,
     )
@@ -245,5 +246,6 @@ def _runner_up(estimate: Estimate) -> dict:
                          "num_microbatches": config.num_microbatches, "schedule": config.schedule,
                          "virtual_stages": config.virtual_stages, "recompute": config.recompute,
                          "zero_stage": config.zero_stage, "ep": config.ep, "offload": config.offload,
+                         "etp": 1 if config.folds_experts else None,
                          "sequence_parallel": config.sequence_parallel},
             "stage_recompute": [stage.recompute for stage in estimate.stages]}

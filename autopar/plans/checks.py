@@ -108,7 +108,13 @@ def check_plan_data(data: dict, source: str) -> None:
     if unsound:
         fields.fail(f"it does not train correctly: {unsound}")
     ep = fields.integer(fields.get(data, "ep", "ep", 1), "ep", maximum=MAX_DEVICES)
-    if mesh["dp"] % ep:
+    etp = data.get("etp")
+    if etp is not None and fields.integer(etp, "etp", maximum=MAX_DEVICES) not in (1, mesh["tp"]):
+        fields.fail(f"etp={etp} must be 1 (MoE parallel folding) or tp={mesh['tp']}")
+    if etp == 1 and mesh["tp"] > 1 and (mesh["tp"] * mesh["dp"]) % ep:
+        fields.fail(f"ep={ep} does not divide tp x dp = {mesh['tp']} x {mesh['dp']} (etp=1: the ep group is drawn "
+                    "from the tp x dp ranks)")
+    elif not (etp == 1 and mesh["tp"] > 1) and mesh["dp"] % ep:
         fields.fail(f"ep={ep} does not divide mesh dp={mesh['dp']}: experts are split over groups of ep "
                     "data-parallel ranks")
     fields.texts(fields.get(data, "ep_params", "ep_params", []), "ep_params")

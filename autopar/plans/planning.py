@@ -35,7 +35,8 @@ from autopar.graph import OpGraph
 from autopar.plans.build import make_plan
 from autopar.plans.plan import Plan
 from autopar.solver.constraints import (Constraints, check_constraint_values, check_degrees, check_fixed_config,
-                                        check_pipeline_depth)
+                                        check_pipeline_depth, search_etp)
+from autopar.solver.expert_folding import FOLDING_NOT_RUN
 from autopar.solver.experts import ExpertPricing, check_load_imbalance
 from autopar.solver.fp8 import FP8_RECIPES, Fp8Choice, fp8_linears
 from autopar.solver.overheads import overheads_for
@@ -292,7 +293,8 @@ def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constr
          verbose: bool = False, example_kwargs=None, moe_load_imbalance: float | None = None,
          fp8_recipe: str = "tensorwise", fp8_filter=None) -> Plan:
     """Search the best parallelization; `constraints` may fix dp, tp, pp, cp, microbatch_size,
-    schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage, ep, offload and
+    schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage, ep, etp (pins tp: the search
+    plans etp = tp; etp=1 with tp > 1 is priced by `evaluate` only), offload and
     sequence_parallel (False: tensor parallelism without sequence parallelism).
     `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones.
     `moe_load_imbalance` (>= 1.0; default 1.25) prices dropless MoE routing: what the busiest
@@ -322,7 +324,7 @@ def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: 
     """The `num_candidates` fastest predicted plans, fastest first (what trials measure)."""
     if moe_load_imbalance is not None:
         check_load_imbalance(moe_load_imbalance)
-    constraints = Constraints.from_value(check_constraint_values(constraints))
+    constraints = search_etp(Constraints.from_value(check_constraint_values(constraints)))
     check_model_arguments(model, example_inputs, loss_fn, example_targets)
     check_jobs_env()
     cluster = Cluster.from_spec(cluster)
@@ -338,6 +340,7 @@ def candidates_with(planner: Planner, constraints: Constraints = Constraints(), 
                     num_candidates: int = 1) -> list[Plan]:
     if num_candidates < 1:
         raise ConfigError(f"the number of candidate plans must be >= 1, got {num_candidates}")
+    constraints = search_etp(constraints)
     _check_constraints(planner.cluster, planner.global_batch, constraints)
     check_pipeline_depth(planner.graph, constraints.pp)
     with frozen_heap():
@@ -411,9 +414,10 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
              precision: str = "bf16", verbose: bool = False, example_kwargs=None, ep: int = 1,
              cp: int = 1, offload: bool = False, sequence_parallel: bool = True,
              options: SearchOptions | None = None, moe_load_imbalance: float | None = None,
-             fp8_recipe: str = "tensorwise", fp8_filter=None) -> Plan:
+             fp8_recipe: str = "tensorwise", fp8_filter=None, etp: int | None = None) -> Plan:
     """Price one fully fixed configuration (no search); `ep` splits the experts of an MoE over
-    groups of ep data-parallel ranks, `cp` splits each sequence over cp ranks, `offload` is optimizer
+    groups of ep data-parallel ranks (`etp=1` with tp > 1: over ep ranks of the tp x dp grid, the
+    experts unsplit by tp, MoE parallel folding: priced, not run by autopar's runtime yet), `cp` splits each sequence over cp ranks, `offload` is optimizer
     offload (ZeRO-3, pp = 1), `sequence_parallel=False` is tensor parallelism without sequence
     parallelism (Megatron-LM without --sequence-parallel). `options` and `moe_load_imbalance` as
     for `plan` (`optimizer` says how AdamW runs)."""
@@ -422,7 +426,7 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
     check_fixed_config(tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                        virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
                        recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,
-                       sequence_parallel=sequence_parallel)
+                       sequence_parallel=sequence_parallel, etp=etp)
     check_model_arguments(model, example_inputs, loss_fn, example_targets)
     cluster = Cluster.from_spec(cluster)
     check_degrees(cluster, check_global_batch(global_batch), dp=dp, tp=tp, pp=pp,
@@ -434,14 +438,14 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
     config = fixed_config(planner, tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                           virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
                           recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,
-                          sequence_parallel=sequence_parallel)
+                          sequence_parallel=sequence_parallel, etp=etp)
     return evaluate_with(planner, config)
 
 
 def fixed_config(planner: Planner, *, tp: int, pp: int, dp: int | None, microbatch_size: int, schedule: str,
                  virtual_stages: int | None, layers_per_virtual_stage: int | None, recompute: str,
                  zero_stage: int, ep: int = 1, cp: int = 1, offload: bool = False,
-                 sequence_parallel: bool = True) -> ParallelConfig:
+                 sequence_parallel: bool = True, etp: int | None = None) -> ParallelConfig:
     check_pipeline_depth(planner.graph, pp)
     devices = planner.cluster.num_devices
     if tp < 1 or pp < 1 or cp < 1 or devices % (tp * pp * cp):
@@ -459,7 +463,7 @@ def fixed_config(planner: Planner, *, tp: int, pp: int, dp: int | None, microbat
     config = ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
                             num_microbatches=planner.global_batch // (dp * microbatch_size), schedule=schedule,
                             virtual_stages=virtual, recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp,
-                            offload=offload, sequence_parallel=sequence_parallel)
+                            offload=offload, sequence_parallel=sequence_parallel, etp=etp)
     planner.check(config)
     return config
 
@@ -469,11 +473,14 @@ def evaluate_with(planner: Planner, config: ParallelConfig) -> Plan:
     notes = () if estimate.fits else (
         f"this configuration does not fit: {estimate.peak_memory_bytes / 2**30:.1f} GiB per device needed, "
         f"{planner.step_model.memory_budget_bytes / 2**30:.1f} GiB usable",)
+    if config.folds_experts:
+        notes += (FOLDING_NOT_RUN,)
     plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
                      sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes,
                      precision=planner.precision, moe_load_imbalance=planner.moe_load_imbalance,
                      fp8=_fp8_of(planner, config),
                      segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
-                                                    config.sequence_parallel),
-                     strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel))
+                                                    config.sequence_parallel, config.folds_experts),
+                     strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel,
+                                                   config.folds_experts))
     return _with_error_bar(plan, planner)

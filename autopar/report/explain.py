@@ -13,7 +13,7 @@ from autopar.validation import human_bytes
 from autopar.plans.plan import Plan
 
 SETTINGS = ("pp", "dp", "cp", "tp", "microbatch_size", "num_microbatches", "schedule", "virtual_stages", "recompute",
-            "zero_stage", "ep", "offload")
+            "zero_stage", "ep", "etp", "offload")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,13 +57,14 @@ def plan_settings(plan: Plan) -> dict:
             "microbatch_size": plan.microbatch_size, "num_microbatches": plan.num_microbatches,
             "schedule": plan.schedule if plan.mesh["pp"] > 1 else "1f1b",
             "virtual_stages": plan.virtual_stages, "recompute": plan.recompute, "zero_stage": plan.zero_stage,
-            "ep": plan.ep, "offload": plan.offload}
+            "ep": plan.ep, "etp": plan.etp, "offload": plan.offload}
 
 
 def describe_settings(settings: dict) -> str:
     schedule = settings["schedule"] + (f"(v={settings['virtual_stages']})" if settings["schedule"] in ("interleaved", "zb1p") else "")
     cp = f" cp={settings['cp']}" if settings.get("cp", 1) > 1 else ""
     experts = f" ep={settings['ep']}" if settings.get("ep", 1) > 1 else ""
+    experts += " etp=1" if experts and settings.get("etp") == 1 and settings["tp"] > 1 else ""
     return (f"dp={settings['dp']}{experts}{cp} tp={settings['tp']} pp={settings['pp']} "
             f"microbatch={settings['microbatch_size']}x{settings['num_microbatches']} {schedule} "
             f"recompute={settings['recompute']} zero={settings['zero_stage']}"

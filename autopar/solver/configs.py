@@ -29,7 +29,12 @@ class ParallelConfig:
     recompute: str = "none"
     zero_stage: int = 0
     ep: int = 1
-    """Expert-parallel degree: experts split over groups of ep consecutive dp ranks (divides dp)."""
+    """Expert-parallel degree: experts split over groups of ep consecutive dp ranks (divides dp),
+    or with etp = 1 and tp > 1 over ep consecutive ranks of the tp x dp grid (divides tp x dp)."""
+    etp: int | None = None
+    """Expert tensor-parallel degree (solver/expert_folding.py): None or tp, the experts follow
+    the intra-op solve on tp (today's layout); 1 with tp > 1 and ep > 1, folded: experts unsplit
+    by tp, each tp rank runs the MoE layers on its own sequence-parallel rows."""
     cp: int = 1
     """Context parallelism: ranks each sequence is split over (solver/context_parallel.py)."""
 
@@ -41,6 +46,17 @@ class ParallelConfig:
     @property
     def num_devices(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def folds_experts(self) -> bool:
+        """MoE parallel folding: etp = 1 with tp > 1 and ep > 1 (solver/expert_folding.py)."""
+        return self.tp > 1 and self.ep > 1 and self.etp == 1
+
+    @property
+    def expert_data_shards(self) -> int:
+        """Ranks holding the same experts (their gradients reduced, FSDP-sharded over them): the
+        data shards / ep, or folded the tp x data shards / ep."""
+        return self.data_shards * (self.tp if self.folds_experts else 1) // max(self.ep, 1)
 
     offload: bool = False
     """FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer states in host memory
@@ -57,7 +73,7 @@ class ParallelConfig:
     def describe(self) -> str:
         shown = self.schedule in ("interleaved", "zb1p") and self.virtual_stages > 1
         schedule = self.schedule + (f"(v={self.virtual_stages})" if shown else "")
-        experts = f" ep={self.ep}" if self.ep > 1 else ""
+        experts = f" ep={self.ep}" + (" etp=1" if self.folds_experts else "") if self.ep > 1 else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         return (f"dp={self.dp}{experts}{cp} tp={self.tp} pp={self.pp} microbatch={self.microbatch_size}x"
                 f"{self.num_microbatches} {schedule} recompute={self.recompute} zero={self.zero_stage}"

@@ -19,6 +19,7 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.errors import ConfigError
 from autopar.graph import OpGraph
+from autopar.solver.expert_folding import FOLDING_NOT_RUN, etp_blocker
 from autopar.solver.experts import ExpertOp
 from autopar.solver.recompute_modules import check_recompute, classify, is_modules_mode, mode_kinds, modules_mode
 from autopar.solver.step_model import SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, StepModel
@@ -47,6 +48,10 @@ class Constraints:
     zero_stage: int | None = None
     ep: int | None = None
     """Expert-parallel degree (divides dp; 1: experts not split over data-parallel ranks)."""
+    etp: int | None = None
+    """Expert tensor-parallel degree: tp (or None, the search's only choice today) or 1 with
+    tp > 1 and ep > 1 (MoE parallel folding, solver/expert_folding.py: priced by `evaluate`,
+    refused by `plan` until the runtime runs it)."""
     offload: bool | None = None
     """Optimizer offload: True forces it, False forbids it, None uses it only when nothing fits
     without it."""
@@ -92,7 +97,7 @@ ZERO3_WITH_ZERO_BUBBLE = (
 
 _DEGREES = ("dp", "tp", "pp")
 _POSITIVE_CONSTRAINTS = ("dp", "tp", "pp", "cp", "microbatch_size", "virtual_stages", "layers_per_virtual_stage",
-                         "ep")
+                         "ep", "etp")
 
 
 def check_constraint_values(value: Any) -> dict[str, Any]:
@@ -163,10 +168,30 @@ def _check_flag(value: Any, name: str) -> bool:
     return value
 
 
+def search_etp(constraints: Constraints) -> Constraints:
+    """The constraints the search runs for a fixed etp: it plans etp = tp only (the runtime does
+    not run MoE parallel folding yet), so etp pins tp; etp != tp is refused with the reason."""
+    from dataclasses import replace
+
+    if constraints.etp is None:
+        return constraints
+    if constraints.tp is not None and constraints.tp != constraints.etp:
+        if constraints.etp == 1:
+            raise ConfigError(f"etp=1 with tp={constraints.tp}: {FOLDING_NOT_RUN}. `autopar evaluate --etp 1` "
+                              "prices it")
+        raise ConfigError(f"etp={constraints.etp} with tp={constraints.tp}: the planner runs the experts on the tp "
+                          f"ranks (etp = tp); use etp={constraints.tp} or leave etp out")
+    return replace(constraints, tp=constraints.etp)
+
+
 def check_fixed_config(*, tp: Any, pp: Any, dp: Any, microbatch_size: Any, schedule: Any, virtual_stages: Any,
                        layers_per_virtual_stage: Any, recompute: Any, zero_stage: Any, ep: Any = 1,
-                       cp: Any = 1, offload: Any = False, sequence_parallel: Any = True) -> None:
+                       cp: Any = 1, offload: Any = False, sequence_parallel: Any = True, etp: Any = None) -> None:
     """The arguments of `evaluate`: types and ranges, before anything is captured."""
+    if etp is not None:
+        check_int(etp, "etp", maximum=MAX_DEVICES)
+        if isinstance(tp, int) and isinstance(ep, int) and etp_blocker(tp, ep, etp):
+            raise ConfigError(etp_blocker(tp, ep, etp))
     for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp), ("microbatch_size", microbatch_size)):
         check_int(value, name, maximum=MAX_DEVICES if name != "microbatch_size" else MAX_GLOBAL_BATCH)
     for name, value in (("dp", dp), ("virtual_stages", virtual_stages),
@@ -249,7 +274,8 @@ def schedule_accepts(schedule: str, num_stages: int, num_microbatches: int, virt
     return m >= p
 
 
-EpOptions = Callable[[int, int, int, bool], list[int]]
+EpOptions = Callable[..., list[int]]
+"""(tp, dp, microbatch size, sequence parallel[, folded]) -> the ep degrees allowed."""
 """(tp, dp, microbatch size, sequence parallel) -> the expert-parallel degrees > 1 the model allows."""
 
 
@@ -269,6 +295,8 @@ class ConfigChecks:
     """The expert matmuls expert parallelism can split (solver/experts.py)."""
     ep_options: EpOptions
     """The expert-parallel degrees the intra-op solve of a mesh allows (pricing.Pricing.ep_options)."""
+    folding_blocker: Callable[[int, bool, int], str]
+    """Why the MoE layers cannot be folded at (tp, sequence parallel, cp) (pricing.Pricing.folding_blocker)."""
     sequence_length: int
     """Tokens of the model's sequence (0 when it has none)."""
     cp_blocker: str
@@ -320,6 +348,11 @@ class ConfigChecks:
                               f"virtual_stages={config.virtual_stages}; use 2, or the zb1p schedule")
 
     def check_ep(self, config: ParallelConfig) -> None:
+        if etp_blocker(config.tp, config.ep, config.etp):
+            raise ConfigError(etp_blocker(config.tp, config.ep, config.etp))
+        if config.folds_experts:
+            self.check_folded(config)
+            return
         if config.ep == 1:
             return
         if config.ep < 1 or config.dp % config.ep:
@@ -336,6 +369,25 @@ class ConfigChecks:
             raise ConfigError(f"ep={config.ep} with tp={config.tp}: the experts ({counts} per layer, split over tp where "
                               f"the plan shards them) do not split evenly into {config.ep} groups, or the "
                               "tensor-parallel plan leaves the expert tokens partial; use another ep or tp")
+
+    def check_folded(self, config: ParallelConfig) -> None:
+        """etp = 1 with tp > 1 (solver/expert_folding.py): ep divides tp x dp and the experts."""
+        shown = f"etp=1 with tp={config.tp} ep={config.ep}"
+        if config.offload:
+            raise ConfigError(f"{shown} with optimizer offload: offload runs without expert parallelism; drop it")
+        if not self.expert_ops:
+            raise ConfigError(f"{shown}: the model has no expert matmuls to split; use ep=1")
+        blocker = self.folding_blocker(config.tp, config.sequence_parallel, config.cp)
+        if blocker:
+            raise ConfigError(f"{shown}: MoE parallel folding cannot be priced: {blocker}; use etp=tp")
+        if (config.tp * config.dp) % config.ep:
+            raise ConfigError(f"{shown}: ep must divide tp x dp = {config.tp} x {config.dp} (the ep group is drawn "
+                              "from the tp x dp ranks of a stage, tp innermost); use another ep")
+        if config.ep not in self.ep_options(config.tp, config.dp, config.microbatch_size, config.sequence_parallel,
+                                            True):
+            counts = sorted({op.num_experts for op in self.expert_ops})
+            raise ConfigError(f"{shown}: the experts ({counts} per layer) do not split evenly into {config.ep} "
+                              "groups; use an ep dividing them")
 
     def check_cp(self, cp: int) -> None:
         """A context-parallel degree the model's sequence can be split into (2 cp chunks)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from autopar.graph import OpGraph
 from autopar.solver.costing import CommEvent
+from autopar.solver.expert_folding import TOKEN_LOCAL
 from autopar.solver.experts import ExpertExchange, GroupedMatmul, expert_ops_at, find_expert_ops
 from autopar.solver.quotient import Quotient
 from autopar.solver.recompute import op_saved_nodes, reads_trainable_param
@@ -190,7 +191,7 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                     if producer.requires_grad and producer.output.is_float:
                         target = tuple(grad_placement(p) for p in source_strategy.output)
                         segment.comm += builder.ctx.redistribute(producer.output, grad, target, "bwd")
-                    if _saved_by_any(graph, source):
+                    if _saved_by_any(graph, source) and not _views_a_weight(graph, source, placement, placement):
                         size = producer.output.nbytes / shard_factor(placement, mesh_shape)
                         _save_once(segment, (source, placement), size)
                         _keep_if(segment, source, size, not recomputable[source])
@@ -213,7 +214,7 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
             segment.comm += events
             _note_node_comm(segment, node, events)
             target = strategy.inputs[index]
-            if index in node.saved_inputs:
+            if index in node.saved_inputs and not _views_a_weight(graph, source, source_strategy.output, target):
                 size = producer.output.nbytes / shard_factor(target, mesh_shape)
                 key = (source, target)
                 if tuple(target) == tuple(source_strategy.output):
@@ -259,8 +260,12 @@ def _exchange(graph: OpGraph, builder: ProblemBuilder, node, strategy, op) -> Ex
 
 
 def _placements(strategy_of: dict, name: str) -> tuple | None:
+    """A node's (output, inputs) placements; None for a token-local op (a folded MoE layer's
+    rows are each tp rank's own: its chain runs, expert_folding.py)."""
     strategy = strategy_of.get(name)
-    return None if strategy is None else (tuple(strategy.output), tuple(tuple(p) for p in strategy.inputs))
+    if strategy is None or strategy.name == TOKEN_LOCAL:
+        return None
+    return tuple(strategy.output), tuple(tuple(p) for p in strategy.inputs)
 
 
 def is_recomputable(graph: OpGraph, node) -> bool:
@@ -306,6 +311,13 @@ def _storage_key(graph: OpGraph, strategy_of: dict, name: str, fanouts: dict, qu
             break
         node, moved = graph[source], True
     return (node.name, tuple(strategy_of[node.name].output)) if moved else None
+
+
+def _views_a_weight(graph: OpGraph, source: str, placement, target) -> bool:
+    """A view of a parameter or buffer read where it lies (Hugging Face's transposed expert
+    weights): saving it keeps the weight, no activation."""
+    return graph[source].kind == "call" and tuple(placement) == tuple(target) \
+        and graph[graph.storage_root(source)].kind in ("param", "buffer", "constant")
 
 
 def _save_once(segment: SegmentCost, key: tuple, size: float) -> None:

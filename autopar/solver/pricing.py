@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from autopar.cluster import Cluster
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.graph import OpGraph
 from autopar.mesh import Mesh
 from autopar.solver.condense import expand_segments
 from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES, Estimate, ParallelConfig
-from autopar.solver.context_parallel import attention_costs, split_compute, split_sequence
+from autopar.solver.context_parallel import attention_costs, sequence_length, split_compute, split_sequence
 from autopar.solver.evaluate import SegmentCost
+from autopar.solver.expert_folding import fixed_token_local, token_local_region
 from autopar.solver.experts import ExpertOp, ep_blocker, ep_degrees
 from autopar.solver.overheads import Overheads, SegmentCounts, segment_counts, step_features
 from autopar.solver.prepared import PreparedSegments
@@ -46,7 +47,8 @@ class Pricing:
         """How context parallelism moves keys and values (SearchOptions.cp_kv_exchange)."""
         self.expert_ops = expert_ops
         self.solves: dict[TpKey, ShardingResult] = {}
-        """Intra-op solves by tp_key (tp, microbatch, sequence parallelism allowed)."""
+        """Intra-op solves by tp_key (tp, microbatch, sequence parallelism allowed), + ("folded",)
+        for the solves with MoE layers token-local (etp = 1, solver/expert_folding.py)."""
         self.costs: dict[tuple[int, int, bool, int], list[SegmentCost]] = {}
         """segment_costs by (tp, microbatch, sequence parallel, cp): each recomputation mode reads them again."""
         self._prepared: dict[tuple, PreparedSegments] = {}
@@ -62,20 +64,48 @@ class Pricing:
 
     # --- intra-op solves and segment costs ---------------------------------------------------
 
-    def sharding(self, tp: int, microbatch_size: int, sequence_parallel: bool = True) -> ShardingResult:
-        """Intra-op solution on a tp mesh at one microbatch size (of the condensed graph)."""
-        key = self.tp_key(tp, microbatch_size, sequence_parallel)
+    def sharding(self, tp: int, microbatch_size: int, sequence_parallel: bool = True,
+                 folded: bool = False) -> ShardingResult:
+        """Intra-op solution on a tp mesh at one microbatch size (of the condensed graph); folded:
+        every MoE layer token-local (expert_folding.py: experts unsplit by tp)."""
+        key = self.tp_key(tp, microbatch_size, sequence_parallel) + (("folded",) if folded else ())
         if key not in self.solves:
             graph = self.condensed.with_batch(microbatch_size) if self.graph.batch_dynamic else self.condensed
             mesh = Mesh(axis_names=("tp",), shape=(tp,), devices_per_node=self.cluster.devices_per_node)
             ctx = cost_context(mesh, self.cluster, self.policy)
             options = replace(self.sharding_options, sequence_parallel=key[2])
-            self.solves[key] = solve_sharding(graph, mesh, self.cluster, options, ctx=ctx)
+            fixed = self._token_local(graph) if folded else None
+            try:
+                self.solves[key] = solve_sharding(graph, mesh, self.cluster, options, ctx=ctx, fixed=fixed)
+            except InfeasiblePlanError as error:
+                if not folded:
+                    raise
+                raise ConfigError(f"etp=1 with tp={tp}: the MoE layers cannot run token-local on this model's "
+                                  f"tensor-parallel plan ({' '.join(str(error).split()[:40])}...); use etp=tp") from error
         return self.solves[key]
 
-    def strategies(self, tp: int, microbatch_size: int, sequence_parallel: bool = True) -> dict:
+    def _token_local(self, graph: OpGraph) -> dict:
+        """The fixed strategies of a folded solve (expert_folding.fixed_token_local)."""
+        region = token_local_region(graph, self.expert_ops)
+        return fixed_token_local(graph, region, self.expert_ops, sequence_length(graph))
+
+    def folding_blocker(self, tp: int, sequence_parallel: bool, cp: int) -> str:
+        """Why the MoE layers cannot be folded (etp = 1) at this tp ("" when they can)."""
+        length = sequence_length(self.condensed)
+        if not sequence_parallel:
+            return "it needs sequence parallelism (each tp rank runs the MoE layers on its own rows)"
+        if cp > 1:
+            return "it is not priced with context parallelism (cp > 1)"
+        if not length or length % tp:
+            return f"the sequence of {length} tokens does not split over tp={tp}"
+        if not token_local_region(self.condensed, self.expert_ops):
+            return ("autopar does not find each MoE layer's token-local region (router, sort, experts, un-sort "
+                    "between one residual add and the next)")
+        return ""
+
+    def strategies(self, tp: int, microbatch_size: int, sequence_parallel: bool = True, folded: bool = False) -> dict:
         """Strategy of every node of the full graph (dropped blocks take their stand-in's)."""
-        kept = self.sharding(tp, microbatch_size, sequence_parallel).strategies
+        kept = self.sharding(tp, microbatch_size, sequence_parallel, folded).strategies
         found = dict(kept)
         for name, stand_in in self.condensed.stand_ins.items():
             if stand_in in kept:
@@ -83,12 +113,12 @@ class Pricing:
         return found
 
     def segment_costs(self, tp: int, microbatch_size: int, cp: int = 1,
-                      sequence_parallel: bool = True) -> list[SegmentCost]:
+                      sequence_parallel: bool = True, folded: bool = False) -> list[SegmentCost]:
         """Per segment of the full model (identical blocks share block 1's cost); with cp > 1 per
-        rank of a sequence split over cp ranks."""
-        key = self.tp_key(tp, microbatch_size, sequence_parallel) + (cp,)
+        rank of a sequence split over cp ranks (folded: cp = 1)."""
+        key = self.tp_key(tp, microbatch_size, sequence_parallel) + (cp,) + (("folded",) if folded else ())
         if key not in self.costs:
-            per_block = list(self.sharding(tp, microbatch_size, sequence_parallel).segments) if cp == 1 else \
+            per_block = list(self.sharding(tp, microbatch_size, sequence_parallel, folded).segments) if cp == 1 else \
                 self._sequence_split(tp, microbatch_size, cp, sequence_parallel)
             self.costs[key] = expand_segments(self.graph, self.condensed, per_block)
         return list(self.costs[key])
@@ -104,34 +134,40 @@ class Pricing:
                                compute=compute.get(segment.name))
                 for segment in sharding.segments]
 
-    def ep_options(self, tp: int, dp: int, microbatch_size: int, sequence_parallel: bool = True) -> list[int]:
-        """Expert-parallel degrees > 1 this model allows on a dp x tp mesh (none without expert ops)."""
-        if not self.expert_ops or dp < 2:
+    def ep_options(self, tp: int, dp: int, microbatch_size: int, sequence_parallel: bool = True,
+                   folded: bool = False) -> list[int]:
+        """Expert-parallel degrees > 1 this model allows on a dp x tp mesh (none without expert ops);
+        folded (etp = 1): degrees > 1 dividing tp x dp and the experts, the ep group over tp x dp."""
+        if not self.expert_ops or dp * (tp if folded else 1) < 2:
             return []
-        strategies = self.sharding(tp, microbatch_size, sequence_parallel).strategies
-        return ep_degrees(self.condensed, self.expert_ops, strategies, dp, tp)
+        strategies = self.sharding(tp, microbatch_size, sequence_parallel, folded).strategies
+        return ep_degrees(self.condensed, self.expert_ops, strategies, dp * (tp if folded else 1), 1 if folded else tp)
 
-    def ep_blocker(self, tp: int, dp: int, microbatch_size: int, ep: int, sequence_parallel: bool = True) -> str:
+    def ep_blocker(self, tp: int, dp: int, microbatch_size: int, ep: int, sequence_parallel: bool = True,
+                   folded: bool = False) -> str:
         """Why `ep` is not an expert-parallel degree on a dp x tp mesh ("" when it is one)."""
         if not self.expert_ops:
             return "the model has no expert matmuls"
-        strategies = self.sharding(tp, microbatch_size, sequence_parallel).strategies
+        strategies = self.sharding(tp, microbatch_size, sequence_parallel, folded).strategies
+        if folded:
+            return ep_blocker(self.expert_ops, strategies, dp * tp, 1, ep).replace(f"dp={dp * tp}",
+                                                                                 f"tp x dp={tp} x {dp}")
         return ep_blocker(self.expert_ops, strategies, dp, tp, ep)
 
     # --- prepared segments under a recomputation mode ----------------------------------------
 
     def prepared(self, tp: int, microbatch_size: int, recompute: str, cp: int = 1,
-                 sequence_parallel: bool = True) -> PreparedSegments:
-        key = self.tp_key(tp, microbatch_size, sequence_parallel) + (recompute, cp)
+                 sequence_parallel: bool = True, folded: bool = False) -> PreparedSegments:
+        key = self.tp_key(tp, microbatch_size, sequence_parallel) + (recompute, cp) + (("folded",) if folded else ())
         if key not in self._prepared:
             self._prepared[key] = PreparedSegments.build(
-                self.segment_costs(tp, microbatch_size, cp, sequence_parallel), recompute)
+                self.segment_costs(tp, microbatch_size, cp, sequence_parallel, folded), recompute)
         return self._prepared[key]
 
     def prepared_for(self, config: ParallelConfig, recompute: str | None = None) -> PreparedSegments:
         """The prepared segments of a configuration (under another recomputation mode if given)."""
         return self.prepared(config.tp, config.microbatch_size, recompute or config.recompute, config.cp,
-                             config.sequence_parallel)
+                             config.sequence_parallel, config.folds_experts)
 
     def least_work(self, config: ParallelConfig) -> PreparedSegments:
         """What a lower bound on the configuration's time may count: its own mode's segments, or
@@ -154,7 +190,7 @@ class Pricing:
     def evaluate(self, config: ParallelConfig) -> tuple[Estimate, ShardingResult]:
         """A configuration given by hand, priced as given (its recompute mode on every stage);
         checked beforehand (constraints.ConfigChecks)."""
-        sharding = self.sharding(config.tp, config.microbatch_size, config.sequence_parallel)
+        sharding = self.sharding(config.tp, config.microbatch_size, config.sequence_parallel, config.folds_experts)
         estimate = self.step_model.estimate(self.prepared_for(config), config)
         estimate = self.calibrated(estimate)
         if estimate is None:
@@ -162,25 +198,28 @@ class Pricing:
                               f"for {config.pp * config.virtual_stages} pipeline chunks")
         return estimate, sharding
 
-    def counts(self, tp: int, microbatch_size: int, sequence_parallel: bool = True) -> dict[str, SegmentCounts]:
-        key = self.tp_key(tp, microbatch_size, sequence_parallel)
+    def counts(self, tp: int, microbatch_size: int, sequence_parallel: bool = True,
+               folded: bool = False) -> dict[str, SegmentCounts]:
+        key = self.tp_key(tp, microbatch_size, sequence_parallel) + (("folded",) if folded else ())
         if key not in self._counts:
-            self._counts[key] = segment_counts(self.graph, self.segment_costs(tp, microbatch_size,
-                                                                              sequence_parallel=sequence_parallel))
+            self._counts[key] = segment_counts(self.graph, self.segment_costs(
+                tp, microbatch_size, sequence_parallel=sequence_parallel, folded=folded))
         return self._counts[key]
 
     def features(self, estimate: Estimate) -> dict[str, float]:
         """Features of the calibrated terms for a priced configuration (overheads.py)."""
         config = estimate.config
         cores = self.overheads.calibration.num_cores if self.overheads else 0
-        return step_features(estimate, self.counts(config.tp, config.microbatch_size, config.sequence_parallel),
+        return step_features(estimate, self.counts(config.tp, config.microbatch_size, config.sequence_parallel,
+                                                   config.folds_experts),
                              self.step_model, processes_per_node=self.cluster.devices_per_node,
                              num_cores=cores or _cpu_cores(self.cluster))
 
     def calibrated(self, estimate: Estimate | None) -> Estimate | None:
         if estimate is not None and self.fp8 is not None:
             estimate = self.fp8.apply(estimate, lambda config: self.strategies(config.tp, config.microbatch_size,
-                                                                               config.sequence_parallel))
+                                                                               config.sequence_parallel,
+                                                                               config.folds_experts))
         if estimate is None or self.overheads is None:
             return estimate
         return self.overheads.apply(estimate, self.features(estimate))

@@ -5,7 +5,9 @@ unless constrained otherwise; context parallelism only for models whose sequence
 solver/context_parallel.py), every microbatch size dividing the per-replica batch, the 1F1B,
 interleaved and zero-bubble (zb1p, zbv) schedules, each recomputation mode and ZeRO stage, and for a model with expert
 matmuls every expert-parallel degree dividing dp (experts sharded over ep of the dp ranks,
-solver/experts.py; with every ZeRO stage and cp, as codegen runs it), the step model (step_model.py)
+solver/experts.py; with every ZeRO stage and cp, as codegen runs it; etp = tp only: MoE parallel
+folding, etp = 1 with tp > 1, is priced by `evaluate` but not run by codegen, so not searched,
+solver/expert_folding.py), the step model (step_model.py)
 prices the configuration from the intra-op solution of the tensor-parallel mesh at that
 microbatch size (solved once per (tp, microbatch) and reused for every pp, dp and cp). The fastest
 configuration that fits in memory wins; ties go to the leaner one.
@@ -167,6 +169,7 @@ class Planner:
                                           memory_budget_bytes=self.step_model.memory_budget_bytes, auto=fp8.auto)
         self.checks = ConfigChecks(graph=graph, cluster=cluster, global_batch=global_batch, step_model=self.step_model,
                                    expert_ops=self.expert_ops, ep_options=self.pricing.ep_options,
+                                   folding_blocker=self.pricing.folding_blocker,
                                    sequence_length=self.sequence_length, cp_blocker=self.cp_blocker)
         """Checks of a configuration against the model, the cluster and the batch (constraints.py)."""
         self.candidates = Candidates(graph=graph, cluster=cluster, global_batch=global_batch, policy=policy,
@@ -190,14 +193,14 @@ class Planner:
         """Intra-op solution on a tp mesh at one microbatch size (of the condensed graph)."""
         return self.pricing.sharding(tp, microbatch_size, sequence_parallel)
 
-    def strategies(self, tp: int, microbatch_size: int, sequence_parallel: bool = True) -> dict:
+    def strategies(self, tp: int, microbatch_size: int, sequence_parallel: bool = True, folded: bool = False) -> dict:
         """Strategy of every node of the full graph (dropped blocks take their stand-in's)."""
-        return self.pricing.strategies(tp, microbatch_size, sequence_parallel)
+        return self.pricing.strategies(tp, microbatch_size, sequence_parallel, folded)
 
     def segment_costs(self, tp: int, microbatch_size: int, cp: int = 1,
-                      sequence_parallel: bool = True) -> list[SegmentCost]:
+                      sequence_parallel: bool = True, folded: bool = False) -> list[SegmentCost]:
         """Per segment of the full model; with cp > 1 per rank of a sequence split over cp ranks."""
-        return self.pricing.segment_costs(tp, microbatch_size, cp, sequence_parallel)
+        return self.pricing.segment_costs(tp, microbatch_size, cp, sequence_parallel, folded)
 
     def prepared(self, tp: int, microbatch_size: int, recompute: str, cp: int = 1,
                  sequence_parallel: bool = True) -> PreparedSegments:

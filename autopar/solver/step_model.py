@@ -165,7 +165,7 @@ class StepModel(StepFsdp, StepTail):
         states = prepared.param_numel * self.state_bytes_per_param(config) + prepared.buffer_bytes
         time_s = prepared.time_s
         if config.ep > 1 and prepared.expert_numel is not None:
-            per_expert = model_state_memory(1.0, dp=config.data_shards // config.ep, zero_stage=config.zero_stage,
+            per_expert = model_state_memory(1.0, dp=config.expert_data_shards, zero_stage=config.zero_stage,
                                             policy=self.policy).total_bytes / config.ep \
                 + self.weight_copy_bytes(config) / config.ep
             states = states + prepared.expert_numel * (per_expert - self.state_bytes_per_param(config))
@@ -174,7 +174,11 @@ class StepModel(StepFsdp, StepTail):
         return ChainCosts(time_s=time_s, state_bytes=states, activation_bytes=activations)
 
     def ep_group(self, config: ParallelConfig):
-        """The devices of one expert group: ep consecutive dp ranks (stride tp)."""
+        """The devices of one expert group: ep consecutive dp ranks (stride tp); folded, ep
+        consecutive ranks of the stage's (dp, tp) grid, tp innermost (solver/expert_folding.py)."""
+        if config.folds_experts:
+            return Mesh(axis_names=("pp", "rep", "ep"), shape=(config.pp, config.expert_data_shards, config.ep),
+                        devices_per_node=self.devices_per_node).group(2)
         return Mesh(axis_names=("pp", "dp_rep", "ep", "tp"), shape=(config.pp, config.dp // config.ep, config.ep,
                                                                      config.tp),
                     devices_per_node=self.devices_per_node).group(2)
@@ -184,7 +188,7 @@ class StepModel(StepFsdp, StepTail):
         a node or across nodes), the busiest rank's extra grouped-matmul time under load
         imbalance (dropless ops), and the change of the grouped matmuls' time from their ep shape
         (E / ep experts of ep x the rows each, solver/experts.py)."""
-        key = (config.ep, config.tp, self.devices_per_node)
+        key = (config.ep, config.tp, self.devices_per_node, config.folds_experts)
         if key not in prepared.ep_times:
             group = self.ep_group(config)
             imbalance = self.expert_pricing.load_imbalance
@@ -462,8 +466,8 @@ class StepModel(StepFsdp, StepTail):
                                     policy=self.policy)
         params, grads, optimizer = states.params_bytes, states.grads_bytes, states.optimizer_bytes
         if expert_numel:
-            # The ranks holding the same experts (FSDP's shards of them): dp / ep x cp.
-            experts = model_state_memory(expert_numel / config.ep, dp=config.data_shards // config.ep,
+            # The ranks holding the same experts (FSDP's shards of them): dp / ep x cp (folded: x tp).
+            experts = model_state_memory(expert_numel / config.ep, dp=config.expert_data_shards,
                                          zero_stage=config.zero_stage, policy=self.policy)
             params, grads = params + experts.params_bytes, grads + experts.grads_bytes
             optimizer += experts.optimizer_bytes

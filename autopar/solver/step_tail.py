@@ -21,11 +21,11 @@ def uses_fsdp(config: ParallelConfig) -> bool:
 def sharded_numel(stage: StageEstimate, config: ParallelConfig) -> float:
     """Parameters of the stage in this device's optimizer shard: all of them under ZeRO-0, else
     the dense ones over the data shards and this rank's experts over the ranks holding the same
-    experts (data shards / ep)."""
+    experts (data shards / ep, folded x tp: ParallelConfig.expert_data_shards)."""
     if config.zero_stage == 0:
         return stage.param_numel
     experts = stage.expert_param_numel
-    return (stage.param_numel - experts) / config.data_shards + experts * config.ep / config.data_shards
+    return (stage.param_numel - experts) / config.data_shards + experts / config.expert_data_shards
 
 
 def replica_group(dp_rep: int, ep: int, cp: int, tp: int, devices_per_node: int) -> Group:
@@ -75,7 +75,11 @@ class StepTail:
         """The ranks holding the same experts, over which expert gradients are reduced (and FSDP
         shards expert weights): the dp_rep x cp ranks of the (pp, dp_rep, ep, cp, tp) layout
         (codegen/runtime.py), dp_rep strided by ep x cp x tp, cp by tp."""
-        key = ("experts", config.pp, config.dp, config.ep, config.cp, config.tp)
+        key = ("experts", config.pp, config.dp, config.ep, config.cp, config.tp, config.folds_experts)
+        if key not in self._group_cache and config.folds_experts:  # (cp = 1) the tp x dp / ep ranks of an ep slot
+            self._group_cache[key] = Mesh(axis_names=("pp", "rep", "ep"), shape=(config.pp, config.expert_data_shards,
+                                                                                 config.ep),
+                                          devices_per_node=self.devices_per_node).group(1)
         if key not in self._group_cache:
             self._group_cache[key] = replica_group(config.dp // config.ep, config.ep, config.cp, config.tp,
                                                    self.devices_per_node)
@@ -98,7 +102,7 @@ class StepTail:
         num_buckets = max(1, len(stage.segment_names))
         backward_one = stage.backward_s + stage.recompute_s
         sync = self._dp_group_time("all_reduce", grad_bytes, config)
-        if stage.expert_param_numel and config.data_shards > config.ep:
+        if stage.expert_param_numel and config.expert_data_shards > 1:
             # Expert gradients are complete within the expert group: reduced over the dp / ep
             # (x cp) ranks that hold the same experts.
             sync += self.comm.time_s("all_reduce", stage.expert_param_numel * self.policy.dp_reduce_bytes,

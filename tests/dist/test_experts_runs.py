@@ -178,7 +178,9 @@ def experts_case(case: Case) -> dict:
 
 
 _EXPERTS_ON_TP = "splits the experts of"
-"""Known: the intra-op solve does not know ep (issue 29's expert tensor parallelism, etp, is not built)."""
+"""Known: the intra-op solve of etp = tp does not know ep. etp=1 (MoE parallel folding,
+solver/expert_folding.py) prices these meshes with the experts unsplit by tp, but the runtime does
+not run it yet (parallelize refuses a folded plan), so these cases stay refused."""
 _KNOWN = pytest.mark.xfail(raises=KnownBugError, strict=True, reason=_EXPERTS_ON_TP)
 _FOUR = pytest.mark.skipif(not os.environ.get("AUTOPAR_EP_ALL"), reason="4-process cases: set AUTOPAR_EP_ALL=1")
 TABLE = CaseTable([

@@ -75,6 +75,11 @@ def test_fp8_flags_plan_float8_linears(capsys, command, fixed):
     (["verify", TINY, "--nproc", "2", "--kinds", "dp,dpxtp"], "give --nproc 4"),
     (["verify", TINY, "--kinds", "dp,zz"], "unknown plan kind 'zz'"),
     (["verify", "no-such-model", "--nproc", "2"], "unknown model"),
+    (["evaluate", TINY, "--cluster", "dgx-h100", "--global-batch", "8", "--tp", "2", "--pp", "1",
+      "--microbatch-size", "1", "--etp", "3"],
+     "etp=3 must divide tp=2"),
+    (["plan", TINY, "--cluster", "dgx-h100", "--global-batch", "8", "--tp", "2", "--etp", "1"],
+     "autopar's runtime cannot run it yet"),
 ])
 def test_bad_input_exits_2_with_one_message(capsys, argv, fragment):
     code, out, err = run(capsys, *argv)

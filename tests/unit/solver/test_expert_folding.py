@@ -1,0 +1,144 @@
+"""MoE parallel folding (etp = 1 with tp > 1): the token-local region of each MoE layer, its fixed
+strategies, the ep group over tp x dp, the checks of etp, and that `plan` refuses what the runtime
+cannot run while `evaluate` prices it and says so."""
+
+import pytest
+
+import autopar
+from autopar.errors import ConfigError
+from autopar.models import build_model
+from autopar.solver.configs import ParallelConfig
+from autopar.solver.context_parallel import sequence_length
+from autopar.solver.expert_folding import (FOLDING_NOT_RUN, TOKEN_LOCAL, etp_blocker, fixed_token_local,
+                                           token_local_region)
+from autopar.solver.experts import find_expert_ops
+from autopar.solver.search import Planner
+from autopar.cluster import Cluster
+from autopar.plans.plan import Plan
+from autopar.report.explain import explain_text
+
+MOE = "moe:layers=2,hidden=64,heads=4,kv_heads=2,seq=32,vocab=128,num_experts=8,top_k=2,expert_ffn_hidden=64"
+CLUSTER = "dgx-h100:nodes=2"
+
+
+@pytest.fixture(scope="module")
+def graph():
+    bundle = build_model(MOE, device="meta", batch_size=2)
+    return autopar.capture_for_planning(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                        example_targets=bundle.example_targets)
+
+
+def test_the_region_holds_router_sort_experts_and_unsort(graph) -> None:
+    ops = find_expert_ops(graph)
+    region = token_local_region(graph, ops)
+    targets = {graph[name].target for name in region}
+    assert {op.node for op in ops} <= set(region)
+    assert {"aten.topk.default", "aten.argsort.stable", "aten.linear.default"} <= targets
+    assert "aten.scaled_dot_product_attention.default" not in targets  # attention stays on the tp solve
+
+
+def test_region_ops_split_tokens_and_keep_experts_whole(graph) -> None:
+    ops = find_expert_ops(graph)
+    fixed = fixed_token_local(graph, token_local_region(graph, ops), ops, sequence_length(graph))
+    for op in ops:
+        strategy = fixed[op.node]
+        assert strategy.name == TOKEN_LOCAL
+        assert strategy.inputs[op.token_input] == ("S0",) and strategy.inputs[op.weight_input] == ("R",)
+        assert strategy.input_grad(op.weight_input, 0, True) == "R"  # reduced in the expert group, not on tp
+
+
+def test_etp_rule() -> None:
+    assert etp_blocker(2, 8, None) == etp_blocker(2, 8, 2) == etp_blocker(2, 8, 1) == ""
+    assert "must divide tp=4" in etp_blocker(4, 2, 3)
+    assert "not a degree between" in etp_blocker(4, 2, 2)
+    assert "needs ep > 1" in etp_blocker(2, 1, 1)
+
+
+def test_the_folded_ep_group_lies_inside_a_node(graph) -> None:
+    planner = Planner(graph, Cluster.from_spec(CLUSTER), global_batch=16)
+    base = dict(dp=8, tp=2, pp=1, microbatch_size=1, num_microbatches=2, ep=8)
+    across = planner.step_model.ep_group(ParallelConfig(**base))
+    inside = planner.step_model.ep_group(ParallelConfig(**base, etp=1))
+    assert (across.num_nodes, inside.num_nodes, inside.devices_per_node) == (2, 1, 8)
+    folded = ParallelConfig(**base, etp=1)
+    assert folded.folds_experts and folded.expert_data_shards == 2
+    assert planner.step_model.expert_replica_group(folded).num_nodes == 2  # ranks 0 and 8 hold the same experts
+
+
+def _evaluate(graph, **config):
+    return autopar.evaluate(graph, cluster=CLUSTER, global_batch=16, tp=2, microbatch_size=1, zero_stage=1, **config)
+
+
+def test_evaluate_prices_folding_and_says_it_does_not_run(graph) -> None:
+    # Today's layout: the tp solve splits these experts over tp, which ep cannot combine with.
+    with pytest.raises(ConfigError, match="ep=8 with tp=2"):
+        _evaluate(graph, ep=8)
+    folded = _evaluate(graph, ep=8, etp=1)
+    assert FOLDING_NOT_RUN in folded.notes
+    assert folded.predicted.breakdown_s["ep.dispatch"] > 0
+    assert (folded.ep, folded.etp) == (8, 1)
+    assert "ep=8 etp=1" in explain_text(folded)
+    assert "etp=1: split over ep=8 of the tp x dp ranks" in folded.summary()
+    assert Plan.from_dict(folded.to_dict()).etp == 1
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(ep=8, etp=3), "etp=3 must divide tp=2"),
+    (dict(ep=1, etp=1), "needs ep > 1"),
+    (dict(ep=8, etp=1, sequence_parallel=False), "needs sequence parallelism"),
+    (dict(ep=16, etp=1, dp=4, pp=2), "ep must divide tp x dp"),
+])
+def test_evaluate_refuses_bad_etp(graph, config, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _evaluate(graph, **config)
+
+
+def test_plan_refuses_folding_and_pins_tp(graph) -> None:
+    with pytest.raises(ConfigError, match="priced only: autopar's runtime cannot run it yet"):
+        autopar.plan(graph, cluster=CLUSTER, global_batch=16, constraints={"etp": 1, "tp": 2, "ep": 8})
+    plan = autopar.plan(graph, cluster=CLUSTER, global_batch=16, constraints={"etp": 2, "pp": 1})
+    assert plan.mesh["tp"] == 2
+
+
+def test_gpt_oss_unchained_expert_matmuls_form_one_layer_region() -> None:
+    """GPT-OSS adds a bias gathered per row between its grouped matmuls (not chained): the layer
+    is still one token-local region from the norm to the weighted sum, and folding prices it."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from autopar.models import on_meta
+
+    config = transformers.GptOssConfig(use_cache=False, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                                       num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                                       max_position_embeddings=32)
+    with on_meta():
+        model = transformers.GptOssForCausalLM(config)
+    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    oss = autopar.capture_for_planning(
+        model, dict(input_ids=tokens), example_targets=tokens,
+        loss_fn=lambda out, targets: torch.nn.functional.cross_entropy(out.logits.flatten(0, -2).float(),
+                                                                       targets.flatten()))
+    ops = find_expert_ops(oss)
+    assert ops and not any(op.chain_to for op in ops)
+    region = set(token_local_region(oss, ops))
+    assert {op.node for op in ops} <= region
+    assert any(oss[name].target == "aten.clamp.default" for name in region)  # the activation between them
+    plan = autopar.evaluate(oss, cluster="dgx-h100:nodes=1", global_batch=8, tp=2, pp=1, microbatch_size=1,
+                            ep=4, etp=1)
+    assert plan.predicted.breakdown_s["ep.dispatch"] > 0
+
+
+def test_folded_experts_are_whole_on_tp_and_split_over_ep(graph) -> None:
+    """Each rank holds num_experts / ep whole experts (not split by tp), sharded by ZeRO over the
+    tp x dp / ep ranks holding the same ones."""
+    planner = Planner(graph, Cluster.from_spec(CLUSTER), global_batch=16)
+    experts = sum(param.meta.numel for param in graph.params if param.node in {op.param for op in planner.expert_ops})
+    optimizer = {}
+    for zero in (0, 1):
+        config = ParallelConfig(dp=8, tp=2, pp=1, microbatch_size=1, num_microbatches=2, ep=8, etp=1, zero_stage=zero)
+        assert config.expert_data_shards == 2
+        stage = planner.evaluate(config)[0].stages[0]
+        assert stage.expert_param_numel == pytest.approx(experts / 8)
+        optimizer[zero] = stage.memory_bytes["optimizer"]
+    assert optimizer[1] < optimizer[0]
