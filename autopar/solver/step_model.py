@@ -38,6 +38,9 @@ Data-parallel gradient synchronisation over the dp group:
                 reduce-scatter) slows every microbatch of the stage: t_k += exposed_k. Each
                 gather's copy-out and each reduce-scatter's copy-in run on the compute stream
                 (memory-bound, fsdp.copy_bytes): dp.copy_out, dp.copy_in.
+                What the compute hides still holds SMs while it runs: the hidden seconds x the
+                library's channels / the device's SMs (cost_model/contention.py) are added where
+                each collective runs: dp.all_gather.sm_contention, dp.reduce_scatter.sm_contention.
 Expert parallelism (ep > 1, solver/experts.py): ep consecutive dp ranks split every expert
 weight by expert; each expert matmul (or chain of them: one MoE layer, dispatched once, combined
 once) adds its all-to-alls (dispatch and combine, forward and backward) over the ep group to t_k,
