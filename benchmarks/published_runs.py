@@ -15,6 +15,9 @@ Tensor parallelism is priced as the run had it: where the notes say "TP without 
 sequence parallelism"), with `sequence_parallel=False` (norms, dropouts, residual adds replicated
 on the tp ranks, row-parallel outputs all-reduced), else with sequence parallelism allowed.
 
+Tensor-parallel communication is overlapped with the GEMMs where the notes say the run did
+("TP comm overlap on": NeMo's tp_comm_overlap, solver/tp_overlap.py), else priced exposed.
+
 Recomputation is priced as the run's framework did it: torchtitan's "selective" activation
 checkpointing in these runs is its op-level policy (autopar's "op" mode: keep matmul outputs
 except every second one, attention and reduce-scatters), Megatron-LM's selective
@@ -66,6 +69,7 @@ _OP_LEVEL = re.compile(r"\bop(?:-level)? (?:SAC|AC)\b|\bselective op AC\b", re.I
 _EAGER = re.compile(r"\beager \(compile off", re.IGNORECASE)
 _POWER_CAP = re.compile(r"power-capped at (\d+(?:\.\d+)?)\s*W\b", re.IGNORECASE)
 _EAGER_MEASURED = re.compile(r"\beager\b[^;]*?\bmeasured (\d+(?:\.\d+)?)", re.IGNORECASE)
+_TP_COMM_OVERLAP = re.compile(r"\bTP comm(?:unication)? overlap(?:ped)? on\b", re.IGNORECASE)
 _NO_SEQUENCE_PARALLEL = re.compile(r"\bTP without (?:SP|sequence parallelism)\b", re.IGNORECASE)
 
 
@@ -130,6 +134,12 @@ class Run:
         """False where the notes say the run's tensor parallelism had no sequence parallelism
         (Korthikanti et al.'s baselines): it is then priced with `sequence_parallel=False`."""
         return not _NO_SEQUENCE_PARALLEL.search(self.notes)
+
+    @property
+    def tp_comm_overlap(self) -> bool:
+        """Whether the notes say the run overlapped its tensor-parallel communication with the
+        GEMMs ("TP comm overlap on": NeMo's tp_comm_overlap); priced so (solver/tp_overlap.py)."""
+        return bool(_TP_COMM_OVERLAP.search(self.notes))
 
     @property
     def recompute_mode(self) -> str:
@@ -226,7 +236,7 @@ def planner_for(run: Run, directory: Path):
     """One capture per (model, cluster, batch, precision): rows that differ only in their
     configuration (Korthikanti's baseline and SP + selective rows) share it."""
     key = (run.model, run.cluster, tuple(sorted((t, tuple(sorted(v.items()))) for t, v in run.cluster_overrides.items())),
-           run.num_nodes, run.global_batch, precision_of(run))
+           run.num_nodes, run.global_batch, precision_of(run), policy_of(run))
     if key not in _PLANNERS:
         graph_key = (run.model, precision_of(run))
         if graph_key not in _GRAPHS:  # rows of one model on other clusters share the capture too
@@ -250,7 +260,7 @@ def policy_of(run: Run) -> PrecisionPolicy:
     if run.precision == "fp32":
         return FP32_ADAM
     if "torchtitan" not in run.source.lower():
-        return MEGATRON_BF16
+        return replace(MEGATRON_BF16, tp_comm_overlap=run.tp_comm_overlap)
     when = run_month(run.source)
     if when is not None and when < TORCHTITAN_FUSED_ADAMW_SINCE:
         return replace(FSDP2_BF16_FP32_REDUCE, optimizer_io_bytes_per_param=adamw_io_bytes_per_param("foreach"))

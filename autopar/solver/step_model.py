@@ -93,6 +93,7 @@ from autopar.solver.placement import Placement
 from autopar.solver.schedule_sim import uniform_bubble_s
 from autopar.solver.step_fsdp import StepFsdp, fsdp_notes
 from autopar.solver.step_tail import StepTail, uses_fsdp
+from autopar.solver.tp_overlap import overlap_tp_comm
 from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
@@ -556,9 +557,15 @@ class StepModel(StepFsdp, StepTail):
                   "buffers": total("buffer_bytes", own), **({"weight_copies": copies} if copies else {}),
                   **self._workspace_terms(prepared, config, own)}
         tp_comm = {op: total("comm:" + op, own) for op in prepared.comm_by_op_s}
+        overlap_s = 0.0
+        if self.policy.tp_comm_overlap:  # the runtime hides its SP collectives behind GEMMs (tp_overlap.py)
+            channels = self.comm.collectives.channels if self.comm.collectives is not None else 0
+            tp_comm, overlap_s = overlap_tp_comm(
+                tp_comm, tp=config.tp, compute_s=total("forward_s", own) + total("backward_s", own),
+                channels=channels, sm_count=self.compute.device.sm_count)
         timeline, exposed, step_end, offload = self._fsdp(prepared, own, config)
         ep_s, ep_segments, (ep_forward, ep_backward) = self._ep_parts(prepared, own, config)
-        time_per_microbatch = (total("time_s", own) + p2p + sum(exposed.values()) + sum(ep_s.values())
+        time_per_microbatch = (total("time_s", own) + overlap_s + p2p + sum(exposed.values()) + sum(ep_s.values())
                                + ep_forward + ep_backward + sum(offload.values()))
         forward = total("forward_s", own) + ep_forward
         return dict(time_per_microbatch_s=time_per_microbatch, forward_s=forward,

@@ -157,3 +157,17 @@ def test_a_compiled_row_with_an_eager_measurement_has_an_eager_twin():
     assert (twin.dp, twin.microbatch, twin.zero, twin.cluster_overrides) == (run.dp, run.microbatch, run.zero,
                                                                             run.cluster_overrides)
     assert eager_twin(RUNS["tt-a100-l3-8b"]) is None  # ran eager already
+
+
+def test_rows_whose_notes_say_tp_comm_overlap_are_priced_with_it():
+    """NeMo's runs overlapped tensor-parallel communication with the GEMMs (the notes say "TP
+    comm overlap on"): their handling overlaps it (solver/tp_overlap.py); Megatron-LM's 2022
+    rows did not, and torchtitan's FSDP rows have no TP."""
+    from benchmarks.published_runs import policy_of
+
+    rows = {run.id: run for run in read_runs()}
+    for run in rows.values():
+        assert policy_of(run).tp_comm_overlap == ("TP comm overlap on" in run.notes), run.id
+    kor = next(iter(RUNS.values()))
+    assert not kor.tp_comm_overlap
+    assert replace(kor, notes="NeMo; TP comm overlap on").tp_comm_overlap
