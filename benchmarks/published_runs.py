@@ -18,6 +18,9 @@ on the tp ranks, row-parallel outputs all-reduced), else with sequence paralleli
 Tensor-parallel communication is overlapped with the GEMMs where the notes say the run did
 ("TP comm overlap on": NeMo's tp_comm_overlap, solver/tp_overlap.py), else priced exposed.
 
+GPT-family attention is priced as the framework ran it: fused (SDPA, no s x s scores kept)
+for NeMo / Megatron-Core runs (Transformer Engine's attention), unfused for Megatron-LM 2022.
+
 Recomputation is priced as the run's framework did it: torchtitan's "selective" activation
 checkpointing in these runs is its op-level policy (autopar's "op" mode: keep matmul outputs
 except every second one, attention and reduce-scatters), Megatron-LM's selective
@@ -69,6 +72,7 @@ _OP_LEVEL = re.compile(r"\bop(?:-level)? (?:SAC|AC)\b|\bselective op AC\b", re.I
 _EAGER = re.compile(r"\beager \(compile off", re.IGNORECASE)
 _POWER_CAP = re.compile(r"power-capped at (\d+(?:\.\d+)?)\s*W\b", re.IGNORECASE)
 _EAGER_MEASURED = re.compile(r"\beager\b[^;]*?\bmeasured (\d+(?:\.\d+)?)", re.IGNORECASE)
+_FUSED_ATTENTION_FRAMEWORK = re.compile(r"\bNeMo\b|\bMegatron-Core\b", re.IGNORECASE)
 _TP_COMM_OVERLAP = re.compile(r"\bTP comm(?:unication)? overlap(?:ped)? on\b", re.IGNORECASE)
 _NO_SEQUENCE_PARALLEL = re.compile(r"\bTP without (?:SP|sequence parallelism)\b", re.IGNORECASE)
 
@@ -104,7 +108,19 @@ class Run:
     @property
     def model(self) -> str:
         spec = f"{self.family}:" + ",".join(f"{key}={value}" for key, value in self.shape.items())
+        if self.family == "gpt" and self.fused_attention:
+            spec += ",attention=sdpa"
         return spec + ",norm=float32" if self.family == "llama" and self.float32_norm else spec
+
+    @property
+    def fused_attention(self) -> bool:
+        """Attention as the run's framework computed it. Megatron-Core, which NeMo runs, builds
+        its layers from Transformer Engine's spec, whose DotProductAttention is a fused (flash or
+        cuDNN) kernel that keeps no s x s scores: the GPT family's attention="sdpa". Megatron-LM
+        and Megatron-DeepSpeed of 2022 (Korthikanti et al., BLOOM) ran the unfused softmax over
+        materialised scores (the GPT family's default, "eager"). The built-in Llama is SDPA
+        always."""
+        return bool(_FUSED_ATTENTION_FRAMEWORK.search(self.source))
 
     @property
     def float32_norm(self) -> bool:

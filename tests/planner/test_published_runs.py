@@ -171,3 +171,14 @@ def test_rows_whose_notes_say_tp_comm_overlap_are_priced_with_it():
     kor = next(iter(RUNS.values()))
     assert not kor.tp_comm_overlap
     assert replace(kor, notes="NeMo; TP comm overlap on").tp_comm_overlap
+
+
+def test_gpt_rows_run_by_nemo_or_megatron_core_are_priced_with_fused_attention():
+    """Transformer Engine's attention (Megatron-Core, NeMo) keeps no s x s scores; Megatron-LM's
+    2022 runs materialised them (the GPT family's eager attention)."""
+    kor = next(run for run in RUNS.values() if run.family == "gpt")
+    assert not kor.fused_attention and "attention=" not in kor.model
+    nemo = replace(kor, source="NVIDIA DGX Cloud Benchmarking performance recipes (NeMo 24.12 container)")
+    assert nemo.fused_attention and nemo.model.endswith(",attention=sdpa")
+    llama = next(run for run in RUNS.values() if run.family == "llama")
+    assert "attention=" not in replace(llama, source=nemo.source).model  # the built-in Llama is SDPA always
