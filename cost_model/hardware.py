@@ -417,8 +417,11 @@ def _nccl_ll(one_node_gbs: float, two_nodes_gbs: float, more_nodes_gbs: float) -
 _NCCL_SOURCE = "NCCL src/graph/tuning.cc (tuner constants of NCCL 2.18-2.2x)"
 # DGX A100: Ampere GPUs, AMD EPYC hosts (llMaxBws Ampere-N1 87.7, AMD-N2 22.5, AMD-N4 19.0 GB/s;
 # 2 us proxy posts on AMD).
+# Channels: 24 on an 8-GPU A100 NVSwitch node (NCCL_DEBUG=INFO "Channel 23/24", NVIDIA/nccl-tests#100;
+# "24 would have been the number of channels needed for intra-node bandwidth", NVIDIA/nccl#652).
 NCCL_DGX_A100 = CollectiveSpec(library="NCCL", protocols=(_nccl_ll(87.7, 22.5, 19.0), NCCL_LL128, NCCL_SIMPLE),
-                               proxy_overhead_s=2e-6, source=_NCCL_SOURCE)
+                               proxy_overhead_s=2e-6, channels=24,
+                               source=_NCCL_SOURCE + "; channels: NVIDIA/nccl-tests#100, NVIDIA/nccl#652")
 # DGX H100 / HGX H200: Hopper GPUs, Intel Xeon hosts (Hopper-N1 141, Intel-N2 39, Intel-N4 20.4).
 # Channels: NCCL 2.2x logs "16 coll channels" on 8-GPU H100 nodes with one 400 Gb/s NIC per GPU
 # (NCCL_DEBUG=INFO at 3 and 8 nodes: NVIDIA/nccl issues 1453 and 1814); NCCL's documentation of

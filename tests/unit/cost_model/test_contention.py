@@ -24,10 +24,10 @@ def test_the_delay_grows_with_the_overlapped_seconds_and_the_channels() -> None:
     assert overlap_slowdown_s(0.0, channels=16, sm_count=132) == 0.0
 
 
-def test_the_h100_system_knows_its_sms_and_nccls_channels() -> None:
-    h100 = SYSTEMS["dgx-h100"]
-    assert h100.device.sm_count == 132
-    assert h100.collectives.channels == 16
+def test_the_gpu_systems_know_their_sms_and_nccls_channels() -> None:
+    h100, a100 = SYSTEMS["dgx-h100"], SYSTEMS["dgx-a100-80g"]
+    assert (h100.device.sm_count, h100.collectives.channels) == (132, 16)
+    assert (a100.device.sm_count, a100.collectives.channels) == (108, 24)
 
 
 def test_negative_figures_are_refused() -> None:
