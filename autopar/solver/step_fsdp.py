@@ -11,17 +11,11 @@ import numpy as np
 from autopar.solver.configs import ParallelConfig, StageEstimate
 from autopar.solver.prepared import PreparedSegments
 from autopar.solver.step_tail import uses_fsdp
-from cost_model.contention import sm_share
 from cost_model.fsdp import copy_bytes, timelines_of_arrays
 
 
 class StepFsdp:
     """StepModel's FSDP2 terms (a mixin: the figures they read are StepModel's fields)."""
-
-    def comm_sm_share(self) -> float:
-        """Share of the SMs a collective holds while it runs beside compute (0: unknown)."""
-        channels = self.comm.collectives.channels if self.comm.collectives is not None else 0
-        return sm_share(channels, self.compute.device.sm_count)
 
     def _fsdp(self, prepared: PreparedSegments, own, config: ParallelConfig):
         """(timeline, exposed seconds by collective per microbatch, once per step, and exposed

@@ -559,10 +559,8 @@ class StepModel(StepFsdp, StepTail):
         tp_comm = {op: total("comm:" + op, own) for op in prepared.comm_by_op_s}
         overlap_s = 0.0
         if self.policy.tp_comm_overlap:  # the runtime hides its SP collectives behind GEMMs (tp_overlap.py)
-            channels = self.comm.collectives.channels if self.comm.collectives is not None else 0
-            tp_comm, overlap_s = overlap_tp_comm(
-                tp_comm, tp=config.tp, compute_s=total("forward_s", own) + total("backward_s", own),
-                channels=channels, sm_count=self.compute.device.sm_count)
+            tp_comm, overlap_s = overlap_tp_comm(tp_comm, tp=config.tp, share=self.comm_sm_share(),
+                                                 compute_s=total("forward_s", own) + total("backward_s", own))
         timeline, exposed, step_end, offload = self._fsdp(prepared, own, config)
         ep_s, ep_segments, (ep_forward, ep_backward) = self._ep_parts(prepared, own, config)
         time_per_microbatch = (total("time_s", own) + overlap_s + p2p + sum(exposed.values()) + sum(ep_s.values())

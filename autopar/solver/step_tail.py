@@ -10,6 +10,7 @@ from __future__ import annotations
 from autopar.mesh import Mesh
 from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES, ParallelConfig, StageEstimate
 from cost_model.comm import Group
+from cost_model.contention import sm_share
 
 
 def uses_fsdp(config: ParallelConfig) -> bool:
@@ -41,6 +42,12 @@ def replica_group(dp_rep: int, ep: int, cp: int, tp: int, devices_per_node: int)
 
 class StepTail:
     """StepModel's per-step terms (a mixin: the figures they read are StepModel's fields)."""
+
+    def comm_sm_share(self) -> float:
+        """Share of the SMs a collective holds while it runs beside compute (cost_model/contention.py;
+        0: the library's channels or the device's SMs unknown)."""
+        channels = self.comm.collectives.channels if self.comm.collectives is not None else 0
+        return sm_share(channels, self.compute.device.sm_count)
 
     @property
     def optimizer_io_bytes_per_param(self) -> float:
@@ -85,8 +92,9 @@ class StepTail:
         return self.comm.time_s(op, message_bytes, self._data_shard_group(config))
 
     def _dp_sync_exposed_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
-        """Synchronisation after the pipeline: ZeRO-0's all-reduce tail, ZeRO-1's last
-        reduce-scatter (ZeRO-2/3 are inside each microbatch's stage time)."""
+        """Synchronisation after the pipeline: ZeRO-0's all-reduce tail (with the SMs its hidden
+        part holds), ZeRO-1's last reduce-scatter (ZeRO-2/3 are inside each microbatch's stage
+        time)."""
         if config.data_shards <= 1:
             return 0.0
         if config.zero_stage >= 1:
@@ -100,7 +108,10 @@ class StepTail:
             # (x cp) ranks that hold the same experts.
             sync += self.comm.time_s("all_reduce", stage.expert_param_numel * self.policy.dp_reduce_bytes,
                                      self.expert_replica_group(config))
-        return max(sync - backward_one, sync / num_buckets)
+        exposed = max(sync - backward_one, sync / num_buckets)
+        # The hidden part still holds the collective's SMs while the backward runs
+        # (cost_model/contention.py).
+        return exposed + (sync - exposed) * self.comm_sm_share()
 
     def _optimizer_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
         return sharded_numel(stage, config) * self.optimizer_io_bytes_per_param / self.compute.bandwidth_bytes_per_s

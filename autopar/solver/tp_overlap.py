@@ -26,8 +26,6 @@ priced so (tp_comm_overlap False).
 
 from __future__ import annotations
 
-from cost_model.contention import overlap_slowdown_s
-
 OVERLAPPED_OPS = ("all_gather", "reduce_scatter")
 """The sequence-parallel collectives TP overlap decomposes (with their recompute variants,
 "all_gather.regather")."""
@@ -38,10 +36,11 @@ def overlappable(op: str) -> bool:
     return not op.startswith("cp.") and op.split(".")[0] in OVERLAPPED_OPS
 
 
-def overlap_tp_comm(tp_comm_s: dict[str, float], *, tp: int, compute_s: float, channels: int,
-                    sm_count: int) -> tuple[dict[str, float], float]:
+def overlap_tp_comm(tp_comm_s: dict[str, float], *, tp: int, compute_s: float,
+                    share: float) -> tuple[dict[str, float], float]:
     """(the comm terms with only their exposed seconds, plus "sm_contention"; the seconds the
-    stage's time per microbatch changes by: - hidden + contention). See the module docstring."""
+    stage's time per microbatch changes by: - hidden + contention). `share`: of the SMs the
+    overlapped communication holds (contention.sm_share). See the module docstring."""
     if tp <= 1:
         return dict(tp_comm_s), 0.0
     total = sum(seconds for op, seconds in tp_comm_s.items() if overlappable(op))
@@ -50,7 +49,7 @@ def overlap_tp_comm(tp_comm_s: dict[str, float], *, tp: int, compute_s: float, c
     hidden = min(total * (tp - 1) / tp, max(0.0, compute_s))
     kept = 1.0 - hidden / total
     terms = {op: seconds * kept if overlappable(op) else seconds for op, seconds in tp_comm_s.items()}
-    contention = overlap_slowdown_s(hidden, channels=channels, sm_count=sm_count)
+    contention = hidden * share
     if contention:
         terms["sm_contention"] = contention
     return terms, contention - hidden

@@ -162,3 +162,15 @@ def test_the_contention_grows_as_the_collectives_grow_across_nodes(dense_graph) 
 def test_without_the_libraries_channels_nothing_is_priced(dense_graph) -> None:
     terms = _fsdp_terms(dense_graph, "cpu:procs=4", 4)
     assert "dp.all_gather.sm_contention" not in terms
+
+
+def test_zero0s_all_reduce_hidden_behind_the_backward_holds_sms_too(dense_graph, monkeypatch) -> None:
+    from autopar.solver.step_tail import StepTail
+
+    def sync(graph) -> float:
+        return autopar.evaluate(graph, cluster="dgx-h100:nodes=1", global_batch=8, microbatch_size=1, tp=1, pp=1,
+                                dp=8, zero_stage=0).predicted.breakdown_s["dp.gradient_sync"]
+
+    with_sms = sync(dense_graph)
+    monkeypatch.setattr(StepTail, "comm_sm_share", lambda self: 0.0)
+    assert with_sms > sync(dense_graph) > 0

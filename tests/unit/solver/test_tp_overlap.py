@@ -22,7 +22,7 @@ def test_only_the_sequence_parallel_collectives_are_overlapped() -> None:
 
 
 def test_one_ring_step_of_tp_stays_exposed_and_the_rest_holds_sms() -> None:
-    terms, change = overlap_tp_comm(TERMS, tp=4, compute_s=10.0, channels=16, sm_count=132)
+    terms, change = overlap_tp_comm(TERMS, tp=4, compute_s=10.0, share=16 / 132)
     assert terms["all_gather"] == pytest.approx(0.1)
     assert terms["reduce_scatter"] == pytest.approx(0.1)
     assert terms["all_gather.regather"] == pytest.approx(0.05)
@@ -33,19 +33,19 @@ def test_one_ring_step_of_tp_stays_exposed_and_the_rest_holds_sms() -> None:
 
 
 def test_more_tp_ranks_hide_more_of_each_collective() -> None:
-    _, tp2 = overlap_tp_comm(TERMS, tp=2, compute_s=10.0, channels=16, sm_count=132)
-    _, tp8 = overlap_tp_comm(TERMS, tp=8, compute_s=10.0, channels=16, sm_count=132)
+    _, tp2 = overlap_tp_comm(TERMS, tp=2, compute_s=10.0, share=16 / 132)
+    _, tp8 = overlap_tp_comm(TERMS, tp=8, compute_s=10.0, share=16 / 132)
     assert tp8 < tp2 < 0
 
 
 def test_no_more_is_hidden_than_the_compute_it_runs_beside() -> None:
-    terms, change = overlap_tp_comm(TERMS, tp=8, compute_s=0.1, channels=0, sm_count=132)
+    terms, change = overlap_tp_comm(TERMS, tp=8, compute_s=0.1, share=0.0)
     assert change == pytest.approx(-0.1)
     assert sum(terms[op] for op in TERMS if overlappable(op)) == pytest.approx(1.0 - 0.1)
 
 
 def test_without_tp_nothing_changes() -> None:
-    assert overlap_tp_comm(TERMS, tp=1, compute_s=1.0, channels=16, sm_count=132) == (TERMS, 0.0)
+    assert overlap_tp_comm(TERMS, tp=1, compute_s=1.0, share=16 / 132) == (TERMS, 0.0)
 
 
 GPT = "gpt:layers=4,hidden=2048,heads=16,vocab=4096,seq=2048"
