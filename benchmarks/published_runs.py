@@ -268,15 +268,25 @@ TORCHTITAN_FUSED_ADAMW_SINCE = (2025, 2)
 pytorch/torchtitan#881 ("use Fused AdamW as default", 2025-02-24)."""
 
 
+MEGATRON_BF16_MAIN_GRAD_BYTES = 4.0
+"""Megatron's gradients under bf16 are fp32 "main grads", accumulated and reduced in fp32: Megatron-LM
+forces --accumulate-allreduce-grads-in-fp32 when --bf16 is set (megatron/training/arguments.py),
+and NeMo's bf16_mixed() sets Megatron-Core's grad_reduce_in_fp32=True (its grad buffer holds
+fp32). fp16 runs keep fp16 gradients unless asked (the flag's default)."""
+
+
 def policy_of(run: Run) -> PrecisionPolicy:
     """How the run's framework holds and reduces its states: torchtitan's FSDP2 gathers bf16 and
     reduce-scatters fp32 (MixedPrecisionPolicy), and steps AdamW as its default of the run's time
     was (foreach before 2025-02, fused since); Megatron-LM uses its bf16/fp16 parameters as they
-    are in every microbatch (no cast per use, unlike autopar's runtime) and a fused Adam."""
+    are in every microbatch (no cast per use, unlike autopar's runtime), fp32 main gradients under
+    bf16 (MEGATRON_BF16_MAIN_GRAD_BYTES), and a fused Adam; NeMo runs with TP comm overlap where
+    the notes say so."""
     if run.precision == "fp32":
         return FP32_ADAM
     if "torchtitan" not in run.source.lower():
-        return replace(MEGATRON_BF16, tp_comm_overlap=run.tp_comm_overlap)
+        return replace(MEGATRON_BF16, tp_comm_overlap=run.tp_comm_overlap,
+                       grad_bytes=MEGATRON_BF16_MAIN_GRAD_BYTES if run.precision == "bf16" else MEGATRON_BF16.grad_bytes)
     when = run_month(run.source)
     if when is not None and when < TORCHTITAN_FUSED_ADAMW_SINCE:
         return replace(FSDP2_BF16_FP32_REDUCE, optimizer_io_bytes_per_param=adamw_io_bytes_per_param("foreach"))
