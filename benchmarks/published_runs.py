@@ -15,6 +15,12 @@ Tensor parallelism is priced as the run had it: where the notes say "TP without 
 sequence parallelism"), with `sequence_parallel=False` (norms, dropouts, residual adds replicated
 on the tp ranks, row-parallel outputs all-reduced), else with sequence parallelism allowed.
 
+Tensor-parallel communication is overlapped with the GEMMs where the notes say the run did
+("TP comm overlap on": NeMo's tp_comm_overlap, solver/tp_overlap.py), else priced exposed.
+
+GPT-family attention is priced as the framework ran it: fused (SDPA, no s x s scores kept)
+for NeMo / Megatron-Core runs (Transformer Engine's attention), unfused for Megatron-LM 2022.
+
 Recomputation is priced as the run's framework did it: torchtitan's "selective" activation
 checkpointing in these runs is its op-level policy (autopar's "op" mode: keep matmul outputs
 except every second one, attention and reduce-scatters), Megatron-LM's selective
@@ -66,6 +72,8 @@ _OP_LEVEL = re.compile(r"\bop(?:-level)? (?:SAC|AC)\b|\bselective op AC\b", re.I
 _EAGER = re.compile(r"\beager \(compile off", re.IGNORECASE)
 _POWER_CAP = re.compile(r"power-capped at (\d+(?:\.\d+)?)\s*W\b", re.IGNORECASE)
 _EAGER_MEASURED = re.compile(r"\beager\b[^;]*?\bmeasured (\d+(?:\.\d+)?)", re.IGNORECASE)
+_FUSED_ATTENTION_FRAMEWORK = re.compile(r"\bNeMo\b|\bMegatron-Core\b", re.IGNORECASE)
+_TP_COMM_OVERLAP = re.compile(r"\bTP comm(?:unication)? overlap(?:ped)? on\b", re.IGNORECASE)
 _NO_SEQUENCE_PARALLEL = re.compile(r"\bTP without (?:SP|sequence parallelism)\b", re.IGNORECASE)
 
 
@@ -100,7 +108,19 @@ class Run:
     @property
     def model(self) -> str:
         spec = f"{self.family}:" + ",".join(f"{key}={value}" for key, value in self.shape.items())
+        if self.family == "gpt" and self.fused_attention:
+            spec += ",attention=sdpa"
         return spec + ",norm=float32" if self.family == "llama" and self.float32_norm else spec
+
+    @property
+    def fused_attention(self) -> bool:
+        """Attention as the run's framework computed it. Megatron-Core, which NeMo runs, builds
+        its layers from Transformer Engine's spec, whose DotProductAttention is a fused (flash or
+        cuDNN) kernel that keeps no s x s scores: the GPT family's attention="sdpa". Megatron-LM
+        and Megatron-DeepSpeed of 2022 (Korthikanti et al., BLOOM) ran the unfused softmax over
+        materialised scores (the GPT family's default, "eager"). The built-in Llama is SDPA
+        always."""
+        return bool(_FUSED_ATTENTION_FRAMEWORK.search(self.source))
 
     @property
     def float32_norm(self) -> bool:
@@ -130,6 +150,12 @@ class Run:
         """False where the notes say the run's tensor parallelism had no sequence parallelism
         (Korthikanti et al.'s baselines): it is then priced with `sequence_parallel=False`."""
         return not _NO_SEQUENCE_PARALLEL.search(self.notes)
+
+    @property
+    def tp_comm_overlap(self) -> bool:
+        """Whether the notes say the run overlapped its tensor-parallel communication with the
+        GEMMs ("TP comm overlap on": NeMo's tp_comm_overlap); priced so (solver/tp_overlap.py)."""
+        return bool(_TP_COMM_OVERLAP.search(self.notes))
 
     @property
     def recompute_mode(self) -> str:
@@ -226,7 +252,7 @@ def planner_for(run: Run, directory: Path):
     """One capture per (model, cluster, batch, precision): rows that differ only in their
     configuration (Korthikanti's baseline and SP + selective rows) share it."""
     key = (run.model, run.cluster, tuple(sorted((t, tuple(sorted(v.items()))) for t, v in run.cluster_overrides.items())),
-           run.num_nodes, run.global_batch, precision_of(run))
+           run.num_nodes, run.global_batch, precision_of(run), policy_of(run))
     if key not in _PLANNERS:
         graph_key = (run.model, precision_of(run))
         if graph_key not in _GRAPHS:  # rows of one model on other clusters share the capture too
@@ -242,15 +268,25 @@ TORCHTITAN_FUSED_ADAMW_SINCE = (2025, 2)
 pytorch/torchtitan#881 ("use Fused AdamW as default", 2025-02-24)."""
 
 
+MEGATRON_BF16_MAIN_GRAD_BYTES = 4.0
+"""Megatron's gradients under bf16 are fp32 "main grads", accumulated and reduced in fp32: Megatron-LM
+forces --accumulate-allreduce-grads-in-fp32 when --bf16 is set (megatron/training/arguments.py),
+and NeMo's bf16_mixed() sets Megatron-Core's grad_reduce_in_fp32=True (its grad buffer holds
+fp32). fp16 runs keep fp16 gradients unless asked (the flag's default)."""
+
+
 def policy_of(run: Run) -> PrecisionPolicy:
     """How the run's framework holds and reduces its states: torchtitan's FSDP2 gathers bf16 and
     reduce-scatters fp32 (MixedPrecisionPolicy), and steps AdamW as its default of the run's time
     was (foreach before 2025-02, fused since); Megatron-LM uses its bf16/fp16 parameters as they
-    are in every microbatch (no cast per use, unlike autopar's runtime) and a fused Adam."""
+    are in every microbatch (no cast per use, unlike autopar's runtime), fp32 main gradients under
+    bf16 (MEGATRON_BF16_MAIN_GRAD_BYTES), and a fused Adam; NeMo runs with TP comm overlap where
+    the notes say so."""
     if run.precision == "fp32":
         return FP32_ADAM
     if "torchtitan" not in run.source.lower():
-        return MEGATRON_BF16
+        return replace(MEGATRON_BF16, tp_comm_overlap=run.tp_comm_overlap,
+                       grad_bytes=MEGATRON_BF16_MAIN_GRAD_BYTES if run.precision == "bf16" else MEGATRON_BF16.grad_bytes)
     when = run_month(run.source)
     if when is not None and when < TORCHTITAN_FUSED_ADAMW_SINCE:
         return replace(FSDP2_BF16_FP32_REDUCE, optimizer_io_bytes_per_param=adamw_io_bytes_per_param("foreach"))

@@ -58,6 +58,9 @@ class DeviceSpec:
     clock_power_exponent: float = 0.0
     """How the tensor clock follows a power cap: clock ~ power ** exponent, from two datasheet
     parts of one die at different board powers; 0: no documented relation (a cap cannot be priced)."""
+    sm_count: int = 0
+    """Streaming multiprocessors (the datasheet's SM count): what a collective's kernels take a
+    share of while they run beside compute (cost_model/contention.py); 0: unknown, not priced."""
     source: str = ""
     """Where the figures come from."""
 
@@ -79,6 +82,8 @@ class DeviceSpec:
                 raise ValueError(f"{self.name}: {name} must be in (0, 1], got {value}")
         if self.kernel_overhead_s < 0:
             raise ValueError(f"{self.name}: kernel_overhead_s must be >= 0, got {self.kernel_overhead_s}")
+        if self.sm_count < 0:
+            raise ValueError(f"{self.name}: sm_count must be >= 0 (0: unknown), got {self.sm_count}")
         for name in ("host_link_bytes_per_s", "host_memory_bandwidth_bytes_per_s", "host_memory_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{self.name}: {name} must be >= 0, got {getattr(self, name)}")
@@ -198,6 +203,9 @@ class CollectiveSpec:
     """Cost of one network post by the proxy thread (NCCL: 1 us on Intel hosts, 2 us on AMD)."""
     tree_bandwidth_fraction: float = 0.92
     """Share of the ring's bus bandwidth a tree all-reduce reaches (NCCL's tree model)."""
+    channels: int = 0
+    """CUDA blocks a collective runs with (NCCL: one block per channel, each resident on one SM
+    for the collective's whole duration); 0: unknown, their SM share is not priced."""
     source: str = ""
     """Where the figures come from."""
 
@@ -211,6 +219,8 @@ class CollectiveSpec:
             raise ValueError(f"{self.library}: at least one protocol must work across nodes")
         if self.proxy_overhead_s < 0:
             raise ValueError(f"{self.library}: proxy_overhead_s must be >= 0, got {self.proxy_overhead_s}")
+        if self.channels < 0:
+            raise ValueError(f"{self.library}: channels must be >= 0 (0: unknown), got {self.channels}")
         if not 0.0 < self.tree_bandwidth_fraction <= 1.0:
             raise ValueError(f"{self.library}: tree_bandwidth_fraction must be in (0, 1], "
                              f"got {self.tree_bandwidth_fraction}")
@@ -261,6 +271,7 @@ A100_40G = DeviceSpec(
     host_memory_bandwidth_bytes_per_s=409.6 * GB / 8,
     host_memory_bytes=1024 * GIB / 8,
     board_power_w=400.0,
+    sm_count=108,
     source="NVIDIA A100 Tensor Core GPU datasheet; DGX A100 datasheet (host)",
 )
 A100_80G = replace(
@@ -296,6 +307,7 @@ H100_SXM = DeviceSpec(
     host_memory_bytes=2048 * GIB / 8,
     board_power_w=H100_SXM_BOARD_POWER_W,
     clock_power_exponent=HOPPER_CLOCK_POWER_EXPONENT,
+    sm_count=132,
     source="NVIDIA H100 Tensor Core GPU datasheet (SXM and NVL); DGX H100 datasheet (host)",
 )
 H200_SXM = replace(
@@ -314,6 +326,7 @@ V100_16G = DeviceSpec(
     host_link_bytes_per_s=PCIE_GEN3_X16,
     host_memory_bandwidth_bytes_per_s=153.6 * GB / 8,
     host_memory_bytes=488 * GIB / 8,
+    sm_count=80,
     source="NVIDIA V100 datasheet (no bf16 tensor cores: bf16 runs at fp32 rate); AWS p3.16xlarge (host)",
 )
 
@@ -404,11 +417,19 @@ def _nccl_ll(one_node_gbs: float, two_nodes_gbs: float, more_nodes_gbs: float) -
 _NCCL_SOURCE = "NCCL src/graph/tuning.cc (tuner constants of NCCL 2.18-2.2x)"
 # DGX A100: Ampere GPUs, AMD EPYC hosts (llMaxBws Ampere-N1 87.7, AMD-N2 22.5, AMD-N4 19.0 GB/s;
 # 2 us proxy posts on AMD).
+# Channels: 24 on an 8-GPU A100 NVSwitch node (NCCL_DEBUG=INFO "Channel 23/24", NVIDIA/nccl-tests#100;
+# "24 would have been the number of channels needed for intra-node bandwidth", NVIDIA/nccl#652).
 NCCL_DGX_A100 = CollectiveSpec(library="NCCL", protocols=(_nccl_ll(87.7, 22.5, 19.0), NCCL_LL128, NCCL_SIMPLE),
-                               proxy_overhead_s=2e-6, source=_NCCL_SOURCE)
+                               proxy_overhead_s=2e-6, channels=24,
+                               source=_NCCL_SOURCE + "; channels: NVIDIA/nccl-tests#100, NVIDIA/nccl#652")
 # DGX H100 / HGX H200: Hopper GPUs, Intel Xeon hosts (Hopper-N1 141, Intel-N2 39, Intel-N4 20.4).
+# Channels: NCCL 2.2x logs "16 coll channels" on 8-GPU H100 nodes with one 400 Gb/s NIC per GPU
+# (NCCL_DEBUG=INFO at 3 and 8 nodes: NVIDIA/nccl issues 1453 and 1814); NCCL's documentation of
+# NCCL_MIN_NCHANNELS: "increasing the number of channels also increases the number of CUDA blocks
+# NCCL uses ... however, it uses more CUDA compute resources".
 NCCL_DGX_H100 = CollectiveSpec(library="NCCL", protocols=(_nccl_ll(141.0, 39.0, 20.4), NCCL_LL128, NCCL_SIMPLE),
-                               proxy_overhead_s=1e-6, source=_NCCL_SOURCE)
+                               proxy_overhead_s=1e-6, channels=16,
+                               source=_NCCL_SOURCE + "; channels: NCCL_DEBUG=INFO logs (NVIDIA/nccl#1453, #1814)")
 # p3.16xlarge: Volta GPUs, Intel hosts; LL128 is enabled only where the NIC sits behind the
 # GPU's PCIe switch, which the sockets of an Ethernet node are not: not across nodes.
 NCCL_P3 = CollectiveSpec(library="NCCL", protocols=(

@@ -67,6 +67,10 @@ class PrecisionPolicy:
     optimizer_io_bytes_per_param: float = ADAMW_IO_BYTES_PER_PARAM["fused"]
     """Device memory one optimizer step reads and writes per parameter (cost_model/optimizer.py):
     fused AdamW unless the policy says otherwise."""
+    tp_comm_overlap: bool = False
+    """The runtime overlaps its sequence-parallel collectives with the GEMMs they feed
+    (Megatron-Core / NeMo `tp_comm_overlap`, Transformer Engine userbuffers: solver/tp_overlap.py);
+    False: they run exposed, as autopar's runtime issues them through DTensor."""
 
     @property
     def model_state_bytes(self) -> float:

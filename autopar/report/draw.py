@@ -20,7 +20,9 @@ PASS_COLORS = {"forward": ("#1f5fa8", "#4f8fd8", "#8db9ea", "#bcd6f4"),
                "recompute": ("#c77d12", "#e0a13f", "#eec47e", "#f6dfb6"),
                "weight": ("#0f6e6e", "#2f9e9e", "#72c6c6", "#b0e0e0")}
 """Per pass kind, one shade per model chunk (darkest: the rank's first chunk)."""
-TAIL_COLORS = {"dp.gradient_sync": "#d9622b", "dp.all_gather.once": "#e8894f", "dp.reduce_scatter.once": "#c2481a", "pp.tied_weights": "#b04a9c", "optimizer": "#6b6b6b", "weight_cast": "#4a7fb0", "gradient_accumulate": "#7a9a3a", "offload.cpu_adam": "#8a8a3a"}
+TAIL_COLORS = {"dp.gradient_sync": "#d9622b", "dp.all_gather.once": "#e8894f", "dp.reduce_scatter.once": "#c2481a",
+               "dp.all_gather.sm_contention.once": "#f0a878", "dp.reduce_scatter.sm_contention.once": "#d9775a",
+               "pp.tied_weights": "#b04a9c", "optimizer": "#6b6b6b", "weight_cast": "#4a7fb0", "gradient_accumulate": "#7a9a3a", "offload.cpu_adam": "#8a8a3a"}
 AXIS_COLORS = {"tp": "#7b3fb5", "cp": "#2a9d8f", "pp": "#c0392b", "dp": "#d9622b", "offload": "#8a8a3a"}
 BUBBLE_COLOR = "#eeeeee"
 MEMORY_COLORS = {"parameters": "#1f5fa8", "gradients": "#3fa86b", "optimizer": "#8e6bbf",

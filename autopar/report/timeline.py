@@ -31,7 +31,8 @@ from autopar.plans.plan import Plan
 from autopar.solver.schedule_sim import lay_out
 
 PASS_KINDS = ("forward", "recompute", "backward", "weight")
-TAIL_KINDS = ("dp.gradient_sync", "dp.all_gather.once", "dp.reduce_scatter.once", "pp.tied_weights", "optimizer",
+TAIL_KINDS = ("dp.gradient_sync", "dp.all_gather.once", "dp.all_gather.sm_contention.once", "dp.reduce_scatter.once",
+              "dp.reduce_scatter.sm_contention.once", "pp.tied_weights", "optimizer",
               "offload.cpu_adam", "weight_cast", "gradient_accumulate")
 """What the step model adds after the pipeline, in the order it is drawn (weight_cast, the step's
 bf16 weight copies, runs before the first forward: it is drawn last, as the next step's start;

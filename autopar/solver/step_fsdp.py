@@ -77,6 +77,15 @@ class StepFsdp:
         # Gradients are reduce-scattered every microbatch by ZeRO-2/3 without pipelining; ZeRO-1
         # and any ZeRO under pipelining (set_requires_gradient_sync) reduce once, in the last.
         (per_microbatch if config.zero_stage >= 2 and config.pp == 1 else step_end)["reduce_scatter"] = scatter_s
+        # What the compute hides is not free: the collectives' blocks hold SMs while they run
+        # beside it (cost_model/contention.py), where and as often as each collective runs.
+        share = self.comm_sm_share()
+        if share:
+            hidden_gathers = max(0.0, timeline.gather_s - gathers_only_s)
+            hidden_scatters = max(0.0, timeline.reduce_scatter_s - scatter_s)
+            (per_microbatch if reshard else step_end)["all_gather.sm_contention"] = hidden_gathers * share
+            (per_microbatch if config.zero_stage >= 2 and config.pp == 1 else step_end)[
+                "reduce_scatter.sm_contention"] = hidden_scatters * share
         copy_out, copy_in = copy_bytes(float(numel.sum()), gather_bytes=self.policy.fsdp_gather_bytes,
                                        reduce_bytes=self.policy.dp_reduce_bytes)  # FSDP2's copies (cost_model/fsdp.py)
         bandwidth = self.compute.bandwidth_bytes_per_s

@@ -38,6 +38,9 @@ Data-parallel gradient synchronisation over the dp group:
                 reduce-scatter) slows every microbatch of the stage: t_k += exposed_k. Each
                 gather's copy-out and each reduce-scatter's copy-in run on the compute stream
                 (memory-bound, fsdp.copy_bytes): dp.copy_out, dp.copy_in.
+                What the compute hides still holds SMs while it runs: the hidden seconds x the
+                library's channels / the device's SMs (cost_model/contention.py) are added where
+                each collective runs: dp.all_gather.sm_contention, dp.reduce_scatter.sm_contention.
 Expert parallelism (ep > 1, solver/experts.py): ep consecutive dp ranks split every expert
 weight by expert; each expert matmul (or chain of them: one MoE layer, dispatched once, combined
 once) adds its all-to-alls (dispatch and combine, forward and backward) over the ep group to t_k,
@@ -90,6 +93,7 @@ from autopar.solver.placement import Placement
 from autopar.solver.schedule_sim import uniform_bubble_s
 from autopar.solver.step_fsdp import StepFsdp, fsdp_notes
 from autopar.solver.step_tail import StepTail, uses_fsdp
+from autopar.solver.tp_overlap import overlap_tp_comm
 from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
@@ -557,9 +561,13 @@ class StepModel(StepFsdp, StepTail):
                   "buffers": total("buffer_bytes", own), **({"weight_copies": copies} if copies else {}),
                   **self._workspace_terms(prepared, config, own)}
         tp_comm = {op: total("comm:" + op, own) for op in prepared.comm_by_op_s}
+        overlap_s = 0.0
+        if self.policy.tp_comm_overlap:  # the runtime hides its SP collectives behind GEMMs (tp_overlap.py)
+            tp_comm, overlap_s = overlap_tp_comm(tp_comm, tp=config.tp, share=self.comm_sm_share(),
+                                                 compute_s=total("forward_s", own) + total("backward_s", own))
         timeline, exposed, step_end, offload = self._fsdp(prepared, own, config)
         ep_s, ep_segments, (ep_forward, ep_backward) = self._ep_parts(prepared, own, config)
-        time_per_microbatch = (total("time_s", own) + p2p + sum(exposed.values()) + sum(ep_s.values())
+        time_per_microbatch = (total("time_s", own) + overlap_s + p2p + sum(exposed.values()) + sum(ep_s.values())
                                + ep_forward + ep_backward + sum(offload.values()))
         forward = total("forward_s", own) + ep_forward
         return dict(time_per_microbatch_s=time_per_microbatch, forward_s=forward,

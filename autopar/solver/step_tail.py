@@ -10,6 +10,7 @@ from __future__ import annotations
 from autopar.mesh import Mesh
 from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES, ParallelConfig, StageEstimate
 from cost_model.comm import Group
+from cost_model.contention import sm_share
 
 
 def uses_fsdp(config: ParallelConfig) -> bool:
@@ -41,6 +42,12 @@ def replica_group(dp_rep: int, ep: int, cp: int, tp: int, devices_per_node: int)
 
 class StepTail:
     """StepModel's per-step terms (a mixin: the figures they read are StepModel's fields)."""
+
+    def comm_sm_share(self) -> float:
+        """Share of the SMs a collective holds while it runs beside compute (cost_model/contention.py;
+        0: the library's channels or the device's SMs unknown)."""
+        channels = self.comm.collectives.channels if self.comm.collectives is not None else 0
+        return sm_share(channels, self.compute.device.sm_count)
 
     @property
     def optimizer_io_bytes_per_param(self) -> float:
@@ -92,8 +99,9 @@ class StepTail:
         """Synchronisation after the pipeline: ZeRO-1's last reduce-scatter (ZeRO-2/3 are inside
         each microbatch's stage time); ZeRO-0's all-reduce, issued bucket by bucket inside the
         last backward (codegen/grad_overlap.py), exposed where it outlasts that backward, and at
-        least its last bucket. Under the zero-bubble schedules torch's weight pass adds the
-        weight gradients by hand, which reports no completed gradient: reduced after the step."""
+        least its last bucket (its hidden part still holds the SMs NCCL runs on). Under the
+        zero-bubble schedules torch's weight pass adds the weight gradients by hand, which reports
+        no completed gradient: reduced after the step."""
         if config.data_shards <= 1:
             return 0.0
         if config.zero_stage >= 1:
@@ -109,7 +117,10 @@ class StepTail:
                                      self.expert_replica_group(config))
         if config.schedule in ZERO_BUBBLE_SCHEDULES:
             return sync
-        return max(sync - backward_one, sync / num_buckets)
+        exposed = max(sync - backward_one, sync / num_buckets)
+        # The hidden part still holds the collective's SMs while the backward runs
+        # (cost_model/contention.py).
+        return exposed + (sync - exposed) * self.comm_sm_share()
 
     def _optimizer_s(self, stage: StageEstimate, config: ParallelConfig) -> float:
         return sharded_numel(stage, config) * self.optimizer_io_bytes_per_param / self.compute.bandwidth_bytes_per_s

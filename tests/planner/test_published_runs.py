@@ -157,3 +157,39 @@ def test_a_compiled_row_with_an_eager_measurement_has_an_eager_twin():
     assert (twin.dp, twin.microbatch, twin.zero, twin.cluster_overrides) == (run.dp, run.microbatch, run.zero,
                                                                             run.cluster_overrides)
     assert eager_twin(RUNS["tt-a100-l3-8b"]) is None  # ran eager already
+
+
+def test_rows_whose_notes_say_tp_comm_overlap_are_priced_with_it():
+    """NeMo's runs overlapped tensor-parallel communication with the GEMMs (the notes say "TP
+    comm overlap on"): their handling overlaps it (solver/tp_overlap.py); Megatron-LM's 2022
+    rows did not, and torchtitan's FSDP rows have no TP."""
+    from benchmarks.published_runs import policy_of
+
+    rows = {run.id: run for run in read_runs()}
+    for run in rows.values():
+        assert policy_of(run).tp_comm_overlap == ("TP comm overlap on" in run.notes), run.id
+    kor = next(iter(RUNS.values()))
+    assert not kor.tp_comm_overlap
+    assert replace(kor, notes="NeMo; TP comm overlap on").tp_comm_overlap
+
+
+def test_gpt_rows_run_by_nemo_or_megatron_core_are_priced_with_fused_attention():
+    """Transformer Engine's attention (Megatron-Core, NeMo) keeps no s x s scores; Megatron-LM's
+    2022 runs materialised them (the GPT family's eager attention)."""
+    kor = next(run for run in RUNS.values() if run.family == "gpt")
+    assert not kor.fused_attention and "attention=" not in kor.model
+    nemo = replace(kor, source="NVIDIA DGX Cloud Benchmarking performance recipes (NeMo 24.12 container)")
+    assert nemo.fused_attention and nemo.model.endswith(",attention=sdpa")
+    llama = next(run for run in RUNS.values() if run.family == "llama")
+    assert "attention=" not in replace(llama, source=nemo.source).model  # the built-in Llama is SDPA always
+
+
+def test_megatron_bf16_rows_hold_fp32_main_gradients():
+    """Megatron-LM forces fp32 gradient accumulation under bf16 and NeMo's bf16_mixed() sets
+    grad_reduce_in_fp32: 4 bytes per gradient; fp16 ("mixed") rows keep 2."""
+    from benchmarks.published_runs import policy_of
+
+    for run in read_runs():
+        if "torchtitan" in run.source.lower() or run.precision == "fp32":
+            continue
+        assert policy_of(run).grad_bytes == (4.0 if run.precision == "bf16" else 2.0), run.id

@@ -129,3 +129,48 @@ def test_pipelined_zero2_accumulates_only_this_ranks_experts(planner) -> None:
         return max(stage.memory_bytes["gradients"] for stage in estimate.stages)
 
     assert gradients(4) < gradients(2) < gradients(1)
+
+
+# --- the SMs FSDP2's collectives hold while the compute hides them (cost_model/contention.py) ---
+
+DENSE = "llama:layers=4,hidden=1024,heads=16,kv_heads=4,ffn_hidden=4096,vocab=2048,seq=2048"
+
+
+@pytest.fixture(scope="module")
+def dense_graph():
+    return autopar.capture_for_planning(DENSE)
+
+
+def _fsdp_terms(graph, cluster: str, dp: int) -> dict:
+    estimate = autopar.evaluate(graph, cluster=cluster, global_batch=dp, microbatch_size=1, tp=1, pp=1, dp=dp,
+                                zero_stage=3).predicted
+    return estimate.breakdown_s
+
+
+def test_hidden_fsdp_collectives_slow_the_compute_by_their_sm_share(dense_graph) -> None:
+    terms = _fsdp_terms(dense_graph, "dgx-h100:nodes=1", 8)
+    assert terms["dp.all_gather.sm_contention"] > 0
+    assert terms["dp.reduce_scatter.sm_contention"] > 0
+
+
+def test_the_contention_grows_as_the_collectives_grow_across_nodes(dense_graph) -> None:
+    one_node = _fsdp_terms(dense_graph, "dgx-h100:nodes=1", 8)
+    sixteen = _fsdp_terms(dense_graph, "dgx-h100:nodes=16", 128)
+    assert sixteen["dp.all_gather.sm_contention"] > one_node["dp.all_gather.sm_contention"]
+
+
+def test_without_the_libraries_channels_nothing_is_priced(dense_graph) -> None:
+    terms = _fsdp_terms(dense_graph, "cpu:procs=4", 4)
+    assert "dp.all_gather.sm_contention" not in terms
+
+
+def test_zero0s_all_reduce_hidden_behind_the_backward_holds_sms_too(dense_graph, monkeypatch) -> None:
+    from autopar.solver.step_tail import StepTail
+
+    def sync(graph) -> float:
+        return autopar.evaluate(graph, cluster="dgx-h100:nodes=1", global_batch=8, microbatch_size=1, tp=1, pp=1,
+                                dp=8, zero_stage=0).predicted.breakdown_s["dp.gradient_sync"]
+
+    with_sms = sync(dense_graph)
+    monkeypatch.setattr(StepTail, "comm_sm_share", lambda self: 0.0)
+    assert with_sms > sync(dense_graph) > 0

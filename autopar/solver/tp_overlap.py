@@ -1,0 +1,55 @@
+"""Tensor-parallel communication overlapped with the GEMMs it feeds, for runtimes that run it so
+(PrecisionPolicy.tp_comm_overlap: Megatron-Core / NeMo with `tp_comm_overlap`, Transformer
+Engine's userbuffers).
+
+With sequence parallelism each transformer layer all-gathers its sequence-sharded input before
+the column-parallel GEMMs (QKV, FC1) and reduce-scatters the row-parallel GEMMs' outputs (proj,
+FC2); the backward mirrors them. Transformer Engine's TP overlap decomposes each collective
+into its tp ring steps and runs every step beside one chunk of the GEMM: the all-gather as a
+ring exchange (chunk i of the GEMM computes on the shard received in step i while step i + 1
+transfers), the reduce-scatter pipelined behind the GEMM's chunks (chunk i's partial sums are
+sent while chunk i + 1 computes), and in the backward the input's all-gather and the input
+gradient's reduce-scatter "bulk"-overlapped with the dgrad and wgrad GEMMs (Wang et al.,
+"Overlap Communication with Dependent Computation via Decomposition in Large Deep Learning
+Models", ASPLOS 2023; NVIDIA Transformer Engine, `initialize_ub`, and NeMo's
+`tp_comm_overlap`). Of the tp ring steps, one has no GEMM chunk beside it (the ring exchange's
+last transfer, the pipelined reduce-scatter's last chunk), so per collective
+
+    exposed = time / tp,    hidden = time x (tp - 1) / tp   (at most the stage's compute)
+
+and the hidden seconds hold SMs while the GEMMs run (cost_model/contention.py): they add
+hidden x channels / SMs. Collectives without sequence parallelism (all-reduces), the context-
+parallel exchange and the expert all-to-alls are not overlapped this way and stay as priced.
+autopar's own runtime issues its tensor-parallel collectives through DTensor, exposed, and is
+priced so (tp_comm_overlap False).
+"""
+
+from __future__ import annotations
+
+OVERLAPPED_OPS = ("all_gather", "reduce_scatter")
+"""The sequence-parallel collectives TP overlap decomposes (with their recompute variants,
+"all_gather.regather")."""
+
+
+def overlappable(op: str) -> bool:
+    """Whether a tensor-parallel comm term (StageEstimate.tp_comm_s key) is overlapped."""
+    return not op.startswith("cp.") and op.split(".")[0] in OVERLAPPED_OPS
+
+
+def overlap_tp_comm(tp_comm_s: dict[str, float], *, tp: int, compute_s: float,
+                    share: float) -> tuple[dict[str, float], float]:
+    """(the comm terms with only their exposed seconds, plus "sm_contention"; the seconds the
+    stage's time per microbatch changes by: - hidden + contention). `share`: of the SMs the
+    overlapped communication holds (contention.sm_share). See the module docstring."""
+    if tp <= 1:
+        return dict(tp_comm_s), 0.0
+    total = sum(seconds for op, seconds in tp_comm_s.items() if overlappable(op))
+    if total <= 0:
+        return dict(tp_comm_s), 0.0
+    hidden = min(total * (tp - 1) / tp, max(0.0, compute_s))
+    kept = 1.0 - hidden / total
+    terms = {op: seconds * kept if overlappable(op) else seconds for op, seconds in tp_comm_s.items()}
+    contention = hidden * share
+    if contention:
+        terms["sm_contention"] = contention
+    return terms, contention - hidden

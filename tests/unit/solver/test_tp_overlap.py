@@ -1,0 +1,73 @@
+"""Tensor-parallel communication overlapped with the GEMMs (solver/tp_overlap.py), for runtimes
+that run it so (PrecisionPolicy.tp_comm_overlap)."""
+
+from dataclasses import replace
+
+import pytest
+
+import autopar
+from autopar import api
+from autopar.cluster import Cluster
+from autopar.solver.search import Planner
+from autopar.solver.tp_overlap import overlap_tp_comm, overlappable
+from cost_model.memory import MEGATRON_BF16
+
+TERMS = {"all_gather": 0.4, "reduce_scatter": 0.4, "all_gather.regather": 0.2, "all_reduce": 0.1,
+         "cp.send_recv": 0.05}
+
+
+def test_only_the_sequence_parallel_collectives_are_overlapped() -> None:
+    assert overlappable("all_gather") and overlappable("reduce_scatter") and overlappable("all_gather.regather")
+    assert not overlappable("all_reduce") and not overlappable("all_to_all") and not overlappable("cp.send_recv")
+
+
+def test_one_ring_step_of_tp_stays_exposed_and_the_rest_holds_sms() -> None:
+    terms, change = overlap_tp_comm(TERMS, tp=4, compute_s=10.0, share=16 / 132)
+    assert terms["all_gather"] == pytest.approx(0.1)
+    assert terms["reduce_scatter"] == pytest.approx(0.1)
+    assert terms["all_gather.regather"] == pytest.approx(0.05)
+    assert terms["all_reduce"] == 0.1 and terms["cp.send_recv"] == 0.05
+    hidden = 1.0 * 3 / 4
+    assert terms["sm_contention"] == pytest.approx(hidden * 16 / 132)
+    assert change == pytest.approx(-hidden + hidden * 16 / 132)
+
+
+def test_more_tp_ranks_hide_more_of_each_collective() -> None:
+    _, tp2 = overlap_tp_comm(TERMS, tp=2, compute_s=10.0, share=16 / 132)
+    _, tp8 = overlap_tp_comm(TERMS, tp=8, compute_s=10.0, share=16 / 132)
+    assert tp8 < tp2 < 0
+
+
+def test_no_more_is_hidden_than_the_compute_it_runs_beside() -> None:
+    terms, change = overlap_tp_comm(TERMS, tp=8, compute_s=0.1, share=0.0)
+    assert change == pytest.approx(-0.1)
+    assert sum(terms[op] for op in TERMS if overlappable(op)) == pytest.approx(1.0 - 0.1)
+
+
+def test_without_tp_nothing_changes() -> None:
+    assert overlap_tp_comm(TERMS, tp=1, compute_s=1.0, share=16 / 132) == (TERMS, 0.0)
+
+
+GPT = "gpt:layers=4,hidden=2048,heads=16,vocab=4096,seq=2048"
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return autopar.capture_for_planning(GPT)
+
+
+def _estimate(graph, policy):
+    planner = Planner(graph, Cluster.from_spec("dgx-h100:nodes=1"), global_batch=8, policy=policy, precision="bf16")
+    config = api.fixed_config(planner, tp=4, pp=1, dp=2, microbatch_size=1, schedule="1f1b",
+                                      virtual_stages=None, layers_per_virtual_stage=None, recompute="none",
+                                      zero_stage=1, cp=1, sequence_parallel=True)
+    return planner.evaluate(config)[0]
+
+
+def test_a_runtime_that_overlaps_its_tp_comm_is_priced_faster_with_its_sm_share(graph) -> None:
+    exposed = _estimate(graph, MEGATRON_BF16)
+    overlapped = _estimate(graph, replace(MEGATRON_BF16, tp_comm_overlap=True))
+    assert overlapped.step_time_s < exposed.step_time_s
+    assert overlapped.breakdown_s["tp.all_gather"] == pytest.approx(exposed.breakdown_s["tp.all_gather"] / 4)
+    assert overlapped.breakdown_s["tp.sm_contention"] > 0
+    assert "tp.sm_contention" not in exposed.breakdown_s
