@@ -5,10 +5,11 @@ Terms (each named in the plan's breakdown; hardware figures from cost_model/fp8.
 - `fp8.matmul`: the chosen linears' matmuls at the device's fp8 rate; their bf16 time leaves
   `compute` (and the bubble its share). Where the device emulates float8 (CPUs) the matmuls stay
   in `compute` at the bf16 rate.
-- `fp8.cast`: the eager casts, six per linear and microbatch (two fewer for weights FSDP2 gathers
+- `fp8.cast`: the casts as the choice's handling runs them (autopar's runtime: eager torchao,
+  cost_model/fp8.py HANDLINGS), eager: six per linear and microbatch (two fewer for weights FSDP2 gathers
   in float8), from each rank's share of the operands under the plan's placements; with FSDP2's
   float8 all-gather, the cast of each weight shard before every gather.
-- `fp8.amax`: tensorwise scaling of a tensor sharded over tp is an amax all-reduce across the tp
+- `fp8.amax`: (delayed scaling, "te": one all-reduce of the step's amaxes over tp) tensorwise scaling of a tensor sharded over tp is an amax all-reduce across the tp
   ranks per cast (rowwise: one scale per row, all-reduced when the row is split); FSDP2's float8
   gather adds one all-reduce of every weight's amax per step (the scales precomputed).
 - FSDP2 gathers the float8 weights at 1 byte per element instead of the compute dtype's 2: the
@@ -64,6 +65,8 @@ class _Priced:
     elements: fp8_cost.Fp8LinearElements
     bf16_s: float
     fp8_s: float
+    bf16_again_s: float
+    """Of bf16_s: the forward matmuls run again under full recomputation (priced in `recompute`)."""
     cast_s: float
     amax_s: float
     kept: bool
@@ -75,6 +78,11 @@ class Fp8Pricing:
     def __init__(self, graph: OpGraph, choice: Fp8Choice, *, compute: ComputeModel, comm: CommModel,
                  devices_per_node: int, memory_budget_bytes: float, auto: bool = False) -> None:
         self.choice = choice
+        if choice.handling not in fp8_cost.HANDLINGS:
+            raise ValueError(f"fp8 cast handling {choice.handling!r} is not one of {sorted(fp8_cost.HANDLINGS)}: "
+                             "pick one (\"eager\" is autopar's runtime)")
+        self.handling = fp8_cost.HANDLINGS[choice.handling]
+        """How the casts run: "eager" for autopar's runtime (cost_model/fp8.py HANDLINGS)."""
         self.auto = auto
         """Keep only the linears whose float8 run is priced faster (the planner's choice)."""
         self.compute = compute
@@ -110,15 +118,16 @@ class Fp8Pricing:
         in float8 (with `auto`: when its float8 matmul, casts and amax all-reduces take less than
         its bf16 matmul)."""
         placements = strategies(config) if config.tp > 1 else {}
-        gathered = self.choice.recipe == "tensorwise" and uses_fsdp(config)
+        gathered = self._gathered_in_float8(config)
         found = []
         for linear in self.linears:
             elements, sharded = self._elements(linear, config, placements.get(linear.node))
-            bf16_s, fp8_s = self._matmul_s(linear, config, sharded["weight"])
+            bf16_s, fp8_s, bf16_again_s = self._matmul_s(linear, config, sharded["weight"])
             cast_s = self._cast_s(elements, config, gathered)
             amax_s = self._amax_s(linear, elements, sharded, config, gathered)
             kept = not self.auto or fp8_s + cast_s + amax_s < bf16_s
-            found.append(_Priced(linear=linear, elements=elements, bf16_s=bf16_s, fp8_s=fp8_s, cast_s=cast_s,
+            found.append(_Priced(linear=linear, elements=elements, bf16_s=bf16_s, fp8_s=fp8_s, bf16_again_s=bf16_again_s,
+                                 cast_s=cast_s,
                                  amax_s=amax_s, kept=kept))
         return found
 
@@ -128,10 +137,11 @@ class Fp8Pricing:
 
     def apply(self, estimate: Estimate, strategies: Callable[[ParallelConfig], dict]) -> Estimate:
         config = estimate.config
-        gathered = self.choice.recipe == "tensorwise" and uses_fsdp(config)
+        gathered = self._gathered_in_float8(config)
         kept = [item for item in self.priced(config, strategies) if item.kept]
         per_microbatch = {"fp8.cast": sum(item.cast_s for item in kept), "fp8.amax": sum(item.amax_s for item in kept)}
         bf16_matmul_s, fp8_matmul_s = sum(item.bf16_s for item in kept), sum(item.fp8_s for item in kept)
+        again_s = sum(item.bf16_again_s for item in kept) if "recompute" in estimate.breakdown_s else 0.0
         copies = max((fp8_cost.transient_bytes(item.elements) for item in kept), default=0.0)
         held_weight = sum(item.elements.weight for item in kept)
         slots = config.num_microbatches + (config.pp - 1 if config.pp > 1 else 0)
@@ -141,6 +151,15 @@ class Fp8Pricing:
         if self.auto and len(kept) < len(self.linears):
             notes += (f"fp8: {len(kept)} of {len(self.linears)} eligible linears run in float8 (the others' casts "
                       "would cost more than their faster matmuls save)",)
+        once = fp8_cost.weight_casts_per_step(self.handling)
+        if once and kept:  # weights cast on the step's first microbatch only, a stage's share each
+            terms["fp8.cast"] += fp8_cost.cast_time_s(
+                once * held_weight / config.pp, once * len(kept), source_bytes=COMPUTE_BYTES,
+                bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s, kernel_overhead_s=self.compute.overhead_s,
+                handling=self.handling)
+        if self.handling.amax_reduced_per_step and kept and config.tp > 1:
+            terms["fp8.amax"] += self.comm.time_s("all_reduce", fp8_cost.SCALE_BYTES * 3 * len(kept),
+                                                  self._tp_group(config))
         if gathered and kept:
             terms.update(self._gather_terms(config, held_weight / config.pp, len(kept)))
             share = sum(item.linear.weight_numel for item in kept) / self.param_numel
@@ -151,9 +170,12 @@ class Fp8Pricing:
                           f"dp.all_gather priced {saved:.3g} s lower",)
         if fp8_matmul_s:
             m, pp = config.num_microbatches, config.pp
-            breakdown["compute"] = breakdown.get("compute", 0.0) - m * bf16_matmul_s / pp
+            breakdown["compute"] = breakdown.get("compute", 0.0) - m * (bf16_matmul_s - again_s) / pp
             terms["fp8.matmul"] = m * fp8_matmul_s / pp
-            terms["compute"] = -m * bf16_matmul_s / pp
+            terms["compute"] = -m * (bf16_matmul_s - again_s) / pp
+            if again_s:  # the recomputed forward's bf16 matmuls leave `recompute`
+                breakdown["recompute"] -= m * again_s / pp
+                terms["recompute"] = -m * again_s / pp
             if pp > 1 and "bubble" in breakdown:
                 bubble_s = (slots - m) * (fp8_matmul_s - bf16_matmul_s) / pp
                 breakdown["bubble"] = max(breakdown["bubble"] + bubble_s, 0.0)
@@ -165,6 +187,11 @@ class Fp8Pricing:
         return replace(estimate, step_time_s=estimate.step_time_s + sum(terms.values()), breakdown_s=breakdown,
                        memory_bytes=memory, peak_memory_bytes=peak, notes=notes,
                        fits=estimate.fits and peak <= self.memory_budget_bytes)
+
+    def _gathered_in_float8(self, config: ParallelConfig) -> bool:
+        """FSDP gathers the float8 weights (torchao's tensorwise float8 all-gather, where the
+        handling does it)."""
+        return self.handling.float8_all_gather and self.choice.recipe == "tensorwise" and uses_fsdp(config)
 
     def _elements(self, linear: _Linear, config: ParallelConfig, strategy) -> tuple:
         """This rank's operand elements per microbatch, and which operands the plan shards over tp."""
@@ -182,39 +209,44 @@ class Fp8Pricing:
             grad_output=linear.output_per_sample * samples / (config.tp if sharded["grad_output"] else 1))
         return elements, sharded
 
-    def _matmul_s(self, linear: _Linear, config: ParallelConfig, weight_sharded: bool) -> tuple[float, float]:
+    def _matmul_s(self, linear: _Linear, config: ParallelConfig,
+                  weight_sharded: bool) -> tuple[float, float, float]:
         """This rank's matmul time of one linear per microbatch at the bf16 rate and at the fp8 rate
         (the profile's fp8 sweep, `autopar profile` with torch._scaled_mm, else its bf16 rate
-        scaled by the datasheet's fp8/bf16 peak ratio); (0, 0) where the
+        scaled by the datasheet's fp8/bf16 peak ratio), and of the first, the forward's matmuls run
+        again under full recomputation; (0, 0, 0) where the
         device has no FP8 tensor cores (emulated: the bf16 time stays in `compute`)."""
         device = self.compute.device
         ratio = device.peak_flops("fp8") / device.peak_flops("bf16")
         if not device.has_fp8 or ratio <= 1.0:
-            return 0.0, 0.0
-        bf16_s = fp8_s = 0.0
+            return 0.0, 0.0, 0.0
+        bf16_s = fp8_s = again_s = 0.0
         for per_sample, dtype, forward in linear.matmul_flops_per_sample:
             flops = per_sample * config.microbatch_size / config.cp / (config.tp if weight_sharded else 1)
             if flops <= 0:
                 continue
             runs = 2 if forward and config.recompute == "full" else 1
             bf16_s += runs * flops / self.compute.matmul_rate(flops, dtype)
+            again_s += (runs - 1) * flops / self.compute.matmul_rate(flops, dtype)
             fp8_rate = self.compute.matmul_rate(flops, "fp8") if self.compute.measured("fp8") \
                 else self.compute.matmul_rate(flops, "bf16") * ratio
             fp8_s += runs * flops / fp8_rate
-        return bf16_s, fp8_s
+        return bf16_s, fp8_s, again_s
 
     def _cast_s(self, elements, config: ParallelConfig, gathered: bool) -> float:
-        count = fp8_cost.cast_elements(elements, weight_precast=gathered)
-        casts = fp8_cost.num_casts(weight_precast=gathered)
+        handling = self.handling
+        count = fp8_cost.cast_elements(elements, weight_precast=gathered, handling=handling)
+        casts = fp8_cost.num_casts(weight_precast=gathered, handling=handling)
         if config.recompute == "full":  # the forward's input (and weight) casts run again
-            count += elements.input + (0 if gathered else elements.weight)
-            casts += 1 if gathered else 2
+            weight_again = not gathered and not handling.weight_cast_once_per_step
+            count += elements.input + (elements.weight if weight_again else 0)
+            casts += 2 if weight_again else 1
         return fp8_cost.cast_time_s(count, casts, source_bytes=COMPUTE_BYTES,
                                     bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s,
-                                    kernel_overhead_s=self.compute.overhead_s)
+                                    kernel_overhead_s=self.compute.overhead_s, handling=handling)
 
     def _amax_s(self, linear: _Linear, elements, sharded: dict, config: ParallelConfig, gathered: bool) -> float:
-        if config.tp == 1:
+        if config.tp == 1 or self.handling.amax_reduced_per_step:
             return 0.0
         seconds = 0.0
         group = self._tp_group(config)
@@ -247,7 +279,7 @@ class Fp8Pricing:
         gathers = 2 * config.num_microbatches if config.zero_stage == 3 else 1
         cast = gathers * fp8_cost.cast_time_s(shard, num_weights, source_bytes=MASTER_BYTES,
                                               bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s,
-                                              kernel_overhead_s=self.compute.overhead_s)
+                                              kernel_overhead_s=self.compute.overhead_s, handling=self.handling)
         mesh = Mesh(axis_names=("pp", "dp_cp", "tp"), shape=(config.pp, config.data_shards, config.tp),
                     devices_per_node=self.devices_per_node)
         amax = self.comm.time_s("all_reduce", fp8_cost.SCALE_BYTES * num_weights, mesh.group(1))

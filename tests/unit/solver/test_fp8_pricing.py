@@ -63,3 +63,48 @@ def test_full_recomputation_casts_the_forward_again():
     _, plain = terms("dgx-h100:gpus_per_node=2")
     _, full = terms("dgx-h100:gpus_per_node=2", recompute="full")
     assert full["fp8.cast"] > plain["fp8.cast"] and full["fp8.matmul"] > plain["fp8.matmul"]
+
+
+def _with_handling(handling: str, **config):
+    """The fp8 terms of SPEC with every linear in float8, the casts run as `handling` runs them."""
+    from dataclasses import replace
+
+    from autopar.plans.planning import planner_for
+    from autopar.solver.search import Planner
+
+    planner = planner_for(SPEC, None, "dgx-h100:gpus_per_node=4", global_batch=8, precision="fp8",
+                          fp8_filter=every_linear)
+    again = Planner(planner.graph, planner.cluster, global_batch=8, policy=planner.policy, precision="fp8",
+                    fp8=replace(planner.fp8, handling=handling))
+    estimate, _ = again.evaluate(autopar_config(again, **config))
+    return {name: seconds for name, seconds in estimate.breakdown_s.items() if name.startswith("fp8")}
+
+
+def autopar_config(planner, **config):
+    from autopar import api
+
+    settings = dict(tp=1, pp=1, dp=None, microbatch_size=1, schedule="1f1b", virtual_stages=None,
+                    layers_per_virtual_stage=None, recompute="none", zero_stage=0)
+    settings.update(config)
+    return api.fixed_config(planner, **settings)
+
+
+def test_the_cast_handling_is_an_input_of_the_price():
+    eager, compiled = _with_handling("eager", zero_stage=3), _with_handling("compiled", zero_stage=3)
+    assert compiled["fp8.cast"] < eager["fp8.cast"] / 4  # 5 of eager's 33 bytes per element, 2 of 9 kernels
+    assert compiled["fp8.matmul"] == pytest.approx(eager["fp8.matmul"])
+    assert compiled["fp8.cast.all_gather"] < eager["fp8.cast.all_gather"]
+    # TransformerEngine: no float8 FSDP gather (Megatron gathers bf16), the step's amaxes in one all-reduce.
+    te = _with_handling("te", tp=2, zero_stage=1)
+    assert "fp8.cast.all_gather" not in te and te["fp8.cast"] > 0
+    assert te["fp8.amax"] < _with_handling("eager", tp=2, zero_stage=1)["fp8.amax"]
+
+
+def test_an_unknown_cast_handling_is_refused_with_the_choices():
+    from autopar.graph import OpGraph  # noqa: F401 (the pricing reads a captured graph)
+    from autopar.solver.fp8 import Fp8Choice
+    from autopar.solver.fp8_pricing import Fp8Pricing
+
+    with pytest.raises(ValueError, match="'jit' is not one of .*eager"):
+        Fp8Pricing(None, Fp8Choice(handling="jit"), compute=None, comm=None, devices_per_node=8,
+                   memory_budget_bytes=1.0)
