@@ -19,8 +19,9 @@ Terms (each named in the plan's breakdown; hardware figures from cost_model/fp8.
   copies), as a bf16 linear does: nothing to add.
 
 The terms are added to the estimate after its stages are laid out (the pipeline cut is chosen on
-bf16 times): per stage a 1/pp share of the linears, paid by each of the m + pp - 1 microbatch
-slots of the pipeline's critical path (m without a pipeline); under full recomputation the
+bf16 times): per stage a 1/pp share of the linears, paid by each of the m + b microbatch slots of
+the pipeline's critical path, b the estimate's bubble in stage microbatch times (pp - 1 under 1F1B,
+(pp - 1) / v interleaved; 0 without a pipeline); under full recomputation the
 forward's casts and matmuls run twice.
 """
 
@@ -144,7 +145,8 @@ class Fp8Pricing:
         again_s = sum(item.bf16_again_s for item in kept) if "recompute" in estimate.breakdown_s else 0.0
         copies = max((fp8_cost.transient_bytes(item.elements) for item in kept), default=0.0)
         held_weight = sum(item.elements.weight for item in kept)
-        slots = config.num_microbatches + (config.pp - 1 if config.pp > 1 else 0)
+        bubble_slots = self._bubble_slots(estimate)
+        slots = config.num_microbatches + bubble_slots
         terms = {name: seconds * slots / config.pp for name, seconds in per_microbatch.items()}
         breakdown = dict(estimate.breakdown_s)
         notes = estimate.notes
@@ -176,8 +178,8 @@ class Fp8Pricing:
             if again_s:  # the recomputed forward's bf16 matmuls leave `recompute`
                 breakdown["recompute"] -= m * again_s / pp
                 terms["recompute"] = -m * again_s / pp
-            if pp > 1 and "bubble" in breakdown:
-                bubble_s = (slots - m) * (fp8_matmul_s - bf16_matmul_s) / pp
+            if bubble_slots:
+                bubble_s = bubble_slots * (fp8_matmul_s - bf16_matmul_s) / pp
                 breakdown["bubble"] = max(breakdown["bubble"] + bubble_s, 0.0)
                 terms["bubble"] = bubble_s
         breakdown.update({name: seconds for name, seconds in terms.items()
@@ -187,6 +189,19 @@ class Fp8Pricing:
         return replace(estimate, step_time_s=estimate.step_time_s + sum(terms.values()), breakdown_s=breakdown,
                        memory_bytes=memory, peak_memory_bytes=peak, notes=notes,
                        fits=estimate.fits and peak <= self.memory_budget_bytes)
+
+    @staticmethod
+    def _bubble_slots(estimate: Estimate) -> float:
+        """The pipeline bubble in microbatch times of a stage: pp - 1 under 1F1B, (pp - 1) / v
+        interleaved over v chunks; 0 without a pipeline. The fp8 terms of a microbatch are paid
+        by each of the m + this many slots of the critical path."""
+        config = estimate.config
+        bubble_s = estimate.breakdown_s.get("bubble", 0.0)
+        per_microbatch_s = (estimate.breakdown_s.get("compute", 0.0)
+                            + estimate.breakdown_s.get("recompute", 0.0)) / config.num_microbatches
+        if config.pp == 1 or bubble_s <= 0 or per_microbatch_s <= 0:
+            return 0.0
+        return bubble_s / per_microbatch_s
 
     def _gathered_in_float8(self, config: ParallelConfig) -> bool:
         """FSDP gathers the float8 weights (torchao's tensorwise float8 all-gather, where the
