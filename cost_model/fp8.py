@@ -17,9 +17,10 @@ grad_weight, each with its own call), the weight again (grad_input) and the inpu
 (grad_weight) (`matmul_with_hp_or_float8_args.backward`). A weight FSDP2 gathers in float8
 (WeightWithDynamicFloat8CastTensor) arrives cast: its two casts move to its shard before the
 all-gather, from fp32. How the casts run is an input (CastHandling, HANDLINGS): "eager" is the sequence above (autopar's
-runtime); "compiled" is torchao under torch.compile, which fuses each cast's element passes into
+runtime); "compiled" is torchao under torch.compile as torchtitan runs it, which fuses each cast's element passes into
 an amax reduction (read h) and one scale-and-cast pass (read h, write 1): 2h + 1 bytes per element
-in two kernels; "te" is TransformerEngine's per-tensor delayed scaling (Megatron-Core/NeMo), whose
+in two kernels, and all-gathers the sequence-parallel inputs of column-parallel linears in float8
+(Float8ColwiseParallel); "te" is TransformerEngine's per-tensor delayed scaling (Megatron-Core/NeMo), whose
 scale comes from the amax history, so a cast is one pass that also records the amax and writes the
 row-major and the transposed float8 copy the backward reads (read h, write 2); TE casts grad_output
 once (cast-transpose) and keeps the forward's float8 input for the weight gradient, and casts each
@@ -65,6 +66,10 @@ class CastHandling:
     """Weights FSDP gathers are gathered in float8, cast on their shard (torchao's
     enable_fsdp_float8_all_gather under the tensorwise recipe); Megatron's distributed optimizer
     gathers its bf16 parameters (TE's fp8_param_gather off, NeMo's default)."""
+    tp_input_gather_in_float8: bool = False
+    """Sequence-parallel inputs of column-parallel float8 linears are cast on their shard and
+    all-gathered in float8 (torchtitan's Float8ColwiseParallel / PrepareFloat8ModuleInput);
+    autopar's runtime gathers them in bf16 (the plan's redistribution precedes the cast)."""
     amax_reduced_per_step: bool = False
     """Delayed scaling: the amaxes of a step are all-reduced once, together, after it (not one
     all-reduce per cast before it)."""
@@ -83,7 +88,7 @@ class CastHandling:
 
 HANDLINGS = {
     "eager": CastHandling(name="eager", element_passes="eager"),
-    "compiled": CastHandling(name="compiled", element_passes="amax_then_cast"),
+    "compiled": CastHandling(name="compiled", element_passes="amax_then_cast", tp_input_gather_in_float8=True),
     "te": CastHandling(name="te", element_passes="one_pass", layouts_per_cast=2,
                        forward_casts=(("input", 1), ("weight", 1)), backward_casts=(("grad_output", 1),),
                        weight_cast_once_per_step=True, float8_all_gather=False, amax_reduced_per_step=True),

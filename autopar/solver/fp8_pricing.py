@@ -48,6 +48,8 @@ MASTER_BYTES = 4
 @dataclass(frozen=True, kw_only=True)
 class _Linear:
     node: str
+    source: str
+    """The node whose output is the linear's input."""
     fqn: str
     weight_numel: float
     input_per_sample: float
@@ -79,6 +81,7 @@ class Fp8Pricing:
     def __init__(self, graph: OpGraph, choice: Fp8Choice, *, compute: ComputeModel, comm: CommModel,
                  devices_per_node: int, memory_budget_bytes: float, auto: bool = False) -> None:
         self.choice = choice
+        self.graph = graph
         if choice.handling not in fp8_cost.HANDLINGS:
             raise ValueError(f"fp8 cast handling {choice.handling!r} is not one of {sorted(fp8_cost.HANDLINGS)}: "
                              "pick one (\"eager\" is autopar's runtime)")
@@ -101,7 +104,7 @@ class Fp8Pricing:
             kernels = tuple((kernel.flops / batch, kernel.dtype, forward)
                             for forward, group in ((True, op.fwd_kernels), (False, op.bwd_kernels))
                             for kernel in group if kernel.is_matmul)
-            self.linears.append(_Linear(node=node, fqn=fqn, weight_numel=float(shape[0] * shape[1]),
+            self.linears.append(_Linear(node=node, source=op.inputs[0], fqn=fqn, weight_numel=float(shape[0] * shape[1]),
                                         input_per_sample=source.numel / batch,
                                         output_per_sample=op.output.numel / batch,
                                         in_features=shape[1], out_features=shape[0], matmul_flops_per_sample=kernels))
@@ -124,7 +127,8 @@ class Fp8Pricing:
         for linear in self.linears:
             elements, sharded = self._elements(linear, config, placements.get(linear.node))
             bf16_s, fp8_s, bf16_again_s = self._matmul_s(linear, config, sharded["weight"])
-            cast_s = self._cast_s(elements, config, gathered)
+            cast_s = self._cast_s(elements, config, gathered,
+                                  input_on_shard=self._input_gathered_in_float8(linear, config, placements))
             amax_s = self._amax_s(linear, elements, sharded, config, gathered)
             kept = not self.auto or fp8_s + cast_s + amax_s < bf16_s
             found.append(_Priced(linear=linear, elements=elements, bf16_s=bf16_s, fp8_s=fp8_s, bf16_again_s=bf16_again_s,
@@ -170,6 +174,15 @@ class Fp8Pricing:
             if saved:
                 notes += (f"fp8: FSDP2 gathers {len(kept)} float8 weights at 1 byte per element; "
                           f"dp.all_gather priced {saved:.3g} s lower",)
+        if self.handling.tp_input_gather_in_float8 and kept and breakdown.get("tp.all_gather"):
+            fraction = self._float8_gathered_fraction(config, strategies, {item.linear.node for item in kept})
+            saved = breakdown["tp.all_gather"] * fraction * (COMPUTE_BYTES - fp8_cost.FP8_BYTES) / COMPUTE_BYTES
+            breakdown["tp.all_gather"] -= saved
+            terms["tp.all_gather"] = -saved
+            if saved:
+                notes += (f"fp8: the sequence-parallel inputs of column-parallel float8 linears are all-gathered in "
+                          f"float8 ({100 * fraction:.0f}% of the tp all-gather bytes at 1 byte per element); "
+                          f"tp.all_gather priced {saved:.3g} s lower",)
         if fp8_matmul_s:
             m, pp = config.num_microbatches, config.pp
             breakdown["compute"] = breakdown.get("compute", 0.0) - m * (bf16_matmul_s - again_s) / pp
@@ -189,6 +202,33 @@ class Fp8Pricing:
         return replace(estimate, step_time_s=estimate.step_time_s + sum(terms.values()), breakdown_s=breakdown,
                        memory_bytes=memory, peak_memory_bytes=peak, notes=notes,
                        fits=estimate.fits and peak <= self.memory_budget_bytes)
+
+    def _float8_gathered_fraction(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict],
+                                  float8_nodes: set[str]) -> float:
+        """Share of the tp all-gather bytes that are inputs of float8 linears: of the forward's
+        gathers (a sharded output read replicated) and the backward's (each forward reduce-scatter,
+        a partial output read sharded, gathers its gradient back), those gathered for a float8
+        linear's input, each gathered tensor counted once."""
+        placements = strategies(config) if config.tp > 1 else {}
+        gathered: dict[str, float] = {}
+        scattered: dict[str, float] = {}
+        float8_inputs: set[str] = set()
+        for node in self.graph.calls():
+            strategy = placements.get(node.name)
+            inputs = getattr(strategy, "inputs", ())
+            for index, source in enumerate(node.inputs):
+                producer = placements.get(source)
+                if producer is None or index >= len(inputs) or not inputs[index] or not producer.output:
+                    continue
+                made, read = producer.output[0], inputs[index][0]
+                if made.startswith("S") and read == "R":
+                    gathered[source] = self.graph[source].output.numel
+                    if node.name in float8_nodes and index == 0:
+                        float8_inputs.add(source)
+                elif made == "P" and read.startswith("S"):
+                    scattered[source] = self.graph[source].output.numel
+        total = sum(gathered.values()) + sum(scattered.values())
+        return sum(gathered[name] for name in float8_inputs) / total if total else 0.0
 
     @staticmethod
     def _bubble_slots(estimate: Estimate) -> float:
@@ -248,13 +288,26 @@ class Fp8Pricing:
             fp8_s += runs * flops / fp8_rate
         return bf16_s, fp8_s, again_s
 
-    def _cast_s(self, elements, config: ParallelConfig, gathered: bool) -> float:
+    def _input_gathered_in_float8(self, linear: _Linear, config: ParallelConfig, placements: dict) -> bool:
+        """The handling gathers this linear's sequence-parallel input in float8: its forward cast
+        runs on the shard before the all-gather (CastHandling.tp_input_gather_in_float8)."""
+        if not self.handling.tp_input_gather_in_float8 or config.tp == 1:
+            return False
+        producer, strategy = placements.get(linear.source), placements.get(linear.node)
+        inputs = getattr(strategy, "inputs", ())
+        if producer is None or not producer.output or not inputs or not inputs[0]:
+            return False
+        return producer.output[0].startswith("S") and inputs[0][0] == "R"
+
+    def _cast_s(self, elements, config: ParallelConfig, gathered: bool, input_on_shard: bool = False) -> float:
         handling = self.handling
         count = fp8_cost.cast_elements(elements, weight_precast=gathered, handling=handling)
         casts = fp8_cost.num_casts(weight_precast=gathered, handling=handling)
+        forward_input = elements.input / config.tp if input_on_shard else elements.input
+        count -= elements.input - forward_input  # the forward's cast of a float8-gathered input: its shard
         if config.recompute == "full":  # the forward's input (and weight) casts run again
             weight_again = not gathered and not handling.weight_cast_once_per_step
-            count += elements.input + (elements.weight if weight_again else 0)
+            count += forward_input + (elements.weight if weight_again else 0)
             casts += 2 if weight_again else 1
         return fp8_cost.cast_time_s(count, casts, source_bytes=COMPUTE_BYTES,
                                     bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s,

@@ -65,19 +65,20 @@ def test_full_recomputation_casts_the_forward_again():
     assert full["fp8.cast"] > plain["fp8.cast"] and full["fp8.matmul"] > plain["fp8.matmul"]
 
 
-def _with_handling(handling: str, **config):
-    """The fp8 terms of SPEC with every linear in float8, the casts run as `handling` runs them."""
+def _with_handling(handling: str, everything: bool = False, spec: str = SPEC, **config):
+    """The fp8 terms (`everything`: all terms) of SPEC with every linear in float8, the casts run
+    as `handling` runs them."""
     from dataclasses import replace
 
     from autopar.plans.planning import planner_for
     from autopar.solver.search import Planner
 
-    planner = planner_for(SPEC, None, "dgx-h100:gpus_per_node=4", global_batch=8, precision="fp8",
+    planner = planner_for(spec, None, "dgx-h100:gpus_per_node=4", global_batch=8, precision="fp8",
                           fp8_filter=every_linear)
     again = Planner(planner.graph, planner.cluster, global_batch=8, policy=planner.policy, precision="fp8",
                     fp8=replace(planner.fp8, handling=handling))
     estimate, _ = again.evaluate(autopar_config(again, **config))
-    return {name: seconds for name, seconds in estimate.breakdown_s.items() if name.startswith("fp8")}
+    return {name: seconds for name, seconds in estimate.breakdown_s.items() if everything or name.startswith("fp8")}
 
 
 def autopar_config(planner, **config):
@@ -108,3 +109,21 @@ def test_an_unknown_cast_handling_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="'jit' is not one of .*eager"):
         Fp8Pricing(None, Fp8Choice(handling="jit"), compute=None, comm=None, devices_per_node=8,
                    memory_budget_bytes=1.0)
+
+
+LLAMA = "llama:layers=2,hidden=2048,heads=16,kv_heads=4,ffn_hidden=5632,vocab=1024,seq=4096"
+
+
+def test_torchtitans_float8_tensor_parallelism_gathers_float8_inputs_cast_on_their_shard():
+    """Under "compiled" (torchtitan: Float8ColwiseParallel) a column-parallel linear's
+    sequence-parallel input is cast on its shard and all-gathered at 1 byte per element; autopar's
+    runtime gathers bf16 and casts the gathered input."""
+    eager = _with_handling("eager", everything=True, spec=LLAMA, tp=2)
+    compiled = _with_handling("compiled", everything=True, spec=LLAMA, tp=2)
+    assert compiled["tp.all_gather"] < eager["tp.all_gather"]
+    # Only the forward gathers of float8 inputs move at half the bytes, not the backward's gathers of
+    # the gradients of reduce-scattered outputs: 5 of 9 gathered tensors here (4 layer inputs, the head's).
+    assert compiled["tp.all_gather"] == pytest.approx(eager["tp.all_gather"] * (1 - 5 / 9 / 2))
+    assert compiled["tp.reduce_scatter"] == pytest.approx(eager["tp.reduce_scatter"])
+    te = _with_handling("te", everything=True, spec=LLAMA, tp=2)
+    assert te["tp.all_gather"] == pytest.approx(eager["tp.all_gather"])
