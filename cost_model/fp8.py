@@ -25,7 +25,9 @@ scale comes from the amax history, so a cast is one pass that also records the a
 row-major and the transposed float8 copy the backward reads (read h, write 2); TE casts grad_output
 once (cast-transpose) and keeps the forward's float8 input for the weight gradient, and casts each
 weight once per step (its first microbatch; the float8 weight and its transpose are kept for the
-rest). Matmuls run at the device's "fp8" peak (FP8 tensor cores; a measured bf16
+rest: memory `fp8.weights`, two float8 bytes per weight element), and a linear fed by a norm gets
+its input in float8 from the norm kernel (LayerNormLinear), no cast; what TE saves for backward
+is the float8 input (memory: the linears' saved inputs at 1 byte per element). Matmuls run at the device's "fp8" peak (FP8 tensor cores; a measured bf16
 rate is scaled by the datasheet's fp8/bf16 ratio); a device without them emulates (dequantised
 matmuls at the bf16 rate).
 
@@ -70,6 +72,12 @@ class CastHandling:
     """Sequence-parallel inputs of column-parallel float8 linears are cast on their shard and
     all-gathered in float8 (torchtitan's Float8ColwiseParallel / PrepareFloat8ModuleInput);
     autopar's runtime gathers them in bf16 (the plan's redistribution precedes the cast)."""
+    norm_fused_input_cast: bool = False
+    """A linear whose input is a normalization's output gets it in float8 from the norm kernel
+    (TE's LayerNormLinear: the norm writes the float8 copies instead of its bf16 output), no cast."""
+    saves_float8_inputs: bool = False
+    """Backward reads the forward's float8 input (TE saves it, 1 byte per element); torchao saves
+    the high-precision input and casts it again."""
     amax_reduced_per_step: bool = False
     """Delayed scaling: the amaxes of a step are all-reduced once, together, after it (not one
     all-reduce per cast before it)."""
@@ -91,7 +99,8 @@ HANDLINGS = {
     "compiled": CastHandling(name="compiled", element_passes="amax_then_cast", tp_input_gather_in_float8=True),
     "te": CastHandling(name="te", element_passes="one_pass", layouts_per_cast=2,
                        forward_casts=(("input", 1), ("weight", 1)), backward_casts=(("grad_output", 1),),
-                       weight_cast_once_per_step=True, float8_all_gather=False, amax_reduced_per_step=True),
+                       weight_cast_once_per_step=True, float8_all_gather=False, norm_fused_input_cast=True,
+                       saves_float8_inputs=True, amax_reduced_per_step=True),
 }
 """The cast handlings a price can be asked for: autopar's runtime is "eager" (torchao without
 torch.compile); published runs are priced with the handling their framework ran."""
@@ -157,6 +166,14 @@ def all_gather_bytes_saved(weight_numel: float, param_bytes: int) -> float:
     """Bytes per gathered element FSDP2 no longer moves when it gathers a weight in float8
     instead of in the compute dtype (`param_bytes`), times the weight's elements."""
     return weight_numel * (param_bytes - FP8_BYTES)
+
+
+def held_weight_bytes(weight_elements: float, handling: CastHandling | None = None) -> float:
+    """Float8 weight copies kept through the step (TE casts once per step and keeps them): one
+    byte per element per layout; 0 where the handling casts per use."""
+    if handling is None or not handling.weight_cast_once_per_step:
+        return 0.0
+    return weight_elements * handling.layouts_per_cast * FP8_BYTES
 
 
 def transient_bytes(linear: Fp8LinearElements) -> float:

@@ -14,7 +14,9 @@ Terms (each named in the plan's breakdown; hardware figures from cost_model/fp8.
   gather adds one all-reduce of every weight's amax per step (the scales precomputed).
 - FSDP2 gathers the float8 weights at 1 byte per element instead of the compute dtype's 2: the
   exposed `dp.all_gather` terms shrink by their bytes' share (a note says so).
-- memory `fp8.copies`: the float8 copies alive around one linear's matmuls. What a float8 linear
+- memory `fp8.copies`: the float8 copies alive around one linear's matmuls; `fp8.weights`: the
+  float8 weights a handling keeps through the step (TE); `fp8.saved_inputs` (negative): TE saves
+  the linears' float8 inputs for backward, not the bf16 ones (without recomputation). What a float8 linear
   saves for backward is the high-precision input and weight (torchao saves those, not the float8
   copies), as a bf16 linear does: nothing to add.
 
@@ -45,11 +47,35 @@ MASTER_BYTES = 4
 """fp32 master weight shards (what FSDP2's float8 gather casts)."""
 
 
+def _float8_saved_input_share(graph: OpGraph, float8_nodes: set[str]) -> float:
+    """Bytes of the tensors saved for backward that only float8 linears save (their inputs), over
+    all saved bytes (OpGraph.saved_activation_bytes: each storage once)."""
+    total = graph.saved_activation_bytes()
+    if not total or not float8_nodes:
+        return 0.0
+    savers: dict[str, set[str]] = {}
+    for node in graph.calls():
+        sources = [node.inputs[index] for index in node.saved_inputs] + ([node.name] if node.saved_output else [])
+        for source in sources:
+            root = graph.storage_root(source)
+            if graph[root].kind == "call":
+                savers.setdefault(root, set()).add(node.name)
+    only_float8 = [root for root, nodes in savers.items() if nodes <= float8_nodes]
+    return sum(graph[root].output.nbytes for root in only_float8) / total
+
+
+def _is_norm(graph: OpGraph, name: str) -> bool:
+    node = graph[name]
+    return node.kind == "call" and ("rms_norm" in node.target or "layer_norm" in node.target)
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Linear:
     node: str
     source: str
     """The node whose output is the linear's input."""
+    after_norm: bool
+    """The input is a normalization's output (rms_norm, layer_norm)."""
     fqn: str
     weight_numel: float
     input_per_sample: float
@@ -104,10 +130,13 @@ class Fp8Pricing:
             kernels = tuple((kernel.flops / batch, kernel.dtype, forward)
                             for forward, group in ((True, op.fwd_kernels), (False, op.bwd_kernels))
                             for kernel in group if kernel.is_matmul)
-            self.linears.append(_Linear(node=node, source=op.inputs[0], fqn=fqn, weight_numel=float(shape[0] * shape[1]),
+            self.linears.append(_Linear(node=node, source=op.inputs[0], after_norm=_is_norm(graph, op.inputs[0]),
+                                        fqn=fqn, weight_numel=float(shape[0] * shape[1]),
                                         input_per_sample=source.numel / batch,
                                         output_per_sample=op.output.numel / batch,
                                         in_features=shape[1], out_features=shape[0], matmul_flops_per_sample=kernels))
+        self.saved_input_share = _float8_saved_input_share(graph, {linear.node for linear in self.linears})
+        """Of the activations saved for backward: the inputs only float8 linears save (bytes)."""
         self.param_numel = max(float(sum(param.meta.numel for param in graph.params if param.trainable)), 1.0)
 
     @property
@@ -128,7 +157,8 @@ class Fp8Pricing:
             elements, sharded = self._elements(linear, config, placements.get(linear.node))
             bf16_s, fp8_s, bf16_again_s = self._matmul_s(linear, config, sharded["weight"])
             cast_s = self._cast_s(elements, config, gathered,
-                                  input_on_shard=self._input_gathered_in_float8(linear, config, placements))
+                                  input_on_shard=self._input_gathered_in_float8(linear, config, placements),
+                                  input_from_norm=self.handling.norm_fused_input_cast and linear.after_norm)
             amax_s = self._amax_s(linear, elements, sharded, config, gathered)
             kept = not self.auto or fp8_s + cast_s + amax_s < bf16_s
             found.append(_Priced(linear=linear, elements=elements, bf16_s=bf16_s, fp8_s=fp8_s, bf16_again_s=bf16_again_s,
@@ -197,8 +227,14 @@ class Fp8Pricing:
                 terms["bubble"] = bubble_s
         breakdown.update({name: seconds for name, seconds in terms.items()
                           if seconds and name.startswith("fp8.")})
-        memory = {**estimate.memory_bytes, **({"fp8.copies": copies} if copies else {})}
-        peak = estimate.peak_memory_bytes + copies
+        weights = fp8_cost.held_weight_bytes(held_weight / config.pp, self.handling)
+        saved = 0.0
+        if self.handling.saves_float8_inputs and kept and config.recompute == "none":
+            share = self.saved_input_share * len(kept) / max(len(self.linears), 1)
+            saved = estimate.memory_bytes.get("activations", 0.0) * share * (1 - fp8_cost.FP8_BYTES / COMPUTE_BYTES)
+        memory = {**estimate.memory_bytes, **({"fp8.copies": copies} if copies else {}),
+                  **({"fp8.weights": weights} if weights else {}), **({"fp8.saved_inputs": -saved} if saved else {})}
+        peak = estimate.peak_memory_bytes + copies + weights - saved
         return replace(estimate, step_time_s=estimate.step_time_s + sum(terms.values()), breakdown_s=breakdown,
                        memory_bytes=memory, peak_memory_bytes=peak, notes=notes,
                        fits=estimate.fits and peak <= self.memory_budget_bytes)
@@ -299,16 +335,20 @@ class Fp8Pricing:
             return False
         return producer.output[0].startswith("S") and inputs[0][0] == "R"
 
-    def _cast_s(self, elements, config: ParallelConfig, gathered: bool, input_on_shard: bool = False) -> float:
+    def _cast_s(self, elements, config: ParallelConfig, gathered: bool, input_on_shard: bool = False,
+                input_from_norm: bool = False) -> float:
         handling = self.handling
         count = fp8_cost.cast_elements(elements, weight_precast=gathered, handling=handling)
         casts = fp8_cost.num_casts(weight_precast=gathered, handling=handling)
         forward_input = elements.input / config.tp if input_on_shard else elements.input
+        if input_from_norm:  # the norm kernel writes the float8 input: no cast of it
+            forward_input = 0.0
+            casts -= 1
         count -= elements.input - forward_input  # the forward's cast of a float8-gathered input: its shard
         if config.recompute == "full":  # the forward's input (and weight) casts run again
             weight_again = not gathered and not handling.weight_cast_once_per_step
             count += forward_input + (elements.weight if weight_again else 0)
-            casts += 2 if weight_again else 1
+            casts += (1 if forward_input else 0) + (1 if weight_again else 0)
         return fp8_cost.cast_time_s(count, casts, source_bytes=COMPUTE_BYTES,
                                     bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s,
                                     kernel_overhead_s=self.compute.overhead_s, handling=handling)

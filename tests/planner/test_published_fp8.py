@@ -39,11 +39,16 @@ def test_each_framework_is_priced_with_its_cast_handling():
 
 
 @pytest.mark.parametrize("name", [run.id for run in RUNS])
-def test_every_row_prices_and_fits(outcomes, name):
+def test_every_row_is_predicted_to_fit(outcomes, name):
+    estimate = outcomes[name].estimate
+    assert estimate.fits, f"{name} ran, so it must be predicted to fit: {estimate.memory_bytes}"
+
+
+@pytest.mark.parametrize("name", [run.id for run in RUNS])
+def test_every_row_prices(outcomes, name):
     outcome = outcomes[name]
     estimate = outcome.estimate
     assert math.isfinite(outcome.predicted) and outcome.predicted > 0
-    assert estimate.fits, f"{name} ran, so it must be predicted to fit: {estimate.memory_bytes}"
     assert estimate.breakdown_s["fp8.matmul"] > 0 and estimate.breakdown_s["fp8.cast"] > 0
     assert estimate.breakdown_s["compute"] >= 0 and estimate.breakdown_s.get("recompute", 0.0) >= 0
     # The handling is an input: the framework's fused casts cost less than autopar's eager ones.

@@ -127,3 +127,26 @@ def test_torchtitans_float8_tensor_parallelism_gathers_float8_inputs_cast_on_the
     assert compiled["tp.reduce_scatter"] == pytest.approx(eager["tp.reduce_scatter"])
     te = _with_handling("te", everything=True, spec=LLAMA, tp=2)
     assert te["tp.all_gather"] == pytest.approx(eager["tp.all_gather"])
+
+
+def test_transformer_engine_keeps_float8_weights_and_saves_float8_inputs():
+    """TE casts each weight once per step and keeps it with its transpose (2 bytes per weight
+    element), and saves the float8 input for backward (half the bf16 bytes of the inputs only
+    float8 linears save); torchao (eager, compiled) does neither."""
+    from dataclasses import replace
+
+    from autopar.plans.planning import planner_for
+    from autopar.solver.search import Planner
+
+    base = planner_for(SPEC, None, "dgx-h100:gpus_per_node=4", global_batch=8, precision="fp8",
+                       fp8_filter=every_linear)
+    memory = {}
+    for handling in ("eager", "te"):
+        planner = Planner(base.graph, base.cluster, global_batch=8, policy=base.policy, precision="fp8",
+                          fp8=replace(base.fp8, handling=handling))
+        estimate, _ = planner.evaluate(autopar_config(planner))
+        memory[handling] = estimate.memory_bytes
+    per_layer = 4 * 1024 * 1024 + 2 * 1024 * 4096  # q, k, v, o; fc_in, fc_out (every linear, by the filter)
+    assert memory["te"]["fp8.weights"] == 2 * 2 * per_layer  # two layers, two float8 layouts
+    assert 0 < -memory["te"]["fp8.saved_inputs"] < memory["te"]["activations"] / 2
+    assert "fp8.weights" not in memory["eager"] and "fp8.saved_inputs" not in memory["eager"]
