@@ -12,9 +12,11 @@ filter and Megatron's output layer keep it), the row's scaling recipe (precision
 input of the price (cost_model/fp8.py HANDLINGS):
 
 - torchtitan with torch.compile on (the notes say "torch.compile on"): "compiled", torchao's casts
-  fused by inductor into an amax reduction and one scale-and-cast pass;
+  fused by inductor into an amax reduction and one scale-and-cast pass, and sequence-parallel
+  inputs of column-parallel linears cast on their shard and all-gathered in float8;
 - NeMo / Megatron-Core (TransformerEngine): "te", per-tensor delayed scaling, one-pass casts with
-  their transposes, grad_output cast once, weights cast once per step;
+  their transposes, grad_output cast once, norm-fed inputs written in float8 by the norm, weights
+  cast once per step and kept (memory), float8 inputs saved for backward (memory);
 - otherwise "eager", autopar's own runtime (torchao without torch.compile).
 
 Each row prints the prediction as run, the same configuration priced for autopar's eager runtime
@@ -22,7 +24,8 @@ Each row prints the prediction as run, the same configuration priced for autopar
 against the measured one where the notes state it. The reference numbers are only read here, to
 compare; the product never sees them.
 
-Left out: DeepSeek-V3 (arXiv 2412.19437): its FP8 recipe is blockwise (1 x 128 activation tiles,
+Left out: torchao's README float8 table (8 H100s, Llama 3 8B, tensorwise 7689.5 and rowwise 6768
+tokens/s) does not say which H100 (SXM or the 500 W HBM2e part) ran it. DeepSeek-V3 (arXiv 2412.19437): its FP8 recipe is blockwise (1 x 128 activation tiles,
 128 x 128 weight blocks), neither torchao's tensorwise nor rowwise, and the report gives GPU-hours
 per trillion tokens on 2,048 H800s (a GPU autopar has no preset for) rather than a step time of a
 stated configuration (the DualPipe schedule, MLA and the 61-layer MoE shape are not built-in).
