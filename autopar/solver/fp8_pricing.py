@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from autopar.errors import ConfigError
 from autopar.graph import OpGraph
 from autopar.mesh import Mesh
 from autopar.solver.configs import Estimate, ParallelConfig
@@ -109,7 +110,7 @@ class Fp8Pricing:
         self.choice = choice
         self.graph = graph
         if choice.handling not in fp8_cost.HANDLINGS:
-            raise ValueError(f"fp8 cast handling {choice.handling!r} is not one of {sorted(fp8_cost.HANDLINGS)}: "
+            raise ConfigError(f"fp8 cast handling {choice.handling!r} is not one of {sorted(fp8_cost.HANDLINGS)}: "
                              "pick one (\"eager\" is autopar's runtime)")
         self.handling = fp8_cost.HANDLINGS[choice.handling]
         """How the casts run: "eager" for autopar's runtime (cost_model/fp8.py HANDLINGS)."""

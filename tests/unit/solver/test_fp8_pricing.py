@@ -102,11 +102,11 @@ def test_the_cast_handling_is_an_input_of_the_price():
 
 
 def test_an_unknown_cast_handling_is_refused_with_the_choices():
-    from autopar.graph import OpGraph  # noqa: F401 (the pricing reads a captured graph)
+    from autopar.errors import ConfigError
     from autopar.solver.fp8 import Fp8Choice
     from autopar.solver.fp8_pricing import Fp8Pricing
 
-    with pytest.raises(ValueError, match="'jit' is not one of .*eager"):
+    with pytest.raises(ConfigError, match="'jit' is not one of .*eager"):
         Fp8Pricing(None, Fp8Choice(handling="jit"), compute=None, comm=None, devices_per_node=8,
                    memory_budget_bytes=1.0)
 
