@@ -25,8 +25,8 @@ against the measured one where the notes state it. The reference numbers are onl
 compare; the product never sees them.
 
 Left out: torchao's README float8 table (8 H100s, Llama 3 8B, tensorwise 7689.5 and rowwise 6768
-tokens/s) does not say which H100 (SXM or the 500 W HBM2e part) ran it. DeepSeek-V3 (arXiv 2412.19437): its FP8 recipe is blockwise (1 x 128 activation tiles,
-128 x 128 weight blocks), neither torchao's tensorwise nor rowwise, and the report gives GPU-hours
+tokens/s) does not say which H100 (SXM or the 500 W HBM2e part) ran it. DeepSeek-V3 (arXiv
+2412.19437): its FP8 recipe is blockwise (1 x 128 activation tiles, 128 x 128 weight blocks), neither torchao's tensorwise nor rowwise, and the report gives GPU-hours
 per trillion tokens on 2,048 H800s (a GPU autopar has no preset for) rather than a step time of a
 stated configuration (the DualPipe schedule, MLA and the 61-layer MoE shape are not built-in).
 """
@@ -143,7 +143,8 @@ def _row(outcome: Fp8Outcome) -> str:
     memory_error = (f"{100 * (estimate.peak_memory_bytes / run.measured_memory_bytes - 1):+.0f}%"
                     if run.measured_memory_bytes else "-")
     return (f"| {run.id} | {recipe_of(run)}, {outcome.handling} | {run.published:g} | {outcome.predicted:.4g} | "
-            f"{100 * outcome.error:+.1f}% | {eager:.4g} ({100 * (eager / run.published - 1):+.1f}%) | {bf16} | {gain} | "
+            f"{100 * outcome.error:+.1f}% | {eager:.4g} ({100 * (eager / run.published - 1):+.1f}%) | "
+            f"{bf16} | {gain} | "
             f"{estimate.peak_memory_bytes / gib:.1f} | {measured} | {memory_error} | "
             f"{'yes' if estimate.fits else 'NO'} | {outcome.seconds:.1f} |")
 

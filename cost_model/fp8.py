@@ -16,18 +16,22 @@ the weight for the forward matmul; in backward grad_output twice (for grad_input
 grad_weight, each with its own call), the weight again (grad_input) and the input again
 (grad_weight) (`matmul_with_hp_or_float8_args.backward`). A weight FSDP2 gathers in float8
 (WeightWithDynamicFloat8CastTensor) arrives cast: its two casts move to its shard before the
-all-gather, from fp32. How the casts run is an input (CastHandling, HANDLINGS): "eager" is the sequence above (autopar's
-runtime); "compiled" is torchao under torch.compile as torchtitan runs it, which fuses each cast's element passes into
-an amax reduction (read h) and one scale-and-cast pass (read h, write 1): 2h + 1 bytes per element
-in two kernels, and all-gathers the sequence-parallel inputs of column-parallel linears in float8
-(Float8ColwiseParallel); "te" is TransformerEngine's per-tensor delayed scaling (Megatron-Core/NeMo), whose
-scale comes from the amax history, so a cast is one pass that also records the amax and writes the
-row-major and the transposed float8 copy the backward reads (read h, write 2); TE casts grad_output
-once (cast-transpose) and keeps the forward's float8 input for the weight gradient, and casts each
-weight once per step (its first microbatch; the float8 weight and its transpose are kept for the
-rest: memory `fp8.weights`, two float8 bytes per weight element), and a linear fed by a norm gets
-its input in float8 from the norm kernel (LayerNormLinear), no cast; what TE saves for backward
-is the float8 input (memory: the linears' saved inputs at 1 byte per element). Matmuls run at the device's "fp8" peak (FP8 tensor cores; a measured bf16
+all-gather, from fp32.
+
+How the casts run is an input (CastHandling, HANDLINGS). "eager" is the sequence above (autopar's
+runtime). "compiled" is torchao under torch.compile as torchtitan runs it: inductor fuses each
+cast's element passes into an amax reduction (read h) and one scale-and-cast pass (read h, write
+1), 2h + 1 bytes per element in two kernels, and torchtitan all-gathers the sequence-parallel
+inputs of column-parallel linears in float8 (Float8ColwiseParallel). "te" is TransformerEngine's
+per-tensor delayed scaling (Megatron-Core/NeMo): the scale comes from the amax history, so a cast
+is one pass that also records the amax and writes the row-major and the transposed float8 copy
+the backward reads (read h, write 2); grad_output is cast once (cast-transpose), the forward's
+float8 input is kept for the weight gradient (what is saved for backward: 1 byte per element),
+each weight is cast once per step (its first microbatch; the float8 weight and its transpose are
+kept for the rest: memory `fp8.weights`, two bytes per weight element), and a linear fed by a norm
+gets its input in float8 from the norm kernel (LayerNormLinear), no cast.
+
+Matmuls run at the device's "fp8" peak (FP8 tensor cores; a measured bf16
 rate is scaled by the datasheet's fp8/bf16 ratio); a device without them emulates (dequantised
 matmuls at the bf16 rate).
 

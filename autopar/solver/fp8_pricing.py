@@ -9,7 +9,8 @@ Terms (each named in the plan's breakdown; hardware figures from cost_model/fp8.
   cost_model/fp8.py HANDLINGS), eager: six per linear and microbatch (two fewer for weights FSDP2 gathers
   in float8), from each rank's share of the operands under the plan's placements; with FSDP2's
   float8 all-gather, the cast of each weight shard before every gather.
-- `fp8.amax`: (delayed scaling, "te": one all-reduce of the step's amaxes over tp) tensorwise scaling of a tensor sharded over tp is an amax all-reduce across the tp
+- `fp8.amax`: (delayed scaling, "te": one all-reduce of the step's amaxes over tp) tensorwise
+  scaling of a tensor sharded over tp is an amax all-reduce across the tp
   ranks per cast (rowwise: one scale per row, all-reduced when the row is split); FSDP2's float8
   gather adds one all-reduce of every weight's amax per step (the scales precomputed).
 - FSDP2 gathers the float8 weights at 1 byte per element instead of the compute dtype's 2: the
@@ -162,8 +163,8 @@ class Fp8Pricing:
                                   input_from_norm=self.handling.norm_fused_input_cast and linear.after_norm)
             amax_s = self._amax_s(linear, elements, sharded, config, gathered)
             kept = not self.auto or fp8_s + cast_s + amax_s < bf16_s
-            found.append(_Priced(linear=linear, elements=elements, bf16_s=bf16_s, fp8_s=fp8_s, bf16_again_s=bf16_again_s,
-                                 cast_s=cast_s,
+            found.append(_Priced(linear=linear, elements=elements, bf16_s=bf16_s, fp8_s=fp8_s,
+                                 bf16_again_s=bf16_again_s, cast_s=cast_s,
                                  amax_s=amax_s, kept=kept))
         return found
 
