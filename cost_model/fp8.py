@@ -16,7 +16,22 @@ the weight for the forward matmul; in backward grad_output twice (for grad_input
 grad_weight, each with its own call), the weight again (grad_input) and the input again
 (grad_weight) (`matmul_with_hp_or_float8_args.backward`). A weight FSDP2 gathers in float8
 (WeightWithDynamicFloat8CastTensor) arrives cast: its two casts move to its shard before the
-all-gather, from fp32. Matmuls run at the device's "fp8" peak (FP8 tensor cores; a measured bf16
+all-gather, from fp32.
+
+How the casts run is an input (CastHandling, HANDLINGS). "eager" is the sequence above (autopar's
+runtime). "compiled" is torchao under torch.compile as torchtitan runs it: inductor fuses each
+cast's element passes into an amax reduction (read h) and one scale-and-cast pass (read h, write
+1), 2h + 1 bytes per element in two kernels, and torchtitan all-gathers the sequence-parallel
+inputs of column-parallel linears in float8 (Float8ColwiseParallel). "te" is TransformerEngine's
+per-tensor delayed scaling (Megatron-Core/NeMo): the scale comes from the amax history, so a cast
+is one pass that also records the amax and writes the row-major and the transposed float8 copy
+the backward reads (read h, write 2); grad_output is cast once (cast-transpose), the forward's
+float8 input is kept for the weight gradient (what is saved for backward: 1 byte per element),
+each weight is cast once per step (its first microbatch; the float8 weight and its transpose are
+kept for the rest: memory `fp8.weights`, two bytes per weight element), and a linear fed by a norm
+gets its input in float8 from the norm kernel (LayerNormLinear), no cast.
+
+Matmuls run at the device's "fp8" peak (FP8 tensor cores; a measured bf16
 rate is scaled by the datasheet's fp8/bf16 ratio); a device without them emulates (dequantised
 matmuls at the bf16 rate).
 
@@ -39,6 +54,62 @@ FORWARD_CASTS = {"input": 1, "weight": 1}
 BACKWARD_CASTS = {"grad_output": 2, "weight": 1, "input": 1}
 
 
+@dataclass(frozen=True, kw_only=True)
+class CastHandling:
+    """How a framework runs float8 casts (see the module docstring)."""
+
+    name: str
+    element_passes: str
+    """"eager": torchao's op-by-op sequence; "amax_then_cast": an amax reduction, then one fused
+    scale-and-cast pass; "one_pass": the cast reads the source once (delayed scaling)."""
+    layouts_per_cast: int = 1
+    """float8 copies one cast writes (TE writes the row-major one and its transpose together)."""
+    forward_casts: tuple[tuple[str, int], ...] = tuple(FORWARD_CASTS.items())
+    backward_casts: tuple[tuple[str, int], ...] = tuple(BACKWARD_CASTS.items())
+    weight_cast_once_per_step: bool = False
+    """The float8 weight is cast on the step's first microbatch and kept (TE's is_first_microbatch)."""
+    float8_all_gather: bool = True
+    """Weights FSDP gathers are gathered in float8, cast on their shard (torchao's
+    enable_fsdp_float8_all_gather under the tensorwise recipe); Megatron's distributed optimizer
+    gathers its bf16 parameters (TE's fp8_param_gather off, NeMo's default)."""
+    tp_input_gather_in_float8: bool = False
+    """Sequence-parallel inputs of column-parallel float8 linears are cast on their shard and
+    all-gathered in float8 (torchtitan's Float8ColwiseParallel / PrepareFloat8ModuleInput);
+    autopar's runtime gathers them in bf16 (the plan's redistribution precedes the cast)."""
+    norm_fused_input_cast: bool = False
+    """A linear whose input is a normalization's output gets it in float8 from the norm kernel
+    (TE's LayerNormLinear: the norm writes the float8 copies instead of its bf16 output), no cast."""
+    saves_float8_inputs: bool = False
+    """Backward reads the forward's float8 input (TE saves it, 1 byte per element); torchao saves
+    the high-precision input and casts it again."""
+    amax_reduced_per_step: bool = False
+    """Delayed scaling: the amaxes of a step are all-reduced once, together, after it (not one
+    all-reduce per cast before it)."""
+
+    def bytes_per_element(self, source_bytes: int) -> float:
+        if self.element_passes == "eager":
+            return cast_bytes_per_element(source_bytes)
+        reads = 2 if self.element_passes == "amax_then_cast" else 1
+        return reads * source_bytes + self.layouts_per_cast * FP8_BYTES
+
+    def kernels(self, source_bytes: int) -> int:
+        if self.element_passes == "eager":
+            return cast_kernels(source_bytes)
+        return 2 if self.element_passes == "amax_then_cast" else 1
+
+
+HANDLINGS = {
+    "eager": CastHandling(name="eager", element_passes="eager"),
+    "compiled": CastHandling(name="compiled", element_passes="amax_then_cast", tp_input_gather_in_float8=True),
+    "te": CastHandling(name="te", element_passes="one_pass", layouts_per_cast=2,
+                       forward_casts=(("input", 1), ("weight", 1)), backward_casts=(("grad_output", 1),),
+                       weight_cast_once_per_step=True, float8_all_gather=False, norm_fused_input_cast=True,
+                       saves_float8_inputs=True, amax_reduced_per_step=True),
+}
+"""The cast handlings a price can be asked for: autopar's runtime is "eager" (torchao without
+torch.compile); published runs are priced with the handling their framework ran."""
+
+
 def cast_bytes_per_element(source_bytes: int) -> float:
     """Bytes an eager torchao cast moves per element of an `source_bytes`-byte tensor."""
     widen = 0 if source_bytes == 4 else source_bytes + 4
@@ -58,34 +129,55 @@ class Fp8LinearElements:
     grad_output: float
 
 
-def cast_elements(linear: Fp8LinearElements, *, weight_precast: bool) -> float:
+def _counts(handling: CastHandling | None) -> dict[str, int]:
+    handling = handling or HANDLINGS["eager"]
+    counts: dict[str, int] = {}
+    for operand, count in handling.forward_casts + handling.backward_casts:
+        counts[operand] = counts.get(operand, 0) + count
+    return counts
+
+
+def cast_elements(linear: Fp8LinearElements, *, weight_precast: bool, handling: CastHandling | None = None) -> float:
     """Elements cast per microbatch (forward and backward) from the compute dtype; a weight
-    gathered in float8 is not cast here (see weight_shard_cast_bytes)."""
-    total = 0.0
-    for counts in (FORWARD_CASTS, BACKWARD_CASTS):
-        for operand, count in counts.items():
-            if operand == "weight" and weight_precast:
-                continue
-            total += count * getattr(linear, operand)
-    return total
+    gathered in float8, or cast once per step (handling.weight_cast_once_per_step), is not cast
+    here."""
+    skip_weight = weight_precast or (handling is not None and handling.weight_cast_once_per_step)
+    return sum(count * getattr(linear, operand) for operand, count in _counts(handling).items()
+               if not (operand == "weight" and skip_weight))
 
 
-def num_casts(*, weight_precast: bool) -> int:
-    counts = sum(FORWARD_CASTS.values()) + sum(BACKWARD_CASTS.values())
-    return counts - (FORWARD_CASTS["weight"] + BACKWARD_CASTS["weight"] if weight_precast else 0)
+def num_casts(*, weight_precast: bool, handling: CastHandling | None = None) -> int:
+    skip_weight = weight_precast or (handling is not None and handling.weight_cast_once_per_step)
+    return sum(count for operand, count in _counts(handling).items() if not (operand == "weight" and skip_weight))
+
+
+def weight_casts_per_step(handling: CastHandling | None = None) -> int:
+    """Casts of each weight per step where the handling casts it once per step (0 otherwise)."""
+    if handling is None or not handling.weight_cast_once_per_step:
+        return 0
+    return _counts(handling).get("weight", 0)
 
 
 def cast_time_s(elements: float, casts: int, *, source_bytes: int, bandwidth_bytes_per_s: float,
-                kernel_overhead_s: float) -> float:
-    """Eager casts of `elements` elements in `casts` casts."""
-    return (elements * cast_bytes_per_element(source_bytes) / bandwidth_bytes_per_s
-            + casts * cast_kernels(source_bytes) * kernel_overhead_s)
+                kernel_overhead_s: float, handling: CastHandling | None = None) -> float:
+    """Casts of `elements` elements in `casts` casts (eager torchao unless `handling` says)."""
+    handling = handling or HANDLINGS["eager"]
+    return (elements * handling.bytes_per_element(source_bytes) / bandwidth_bytes_per_s
+            + casts * handling.kernels(source_bytes) * kernel_overhead_s)
 
 
 def all_gather_bytes_saved(weight_numel: float, param_bytes: int) -> float:
     """Bytes per gathered element FSDP2 no longer moves when it gathers a weight in float8
     instead of in the compute dtype (`param_bytes`), times the weight's elements."""
     return weight_numel * (param_bytes - FP8_BYTES)
+
+
+def held_weight_bytes(weight_elements: float, handling: CastHandling | None = None) -> float:
+    """Float8 weight copies kept through the step (TE casts once per step and keeps them): one
+    byte per element per layout; 0 where the handling casts per use."""
+    if handling is None or not handling.weight_cast_once_per_step:
+        return 0.0
+    return weight_elements * handling.layouts_per_cast * FP8_BYTES
 
 
 def transient_bytes(linear: Fp8LinearElements) -> float:

@@ -77,6 +77,9 @@ class Fp8Choice:
     """torchao's scaling recipe (FP8_RECIPES)."""
     linears: tuple[str, ...] = ()
     """Weight FQNs of the linears run in float8 (fp8_linears)."""
+    handling: str = "eager"
+    """How the casts run (cost_model/fp8.py HANDLINGS): "eager" is autopar's runtime (torchao without
+    torch.compile); "compiled" and "te" price a published run as its framework ran it."""
     auto: bool = False
     """The planner keeps a linear in float8 only where it is priced faster than in bf16 under the
     configuration (fp8_pricing.py); set on devices with FP8 tensor cores when no filter chose."""

@@ -5,21 +5,26 @@ Terms (each named in the plan's breakdown; hardware figures from cost_model/fp8.
 - `fp8.matmul`: the chosen linears' matmuls at the device's fp8 rate; their bf16 time leaves
   `compute` (and the bubble its share). Where the device emulates float8 (CPUs) the matmuls stay
   in `compute` at the bf16 rate.
-- `fp8.cast`: the eager casts, six per linear and microbatch (two fewer for weights FSDP2 gathers
+- `fp8.cast`: the casts as the choice's handling runs them (autopar's runtime: eager torchao,
+  cost_model/fp8.py HANDLINGS), eager: six per linear and microbatch (two fewer for weights FSDP2 gathers
   in float8), from each rank's share of the operands under the plan's placements; with FSDP2's
   float8 all-gather, the cast of each weight shard before every gather.
-- `fp8.amax`: tensorwise scaling of a tensor sharded over tp is an amax all-reduce across the tp
+- `fp8.amax`: (delayed scaling, "te": one all-reduce of the step's amaxes over tp) tensorwise
+  scaling of a tensor sharded over tp is an amax all-reduce across the tp
   ranks per cast (rowwise: one scale per row, all-reduced when the row is split); FSDP2's float8
   gather adds one all-reduce of every weight's amax per step (the scales precomputed).
 - FSDP2 gathers the float8 weights at 1 byte per element instead of the compute dtype's 2: the
   exposed `dp.all_gather` terms shrink by their bytes' share (a note says so).
-- memory `fp8.copies`: the float8 copies alive around one linear's matmuls. What a float8 linear
+- memory `fp8.copies`: the float8 copies alive around one linear's matmuls; `fp8.weights`: the
+  float8 weights a handling keeps through the step (TE); `fp8.saved_inputs` (negative): TE saves
+  the linears' float8 inputs for backward, not the bf16 ones (without recomputation). What a float8 linear
   saves for backward is the high-precision input and weight (torchao saves those, not the float8
   copies), as a bf16 linear does: nothing to add.
 
 The terms are added to the estimate after its stages are laid out (the pipeline cut is chosen on
-bf16 times): per stage a 1/pp share of the linears, paid by each of the m + pp - 1 microbatch
-slots of the pipeline's critical path (m without a pipeline); under full recomputation the
+bf16 times): per stage a 1/pp share of the linears, paid by each of the m + b microbatch slots of
+the pipeline's critical path, b the estimate's bubble in stage microbatch times (pp - 1 under 1F1B,
+(pp - 1) / v interleaved; 0 without a pipeline); under full recomputation the
 forward's casts and matmuls run twice.
 """
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from autopar.errors import ConfigError
 from autopar.graph import OpGraph
 from autopar.mesh import Mesh
 from autopar.solver.configs import Estimate, ParallelConfig
@@ -43,9 +49,35 @@ MASTER_BYTES = 4
 """fp32 master weight shards (what FSDP2's float8 gather casts)."""
 
 
+def _float8_saved_input_share(graph: OpGraph, float8_nodes: set[str]) -> float:
+    """Bytes of the tensors saved for backward that only float8 linears save (their inputs), over
+    all saved bytes (OpGraph.saved_activation_bytes: each storage once)."""
+    total = graph.saved_activation_bytes()
+    if not total or not float8_nodes:
+        return 0.0
+    savers: dict[str, set[str]] = {}
+    for node in graph.calls():
+        sources = [node.inputs[index] for index in node.saved_inputs] + ([node.name] if node.saved_output else [])
+        for source in sources:
+            root = graph.storage_root(source)
+            if graph[root].kind == "call":
+                savers.setdefault(root, set()).add(node.name)
+    only_float8 = [root for root, nodes in savers.items() if nodes <= float8_nodes]
+    return sum(graph[root].output.nbytes for root in only_float8) / total
+
+
+def _is_norm(graph: OpGraph, name: str) -> bool:
+    node = graph[name]
+    return node.kind == "call" and ("rms_norm" in node.target or "layer_norm" in node.target)
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Linear:
     node: str
+    source: str
+    """The node whose output is the linear's input."""
+    after_norm: bool
+    """The input is a normalization's output (rms_norm, layer_norm)."""
     fqn: str
     weight_numel: float
     input_per_sample: float
@@ -64,6 +96,8 @@ class _Priced:
     elements: fp8_cost.Fp8LinearElements
     bf16_s: float
     fp8_s: float
+    bf16_again_s: float
+    """Of bf16_s: the forward matmuls run again under full recomputation (priced in `recompute`)."""
     cast_s: float
     amax_s: float
     kept: bool
@@ -75,6 +109,12 @@ class Fp8Pricing:
     def __init__(self, graph: OpGraph, choice: Fp8Choice, *, compute: ComputeModel, comm: CommModel,
                  devices_per_node: int, memory_budget_bytes: float, auto: bool = False) -> None:
         self.choice = choice
+        self.graph = graph
+        if choice.handling not in fp8_cost.HANDLINGS:
+            raise ConfigError(f"fp8 cast handling {choice.handling!r} is not one of {sorted(fp8_cost.HANDLINGS)}: "
+                             "pick one (\"eager\" is autopar's runtime)")
+        self.handling = fp8_cost.HANDLINGS[choice.handling]
+        """How the casts run: "eager" for autopar's runtime (cost_model/fp8.py HANDLINGS)."""
         self.auto = auto
         """Keep only the linears whose float8 run is priced faster (the planner's choice)."""
         self.compute = compute
@@ -92,10 +132,13 @@ class Fp8Pricing:
             kernels = tuple((kernel.flops / batch, kernel.dtype, forward)
                             for forward, group in ((True, op.fwd_kernels), (False, op.bwd_kernels))
                             for kernel in group if kernel.is_matmul)
-            self.linears.append(_Linear(node=node, fqn=fqn, weight_numel=float(shape[0] * shape[1]),
+            self.linears.append(_Linear(node=node, source=op.inputs[0], after_norm=_is_norm(graph, op.inputs[0]),
+                                        fqn=fqn, weight_numel=float(shape[0] * shape[1]),
                                         input_per_sample=source.numel / batch,
                                         output_per_sample=op.output.numel / batch,
                                         in_features=shape[1], out_features=shape[0], matmul_flops_per_sample=kernels))
+        self.saved_input_share = _float8_saved_input_share(graph, {linear.node for linear in self.linears})
+        """Of the activations saved for backward: the inputs only float8 linears save (bytes)."""
         self.param_numel = max(float(sum(param.meta.numel for param in graph.params if param.trainable)), 1.0)
 
     @property
@@ -110,15 +153,18 @@ class Fp8Pricing:
         in float8 (with `auto`: when its float8 matmul, casts and amax all-reduces take less than
         its bf16 matmul)."""
         placements = strategies(config) if config.tp > 1 else {}
-        gathered = self.choice.recipe == "tensorwise" and uses_fsdp(config)
+        gathered = self._gathered_in_float8(config)
         found = []
         for linear in self.linears:
             elements, sharded = self._elements(linear, config, placements.get(linear.node))
-            bf16_s, fp8_s = self._matmul_s(linear, config, sharded["weight"])
-            cast_s = self._cast_s(elements, config, gathered)
+            bf16_s, fp8_s, bf16_again_s = self._matmul_s(linear, config, sharded["weight"])
+            cast_s = self._cast_s(elements, config, gathered,
+                                  input_on_shard=self._input_gathered_in_float8(linear, config, placements),
+                                  input_from_norm=self.handling.norm_fused_input_cast and linear.after_norm)
             amax_s = self._amax_s(linear, elements, sharded, config, gathered)
             kept = not self.auto or fp8_s + cast_s + amax_s < bf16_s
-            found.append(_Priced(linear=linear, elements=elements, bf16_s=bf16_s, fp8_s=fp8_s, cast_s=cast_s,
+            found.append(_Priced(linear=linear, elements=elements, bf16_s=bf16_s, fp8_s=fp8_s,
+                                 bf16_again_s=bf16_again_s, cast_s=cast_s,
                                  amax_s=amax_s, kept=kept))
         return found
 
@@ -128,19 +174,30 @@ class Fp8Pricing:
 
     def apply(self, estimate: Estimate, strategies: Callable[[ParallelConfig], dict]) -> Estimate:
         config = estimate.config
-        gathered = self.choice.recipe == "tensorwise" and uses_fsdp(config)
+        gathered = self._gathered_in_float8(config)
         kept = [item for item in self.priced(config, strategies) if item.kept]
         per_microbatch = {"fp8.cast": sum(item.cast_s for item in kept), "fp8.amax": sum(item.amax_s for item in kept)}
         bf16_matmul_s, fp8_matmul_s = sum(item.bf16_s for item in kept), sum(item.fp8_s for item in kept)
+        again_s = sum(item.bf16_again_s for item in kept) if "recompute" in estimate.breakdown_s else 0.0
         copies = max((fp8_cost.transient_bytes(item.elements) for item in kept), default=0.0)
         held_weight = sum(item.elements.weight for item in kept)
-        slots = config.num_microbatches + (config.pp - 1 if config.pp > 1 else 0)
+        bubble_slots = self._bubble_slots(estimate)
+        slots = config.num_microbatches + bubble_slots
         terms = {name: seconds * slots / config.pp for name, seconds in per_microbatch.items()}
         breakdown = dict(estimate.breakdown_s)
         notes = estimate.notes
         if self.auto and len(kept) < len(self.linears):
             notes += (f"fp8: {len(kept)} of {len(self.linears)} eligible linears run in float8 (the others' casts "
                       "would cost more than their faster matmuls save)",)
+        once = fp8_cost.weight_casts_per_step(self.handling)
+        if once and kept:  # weights cast on the step's first microbatch only, a stage's share each
+            terms["fp8.cast"] += fp8_cost.cast_time_s(
+                once * held_weight / config.pp, once * len(kept), source_bytes=COMPUTE_BYTES,
+                bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s, kernel_overhead_s=self.compute.overhead_s,
+                handling=self.handling)
+        if self.handling.amax_reduced_per_step and kept and config.tp > 1:
+            terms["fp8.amax"] += self.comm.time_s("all_reduce", fp8_cost.SCALE_BYTES * 3 * len(kept),
+                                                  self._tp_group(config))
         if gathered and kept:
             terms.update(self._gather_terms(config, held_weight / config.pp, len(kept)))
             share = sum(item.linear.weight_numel for item in kept) / self.param_numel
@@ -149,22 +206,85 @@ class Fp8Pricing:
             if saved:
                 notes += (f"fp8: FSDP2 gathers {len(kept)} float8 weights at 1 byte per element; "
                           f"dp.all_gather priced {saved:.3g} s lower",)
+        if self.handling.tp_input_gather_in_float8 and kept and breakdown.get("tp.all_gather"):
+            fraction = self._float8_gathered_fraction(config, strategies, {item.linear.node for item in kept})
+            saved = breakdown["tp.all_gather"] * fraction * (COMPUTE_BYTES - fp8_cost.FP8_BYTES) / COMPUTE_BYTES
+            breakdown["tp.all_gather"] -= saved
+            terms["tp.all_gather"] = -saved
+            if saved:
+                notes += (f"fp8: the sequence-parallel inputs of column-parallel float8 linears are all-gathered in "
+                          f"float8 ({100 * fraction:.0f}% of the tp all-gather bytes at 1 byte per element); "
+                          f"tp.all_gather priced {saved:.3g} s lower",)
         if fp8_matmul_s:
             m, pp = config.num_microbatches, config.pp
-            breakdown["compute"] = breakdown.get("compute", 0.0) - m * bf16_matmul_s / pp
+            breakdown["compute"] = breakdown.get("compute", 0.0) - m * (bf16_matmul_s - again_s) / pp
             terms["fp8.matmul"] = m * fp8_matmul_s / pp
-            terms["compute"] = -m * bf16_matmul_s / pp
-            if pp > 1 and "bubble" in breakdown:
-                bubble_s = (slots - m) * (fp8_matmul_s - bf16_matmul_s) / pp
+            terms["compute"] = -m * (bf16_matmul_s - again_s) / pp
+            if again_s:  # the recomputed forward's bf16 matmuls leave `recompute`
+                breakdown["recompute"] -= m * again_s / pp
+                terms["recompute"] = -m * again_s / pp
+            if bubble_slots:
+                bubble_s = bubble_slots * (fp8_matmul_s - bf16_matmul_s) / pp
                 breakdown["bubble"] = max(breakdown["bubble"] + bubble_s, 0.0)
                 terms["bubble"] = bubble_s
         breakdown.update({name: seconds for name, seconds in terms.items()
                           if seconds and name.startswith("fp8.")})
-        memory = {**estimate.memory_bytes, **({"fp8.copies": copies} if copies else {})}
-        peak = estimate.peak_memory_bytes + copies
+        weights = fp8_cost.held_weight_bytes(held_weight / config.pp, self.handling)
+        saved = 0.0
+        if self.handling.saves_float8_inputs and kept and config.recompute == "none":
+            share = self.saved_input_share * len(kept) / max(len(self.linears), 1)
+            saved = estimate.memory_bytes.get("activations", 0.0) * share * (1 - fp8_cost.FP8_BYTES / COMPUTE_BYTES)
+        memory = {**estimate.memory_bytes, **({"fp8.copies": copies} if copies else {}),
+                  **({"fp8.weights": weights} if weights else {}), **({"fp8.saved_inputs": -saved} if saved else {})}
+        peak = estimate.peak_memory_bytes + copies + weights - saved
         return replace(estimate, step_time_s=estimate.step_time_s + sum(terms.values()), breakdown_s=breakdown,
                        memory_bytes=memory, peak_memory_bytes=peak, notes=notes,
                        fits=estimate.fits and peak <= self.memory_budget_bytes)
+
+    def _float8_gathered_fraction(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict],
+                                  float8_nodes: set[str]) -> float:
+        """Share of the tp all-gather bytes that are inputs of float8 linears: of the forward's
+        gathers (a sharded output read replicated) and the backward's (each forward reduce-scatter,
+        a partial output read sharded, gathers its gradient back), those gathered for a float8
+        linear's input, each gathered tensor counted once."""
+        placements = strategies(config) if config.tp > 1 else {}
+        gathered: dict[str, float] = {}
+        scattered: dict[str, float] = {}
+        float8_inputs: set[str] = set()
+        for node in self.graph.calls():
+            strategy = placements.get(node.name)
+            inputs = getattr(strategy, "inputs", ())
+            for index, source in enumerate(node.inputs):
+                producer = placements.get(source)
+                if producer is None or index >= len(inputs) or not inputs[index] or not producer.output:
+                    continue
+                made, read = producer.output[0], inputs[index][0]
+                if made.startswith("S") and read == "R":
+                    gathered[source] = self.graph[source].output.numel
+                    if node.name in float8_nodes and index == 0:
+                        float8_inputs.add(source)
+                elif made == "P" and read.startswith("S"):
+                    scattered[source] = self.graph[source].output.numel
+        total = sum(gathered.values()) + sum(scattered.values())
+        return sum(gathered[name] for name in float8_inputs) / total if total else 0.0
+
+    @staticmethod
+    def _bubble_slots(estimate: Estimate) -> float:
+        """The pipeline bubble in microbatch times of a stage: pp - 1 under 1F1B, (pp - 1) / v
+        interleaved over v chunks; 0 without a pipeline. The fp8 terms of a microbatch are paid
+        by each of the m + this many slots of the critical path."""
+        config = estimate.config
+        bubble_s = estimate.breakdown_s.get("bubble", 0.0)
+        per_microbatch_s = (estimate.breakdown_s.get("compute", 0.0)
+                            + estimate.breakdown_s.get("recompute", 0.0)) / config.num_microbatches
+        if config.pp == 1 or bubble_s <= 0 or per_microbatch_s <= 0:
+            return 0.0
+        return bubble_s / per_microbatch_s
+
+    def _gathered_in_float8(self, config: ParallelConfig) -> bool:
+        """FSDP gathers the float8 weights (torchao's tensorwise float8 all-gather, where the
+        handling does it)."""
+        return self.handling.float8_all_gather and self.choice.recipe == "tensorwise" and uses_fsdp(config)
 
     def _elements(self, linear: _Linear, config: ParallelConfig, strategy) -> tuple:
         """This rank's operand elements per microbatch, and which operands the plan shards over tp."""
@@ -182,39 +302,61 @@ class Fp8Pricing:
             grad_output=linear.output_per_sample * samples / (config.tp if sharded["grad_output"] else 1))
         return elements, sharded
 
-    def _matmul_s(self, linear: _Linear, config: ParallelConfig, weight_sharded: bool) -> tuple[float, float]:
+    def _matmul_s(self, linear: _Linear, config: ParallelConfig,
+                  weight_sharded: bool) -> tuple[float, float, float]:
         """This rank's matmul time of one linear per microbatch at the bf16 rate and at the fp8 rate
         (the profile's fp8 sweep, `autopar profile` with torch._scaled_mm, else its bf16 rate
-        scaled by the datasheet's fp8/bf16 peak ratio); (0, 0) where the
+        scaled by the datasheet's fp8/bf16 peak ratio), and of the first, the forward's matmuls run
+        again under full recomputation; (0, 0, 0) where the
         device has no FP8 tensor cores (emulated: the bf16 time stays in `compute`)."""
         device = self.compute.device
         ratio = device.peak_flops("fp8") / device.peak_flops("bf16")
         if not device.has_fp8 or ratio <= 1.0:
-            return 0.0, 0.0
-        bf16_s = fp8_s = 0.0
+            return 0.0, 0.0, 0.0
+        bf16_s = fp8_s = again_s = 0.0
         for per_sample, dtype, forward in linear.matmul_flops_per_sample:
             flops = per_sample * config.microbatch_size / config.cp / (config.tp if weight_sharded else 1)
             if flops <= 0:
                 continue
             runs = 2 if forward and config.recompute == "full" else 1
             bf16_s += runs * flops / self.compute.matmul_rate(flops, dtype)
+            again_s += (runs - 1) * flops / self.compute.matmul_rate(flops, dtype)
             fp8_rate = self.compute.matmul_rate(flops, "fp8") if self.compute.measured("fp8") \
                 else self.compute.matmul_rate(flops, "bf16") * ratio
             fp8_s += runs * flops / fp8_rate
-        return bf16_s, fp8_s
+        return bf16_s, fp8_s, again_s
 
-    def _cast_s(self, elements, config: ParallelConfig, gathered: bool) -> float:
-        count = fp8_cost.cast_elements(elements, weight_precast=gathered)
-        casts = fp8_cost.num_casts(weight_precast=gathered)
+    def _input_gathered_in_float8(self, linear: _Linear, config: ParallelConfig, placements: dict) -> bool:
+        """The handling gathers this linear's sequence-parallel input in float8: its forward cast
+        runs on the shard before the all-gather (CastHandling.tp_input_gather_in_float8)."""
+        if not self.handling.tp_input_gather_in_float8 or config.tp == 1:
+            return False
+        producer, strategy = placements.get(linear.source), placements.get(linear.node)
+        inputs = getattr(strategy, "inputs", ())
+        if producer is None or not producer.output or not inputs or not inputs[0]:
+            return False
+        return producer.output[0].startswith("S") and inputs[0][0] == "R"
+
+    def _cast_s(self, elements, config: ParallelConfig, gathered: bool, input_on_shard: bool = False,
+                input_from_norm: bool = False) -> float:
+        handling = self.handling
+        count = fp8_cost.cast_elements(elements, weight_precast=gathered, handling=handling)
+        casts = fp8_cost.num_casts(weight_precast=gathered, handling=handling)
+        forward_input = elements.input / config.tp if input_on_shard else elements.input
+        if input_from_norm:  # the norm kernel writes the float8 input: no cast of it
+            forward_input = 0.0
+            casts -= 1
+        count -= elements.input - forward_input  # the forward's cast of a float8-gathered input: its shard
         if config.recompute == "full":  # the forward's input (and weight) casts run again
-            count += elements.input + (0 if gathered else elements.weight)
-            casts += 1 if gathered else 2
+            weight_again = not gathered and not handling.weight_cast_once_per_step
+            count += forward_input + (elements.weight if weight_again else 0)
+            casts += (1 if forward_input else 0) + (1 if weight_again else 0)
         return fp8_cost.cast_time_s(count, casts, source_bytes=COMPUTE_BYTES,
                                     bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s,
-                                    kernel_overhead_s=self.compute.overhead_s)
+                                    kernel_overhead_s=self.compute.overhead_s, handling=handling)
 
     def _amax_s(self, linear: _Linear, elements, sharded: dict, config: ParallelConfig, gathered: bool) -> float:
-        if config.tp == 1:
+        if config.tp == 1 or self.handling.amax_reduced_per_step:
             return 0.0
         seconds = 0.0
         group = self._tp_group(config)
@@ -247,7 +389,7 @@ class Fp8Pricing:
         gathers = 2 * config.num_microbatches if config.zero_stage == 3 else 1
         cast = gathers * fp8_cost.cast_time_s(shard, num_weights, source_bytes=MASTER_BYTES,
                                               bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s,
-                                              kernel_overhead_s=self.compute.overhead_s)
+                                              kernel_overhead_s=self.compute.overhead_s, handling=self.handling)
         mesh = Mesh(axis_names=("pp", "dp_cp", "tp"), shape=(config.pp, config.data_shards, config.tp),
                     devices_per_node=self.devices_per_node)
         amax = self.comm.time_s("all_reduce", fp8_cost.SCALE_BYTES * num_weights, mesh.group(1))

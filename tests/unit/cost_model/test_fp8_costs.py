@@ -58,3 +58,30 @@ def test_a_measured_fp8_sweep_prices_the_float8_matmuls():
                               kernel_overhead_s=5e-6)
     compute = ComputeModel(H100_SXM, profile)
     assert compute.measured("fp8") and compute.matmul_rate(1e12, "fp8") == pytest.approx(1100e12)
+
+
+def test_compiled_casts_are_an_amax_pass_and_a_cast_pass():
+    compiled = fp8.HANDLINGS["compiled"]
+    # amax reduction reads the bf16 source (2), the fused scale-and-cast reads it again and writes 1.
+    assert compiled.bytes_per_element(2) == 5 and compiled.kernels(2) == 2
+    assert compiled.bytes_per_element(4) == 9  # an fp32 master shard before FSDP2's float8 gather
+    assert fp8.HANDLINGS["eager"].bytes_per_element(2) == fp8.cast_bytes_per_element(2) == 33
+    linear = fp8.Fp8LinearElements(input=10.0, weight=100.0, grad_output=20.0)
+    # Compilation fuses passes, not casts: the same six operands are cast.
+    assert fp8.cast_elements(linear, weight_precast=False, handling=compiled) == \
+        fp8.cast_elements(linear, weight_precast=False)
+    assert fp8.num_casts(weight_precast=False, handling=compiled) == 6
+
+
+def test_transformer_engine_casts_in_one_pass_with_the_transpose_and_weights_once_per_step():
+    te = fp8.HANDLINGS["te"]
+    assert te.bytes_per_element(2) == 2 + 2 and te.kernels(2) == 1  # read bf16, write two float8 layouts
+    linear = fp8.Fp8LinearElements(input=10.0, weight=100.0, grad_output=20.0)
+    # Per microbatch: the input and grad_output once each; the weight is cast once per step.
+    assert fp8.cast_elements(linear, weight_precast=False, handling=te) == 10 + 20
+    assert fp8.num_casts(weight_precast=False, handling=te) == 2
+    assert fp8.weight_casts_per_step(te) == 1 and fp8.weight_casts_per_step(fp8.HANDLINGS["eager"]) == 0
+    assert not te.float8_all_gather and te.amax_reduced_per_step
+    eager = fp8.cast_time_s(1e9, 6, source_bytes=2, bandwidth_bytes_per_s=3e12, kernel_overhead_s=5e-6)
+    assert fp8.cast_time_s(1e9, 6, source_bytes=2, bandwidth_bytes_per_s=3e12, kernel_overhead_s=5e-6,
+                           handling=te) < eager / 8

@@ -63,3 +63,90 @@ def test_full_recomputation_casts_the_forward_again():
     _, plain = terms("dgx-h100:gpus_per_node=2")
     _, full = terms("dgx-h100:gpus_per_node=2", recompute="full")
     assert full["fp8.cast"] > plain["fp8.cast"] and full["fp8.matmul"] > plain["fp8.matmul"]
+
+
+def _with_handling(handling: str, everything: bool = False, spec: str = SPEC, **config):
+    """The fp8 terms (`everything`: all terms) of SPEC with every linear in float8, the casts run
+    as `handling` runs them."""
+    from dataclasses import replace
+
+    from autopar.plans.planning import planner_for
+    from autopar.solver.search import Planner
+
+    planner = planner_for(spec, None, "dgx-h100:gpus_per_node=4", global_batch=8, precision="fp8",
+                          fp8_filter=every_linear)
+    again = Planner(planner.graph, planner.cluster, global_batch=8, policy=planner.policy, precision="fp8",
+                    fp8=replace(planner.fp8, handling=handling))
+    estimate, _ = again.evaluate(autopar_config(again, **config))
+    return {name: seconds for name, seconds in estimate.breakdown_s.items() if everything or name.startswith("fp8")}
+
+
+def autopar_config(planner, **config):
+    from autopar import api
+
+    settings = dict(tp=1, pp=1, dp=None, microbatch_size=1, schedule="1f1b", virtual_stages=None,
+                    layers_per_virtual_stage=None, recompute="none", zero_stage=0)
+    settings.update(config)
+    return api.fixed_config(planner, **settings)
+
+
+def test_the_cast_handling_is_an_input_of_the_price():
+    eager, compiled = _with_handling("eager", zero_stage=3), _with_handling("compiled", zero_stage=3)
+    assert compiled["fp8.cast"] < eager["fp8.cast"] / 4  # 5 of eager's 33 bytes per element, 2 of 9 kernels
+    assert compiled["fp8.matmul"] == pytest.approx(eager["fp8.matmul"])
+    assert compiled["fp8.cast.all_gather"] < eager["fp8.cast.all_gather"]
+    # TransformerEngine: no float8 FSDP gather (Megatron gathers bf16), the step's amaxes in one all-reduce.
+    te = _with_handling("te", tp=2, zero_stage=1)
+    assert "fp8.cast.all_gather" not in te and te["fp8.cast"] > 0
+    assert te["fp8.amax"] < _with_handling("eager", tp=2, zero_stage=1)["fp8.amax"]
+
+
+def test_an_unknown_cast_handling_is_refused_with_the_choices():
+    from autopar.errors import ConfigError
+    from autopar.solver.fp8 import Fp8Choice
+    from autopar.solver.fp8_pricing import Fp8Pricing
+
+    with pytest.raises(ConfigError, match="'jit' is not one of .*eager"):
+        Fp8Pricing(None, Fp8Choice(handling="jit"), compute=None, comm=None, devices_per_node=8,
+                   memory_budget_bytes=1.0)
+
+
+LLAMA = "llama:layers=2,hidden=2048,heads=16,kv_heads=4,ffn_hidden=5632,vocab=1024,seq=4096"
+
+
+def test_torchtitans_float8_tensor_parallelism_gathers_float8_inputs_cast_on_their_shard():
+    """Under "compiled" (torchtitan: Float8ColwiseParallel) a column-parallel linear's
+    sequence-parallel input is cast on its shard and all-gathered at 1 byte per element; autopar's
+    runtime gathers bf16 and casts the gathered input."""
+    eager = _with_handling("eager", everything=True, spec=LLAMA, tp=2)
+    compiled = _with_handling("compiled", everything=True, spec=LLAMA, tp=2)
+    assert compiled["tp.all_gather"] < eager["tp.all_gather"]
+    # Only the forward gathers of float8 inputs move at half the bytes, not the backward's gathers of
+    # the gradients of reduce-scattered outputs: 5 of 9 gathered tensors here (4 layer inputs, the head's).
+    assert compiled["tp.all_gather"] == pytest.approx(eager["tp.all_gather"] * (1 - 5 / 9 / 2))
+    assert compiled["tp.reduce_scatter"] == pytest.approx(eager["tp.reduce_scatter"])
+    te = _with_handling("te", everything=True, spec=LLAMA, tp=2)
+    assert te["tp.all_gather"] == pytest.approx(eager["tp.all_gather"])
+
+
+def test_transformer_engine_keeps_float8_weights_and_saves_float8_inputs():
+    """TE casts each weight once per step and keeps it with its transpose (2 bytes per weight
+    element), and saves the float8 input for backward (half the bf16 bytes of the inputs only
+    float8 linears save); torchao (eager, compiled) does neither."""
+    from dataclasses import replace
+
+    from autopar.plans.planning import planner_for
+    from autopar.solver.search import Planner
+
+    base = planner_for(SPEC, None, "dgx-h100:gpus_per_node=4", global_batch=8, precision="fp8",
+                       fp8_filter=every_linear)
+    memory = {}
+    for handling in ("eager", "te"):
+        planner = Planner(base.graph, base.cluster, global_batch=8, policy=base.policy, precision="fp8",
+                          fp8=replace(base.fp8, handling=handling))
+        estimate, _ = planner.evaluate(autopar_config(planner))
+        memory[handling] = estimate.memory_bytes
+    per_layer = 4 * 1024 * 1024 + 2 * 1024 * 4096  # q, k, v, o; fc_in, fc_out (every linear, by the filter)
+    assert memory["te"]["fp8.weights"] == 2 * 2 * per_layer  # two layers, two float8 layouts
+    assert 0 < -memory["te"]["fp8.saved_inputs"] < memory["te"]["activations"] / 2
+    assert "fp8.weights" not in memory["eager"] and "fp8.saved_inputs" not in memory["eager"]

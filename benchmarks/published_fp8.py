@@ -1,0 +1,187 @@
+"""Published, measured FP8 training runs (benchmarks/published_fp8.csv) against autopar's
+prediction of the same configuration.
+
+    .venv/bin/python benchmarks/published_fp8.py [--rows tt-8b-fsdp-8-fp8,...] [--breakdown] [--no-bf16]
+
+The rows are in shared/reference/published_runs.csv's format and are read, captured and priced
+with benchmarks/published_runs.py's machinery (its Run, cluster TOML with the stated figures,
+framework precision policy, recomputation mode and unit conversion), with precision "fp8": every
+linear autopar's rule puts in float8 (solver/fp8.py; the output head stays bf16, as torchtitan's
+filter and Megatron's output layer keep it), the row's scaling recipe (precision "fp8" is per-tensor,
+"fp8-rowwise" torchao's rowwise), and the casts priced as the row's framework ran them, a stated
+input of the price (cost_model/fp8.py HANDLINGS):
+
+- torchtitan with torch.compile on (the notes say "torch.compile on"): "compiled", torchao's casts
+  fused by inductor into an amax reduction and one scale-and-cast pass, and sequence-parallel
+  inputs of column-parallel linears cast on their shard and all-gathered in float8;
+- NeMo / Megatron-Core (TransformerEngine): "te", per-tensor delayed scaling, one-pass casts with
+  their transposes, grad_output cast once, norm-fed inputs written in float8 by the norm, weights
+  cast once per step and kept (memory), float8 inputs saved for backward (memory);
+- otherwise "eager", autopar's own runtime (torchao without torch.compile).
+
+Each row prints the prediction as run, the same configuration priced for autopar's eager runtime
+(what the handling changes), and in bf16 (what fp8 buys, modelled), with the predicted peak memory
+against the measured one where the notes state it. The reference numbers are only read here, to
+compare; the product never sees them.
+
+Left out: torchao's README float8 table (8 H100s, Llama 3 8B, tensorwise 7689.5 and rowwise 6768
+tokens/s) does not say which H100 (SXM or the 500 W HBM2e part) ran it. DeepSeek-V3 (arXiv
+2412.19437): its FP8 recipe is blockwise (1 x 128 activation tiles, 128 x 128 weight blocks), neither torchao's tensorwise nor rowwise, and the report gives GPU-hours
+per trillion tokens on 2,048 H800s (a GPU autopar has no preset for) rather than a step time of a
+stated configuration (the DualPipe schedule, MLA and the 61-layer MoE shape are not built-in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from autopar.solver.fp8 import Fp8Choice, fp8_linears  # noqa: E402
+from autopar.solver.search import Planner  # noqa: E402
+from autopar.solver.step_model import Estimate  # noqa: E402
+from benchmarks.published_runs import Run, evaluate_run, planner_for, policy_of, read_runs  # noqa: E402
+
+REFERENCE = Path(__file__).resolve().with_suffix(".csv")
+_COMPILED = re.compile(r"\btorch\.compile on\b", re.IGNORECASE)
+_TRANSFORMER_ENGINE = re.compile(r"\b(TransformerEngine|Megatron|NeMo)\b")
+_FUSED_ATTENTION = re.compile(r"\b(?:fused|flash) attention\b", re.IGNORECASE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Run(Run):
+    """A row of published_fp8.csv: published_runs.Run, with the attention kernel the notes state
+    (a GPT row whose notes say "fused attention" or "flash attention" is built with
+    attention="sdpa": no s x s scores kept; the built-in GPT's default is the explicit ops)."""
+
+    @property
+    def model(self) -> str:
+        spec = super().model
+        if self.family == "gpt" and _FUSED_ATTENTION.search(self.notes):
+            return spec + ",attention=sdpa"
+        return spec
+
+
+def read_fp8_runs(path: Path = REFERENCE) -> list[Fp8Run]:
+    return [Fp8Run(**{field.name: getattr(run, field.name) for field in fields(Run)}) for run in read_runs(path)]
+
+
+def recipe_of(run: Run) -> str:
+    """torchao's recipe for the row's precision: "fp8-rowwise" is rowwise, "fp8" per-tensor."""
+    if run.precision == "fp8-rowwise":
+        return "rowwise"
+    if run.precision != "fp8":
+        raise ValueError(f"{run.id}: precision {run.precision!r} is not an fp8 precision (fp8, fp8-rowwise)")
+    return "tensorwise"
+
+
+def handling_of(run: Run) -> str:
+    """How the row's framework ran its casts (see the module docstring)."""
+    if _TRANSFORMER_ENGINE.search(run.source) or _TRANSFORMER_ENGINE.search(run.notes):
+        return "te"
+    if "torchtitan" in run.source.lower() and _COMPILED.search(run.notes):
+        return "compiled"
+    return "eager"
+
+
+_FP8_PLANNERS: dict[tuple[str, str], Planner] = {}
+
+
+def fp8_planner(run: Run, directory: Path, handling: str) -> Planner:
+    """The row's capture and cluster (published_runs.planner_for's) priced in fp8."""
+    key = (run.id, handling)
+    if key not in _FP8_PLANNERS:
+        base = planner_for(run, directory)
+        choice = Fp8Choice(recipe=recipe_of(run), linears=fp8_linears(base.graph), handling=handling)
+        _FP8_PLANNERS[key] = Planner(base.graph, base.cluster, global_batch=run.global_batch, policy=policy_of(run),
+                                     precision="fp8", fp8=choice)
+    return _FP8_PLANNERS[key]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Outcome:
+    run: Run
+    handling: str
+    estimate: Estimate
+    predicted: float
+    error: float
+    eager: Estimate
+    """The same configuration priced for autopar's runtime (eager torchao casts)."""
+    bf16: Estimate | None
+    seconds: float
+
+
+def evaluate_fp8(run: Run, directory: Path, *, with_bf16: bool = True) -> Fp8Outcome:
+    started = time.perf_counter()
+    handling = handling_of(run)
+    planner = fp8_planner(run, directory, handling)
+    estimate, _ = planner.evaluate(run.config(planner))
+    eager = estimate
+    if handling != "eager":
+        eager_planner = fp8_planner(run, directory, "eager")
+        eager, _ = eager_planner.evaluate(run.config(eager_planner))
+    bf16 = evaluate_run(run, directory).estimate if with_bf16 else None
+    predicted = run.predicted(estimate.step_time_s)
+    return Fp8Outcome(run=run, handling=handling, estimate=estimate, predicted=predicted,
+                      error=predicted / run.published - 1, eager=eager, bf16=bf16,
+                      seconds=time.perf_counter() - started)
+
+
+def _row(outcome: Fp8Outcome) -> str:
+    run, estimate = outcome.run, outcome.estimate
+    gib = 2**30
+    eager = run.predicted(outcome.eager.step_time_s)
+    bf16 = f"{run.predicted(outcome.bf16.step_time_s):.4g}" if outcome.bf16 else "-"
+    gain = f"{outcome.bf16.step_time_s / estimate.step_time_s:.2f}x" if outcome.bf16 else "-"
+    measured = f"{run.measured_memory_bytes / gib:.1f}" if run.measured_memory_bytes else "-"
+    memory_error = (f"{100 * (estimate.peak_memory_bytes / run.measured_memory_bytes - 1):+.0f}%"
+                    if run.measured_memory_bytes else "-")
+    return (f"| {run.id} | {recipe_of(run)}, {outcome.handling} | {run.published:g} | {outcome.predicted:.4g} | "
+            f"{100 * outcome.error:+.1f}% | {eager:.4g} ({100 * (eager / run.published - 1):+.1f}%) | "
+            f"{bf16} | {gain} | "
+            f"{estimate.peak_memory_bytes / gib:.1f} | {measured} | {memory_error} | "
+            f"{'yes' if estimate.fits else 'NO'} | {outcome.seconds:.1f} |")
+
+
+def _print_breakdown(outcome: Fp8Outcome) -> None:
+    for name, estimate in (("as run", outcome.estimate), ("eager", outcome.eager)):
+        parts = ", ".join(f"{term} {seconds:.3g}" for term, seconds in estimate.breakdown_s.items() if seconds)
+        print(f"|   | {name}: step {estimate.step_time_s:.4g} s: {parts} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", help="comma-separated row ids (default: all)")
+    parser.add_argument("--breakdown", action="store_true", help="also print each row's time breakdown")
+    parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 pricing of each configuration")
+    args = parser.parse_args()
+    runs = read_fp8_runs()
+    if args.rows:
+        wanted = args.rows.split(",")
+        runs = [run for run in runs if run.id in wanted]
+    print("| run | recipe, casts | published | predicted | error | autopar eager casts (error) | bf16 predicted | "
+          "fp8 gain (modelled) | predicted peak GiB | measured GiB | memory error | fits | time (s) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    outcomes = []
+    with tempfile.TemporaryDirectory() as directory:
+        for run in runs:
+            outcome = evaluate_fp8(run, Path(directory), with_bf16=not args.no_bf16)
+            outcomes.append(outcome)
+            print(_row(outcome), flush=True)
+            if args.breakdown:
+                _print_breakdown(outcome)
+    errors = [abs(outcome.error) for outcome in outcomes]
+    if errors:
+        print(f"\nmedian absolute error {100 * statistics.median(errors):.1f}%, largest {100 * max(errors):.1f}%, "
+              f"{sum(error <= 0.10 for error in errors)}/{len(errors)} within 10%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
