@@ -39,7 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,25 +51,9 @@ from benchmarks.published_runs import Run, evaluate_run, planner_for, policy_of,
 REFERENCE = Path(__file__).resolve().with_suffix(".csv")
 _COMPILED = re.compile(r"\btorch\.compile on\b", re.IGNORECASE)
 _TRANSFORMER_ENGINE = re.compile(r"\b(TransformerEngine|Megatron|NeMo)\b")
-_FUSED_ATTENTION = re.compile(r"\b(?:fused|flash) attention\b", re.IGNORECASE)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Fp8Run(Run):
-    """A row of published_fp8.csv: published_runs.Run, with the attention kernel the notes state
-    (a GPT row whose notes say "fused attention" or "flash attention" is built with
-    attention="sdpa": no s x s scores kept; the built-in GPT's default is the explicit ops)."""
-
-    @property
-    def model(self) -> str:
-        spec = super().model
-        if self.family == "gpt" and _FUSED_ATTENTION.search(self.notes):
-            return spec + ",attention=sdpa"
-        return spec
-
-
-def read_fp8_runs(path: Path = REFERENCE) -> list[Fp8Run]:
-    return [Fp8Run(**{field.name: getattr(run, field.name) for field in fields(Run)}) for run in read_runs(path)]
+def read_fp8_runs(path: Path = REFERENCE) -> list[Run]:
+    """The rows of published_fp8.csv (attention as the row's framework ran it: published_runs.Run)."""
+    return read_runs(path)
 
 
 def recipe_of(run: Run) -> str:
