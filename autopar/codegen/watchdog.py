@@ -92,8 +92,8 @@ def _operation(step: int, phase: str) -> str:
 def watched(step: int, phase: str) -> Iterator[None]:
     """Record that this rank entered `phase` of `step` and run the phase's collectives so that
     their failure (a RuntimeError, or DCP's CheckpointException) names the rank behind."""
-    record(step, phase)
     try:
+        record(step, phase)  # inside: a store that stopped answering (served by a stopped rank 0) fails here
         yield
     except PeerStoppedError:
         raise
