@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import free_port
+from harness import free_port, run_workers
 
 TIMEOUT_S = 10
 """AUTOPAR_COLLECTIVE_TIMEOUT_S of the stuck job (the default is 300 s)."""
@@ -105,3 +105,53 @@ def test_a_lost_node_resumes_on_the_survivors_and_a_new_one_scales_back_up(tmp_p
     assert drill._went(result.worlds, (4, 2, 4)), result.worlds
     assert max(result.loss_errors.values()) <= 1e-5, result.loss_errors
     assert not result.sample_problems, result.sample_problems
+
+
+def _draws(folder: str, total_steps: int, stop_at: int | None = None) -> dict[int, tuple[float, float]]:
+    """pm.steps with dropout under dp=2, each rank's own RNG stream (seed 100 + rank): per step, a
+    draw before the step and the loss."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import autopar
+
+    generator = torch.Generator().manual_seed(1)
+    dataset = TensorDataset(torch.randn(40, 8, generator=generator), torch.randn(40, 4, generator=generator))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4))
+    pm = autopar.parallelize(model, "cpu:procs=2", (dataset.tensors[0][:4],), loss_fn=nn.functional.mse_loss,
+                             example_targets=dataset.tensors[1][:4], constraints=dict(dp=2, tp=1, pp=1),
+                             checkpoint=folder, checkpoint_every=2)
+    optimizer = torch.optim.SGD(pm.parameters(), lr=0.1)
+    torch.manual_seed(100 + dist.get_rank())  # a resumed loop replaces this with the state its rank saved
+    draws = {}
+    for step, (inputs, targets) in pm.steps(total_steps, dataset, optimizer=optimizer):
+        draw = torch.rand(()).item()
+        draws[step] = (draw, pm.train_step((inputs,), targets).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == stop_at:
+            break
+    return draws
+
+
+def rng_worker(folder: str) -> dict:
+    uninterrupted = _draws(f"{folder}/a", 4)
+    left = _draws(f"{folder}/b", 4, stop_at=3)  # leaves the loop while step-2's write may be under way
+    resumed = _draws(f"{folder}/b", 4)
+    return dict(uninterrupted=uninterrupted, left=left, resumed=resumed)
+
+
+def test_every_ranks_rng_resumes_and_a_loop_left_early_keeps_its_last_save(tmp_path):
+    """Under dp=2 the ranks' RNG streams differ (dropout): a loop left at step 3 (break) still
+    publishes step-2, and the job resumed from it draws on each rank what the uninterrupted job
+    drew there, with the same losses."""
+    results = run_workers(rng_worker, world_size=2, args=(str(tmp_path),), timeout_s=120)
+    for rank, result in enumerate(results):
+        assert sorted(result["resumed"]) == [3, 4], (rank, result)
+        for step, (draw, loss) in result["resumed"].items():
+            assert draw == result["uninterrupted"][step][0], (rank, step, result)
+            assert abs(loss - result["uninterrupted"][step][1]) <= 1e-6, (rank, step, result)
+    assert results[0]["uninterrupted"][3][0] != results[1]["uninterrupted"][3][0]  # the streams differ
