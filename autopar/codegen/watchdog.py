@@ -52,16 +52,18 @@ def record(step: int, phase: str) -> None:
 
 
 def progress() -> dict[int, int]:
-    """Every rank's recorded (step, phase) as one number; 0: none recorded, -1: no answer."""
+    """Every rank's recorded (step, phase) as one number; 0: none recorded, -1: no answer (a store
+    that does not answer for one rank is not asked for the others: one timeout, not one per rank)."""
     store = _store()
+    world = dist.get_world_size()
     counts = {}
-    for rank in range(dist.get_world_size()):
+    for rank in range(world):
         key = _KEY.format(rank=rank)
         try:
             store.set_timeout(_READ_TIMEOUT)
             counts[rank] = int(store.get(key)) if store.check([key]) else 0
         except (RuntimeError, ValueError):
-            counts[rank] = -1
+            return {**counts, **{other: -1 for other in range(rank, world)}}
     return counts
 
 

@@ -47,3 +47,20 @@ def test_train_step_phases_keep_their_wording_and_other_errors_pass_through(two_
     with pytest.raises(RuntimeError, match="shape mismatch"):  # not a collective's failure
         with watchdog.watched(3, "forward and backward"):
             raise RuntimeError("shape mismatch: 3 vs 4")
+
+
+def test_a_store_that_does_not_answer_is_asked_once(monkeypatch):
+    asked = []
+
+    class SilentStore:
+        def set_timeout(self, timeout):
+            pass
+
+        def check(self, keys):
+            asked.append(keys)
+            raise RuntimeError("wait timeout after 5000ms")
+
+    monkeypatch.setattr(watchdog.dist, "get_world_size", lambda: 512)
+    monkeypatch.setattr(watchdog, "_store", lambda: SilentStore())
+    assert watchdog.progress() == {rank: -1 for rank in range(512)}
+    assert len(asked) == 1
