@@ -8,8 +8,13 @@
    agent and its workers are killed with SIGKILL (a lost node): the survivor's workers fail,
    torchrun restarts them on 2 processes, autopar re-plans and resumes from the newest complete
    checkpoint. With --scale-up, when a 2-process step is logged, a third agent joins and the next
-   rendezvous should scale the job back to 4 processes the same way (on torch 2.13 that
-   rendezvous fails, with or without autopar: the agents wait for its keys until they time out).
+   rendezvous scales the job back to 4 processes the same way. Every agent runs with
+   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch's default (the agent of rendezvous rank 0
+   shares its own store with the workers) a node that joins a later round waits for the round's
+   MASTER_ADDR key, which that agent publishes only in the round it created its store
+   (DynamicRendezvousHandler.next_rendezvous, torch 2.13), until the store times out (60 s) and
+   the job fails. A later round is joined by a node that comes back, and also by agent b when it
+   starts after agent a's last call (2 s), which a loaded machine makes likely: the drill's flake.
 3. Checked: the remaining agent(s) exit 0; the job ran on 4, then 2 (then 4) processes; every step's
    last loss equals the reference's within --tolerance; every step's samples are the
    reference's, each read once.
@@ -58,6 +63,11 @@ def training_command(args, log: Path, checkpoints: Path) -> list[str]:
             "--checkpoints", str(checkpoints), "--step-log", str(log), "--step-sleep-s", str(args.step_sleep_s)]
 
 
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""What every agent of an elastic job needs on torch 2.13 so that a node can join a running job
+(docs/guide.md, Elastic training)."""
+
+
 def start_agent(args, port: int, log: Path, checkpoints: Path, output: Path, *, host: bool) -> subprocess.Popen:
     """One torchrun agent of 2 processes. On one machine every agent would take itself for the
     rendezvous host (127.0.0.1 is its own address) and two stores could bind the port at once:
@@ -66,7 +76,7 @@ def start_agent(args, port: int, log: Path, checkpoints: Path, output: Path, *, 
     command = [torchrun, "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "drill", "--rdzv-conf", f"{RDZV_CONF},is_host={str(host).lower()}",
                "--max-restarts", "4", "--monitor-interval", "0.5", *training_command(args, log, checkpoints)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", AUTOPAR_COLLECTIVE_TIMEOUT_S="60")
+    env = dict(os.environ, OMP_NUM_THREADS="1", AUTOPAR_COLLECTIVE_TIMEOUT_S="60", **AGENT_ENV)
     return subprocess.Popen(command, env=env, stdout=output.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -202,8 +212,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--timeout-s", type=float, default=480.0)
     parser.add_argument("--scale-up", action="store_true",
-                        help="add a third agent after the loss (fails on torch 2.13: the rendezvous after a "
-                             "membership change waits forever for its keys; docs/guide.md, Elastic training)")
+                        help="add a third agent after the loss; the job grows back to 4 processes")
     return parser.parse_args(argv)
 
 

@@ -20,6 +20,7 @@ The data is synthetic with a learnable rule (next token = current token + 1), so
 
     # two agents of 2 processes on one machine (run each line in its own shell); kill one, the
     # other goes on with 2 processes from the newest checkpoint; start it again to scale back to 4
+    # (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every agent's shell lets it join: docs/guide.md)
     .venv/bin/torchrun --nnodes 1:2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 \
         --rdzv-id demo --max-restarts 3 examples/train_llama.py --elastic --steps 200 --save-every 5
 """

@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
-from autopar.codegen import checkpoint_extra
+from autopar.codegen import checkpoint_extra, watchdog
 from autopar.errors import AutoparError
 
 _METADATA = ".metadata"
@@ -57,7 +57,16 @@ def save(module, path: str | Path, *, optimizer=None, extra: dict | None = None,
         stored_extra = checkpoint_extra.encode(extra) if extra is not None else None
     except checkpoint_extra.ExtraError as error:
         raise CheckpointError(f"cannot save {path}: {error}") from None
-    target = Path(path)
+    # a peer that stops answering in the save's collectives fails it naming the peer (watchdog.py)
+    with watchdog.watched(_step_of(module), "checkpoint save"):
+        return _save(module, Path(path), optimizer, stored_extra, asynchronous)
+
+
+def _step_of(module) -> int:
+    return getattr(module, "num_train_steps", 0)
+
+
+def _save(module, target: Path, optimizer, stored_extra, asynchronous: bool):
     staging = target.with_name(target.name + ".partial")
     rank = dist.get_rank()
     if rank == 0:
@@ -72,7 +81,7 @@ def save(module, path: str | Path, *, optimizer=None, extra: dict | None = None,
     if asynchronous:
         group = _async_group()
         future = dcp.async_save(state, checkpoint_id=str(staging), process_group=group)
-        return PendingSave(target=target, staging=staging, future=future, rank=rank)
+        return PendingSave(target=target, staging=staging, future=future, rank=rank, module=module)
     dcp.save(state, checkpoint_id=str(staging))
     dist.barrier()
     if rank == 0:
@@ -100,6 +109,8 @@ class PendingSave:
     staging: Path
     future: object
     rank: int
+    module: object
+    """The module saved: its step count names the place of a failed write (watchdog.py)."""
 
     def done(self) -> bool:
         return self.future.done()
@@ -108,7 +119,8 @@ class PendingSave:
         """Wait for this rank's write. DCP's coordinator (rank 0 of the save's group) writes the
         .metadata file only after every rank reported its write, so when rank 0's write is done the
         whole checkpoint is on disk and rank 0 alone renames it: no barrier of the training ranks."""
-        self.future.result()
+        with watchdog.watched(_step_of(self.module), "checkpoint save"):
+            self.future.result()
         if self.rank == 0 and self.staging.exists():
             _publish(self.staging, self.target)
         return self.target

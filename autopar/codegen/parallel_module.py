@@ -135,27 +135,24 @@ class ParallelModule(nn.Module):
         local_inputs, local_targets = self._local_batch(inputs, targets)
         self._num_train_steps += 1
         step = self._num_train_steps
-        phase = watchdog.PHASES[0]
-        try:  # a collective that times out (a stopped peer) fails naming the peer (watchdog.py)
-            watchdog.record(step, phase)
-            overlap = self._gradient_overlap()
-            if overlap is not None:
-                overlap.begin_step()
-            with self._weight_copies():
-                if self.schedule is not None:
-                    loss = self._pipelined_step(local_inputs, local_targets)
-                else:
-                    loss = self._accumulated_step(local_inputs, local_targets)
-            phase = watchdog.PHASES[1]
-            watchdog.record(step, phase)
+        overlap = self._gradient_overlap()
+        if overlap is not None:
+            overlap.begin_step()
+        # a collective that times out (a stopped peer) fails naming the peer (watchdog.py)
+        with watchdog.watched(step, watchdog.PHASES[0]), self._weight_copies():
+            if self.schedule is not None:
+                loss = self._pipelined_step(local_inputs, local_targets)
+            else:
+                loss = self._accumulated_step(local_inputs, local_targets)
+        with watchdog.watched(step, watchdog.PHASES[1]):
             self._sync_gradients()
-            phase = watchdog.PHASES[2]
-            watchdog.record(step, phase)
+        with watchdog.watched(step, watchdog.PHASES[2]):
             return self._mean_over_data_parallel(loss)
-        except RuntimeError as error:
-            if not watchdog.is_collective_failure(error):
-                raise
-            raise watchdog.diagnosis(error, step=step, phase=phase) from error
+
+    @property
+    def num_train_steps(self) -> int:
+        """train_step calls so far in this process (a resumed job counts from its restart)."""
+        return self._num_train_steps
 
     @property
     def _sharded_by_fsdp(self) -> bool:
@@ -454,7 +451,8 @@ class ParallelModule(nn.Module):
         `max_norm`, as `torch.nn.utils.clip_grad_norm_` does on one device; returns the norm."""
         from autopar.codegen.clipping import clip_grad_norm
 
-        return clip_grad_norm(self, max_norm, norm_type)
+        with watchdog.watched(self._num_train_steps, "gradient clipping"):
+            return clip_grad_norm(self, max_norm, norm_type)
 
     def close(self) -> None:
         """Release what this module holds of the job: waits for peers, then ends the process group

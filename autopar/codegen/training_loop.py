@@ -9,12 +9,16 @@
 
 On entry every rank loads the newest complete checkpoint of the folder (`step-<N>` with DCP's
 .metadata; a `.partial` one is a save that did not finish and is skipped): model, optimizer, LR
-scheduler, rank 0's RNG state and the data position (the number of steps done; step_data.py).
+scheduler, the data position (the number of steps done; step_data.py) and the RNG states: every
+rank's own (CPU, and the accelerator's), so that ranks whose streams differ (dropout under data
+parallelism) draw what they would have; a job resumed on another number of ranks gives every
+rank the state rank 0 saved.
 Each iteration yields the step's number (1 for the first) and this rank's data-parallel share of
 that step's global batch, collated; after the body, every `checkpoint_every` steps and after the
 last one, the state is saved to `step-<N>`, asynchronously by default (DCP's async_save: the
 step waits only for the copy of the state; the write of one checkpoint is waited for before the
-next is started). Under torchrun with --nnodes MIN:MAX a restarted job (a node lost or added)
+next is started). A loop left early (break, an exception) waits for the write under way and
+publishes it, or, if the write failed, deletes its `.partial` folder. Under torchrun with --nnodes MIN:MAX a restarted job (a node lost or added)
 runs the script again on the new world: `parallelize` plans for it and `steps` reads on from the
 checkpoint, so no sample is lost or read twice.
 """
@@ -27,9 +31,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import default_collate
+from torch.utils.data import IterableDataset, default_collate
 
 from autopar.codegen import checkpoint as checkpoints
+from autopar.codegen import watchdog
 from autopar.codegen.step_data import StepOrder
 from autopar.errors import ConfigError
 
@@ -68,27 +73,41 @@ def newest_checkpoint(folder: Path) -> Path | None:
 def run_steps(pm, policy: CheckpointPolicy | None, total_steps: int, dataset, *, optimizer=None, scheduler=None,
               shuffle: bool = True, seed: int = 0, collate_fn=None):
     """The generator behind `ParallelModule.steps` (see the module docstring)."""
+    _check_indexable(dataset)
     order = StepOrder(num_samples=len(dataset), global_batch=pm.plan.global_batch, shuffle=shuffle, seed=seed)
     collate = collate_fn or default_collate
     done = _resume(pm, policy, order, optimizer, scheduler) if policy else 0
     pending = None
-    while done < total_steps:
-        indices = order.rank_indices(done, pm.dp_rank, pm.dp_size)
-        yield done + 1, collate([dataset[index] for index in indices])
-        done += 1
-        if pending is not None and pending.done():  # published as soon as written, not at the next save
-            _finish(pending, policy)
-            pending = None
-        if policy and (done % policy.every_steps == 0 or done == total_steps):
-            if pending is not None:
-                _finish(pending, policy)
-            pending = _save(pm, policy, done, order, optimizer, scheduler)
-    if pending is not None:
-        _finish(pending, policy)
+    try:
+        while done < total_steps:
+            indices = order.rank_indices(done, pm.dp_rank, pm.dp_size)
+            yield done + 1, collate([dataset[index] for index in indices])
+            done += 1
+            if pending is not None and pending.done():  # published as soon as written, not at the next save
+                pending = _finish(pending, policy)
+            if policy and (done % policy.every_steps == 0 or done == total_steps):
+                if pending is not None:
+                    pending = _finish(pending, policy)
+                pending = _save(pm, policy, done, order, optimizer, scheduler)
+        if pending is not None:
+            pending = _finish(pending, policy)
+    finally:
+        if pending is not None:  # the loop was left early: never leave a write half-done behind
+            _settle(pending, policy)
+
+
+def _check_indexable(dataset) -> None:
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise ConfigError(f"pm.steps reads samples by index (len(dataset), dataset[i]) so that a resumed job, on any "
+                          f"number of replicas, reads on where the checkpoint left off; a {type(dataset).__name__} "
+                          "has no index: pass a map-style dataset (a torch Dataset with __len__ and __getitem__), "
+                          "or loop over your own loader calling pm.train_step and pm.save")
 
 
 def _save(pm, policy: CheckpointPolicy, done: int, order: StepOrder, optimizer, scheduler):
-    extra = {"step": done, "data": order.position(), "rng": torch.get_rng_state(),
+    with watchdog.watched(pm.num_train_steps, "checkpoint save"):
+        states = _rng_by_rank(pm)
+    extra = {"step": done, "data": order.position(), "rng": torch.get_rng_state(), **states,
              "world_size": dist.get_world_size(), "mesh": dict(pm.plan.mesh)}
     if scheduler is not None:
         extra["scheduler"] = scheduler.state_dict()
@@ -100,9 +119,51 @@ def _save(pm, policy: CheckpointPolicy, done: int, order: StepOrder, optimizer, 
     return result
 
 
+def _rng_by_rank(pm) -> dict[str, torch.Tensor]:
+    """Every rank's RNG states, one row per rank: the CPU generator's, and the accelerator's."""
+    mine = {"rng_by_rank": torch.get_rng_state()}
+    device = pm.runtime.device
+    if device.type == "cuda":
+        mine["device_rng_by_rank"] = torch.cuda.get_rng_state(device)
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, mine)
+    return {key: torch.stack([row[key] for row in rows]) for key in mine}
+
+
+def _restore_rng(pm, extra: dict) -> None:
+    """This rank's own saved RNG states when the world is the one that saved them; else rank 0's."""
+    by_rank = extra.get("rng_by_rank")
+    if by_rank is None:  # saved before every rank's state was: one rank's state
+        if "rng" in extra:
+            torch.set_rng_state(extra["rng"])
+        return
+    row = dist.get_rank() if by_rank.shape[0] == dist.get_world_size() else 0
+    torch.set_rng_state(by_rank[row].clone())
+    device_states = extra.get("device_rng_by_rank")
+    if device_states is not None and pm.runtime.device.type == "cuda":
+        torch.cuda.set_rng_state(device_states[row].clone(), pm.runtime.device)
+
+
 def _finish(pending, policy: CheckpointPolicy) -> None:
+    """Wait for an asynchronous save and publish it; None (no save pending any more)."""
     pending.finish()
     _prune(policy)
+
+
+def _settle(pending, policy: CheckpointPolicy) -> None:
+    """Finish the save under way of a loop left early, or (its write failed) delete its staging
+    folder, so that no `.partial` write is left to a later job (which would never load it anyway)."""
+    import shutil
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        _finish(pending, policy)
+    except (Exception, CheckpointException) as error:  # the loop's own exception, if any, is the one raised
+        if dist.get_rank() == 0:
+            shutil.rmtree(pending.staging, ignore_errors=True)
+        print(f"autopar: the checkpoint {pending.target} being written when the loop was left was discarded: "
+              f"{str(error).splitlines()[0][:200] if str(error) else type(error).__name__}", file=sys.stderr, flush=True)
 
 
 def _prune(policy: CheckpointPolicy) -> None:
@@ -131,8 +192,7 @@ def _resume(pm, policy: CheckpointPolicy, order: StepOrder, optimizer, scheduler
             raise ConfigError(f"{newest} holds no LR scheduler state: resume without scheduler=, or from a "
                               "checkpoint saved with one")
         scheduler.load_state_dict(extra["scheduler"])
-    if "rng" in extra:
-        torch.set_rng_state(extra["rng"])
+    _restore_rng(pm, extra)
     if dist.get_rank() == 0:
         saved_world, world = extra.get("world_size"), dist.get_world_size()
         change = f"; saved by {saved_world} processes (mesh {extra.get('mesh')}), re-planned for {world} " \

@@ -64,3 +64,38 @@ def test_a_resumed_loop_goes_on_as_the_uninterrupted_one(one_process_group, tmp_
     for step, loss in {**first, **resumed}.items():
         assert loss == pytest.approx(uninterrupted[step], abs=1e-6), step
     assert sorted(path.name for path in (tmp_path / "b").glob("step-*")) == ["step-5.partial", "step-6", "step-7"]
+
+
+def test_a_loop_left_early_publishes_the_save_under_way(one_process_group, tmp_path):
+    import autopar
+
+    generator = torch.Generator().manual_seed(1)
+    dataset = TensorDataset(torch.randn(20, 8, generator=generator), torch.randn(20, 4, generator=generator))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    pm = autopar.parallelize(model, "cpu:procs=1", (dataset.tensors[0][:4],), loss_fn=nn.functional.mse_loss,
+                             example_targets=dataset.tensors[1][:4], checkpoint=tmp_path, checkpoint_every=2)
+    for step, (inputs, targets) in pm.steps(10, dataset):
+        pm.train_step((inputs,), targets)
+        if step == 3:
+            break  # step-2's write was started after step 2 and never waited for by the loop
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-2"]
+    with pytest.raises(ValueError, match="the body failed"):
+        for step, (inputs, targets) in pm.steps(10, dataset):
+            if step == 5:
+                raise ValueError("the body failed")  # resumed at step 3; step-4's save under way
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-2", "step-4"]
+
+
+def test_an_iterable_dataset_is_refused_with_what_to_do(one_process_group):
+    import autopar
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter([])
+
+    model = nn.Sequential(nn.Linear(8, 4))
+    pm = autopar.parallelize(model, "cpu:procs=1", (torch.randn(4, 8),), loss_fn=nn.functional.mse_loss,
+                             example_targets=torch.randn(4, 4))
+    with pytest.raises(ConfigError, match="a Stream has no index: pass a map-style dataset"):
+        next(iter(pm.steps(3, Stream())))
