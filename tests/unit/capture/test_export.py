@@ -538,3 +538,36 @@ def test_planning_capture_without_stack_traces_is_the_same_graph():
     assert not torch.fx.config.do_not_emit_stack_traces
     assert not any(node.stack_trace for node in program.graph.nodes)
     assert without == with_stacks
+
+
+class NoGradMask(nn.Module):
+    """A router's mask computed in a `with torch.no_grad():` region, as Phi-MoE's sparsemixer
+    does: export writes it as wrap_with_set_grad_enabled(False, body, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        with torch.no_grad():
+            mask = (y.abs() > y.mean()).float()
+        return (y * mask).sum(-1)
+
+
+def test_a_no_grad_region_is_priced_by_its_body_and_leaves_grad_mode_alone():
+    # The probe once called the region without its body; torch's wrapper then failed with grad
+    # off and never restored it: every later capture in the process inlined no_grad regions
+    # (another fingerprint than rank 0's plan) and training ran without autograd.
+    first = capture(NoGradMask(), (torch.randn(4, 8),))
+    assert torch.is_grad_enabled()
+    region = next(node for node in first.nodes if node.target == "wrap_with_set_grad_enabled")
+    assert region.fwd_kernels and not region.note and not region.requires_grad
+    assert capture(NoGradMask(), (torch.randn(4, 8),)).fingerprint() == first.fingerprint()
+
+
+def test_capture_under_no_grad_probes_gradients_and_restores_the_mode():
+    with torch.no_grad():
+        graph = capture(NoGradMask(), (torch.randn(4, 8),))
+        assert not torch.is_grad_enabled()
+    assert next(node for node in graph.nodes if node.target == "aten.linear.default").bwd_kernels
