@@ -25,6 +25,7 @@ from torch import nn
 from torch.export import Dim, export
 
 from autopar.capture.blocks import find_blocks_and_segments
+from autopar.capture.canonical_order import canonicalize
 from autopar.errors import CaptureError
 from autopar.graph import OpGraph, OpNode, ParamInfo, Ref, TensorMeta
 from autopar.capture.activation_saves import fold_activation_saves
@@ -104,6 +105,7 @@ def _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dy
             log(f"capture: torch.export ({'dynamic' if dynamic else 'static'} batch)...")
             with quiet_torch_logs():
                 program = _export(module, inputs, kwargs, batch if dynamic else None)
+            canonicalize(program, prefix)
         except Exception as error:  # noqa: BLE001 - any tracing failure falls through to the next method
             method_name = f"torch.export ({'dynamic' if dynamic else 'static'} batch)"
             failures.append(f"{method_name}: {failure_reason(error, model)}")

@@ -615,12 +615,7 @@ def _fingerprints_by_hash_seed(model: str) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", [
-    "phimoe",
-    pytest.param("gemma3", marks=pytest.mark.xfail(strict=True, reason=(
-        "issue 28 mechanism 2: transformers builds the rotary tables in set(config.layer_types) order, "
-        "so op order and export's node names follow the string hashes of the process"))),
-])
+@pytest.mark.parametrize("model", ["phimoe", "gemma3"])
 def test_two_processes_capture_the_same_graph(model):
     """What `parallelize` does on every rank: rank 0's planning capture (a meta replica) and each
     rank's own capture of the model, in processes with other string hashes (torchrun does not fix
