@@ -93,6 +93,9 @@ def _digests(run: list, input_names: dict[str, str], prefix: str) -> dict:
         if node.target in _LAYOUT_ONLY and node.all_input_nodes:  # on some devices only (graph.py)
             upstream[node] = label(node.all_input_nodes[0])
             continue
+        if _is_size(node):
+            upstream[node] = _size_label(node)
+            continue
         args = torch.fx.node.map_aggregate((node.args, node.kwargs), label)
         upstream[node] = _hash(repr((_target_name(node.target), args)))
     downstream: dict = {}
@@ -114,11 +117,25 @@ def _outside(node, input_names: dict[str, str], prefix: str, depth: int = 3) -> 
         return re.sub(r"\d+", "#", str(node.target))
     if node.target in _LAYOUT_ONLY and node.all_input_nodes:
         return _outside(node.all_input_nodes[0], input_names, prefix, depth)
+    if _is_size(node):
+        return _size_label(node)
     sources = [_outside(source, input_names, prefix, depth - 1) for source in node.all_input_nodes] if depth else []
     module = _module(node)
     if prefix:  # the loss wrapper's module paths start with its attribute's name
         module = module.removeprefix(prefix.rstrip(".")).removeprefix(".")
     return _hash(repr((_target_name(node.target), re.sub(r"\d+", "#", module), sources)))
+
+
+def _is_size(node) -> bool:
+    """A symbolic size (the batch): export reads it from whichever input has it first, which the
+    loss wrapper changes."""
+    symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool)
+    return node.op == "call_function" and isinstance(node.meta.get("val"), symbolic)
+
+
+def _size_label(node) -> str:
+    constants = [arg for arg in node.args if not isinstance(arg, torch.fx.Node)]
+    return _hash(repr(("size", _target_name(node.target), constants)))
 
 
 def _consumers(node):
