@@ -25,6 +25,7 @@ from torch import nn
 from torch.export import Dim, export
 
 from autopar.capture.blocks import find_blocks_and_segments
+from autopar.capture.canonical_order import canonicalize
 from autopar.errors import CaptureError
 from autopar.graph import OpGraph, OpNode, ParamInfo, Ref, TensorMeta
 from autopar.capture.activation_saves import fold_activation_saves
@@ -54,8 +55,8 @@ def capture_program(model: nn.Module, example_inputs: Any, example_kwargs: dict 
     partial capture that is completed first."""
     was_training = model.training
     model.train()
-    try:
-        with without_kv_cache(model):
+    try:  # grad mode as the caller had it, whatever an op run while capturing leaves it in
+        with without_kv_cache(model), torch.set_grad_enabled(torch.is_grad_enabled()):
             program, graph = _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dynamic_batch,
                                       name, verbose, allow_fallback)
     finally:
@@ -104,6 +105,7 @@ def _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dy
             log(f"capture: torch.export ({'dynamic' if dynamic else 'static'} batch)...")
             with quiet_torch_logs():
                 program = _export(module, inputs, kwargs, batch if dynamic else None)
+            canonicalize(program, prefix)
         except Exception as error:  # noqa: BLE001 - any tracing failure falls through to the next method
             method_name = f"torch.export ({'dynamic' if dynamic else 'static'} batch)"
             failures.append(f"{method_name}: {failure_reason(error, model)}")
@@ -449,16 +451,27 @@ class ExportConverter:
 
     def _probe(self, fx_node, args, kwargs, tensor_inputs, grad_strides=None) -> ProbeResult:
         specs = tuple(self._input_spec(node) for node in tensor_inputs)
-        key = (fx_node.target, repr(concrete(args)), repr(sorted(concrete(kwargs).items())), specs, grad_strides)
+        bodies = tuple(arg.target for arg in fx_node.args if _is_submodule(arg))
+        key = (fx_node.target, bodies, repr(concrete(args)), repr(sorted(concrete(kwargs).items())), specs,
+               grad_strides)
         if key not in self.probe_cache:
             try:
-                self.probe_cache[key] = probe_op(fx_node.target, _probe_value(args), _probe_value(kwargs), specs,
-                                                 grad_strides)
+                self.probe_cache[key] = probe_op(fx_node.target, self._with_bodies(fx_node, _probe_value(args)),
+                                                 _probe_value(kwargs), specs, grad_strides)
             except Exception as error:  # noqa: BLE001 - an op without a meta kernel is priced by its I/O
                 values = _tensor_list(fx_node.meta.get("val")) or []
                 out_bytes = sum(_hint_nbytes(t) for t in values if t is not None)
                 self.probe_cache[key] = io_priced(_target_name(fx_node.target), specs, out_bytes, error)
         return self.probe_cache[key]
+
+    def _with_bodies(self, fx_node, args):
+        """`args` with each submodule argument (the body of a higher-order op: export writes a
+        `with torch.no_grad():` region as wrap_with_set_grad_enabled(False, body, *inputs)) the
+        graph module it names, so that the probe runs and prices the body."""
+        if not isinstance(args, tuple) or len(args) != len(fx_node.args):
+            return args
+        return tuple(operator.attrgetter(arg.target)(self.program.graph_module) if _is_submodule(arg) else value
+                     for arg, value in zip(fx_node.args, args))
 
     def _input_spec(self, fx_node) -> InputSpec:
         value = fx_node.meta["val"]
@@ -499,6 +512,10 @@ def fx_module_path(fx_node, prefix: str = "") -> str:
     elif prefix:
         path = LOSS_MODULE_PATH  # ran in WithLoss.forward itself: part of loss_fn
     return path
+
+
+def _is_submodule(arg) -> bool:
+    return isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and arg.meta.get("val") is None
 
 
 def _tensor_list(value):

@@ -255,7 +255,9 @@ def probe_op(target, args, kwargs: dict, specs: Sequence[InputSpec],
     call_args, call_kwargs = _fill(tuple(args), inputs), _fill(dict(kwargs), inputs)
     saved: list[torch.Tensor] = []
     forward = _cuda_equivalent(target, call_args, call_kwargs) or (lambda: target(*call_args, **call_kwargs))
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+    # Under enable_grad, which restores the caller's mode however the op ends: torch's
+    # wrap_with_set_grad_enabled (a `with torch.no_grad():` region) leaves grad off if its body fails.
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         with KernelRecorder() as fwd:
             output = forward()
     out_tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]

@@ -12,6 +12,7 @@ reaches its producer.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 from collections import Counter
@@ -66,6 +67,15 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.contiguous()
+
+
+def _grad_mode_kept(target):
+    """Restores grad mode after a higher-order op: torch's wrap_with_set_grad_enabled (a
+    `with torch.no_grad():` region) leaves grad off when its body raises (an op DTensor has no
+    strategy for, which then runs replicated), and every later op would run without autograd."""
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return torch.set_grad_enabled(torch.is_grad_enabled())
+    return contextlib.nullcontext()
 
 
 def contiguous_grad(value):
@@ -237,6 +247,8 @@ class PlannedInterpreter:
             nonlocal position
             if not isinstance(arg, torch.fx.Node):
                 return arg
+            if arg.op == "get_attr" and arg.name not in env:  # a higher-order op's body (a no_grad region)
+                return operator.attrgetter(arg.target)(arg.graph.owning_module)
             value = env[arg.name]
             if not isinstance(value, torch.Tensor):
                 return value
@@ -275,7 +287,8 @@ class PlannedInterpreter:
             result = run_replicated(node.target, args, kwargs, self.mesh)
         else:
             try:
-                result = node.target(*args, **kwargs)
+                with _grad_mode_kept(node.target):
+                    result = node.target(*args, **kwargs)
             except NotImplementedError as error:
                 if not self.distributed or not no_dtensor_strategy(error):
                     raise

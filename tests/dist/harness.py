@@ -381,15 +381,16 @@ def _selected(request, cases: dict) -> list[str]:
 
 
 def launch_like_torchrun(command: list[str], world_size: int, *, timeout_s: float = 240.0,
-                         cwd: str | None = None) -> list[tuple[int, str]]:
-    """Start `world_size` processes of `command` with the environment torchrun gives each rank;
-    their exit codes and output (stdout and stderr), in rank order."""
+                         cwd: str | None = None, env_per_rank: Callable[[int], dict] | None = None
+                         ) -> list[tuple[int, str]]:
+    """Start `world_size` processes of `command` with the environment torchrun gives each rank
+    (plus `env_per_rank(rank)`); their exit codes and output (stdout and stderr), in rank order."""
     port = free_port()
     processes = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
+                   OMP_NUM_THREADS="1", **(env_per_rank(rank) if env_per_rank else {}))
         processes.append(subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
     results = []

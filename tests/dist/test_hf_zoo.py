@@ -169,7 +169,10 @@ def _stored_capture(model, case: ZooCase):
     folder = _folder(case)
     if folder is None or not (folder / "program.pt2").exists():
         return None
-    program = load_program(folder / "program.pt2")
+    try:
+        program = load_program(folder / "program.pt2")
+    except Exception:  # noqa: BLE001 - torch saves some programs it cannot load (Phi-MoE's in-place uniform_)
+        return None
     live = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     for name in list(program.state_dict):
         if name in live:

@@ -538,3 +538,90 @@ def test_planning_capture_without_stack_traces_is_the_same_graph():
     assert not torch.fx.config.do_not_emit_stack_traces
     assert not any(node.stack_trace for node in program.graph.nodes)
     assert without == with_stacks
+
+
+class NoGradMask(nn.Module):
+    """A router's mask computed in a `with torch.no_grad():` region, as Phi-MoE's sparsemixer
+    does: export writes it as wrap_with_set_grad_enabled(False, body, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        with torch.no_grad():
+            mask = (y.abs() > y.mean()).float()
+        return (y * mask).sum(-1)
+
+
+def test_a_no_grad_region_is_priced_by_its_body_and_leaves_grad_mode_alone():
+    # The probe once called the region without its body; torch's wrapper then failed with grad
+    # off and never restored it: every later capture in the process inlined no_grad regions
+    # (another fingerprint than rank 0's plan) and training ran without autograd.
+    first = capture(NoGradMask(), (torch.randn(4, 8),))
+    assert torch.is_grad_enabled()
+    region = next(node for node in first.nodes if node.target == "wrap_with_set_grad_enabled")
+    assert region.fwd_kernels and not region.note and not region.requires_grad
+    assert capture(NoGradMask(), (torch.randn(4, 8),)).fingerprint() == first.fingerprint()
+
+
+def test_capture_under_no_grad_probes_gradients_and_restores_the_mode():
+    with torch.no_grad():
+        graph = capture(NoGradMask(), (torch.randn(4, 8),))
+        assert not torch.is_grad_enabled()
+    assert next(node for node in graph.nodes if node.target == "aten.linear.default").bwd_kernels
+
+
+
+_FINGERPRINTS = textwrap.dedent("""
+    import json, sys
+    import torch
+    import transformers
+    from autopar.capture.export import capture_program
+    from autopar.plans.planning import capture_for_planning
+
+    configs = dict(
+        # a router with no_grad regions (the grad mode the probe once left off)
+        phimoe=transformers.PhimoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                         sliding_window=4, max_position_embeddings=16),
+        # sliding-window and global layers: rotary tables made in `set(config.layer_types)` order
+        gemma3=transformers.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                                             head_dim=16, sliding_window=4, max_position_embeddings=16,
+                                             layer_types=["sliding_attention", "full_attention",
+                                                          "sliding_attention"]))
+    config = configs[sys.argv[1]]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    inputs = dict(input_ids=torch.randint(0, 64, (2, 8)))
+    planned = capture_for_planning(model, inputs, precision="fp32", cache=False)
+    _, run = capture_program(model, (), inputs, allow_fallback=False)
+    print(json.dumps([planned.fingerprint(), run.fingerprint(), torch.is_grad_enabled()]))
+""")
+
+
+def _fingerprints_by_hash_seed(model: str) -> list:
+    found = []
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, AUTOPAR_CAPTURE_CACHE="0",
+                   PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+        result = subprocess.run([sys.executable, "-c", _FINGERPRINTS, model], cwd=REPO_ROOT, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        found.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["phimoe", "gemma3"])
+def test_two_processes_capture_the_same_graph(model):
+    """What `parallelize` does on every rank: rank 0's planning capture (a meta replica) and each
+    rank's own capture of the model, in processes with other string hashes (torchrun does not fix
+    PYTHONHASHSEED), give one fingerprint: the plan is recognised on every rank."""
+    pytest.importorskip("transformers")
+    first, second = _fingerprints_by_hash_seed(model)
+    planned, run, grad_enabled = first
+    assert planned == run and grad_enabled
+    assert first == second
