@@ -2,7 +2,13 @@
 # The one GPU check of the developers' guide, as one script for a lent device (run from the
 # repository root; results land in $OUT, default ./gpu-check). Each stage runs even if an earlier
 # one failed. PYTHON defaults to .venv/bin/python; on the lent machine use its python3 with
-# ortools carried as wheels (.whl/, see BENCHMARKS.md "One GPU").
+# ortools carried as wheels. Download them here once (`echo /.whl/ >> .git/info/exclude`):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl ortools==9.15.6755 immutabledict protobuf==6.33.6
+# and run there, carrying `.whl` (about 130 s):
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+#     export PYTHONPATH=/tmp/site:$PWD && PYTHON=python3 bash benchmarks/gpu_check.sh
 #   1. `autopar profile --device cuda` (the full sweep; --quick measures only 3 matmul sizes),
 #      unless PROFILE names an existing profile of this GPU kind
 #   2. one training step of gpt3-1.3b (sdpa attention) on one GPU, predicted vs measured, with
