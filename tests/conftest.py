@@ -6,6 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Tests assert behaviour, never wall-clock: no per-example deadline (a loaded 2-core machine
+# stalls single examples for seconds; Hypothesis would call that a failure).
+settings.register_profile("autopar", deadline=None)
+settings.load_profile("autopar")
 
 REFERENCE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
 
