@@ -72,8 +72,8 @@ def region_of(graph) -> tuple[str, ...]:
     return region
 
 
-def local_nodes(model, inputs: tuple, keywords: dict, seq_len: int, tp: int,
-                region: tuple[str, ...], program) -> dict[str, torch.fx.Node]:
+def local_nodes(model, inputs: tuple, keywords: dict, seq_len: int, tp: int, region: tuple[str, ...], program,
+                device: torch.device) -> dict[str, torch.fx.Node]:
     """The region's nodes of the model exported at seq / tp tokens, by name (same targets as the
     program's nodes of the same name)."""
     from autopar.capture.export import capture_program
@@ -84,6 +84,10 @@ def local_nodes(model, inputs: tuple, keywords: dict, seq_len: int, tp: int,
     local_keywords = dict(zip(keywords, _first_tokens(tuple(keywords.values()), seq_len, seq_len // tp)))
     local_program, _ = capture_program(model, _first_tokens(tuple(inputs), seq_len, seq_len // tp), local_keywords,
                                        allow_fallback=False)
+    for node in local_program.graph.nodes:  # as parallelize's _factories_on: made on this rank's device
+        if node.op == "call_function" and isinstance(node.kwargs.get("device"), torch.device) \
+                and node.kwargs["device"].type == "meta":
+            node.update_kwarg("device", device)
     found = {node.name: node for node in local_program.graph.nodes if node.name in set(region)}
     targets = {node.name: node.target for node in program.graph.nodes if node.name in set(region)}
     differing = sorted(name for name in region if name not in found or found[name].target != targets.get(name))
@@ -134,11 +138,14 @@ class FoldedRegions:
 
         def visit(arg):
             nonlocal position
-            if isinstance(arg, torch.fx.Node) and isinstance(env.get(arg.name), torch.Tensor):
-                local_env[arg.name] = self._localized(env[arg.name], wanted[position] if position < len(wanted)
-                                                      else None, place)
+            if not isinstance(arg, torch.fx.Node):
+                return arg
+            if isinstance(env.get(arg.name), torch.Tensor):
+                placement = wanted[position] if position < len(wanted) else None
                 position += 1
-            elif isinstance(arg, torch.fx.Node):
+                local_env[arg.name] = self._scalar(arg, env) if self._recomputed(arg, env) else \
+                    self._localized(env[arg.name], placement, place)
+            else:
                 local_env[arg.name] = self._scalar(arg, env)
             return arg
 
@@ -150,11 +157,19 @@ class FoldedRegions:
             return DTensor.from_local(result, self.tp_mesh, [placement], run_check=False)
         return result
 
+    def _recomputed(self, node: torch.fx.Node, env: dict) -> bool:
+        """Whether `node` (from outside the region) is a size, or a tensor made from sizes only (an
+        arange over the rows): no tensor in, so the local program's node makes this rank's."""
+        if node.name in self.nodes or node.op != "call_function":
+            return False
+        return not any(isinstance(env.get(source.name), torch.Tensor) for source in node.all_input_nodes)
+
     def _scalar(self, node: torch.fx.Node, env: dict):
-        """A non-tensor input: a region node's (a tuple of local tensors) as it is; one from outside
-        (a size computed from the dynamic batch) computed again by the local program's nodes,
-        whose static sizes are this rank's token counts (batch sizes are the same on every tp rank)."""
-        if node.name in self.nodes or node.op != "call_function" or isinstance(env.get(node.name), torch.Tensor):
+        """An input from outside the region that is a size or a tensor made from sizes only (an
+        arange over the layer's rows): computed again by the local program's nodes, whose static
+        sizes are this rank's token counts (batch sizes are the same on every tp rank); others
+        (a region node's tuple of local tensors) as they are."""
+        if not self._recomputed(node, env):
             return env[node.name]
         args = map_aggregate(node.args, lambda arg: self._scalar(arg, env) if isinstance(arg, torch.fx.Node) else arg)
         kwargs = map_aggregate(dict(node.kwargs),

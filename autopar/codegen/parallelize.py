@@ -26,7 +26,7 @@ from autopar.codegen.placements import to_dtensor_placement
 from autopar.solver.pipeline import rank_of
 from autopar.codegen.program import GraphParts
 from autopar.codegen.init import all_names
-from autopar.codegen.runtime import agree, build_runtime, register_shutdown
+from autopar.codegen.runtime import agree, build_runtime, local_device, register_shutdown
 from autopar.errors import AutoparError, ConfigError
 from autopar.plans.plan import Plan
 
@@ -53,7 +53,7 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
     folded = None
     if error is None and expert_folding.folds_experts(plan):
         try:
-            folded = _folded_nodes(model, inputs, keywords, parts, plan)
+            folded = _folded_nodes(model, inputs, keywords, parts, plan, local_device())
         except AutoparError as caught:
             error = caught
     agree(error)
@@ -111,7 +111,7 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
     return module
 
 
-def _folded_nodes(model, inputs: tuple, keywords: dict, parts: GraphParts, plan: Plan) -> dict:
+def _folded_nodes(model, inputs: tuple, keywords: dict, parts: GraphParts, plan: Plan, device: torch.device) -> dict:
     """The MoE layers' region nodes of the model exported at each tp rank's tokens (codegen/expert_folding.py)."""
     from autopar.solver.context_parallel import sequence_length
 
@@ -120,7 +120,7 @@ def _folded_nodes(model, inputs: tuple, keywords: dict, parts: GraphParts, plan:
         raise ConfigError(blocker)
     region = expert_folding.region_of(parts.graph)
     return expert_folding.local_nodes(model, inputs, keywords, sequence_length(parts.graph), plan.mesh["tp"], region,
-                                      parts.program)
+                                      parts.program, device)
 
 
 def _factories_on(program, device: torch.device) -> None:

@@ -30,18 +30,39 @@ MOE_SPEC = (f"moe:layers=2,hidden=32,heads=4,kv_heads=2,seq={SEQ},vocab=64,num_e
 
 @dataclass(frozen=True)
 class Case:
+    model: str
+    """"moe" (MOE_SPEC) or an architecture of hf_zoo.py ("Mixtral")."""
     world_size: int
     config: dict = field(default_factory=dict)
     timeout_s: float = 120.0
 
 
+def _workload(name: str):
+    """(model, loss_fn, batches of (inputs, targets)); inputs a tuple or a dict of keywords."""
+    generator = torch.Generator().manual_seed(1)
+    if name == "moe":
+        from autopar.models import build_model
+
+        bundle = build_model(MOE_SPEC, device="cpu", seed=0, batch_size=GLOBAL_BATCH)
+        return bundle.model, bundle.loss_fn, [((torch.randint(0, 64, (GLOBAL_BATCH, SEQ), generator=generator),),
+                                               torch.randint(0, 64, (GLOBAL_BATCH, SEQ), generator=generator))
+                                              for _ in range(NUM_STEPS)]
+    import hf_zoo
+
+    arch = hf_zoo.BY_NAME[name]
+    torch.manual_seed(0)
+    return arch.build(), hf_zoo.loss_for(arch), [hf_zoo.batch(arch, GLOBAL_BATCH, generator) for _ in range(NUM_STEPS)]
+
+
 def _fixed_plan(model, loss_fn, inputs, targets, config: dict):
-    from autopar.api import capture_for_planning, planner_for
+    from autopar.api import capture_for_planning, planner_for, split_inputs
     from autopar.plans.planning import evaluate_with, fixed_config
 
-    graph = capture_for_planning(model, inputs, loss_fn=loss_fn, example_targets=targets, precision="fp32")
-    planner = planner_for(graph, inputs, tiny_model_cluster(4), global_batch=GLOBAL_BATCH, loss_fn=loss_fn,
-                          example_targets=targets, precision="fp32")
+    positional, keywords = split_inputs(inputs)
+    graph = capture_for_planning(model, positional, loss_fn=loss_fn, example_targets=targets,
+                                 example_kwargs=keywords, precision="fp32")
+    planner = planner_for(graph, positional, tiny_model_cluster(4), global_batch=GLOBAL_BATCH, loss_fn=loss_fn,
+                          example_targets=targets, example_kwargs=keywords, precision="fp32")
     settings = dict(pp=1, schedule="1f1b", virtual_stages=None, layers_per_virtual_stage=None, recompute="none")
     return evaluate_with(planner, fixed_config(planner, **{**settings, **config}))
 
@@ -50,17 +71,13 @@ def folding_case(case: Case) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from autopar.codegen.runtime import run_on_rank0
-    from autopar.models import build_model
 
-    bundle = build_model(MOE_SPEC, device="cpu", seed=0, batch_size=GLOBAL_BATCH)
-    generator = torch.Generator().manual_seed(1)
-    batches = [((torch.randint(0, 64, (GLOBAL_BATCH, SEQ), generator=generator),),
-                torch.randint(0, 64, (GLOBAL_BATCH, SEQ), generator=generator)) for _ in range(NUM_STEPS)]
-    reference = train_one_process(bundle.model, bundle.loss_fn, batches, LEARNING_RATE)
+    model, loss_fn, batches = _workload(case.model)
+    reference = train_one_process(model, loss_fn, batches, LEARNING_RATE)
     (inputs, targets), *_ = batches
-    plan = run_on_rank0(lambda: _fixed_plan(bundle.model, bundle.loss_fn, inputs, targets, case.config))
-    module = parallelize_reusing_captures("moe-folded", bundle.model, tiny_model_cluster(4), inputs,
-                                          loss_fn=bundle.loss_fn, example_targets=targets, constraints={}, plan=plan)
+    plan = run_on_rank0(lambda: _fixed_plan(model, loss_fn, inputs, targets, case.config))
+    module = parallelize_reusing_captures(f"{case.model}-folded", model, tiny_model_cluster(4), inputs,
+                                          loss_fn=loss_fn, example_targets=targets, constraints={}, plan=plan)
     counter = CommDebugMode()
     run = train_parallel(module, batches, LEARNING_RATE, reference, first_step=counter)
     ran = sum(count for op, count in counter.get_comm_counts().items() if "alltoall" in str(op))
@@ -73,8 +90,11 @@ def folding_case(case: Case) -> dict:
 
 
 TABLE = CaseTable([
-    *[case_param(Case(4, dict(tp=2, dp=2, ep=2, etp=1, microbatch_size=4, zero_stage=zero)),
-                 f"moe-tp2-dp2-ep2-etp1-zero{zero}") for zero in (0, 1, 3)],
+    *[case_param(Case(model, 4, dict(tp=2, dp=2, ep=2, etp=1, microbatch_size=4, zero_stage=zero)),
+                 f"{model.lower()}-tp2-dp2-ep2-etp1-zero{zero}") for model in ("moe", "Mixtral") for zero in (0, 1, 3)],
+    # ep over every rank of the (dp, tp) grid: each rank holds one of the 4 experts, none replicated
+    case_param(Case("moe", 4, dict(tp=2, dp=2, ep=4, etp=1, microbatch_size=4, zero_stage=0)),
+               "moe-tp2-dp2-ep4-etp1"),
 ])
 CASES = TABLE.cases
 
@@ -85,7 +105,8 @@ def test_folded_experts_match_one_process(case_name, case_outcome):
     for rank, result in enumerate(results):
         assert (result["etp"], result["ep"]) == (1, case.config["ep"])
         # ep consecutive ranks of the (dp, tp) grid, tp innermost: here the tp pair of each dp rank
-        assert result["ep_group"] == [rank - rank % 2, rank - rank % 2 + 1], result["ep_group"]
+        ep = case.config["ep"]
+        assert result["ep_group"] == list(range(rank - rank % ep, rank - rank % ep + ep)), result["ep_group"]
         # Each MoE layer ran dropless on this rank's tokens: counts, rows and back (5 per layer)
         assert len(result["expert_rows"]) == 2 and all(sent > 0 for _, sent in result["expert_rows"].values())
         assert result["ran_all_to_all"] == 2 * 5 == result["predicted_all_to_all"], result
