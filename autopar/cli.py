@@ -184,7 +184,7 @@ def _evaluate_parser(commands) -> None:
     parser.add_argument("--ep", type=count(), default=1, help="expert-parallel degree (divides dp; MoE models)")
     parser.add_argument("--etp", type=count(), help="expert tensor-parallel degree: tp (default: experts on the tp "
                         "solve, ep over dp ranks) or 1 with tp > 1 (MoE parallel folding: experts unsplit by tp, "
-                        "the ep group over tp x dp; ep must divide tp x dp; priced only, not run by the runtime yet)")
+                        "the ep group over tp x dp; ep must divide tp x dp; run with pp=1, cp=1, no recomputation)")
     _load_imbalance_flag(parser)
     parser.add_argument("--offload", action="store_true", help="optimizer offload (needs --zero 3 and --pp 1)")
     _sequence_parallel_flag(parser)

@@ -29,7 +29,7 @@ from torch.fx.node import map_aggregate
 
 from autopar.codegen.placements import parse_node_placements, to_dtensor_placement
 from autopar.errors import ConfigError
-from autopar.solver.expert_folding import token_local_region
+from autopar.solver.expert_folding import runtime_blocker, token_local_region
 from autopar.solver.experts import find_expert_ops
 
 _CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
@@ -44,16 +44,8 @@ def folds_experts(plan) -> bool:
 
 
 def folding_blocker(plan) -> str:
-    """Why the runtime cannot run this folded plan ("" when it can)."""
-    unsupported = [f"{name}={value}" for name, value in (("pp", plan.mesh["pp"]), ("cp", plan.mesh.get("cp", 1)))
-                   if value > 1]
-    if unsupported:
-        return (f"MoE parallel folding (etp=1 with tp={plan.mesh['tp']}) runs with pp=1 and cp=1 only, not "
-                f"{', '.join(unsupported)}: use etp=tp, or pp=1 and cp=1")
-    if plan.recompute not in ("none",):
-        return (f"MoE parallel folding (etp=1) runs without recomputation, not recompute={plan.recompute!r}: "
-                "use recompute='none' or etp=tp")
-    return ""
+    """Why the runtime cannot run this folded plan ("" when it can): solver/expert_folding.py's rule."""
+    return runtime_blocker(plan.mesh["pp"], plan.mesh.get("cp", 1), plan.recompute)
 
 
 def expert_gradient_divisor(plan) -> float:

@@ -189,9 +189,11 @@ class Planner:
         """What an intra-op solve depends on (pricing.Pricing.tp_key)."""
         return Pricing.tp_key(tp, microbatch_size, sequence_parallel)
 
-    def sharding(self, tp: int, microbatch_size: int, sequence_parallel: bool = True) -> ShardingResult:
-        """Intra-op solution on a tp mesh at one microbatch size (of the condensed graph)."""
-        return self.pricing.sharding(tp, microbatch_size, sequence_parallel)
+    def sharding(self, tp: int, microbatch_size: int, sequence_parallel: bool = True,
+                 folded: bool = False) -> ShardingResult:
+        """Intra-op solution on a tp mesh at one microbatch size (of the condensed graph); folded:
+        with the MoE layers token-local (etp = 1, solver/expert_folding.py)."""
+        return self.pricing.sharding(tp, microbatch_size, sequence_parallel, folded)
 
     def strategies(self, tp: int, microbatch_size: int, sequence_parallel: bool = True, folded: bool = False) -> dict:
         """Strategy of every node of the full graph (dropped blocks take their stand-in's)."""
@@ -255,7 +257,7 @@ class Planner:
         ranked = [estimate for _, estimate in found.ranked]
         best = ranked[0]
         return SearchResult(best=best, sharding=self.sharding(best.config.tp, best.config.microbatch_size,
-                                                             best.config.sequence_parallel),
+                                                             best.config.sequence_parallel, best.config.folds_experts),
                             num_configs=found.count,
                             num_sharding_solves=len(set(self.pricing.solves) | found.sharding_keys),
                             search_time_s=time.perf_counter() - started, ranked=ranked)

@@ -1,15 +1,15 @@
 """MoE parallel folding (etp = 1 with tp > 1): the token-local region of each MoE layer, its fixed
-strategies, the ep group over tp x dp, the checks of etp, and that `plan` refuses what the runtime
-cannot run while `evaluate` prices it and says so."""
+strategies, the ep group over tp x dp, the checks of etp, and that `plan` searches it where the
+runtime runs it (pp = 1, cp = 1, no recomputation) while `evaluate` prices the rest and says so."""
 
 import pytest
 
 import autopar
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.models import build_model
 from autopar.solver.configs import ParallelConfig
 from autopar.solver.context_parallel import sequence_length
-from autopar.solver.expert_folding import (FOLDING_NOT_RUN, TOKEN_LOCAL, etp_blocker, fixed_token_local,
+from autopar.solver.expert_folding import (TOKEN_LOCAL, etp_blocker, fixed_token_local, runtime_blocker,
                                            token_local_region)
 from autopar.solver.experts import find_expert_ops
 from autopar.solver.search import Planner
@@ -74,7 +74,8 @@ def test_evaluate_prices_folding_and_says_it_does_not_run(graph) -> None:
     with pytest.raises(ConfigError, match="ep=8 with tp=2"):
         _evaluate(graph, ep=8)
     folded = _evaluate(graph, ep=8, etp=1)
-    assert FOLDING_NOT_RUN in folded.notes
+    assert not any("runs MoE parallel folding" in note for note in folded.notes)  # pp = 1: the runtime runs it
+    assert runtime_blocker(2, 1, "none") in _evaluate(graph, ep=8, etp=1, pp=2, dp=4).notes
     assert folded.predicted.breakdown_s["ep.dispatch"] > 0
     assert (folded.ep, folded.etp) == (8, 1)
     assert "ep=8 etp=1" in explain_text(folded)
@@ -93,11 +94,19 @@ def test_evaluate_refuses_bad_etp(graph, config, message) -> None:
         _evaluate(graph, **config)
 
 
-def test_plan_refuses_folding_and_pins_tp(graph) -> None:
-    with pytest.raises(ConfigError, match="priced only: autopar's runtime cannot run it yet"):
-        autopar.plan(graph, cluster=CLUSTER, global_batch=16, constraints={"etp": 1, "tp": 2, "ep": 8})
+def test_runtime_rule() -> None:
+    assert runtime_blocker(1, 1, "none") == ""
+    assert "not pp=2, recompute='full'" in runtime_blocker(2, 1, "full")
+    assert "not cp=2" in runtime_blocker(1, 2, "none")
+
+
+def test_plan_searches_folding_where_it_runs_and_pins_tp_otherwise(graph) -> None:
+    plan = autopar.plan(graph, cluster=CLUSTER, global_batch=16, constraints={"etp": 1, "tp": 2, "ep": 8})
+    assert (plan.mesh["tp"], plan.ep, plan.etp, plan.mesh["pp"], plan.recompute) == (2, 8, 1, 1, "none")
+    with pytest.raises(InfeasiblePlanError, match="etp=1: autopar's runtime runs MoE parallel folding"):
+        autopar.plan(graph, cluster=CLUSTER, global_batch=16, constraints={"etp": 1, "tp": 2, "ep": 8, "pp": 2})
     plan = autopar.plan(graph, cluster=CLUSTER, global_batch=16, constraints={"etp": 2, "pp": 1})
-    assert plan.mesh["tp"] == 2
+    assert plan.mesh["tp"] == 2 and plan.etp is None
 
 
 def test_gpt_oss_unchained_expert_matmuls_form_one_layer_region() -> None:
