@@ -163,9 +163,13 @@ def folded_expert_device_mesh(device_type: str, shape: tuple[int, ...], ep: int)
     """MoE parallel folding: the ranks of the (pp, dp, tp) mesh as (pp, dp_rep, tp, ep) with a tp
     dim of size 1 (expert weights are not split by tp) and ep consecutive ranks of the (dp, tp)
     grid (tp innermost) an expert group; dp_rep = dp x tp / ep ranks hold the same experts."""
+    return DeviceMesh(device_type, folded_expert_ranks(shape, ep), mesh_dim_names=("pp", "dp_rep", "tp", "ep"))
+
+
+def folded_expert_ranks(shape: tuple[int, ...], ep: int) -> torch.Tensor:
+    """The ranks of `folded_expert_device_mesh`, (pp, dp_rep, 1, ep)."""
     pp, *rest = shape
-    ranks = torch.arange(math.prod(shape)).reshape(pp, math.prod(rest) // ep, 1, ep)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "dp_rep", "tp", "ep"))
+    return torch.arange(math.prod(shape)).reshape(pp, math.prod(rest) // ep, 1, ep)
 
 
 def broadcast_object(value, src: int = 0):
