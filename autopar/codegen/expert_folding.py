@@ -143,7 +143,8 @@ class FoldedRegions:
 
         map_aggregate(node.args, visit)
         map_aggregate(dict(node.kwargs), visit)
-        result = self.local._call(node, local_env, {})
+        self.local.run_nodes([node], local_env)
+        result = local_env[name]
         if name in self.exits:
             placement = to_dtensor_placement(self.placements[name][0])
             return DTensor.from_local(result, self.tp_mesh, [placement], run_check=False)
