@@ -293,8 +293,9 @@ def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constr
          verbose: bool = False, example_kwargs=None, moe_load_imbalance: float | None = None,
          fp8_recipe: str = "tensorwise", fp8_filter=None) -> Plan:
     """Search the best parallelization; `constraints` may fix dp, tp, pp, cp, microbatch_size,
-    schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage, ep, etp (pins tp: the search
-    plans etp = tp; etp=1 with tp > 1 is priced by `evaluate` only), offload and
+    schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage, ep, etp (the search plans etp
+    in {1, tp}: etp=1 keeps MoE parallel folding, searched where the runtime runs it, and tp=1; etp=k > 1
+    pins tp=k), offload and
     sequence_parallel (False: tensor parallelism without sequence parallelism).
     `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones.
     `moe_load_imbalance` (>= 1.0; default 1.25) prices dropless MoE routing: what the busiest

@@ -5,9 +5,9 @@ unless constrained otherwise; context parallelism only for models whose sequence
 solver/context_parallel.py), every microbatch size dividing the per-replica batch, the 1F1B,
 interleaved and zero-bubble (zb1p, zbv) schedules, each recomputation mode and ZeRO stage, and for a model with expert
 matmuls every expert-parallel degree dividing dp (experts sharded over ep of the dp ranks,
-solver/experts.py; with every ZeRO stage and cp, as codegen runs it; etp = tp only: MoE parallel
-folding, etp = 1 with tp > 1, is priced by `evaluate` but not run by codegen, so not searched,
-solver/expert_folding.py), the step model (step_model.py)
+solver/experts.py; with every ZeRO stage and cp, as codegen runs it; and MoE parallel folding,
+etp = 1 with tp > 1, the ep group over tp x dp, where codegen runs it: pp = 1, cp = 1, no
+recomputation, solver/expert_folding.py), the step model (step_model.py)
 prices the configuration from the intra-op solution of the tensor-parallel mesh at that
 microbatch size (solved once per (tp, microbatch) and reused for every pp, dp and cp). The fastest
 configuration that fits in memory wins; ties go to the leaner one.
