@@ -45,7 +45,7 @@ def folds_experts(plan) -> bool:
 
 def folding_blocker(plan) -> str:
     """Why the runtime cannot run this folded plan ("" when it can): solver/expert_folding.py's rule."""
-    return runtime_blocker(plan.mesh["pp"], plan.mesh.get("cp", 1), plan.recompute)
+    return runtime_blocker(plan.mesh.get("cp", 1), plan.recompute)
 
 
 def expert_gradient_divisor(plan) -> float:

@@ -149,7 +149,7 @@ class Plan:
     etp: int | None = None
     """Expert tensor-parallel degree: None, the experts on the tp solve (ep over dp ranks); 1 with
     tp > 1: MoE parallel folding (solver/expert_folding.py, run by codegen/expert_folding.py with
-    pp = 1, cp = 1 and no recomputation; parallelize refuses the others with the reason)."""
+    cp = 1 and without module recomputation; parallelize refuses the others with the reason)."""
     moe_load_imbalance: float | None = None
     """Tokens the busiest expert-parallel rank of a dropless MoE layer was priced to receive and
     compute, over the even share (1.0: balanced routing; 1.25 by default); None: the model has no

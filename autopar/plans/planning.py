@@ -476,8 +476,8 @@ def evaluate_with(planner: Planner, config: ParallelConfig) -> Plan:
     notes = () if estimate.fits else (
         f"this configuration does not fit: {estimate.peak_memory_bytes / 2**30:.1f} GiB per device needed, "
         f"{planner.step_model.memory_budget_bytes / 2**30:.1f} GiB usable",)
-    if config.folds_experts and runtime_blocker(config.pp, config.cp, config.recompute):
-        notes += (runtime_blocker(config.pp, config.cp, config.recompute),)
+    if config.folds_experts and runtime_blocker(config.cp, config.recompute):
+        notes += (runtime_blocker(config.cp, config.recompute),)
     plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
                      sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes,
                      precision=planner.precision, moe_load_imbalance=planner.moe_load_imbalance,

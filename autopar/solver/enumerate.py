@@ -124,7 +124,7 @@ class Candidates:
             if not schedule_accepts(schedule, pp, m, virtual):
                 continue
             for recompute in modes:
-                runs_folded = not runtime_blocker(pp, cp, recompute)
+                runs_folded = not runtime_blocker(cp, recompute)
                 for ep, etp in [(ep, None) for ep in eps] + [(ep, 1) for ep in folded if runs_folded]:
                     for zero in zeros:
                         if zero == 3 and schedule in ZERO_BUBBLE_SCHEDULES:
@@ -197,7 +197,7 @@ class Candidates:
         tp x dp, solver/expert_folding.py), searched beside etp = tp where autopar's runtime runs it."""
         sequence_parallel = constraints.sequence_parallel_allowed
         if tp == 1 or offload or constraints.etp not in (None, 1) or constraints.ep == 1 or not self.checks.expert_ops \
-                or runtime_blocker(pp, cp, "none") or self.pricing.folding_blocker(tp, sequence_parallel, cp):
+                or runtime_blocker(cp, "none") or self.pricing.folding_blocker(tp, sequence_parallel, cp):
             return []
         try:
             options = self.pricing.ep_options(tp, dp, microbatch, sequence_parallel, True)
@@ -297,7 +297,7 @@ class Candidates:
                 reasons.append(f"the zbv schedule cuts the model into 2 x pp = {2 * pp} chunks, more than its "
                                f"{len(self.graph.segments)} segments")
         if constraints.etp == 1 and constraints.tp != 1:
-            blocker = runtime_blocker(constraints.pp or 1, constraints.cp or 1, constraints.recompute or "none")
+            blocker = runtime_blocker(constraints.cp or 1, constraints.recompute or "none")
             if not self.checks.expert_ops:
                 blocker = ("with tp > 1 it folds the MoE layers (experts unsplit by tp), and the model has no expert "
                            "matmuls; leave etp out")

@@ -26,8 +26,8 @@ are partial over tp (reduced as sequence-parallel weights are). The region of a 
 entry (walking up from the first expert op's tokens through its one activation input to the
 first op with two: the residual add) down to its exit (walking from the last expert op's output through single consumers while they read only the region, factories and
 parameters). A DTensor cannot run this region (sorting rows of one rank is not a shard of the
-global sort): the runtime runs it on local tensors (codegen/expert_folding.py, with pp = 1, cp = 1
-and no recomputation: `runtime_blocker`).
+global sort): the runtime runs it on local tensors (codegen/expert_folding.py; with cp = 1 and
+the recomputation modes of `runtime_blocker`).
 """
 
 from __future__ import annotations
@@ -37,17 +37,24 @@ from autopar.solver.experts import ExpertOp
 from autopar.strategies import Strategy
 from autopar.strategies.placement import REPLICATE, shard
 
-def runtime_blocker(pp: int, cp: int, recompute: str) -> str:
+RUNS_WITH_RECOMPUTE = ("none", "gathers", "selective", "op", "full")
+"""The recomputation modes autopar's runtime runs folded (Megatron-style module sets are not run so)."""
+
+
+def runtime_blocker(cp: int, recompute: str) -> str:
     """Why autopar's runtime cannot run a folded configuration (codegen/expert_folding.py) with
-    these degrees ("" when it can): it runs pp = 1, cp = 1 and no recomputation. `plan` searches
-    etp = 1 only where it runs; `evaluate` prices the others and says this in the plan's notes."""
-    unsupported = [f"{name}={value}" for name, value in (("pp", pp), ("cp", cp)) if value > 1]
-    if recompute != "none":
+    these settings ("" when it can): cp = 1 and the modes of RUNS_WITH_RECOMPUTE (every pipeline
+    schedule runs). `plan` searches etp = 1 only where it runs; `evaluate` prices the others and
+    says this in the plan's notes."""
+    unsupported = [f"cp={cp}"] if cp > 1 else []
+    if recompute not in RUNS_WITH_RECOMPUTE:
         unsupported.append(f"recompute={recompute!r}")
     if not unsupported:
         return ""
-    return (f"autopar's runtime runs MoE parallel folding (etp=1 with tp > 1) with pp=1, cp=1 and recompute='none' "
-            f"only, not {', '.join(unsupported)}: train with etp=tp, or those settings")
+    return (f"autopar's runtime runs MoE parallel folding (etp=1 with tp > 1) with cp=1 and recompute "
+            f"{', '.join(RUNS_WITH_RECOMPUTE)}, not {', '.join(unsupported)}: train with etp=tp, or those settings")
+
+
 TOKEN_LOCAL = "token-local"
 """Name of the fixed strategies of a folded MoE layer's ops."""
 _HELD = ("param", "buffer", "constant")

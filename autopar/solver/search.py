@@ -6,7 +6,7 @@ solver/context_parallel.py), every microbatch size dividing the per-replica batc
 interleaved and zero-bubble (zb1p, zbv) schedules, each recomputation mode and ZeRO stage, and for a model with expert
 matmuls every expert-parallel degree dividing dp (experts sharded over ep of the dp ranks,
 solver/experts.py; with every ZeRO stage and cp, as codegen runs it; and MoE parallel folding,
-etp = 1 with tp > 1, the ep group over tp x dp, where codegen runs it: pp = 1, cp = 1, no
+etp = 1 with tp > 1, the ep group over tp x dp, where codegen runs it: cp = 1, not with module
 recomputation, solver/expert_folding.py), the step model (step_model.py)
 prices the configuration from the intra-op solution of the tensor-parallel mesh at that
 microbatch size (solved once per (tp, microbatch) and reused for every pp, dp and cp). The fastest

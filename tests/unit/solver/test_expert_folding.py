@@ -1,6 +1,7 @@
 """MoE parallel folding (etp = 1 with tp > 1): the token-local region of each MoE layer, its fixed
 strategies, the ep group over tp x dp, the checks of etp, and that `plan` searches it where the
-runtime runs it (pp = 1, cp = 1, no recomputation) while `evaluate` prices the rest and says so."""
+runtime runs it (cp = 1, not Megatron-style module recomputation) while `evaluate` prices the rest
+and says so."""
 
 import pytest
 
@@ -75,7 +76,9 @@ def test_evaluate_prices_folding_and_says_it_does_not_run(graph) -> None:
         _evaluate(graph, ep=8)
     folded = _evaluate(graph, ep=8, etp=1)
     assert not any("runs MoE parallel folding" in note for note in folded.notes)  # pp = 1: the runtime runs it
-    assert runtime_blocker(2, 1, "none") in _evaluate(graph, ep=8, etp=1, pp=2, dp=4).notes
+    assert not any("runs MoE parallel folding" in note for note in _evaluate(graph, ep=8, etp=1, pp=2, dp=4).notes)
+    modules = _evaluate(graph, ep=8, etp=1, recompute="modules:layernorm,moe_act")
+    assert runtime_blocker(1, "modules:layernorm,moe_act") in modules.notes
     assert folded.predicted.breakdown_s["ep.dispatch"] > 0
     assert (folded.ep, folded.etp) == (8, 1)
     assert "ep=8 etp=1" in explain_text(folded)
@@ -95,16 +98,16 @@ def test_evaluate_refuses_bad_etp(graph, config, message) -> None:
 
 
 def test_runtime_rule() -> None:
-    assert runtime_blocker(1, 1, "none") == ""
-    assert "not pp=2, recompute='full'" in runtime_blocker(2, 1, "full")
-    assert "not cp=2" in runtime_blocker(1, 2, "none")
+    assert runtime_blocker(1, "none") == runtime_blocker(1, "full") == runtime_blocker(1, "selective") == ""
+    assert "not cp=2, recompute='modules:moe_act'" in runtime_blocker(2, "modules:moe_act")
 
 
 def test_plan_searches_folding_where_it_runs_and_pins_tp_otherwise(graph) -> None:
     plan = autopar.plan(graph, cluster=CLUSTER, global_batch=16, constraints={"etp": 1, "tp": 2, "ep": 8})
-    assert (plan.mesh["tp"], plan.ep, plan.etp, plan.mesh["pp"], plan.recompute) == (2, 8, 1, 1, "none")
+    assert (plan.mesh["tp"], plan.ep, plan.etp) == (2, 8, 1)
     with pytest.raises(InfeasiblePlanError, match="etp=1: autopar's runtime runs MoE parallel folding"):
-        autopar.plan(graph, cluster=CLUSTER, global_batch=16, constraints={"etp": 1, "tp": 2, "ep": 8, "pp": 2})
+        autopar.plan(graph, cluster=CLUSTER, global_batch=16,
+                     constraints={"etp": 1, "tp": 2, "ep": 8, "recompute": "modules:moe_act"})
     plan = autopar.plan(graph, cluster=CLUSTER, global_batch=16, constraints={"etp": 2, "pp": 1})
     assert plan.mesh["tp"] == 2 and plan.etp is None
 
