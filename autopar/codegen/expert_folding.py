@@ -33,7 +33,7 @@ from autopar.solver.expert_folding import runtime_blocker, token_local_region
 from autopar.solver.experts import find_expert_ops
 
 _CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
-"""Consumers that check a tensor and produce nothing (export's dtype asserts): not a region exit."""
+"""Consumers that check a tensor and produce nothing (export's dtype asserts)."""
 SEQUENCE_DIM = 1
 """The dim the region's entry and exit are split along on tp: the sequence of (batch, seq, ...)."""
 
@@ -81,8 +81,10 @@ def local_nodes(model, inputs: tuple, keywords: dict, seq_len: int, tp: int, reg
                 and node.kwargs["device"].type == "meta":
             node.update_kwarg("device", device)
     found = {node.name: node for node in local_program.graph.nodes if node.name in set(region)}
-    targets = {node.name: node.target for node in program.graph.nodes if node.name in set(region)}
-    differing = sorted(name for name in region if name not in found or found[name].target != targets.get(name))
+    local_all = {node.name: node for node in local_program.graph.nodes}
+    program_all = {node.name: node for node in program.graph.nodes}
+    differing = [name for name in region if name not in found or not _same_op(found[name], program_all[name], local_all,
+                                                                             program_all)]
     if differing:
         raise ConfigError(f"MoE parallel folding: the model exported at {seq_len // tp} tokens per sequence has other "
                           f"ops than at {seq_len} (first: {differing[0]}); its MoE layers cannot run on each tp "
@@ -90,10 +92,33 @@ def local_nodes(model, inputs: tuple, keywords: dict, seq_len: int, tp: int, reg
     return found
 
 
+def _same_op(local: torch.fx.Node, node: torch.fx.Node, local_all: dict, program_all: dict) -> bool:
+    """Whether the local export's node is the program's node of the same name: the same op, reading
+    the nodes of the same names (sizes may differ), which are the same ops, read by the same nodes."""
+    def names(value):
+        found = []
+        map_aggregate(value, lambda arg: found.append(arg.name) if isinstance(arg, torch.fx.Node) else None)
+        return found
+
+    inputs = names((local.args, dict(local.kwargs)))
+    if local.target != node.target or inputs != names((node.args, dict(node.kwargs))):
+        return False
+    if {user.name for user in local.users} != {user.name for user in node.users}:
+        return False
+    return all(name in local_all and name in program_all and local_all[name].target == program_all[name].target
+               for name in inputs)
+
+
 def _first_tokens(values: tuple, seq_len: int, tokens: int) -> tuple:
     """Example inputs cut to their first `tokens` positions ((batch, seq, ...) tensors only)."""
     return tuple(value[:, :tokens] if isinstance(value, torch.Tensor) and value.dim() >= 2
                  and value.shape[1] == seq_len else value for value in values)
+
+
+def _reads(user: torch.fx.Node) -> bool:
+    """Whether a consumer outside the region uses what it reads: not export's dtype asserts, not a
+    getitem of a tuple output that nothing reads (topk's unused values)."""
+    return user.target not in _CHECKS and (user.op == "output" or bool(user.users))
 
 
 class FoldedRegions:
@@ -105,8 +130,8 @@ class FoldedRegions:
         self.nodes = nodes
         """Region node name -> the node of the local program."""
         self.placements = {name: parse_node_placements(text) for name, text in placements.items()}
-        self.exits = {name for name, node in nodes.items()
-                      if any(user.name not in nodes and user.target not in _CHECKS for user in node.users)}
+        self.exits = {name for name, node in nodes.items() if any(user.name not in nodes and _reads(user)
+                                                                  for user in node.users)}
         self.tp_mesh = tp_mesh
         self.local = PlannedInterpreter({}, tp_mesh)
         self.local.distributed = False  # plain tensors; expert ops with no tp mesh

@@ -29,12 +29,17 @@ LEARNING_RATE = 0.5
 TOLERANCE = 1e-4
 MOE_SPEC = (f"moe:layers=2,hidden=32,heads=4,kv_heads=2,seq={SEQ},vocab=64,num_experts=4,top_k=2,"
             "expert_ffn_hidden=16,ffn_hidden=64")
+MLA_SPEC = (f"moe:layers=3,hidden=32,heads=4,seq={SEQ},vocab=64,num_experts=4,top_k=2,expert_ffn_hidden=16,"
+            "dense_layers=1,ffn_hidden=48,shared_experts=1,router=sigmoid,attention=mla,q_lora_rank=16,"
+            "kv_lora_rank=16,qk_nope_head_dim=8,qk_rope_head_dim=4,v_head_dim=8")
+"""DeepSeek-V3's layer kinds: latent attention, the sigmoid router (a choice-bias buffer), a shared
+expert beside the routed ones and a leading dense layer."""
 
 
 @dataclass(frozen=True)
 class Case:
     model: str
-    """"moe" (MOE_SPEC) or an architecture of hf_zoo.py ("Mixtral")."""
+    """"moe" (MOE_SPEC), "mla" (MLA_SPEC) or an architecture of hf_zoo.py ("Mixtral")."""
     world_size: int
     config: dict = field(default_factory=dict)
     timeout_s: float = 120.0
@@ -43,10 +48,10 @@ class Case:
 def _workload(name: str):
     """(model, loss_fn, batches of (inputs, targets)); inputs a tuple or a dict of keywords."""
     generator = torch.Generator().manual_seed(1)
-    if name == "moe":
+    if name in ("moe", "mla"):
         from autopar.models import build_model
 
-        bundle = build_model(MOE_SPEC, device="cpu", seed=0, batch_size=GLOBAL_BATCH)
+        bundle = build_model(MOE_SPEC if name == "moe" else MLA_SPEC, device="cpu", seed=0, batch_size=GLOBAL_BATCH)
         return bundle.model, bundle.loss_fn, [((torch.randint(0, 64, (GLOBAL_BATCH, SEQ), generator=generator),),
                                                torch.randint(0, 64, (GLOBAL_BATCH, SEQ), generator=generator))
                                               for _ in range(NUM_STEPS)]
@@ -101,6 +106,7 @@ TABLE = CaseTable([
     *[case_param(Case(model, 4, {**_FOLDED, "zero_stage": zero}), f"{model.lower()}-tp2-dp2-ep2-etp1-zero{zero}",
                  *([] if (model, zero) in (("moe", 0), ("Mixtral", 3)) else [_MORE]))
       for model in ("moe", "Mixtral") for zero in (0, 1, 3)],
+    case_param(Case("mla", 4, _FOLDED), "mla-tp2-dp2-ep2-etp1", _MORE),
     # ep over every rank of the (dp, tp) grid: each rank holds one of the 4 experts, none replicated
     case_param(Case("moe", 4, {**_FOLDED, "ep": 4}), "moe-tp2-dp2-ep4-etp1", _MORE),
     # Recomputation: the folded layers run again in backward (full: their dispatches too)
