@@ -90,6 +90,20 @@ def token_local_region(graph: OpGraph, ops: tuple[ExpertOp, ...]) -> tuple[str, 
     return tuple(node.name for node in graph.nodes if node.name in region)
 
 
+def read_outside(graph: OpGraph, region: tuple[str, ...]) -> tuple[str, ...]:
+    """Region nodes an op outside the region reads (one whose output is read in turn: not a dead
+    getitem of topk's unused values): each layer's exit, and anything else the runtime could not
+    hand out (an auxiliary loss reading the router's logits: each tp rank holds its own tokens')."""
+    inside = set(region)
+    return tuple(name for name in region if any(consumer not in inside and graph.consumers.get(consumer)
+                                                for consumer in graph.consumers.get(name, ())))
+
+
+def runs_folded(graph: OpGraph, ops: tuple[ExpertOp, ...], region: tuple[str, ...]) -> bool:
+    """Whether the runtime can run the region: each layer hands out its exit only."""
+    return len(read_outside(graph, region)) <= len(_layers(graph, ops))
+
+
 def _layers(graph: OpGraph, ops: tuple[ExpertOp, ...]) -> list[list[ExpertOp]]:
     """The expert ops of each MoE layer in graph order: grouped matmuls sharing their `offs`
     (chained or not: GPT-OSS adds a bias between them), an einsum chain, or an einsum alone."""

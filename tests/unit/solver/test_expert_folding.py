@@ -10,8 +10,8 @@ from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.models import build_model
 from autopar.solver.configs import ParallelConfig
 from autopar.solver.context_parallel import sequence_length
-from autopar.solver.expert_folding import (TOKEN_LOCAL, etp_blocker, fixed_token_local, runtime_blocker,
-                                           token_local_region)
+from autopar.solver.expert_folding import (TOKEN_LOCAL, etp_blocker, fixed_token_local, read_outside, runs_folded,
+                                           runtime_blocker, token_local_region)
 from autopar.solver.experts import find_expert_ops
 from autopar.solver.search import Planner
 from autopar.cluster import Cluster
@@ -36,6 +36,15 @@ def test_the_region_holds_router_sort_experts_and_unsort(graph) -> None:
     assert {op.node for op in ops} <= set(region)
     assert {"aten.topk.default", "aten.argsort.stable", "aten.linear.default"} <= targets
     assert "aten.scaled_dot_product_attention.default" not in targets  # attention stays on the tp solve
+
+
+def test_each_layer_hands_out_its_exit_only(graph) -> None:
+    ops = find_expert_ops(graph)
+    region = token_local_region(graph, ops)
+    exits = read_outside(graph, region)
+    assert len(exits) == 2 and all(graph[name].target == "aten.view_as.default" for name in exits)  # 2 layers
+    assert runs_folded(graph, ops, region)
+    assert not runs_folded(graph, ops, region[:-1])  # the last layer cut short: its sum and norm read outside
 
 
 def test_region_ops_split_tokens_and_keep_experts_whole(graph) -> None:
