@@ -107,6 +107,8 @@ TABLE = CaseTable([
                  *([] if (model, zero) in (("moe", 0), ("Mixtral", 3)) else [_MORE]))
       for model in ("moe", "Mixtral") for zero in (0, 1, 3)],
     case_param(Case("mla", 4, _FOLDED), "mla-tp2-dp2-ep2-etp1", _MORE),
+    *[case_param(Case(model, 4, _FOLDED), f"{model.lower()}-tp2-dp2-ep2-etp1", _MORE)
+      for model in ("Qwen3-MoE", "OLMoE", "GPT-OSS")],
     # ep over every rank of the (dp, tp) grid: each rank holds one of the 4 experts, none replicated
     case_param(Case("moe", 4, {**_FOLDED, "ep": 4}), "moe-tp2-dp2-ep4-etp1", _MORE),
     # Recomputation: the folded layers run again in backward (full: their dispatches too)
@@ -126,8 +128,9 @@ def test_folded_experts_match_one_process(case_name, case_outcome):
     case, results = TABLE.results(case_outcome, folding_case, case_name)
     # Every parameter has its gradient checked on some rank (each pipeline rank holds its stage's).
     assert set().union(*(result["grad_errors"] for result in results)) == set(results[0]["all_parameters"])
-    # Both MoE layers ran dropless on each rank's tokens (under pp on the ranks of their stage)
-    assert len(set().union(*(result["expert_rows"] for result in results))) == 2
+    # Both MoE layers ran dropless on each rank's tokens (under pp on the ranks of their stage;
+    # GPT-OSS's expert matmuls are not chained: two dispatches a layer)
+    assert len(set().union(*(result["expert_rows"] for result in results))) == (4 if case.model == "GPT-OSS" else 2)
     for rank, result in enumerate(results):
         assert (result["etp"], result["ep"]) == (1, case.config["ep"])
         # ep consecutive ranks of the (dp, tp) grid, tp innermost: here the tp pair of each dp rank
@@ -136,9 +139,9 @@ def test_folded_experts_match_one_process(case_name, case_outcome):
         # Each MoE layer ran dropless on this rank's tokens: counts, rows and back (5 per layer)
         assert all(sent > 0 for _, sent in result["expert_rows"].values())
         if case.config.get("recompute", "none") == "none" and case.config.get("pp", 1) == 1:
-            assert result["ran_all_to_all"] == 2 * 5 == result["predicted_all_to_all"], result
+            assert result["ran_all_to_all"] == result["predicted_all_to_all"] > 0, result
         elif case.config.get("recompute") == "full":  # the forward's 3 of each layer again in backward
-            assert result["ran_all_to_all"] == 2 * (5 + 3), result
+            assert result["ran_all_to_all"] == result["predicted_all_to_all"] + 2 * 3, result
         assert not result["partial_grads"], result["partial_grads"]  # the router's reduced over tp in the step
         assert result["losses"] == pytest.approx(result["reference_losses"], rel=TOLERANCE, abs=TOLERANCE), \
             f"rank {rank}'s losses"
