@@ -180,6 +180,25 @@ def _ancestors(graph: OpGraph, name: str, stop: str) -> set[str]:
     return found
 
 
+def _weight_derived(graph: OpGraph, region: tuple[str, ...]) -> set[str]:
+    """Nodes outside the region the region reads that are made from weights and constants only (a
+    weight cast to float32 by DeepSeek-V3's router): whole on every rank, not split by token."""
+    inside, found, seen = set(region), set(), {}
+
+    def derived(name: str) -> bool:
+        if name not in seen:
+            node = graph[name]
+            seen[name] = node.kind in _HELD or (node.kind == "call" and bool(node.inputs)
+                                                 and all(derived(source) for source in node.inputs))
+        return seen[name]
+
+    for name in region:
+        for source in graph[name].inputs:
+            if source not in inside and graph[source].kind not in _HELD and derived(source):
+                found.add(source)
+    return found
+
+
 def token_placement(shape: tuple[int, ...], sequence_length: int) -> str:
     """The placement of a tensor of a token-local region on one tp axis: split along its first
     dim that is a multiple of the sequence length (its tokens), else replicated (per-expert
@@ -198,9 +217,10 @@ def fixed_token_local(graph: OpGraph, region: tuple[str, ...], ops: tuple[Expert
     # may split a view and gather it for the grouped matmul.
     fixed = {name: Strategy(inputs=tuple((REPLICATE,) for _ in graph[name].inputs), output=(REPLICATE,),
                             split_axes=(False,), name=TOKEN_LOCAL) for name in whole}
+    held = _weight_derived(graph, region)
     for name in region:
         node = graph[name]
-        inputs = tuple((REPLICATE,) if graph[source].kind in _HELD or source in whole else
+        inputs = tuple((REPLICATE,) if graph[source].kind in _HELD or source in whole or source in held else
                        (token_placement(graph[source].output.shape, sequence_length),) for source in node.inputs)
         output = (token_placement(node.output.shape, sequence_length),) if node.outputs else (REPLICATE,)
         split = any(placement != REPLICATE for placement in (output[0], *(p[0] for p in inputs)))

@@ -108,7 +108,7 @@ TABLE = CaseTable([
       for model in ("moe", "Mixtral") for zero in (0, 1, 3)],
     case_param(Case("mla", 4, _FOLDED), "mla-tp2-dp2-ep2-etp1", _MORE),
     *[case_param(Case(model, 4, _FOLDED), f"{model.lower()}-tp2-dp2-ep2-etp1", _MORE)
-      for model in ("Qwen3-MoE", "OLMoE", "GPT-OSS")],
+      for model in ("Qwen3-MoE", "OLMoE", "GPT-OSS", "DeepSeek-V3")],
     # ep over every rank of the (dp, tp) grid: each rank holds one of the 4 experts, none replicated
     case_param(Case("moe", 4, {**_FOLDED, "ep": 4}), "moe-tp2-dp2-ep4-etp1", _MORE),
     # Recomputation: the folded layers run again in backward (full: their dispatches too)
@@ -128,9 +128,11 @@ def test_folded_experts_match_one_process(case_name, case_outcome):
     case, results = TABLE.results(case_outcome, folding_case, case_name)
     # Every parameter has its gradient checked on some rank (each pipeline rank holds its stage's).
     assert set().union(*(result["grad_errors"] for result in results)) == set(results[0]["all_parameters"])
-    # Both MoE layers ran dropless on each rank's tokens (under pp on the ranks of their stage;
-    # GPT-OSS's expert matmuls are not chained: two dispatches a layer)
-    assert len(set().union(*(result["expert_rows"] for result in results))) == (4 if case.model == "GPT-OSS" else 2)
+    # Every MoE layer ran dropless on each rank's tokens (under pp on the ranks of their stage;
+    # GPT-OSS's expert matmuls are not chained: two dispatches a layer; the zoo's DeepSeek-V3 has a
+    # leading dense layer)
+    dispatches = {"GPT-OSS": 4, "DeepSeek-V3": 1}.get(case.model, 2)
+    assert len(set().union(*(result["expert_rows"] for result in results))) == dispatches
     for rank, result in enumerate(results):
         assert (result["etp"], result["ep"]) == (1, case.config["ep"])
         # ep consecutive ranks of the (dp, tp) grid, tp innermost: here the tp pair of each dp rank
