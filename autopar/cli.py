@@ -153,9 +153,9 @@ def _plan_parser(commands) -> None:
     _recompute_modules_flag(parser)
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     parser.add_argument("--ep", type=count(), help="fix the expert-parallel degree (divides dp; MoE models)")
-    parser.add_argument("--etp", type=count(), help="fix the expert tensor-parallel degree; the search plans "
-                        "etp = tp only, so this pins tp; etp 1 with tp > 1 (MoE parallel folding) is refused until "
-                        "the runtime runs it: price it with `evaluate --etp 1`")
+    parser.add_argument("--etp", type=count(), help="fix the expert tensor-parallel degree: 1 (MoE parallel folding "
+                        "with tp > 1: experts unsplit by tp, the ep group over tp x dp; searched with cp=1 and without "
+                        "--recompute-modules, where the runtime runs it; or tp=1) or k > 1 (pins tp=k)")
     _load_imbalance_flag(parser)
     parser.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
                         help="optimizer offload (FSDP2 CPUOffloadPolicy): auto uses it only when nothing fits without")
@@ -184,7 +184,7 @@ def _evaluate_parser(commands) -> None:
     parser.add_argument("--ep", type=count(), default=1, help="expert-parallel degree (divides dp; MoE models)")
     parser.add_argument("--etp", type=count(), help="expert tensor-parallel degree: tp (default: experts on the tp "
                         "solve, ep over dp ranks) or 1 with tp > 1 (MoE parallel folding: experts unsplit by tp, "
-                        "the ep group over tp x dp; ep must divide tp x dp; priced only, not run by the runtime yet)")
+                        "the ep group over tp x dp; ep must divide tp x dp; run with cp=1, not with --recompute-modules)")
     _load_imbalance_flag(parser)
     parser.add_argument("--offload", action="store_true", help="optimizer offload (needs --zero 3 and --pp 1)")
     _sequence_parallel_flag(parser)

@@ -135,9 +135,10 @@ class ProgramBuilder:
         fp8.install(self.interpreter, self.parts.param_of, self.parts.fx_nodes)
         return fp8
 
-    def use_expert_parallelism(self, runtime) -> None:
+    def use_expert_parallelism(self, runtime, *, folded: bool = False) -> None:
         """Run the plan's expert ops expert-parallel and place its expert weights on the (tp, ep)
-        mesh (codegen/experts.py); the expert ops are found in this graph as the planner found them."""
+        mesh (codegen/experts.py); the expert ops are found in this graph as the planner found them.
+        `folded` (etp=1, codegen/expert_folding.py): every chain runs (the layer is on local rows)."""
         from autopar.codegen.experts import ExpertRunner
         from autopar.solver.experts import expert_ops_at, expert_param_names, find_expert_ops
 
@@ -146,7 +147,7 @@ class ProgramBuilder:
         if set(names) != set(self.plan.ep_params):
             raise PlanMismatchError(f"the plan splits the expert weights {sorted(self.plan.ep_params)} over ep="
                                     f"{self.plan.ep}, but this model's expert ops read {sorted(names)}: re-plan")
-        ops_run = expert_ops_at(ops, self._placements)  # the chains the plan priced
+        ops_run = ops if folded else expert_ops_at(ops, self._placements)  # the chains the plan priced
         self.interpreter.experts = ExpertRunner({op.node: op for op in ops_run}, runtime.ep_group, self.plan.ep,
                                                 rows=self.interpreter.stats.expert_rows)  # ParallelModule reads them
         self.expert_mesh = runtime.expert_mesh

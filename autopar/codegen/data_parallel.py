@@ -89,13 +89,15 @@ def _shard_experts(experts: ExpertWeights, expert_mesh, options: dict, fully_sha
                 shard_placement_fn=lambda param: Shard(expert_shard_dim(param, replicas)))
 
 
-def divide_expert_gradients(parameters: list[nn.Parameter], ep: int) -> None:
+def divide_expert_gradients(parameters: list[nn.Parameter], divisor: float) -> None:
     """Under FSDP, after its reduce-scatter over the dp_rep ranks holding the same experts (an
-    average over dp_rep): the average over all dp = dp_rep x ep ranks, as every expert gradient
-    already sums the tokens of the ep ranks of its group (their all-to-all's backward)."""
+    average over dp_rep): the average over all dp = dp_rep x ep ranks (`divisor` = ep), as every
+    expert gradient already sums the tokens of the ep ranks of its group (their all-to-all's
+    backward). Folded (etp=1), dp_rep = dp x tp / ep: `divisor` = ep / tp
+    (codegen/expert_folding.expert_gradient_divisor)."""
     for param in parameters:
-        if param.grad is not None and ep > 1:
-            param.grad.div_(ep)
+        if param.grad is not None and divisor != 1:
+            param.grad.div_(divisor)
 
 
 def expert_shard_dim(param: torch.Tensor, replicas: int) -> int:

@@ -174,6 +174,8 @@ class PlannedInterpreter:
         """target -> fn(node, args, kwargs) run instead of the op (context parallelism's position-aware ops)."""
         self.experts = None
         """ExpertRunner (codegen/experts.py) of an expert-parallel plan, else None."""
+        self.folded = None
+        """FoldedRegions (codegen/expert_folding.py) of a plan that folds its experts (etp=1), else None."""
         self.current_node: str | None = None
         """The node whose op is running (not while its inputs are redistributed): the "op"
         recomputation policy keeps what kept nodes produce (codegen/recompute.py)."""
@@ -227,6 +229,8 @@ class PlannedInterpreter:
             env[node.name] = self._call(node, env, cache)
 
     def _call(self, node: torch.fx.Node, env: dict[str, Any], cache: dict) -> Any:
+        if self.folded is not None and node.name in self.folded.nodes:
+            return self.folded.run(node.name, env, self.place)
         output_placement, input_placements = self.placements.get(node.name, (None, []))
         if self.experts is not None and node.name in self.experts.ops:
             return self._expert_call(node, env, cache, output_placement, input_placements)

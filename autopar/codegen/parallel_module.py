@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from autopar.codegen import watchdog
 from autopar.codegen.data_parallel import (all_reduce_gradients, divide_expert_gradients, reduce_partial_gradients,
                                           set_gradient_sync, set_reshard_after_backward, sum_over_group, uses_fsdp)
+from autopar.codegen.expert_folding import expert_gradient_divisor
 from autopar.codegen.interpreter import RunStats
 from autopar.codegen.loss_parallel import ModelLoss, replicated_local
 from autopar.codegen.pipeline import forward_only
@@ -277,7 +278,7 @@ class ParallelModule(nn.Module):
         else:  # FSDP averaged what it shards; it leaves whole a weight several local chunks read (data_parallel.py)
             all_reduce_gradients(shared_parameters(list(self.stages)), group, dp)
             divide_expert_gradients([param for fqn, param in params.items() if fqn in self.expert_params],
-                                    self.plan.ep)
+                                    expert_gradient_divisor(self.plan))
         for fqn, group in self.tied_groups.items():
             grad = params[fqn].grad
             if grad is not None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autopar.codegen import context_parallel
+from autopar.codegen import context_parallel, expert_folding
 from autopar.codegen.build import ProgramBuilder, chunk_specs
 from autopar.codegen.data_parallel import apply_fsdp, uses_fsdp
 from autopar.codegen.interpreter import RunStats
@@ -23,11 +23,10 @@ from autopar.codegen.loss_parallel import ModelLoss
 from autopar.codegen.parallel_module import ParallelModule
 from autopar.codegen.pipeline import PipelineBuilder, boundary_wires, tied_weight_groups
 from autopar.codegen.placements import to_dtensor_placement
-from autopar.solver.expert_folding import FOLDING_NOT_RUN
 from autopar.solver.pipeline import rank_of
 from autopar.codegen.program import GraphParts
 from autopar.codegen.init import all_names
-from autopar.codegen.runtime import agree, build_runtime, register_shutdown
+from autopar.codegen.runtime import agree, build_runtime, local_device, register_shutdown
 from autopar.errors import AutoparError, ConfigError
 from autopar.plans.plan import Plan
 
@@ -51,15 +50,22 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
         parts = GraphParts.read(program, graph)
     except AutoparError as caught:
         error = caught
-    if error is None and plan.etp == 1 and plan.mesh["tp"] > 1 and plan.ep > 1:
-        error = ConfigError(FOLDING_NOT_RUN)
+    folded = None
+    if error is None and expert_folding.folds_experts(plan):
+        try:
+            folded = _folded_nodes(model, inputs, keywords, parts, plan, local_device())
+        except AutoparError as caught:
+            error = caught
     agree(error)
-    runtime = build_runtime(plan.mesh, ep=plan.ep)
+    runtime = build_runtime(plan.mesh, ep=plan.ep, folded=folded is not None)
     _factories_on(parts.program, runtime.device)
     stats = RunStats()
     builder = ProgramBuilder(plan, parts, model, runtime.tp_mesh, runtime.device, stats)
     if plan.ep > 1:
-        builder.use_expert_parallelism(runtime)
+        builder.use_expert_parallelism(runtime, folded=folded is not None)
+    if folded is not None:
+        builder.interpreter.folded = expert_folding.FoldedRegions(folded, builder.placements, runtime.tp_mesh,
+                                                                  builder.interpreter.experts)
     cp_ops = context_parallel.ops_for(parts, seq_len, runtime) if cp > 1 else None
     if cp_ops is not None:
         cp_ops.install(builder.interpreter)
@@ -103,6 +109,18 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
     _initialise(module, model, builder, init_fn)
     register_shutdown()
     return module
+
+
+def _folded_nodes(model, inputs: tuple, keywords: dict, parts: GraphParts, plan: Plan, device: torch.device) -> dict:
+    """The MoE layers' region nodes of the model exported at each tp rank's tokens (codegen/expert_folding.py)."""
+    from autopar.solver.context_parallel import sequence_length
+
+    blocker = expert_folding.folding_blocker(plan)
+    if blocker:
+        raise ConfigError(blocker)
+    region = expert_folding.region_of(parts.graph)
+    return expert_folding.local_nodes(model, inputs, keywords, sequence_length(parts.graph), plan.mesh["tp"], region,
+                                      parts.program, device)
 
 
 def _factories_on(program, device: torch.device) -> None:

@@ -130,7 +130,9 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_runtime(mesh_sizes: dict[str, int], ep: int = 1) -> Runtime:
+def build_runtime(mesh_sizes: dict[str, int], ep: int = 1, *, folded: bool = False) -> Runtime:
+    """`folded`: MoE parallel folding (etp = 1 with tp > 1): the ep groups drawn from the tp x dp
+    ranks (`folded_expert_device_mesh`), else from the dp ranks."""
     rank, world = ensure_process_group()
     axes = CP_MESH_AXES if mesh_sizes.get("cp", 1) > 1 else MESH_AXES
     shape = tuple(mesh_sizes[axis] for axis in axes)
@@ -141,7 +143,8 @@ def build_runtime(mesh_sizes: dict[str, int], ep: int = 1) -> Runtime:
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=axes)
     experts = None
     if ep > 1:
-        experts = expert_device_mesh(device.type, shape, ep)
+        experts = folded_expert_device_mesh(device.type, shape, ep) if folded else \
+            expert_device_mesh(device.type, shape, ep)
     return Runtime(rank=rank, world_size=world, device=device, mesh=mesh, experts=experts)
 
 
@@ -154,6 +157,19 @@ def expert_device_mesh(device_type: str, shape: tuple[int, ...], ep: int) -> Dev
     order = (0, 1, *range(3, 3 + len(rest)), 2)  # ep last
     names = ("pp", "dp_rep", "cp", "tp", "ep") if len(rest) == 2 else ("pp", "dp_rep", "tp", "ep")
     return DeviceMesh(device_type, ranks.permute(order), mesh_dim_names=names)
+
+
+def folded_expert_device_mesh(device_type: str, shape: tuple[int, ...], ep: int) -> DeviceMesh:
+    """MoE parallel folding: the ranks of the (pp, dp, tp) mesh as (pp, dp_rep, tp, ep) with a tp
+    dim of size 1 (expert weights are not split by tp) and ep consecutive ranks of the (dp, tp)
+    grid (tp innermost) an expert group; dp_rep = dp x tp / ep ranks hold the same experts."""
+    return DeviceMesh(device_type, folded_expert_ranks(shape, ep), mesh_dim_names=("pp", "dp_rep", "tp", "ep"))
+
+
+def folded_expert_ranks(shape: tuple[int, ...], ep: int) -> torch.Tensor:
+    """The ranks of `folded_expert_device_mesh`, (pp, dp_rep, 1, ep)."""
+    pp, *rest = shape
+    return torch.arange(math.prod(shape)).reshape(pp, math.prod(rest) // ep, 1, ep)
 
 
 def broadcast_object(value, src: int = 0):

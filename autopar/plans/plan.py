@@ -148,7 +148,8 @@ class Plan:
     """The expert weights split over the ep group (dim 0, after their tensor-parallel placement)."""
     etp: int | None = None
     """Expert tensor-parallel degree: None, the experts on the tp solve (ep over dp ranks); 1 with
-    tp > 1: MoE parallel folding (solver/expert_folding.py), priced only: parallelize refuses it."""
+    tp > 1: MoE parallel folding (solver/expert_folding.py, run by codegen/expert_folding.py with
+    cp = 1 and without module recomputation; parallelize refuses the others with the reason)."""
     moe_load_imbalance: float | None = None
     """Tokens the busiest expert-parallel rank of a dropless MoE layer was priced to receive and
     compute, over the even share (1.0: balanced routing; 1.25 by default); None: the model has no

@@ -36,7 +36,7 @@ from autopar.plans.build import make_plan
 from autopar.plans.plan import Plan
 from autopar.solver.constraints import (Constraints, check_constraint_values, check_degrees, check_fixed_config,
                                         check_pipeline_depth, search_etp)
-from autopar.solver.expert_folding import FOLDING_NOT_RUN
+from autopar.solver.expert_folding import runtime_blocker
 from autopar.solver.experts import ExpertPricing, check_load_imbalance
 from autopar.solver.fp8 import FP8_RECIPES, Fp8Choice, fp8_linears
 from autopar.solver.overheads import overheads_for
@@ -293,8 +293,9 @@ def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constr
          verbose: bool = False, example_kwargs=None, moe_load_imbalance: float | None = None,
          fp8_recipe: str = "tensorwise", fp8_filter=None) -> Plan:
     """Search the best parallelization; `constraints` may fix dp, tp, pp, cp, microbatch_size,
-    schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage, ep, etp (pins tp: the search
-    plans etp = tp; etp=1 with tp > 1 is priced by `evaluate` only), offload and
+    schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage, ep, etp (the search plans etp
+    in {1, tp}: etp=1 keeps MoE parallel folding, searched where the runtime runs it, and tp=1; etp=k > 1
+    pins tp=k), offload and
     sequence_parallel (False: tensor parallelism without sequence parallelism).
     `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones.
     `moe_load_imbalance` (>= 1.0; default 1.25) prices dropless MoE routing: what the busiest
@@ -353,13 +354,15 @@ def _candidates(planner: Planner, constraints: Constraints, num_candidates: int)
     for estimate in _distinct(result.ranked)[:num_candidates]:
         config = estimate.config
         plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
-                         sharding=planner.sharding(config.tp, config.microbatch_size, config.sequence_parallel),
+                         sharding=planner.sharding(config.tp, config.microbatch_size, config.sequence_parallel,
+                                                   config.folds_experts),
                          memory_budget_bytes=planner.step_model.memory_budget_bytes,
                          search=result if estimate is result.best else None, precision=planner.precision,
                          moe_load_imbalance=planner.moe_load_imbalance, fp8=_fp8_of(planner, config),
                          segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
-                                                        config.sequence_parallel),
-                         strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel))
+                                                        config.sequence_parallel, config.folds_experts),
+                         strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel,
+                                                       config.folds_experts))
         plans.append(_with_error_bar(plan, planner))
     return plans
 
@@ -370,7 +373,7 @@ def _fp8_of(planner: Planner, config: ParallelConfig) -> Fp8Choice | None:
     if planner.fp8 is None or planner.pricing.fp8 is None:
         return planner.fp8
     linears = planner.pricing.fp8.chosen(config, lambda chosen: planner.pricing.strategies(
-        chosen.tp, chosen.microbatch_size, chosen.sequence_parallel))
+        chosen.tp, chosen.microbatch_size, chosen.sequence_parallel, chosen.folds_experts))
     return replace(planner.fp8, linears=linears)
 
 
@@ -473,8 +476,8 @@ def evaluate_with(planner: Planner, config: ParallelConfig) -> Plan:
     notes = () if estimate.fits else (
         f"this configuration does not fit: {estimate.peak_memory_bytes / 2**30:.1f} GiB per device needed, "
         f"{planner.step_model.memory_budget_bytes / 2**30:.1f} GiB usable",)
-    if config.folds_experts:
-        notes += (FOLDING_NOT_RUN,)
+    if config.folds_experts and runtime_blocker(config.cp, config.recompute):
+        notes += (runtime_blocker(config.cp, config.recompute),)
     plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
                      sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes,
                      precision=planner.precision, moe_load_imbalance=planner.moe_load_imbalance,

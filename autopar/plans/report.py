@@ -156,7 +156,7 @@ def _experts(plan) -> str:
         held = "FSDP-sharded" if plan.zero_stage >= 1 else "their gradients reduced"
         return (f"\n  experts       etp=1: split over ep={plan.ep} of the tp x dp ranks, tp innermost, unsplit by "
                 f"tp; each tp rank routes its own rows ({len(plan.ep_params)} expert weights, {held} over "
-                f"tp x dp/ep={tp_dp // plan.ep}); priced only, the runtime does not run it yet" + imbalance)
+                f"tp x dp/ep={tp_dp // plan.ep})" + imbalance)
     held = f"FSDP-sharded and their gradients reduce-scattered over {replicas}" if plan.zero_stage >= 1 \
         else f"their gradients reduced over {replicas}"
     return (f"\n  experts       split over ep={plan.ep} of the dp ranks ({len(plan.ep_params)} expert weights, "

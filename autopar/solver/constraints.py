@@ -19,7 +19,7 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.errors import ConfigError
 from autopar.graph import OpGraph
-from autopar.solver.expert_folding import FOLDING_NOT_RUN, etp_blocker
+from autopar.solver.expert_folding import etp_blocker
 from autopar.solver.experts import ExpertOp
 from autopar.solver.recompute_modules import check_recompute, classify, is_modules_mode, mode_kinds, modules_mode
 from autopar.solver.step_model import SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, StepModel
@@ -169,18 +169,17 @@ def _check_flag(value: Any, name: str) -> bool:
 
 
 def search_etp(constraints: Constraints) -> Constraints:
-    """The constraints the search runs for a fixed etp: it plans etp = tp only (the runtime does
-    not run MoE parallel folding yet), so etp pins tp; etp != tp is refused with the reason."""
+    """The constraints the search runs for a fixed etp: etp = 1 searches the folded configurations
+    (tp > 1, MoE parallel folding, where the runtime runs it) and tp = 1; etp > 1 pins tp = etp
+    (the experts on the tp solve); an etp between is refused with the reason."""
     from dataclasses import replace
 
-    if constraints.etp is None:
+    if constraints.etp is None or constraints.etp == 1:
         return constraints
     if constraints.tp is not None and constraints.tp != constraints.etp:
-        if constraints.etp == 1:
-            raise ConfigError(f"etp=1 with tp={constraints.tp}: {FOLDING_NOT_RUN}. `autopar evaluate --etp 1` "
-                              "prices it")
         raise ConfigError(f"etp={constraints.etp} with tp={constraints.tp}: the planner runs the experts on the tp "
-                          f"ranks (etp = tp); use etp={constraints.tp} or leave etp out")
+                          f"ranks (etp = tp) or unsplit by tp (etp = 1); use etp={constraints.tp}, etp=1 or leave "
+                          "etp out")
     return replace(constraints, tp=constraints.etp)
 
 

@@ -18,6 +18,7 @@ from autopar.errors import ConfigError
 from autopar.graph import OpGraph
 from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES, ParallelConfig
 from autopar.solver.constraints import ConfigChecks, Constraints, schedule_accepts
+from autopar.solver.expert_folding import runtime_blocker
 from autopar.solver.pricing import Pricing
 from autopar.solver.recompute import RECOMPUTE_MODES
 from autopar.solver.recompute_modules import classify, is_modules_mode, mode_kinds
@@ -116,19 +117,22 @@ class Candidates:
         sequence_parallel = constraints.sequence_parallel_allowed
         modes = self.recompute_modes(tp, microbatch, constraints, cp, sequence_parallel)
         zeros = self.zero_stages(pp, dp, constraints, cp, offload=offload)
-        eps = self.ep_degrees(tp, pp, dp, microbatch, constraints, cp, offload=offload)
+        eps = self.ep_degrees(tp, pp, dp, microbatch, constraints, cp, offload=offload) \
+            if tp == 1 or constraints.etp != 1 else []
+        folded = self.folded_ep_degrees(tp, pp, dp, microbatch, constraints, cp, offload=offload)
         for schedule, virtual in schedules:
             if not schedule_accepts(schedule, pp, m, virtual):
                 continue
             for recompute in modes:
-                for ep in eps:
+                runs_folded = not runtime_blocker(cp, recompute)
+                for ep, etp in [(ep, None) for ep in eps] + [(ep, 1) for ep in folded if runs_folded]:
                     for zero in zeros:
                         if zero == 3 and schedule in ZERO_BUBBLE_SCHEDULES:
                             continue  # ZERO3_WITH_ZERO_BUBBLE
                         yield ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch, num_microbatches=m,
                                              schedule=schedule, virtual_stages=virtual, recompute=recompute,
                                              zero_stage=zero, ep=ep, cp=cp, offload=offload,
-                                             sequence_parallel=sequence_parallel)
+                                             sequence_parallel=sequence_parallel, etp=etp)
 
     def recompute_modes(self, tp: int, microbatch: int, constraints: Constraints, cp: int = 1,
                         sequence_parallel: bool = True) -> list[str]:
@@ -186,6 +190,22 @@ class Candidates:
         if offload:  # offload runs without ep: none where ep > 1 is asked for
             eps = [] if constraints.ep and constraints.ep > 1 else [1]
         return eps
+
+    def folded_ep_degrees(self, tp: int, pp: int, dp: int, microbatch: int, constraints: Constraints, cp: int = 1,
+                          *, offload: bool = False) -> list[int]:
+        """Expert-parallel degrees of MoE parallel folding (etp = 1 with tp > 1: the ep group over
+        tp x dp, solver/expert_folding.py), searched beside etp = tp where autopar's runtime runs it."""
+        sequence_parallel = constraints.sequence_parallel_allowed
+        if tp == 1 or offload or constraints.etp not in (None, 1) or constraints.ep == 1 or not self.checks.expert_ops \
+                or runtime_blocker(cp, "none") or self.pricing.folding_blocker(tp, sequence_parallel, cp):
+            return []
+        try:
+            options = self.pricing.ep_options(tp, dp, microbatch, sequence_parallel, True)
+        except ConfigError:  # the MoE layers cannot be token-local on this model's tp plan
+            return []
+        if constraints.ep:
+            return [constraints.ep] if constraints.ep in options else []
+        return options
 
     # --- schedules and virtual stages --------------------------------------------------------
 
@@ -276,6 +296,12 @@ class Candidates:
             if constraints.schedule == "zbv" and 2 * pp > len(self.graph.segments):
                 reasons.append(f"the zbv schedule cuts the model into 2 x pp = {2 * pp} chunks, more than its "
                                f"{len(self.graph.segments)} segments")
+        if constraints.etp == 1 and constraints.tp != 1:
+            blocker = runtime_blocker(constraints.cp or 1, constraints.recompute or "none")
+            if not self.checks.expert_ops:
+                blocker = ("with tp > 1 it folds the MoE layers (experts unsplit by tp), and the model has no expert "
+                           "matmuls; leave etp out")
+            reasons += [f"etp=1: {blocker}"] if blocker else []
         if constraints.ep and constraints.ep > 1:
             reasons += self._ep_reasons(constraints)
         unique = list(dict.fromkeys(reasons))[:2]

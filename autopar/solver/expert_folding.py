@@ -26,7 +26,8 @@ are partial over tp (reduced as sequence-parallel weights are). The region of a 
 entry (walking up from the first expert op's tokens through its one activation input to the
 first op with two: the residual add) down to its exit (walking from the last expert op's output through single consumers while they read only the region, factories and
 parameters). A DTensor cannot run this region (sorting rows of one rank is not a shard of the
-global sort): the runtime runs it on local tensors (codegen does not yet; see plans/planning.py).
+global sort): the runtime runs it on local tensors (codegen/expert_folding.py; with cp = 1 and
+the recomputation modes of `runtime_blocker`).
 """
 
 from __future__ import annotations
@@ -36,10 +37,24 @@ from autopar.solver.experts import ExpertOp
 from autopar.strategies import Strategy
 from autopar.strategies.placement import REPLICATE, shard
 
-FOLDING_NOT_RUN = ("etp=1 with tp > 1 (MoE parallel folding: the MoE layers on each tp rank's own rows, experts "
-                   "unsplit by tp, the ep group over tp x dp) is priced only: autopar's runtime cannot run it yet "
-                   "(codegen has no token-local MoE layer); train with etp=tp (ep over dp ranks) or tp=1")
-"""Said wherever a folded configuration is priced; `plan` never chooses one."""
+RUNS_WITH_RECOMPUTE = ("none", "gathers", "selective", "op", "full")
+"""The recomputation modes autopar's runtime runs folded (Megatron-style module sets are not run so)."""
+
+
+def runtime_blocker(cp: int, recompute: str) -> str:
+    """Why autopar's runtime cannot run a folded configuration (codegen/expert_folding.py) with
+    these settings ("" when it can): cp = 1 and the modes of RUNS_WITH_RECOMPUTE (every pipeline
+    schedule runs). `plan` searches etp = 1 only where it runs; `evaluate` prices the others and
+    says this in the plan's notes."""
+    unsupported = [f"cp={cp}"] if cp > 1 else []
+    if recompute not in RUNS_WITH_RECOMPUTE:
+        unsupported.append(f"recompute={recompute!r}")
+    if not unsupported:
+        return ""
+    return (f"autopar's runtime runs MoE parallel folding (etp=1 with tp > 1) with cp=1 and recompute "
+            f"{', '.join(RUNS_WITH_RECOMPUTE)}, not {', '.join(unsupported)}: train with etp=tp, or those settings")
+
+
 TOKEN_LOCAL = "token-local"
 """Name of the fixed strategies of a folded MoE layer's ops."""
 _HELD = ("param", "buffer", "constant")
@@ -73,6 +88,20 @@ def token_local_region(graph: OpGraph, ops: tuple[ExpertOp, ...]) -> tuple[str, 
     if not all(op.node in region for op in ops):
         return ()
     return tuple(node.name for node in graph.nodes if node.name in region)
+
+
+def read_outside(graph: OpGraph, region: tuple[str, ...]) -> tuple[str, ...]:
+    """Region nodes an op outside the region reads (one whose output is read in turn: not a dead
+    getitem of topk's unused values): each layer's exit, and anything else the runtime could not
+    hand out (an auxiliary loss reading the router's logits: each tp rank holds its own tokens')."""
+    inside = set(region)
+    return tuple(name for name in region if any(consumer not in inside and graph.consumers.get(consumer)
+                                                for consumer in graph.consumers.get(name, ())))
+
+
+def runs_folded(graph: OpGraph, ops: tuple[ExpertOp, ...], region: tuple[str, ...]) -> bool:
+    """Whether the runtime can run the region: each layer hands out its exit only."""
+    return len(read_outside(graph, region)) <= len(_layers(graph, ops))
 
 
 def _layers(graph: OpGraph, ops: tuple[ExpertOp, ...]) -> list[list[ExpertOp]]:
@@ -151,6 +180,25 @@ def _ancestors(graph: OpGraph, name: str, stop: str) -> set[str]:
     return found
 
 
+def _weight_derived(graph: OpGraph, region: tuple[str, ...]) -> set[str]:
+    """Nodes outside the region the region reads that are made from weights and constants only (a
+    weight cast to float32 by DeepSeek-V3's router): whole on every rank, not split by token."""
+    inside, found, seen = set(region), set(), {}
+
+    def derived(name: str) -> bool:
+        if name not in seen:
+            node = graph[name]
+            seen[name] = node.kind in _HELD or (node.kind == "call" and bool(node.inputs)
+                                                 and all(derived(source) for source in node.inputs))
+        return seen[name]
+
+    for name in region:
+        for source in graph[name].inputs:
+            if source not in inside and graph[source].kind not in _HELD and derived(source):
+                found.add(source)
+    return found
+
+
 def token_placement(shape: tuple[int, ...], sequence_length: int) -> str:
     """The placement of a tensor of a token-local region on one tp axis: split along its first
     dim that is a multiple of the sequence length (its tokens), else replicated (per-expert
@@ -169,9 +217,10 @@ def fixed_token_local(graph: OpGraph, region: tuple[str, ...], ops: tuple[Expert
     # may split a view and gather it for the grouped matmul.
     fixed = {name: Strategy(inputs=tuple((REPLICATE,) for _ in graph[name].inputs), output=(REPLICATE,),
                             split_axes=(False,), name=TOKEN_LOCAL) for name in whole}
+    held = _weight_derived(graph, region)
     for name in region:
         node = graph[name]
-        inputs = tuple((REPLICATE,) if graph[source].kind in _HELD or source in whole else
+        inputs = tuple((REPLICATE,) if graph[source].kind in _HELD or source in whole or source in held else
                        (token_placement(graph[source].output.shape, sequence_length),) for source in node.inputs)
         output = (token_placement(node.output.shape, sequence_length),) if node.outputs else (REPLICATE,)
         split = any(placement != REPLICATE for placement in (output[0], *(p[0] for p in inputs)))

@@ -450,9 +450,8 @@ def _local_experts(ops: tuple[ExpertOp, ...], strategies: dict, tp: int) -> tupl
         if op.kind == "grouped_mm" and "S0" in weight:
             # rows of other tp ranks' experts would need zeros: not combined with ep
             return [], (f"the tp={tp} plan splits the experts of {op.node} over tp (cheapest without ep: the "
-                        "intra-op solve does not know ep), which expert parallelism cannot combine with; use tp=1 "
-                        "or ep=1 (`evaluate --etp 1` prices the experts unsplit by tp, MoE parallel folding, which "
-                        "the runtime does not run yet)")
+                        "intra-op solve does not know ep), which expert parallelism cannot combine with; use tp=1, "
+                        "ep=1 or etp=1 (MoE parallel folding: the experts unsplit by tp, the ep group over tp x dp)")
         if any(strategy.input_grad(op.weight_input, axis, True) == "P" for axis in range(len(weight))):
             return [], f"the tp={tp} plan leaves the gradient of {op.node}'s expert weight partial"
         local_experts.append(op.num_experts // (tp if "S0" in weight else 1))

@@ -201,10 +201,11 @@ def _priced_from(planner, found: Found) -> dict:
     for _, estimate in found.ranked:
         config = estimate.config
         key = planner.tp_key(config.tp, config.microbatch_size, config.sequence_parallel)
-        sharding[key] = planner.sharding(*key)
+        folded = ("folded",) if config.folds_experts else ()  # MoE parallel folding's own solve (pricing.py)
+        sharding[key + folded] = planner.sharding(*key, config.folds_experts)
         for cp in {1, config.cp}:
-            if key + (cp,) in planner.pricing.costs:
-                costs[key + (cp,)] = planner.pricing.costs[key + (cp,)]
+            if key + (cp,) + folded in planner.pricing.costs:
+                costs[key + (cp,) + folded] = planner.pricing.costs[key + (cp,) + folded]
     return dict(sharding=sharding, costs=costs)
 
 

@@ -16,7 +16,7 @@ from autopar.solver.condense import expand_segments
 from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES, Estimate, ParallelConfig
 from autopar.solver.context_parallel import attention_costs, sequence_length, split_compute, split_sequence
 from autopar.solver.evaluate import SegmentCost
-from autopar.solver.expert_folding import fixed_token_local, token_local_region
+from autopar.solver.expert_folding import fixed_token_local, read_outside, runs_folded, token_local_region
 from autopar.solver.experts import ExpertOp, ep_blocker, ep_degrees
 from autopar.solver.overheads import Overheads, SegmentCounts, segment_counts, step_features
 from autopar.solver.prepared import PreparedSegments
@@ -98,9 +98,13 @@ class Pricing:
             return "it is not priced with context parallelism (cp > 1)"
         if not length or length % tp:
             return f"the sequence of {length} tokens does not split over tp={tp}"
-        if not token_local_region(self.condensed, self.expert_ops):
+        region = token_local_region(self.condensed, self.expert_ops)
+        if not region:
             return ("autopar does not find each MoE layer's token-local region (router, sort, experts, un-sort "
                     "between one residual add and the next)")
+        if not runs_folded(self.condensed, self.expert_ops, region):
+            return (f"values inside an MoE layer are read outside it ({', '.join(read_outside(self.condensed, region))}"
+                    "), and each tp rank holds them for its own tokens only")
         return ""
 
     def strategies(self, tp: int, microbatch_size: int, sequence_parallel: bool = True, folded: bool = False) -> dict:

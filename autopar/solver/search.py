@@ -5,9 +5,9 @@ unless constrained otherwise; context parallelism only for models whose sequence
 solver/context_parallel.py), every microbatch size dividing the per-replica batch, the 1F1B,
 interleaved and zero-bubble (zb1p, zbv) schedules, each recomputation mode and ZeRO stage, and for a model with expert
 matmuls every expert-parallel degree dividing dp (experts sharded over ep of the dp ranks,
-solver/experts.py; with every ZeRO stage and cp, as codegen runs it; etp = tp only: MoE parallel
-folding, etp = 1 with tp > 1, is priced by `evaluate` but not run by codegen, so not searched,
-solver/expert_folding.py), the step model (step_model.py)
+solver/experts.py; with every ZeRO stage and cp, as codegen runs it; and MoE parallel folding,
+etp = 1 with tp > 1, the ep group over tp x dp, where codegen runs it: cp = 1, not with module
+recomputation, solver/expert_folding.py), the step model (step_model.py)
 prices the configuration from the intra-op solution of the tensor-parallel mesh at that
 microbatch size (solved once per (tp, microbatch) and reused for every pp, dp and cp). The fastest
 configuration that fits in memory wins; ties go to the leaner one.
@@ -189,9 +189,11 @@ class Planner:
         """What an intra-op solve depends on (pricing.Pricing.tp_key)."""
         return Pricing.tp_key(tp, microbatch_size, sequence_parallel)
 
-    def sharding(self, tp: int, microbatch_size: int, sequence_parallel: bool = True) -> ShardingResult:
-        """Intra-op solution on a tp mesh at one microbatch size (of the condensed graph)."""
-        return self.pricing.sharding(tp, microbatch_size, sequence_parallel)
+    def sharding(self, tp: int, microbatch_size: int, sequence_parallel: bool = True,
+                 folded: bool = False) -> ShardingResult:
+        """Intra-op solution on a tp mesh at one microbatch size (of the condensed graph); folded:
+        with the MoE layers token-local (etp = 1, solver/expert_folding.py)."""
+        return self.pricing.sharding(tp, microbatch_size, sequence_parallel, folded)
 
     def strategies(self, tp: int, microbatch_size: int, sequence_parallel: bool = True, folded: bool = False) -> dict:
         """Strategy of every node of the full graph (dropped blocks take their stand-in's)."""
@@ -255,7 +257,7 @@ class Planner:
         ranked = [estimate for _, estimate in found.ranked]
         best = ranked[0]
         return SearchResult(best=best, sharding=self.sharding(best.config.tp, best.config.microbatch_size,
-                                                             best.config.sequence_parallel),
+                                                             best.config.sequence_parallel, best.config.folds_experts),
                             num_configs=found.count,
                             num_sharding_solves=len(set(self.pricing.solves) | found.sharding_keys),
                             search_time_s=time.perf_counter() - started, ranked=ranked)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from harness import KnownBugError, case_outcome, tiny_model_cluster  # noqa: F401 (a fixture)
+from harness import case_outcome, tiny_model_cluster  # noqa: F401 (a fixture)
 from one_process import CaseTable, case_param, parallelize_reusing_captures, train_one_process, train_parallel
 
 pytestmark = pytest.mark.dist
@@ -171,17 +171,12 @@ def experts_case(case: Case) -> dict:
             ran["all_to_all"] += count
     plan = module.plan
     return dict(losses=run.losses, reference_losses=reference.losses, grad_errors=run.grad_errors,
-                all_parameters=sorted(reference.grads), ep=plan.ep, ep_params=list(plan.ep_params),
+                all_parameters=sorted(reference.grads), ep=plan.ep, etp=plan.etp, ep_params=list(plan.ep_params),
                 mesh=dict(plan.mesh), num_microbatches=plan.num_microbatches,
                 predicted_all_to_all=plan.predicted.collectives_per_microbatch.get("all_to_all", 0),
                 ran_all_to_all=ran["all_to_all"])
 
 
-_EXPERTS_ON_TP = "splits the experts of"
-"""Known: the intra-op solve of etp = tp does not know ep. etp=1 (MoE parallel folding,
-solver/expert_folding.py) prices these meshes with the experts unsplit by tp, but the runtime does
-not run it yet (parallelize refuses a folded plan), so these cases stay refused."""
-_KNOWN = pytest.mark.xfail(raises=KnownBugError, strict=True, reason=_EXPERTS_ON_TP)
 _FOUR = pytest.mark.skipif(not os.environ.get("AUTOPAR_EP_ALL"), reason="4-process cases: set AUTOPAR_EP_ALL=1")
 TABLE = CaseTable([
     case_param(Case("moe", 2, dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4), all_to_all=2 * 4),
@@ -211,11 +206,11 @@ TABLE = CaseTable([
     case_param(Case("Mixtral", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=3, microbatch_size=2)),
                "mixtral-dp4-ep2-zero3", _FOUR),
     # tp x ep x ZeRO: expert weights DTensors on (tp, ep), FSDP-sharded over dp_rep on top.
-    # Mixtral at tp=2 on the test cluster: the intra-op solve, which does not know ep, splits the
-    # experts over tp (cheapest without ep), and ep=2 is refused with that reason.
-    *[case_param(Case(model, 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=zero, microbatch_size=4),
-                      known_error=_EXPERTS_ON_TP if model == "Mixtral" else ""),
-                 f"{model.lower()}-dp2-ep2-tp2-zero{zero}", _FOUR, *([_KNOWN] if model == "Mixtral" else []))
+    # Mixtral at tp=2 on the test cluster: the intra-op solve of etp = tp splits the experts over
+    # tp (it does not know ep), which ep cannot combine with, so the search plans etp=1 (MoE
+    # parallel folding, codegen/expert_folding.py: the ep group over tp x dp, the experts unsplit).
+    *[case_param(Case(model, 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=zero, microbatch_size=4)),
+                 f"{model.lower()}-dp2-ep2-tp2-zero{zero}", _FOUR)
       for model in ("moe", "Mixtral") for zero in (1, 3)],
     case_param(Case("moe", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4)), "moe-dp2-ep2-tp2", _FOUR),
     case_param(Case("moe", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=2)), "moe-dp4-ep2", _FOUR),
@@ -225,8 +220,8 @@ TABLE = CaseTable([
     # DTensor on the tp mesh of the dispatched tokens.
     case_param(Case("moe", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4),
                     cluster="dgx-a100-80g:gpus_per_node=4", all_to_all=2 * 4), "moe-dp2-ep2-tp2-chained", _FOUR),
-    case_param(Case("Mixtral", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4),
-                    known_error=_EXPERTS_ON_TP), "mixtral-dp2-ep2-tp2", _FOUR, _KNOWN),
+    case_param(Case("Mixtral", 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=0, microbatch_size=4), all_to_all=2 * 5),
+               "mixtral-dp2-ep2-tp2", _FOUR),
     # ep x cp: ep borrows dp ranks; each cp rank exchanges its sequence shard's tokens with the
     # ep ranks of its own cp index.
     # A dropless MoE with causal sdpa (DroplessMoE below: cp splits sdpa only, the zoo's Mixtral
@@ -253,6 +248,8 @@ def test_expert_parallel_matches_one_process(case_name, case_outcome):
     assert set().union(*(result["grad_errors"] for result in results)) == set(results[0]["all_parameters"])
     for rank, result in enumerate(results):
         assert result["ep"] == case.constraints["ep"] and result["ep_params"], result
+        if case.model == "Mixtral" and case.constraints["tp"] > 1:  # folded: see the table
+            assert result["etp"] == 1, result
         assert result["losses"] == pytest.approx(result["reference_losses"], rel=TOLERANCE, abs=TOLERANCE), \
             f"rank {rank}'s losses"
         for name, error in result["grad_errors"].items():

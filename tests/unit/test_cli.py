@@ -79,7 +79,7 @@ def test_fp8_flags_plan_float8_linears(capsys, command, fixed):
       "--microbatch-size", "1", "--etp", "3"],
      "etp=3 must divide tp=2"),
     (["plan", TINY, "--cluster", "dgx-h100", "--global-batch", "8", "--tp", "2", "--etp", "1"],
-     "autopar's runtime cannot run it yet"),
+     "etp=1: with tp > 1 it folds the MoE layers"),
 ])
 def test_bad_input_exits_2_with_one_message(capsys, argv, fragment):
     code, out, err = run(capsys, *argv)

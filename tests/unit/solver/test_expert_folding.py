@@ -1,16 +1,17 @@
 """MoE parallel folding (etp = 1 with tp > 1): the token-local region of each MoE layer, its fixed
-strategies, the ep group over tp x dp, the checks of etp, and that `plan` refuses what the runtime
-cannot run while `evaluate` prices it and says so."""
+strategies, the ep group over tp x dp, the checks of etp, and that `plan` searches it where the
+runtime runs it (cp = 1, not Megatron-style module recomputation) while `evaluate` prices the rest
+and says so."""
 
 import pytest
 
 import autopar
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.models import build_model
 from autopar.solver.configs import ParallelConfig
 from autopar.solver.context_parallel import sequence_length
-from autopar.solver.expert_folding import (FOLDING_NOT_RUN, TOKEN_LOCAL, etp_blocker, fixed_token_local,
-                                           token_local_region)
+from autopar.solver.expert_folding import (TOKEN_LOCAL, etp_blocker, fixed_token_local, read_outside, runs_folded,
+                                           runtime_blocker, token_local_region)
 from autopar.solver.experts import find_expert_ops
 from autopar.solver.search import Planner
 from autopar.cluster import Cluster
@@ -35,6 +36,15 @@ def test_the_region_holds_router_sort_experts_and_unsort(graph) -> None:
     assert {op.node for op in ops} <= set(region)
     assert {"aten.topk.default", "aten.argsort.stable", "aten.linear.default"} <= targets
     assert "aten.scaled_dot_product_attention.default" not in targets  # attention stays on the tp solve
+
+
+def test_each_layer_hands_out_its_exit_only(graph) -> None:
+    ops = find_expert_ops(graph)
+    region = token_local_region(graph, ops)
+    exits = read_outside(graph, region)
+    assert len(exits) == 2 and all(graph[name].target == "aten.view_as.default" for name in exits)  # 2 layers
+    assert runs_folded(graph, ops, region)
+    assert not runs_folded(graph, ops, region[:-1])  # the last layer cut short: its sum and norm read outside
 
 
 def test_region_ops_split_tokens_and_keep_experts_whole(graph) -> None:
@@ -74,7 +84,10 @@ def test_evaluate_prices_folding_and_says_it_does_not_run(graph) -> None:
     with pytest.raises(ConfigError, match="ep=8 with tp=2"):
         _evaluate(graph, ep=8)
     folded = _evaluate(graph, ep=8, etp=1)
-    assert FOLDING_NOT_RUN in folded.notes
+    assert not any("runs MoE parallel folding" in note for note in folded.notes)  # pp = 1: the runtime runs it
+    assert not any("runs MoE parallel folding" in note for note in _evaluate(graph, ep=8, etp=1, pp=2, dp=4).notes)
+    modules = _evaluate(graph, ep=8, etp=1, recompute="modules:layernorm,moe_act")
+    assert runtime_blocker(1, "modules:layernorm,moe_act") in modules.notes
     assert folded.predicted.breakdown_s["ep.dispatch"] > 0
     assert (folded.ep, folded.etp) == (8, 1)
     assert "ep=8 etp=1" in explain_text(folded)
@@ -93,11 +106,19 @@ def test_evaluate_refuses_bad_etp(graph, config, message) -> None:
         _evaluate(graph, **config)
 
 
-def test_plan_refuses_folding_and_pins_tp(graph) -> None:
-    with pytest.raises(ConfigError, match="priced only: autopar's runtime cannot run it yet"):
-        autopar.plan(graph, cluster=CLUSTER, global_batch=16, constraints={"etp": 1, "tp": 2, "ep": 8})
+def test_runtime_rule() -> None:
+    assert runtime_blocker(1, "none") == runtime_blocker(1, "full") == runtime_blocker(1, "selective") == ""
+    assert "not cp=2, recompute='modules:moe_act'" in runtime_blocker(2, "modules:moe_act")
+
+
+def test_plan_searches_folding_where_it_runs_and_pins_tp_otherwise(graph) -> None:
+    plan = autopar.plan(graph, cluster=CLUSTER, global_batch=16, constraints={"etp": 1, "tp": 2, "ep": 8})
+    assert (plan.mesh["tp"], plan.ep, plan.etp) == (2, 8, 1)
+    with pytest.raises(InfeasiblePlanError, match="etp=1: autopar's runtime runs MoE parallel folding"):
+        autopar.plan(graph, cluster=CLUSTER, global_batch=16,
+                     constraints={"etp": 1, "tp": 2, "ep": 8, "recompute": "modules:moe_act"})
     plan = autopar.plan(graph, cluster=CLUSTER, global_batch=16, constraints={"etp": 2, "pp": 1})
-    assert plan.mesh["tp"] == 2
+    assert plan.mesh["tp"] == 2 and plan.etp is None
 
 
 def test_gpt_oss_unchained_expert_matmuls_form_one_layer_region() -> None:
