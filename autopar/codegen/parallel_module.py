@@ -249,8 +249,9 @@ class ParallelModule(nn.Module):
             if dp > 1 and not uses_fsdp(self.plan.zero_stage, dp, self.plan.offload):
                 experts = {id(param) for fqn, param in self.named_model_parameters().items()
                            if fqn in self.expert_params}
-                divisor = dp * (self.plan.num_microbatches if self.schedule is not None
-                                and not self.schedule.scale_grads else 1)
+                if self.schedule is not None:  # its division after backward would miss the buckets
+                    self.schedule.scale_grads = False
+                divisor = dp * (self.plan.num_microbatches if self.schedule is not None else 1)
                 dense = ReduceGroup(group, divisor)
                 expert = ReduceGroup(self.runtime.expert_replica_group, divisor) if experts else None
                 where = {id(param): (param, expert if id(param) in experts else dense)

@@ -23,7 +23,6 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from autopar.codegen.build import ChunkSpec
-from autopar.codegen.data_parallel import uses_fsdp
 from autopar.codegen.program import GraphParts, StageProgram, shared_parameters
 from autopar.graph import TensorMeta
 from autopar.plans.plan import Plan
@@ -97,21 +96,15 @@ class PipelineBuilder:
         m = self.plan.num_microbatches
         multi = {"interleaved": ScheduleInterleaved1F1B, "zb1p": ScheduleInterleavedZeroBubble,
                  "zbv": ScheduleZBVZeroBubble}
-        # torch divides each stage's gradients by m after the last backward. ParallelModule divides
-        # once per parameter instead where a weight two local stages share (ZB-V holds the tied
-        # embedding and head on rank 0) would be divided twice (see shares_parameters), and under
-        # ZeRO-0 data parallelism, whose all-reduce starts inside backward and divides by dp x m
-        # (grad_overlap.py).
-        scale_grads = not shares_parameters(stages) and not self._reduces_in_backward()
+        # torch divides each stage's gradients by m after the last backward; a weight two local
+        # stages share (ZB-V holds the tied embedding and head on rank 0) would be divided twice:
+        # ParallelModule divides once per parameter instead (see shares_parameters), and under
+        # ZeRO-0 data parallelism, whose all-reduce starts inside backward (grad_overlap.py).
+        scale_grads = not shares_parameters(stages)
         if self.plan.schedule in multi:
             return multi[self.plan.schedule](stages, m, loss_fn=loss_fn, scale_grads=scale_grads)
         kind = ScheduleGPipe if self.plan.schedule == "gpipe" else Schedule1F1B
         return kind(stages[0], m, loss_fn=loss_fn, scale_grads=scale_grads)
-
-    def _reduces_in_backward(self) -> bool:
-        """ZeRO-0 data parallelism (ParallelModule._gradient_overlap)."""
-        dp = self.plan.mesh["dp"]
-        return dp > 1 and not uses_fsdp(self.plan.zero_stage, dp, self.plan.offload)
 
 
 _BACKWARD_ACTIONS = frozenset({"B", "I", "W", "SEND_B", "RECV_B", "REDUCE_GRAD"})
