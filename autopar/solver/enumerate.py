@@ -281,6 +281,13 @@ class Candidates:
                                f"{self.global_batch}, fewer than the {pp} stages a 1F1B pipeline must fill "
                                "(use a larger batch, a smaller pp, or --schedule gpipe)")
             fixed_batch = self.graph.batch_size
+            if not self.graph.batch_dynamic and most % fixed_batch and not constraints.microbatch_size:
+                reasons.append(f"the model was captured with a fixed batch of {fixed_batch} (torch.export could "
+                               f"not keep its batch dimension dynamic), so every microbatch is {fixed_batch} "
+                               f"sequences, and dp={dp} leaves each replica {most} of the global batch "
+                               f"{self.global_batch}, not a multiple of it (give example inputs whose batch is "
+                               "the microbatch size you want, e.g. 1, or a global batch that dp x "
+                               f"{fixed_batch} divides)")
             if (not self.graph.batch_dynamic and pp > 1 and constraints.schedule != "gpipe" and most >= pp
                     and most // fixed_batch < pp):
                 reasons.append(f"the model was captured with a fixed batch of {fixed_batch} (torch.export could "

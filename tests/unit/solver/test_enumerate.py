@@ -33,6 +33,16 @@ def test_a_fixed_batch_capture_is_the_reason_a_pipeline_has_too_few_microbatches
     assert "every candidate was ruled out" not in message
 
 
+def test_a_fixed_batch_capture_is_the_reason_data_parallelism_has_no_microbatch():
+    """Hugging Face's Llama 4 captures with a fixed batch: dp=2 said only that every candidate was
+    ruled out."""
+    with pytest.raises(InfeasiblePlanError) as raised:
+        autopar.plan(FixedBatch(), torch.randn(4, 8), "cpu:procs=2", global_batch=4, constraints={"pp": 1, "dp": 2})
+    message = str(raised.value)
+    assert "captured with a fixed batch of 4" in message and "dp=2 leaves each replica 2" in message
+    assert "every candidate was ruled out" not in message
+
+
 TINY_MOE = "moe:layers=2,hidden=32,heads=4,kv_heads=2,seq=16,vocab=64,num_experts=4,expert_ffn_hidden=32"
 
 
