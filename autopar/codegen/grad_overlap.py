@@ -53,6 +53,7 @@ class ReduceGroup:
 class _Bucket:
     params: list[nn.Parameter]
     where: ReduceGroup
+    size_bytes: int
     ready: int = 0
     flat: torch.Tensor | None = None
     work: object = None
@@ -147,12 +148,8 @@ class OverlappedReduction:
 
     @torch.no_grad()
     def _issue(self, bucket: _Bucket) -> None:
-        pieces = []
-        for param in bucket.params:
-            grad = param.grad
-            pieces.append(_local(grad).reshape(-1) if grad is not None
-                          else torch.zeros(_local(param).numel(), dtype=param.dtype, device=_local(param).device))
-        bucket.flat = torch.cat(pieces)
+        bucket.flat = torch.cat([(_local(param.grad) if param.grad is not None else torch.zeros_like(_local(param)))
+                                 .reshape(-1) for param in bucket.params])
         bucket.work = dist.all_reduce(bucket.flat, group=bucket.where.group, async_op=True)
 
     @torch.no_grad()
@@ -177,15 +174,12 @@ class OverlappedReduction:
             size = _local(param).numel() * param.element_size()
             last = buckets[-1] if buckets else None
             if last is None or last.where != where or last.params[0].dtype != param.dtype \
-                    or _bucket_bytes(last) + size > self._bucket_bytes:
-                buckets.append(_Bucket([param], where))
+                    or last.size_bytes + size > self._bucket_bytes:
+                buckets.append(_Bucket([param], where, size))
             else:
                 last.params.append(param)
+                last.size_bytes += size
         return buckets
-
-
-def _bucket_bytes(bucket: _Bucket) -> int:
-    return sum(_local(param).numel() * param.element_size() for param in bucket.params)
 
 
 def _zeros_like_grad(param: nn.Parameter) -> torch.Tensor:

@@ -271,8 +271,8 @@ class ParallelModule(nn.Module):
         reduce_partial_gradients(params.values())
         if not uses_fsdp(self.plan.zero_stage, dp, self.plan.offload):
             experts = [param for fqn, param in params.items() if fqn in self.expert_params and id(param) not in done]
-            expert_ids = {id(param) for param in experts} | done
-            others = [param for param in self.parameters() if id(param) not in expert_ids]
+            handled = {id(param) for param in experts} | done
+            others = [param for param in self.parameters() if id(param) not in handled]
             all_reduce_gradients(others, group, dp)
             if experts:  # complete within the expert group: summed over its replicas, averaged over dp
                 all_reduce_gradients(experts, self.runtime.expert_replica_group, dp)
