@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autopar.solver.fp8 import Fp8Choice, fp8_linears  # noqa: E402
 from autopar.solver.search import Planner  # noqa: E402
 from autopar.solver.step_model import Estimate  # noqa: E402
-from benchmarks.published_runs import Run, evaluate_run, planner_for, policy_of, read_runs  # noqa: E402
+from benchmarks.published_runs import (Run, evaluate_run, planner_for, policy_of, read_runs,  # noqa: E402
+                                       select_rows)
 
 REFERENCE = Path(__file__).resolve().with_suffix(".csv")
 _COMPILED = re.compile(r"\btorch\.compile on\b", re.IGNORECASE)
@@ -146,9 +147,7 @@ def main() -> int:
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 pricing of each configuration")
     args = parser.parse_args()
     runs = read_fp8_runs()
-    if args.rows:
-        wanted = args.rows.split(",")
-        runs = [run for run in runs if run.id in wanted]
+    runs = select_rows(runs, args.rows)
     print("| run | recipe, casts | published | predicted | error | autopar eager casts (error) | bf16 predicted | "
           "fp8 gain (modelled) | predicted peak GiB | measured GiB | memory error | fits | time (s) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")

@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autopar.solver.experts import DEFAULT_LOAD_IMBALANCE  # noqa: E402 (the planner's default, for dropless real routing)
+from benchmarks.published_runs import select_rows  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_moe.csv"
 
@@ -384,9 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                         "instead of the built-in moe: family")
     args = parser.parse_args(argv)
     runs = read_runs()
-    if args.rows:
-        wanted = args.rows.split(",")
-        runs = [run for run in runs if run.id in wanted]
+    runs = select_rows(runs, args.rows)
     outcomes = []
     for run in runs:
         outcome = evaluate_run(run, plan=not args.no_plan, source="hf" if args.hf else "builtin")

@@ -77,6 +77,11 @@ _TP_COMM_OVERLAP = re.compile(r"\bTP comm(?:unication)? overlap(?:ped)? on\b", r
 _NO_SEQUENCE_PARALLEL = re.compile(r"\bTP without (?:SP|sequence parallelism)\b", re.IGNORECASE)
 
 
+def select_rows(runs: list, rows: str | None) -> list:
+    """The runs whose id is in `rows` (comma-separated; all when None), in file order."""
+    return [run for run in runs if run.id in rows.split(",")] if rows else runs
+
+
 @dataclass(frozen=True, kw_only=True)
 class Run:
     """One row of the reference file."""
@@ -398,9 +403,7 @@ def main() -> int:
                              "against the framework's handling")
     args = parser.parse_args()
     runs = read_runs() + (list(RAN) if args.ran else [])
-    if args.rows:
-        wanted = args.rows.split(",")
-        runs = [run for run in runs if run.id in wanted]
+    runs = select_rows(runs, args.rows)
     print("| run | unit | published | predicted | error | predicted peak GiB | measured GiB | memory error | fits | "
           "time (s) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
