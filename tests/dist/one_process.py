@@ -335,6 +335,18 @@ class _memoized_in_torch_serde:
 
 # --- the case table of a numerics module ------------------------------------------------------------
 
+@dataclass(frozen=True)
+class BuiltinCase:
+    """A case of a table of built-in specs trained by `train_builtin`."""
+    model: str
+    """A key of the test file's SPECS."""
+    world_size: int
+    constraints: dict = field(default_factory=dict)
+    known_error: str = ""
+    timeout_s: float = 150.0
+    """Per case (harness.case_outcome): planning + capture + 3 steps on 2 shared cores."""
+
+
 def case_param(case, name: str, *marks) -> Any:
     """One row of a CaseTable: `case` (a frozen dataclass with `world_size` and optionally
     `known_error`, the message of a known bug's failure) under the test id `name`."""

@@ -9,11 +9,10 @@ round-off tolerance). The harness is one_process.py's, as in test_experts_runs.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 
 from harness import case_outcome  # noqa: F401 (a fixture)
+from one_process import BuiltinCase as Case
 from one_process import CaseTable, case_param, train_builtin
 
 pytestmark = pytest.mark.dist
@@ -31,16 +30,6 @@ SPECS = {
                    "attention=mla,q_lora_rank=16,kv_lora_rank=16,qk_nope_head_dim=8,qk_rope_head_dim=4,v_head_dim=8",
 }
 
-
-@dataclass(frozen=True)
-class Case:
-    model: str
-    """A key of SPECS."""
-    world_size: int
-    constraints: dict = field(default_factory=dict)
-    known_error: str = ""
-    timeout_s: float = 150.0
-    """Per case (harness.case_outcome): planning + capture + 3 steps on 2 shared cores."""
 
 
 def moe_case(case: Case) -> dict:

@@ -7,11 +7,10 @@ mode ran as a selective checkpoint, not as a full recompute). The harness is one
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 
 from harness import case_outcome  # noqa: F401 (a fixture)
+from one_process import BuiltinCase as Case
 from one_process import CaseTable, case_param, train_builtin
 
 pytestmark = pytest.mark.dist
@@ -28,15 +27,6 @@ SPECS = {
     "llama": f"llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn_hidden=64,seq={SEQ},vocab={VOCAB}",
 }
 
-
-@dataclass(frozen=True)
-class Case:
-    model: str
-    """A key of SPECS."""
-    world_size: int
-    constraints: dict = field(default_factory=dict)
-    known_error: str = ""
-    timeout_s: float = 150.0
 
 
 def modules_case(case: Case) -> dict:
