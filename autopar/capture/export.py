@@ -98,8 +98,7 @@ def _capture(model, example_inputs, example_kwargs, loss_fn, example_targets, dy
     batch = _batch_size(inputs, kwargs)
     log = _logger(verbose)
     failures: list[str] = []
-    attempts = [("export", True), ("export", False)] if dynamic_batch and batch else [("export", False)]
-    for method, dynamic in attempts:
+    for dynamic in (True, False) if dynamic_batch and batch else (False,):
         started = time.perf_counter()
         try:
             log(f"capture: torch.export ({'dynamic' if dynamic else 'static'} batch)...")
@@ -234,7 +233,43 @@ def _export(module: nn.Module, inputs: tuple, kwargs: dict, batch: int | None):
 
     bound = inspect.signature(module.forward).bind(*inputs, **kwargs)
     dynamic_shapes = {name: spec(value) for name, value in bound.arguments.items()}
-    return export(module, inputs, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+    try:
+        return export(module, inputs, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+    except torch._dynamo.exc.UserError as error:
+        if error.error_type != torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
+            raise
+    # A guard on the batch that torch cannot prove for every size (Llama 4's chunked attention:
+    # 32*B*min(64, 2048*B) == 2048*B, true for all B >= 1) becomes an assertion in the graph; it is
+    # kept only if it holds at every batch size the planner may give a replica, else the batch is fixed.
+    program = export(module, inputs, kwargs, strict=False, dynamic_shapes=dynamic_shapes,
+                     prefer_deferred_runtime_asserts_over_guards=True)
+    failing = _failing_batch_assertion(program)
+    if failing is not None:
+        raise ValueError(f"the batch is fixed by the model: {failing}")
+    return program
+
+
+CHECKED_BATCH_SIZES = tuple(range(1, 65)) + tuple(2**k for k in range(7, 21))
+"""Batch sizes at which a deferred assertion on the batch must hold for the capture to keep the batch
+symbolic: every size up to 64 and the powers of two to 2^20 (a replica's microbatch)."""
+
+
+def _failing_batch_assertion(program) -> str | None:
+    """The first assertion of the exported graph on one symbol (the batch) that is false at one of
+    CHECKED_BATCH_SIZES, or that reads anything else, as text; None if all hold."""
+    for node in program.graph.nodes:
+        if node.target is not torch.ops.aten._assert_scalar.default:
+            continue
+        value = getattr(node.args[0], "meta", {}).get("val")
+        expr = getattr(getattr(value, "node", None), "expr", None)
+        symbols = getattr(expr, "free_symbols", None)
+        if expr is None or len(symbols) != 1:
+            return f"{node.args[1] if len(node.args) > 1 else node.name} (not an assertion on the batch alone)"
+        (symbol,) = symbols
+        for size in CHECKED_BATCH_SIZES:
+            if not bool(expr.subs(symbol, size)):
+                return f"{expr} is false at batch {size}"
+    return None
 
 
 def _repeat_batch(values: tuple, batch: int) -> tuple:

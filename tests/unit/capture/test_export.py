@@ -195,6 +195,33 @@ def test_a_model_that_fixes_the_batch_is_captured_statically(capfd):
     assert capfd.readouterr().err == ""
 
 
+class ChunkedBatch(nn.Module):
+    """Splits its rows into chunks of min(64, 2048 x batch), as Llama 4's chunked attention does:
+    torch.export cannot prove the reshape's guard for every batch, though it holds for all."""
+
+    def __init__(self, chunk_cap: int = 64, per_row: int = 2048) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.chunk_cap, self.per_row = chunk_cap, per_row
+
+    def forward(self, x):
+        batch = x.shape[0]
+        chunk = min(self.chunk_cap, self.per_row * batch)
+        return self.fc(x.reshape(batch * 64 // chunk, chunk)[:, :64]).sum()
+
+
+def test_a_batch_guard_export_cannot_prove_is_checked_and_the_batch_stays_symbolic():
+    graph = capture(ChunkedBatch(), (torch.randn(4, 64),))
+    assert graph.capture_method == "export" and graph.batch_dynamic and graph.batch_size == 4
+    assert graph.with_batch(8).fwd_flops == pytest.approx(2 * graph.fwd_flops, rel=1e-12)
+
+
+def test_a_deferred_batch_guard_false_at_some_batch_fixes_the_batch():
+    model = ChunkedBatch(chunk_cap=256, per_row=64)  # 64 b // min(256, 64 b) x min(...) == 64 b fails at b = 5
+    graph = capture(model, (torch.randn(4, 64),))
+    assert not graph.batch_dynamic and graph.batch_size == 4
+
+
 class UpcastNorm(nn.Module):
     """A hand-written RMSNorm in float32 (Hugging Face's LlamaRMSNorm does this)."""
 
