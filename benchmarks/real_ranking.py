@@ -3,9 +3,9 @@
     .venv/bin/autopar profile --nproc 4 --quick --out /tmp/p.json
     .venv/bin/autopar profile --calibrate CALIBRATION_MODEL --nproc 4 --out /tmp/p.json
     .venv/bin/autopar profile --calibrate CALIBRATION_MODEL --nproc 2 --out /tmp/p.json
-    .venv/bin/python benchmarks/real_ranking.py --profile /tmp/p.json [--steps 6 --warmup 3] [--markdown]
+    .venv/bin/python benchmarks/real_ranking.py --profile /tmp/p.json [--model gpt|llama] [--steps 6 --warmup 3] [--markdown]
 
-For 4 and then 2 gloo processes of this machine (one job each), the GPT below at global batch
+For 4 and then 2 gloo processes of this machine (one job each), a model of MODELS at global batch
 16, fp32, SGD: each configuration of the table (fixed mesh and ZeRO stage; microbatching left to
 the planner) is planned on `cpu:procs=N,profile=...`, priced with the profile's calibration and
 without it, and run for `warmup + steps` steps (train_step + optimizer.step(), slowest rank,
@@ -27,7 +27,9 @@ import os
 import statistics
 import time
 
-MODEL = "gpt:layers=4,hidden=256,heads=4,seq=128,vocab=512,dropout=0.0"
+MODELS = {"gpt": "gpt:layers=4,hidden=256,heads=4,seq=128,vocab=512,dropout=0.0",
+          "llama": "llama:layers=8,hidden=256,heads=8,kv_heads=4,seq=128,vocab=512"}
+"""The models ranked (`--model`): a 4-layer GPT and an 8-layer Llama with grouped-query attention."""
 CALIBRATION_MODEL = "gpt:layers=4,hidden=128,heads=4,seq=128,vocab=512,dropout=0.0"
 GLOBAL_BATCH = 16
 TABLE = {
@@ -45,7 +47,7 @@ TABLE = {
 NUM_TRIALS = 4
 
 
-def worker(num_processes: int, profile: str, steps: int, warmup: int) -> dict:
+def worker(num_processes: int, profile: str, steps: int, warmup: int, model: str = MODELS["gpt"]) -> dict:
     """Every rank: plan (rank 0), run every configuration, the picks and the trials."""
     from dataclasses import replace
 
@@ -56,7 +58,7 @@ def worker(num_processes: int, profile: str, steps: int, warmup: int) -> dict:
     from autopar.solver.search import Planner
     from autopar.tune.trials import TrialOptions, run_trials, select_winner
 
-    bundle = build_model(MODEL, device="cpu", seed=0, batch_size=GLOBAL_BATCH)
+    bundle = build_model(model, device="cpu", seed=0, batch_size=GLOBAL_BATCH)
     cluster = f"cpu:procs={num_processes},profile={profile}"
 
     def plan_all():
@@ -174,6 +176,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--procs", type=int, nargs="*", default=[4, 2])
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt", help="which model to rank (default gpt)")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     from autopar.tune.launch import spawn
@@ -182,10 +185,11 @@ def main() -> None:
     load = os.getloadavg()[0]
     for num_processes in args.procs:
         outcome = spawn(worker, num_processes=num_processes,
-                        args=(num_processes, os.path.abspath(args.profile), args.steps, args.warmup))
+                        args=(num_processes, os.path.abspath(args.profile), args.steps, args.warmup,
+                              MODELS[args.model]))
         print(report(num_processes, outcome.value, args.markdown, outcome.exit_codes), flush=True)
         print(flush=True)
-    print(f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
+    print(f"model {MODELS[args.model]}; load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
           f"{time.perf_counter() - started:.0f} s in all")
 
 
