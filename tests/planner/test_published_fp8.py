@@ -1,7 +1,7 @@
 """benchmarks/published_fp8.py: published FP8 runs (benchmarks/published_fp8.csv) priced as run.
 
 Every row is read in published_runs.csv's format and priced in fp8 with the cast handling of its
-framework (a stated input of the price), beside autopar's eager runtime and bf16. No accuracy is
+framework (a stated input of the price), beside autopar's runtime (compiled and eager casts) and bf16. No accuracy is
 asserted here against the published figures (BENCHMARKS.md records the table): the rows are
 data, and what is checked is that each one prices as the framework ran it."""
 
