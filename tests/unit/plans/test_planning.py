@@ -53,7 +53,7 @@ SMALL_LLAMA = "llama:layers=2,hidden=256,heads=4,kv_heads=2,ffn_hidden=1024,voca
 
 def test_the_planner_picks_fp8_for_llama_3_8b_on_h100s_with_compiled_casts():
     """With the casts compiled (the runtime's default on GPUs) float8 pays for Llama 3 8B's large
-    linears: the search keeps q, o and the MLP's in float8 (measured here: the 4096 x 1024 k and v
+    linears: the search keeps q, o and the MLP's in float8 (as priced today: the 4096 x 1024 k and v
     projections stay bf16, their casts priced above what their matmuls save) and prices the step
     below bf16's. With eager casts
     (33 bytes per element in 9 kernels) nothing pays."""
