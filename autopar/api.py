@@ -62,7 +62,8 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
                 constraints=None, precision: str | None = None, example_kwargs: dict | None = None,
                 init_fn=None, trials: int = 1, trial_options=None, progress=None, options=None,
                 checkpoint: str | Path | None = None, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
-                checkpoint_async: bool = True, fp8_recipe: str = "tensorwise", fp8_filter=None) -> ParallelModule:
+                checkpoint_async: bool = True, fp8_recipe: str = "tensorwise", fp8_filter=None,
+                fp8_casts: str | None = None) -> ParallelModule:
     """Plan (on rank 0) or take `plan`, and return this rank's ParallelModule. `example_inputs`
     is a tuple of positional inputs or a dict of keyword inputs (`input_ids=`, `attention_mask=`);
     `example_kwargs` adds keyword inputs to positional ones.
@@ -85,7 +86,9 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
     global batch (codegen/training_loop.py).
 
     `precision="fp8"` trains the linears that solver/fp8.py picks (or `fp8_filter(module_fqn,
-    weight_shape)` keeps) in float8 with torchao's `fp8_recipe` ("tensorwise" or "rowwise")."""
+    weight_shape)` keeps) in float8 with torchao's `fp8_recipe` ("tensorwise" or "rowwise"), the casts
+    compiled by torch.compile or run eagerly as `fp8_casts` says ("compiled" or "eager"; default:
+    compiled on GPU clusters, eager on CPU ones)."""
     _check_arguments(model, example_inputs, example_kwargs, plan, global_batch)
     _, world = ensure_process_group()
     inputs, keywords = split_inputs(example_inputs, example_kwargs)
@@ -97,6 +100,7 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
         return planning.plan(model, inputs, cluster or default_cluster(world), global_batch=batch,
                              constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
                              example_kwargs=keywords, options=options, fp8_recipe=fp8_recipe, fp8_filter=fp8_filter,
+                             fp8_casts=fp8_casts,
                              precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"))
 
     if trials > 1 and plan is None:
@@ -104,7 +108,7 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
                                    loss_fn=loss_fn, example_targets=example_targets, constraints=constraints,
                                    precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"),
                                    trial_options=trial_options, progress=progress, options=options,
-                                   fp8=dict(fp8_recipe=fp8_recipe, fp8_filter=fp8_filter))
+                                   fp8=dict(fp8_recipe=fp8_recipe, fp8_filter=fp8_filter, fp8_casts=fp8_casts))
     elif trials < 1:
         raise ConfigError(f"trials must be >= 1 (1: no trial runs), got {trials}")
     else:
@@ -132,7 +136,8 @@ def _replanned(given: Plan, world: int, model, inputs, keywords, cluster, *, los
         return planning.plan(model, inputs, cluster or default_cluster(world), global_batch=given.global_batch,
                              constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
                              example_kwargs=keywords, options=options, precision=given.precision,
-                             **({"fp8_recipe": given.fp8_recipe} if given.precision == "fp8" else {}))
+                             **({"fp8_recipe": given.fp8_recipe, "fp8_casts": given.fp8_casts or "eager"}
+                                if given.precision == "fp8" else {}))
 
     return run_on_rank0(make)
 

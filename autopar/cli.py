@@ -132,6 +132,10 @@ def _fp8_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise",
                         help="with --precision fp8: torchao's scaling, one scale per tensor (default; FSDP "
                              "gathers weights in float8) or one per row")
+    parser.add_argument("--fp8-casts", choices=["compiled", "eager"],
+                        help="with --precision fp8: how the runtime runs (and the plan prices) the float8 casts: "
+                             "compiled by torch.compile (default on GPU clusters) or torchao op by op (eager; "
+                             "default on CPU clusters)")
 
 
 def _cache_flag(parser: argparse.ArgumentParser) -> None:
@@ -307,6 +311,7 @@ def _plan(args) -> int:
     plan = planning.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
                     constraints={key: value for key, value in constraints.items() if value is not None},
                     precision=args.precision, verbose=args.verbose, fp8_recipe=args.fp8_recipe,
+                    fp8_casts=args.fp8_casts,
                     options=SearchOptions(jobs=args.jobs, optimizer=args.optimizer),
                     moe_load_imbalance=args.moe_load_imbalance)
     return _emit(plan, args)
@@ -321,7 +326,7 @@ def _evaluate(args) -> int:
                         zero_stage=args.zero, precision=args.precision, verbose=args.verbose, ep=args.ep,
                         cp=args.cp, offload=args.offload, sequence_parallel=args.sequence_parallel == "on",
                         options=SearchOptions(optimizer=args.optimizer), moe_load_imbalance=args.moe_load_imbalance,
-                        fp8_recipe=args.fp8_recipe, etp=args.etp)
+                        fp8_recipe=args.fp8_recipe, fp8_casts=args.fp8_casts, etp=args.etp)
     return _emit(plan, args)
 
 

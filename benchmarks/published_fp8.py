@@ -11,16 +11,17 @@ filter and Megatron's output layer keep it), the row's scaling recipe (precision
 "fp8-rowwise" torchao's rowwise), and the casts priced as the row's framework ran them, a stated
 input of the price (cost_model/fp8.py HANDLINGS):
 
-- torchtitan with torch.compile on (the notes say "torch.compile on"): "compiled", torchao's casts
-  fused by inductor into an amax reduction and one scale-and-cast pass, and sequence-parallel
+- torchtitan with torch.compile on (the notes say "torch.compile on"): "torchtitan", torchao's
+  casts fused by inductor into an amax reduction and one scale-and-cast pass, and sequence-parallel
   inputs of column-parallel linears cast on their shard and all-gathered in float8;
 - NeMo / Megatron-Core (TransformerEngine): "te", per-tensor delayed scaling, one-pass casts with
   their transposes, grad_output cast once, norm-fed inputs written in float8 by the norm, weights
   cast once per step and kept (memory), float8 inputs saved for backward (memory);
 - otherwise "eager", autopar's own runtime (torchao without torch.compile).
 
-Each row prints the prediction as run, the same configuration priced for autopar's eager runtime
-(what the handling changes), and in bf16 (what fp8 buys, modelled), with the predicted peak memory
+Each row prints the prediction as run, the same configuration priced for autopar's runtime with
+its casts compiled (its default on GPUs, codegen/fp8_compile.py) and eager (what the handling
+changes), and in bf16 (what fp8 buys, modelled), with the predicted peak memory
 against the measured one where the notes state it. The reference numbers are only read here, to
 compare; the product never sees them.
 
@@ -71,7 +72,7 @@ def handling_of(run: Run) -> str:
     if _TRANSFORMER_ENGINE.search(run.source) or _TRANSFORMER_ENGINE.search(run.notes):
         return "te"
     if "torchtitan" in run.source.lower() and _COMPILED.search(run.notes):
-        return "compiled"
+        return "torchtitan"
     return "eager"
 
 
@@ -96,8 +97,10 @@ class Fp8Outcome:
     estimate: Estimate
     predicted: float
     error: float
+    compiled: Estimate
+    """The same configuration priced for autopar's runtime with its casts compiled."""
     eager: Estimate
-    """The same configuration priced for autopar's runtime (eager torchao casts)."""
+    """The same configuration priced for autopar's runtime with eager torchao casts."""
     bf16: Estimate | None
     seconds: float
 
@@ -107,35 +110,37 @@ def evaluate_fp8(run: Run, directory: Path, *, with_bf16: bool = True) -> Fp8Out
     handling = handling_of(run)
     planner = fp8_planner(run, directory, handling)
     estimate, _ = planner.evaluate(run.config(planner))
-    eager = estimate
-    if handling != "eager":
-        eager_planner = fp8_planner(run, directory, "eager")
-        eager, _ = eager_planner.evaluate(run.config(eager_planner))
+    runtime = {handling: estimate}
+    for name in ("compiled", "eager"):
+        if name not in runtime:
+            other = fp8_planner(run, directory, name)
+            runtime[name] = other.evaluate(run.config(other))[0]
     bf16 = evaluate_run(run, directory).estimate if with_bf16 else None
     predicted = run.predicted(estimate.step_time_s)
     return Fp8Outcome(run=run, handling=handling, estimate=estimate, predicted=predicted,
-                      error=predicted / run.published - 1, eager=eager, bf16=bf16,
-                      seconds=time.perf_counter() - started)
+                      error=predicted / run.published - 1, compiled=runtime["compiled"], eager=runtime["eager"],
+                      bf16=bf16, seconds=time.perf_counter() - started)
 
 
 def _row(outcome: Fp8Outcome) -> str:
     run, estimate = outcome.run, outcome.estimate
     gib = 2**30
-    eager = run.predicted(outcome.eager.step_time_s)
+    runtime = [run.predicted(priced.step_time_s) for priced in (outcome.compiled, outcome.eager)]
     bf16 = f"{run.predicted(outcome.bf16.step_time_s):.4g}" if outcome.bf16 else "-"
     gain = f"{outcome.bf16.step_time_s / estimate.step_time_s:.2f}x" if outcome.bf16 else "-"
     measured = f"{run.measured_memory_bytes / gib:.1f}" if run.measured_memory_bytes else "-"
     memory_error = (f"{100 * (estimate.peak_memory_bytes / run.measured_memory_bytes - 1):+.0f}%"
                     if run.measured_memory_bytes else "-")
     return (f"| {run.id} | {recipe_of(run)}, {outcome.handling} | {run.published:g} | {outcome.predicted:.4g} | "
-            f"{100 * outcome.error:+.1f}% | {eager:.4g} ({100 * (eager / run.published - 1):+.1f}%) | "
+            f"{100 * outcome.error:+.1f}% | "
+            + "".join(f"{value:.4g} ({100 * (value / run.published - 1):+.1f}%) | " for value in runtime) +
             f"{bf16} | {gain} | "
             f"{estimate.peak_memory_bytes / gib:.1f} | {measured} | {memory_error} | "
             f"{'yes' if estimate.fits else 'NO'} | {outcome.seconds:.1f} |")
 
 
 def _print_breakdown(outcome: Fp8Outcome) -> None:
-    for name, estimate in (("as run", outcome.estimate), ("eager", outcome.eager)):
+    for name, estimate in (("as run", outcome.estimate), ("compiled", outcome.compiled), ("eager", outcome.eager)):
         parts = ", ".join(f"{term} {seconds:.3g}" for term, seconds in estimate.breakdown_s.items() if seconds)
         print(f"|   | {name}: step {estimate.step_time_s:.4g} s: {parts} |")
 
@@ -148,9 +153,10 @@ def main() -> int:
     args = parser.parse_args()
     runs = read_fp8_runs()
     runs = select_rows(runs, args.rows)
-    print("| run | recipe, casts | published | predicted | error | autopar eager casts (error) | bf16 predicted | "
-          "fp8 gain (modelled) | predicted peak GiB | measured GiB | memory error | fits | time (s) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    print("| run | recipe, casts | published | predicted | error | autopar compiled casts (error) | "
+          "autopar eager casts (error) | bf16 predicted | fp8 gain (modelled) | predicted peak GiB | measured GiB | "
+          "memory error | fits | time (s) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     outcomes = []
     with tempfile.TemporaryDirectory() as directory:
         for run in runs:

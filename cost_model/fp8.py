@@ -19,10 +19,13 @@ grad_weight, each with its own call), the weight again (grad_input) and the inpu
 all-gather, from fp32.
 
 How the casts run is an input (CastHandling, HANDLINGS). "eager" is the sequence above (autopar's
-runtime). "compiled" is torchao under torch.compile as torchtitan runs it: inductor fuses each
-cast's element passes into an amax reduction (read h) and one scale-and-cast pass (read h, write
-1), 2h + 1 bytes per element in two kernels, and torchtitan all-gathers the sequence-parallel
-inputs of column-parallel linears in float8 (Float8ColwiseParallel). "te" is TransformerEngine's
+runtime without torch.compile). "compiled" is autopar's runtime with each float8 linear compiled
+(codegen/fp8_compile.py): inductor fuses each cast's element passes into an amax reduction (read h)
+and one scale-and-cast pass (read h, write 1), 2h + 1 bytes per element in two kernels; the
+plan's tp redistributions stay outside, so sequence-parallel inputs are gathered in bf16.
+"torchtitan" is torchao under torch.compile as torchtitan runs it: the same fused casts, and the
+sequence-parallel inputs of column-parallel linears cast on their shard and all-gathered in
+float8 (Float8ColwiseParallel). "te" is TransformerEngine's
 per-tensor delayed scaling (Megatron-Core/NeMo): the scale comes from the amax history, so a cast
 is one pass that also records the amax and writes the row-major and the transposed float8 copy
 the backward reads (read h, write 2); grad_output is cast once (cast-transpose), the forward's
@@ -100,14 +103,19 @@ class CastHandling:
 
 HANDLINGS = {
     "eager": CastHandling(name="eager", element_passes="eager"),
-    "compiled": CastHandling(name="compiled", element_passes="amax_then_cast", tp_input_gather_in_float8=True),
+    "compiled": CastHandling(name="compiled", element_passes="amax_then_cast"),
+    "torchtitan": CastHandling(name="torchtitan", element_passes="amax_then_cast", tp_input_gather_in_float8=True),
     "te": CastHandling(name="te", element_passes="one_pass", layouts_per_cast=2,
                        forward_casts=(("input", 1), ("weight", 1)), backward_casts=(("grad_output", 1),),
                        weight_cast_once_per_step=True, float8_all_gather=False, norm_fused_input_cast=True,
                        saves_float8_inputs=True, amax_reduced_per_step=True),
 }
-"""The cast handlings a price can be asked for: autopar's runtime is "eager" (torchao without
-torch.compile); published runs are priced with the handling their framework ran."""
+"""The cast handlings a price can be asked for: autopar's runtime runs "eager" (torchao without
+torch.compile) or "compiled" (RUNTIME_HANDLINGS); published runs are priced with the handling
+their framework ran."""
+
+RUNTIME_HANDLINGS = ("compiled", "eager")
+"""The handlings autopar's own runtime runs (Plan.fp8_casts)."""
 
 
 def cast_bytes_per_element(source_bytes: int) -> float:

@@ -131,7 +131,7 @@ class ProgramBuilder:
         data_shards = self.plan.mesh["dp"] * self.plan.mesh.get("cp", 1)
         gathered = uses_fsdp(self.plan.zero_stage, data_shards, self.plan.offload)
         fp8 = Float8Linears(self.plan.fp8_recipe or "tensorwise", self.plan.fp8_linears, self.device,
-                            fsdp_float8_all_gather=gathered)
+                            fsdp_float8_all_gather=gathered, compiled=self.plan.fp8_casts == "compiled")
         fp8.install(self.interpreter, self.parts.param_of, self.parts.fx_nodes)
         return fp8
 

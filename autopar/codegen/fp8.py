@@ -26,6 +26,10 @@ these parameters). Rowwise scales are per row and torchao gathers those weights 
 Pipelining and recomputation need nothing: a stage's segments run the same ops, and a
 recomputed segment runs torchao's forward again.
 
+**Compiled casts.** With `compiled` (Plan.fp8_casts "compiled", the default on GPU clusters) each
+float8 linear runs compiled by torch.compile, its casts fused as torchtitan's are
+(codegen/fp8_compile.py); otherwise torchao runs op by op (eager).
+
 On CPUs torchao's matmul is emulated (`emulate=True`: float8 values dequantised and multiplied in
 the input dtype), the same numbers as the float8 kernels up to accumulation order.
 """
@@ -74,11 +78,21 @@ def check_device(device: torch.device) -> None:
                           "precision 'bf16'")
 
 
+def float8_matmul(mm_config, config):
+    """Float8Linear's matmul as a function of (input, weight): torchao's autograd.Function."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    def matmul(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return matmul_with_hp_or_float8_args.apply(input, weight.t(), mm_config, config)
+
+    return matmul
+
+
 class Float8Linears:
     """Runs the plan's float8 linears of one rank's program with torchao."""
 
     def __init__(self, recipe: str, weights: tuple[str, ...], device: torch.device, *,
-                 fsdp_float8_all_gather: bool) -> None:
+                 fsdp_float8_all_gather: bool, compiled: bool = False) -> None:
         check_device(device)
         from torchao.float8.float8_linear import Float8Linear
 
@@ -95,6 +109,14 @@ class Float8Linears:
         """Float8 linears run so far (forward passes, recomputations included)."""
         self.gathered_weights: list[nn.Parameter] = []
         """Parameters FSDP2 gathers in float8 (their scales are precomputed each step)."""
+        self.compiled = compiled
+        """The casts run compiled (codegen/fp8_compile.py), else torchao op by op."""
+        self.matmul = float8_matmul(self.mm_config, self.config)
+        """(input, weight) -> output of a float8 linear without bias: torchao's, eager or compiled."""
+        if compiled:
+            from autopar.codegen.fp8_compile import CompiledFloat8Matmul
+
+            self.matmul = CompiledFloat8Matmul(self.matmul)
 
     @property
     def fsdp_float8_all_gather(self) -> bool:
@@ -116,10 +138,8 @@ class Float8Linears:
 
     def linear(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Float8Linear.forward on these tensors."""
-        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-
         self.num_calls += 1
-        output = matmul_with_hp_or_float8_args.apply(input, weight.t(), self.mm_config, self.config)
+        output = self.matmul(input, weight)
         return output if bias is None else output + bias.to(output.dtype)
 
     def wrap_for_fsdp(self, owners: list[nn.Module], params: dict[str, nn.Parameter]) -> None:

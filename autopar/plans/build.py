@@ -19,7 +19,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
               moe_load_imbalance: float | None = None, fp8: Fp8Choice | None = None) -> Plan:
     """`strategies` covers every node of `graph` (defaults to the sharding result's own);
     `moe_load_imbalance` is what its expert ops were priced with (None: the model has none); `fp8`
-    is precision "fp8"'s choice (recorded as fp8_recipe and fp8_linears)."""
+    is precision "fp8"'s choice (recorded as fp8_recipe, fp8_linears and fp8_casts, its handling)."""
     strategies = strategies or sharding.strategies
     segments = segments or sharding.segments
     config = estimate.config
@@ -60,6 +60,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         precision=precision,
         fp8_recipe=fp8.recipe if fp8 is not None else "",
         fp8_linears=fp8.linears if fp8 is not None else (),
+        fp8_casts=fp8.handling if fp8 is not None else "",
         predicted=prediction,
         replicated_ops=sharding.replicated_ops,
         search=_search_stats(estimate, sharding, search),

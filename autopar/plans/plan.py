@@ -138,6 +138,10 @@ class Plan:
     """precision "fp8": torchao's scaling recipe, "tensorwise" or "rowwise" ("" otherwise)."""
     fp8_linears: tuple[str, ...] = ()
     """precision "fp8": the weight FQNs of the linears run in float8 (solver/fp8.py's rule)."""
+    fp8_casts: str = ""
+    """precision "fp8": how the runtime runs the float8 casts, and how they were priced: "compiled"
+    (torch.compile, codegen/fp8_compile.py) or "eager" (torchao op by op); "" otherwise (a plan
+    written before this field ran and was priced eager)."""
     trials: tuple[dict[str, Any], ...] = ()
     """Trial runs that chose this plan among candidates (autopar.tune): per candidate its
     config, predicted_s, measured_s (None when it failed), error and chosen."""
@@ -211,12 +215,13 @@ class Plan:
 
     def _check_choices(self, source: str) -> None:
         """Fields that name a choice must name a known one (a hand-edited plan may not)."""
-        from autopar.solver.fp8 import FP8_RECIPES
+        from autopar.solver.fp8 import FP8_CASTS, FP8_RECIPES
         from autopar.solver.step_model import RECOMPUTE_MODES, SCHEDULES
 
         choices = [("schedule", self.schedule, ("none",) + SCHEDULES), ("recompute", self.recompute, RECOMPUTE_MODES),
                    ("zero_stage", self.zero_stage, (0, 1, 2, 3)), ("precision", self.precision, ("bf16", "fp32", "fp8")),
                    ("fp8_recipe", self.fp8_recipe, ("",) + FP8_RECIPES if self.precision == "fp8" else ("",)),
+                   ("fp8_casts", self.fp8_casts, ("",) + FP8_CASTS if self.precision == "fp8" else ("",)),
                    ("offload", self.offload, (False, True)), ("sequence_parallel", self.sequence_parallel, (False, True)),
                    ("calibration", self.calibration, CALIBRATIONS)]
         choices += [(f"stages[{i}].recompute", stage.recompute, ("",) + RECOMPUTE_MODES)

@@ -38,7 +38,7 @@ from autopar.solver.constraints import (Constraints, check_constraint_values, ch
                                         check_pipeline_depth, search_etp)
 from autopar.solver.expert_folding import runtime_blocker
 from autopar.solver.experts import ExpertPricing, check_load_imbalance
-from autopar.solver.fp8 import FP8_RECIPES, Fp8Choice, fp8_linears
+from autopar.solver.fp8 import FP8_CASTS, FP8_RECIPES, Fp8Choice, fp8_linears
 from autopar.solver.overheads import overheads_for
 from autopar.solver.parallel_search import check_jobs_env
 from autopar.solver.search import Planner, SearchOptions
@@ -225,8 +225,13 @@ def _policy(precision: str) -> PrecisionPolicy:
     return PRECISIONS[check_choice(precision, "precision", tuple(PRECISIONS))]
 
 
-def check_fp8_arguments(precision: str, fp8_recipe: str, fp8_filter) -> None:
+def check_fp8_arguments(precision: str, fp8_recipe: str, fp8_filter, fp8_casts: str | None = None) -> None:
     check_choice(fp8_recipe, "fp8_recipe", FP8_RECIPES)
+    if fp8_casts is not None:
+        check_choice(fp8_casts, "fp8_casts", FP8_CASTS)
+        if precision != "fp8":
+            raise ConfigError(f"fp8_casts says how precision 'fp8' runs its casts, but precision is {precision!r}: "
+                              "pass precision='fp8' or drop fp8_casts")
     if fp8_filter is not None and not callable(fp8_filter):
         raise ConfigError(f"fp8_filter must be a callable fp8_filter(module_fqn, weight_shape) -> bool, got "
                           f"{type_name(fp8_filter)} {shorten(fp8_filter)}")
@@ -244,6 +249,13 @@ def check_fp8_device(cluster: Cluster, precision: str) -> None:
                       "not): use --precision bf16, or plan for a cluster of such GPUs")
 
 
+def default_fp8_casts(cluster: Cluster) -> str:
+    """How the runtime runs the float8 casts unless told: compiled on GPUs (torch.compile fuses
+    them, codegen/fp8_compile.py), eager on CPU clusters (emulated float8, where compiling every
+    linear would cost more than the short runs it serves)."""
+    return "eager" if cluster.device_kind == "cpu" else "compiled"
+
+
 def _progress(verbose: bool):
     return (lambda message: print(message, file=sys.stderr, flush=True)) if verbose else None
 
@@ -251,7 +263,7 @@ def _progress(verbose: bool):
 def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=None, example_targets=None,
                 precision: str = "bf16", options: SearchOptions | None = None, verbose: bool = False,
                 calibrated: bool = True, example_kwargs=None, moe_load_imbalance: float | None = None,
-                fp8_recipe: str = "tensorwise", fp8_filter=None) -> Planner:
+                fp8_recipe: str = "tensorwise", fp8_filter=None, fp8_casts: str | None = None) -> Planner:
     """Capture once and return a Planner that can search and price many configurations.
 
     With `calibrated` (the default) the profile's whole-step calibration, if it has one, adds
@@ -259,9 +271,10 @@ def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=No
     options' own, 1.25 by default) is what the busiest expert-parallel rank gets over the even
     share of a dropless MoE layer's tokens (1.0: balanced routing). Precision "fp8" runs the linears
     solver/fp8.py chooses (or those `fp8_filter(module_fqn, weight_shape)` keeps) with torchao's
-    `fp8_recipe` ("tensorwise" or "rowwise")."""
+    `fp8_recipe` ("tensorwise" or "rowwise"), its casts run and priced as `fp8_casts` says
+    ("compiled" or "eager"; None: default_fp8_casts)."""
     policy = _policy(precision)
-    check_fp8_arguments(precision, fp8_recipe, fp8_filter)
+    check_fp8_arguments(precision, fp8_recipe, fp8_filter, fp8_casts)
     global_batch = check_global_batch(global_batch)
     if options is not None and not isinstance(options, SearchOptions):
         raise ConfigError(f"options must be a SearchOptions or None, got {type_name(options)} {shorten(options)}")
@@ -277,6 +290,7 @@ def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=No
                                  example_kwargs=example_kwargs, precision="bf16" if precision == "fp8" else precision,
                                  verbose=verbose)
     fp8 = Fp8Choice(recipe=fp8_recipe, linears=fp8_linears(graph, fp8_filter),
+                    handling=fp8_casts or default_fp8_casts(cluster),
                     auto=fp8_filter is None and cluster.device.has_fp8) if precision == "fp8" else None
     return Planner(graph, cluster, global_batch=global_batch, policy=policy, precision=precision,
                    options=options, progress=_progress(verbose), overheads=overheads, fp8=fp8)
@@ -291,7 +305,7 @@ def _with_load_imbalance(options: SearchOptions, moe_load_imbalance: float | Non
 def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constraints=None, loss_fn=None,
          example_targets=None, precision: str = "bf16", options: SearchOptions | None = None,
          verbose: bool = False, example_kwargs=None, moe_load_imbalance: float | None = None,
-         fp8_recipe: str = "tensorwise", fp8_filter=None) -> Plan:
+         fp8_recipe: str = "tensorwise", fp8_filter=None, fp8_casts: str | None = None) -> Plan:
     """Search the best parallelization; `constraints` may fix dp, tp, pp, cp, microbatch_size,
     schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage, ep, etp (the search plans etp
     in {1, tp}: etp=1 keeps MoE parallel folding, searched where the runtime runs it, and tp=1; etp=k > 1
@@ -300,12 +314,13 @@ def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constr
     `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones.
     `moe_load_imbalance` (>= 1.0; default 1.25) prices dropless MoE routing: what the busiest
     expert-parallel rank receives and computes over the even share (1.0: balanced routing).
-    `precision="fp8"` trains the eligible linears in float8 with torchao (`fp8_recipe`, `fp8_filter`:
-    see `planner_for`)."""
+    `precision="fp8"` trains the eligible linears in float8 with torchao (`fp8_recipe`, `fp8_filter`,
+    `fp8_casts`: see `planner_for`)."""
     return candidate_plans(model, example_inputs, cluster, global_batch=global_batch, num_candidates=1,
                            constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
                            precision=precision, options=options, verbose=verbose, example_kwargs=example_kwargs,
-                           moe_load_imbalance=moe_load_imbalance, fp8_recipe=fp8_recipe, fp8_filter=fp8_filter)[0]
+                           moe_load_imbalance=moe_load_imbalance, fp8_recipe=fp8_recipe, fp8_filter=fp8_filter,
+                           fp8_casts=fp8_casts)[0]
 
 
 def _check_constraints(cluster: Cluster, global_batch: int, constraints: Constraints) -> None:
@@ -321,7 +336,7 @@ def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: 
                     constraints=None, loss_fn=None, example_targets=None, precision: str = "bf16",
                     options: SearchOptions | None = None, verbose: bool = False, example_kwargs=None,
                     moe_load_imbalance: float | None = None, fp8_recipe: str = "tensorwise",
-                    fp8_filter=None) -> list[Plan]:
+                    fp8_filter=None, fp8_casts: str | None = None) -> list[Plan]:
     """The `num_candidates` fastest predicted plans, fastest first (what trials measure)."""
     if moe_load_imbalance is not None:
         check_load_imbalance(moe_load_imbalance)
@@ -333,7 +348,7 @@ def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: 
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
                           example_targets=example_targets, precision=precision, options=options, verbose=verbose,
                           example_kwargs=example_kwargs, moe_load_imbalance=moe_load_imbalance,
-                          fp8_recipe=fp8_recipe, fp8_filter=fp8_filter)
+                          fp8_recipe=fp8_recipe, fp8_filter=fp8_filter, fp8_casts=fp8_casts)
     return candidates_with(planner, constraints, num_candidates=num_candidates)
 
 
@@ -417,7 +432,8 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
              precision: str = "bf16", verbose: bool = False, example_kwargs=None, ep: int = 1,
              cp: int = 1, offload: bool = False, sequence_parallel: bool = True,
              options: SearchOptions | None = None, moe_load_imbalance: float | None = None,
-             fp8_recipe: str = "tensorwise", fp8_filter=None, etp: int | None = None) -> Plan:
+             fp8_recipe: str = "tensorwise", fp8_filter=None, etp: int | None = None,
+             fp8_casts: str | None = None) -> Plan:
     """Price one fully fixed configuration (no search); `ep` splits the experts of an MoE over
     groups of ep data-parallel ranks (`etp=1` with tp > 1: over ep ranks of the tp x dp grid, the
     experts unsplit by tp, MoE parallel folding: priced, not run by autopar's runtime yet), `cp` splits each sequence over cp ranks, `offload` is optimizer
@@ -437,7 +453,7 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
                           example_targets=example_targets, precision=precision, verbose=verbose,
                           example_kwargs=example_kwargs, options=options, moe_load_imbalance=moe_load_imbalance,
-                          fp8_recipe=fp8_recipe, fp8_filter=fp8_filter)
+                          fp8_recipe=fp8_recipe, fp8_filter=fp8_filter, fp8_casts=fp8_casts)
     config = fixed_config(planner, tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                           virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
                           recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,

@@ -127,6 +127,7 @@ def explain_text(plan: Plan, *, max_alternatives: int = 3) -> str:
     if plan.moe_load_imbalance is not None:
         lines.append(f"          MoE experts priced with load imbalance {plan.moe_load_imbalance:g} (ep.load_imbalance; "
                      "ep.dispatch, ep.combine, ep.counts are the all-to-alls)")
+    lines += [f"          {note}" for note in fp8_notes(plan)]
     if not explanation.alternatives:
         lines.append("  no runners-up recorded (a configuration priced with `autopar evaluate`, or the search "
                      "found only this one)")
@@ -153,6 +154,11 @@ def explain_text(plan: Plan, *, max_alternatives: int = 3) -> str:
     return "\n".join(lines)
 
 
+def fp8_notes(plan: Plan) -> list[str]:
+    """Precision "fp8": what float8 buys the chosen plan (solver/fp8_pricing.py's note)."""
+    return [note for note in plan.notes if note.startswith("fp8 buys")] if plan.precision == "fp8" else []
+
+
 def _indented(term: str) -> str:
     """Terms under their total ("step time", "peak memory")."""
     return term if term in ("step time", "peak memory") else f"  {term}"
@@ -160,7 +166,7 @@ def _indented(term: str) -> str:
 
 def explain_dict(plan: Plan, *, max_alternatives: int = 3) -> dict:
     explanation = explain(plan, max_alternatives=max_alternatives)
-    return {"chosen": explanation.chosen_config,
+    return {"chosen": explanation.chosen_config, **({"fp8": fp8_notes(plan)} if plan.precision == "fp8" else {}),
             "alternatives": [{"label": a.label, "config": a.config, "changes": list(a.changes),
                               "step_time_s": a.step_time_s, "peak_memory_bytes": a.peak_memory_bytes}
                              for a in explanation.alternatives],

@@ -22,10 +22,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from autopar.graph import OpGraph
+from cost_model.fp8 import RUNTIME_HANDLINGS
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 """torchao's Float8LinearRecipeName values autopar runs: one scale per tensor (dynamic, the
 default) or one per row (axiswise scales, e4m3 everywhere)."""
+
+FP8_CASTS = RUNTIME_HANDLINGS
+"""How autopar's runtime runs the float8 casts (Plan.fp8_casts): "compiled" (torch.compile,
+inductor's fused casts) or "eager" (torchao op by op)."""
 
 LINEAR_TARGET = "aten.linear.default"
 FP8_DIM_MULTIPLE = 16
@@ -78,8 +83,9 @@ class Fp8Choice:
     linears: tuple[str, ...] = ()
     """Weight FQNs of the linears run in float8 (fp8_linears)."""
     handling: str = "eager"
-    """How the casts run (cost_model/fp8.py HANDLINGS): "eager" is autopar's runtime (torchao without
-    torch.compile); "compiled" and "te" price a published run as its framework ran it."""
+    """How the casts run (cost_model/fp8.py HANDLINGS): autopar's runtime runs "compiled" (its
+    default on GPUs) or "eager" (FP8_CASTS, recorded as Plan.fp8_casts); "torchtitan" and "te"
+    price a published run as its framework ran it."""
     auto: bool = False
     """The planner keeps a linear in float8 only where it is priced faster than in bf16 under the
     configuration (fp8_pricing.py); set on devices with FP8 tensor cores when no filter chose."""

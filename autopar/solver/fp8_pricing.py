@@ -5,8 +5,8 @@ Terms (each named in the plan's breakdown; hardware figures from cost_model/fp8.
 - `fp8.matmul`: the chosen linears' matmuls at the device's fp8 rate; their bf16 time leaves
   `compute` (and the bubble its share). Where the device emulates float8 (CPUs) the matmuls stay
   in `compute` at the bf16 rate.
-- `fp8.cast`: the casts as the choice's handling runs them (autopar's runtime: eager torchao,
-  cost_model/fp8.py HANDLINGS), eager: six per linear and microbatch (two fewer for weights FSDP2 gathers
+- `fp8.cast`: the casts as the choice's handling runs them (autopar's runtime: compiled or eager
+  torchao, cost_model/fp8.py HANDLINGS), six per linear and microbatch (two fewer for weights FSDP2 gathers
   in float8), from each rank's share of the operands under the plan's placements; with FSDP2's
   float8 all-gather, the cast of each weight shard before every gather.
 - `fp8.amax`: (delayed scaling, "te": one all-reduce of the step's amaxes over tp) tensorwise
@@ -20,6 +20,9 @@ Terms (each named in the plan's breakdown; hardware figures from cost_model/fp8.
   the linears' float8 inputs for backward, not the bf16 ones (without recomputation). What a float8 linear
   saves for backward is the high-precision input and weight (torchao saves those, not the float8
   copies), as a bf16 linear does: nothing to add.
+
+A note ("fp8 buys: ...", shown by `autopar explain`) sums the terms: what float8 saves or costs
+against the same configuration in bf16.
 
 The terms are added to the estimate after its stages are laid out (the pipeline cut is chosen on
 bf16 times): per stage a 1/pp share of the linears, paid by each of the m + b microbatch slots of
@@ -112,9 +115,9 @@ class Fp8Pricing:
         self.graph = graph
         if choice.handling not in fp8_cost.HANDLINGS:
             raise ConfigError(f"fp8 cast handling {choice.handling!r} is not one of {sorted(fp8_cost.HANDLINGS)}: "
-                             "pick one (\"eager\" is autopar's runtime)")
+                             "pick one (\"compiled\" and \"eager\" are autopar's runtime)")
         self.handling = fp8_cost.HANDLINGS[choice.handling]
-        """How the casts run: "eager" for autopar's runtime (cost_model/fp8.py HANDLINGS)."""
+        """How the casts run: "compiled" or "eager" for autopar's runtime (cost_model/fp8.py HANDLINGS)."""
         self.auto = auto
         """Keep only the linears whose float8 run is priced faster (the planner's choice)."""
         self.compute = compute
@@ -229,6 +232,7 @@ class Fp8Pricing:
                 terms["bubble"] = bubble_s
         breakdown.update({name: seconds for name, seconds in terms.items()
                           if seconds and name.startswith("fp8.")})
+        notes += (self._what_fp8_buys(kept, terms, estimate.step_time_s),)
         weights = fp8_cost.held_weight_bytes(held_weight / config.pp, self.handling)
         saved = 0.0
         if self.handling.saves_float8_inputs and kept and config.recompute == "none":
@@ -240,6 +244,25 @@ class Fp8Pricing:
         return replace(estimate, step_time_s=estimate.step_time_s + sum(terms.values()), breakdown_s=breakdown,
                        memory_bytes=memory, peak_memory_bytes=peak, notes=notes,
                        fits=estimate.fits and peak <= self.memory_budget_bytes)
+
+    def _what_fp8_buys(self, kept: list[_Priced], terms: dict[str, float], bf16_step_s: float) -> str:
+        """The note `autopar explain` shows: the step's change from float8, term by term."""
+        head = (f"fp8 buys: {len(kept)} of {len(self.linears)} eligible linears in float8 ({self.choice.recipe} "
+                f"scaling, {self.choice.handling} casts)")
+        if not kept:
+            why = ("each one's casts and amax reductions would cost more than its float8 matmuls save" if self.auto
+                   else "no linear is chosen")
+            return f"{head}: nothing, {why}; the step runs in bf16"
+        change_s = sum(terms.values())
+        replaced_s = -terms.get("compute", 0.0) - terms.get("recompute", 0.0)
+        matmul = (f"matmuls {terms['fp8.matmul']:.3g} s in float8 instead of {replaced_s:.3g} s in bf16, "
+                  if terms.get("fp8.matmul") else "matmuls emulated (no FP8 tensor cores), ")
+        others = ", ".join(f"{name} {seconds:+.3g} s" for name, seconds in terms.items()
+                           if seconds and name not in ("fp8.matmul", "compute", "recompute"))
+        verdict = "saves" if change_s < 0 else "costs"
+        return (f"{head}: {matmul}{others or 'nothing else'}; {verdict} "
+                f"{abs(change_s):.3g} s per step ({100 * abs(change_s) / max(bf16_step_s, 1e-30):.1f}% of the bf16 "
+                "step)")
 
     def _float8_gathered_fraction(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict],
                                   float8_nodes: set[str]) -> float:

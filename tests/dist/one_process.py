@@ -120,7 +120,7 @@ _CAPTURES: dict[Any, tuple] = {}
 
 def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple | dict, *, loss_fn, example_targets,
                                  constraints: dict, precision: str = "fp32", plan=None, init_fn=None,
-                                 fp8_recipe: str = "tensorwise"):
+                                 fp8_recipe: str = "tensorwise", fp8_casts: str | None = None):
     """What `autopar.parallelize(model, cluster, inputs, loss_fn=..., example_targets=...,
     constraints=..., precision=..., plan=..., init_fn=...)` returns, planned (rank 0, unless
     `plan` is given) and built from the captures of the first model this process saw under
@@ -130,7 +130,8 @@ def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple | dict,
     left its planning graph and codegen capture in the test process's shared folder
     (harness.SHARED_DIR_VARIABLE): rank 0 loads them instead of capturing again (each cluster is
     still planned). The 4-process job of a module mostly builds the models of its 2-process job.
-    `inputs` is a tuple of positional inputs or a dict of keyword inputs, as parallelize takes them."""
+    `inputs` is a tuple of positional inputs or a dict of keyword inputs, as parallelize takes them.
+    Precision "fp8" takes `fp8_recipe` and `fp8_casts` as parallelize does."""
     import torch.distributed as dist
 
     from autopar.api import capture_for_planning, plan_with, planner_for, split_inputs
@@ -154,12 +155,13 @@ def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple | dict,
         return graph
 
     def plan_on_rank0():
-        planner_key = (key, cluster, dist.get_world_size(), precision, fp8_recipe)
+        planner_key = (key, cluster, dist.get_world_size(), precision, fp8_recipe, fp8_casts)
         if planner_key not in _PLANNERS:
             _PLANNERS[planner_key] = planner_for(planning_graph(), positional, cluster, global_batch=global_batch,
                                                  loss_fn=loss_fn, example_targets=example_targets,
                                                  example_kwargs=keywords, precision=precision,
-                                                 **({"fp8_recipe": fp8_recipe} if precision == "fp8" else {}))
+                                                 **({"fp8_recipe": fp8_recipe, "fp8_casts": fp8_casts}
+                                                    if precision == "fp8" else {}))
         return plan_with(_PLANNERS[planner_key], Constraints.from_value(constraints))
 
     chosen = plan if plan is not None else run_on_rank0(plan_on_rank0)

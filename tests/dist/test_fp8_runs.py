@@ -3,6 +3,8 @@ process running torchao's own Float8Linear with the same recipe on the same line
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from harness import run_workers, tiny_model_cluster
@@ -81,7 +83,7 @@ def reference_run(model, loss_fn, tokens, targets, recipe: str, weights: tuple[s
     return dict(loss=total, grads=grads, converted=converted)
 
 
-def fp8_worker(cluster: str, configs: tuple, recipe: str) -> list[dict]:
+def fp8_worker(cluster: str, configs: tuple, recipe: str, fp8_casts: str | None = None) -> list[dict]:
     import torch
 
     from autopar.codegen.fp8 import Float8Linears
@@ -94,7 +96,7 @@ def fp8_worker(cluster: str, configs: tuple, recipe: str) -> list[dict]:
     linear = Float8Linears.linear
 
     def counted(self, *args, **kwargs):
-        calls.append(1)
+        calls.append(self)
         return linear(self, *args, **kwargs)
 
     Float8Linears.linear = counted
@@ -102,7 +104,7 @@ def fp8_worker(cluster: str, configs: tuple, recipe: str) -> list[dict]:
     for constraints in configs:
         module = parallelize_reusing_captures("fp8", bundle.model, cluster, (tokens,), loss_fn=bundle.loss_fn,
                                               example_targets=targets, constraints=constraints, precision="fp8",
-                                              fp8_recipe=recipe)
+                                              fp8_recipe=recipe, fp8_casts=fp8_casts)
         # FSDP2's float8 all-gather casts the fp32 master shards (torchao's WeightWithDynamicFloat8CastTensor),
         # not bf16 copies of them: the reference's float8 linears cast fp32 weights too.
         gathered = recipe == "tensorwise" and constraints.get("zero_stage", 0) >= 1 and constraints.get("dp", 1) > 1
@@ -114,6 +116,7 @@ def fp8_worker(cluster: str, configs: tuple, recipe: str) -> list[dict]:
         grads = {name: param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
                  for name, param in module.named_model_parameters().items() if param.grad is not None}
         held = [name for name in module.plan.fp8_linears if name in grads]
+        runners = {id(runner): runner for runner in calls}.values()
         results.append(dict(constraints=constraints, precision=module.plan.precision, recipe=module.plan.fp8_recipe,
                             linears=module.plan.fp8_linears, converted=runs[True]["converted"], loss=loss,
                             reference_loss=runs[True]["loss"], bf16_loss=runs[False]["loss"],
@@ -121,7 +124,13 @@ def fp8_worker(cluster: str, configs: tuple, recipe: str) -> list[dict]:
                             fp8_effect=global_error(runs[False]["grads"], runs[True]["grads"]),
                             num_calls=len(calls), num_linears_held=len(held),
                             num_microbatches=module.plan.num_microbatches, recompute=module.plan.recompute,
-                            param_dtypes={str(p.dtype) for p in module.named_model_parameters().values()}))
+                            param_dtypes={str(p.dtype) for p in module.named_model_parameters().values()},
+                            fp8_casts=module.plan.fp8_casts,
+                            compiled_signatures=sum(len(runner.matmul.compiled) for runner in runners
+                                                    if runner.compiled),
+                            fallbacks=[reason for runner in runners if runner.compiled
+                                       for reason in runner.matmul.fallbacks.values()],
+                            grads=grads if fp8_casts else None))
     Float8Linears.linear = linear
     return results
 
@@ -168,6 +177,53 @@ def test_fp8_under_dp_tp_and_pp_tp_matches_one_process(tmp_path):
     own rounding noise (TP_TOLERANCE)."""
     for rank_results in run_workers(fp8_worker, world_size=4, args=(fp8_cluster(4, tmp_path), CONFIGS_4, "tensorwise")):
         _check(rank_results, TP_TOLERANCE)
+
+
+CONFIGS_COMPILED = ({"dp": 2, "tp": 2, "microbatch_size": 2, "zero_stage": 3},)
+"""The default compiled-casts case: dp2 x tp2 with FSDP2's float8 all-gather of the tp shards
+(inductor compiles every signature on every rank: about a minute on 2 shared cores)."""
+CONFIGS_COMPILED_MORE = ({"dp": 2, "tp": 2, "microbatch_size": 2, "zero_stage": 0},
+                         {"pp": 2, "tp": 2, "schedule": "1f1b", "microbatch_size": 2, "zero_stage": 0},
+                         {"dp": 2, "tp": 2, "microbatch_size": 2, "zero_stage": 0, "recompute": "full"})
+_MORE_COMPILED = pytest.mark.skipif(not os.environ.get("AUTOPAR_FP8_ALL"),
+                                    reason="more compiled-casts cases (minutes): set AUTOPAR_FP8_ALL=1")
+
+
+def compiled_worker(cluster: str, configs: tuple) -> list[dict]:
+    """fp8_worker with the casts compiled, and each configuration's gradients against the same
+    plan run with eager casts on the same ranks."""
+    compiled = fp8_worker(cluster, configs, "tensorwise", "compiled")
+    eager = fp8_worker(cluster, configs, "tensorwise", "eager")
+    for result, reference in zip(compiled, eager):
+        result["eager_error"] = global_error(result.pop("grads"), reference["grads"])
+        result["eager_loss"] = reference["loss"]
+    return compiled
+
+
+def _check_compiled(results: list[dict]) -> None:
+    _check(results, TP_TOLERANCE)
+    for result in results:
+        label = result["constraints"]
+        assert result["fp8_casts"] == "compiled", label
+        assert result["compiled_signatures"] > 0 and result["fallbacks"] == [], (label, result["fallbacks"])
+        # Inductor's fused casts are torchao's eager casts: the same plan gives the same step.
+        assert result["loss"] == pytest.approx(result["eager_loss"], rel=1e-6), label
+        assert result["eager_error"] < EXACT, (label, result["eager_error"])
+
+
+def test_compiled_casts_under_dp_tp_and_fsdp_match_one_process(tmp_path):
+    """dp2 x tp2 with ZeRO-3 (float8 all-gathers of the tp shards, DTensor operands, the tensorwise
+    amax all-reduced across tp) with every float8 linear compiled by torch.compile (inductor's CPU
+    backend): within TP_TOLERANCE of one process's eager torchao, and the eager runtime's step."""
+    for rank_results in run_workers(compiled_worker, world_size=4, args=(fp8_cluster(4, tmp_path), CONFIGS_COMPILED)):
+        _check_compiled(rank_results)
+
+
+@_MORE_COMPILED
+def test_compiled_casts_under_tp_pp_and_recomputation_match_one_process(tmp_path):
+    for rank_results in run_workers(compiled_worker, world_size=4,
+                                    args=(fp8_cluster(4, tmp_path), CONFIGS_COMPILED_MORE)):
+        _check_compiled(rank_results)
 
 
 def linear_shards_worker(recipe: str) -> dict:

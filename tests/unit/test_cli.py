@@ -53,11 +53,15 @@ def test_fp8_flags_plan_float8_linears(capsys, command, fixed):
                        *fixed, "--precision", "fp8", "--fp8-recipe", "rowwise", "--json")
     assert code == 0
     data = json.loads(out)
-    # A 64-wide model on H100: the planner keeps every linear in bf16 (eager casts cost more).
+    # A 64-wide model on H100: the planner keeps every linear in bf16 (even compiled casts cost more).
     assert (data["precision"], data["fp8_recipe"], data["fp8_linears"]) == ("fp8", "rowwise", [])
+    assert data["fp8_casts"] == "compiled"  # the GPU default
     code, out, _ = run(capsys, command, TINY, "--cluster", "cpu:procs=2", "--global-batch", "8", *fixed,
                        "--precision", "fp8")
-    assert code == 0 and "12 linears in float8 (torchao, tensorwise scaling)" in out
+    assert code == 0 and "12 linears in float8 (torchao, tensorwise scaling), casts eager" in out
+    code, out, _ = run(capsys, command, TINY, "--cluster", "cpu:procs=2", "--global-batch", "8", *fixed,
+                       "--precision", "fp8", "--fp8-casts", "compiled", "--json")
+    assert code == 0 and json.loads(out)["fp8_casts"] == "compiled"
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -70,6 +74,8 @@ def test_fp8_flags_plan_float8_linears(capsys, command, fixed):
     (["show", "no-such-plan.json"], "cannot read plan"),
     (["plan", TINY, "--cluster", "dgx-a100-80g", "--global-batch", "8", "--precision", "fp8"],
      "needs FP8 tensor cores"),
+    (["plan", TINY, "--cluster", "dgx-h100", "--global-batch", "8", "--fp8-casts", "eager"],
+     "pass precision='fp8' or drop fp8_casts"),
     (["evaluate", TINY, "--cluster", "p3-16xlarge", "--global-batch", "8", "--tp", "1", "--pp", "1",
       "--microbatch-size", "1", "--precision", "fp8"], "needs FP8 tensor cores"),
     (["verify", TINY, "--nproc", "2", "--kinds", "dp,dpxtp"], "give --nproc 4"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, PlanMismatchError
 from autopar.plans.plan import Plan
 
 GPT = "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=64"
@@ -17,6 +17,9 @@ def test_an_fp8_plan_records_its_recipe_and_linears_and_reads_back():
     assert len(plan.fp8_linears) == 12 and "wte.weight" not in plan.fp8_linears
     again = Plan.from_dict(plan.to_dict())
     assert again.fp8_linears == plan.fp8_linears and again.fp8_recipe == "rowwise"
+    assert again.fp8_casts == plan.fp8_casts == "eager"
+    with pytest.raises(PlanMismatchError, match="fp8_casts='jit'; expected one of '', 'compiled', 'eager'"):
+        Plan.from_dict({**plan.to_dict(), "fp8_casts": "jit"})
     assert autopar.evaluate(GPT, cluster="dgx-h100", global_batch=8).fp8_linears == ()
 
 
@@ -25,18 +28,72 @@ BIG = "gpt:layers=1,hidden=16384,heads=128,seq=4096,vocab=1024"
 
 def test_on_fp8_tensor_cores_the_planner_keeps_float8_where_it_is_faster():
     """torchao's eager casts cost memory passes that only large matmuls repay: the 16384 x 65536
-    MLP linears at 16,384 tokens run in float8, a 64-wide model's linears stay in bf16."""
-    big = autopar.evaluate(BIG, cluster="dgx-h100:gpus_per_node=1", global_batch=4, microbatch_size=4,
-                           precision="fp8")
+    MLP linears at 16,384 tokens run in float8, the attention's 16384 x 16384 ones only with the
+    casts compiled; a 64-wide model's linears stay in bf16 either way."""
+    fixed = dict(cluster="dgx-h100:gpus_per_node=1", global_batch=4, microbatch_size=4)
+    big = autopar.evaluate(BIG, **fixed, precision="fp8", fp8_casts="eager")
     assert big.fp8_linears == ("layers.0.mlp.fc_in.weight", "layers.0.mlp.fc_out.weight")
-    bf16 = autopar.evaluate(BIG, cluster="dgx-h100:gpus_per_node=1", global_batch=4, microbatch_size=4)
+    bf16 = autopar.evaluate(BIG, **fixed)
     assert big.predicted.step_time_s < bf16.predicted.step_time_s
+    compiled = autopar.evaluate(BIG, **fixed, precision="fp8")
+    assert compiled.fp8_casts == "compiled" and len(compiled.fp8_linears) == 6  # q, k, v, o, fc_in, fc_out
+    assert compiled.predicted.step_time_s < big.predicted.step_time_s
     tiny = autopar.evaluate(GPT, cluster="dgx-h100", global_batch=8, precision="fp8")
     assert tiny.fp8_linears == () and any("0 of 12 eligible linears" in note for note in tiny.notes)
     # A filter is the user's choice: kept as given.
     forced = autopar.evaluate(GPT, cluster="dgx-h100", global_batch=8, precision="fp8",
                               fp8_filter=lambda fqn, shape: True)
     assert len(forced.fp8_linears) == 12
+
+
+LLAMA3_8B = "llama:layers=2,hidden=4096,heads=32,kv_heads=8,ffn_hidden=14336,vocab=128256,seq=8192"
+"""Llama 3 8B's layer shape (2 of its 32 layers) at its 8,192-token sequence."""
+SMALL_LLAMA = "llama:layers=2,hidden=256,heads=4,kv_heads=2,ffn_hidden=1024,vocab=1024,seq=512"
+
+
+def test_the_planner_picks_fp8_for_llama_3_8b_on_h100s_with_compiled_casts():
+    """With the casts compiled (the runtime's default on GPUs) float8 pays for Llama 3 8B's large
+    linears: the search keeps q, o and the MLP's in float8 (as priced today: the 4096 x 1024 k and v
+    projections stay bf16, their casts priced above what their matmuls save) and prices the step
+    below bf16's. With eager casts
+    (33 bytes per element in 9 kernels) nothing pays."""
+    plan = autopar.plan(LLAMA3_8B, cluster="dgx-h100", global_batch=8, precision="fp8")
+    assert plan.fp8_casts == "compiled"
+    kept = {name.split(".", 2)[2] for name in plan.fp8_linears}
+    assert kept >= {"attn.q_proj.weight", "attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                    "mlp.down_proj.weight"}, plan.fp8_linears
+    assert len(plan.fp8_linears) >= 10  # both layers'
+    fixed = dict(cluster="dgx-h100", global_batch=8, tp=plan.mesh["tp"], pp=plan.mesh["pp"], cp=plan.mesh["cp"],
+                 dp=plan.mesh["dp"], microbatch_size=plan.microbatch_size, recompute=plan.recompute,
+                 zero_stage=plan.zero_stage)
+    bf16 = autopar.evaluate(LLAMA3_8B, **fixed)
+    assert plan.predicted.step_time_s < bf16.predicted.step_time_s
+    bought = [note for note in plan.notes if note.startswith("fp8 buys")]
+    assert len(bought) == 1 and f"{len(plan.fp8_linears)} of 14 eligible linears" in bought[0]
+    assert "compiled casts" in bought[0]
+    assert "; saves " in bought[0]
+    eager = autopar.evaluate(LLAMA3_8B, **fixed, precision="fp8", fp8_casts="eager")
+    assert eager.fp8_casts == "eager" and eager.fp8_linears == ()
+    assert eager.predicted.step_time_s == pytest.approx(bf16.predicted.step_time_s)
+
+
+def test_the_planner_keeps_a_small_hidden_model_in_bf16_even_with_compiled_casts():
+    """At hidden 256 a cast's fixed kernel cost and memory pass outweigh the float8 matmul's saving."""
+    plan = autopar.plan(SMALL_LLAMA, cluster="dgx-h100", global_batch=8, precision="fp8")
+    assert plan.fp8_casts == "compiled" and plan.fp8_linears == ()
+    assert any(note.startswith("fp8 buys: 0 of 14 eligible linears") and "runs in bf16" in note
+               for note in plan.notes)
+
+
+def test_the_cast_handling_defaults_by_device_and_is_refused_without_fp8():
+    assert autopar.evaluate(GPT, cluster="cpu", global_batch=8, precision="fp8").fp8_casts == "eager"
+    assert autopar.evaluate(GPT, cluster="cpu", global_batch=8, precision="fp8",
+                            fp8_casts="compiled").fp8_casts == "compiled"
+    assert autopar.evaluate(GPT, cluster="cpu", global_batch=8).fp8_casts == ""
+    with pytest.raises(ConfigError, match="fp8_casts"):
+        autopar.evaluate(GPT, cluster="cpu", global_batch=8, precision="fp8", fp8_casts="jit")
+    with pytest.raises(ConfigError, match="pass precision='fp8' or drop fp8_casts"):
+        autopar.evaluate(GPT, cluster="cpu", global_batch=8, fp8_casts="eager")
 
 
 def test_a_filter_chooses_the_linears():

@@ -55,3 +55,17 @@ def test_expert_parallel_terms_and_the_load_imbalance_are_shown():
     text = explain_text(plan)
     assert "ep.dispatch" in text and "ep.combine" in text
     assert "load imbalance 1.5" in text
+
+
+def test_an_fp8_plan_says_what_float8_buys():
+    """The fp8 pricing's note: the bf16 matmul time replaced, each added term, the net change."""
+    from autopar.report.explain import explain_dict
+
+    big = "gpt:layers=1,hidden=16384,heads=128,seq=4096,vocab=1024"
+    plan = evaluate(big, cluster="dgx-h100:gpus_per_node=1", global_batch=4, microbatch_size=4, precision="fp8")
+    text = explain_text(plan)
+    assert "fp8 buys: 6 of 6 eligible linears in float8 (tensorwise scaling, compiled casts): matmuls " in text
+    assert "in bf16, fp8.cast +" in text and "; saves " in text
+    assert explain_dict(plan)["fp8"] == [line.strip() for line in text.splitlines() if "fp8 buys" in line]
+    assert "fp8" not in explain_dict(evaluate(big, cluster="dgx-h100:gpus_per_node=1", global_batch=4,
+                                              microbatch_size=4))

@@ -115,16 +115,19 @@ LLAMA = "llama:layers=2,hidden=2048,heads=16,kv_heads=4,ffn_hidden=5632,vocab=10
 
 
 def test_torchtitans_float8_tensor_parallelism_gathers_float8_inputs_cast_on_their_shard():
-    """Under "compiled" (torchtitan: Float8ColwiseParallel) a column-parallel linear's
-    sequence-parallel input is cast on its shard and all-gathered at 1 byte per element; autopar's
-    runtime gathers bf16 and casts the gathered input."""
+    """Under "torchtitan" (Float8ColwiseParallel) a column-parallel linear's sequence-parallel
+    input is cast on its shard and all-gathered at 1 byte per element; autopar's runtime, eager or
+    compiled, gathers bf16 and casts the gathered input."""
     eager = _with_handling("eager", everything=True, spec=LLAMA, tp=2)
-    compiled = _with_handling("compiled", everything=True, spec=LLAMA, tp=2)
-    assert compiled["tp.all_gather"] < eager["tp.all_gather"]
+    titan = _with_handling("torchtitan", everything=True, spec=LLAMA, tp=2)
+    assert titan["tp.all_gather"] < eager["tp.all_gather"]
     # Only the forward gathers of float8 inputs move at half the bytes, not the backward's gathers of
     # the gradients of reduce-scattered outputs: 5 of 9 gathered tensors here (4 layer inputs, the head's).
-    assert compiled["tp.all_gather"] == pytest.approx(eager["tp.all_gather"] * (1 - 5 / 9 / 2))
-    assert compiled["tp.reduce_scatter"] == pytest.approx(eager["tp.reduce_scatter"])
+    assert titan["tp.all_gather"] == pytest.approx(eager["tp.all_gather"] * (1 - 5 / 9 / 2))
+    assert titan["tp.reduce_scatter"] == pytest.approx(eager["tp.reduce_scatter"])
+    compiled = _with_handling("compiled", everything=True, spec=LLAMA, tp=2)
+    assert compiled["tp.all_gather"] == pytest.approx(eager["tp.all_gather"])
+    assert titan["fp8.cast"] < compiled["fp8.cast"] < eager["fp8.cast"]  # torchtitan casts the inputs' shards
     te = _with_handling("te", everything=True, spec=LLAMA, tp=2)
     assert te["tp.all_gather"] == pytest.approx(eager["tp.all_gather"])
 
@@ -132,7 +135,7 @@ def test_torchtitans_float8_tensor_parallelism_gathers_float8_inputs_cast_on_the
 def test_transformer_engine_keeps_float8_weights_and_saves_float8_inputs():
     """TE casts each weight once per step and keeps it with its transpose (2 bytes per weight
     element), and saves the float8 input for backward (half the bf16 bytes of the inputs only
-    float8 linears save); torchao (eager, compiled) does neither."""
+    float8 linears save); torchao (eager, compiled, torchtitan) does neither."""
     from dataclasses import replace
 
     from autopar.plans.planning import planner_for

@@ -1,0 +1,74 @@
+"""Compiled float8 linears (codegen/fp8_compile.py), in one process on CPU (emulated float8)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from autopar.codegen.fp8 import Float8Linears
+from autopar.codegen.fp8_compile import signature
+
+_MORE = pytest.mark.skipif(not os.environ.get("AUTOPAR_FP8_ALL"), reason="another compile (15 s): AUTOPAR_FP8_ALL=1")
+
+
+def _operands(out_features: int = 32, in_features: int = 64):
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(4, 8, in_features, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    grad = torch.randn(4, 8, out_features, generator=generator).to(torch.bfloat16)
+    return inputs, weight, grad
+
+
+def _run(fp8: Float8Linears, inputs, weight, grad):
+    given, held = inputs.clone().requires_grad_(), weight.clone().requires_grad_()
+    output = fp8.linear(given, held)
+    output.backward(grad)
+    return output.detach(), given.grad, held.grad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("rowwise", marks=_MORE)])
+def test_a_compiled_float8_linear_is_the_eager_one(recipe):
+    """Inductor's fused casts (CPU backend, emulated matmul) give torchao's eager numbers exactly,
+    forward and backward; a second call of the same signature reuses the compiled code."""
+    inputs, weight, grad = _operands()
+    eager = Float8Linears(recipe, (), torch.device("cpu"), fsdp_float8_all_gather=False)
+    compiled = Float8Linears(recipe, (), torch.device("cpu"), fsdp_float8_all_gather=False, compiled=True)
+    expected = _run(eager, inputs, weight, grad)
+    for _ in range(2):
+        got = _run(compiled, inputs, weight, grad)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert compiled.compiled and len(compiled.matmul.compiled) == 1 and not compiled.matmul.fallbacks
+
+
+def test_a_signature_that_does_not_compile_runs_eagerly_and_says_why(monkeypatch):
+    def failing_compile(function, **options):
+        def run(*args):
+            raise RuntimeError("no C++ compiler for inductor")
+        return run
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    inputs, weight, grad = _operands()
+    eager = Float8Linears("tensorwise", (), torch.device("cpu"), fsdp_float8_all_gather=False)
+    compiled = Float8Linears("tensorwise", (), torch.device("cpu"), fsdp_float8_all_gather=False, compiled=True)
+    with pytest.warns(RuntimeWarning, match="could not compile a float8 linear.*no C.. compiler.*runs torchao's "
+                                            "casts eagerly"):
+        got = _run(compiled, inputs, weight, grad)
+    assert all(torch.equal(a, b) for a, b in zip(got, _run(eager, inputs, weight, grad)))
+    assert list(compiled.matmul.fallbacks.values()) == ["RuntimeError: no C++ compiler for inductor"]
+    _run(compiled, inputs, weight, grad)  # the fallback is remembered: no second warning, no second try
+    assert len(compiled.matmul.fallbacks) == 1 and not compiled.matmul.compiled
+
+
+def test_each_operand_signature_compiles_on_its_own():
+    inputs, weight, _ = _operands()
+    other_inputs, other_weight, _ = _operands(out_features=48)
+    key = signature(inputs, weight)
+    assert key == signature(inputs.clone(), weight.clone())
+    assert key != signature(other_inputs, other_weight)  # shapes
+    assert key != signature(inputs.clone().requires_grad_(), weight)
+    assert key != signature(inputs, weight.t().contiguous().t())  # strides
+    with torch.no_grad():  # grad mode (a forward without autograd traces no backward)
+        assert key != signature(inputs, weight)
