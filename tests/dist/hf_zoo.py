@@ -186,7 +186,7 @@ RECENT = [
         "KimiLinearConfig", "KimiLinearForCausalLM", num_local_experts=4, moe_intermediate_size=FFN // 2,
         linear_head_dim=HIDDEN // HEADS, linear_num_heads=HEADS, pad_token_id=0,
         layer_types=["linear_attention", "full_attention"], **_MOE, **_MLA,
-        **_LLAMA_LIKE)),
+        **{**_LLAMA_LIKE, "num_key_value_heads": HEADS})),  # MLA: as many kv heads as heads (the real configs)
     Architecture(name="LFM2", kind="hybrid conv", build=_causal("Lfm2Config", "Lfm2ForCausalLM", block_multiple_of=16,
                                                                  pad_token_id=0, **_LLAMA_LIKE)),
     Architecture(name="Gemma3", kind="causal LM", build=_causal(
