@@ -102,10 +102,12 @@ def test_bf16_compute_keeps_fp32_weights_and_gradients_and_casts_once_per_step()
                 assert result["per_use_casts"] >= result["num_microbatches"] * result["casts"], label
 
 
-FUSED_CONFIGS = ({"tp": 2, "microbatch_size": 4}, {"dp": 2, "zero_stage": 0, "microbatch_size": 2},
+FUSED_CONFIGS = ({"tp": 2, "microbatch_size": 4}, {"tp": 2, "microbatch_size": 4, "recompute": "op"},
+                 {"dp": 2, "zero_stage": 0, "microbatch_size": 2},
                  {"pp": 2, "schedule": "1f1b", "microbatch_size": 2, "zero_stage": 0})
-"""Column- and row-parallel DTensor linears; ZeRO-0's all-reduce overlapped from post-accumulate
-hooks (codegen/grad_overlap.py); pipeline stages accumulating over microbatches."""
+"""Column- and row-parallel DTensor linears, also under the "op" recomputation (selective
+checkpoints of torch); ZeRO-0's all-reduce overlapped from post-accumulate hooks
+(codegen/grad_overlap.py); pipeline stages accumulating over microbatches."""
 
 
 def fused_worker(cluster: str) -> list[dict]:

@@ -122,3 +122,30 @@ def test_grad_overlap_sees_every_fused_accumulation(one_process_group):
     alone = WeightCasts()
     _fused_steps(unreduced, unreduced_bias, inputs, alone, FusedWgrad(alone, "emulate"))
     torch.testing.assert_close(weight.grad, unreduced.grad)
+
+
+def test_a_recomputed_linear_accumulates_once_per_backward():
+    """Under activation checkpointing (non-reentrant, as the runtime's recompute modes) the forward
+    runs again in backward but the weight gradient is accumulated once, equal to the plain run's."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(1)
+    weight = torch.randn(3, 4)
+    weights = [nn.Parameter(weight.clone()) for _ in range(2)]
+    biases = [nn.Parameter(torch.zeros(3)) for _ in range(2)]
+    inputs = _inputs(2)
+    runs = []
+    for weight, bias, recompute in ((weights[0], biases[0], False), (weights[1], biases[1], True)):
+        casts = WeightCasts()
+        fused = FusedWgrad(casts, "emulate")
+        with casts.step([(weight, torch.bfloat16), (bias, torch.bfloat16)]):
+            for x in inputs:
+                copy, bias_copy = casts.cast(weight, torch.bfloat16), casts.cast(bias, torch.bfloat16)
+                run = lambda value: fused.linear(weight, value, copy, bias_copy)  # noqa: E731
+                value = x.detach().bfloat16().requires_grad_(True)
+                out = checkpoint(run, value, use_reentrant=False) if recompute else run(value)
+                out.float().pow(2).sum().backward()
+        runs.append(fused.stats)
+    assert runs == [{"fused": 2}, {"fused": 2}]
+    torch.testing.assert_close(weights[0].grad, weights[1].grad, rtol=0, atol=0)
+    torch.testing.assert_close(biases[0].grad, biases[1].grad, rtol=0, atol=0)
