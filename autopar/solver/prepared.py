@@ -208,6 +208,12 @@ class PreparedSegments:
         it (under ep they run fewer, bigger experts, faster; StepModel.ep_times), for lower bounds."""
         return sum(matmul.alone_s for matmuls in self.ep_matmuls for matmul in matmuls)
 
+    @cached_property
+    def fused_wgrad_saving_bound_s(self) -> float:
+        """The most fusing weight gradients into their GEMMs can take off work_s (StepModel takes
+        it off where the configuration fuses), for lower bounds."""
+        return float(self.fused_wgrad_saving_s.sum()) if self.fused_wgrad_saving_s is not None else 0.0
+
     def listed(self, name: str) -> list[float]:
         """Array `name` as plain floats (cheaper to index one by one than numpy's)."""
         listed = self._lists.get(name)

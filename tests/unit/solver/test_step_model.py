@@ -252,3 +252,20 @@ def test_weight_gradients_fused_into_their_gemms_pay_no_cast_or_add_where_the_ru
         fused, plain = both(**config)
         assert fused.step_time_s == pytest.approx(plain.step_time_s, rel=1e-12), config
         assert fused.stages[0].fused_wgrad_numel == 0, config
+
+
+def test_the_search_lower_bound_holds_where_weight_gradients_fuse():
+    """Fusion takes its saving off a configuration's stages after the segments are priced: the
+    bound that prunes configurations must stay below their priced step time."""
+    from autopar import api
+    from autopar.solver.pricing import lower_bound_s
+
+    graph = api.capture_for_planning("gpt:layers=4,hidden=256,heads=4,seq=128,vocab=512")
+    planner = api.planner_for(graph, None, "dgx-h100:nodes=1", global_batch=16)
+    for pp, tp in ((1, 1), (1, 2), (2, 2)):
+        config = api.fixed_config(planner, tp=tp, pp=pp, dp=8 // (pp * tp), microbatch_size=1, schedule="1f1b",
+                                  virtual_stages=None, layers_per_virtual_stage=None, recompute="none",
+                                  zero_stage=0, ep=1)
+        estimate, _ = planner.evaluate(config)
+        assert estimate.stages[0].fused_wgrad_numel > 0
+        assert lower_bound_s(planner.pricing.least_work(config), config) <= estimate.step_time_s
