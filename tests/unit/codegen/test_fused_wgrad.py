@@ -149,3 +149,17 @@ def test_a_recomputed_linear_accumulates_once_per_backward():
     assert runs == [{"fused": 2}, {"fused": 2}]
     torch.testing.assert_close(weights[0].grad, weights[1].grad, rtol=0, atol=0)
     torch.testing.assert_close(biases[0].grad, biases[1].grad, rtol=0, atol=0)
+
+
+def test_the_cuda_kernel_calls_are_well_formed_on_meta_tensors():
+    """The "cuda" kernel's out_dtype matmuls (no CPU kernel; meta checks their signatures, shapes
+    and dtypes): the first microbatch writes a new fp32 gradient, later ones accumulate into it in place."""
+    fused = FusedWgrad(WeightCasts(), "cuda")
+    weight = nn.Parameter(torch.empty(3, 4, device="meta"))
+    grad = torch.empty(2, 5, 3, device="meta", dtype=torch.bfloat16)
+    inputs = torch.empty(2, 5, 4, device="meta", dtype=torch.bfloat16)
+    fused.accumulate(weight, grad, inputs)
+    first = weight.grad
+    assert first.dtype == torch.float32 and first.shape == (3, 4)
+    fused.accumulate(weight, grad, inputs)
+    assert weight.grad is first and fused.stats == {"fused": 2}
