@@ -10,7 +10,6 @@ from autopar.codegen.fused_wgrad import LINEAR, FusedWgrad, chosen_kernel
 from autopar.codegen.grad_overlap import OverlappedReduction, ReduceGroup
 from autopar.codegen.program import WeightCasts
 from autopar.errors import ConfigError
-from autopar.strategies.placement import local_weight_grad
 
 
 def _inputs(count: int = 3) -> list[torch.Tensor]:
@@ -92,14 +91,6 @@ def test_the_kernel_defaults_to_off_on_cpu_and_can_be_forced(monkeypatch):
     monkeypatch.setenv("AUTOPAR_FUSED_WGRAD", "fast")
     with pytest.raises(ConfigError, match="one of off, emulate, cuda"):
         chosen_kernel(torch.device("cpu"))
-
-
-@pytest.mark.parametrize("inputs, weight, output, exact", [
-    ("R", "R", "R", True), ("R", "S0", "S2", True), ("S2", "S1", "P", True),
-    ("S0", "R", "S0", False),  # batch-sharded tokens: each device holds a partial sum
-    ("S1", "S0", "S2", False), ("R", "S0", "P", False), ("S2", "S1", "S2", False)])
-def test_local_products_are_exact_for_replicated_column_and_row_parallel_linears(inputs, weight, output, exact):
-    assert local_weight_grad(inputs, weight, output, 3) is exact
 
 
 def test_grad_overlap_sees_every_fused_accumulation(one_process_group):
