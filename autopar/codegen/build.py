@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from autopar.codegen.align import align_names
+from autopar.codegen.fused_wgrad import FusedWgrad, chosen_kernel
 from autopar.codegen.interpreter import PlannedInterpreter, RunStats
 from autopar.codegen.program import (GraphParts, SegmentModule, StageProgram, WeightCasts, distribute_parameter,
                                      recomputable_nodes)
@@ -119,6 +120,9 @@ class ProgramBuilder:
         """The (tp, ep) mesh of expert weights under expert parallelism (else None)."""
         self.weight_casts = WeightCasts(accumulate_into_grad=plan.schedule not in ZERO_BUBBLE_SCHEDULES)
         """The bf16 weight copies of this rank's modules under bf16 precision (one per step)."""
+        kernel = chosen_kernel(device) if plan.precision == "bf16" else "off"  # fp8: torchao runs every linear
+        if kernel != "off":
+            self.interpreter.fused_wgrad = FusedWgrad(self.weight_casts, kernel, stats.fused_wgrad)
         self.fp8 = self._float8_linears()
         """Precision "fp8": the plan's float8 linears (codegen/fp8.py), else None."""
 

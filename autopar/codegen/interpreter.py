@@ -43,6 +43,9 @@ class RunStats:
     kept: Counter = field(default_factory=Counter)
     """Forward tensors saved for backward by a recomputation mode's own rule (codegen/recompute.py):
     "op" for the selective policy's MUST_SAVE, "regathered" for gathered saves kept as shards."""
+    fused_wgrad: Counter = field(default_factory=Counter)
+    """Weight gradients accumulated into the fp32 .grad by codegen/fused_wgrad.py: "fused" inside the
+    GEMM, "fallback" as DTensors (a gradient placed otherwise than planned)."""
     expert_rows: dict = field(default_factory=dict)
     """Dropless expert layers (grouped matmuls) run expert-parallel: {first op's node: [rows this
     rank received, rows it sent]}, summed over every dispatch (ParallelModule.expert_load)."""
@@ -185,6 +188,9 @@ class PlannedInterpreter:
         """Gated activations whose output the product's backward runs again (activation_saves.py)."""
         self.on_activation = None
         """Called with (node, args, kwargs, output) after each of those runs (compact_saves)."""
+        self.fused_wgrad = None
+        """FusedWgrad (codegen/fused_wgrad.py) of a bf16 plan: linears on step copies accumulate
+        their weight gradients into the fp32 .grad inside the GEMM; None: autograd's path."""
 
     def as_dtensor(self, value: torch.Tensor) -> DTensor:
         """Plain tensors (factory outputs, buffers) are the same on every rank: replicated."""
@@ -289,6 +295,9 @@ class PlannedInterpreter:
             result = run_sharded(node.target, args, kwargs, self.mesh, output_placement or "R")
         elif self.distributed and node.target in self.replicated_targets:
             result = run_replicated(node.target, args, kwargs, self.mesh)
+        elif self.fused_wgrad is not None and not kwargs and \
+                (weight := self.fused_wgrad.master(node.target, args, output_placement)) is not None:
+            result = self.fused_wgrad.linear(weight, *args)
         else:
             try:
                 with _grad_mode_kept(node.target):

@@ -10,6 +10,9 @@ element: read 2 + 4 bytes, write 4), the first microbatch's is the cast itself, 
 no gradient to accumulate. The values are those of the cast and the add (fp32 accumulation of the
 same bf16 gradients), and `.grad` keeps its meaning (a step adds to what is there).
 
+A linear reading the copy can do better still: codegen/fused_wgrad.py accumulates its weight
+gradient inside the weight-gradient GEMM (CUDA), and this cast then gets no gradient from it.
+
 torch's zero-bubble schedules compute weight gradients with `autograd.grad` to the weights and add
 them themselves (pipelining/_backward.stage_backward_weight), so they keep the plain cast.
 """

@@ -138,6 +138,8 @@ class WeightCasts:
 
     def __init__(self, *, accumulate_into_grad: bool = True) -> None:
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._masters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """id(copy) -> (copy, weight) of this step's copies."""
         self.num_casts = 0
         """Casts made so far (inside and outside steps)."""
         self.accumulate_into_grad = accumulate_into_grad
@@ -153,13 +155,13 @@ class WeightCasts:
         forward, so a later pipeline stage casts while it waits for its first microbatch)."""
         for call in self.before_step:
             call()
-        self._copies = {}
+        self._copies, self._masters = {}, {}
         try:
             for weight, dtype in weights:
                 self.cast(weight, dtype)
             yield
         finally:
-            self._copies = None
+            self._copies, self._masters = None, {}
 
     def cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self._copies is None:
@@ -170,7 +172,14 @@ class WeightCasts:
             self.num_casts += 1
             copy = accumulating_copy(weight, dtype) if self.accumulate_into_grad else weight.to(dtype)
             held = self._copies[id(weight)] = (weight, copy)
+            self._masters[id(copy)] = (copy, weight)
         return held[1]
+
+    def master_of(self, value) -> torch.Tensor | None:
+        """The fp32 weight whose step copy `value` is, when that copy accumulates into `.grad`
+        (fused_wgrad.py may then accumulate in its place); else None."""
+        held = self._masters.get(id(value)) if self._copies is not None and self.accumulate_into_grad else None
+        return held[1] if held is not None and held[0] is value else None
 
 
 class ParameterOwner(nn.Module):

@@ -149,6 +149,8 @@ def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str, *,
         for segment in (costs[name] for name in chunk):
             parts["forward"] += segment.forward.total_s
             parts["backward"] += segment.backward.total_s
+            if stage.fused_wgrad_numel:  # the configuration accumulates weight gradients in their GEMMs
+                parts["backward"] -= segment.fused_wgrad_saving.total_s
             parts["recompute"] += recompute_compute_s(segment, stage.recompute)
             if split:
                 weight = weight_grad_s(segment)

@@ -109,6 +109,9 @@ class StageEstimate:
     """One microbatch's weight-gradient compute (the W of the zero-bubble schedules)."""
     grad_reduce_s: float = 0.0
     """Reductions of Partial weight gradients, once per step after the last microbatch (prepared.py)."""
+    fused_wgrad_numel: float = 0.0
+    """Of param_numel, the weights whose gradients accumulate inside their GEMMs in this
+    configuration (codegen/fused_wgrad.py): no cast or add per microbatch."""
     shared_held: tuple[bool, ...] = ()
     """Per StepModel.shared_params entry, whether this rank holds a copy (it reads the weight)."""
     host_memory_bytes: dict[str, float] = field(default_factory=dict)

@@ -48,6 +48,9 @@ class CostContext:
     compute: ComputeModel
     comm: CommModel
     policy: PrecisionPolicy = BF16_ADAM
+    fused_wgrad: bool = False
+    """The runtime can accumulate a linear's weight gradient into the fp32 .grad inside its GEMM
+    (codegen/fused_wgrad.py: CUDA's out_dtype matmul; not on CPU clusters)."""
     _redistribute_cache: dict = field(default_factory=dict)
     _compute_cache: dict = field(default_factory=dict)
 
@@ -58,11 +61,7 @@ class CostContext:
         if cached is not None:
             return cached
         divisor = strategy.work_divisor(self.mesh.shape)
-        full_bytes = sum(meta.nbytes for meta in inputs) + sum(meta.nbytes for meta in node.outputs)
-        local_bytes = sum(meta.nbytes / shard_factor(placements, self.mesh.shape)
-                          for meta, placements in zip(inputs, strategy.inputs))
-        local_bytes += sum(meta.nbytes / shard_factor(strategy.output, self.mesh.shape) for meta in node.outputs)
-        bytes_scale = local_bytes / full_bytes if full_bytes else 1.0 / divisor
+        bytes_scale = self._bytes_scale(node, strategy, inputs)
         groups = self.local_experts(node, strategy, inputs)
         forward = self.compute.kernels(node.fwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale,
                                        groups=groups)
@@ -70,6 +69,31 @@ class CostContext:
                                         groups=groups)
         self._compute_cache[key] = (forward, backward)
         return forward, backward
+
+    def fused_epilogue(self, node: OpNode, strategy: Strategy, inputs: Sequence[TensorMeta],
+                       weight_numel: float) -> ComputeTime:
+        """What a linear's weight-gradient GEMM costs more when its epilogue accumulates into the
+        fp32 gradient (cuBLAS with fp32 C and D, beta = 1: reads 4 and writes 4 bytes per weight
+        element where the plain GEMM writes 2 in bf16): its kernel priced by the roofline with
+        those bytes added, less the kernel as captured (zero while the GEMM stays compute-bound).
+        `weight_numel`: this device's elements of the weight."""
+        matmuls = [kernel for kernel in node.bwd_kernels if kernel.is_matmul]
+        if not matmuls:
+            return ComputeTime()
+        kernel = max(matmuls, key=lambda item: item.flops)  # dX and dW: the same FLOPs and bytes
+        flops = kernel.flops / strategy.work_divisor(self.mesh.shape)
+        io_bytes = kernel.io_bytes * self._bytes_scale(node, strategy, inputs)
+        extra = weight_numel * (2 * self.policy.master_bytes - self.policy.param_bytes)
+        plain = self.compute.kernel(flops, io_bytes, True, dtype=kernel.dtype, name=kernel.name)
+        fused = self.compute.kernel(flops, io_bytes + extra, True, dtype=kernel.dtype, name=kernel.name)
+        return ComputeTime(matmul_s=fused.matmul_s - plain.matmul_s, memory_s=fused.memory_s - plain.memory_s)
+
+    def _bytes_scale(self, node: OpNode, strategy: Strategy, inputs: Sequence[TensorMeta]) -> float:
+        full_bytes = sum(meta.nbytes for meta in inputs) + sum(meta.nbytes for meta in node.outputs)
+        local_bytes = sum(meta.nbytes / shard_factor(placements, self.mesh.shape)
+                          for meta, placements in zip(inputs, strategy.inputs))
+        local_bytes += sum(meta.nbytes / shard_factor(strategy.output, self.mesh.shape) for meta in node.outputs)
+        return local_bytes / full_bytes if full_bytes else 1.0 / strategy.work_divisor(self.mesh.shape)
 
     def local_experts(self, node: OpNode, strategy: Strategy, inputs: Sequence[TensorMeta]) -> int:
         """Experts a grouped matmul (tokens[S, K], weight[E, K, N], offs) runs on one device: E over

@@ -19,7 +19,8 @@ from autopar.solver.quotient import Quotient
 from autopar.solver.recompute import op_saved_nodes, reads_trainable_param
 from autopar.solver.recompute_modules import SegmentModules, classify, mode_kinds
 from autopar.solver.sharding_problem import Assignment, ProblemBuilder
-from autopar.strategies.placement import PARTIAL, boundary_wire, grad_placement, shard_factor, transition
+from autopar.strategies.placement import (PARTIAL, boundary_wire, grad_placement, local_weight_grad, shard_factor,
+                                         transition)
 from cost_model.compute import ComputeTime, is_grouped_matmul
 
 
@@ -57,6 +58,12 @@ class SegmentCost:
     cast: ComputeTime = field(default_factory=ComputeTime)
     """Of backward, the cast of its weights' gradients from the bf16 copies to fp32 (PrecisionPolicy.
     casts_once_per_step): per microbatch, whatever the share of tokens (context parallelism)."""
+    fused_wgrad_numel: float = 0.0
+    """Of param_numel, the weights whose gradients the runtime can accumulate inside their linears'
+    weight-gradient GEMMs (codegen/fused_wgrad.py; CUDA clusters only)."""
+    fused_wgrad_saving: ComputeTime = field(default_factory=ComputeTime)
+    """What backward costs less per microbatch where the configuration fuses them (no FSDP2, no
+    zero-bubble schedule): their casts, less the GEMMs' fp32 epilogues (_add_fused_saving)."""
     selective_recompute_comm: list[CommEvent] = field(default_factory=list)
     """Collectives those ops run again when recomputed (context parallelism's KV all-gather)."""
     gathered: dict[str, tuple[float, float, float, tuple]] = field(default_factory=dict)
@@ -165,6 +172,9 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
             continue
         segment = costs[segment_of.get(node.name, consumers_segment.get(node.name, first_segment))]
         _add_node(builder, graph, node, strategy, segment, mesh_shape, recomputable[node.name], node.name in op_saved)
+        if node.kind == "param" and node.requires_grad and builder.ctx.policy.casts_once_per_step \
+                and builder.ctx.fused_wgrad and node.name not in expert_params:
+            _add_fused_saving(builder, graph, node, strategy_of, segment)
         if node.kind == "call" and node.saved_output:
             segment.saved_keys.add((node.name, tuple(strategy.output)))  # counted by _add_node
         if node.kind == "call" and node.requires_grad:
@@ -408,15 +418,52 @@ def _add_node(builder: ProblemBuilder, graph: OpGraph, node, strategy, segment: 
         segment.buffer_bytes += node.output.nbytes / shard_factor(strategy.output, mesh_shape)
 
 
+def _add_fused_saving(builder: ProblemBuilder, graph: OpGraph, param, strategy_of: dict, segment: SegmentCost) -> None:
+    """A weight read only by linears whose local weight-gradient GEMM is exactly its gradient
+    shard (strategies/placement.local_weight_grad; the weight used as placed) has its gradient
+    accumulated inside those GEMMs where the configuration fuses (codegen/fused_wgrad.py): no
+    cast per microbatch, and each GEMM's epilogue reads and writes fp32 (CostContext.fused_epilogue).
+    The first microbatch's GEMM only writes fp32 (beta = 0): priced as the others (+4 bytes per
+    element once per step)."""
+    mesh_shape = builder.mesh_shape
+    split_axes = [axis for axis, size in enumerate(mesh_shape) if size > 1]
+    weight_placement = strategy_of[param.name].output
+    readers = graph.consumers.get(param.name, ())
+    if not readers or len(split_axes) > 1:
+        return
+    epilogue = ComputeTime()
+    numel = param.output.numel / shard_factor(weight_placement, mesh_shape)
+    for name in readers:
+        reader, strategy = graph[name], strategy_of.get(name)
+        if reader.kind != "call" or reader.target != "aten.linear.default" or strategy is None \
+                or list(reader.inputs).count(param.name) != 1 or reader.inputs.index(param.name) != 1 \
+                or tuple(strategy.inputs[1]) != tuple(weight_placement):
+            return
+        ndim = len(graph[reader.inputs[0]].output.shape)
+        if any(not local_weight_grad(strategy.inputs[0][axis], strategy.inputs[1][axis], strategy.output[axis], ndim)
+               for axis in split_axes):
+            return
+        epilogue = epilogue + builder.ctx.fused_epilogue(reader, strategy, builder.inputs_of(reader), numel)
+    cast = _gradient_cast(builder, numel)
+    segment.fused_wgrad_numel += numel
+    segment.fused_wgrad_saving = segment.fused_wgrad_saving + ComputeTime(
+        matmul_s=cast.matmul_s - epilogue.matmul_s, memory_s=cast.memory_s - epilogue.memory_s,
+        overhead_s=cast.overhead_s)
+
+
+def _gradient_cast(builder: ProblemBuilder, numel: float) -> ComputeTime:
+    policy = builder.ctx.policy  # bf16 (param_bytes) read, fp32 (master_bytes) written
+    return builder.ctx.compute.kernel(numel, numel * (policy.param_bytes + policy.master_bytes), False,
+                                      dtype="bfloat16" if policy.param_bytes == 2 else "float32",
+                                      name="aten._to_copy.default")
+
+
 def _add_gradient_cast(builder: ProblemBuilder, segment: SegmentCost, numel: float) -> None:
     """Each microbatch's backward casts a weight's bf16 gradient to fp32 (PrecisionPolicy.
     casts_once_per_step): one kernel that reads 2 and writes 4 bytes per element, autograd's cast
     back from the step's bf16 copy, or FSDP2's copy-in to its fp32 reduce-scatter buffer. The
     forward cast is once per step (solver/step_model.py), and the copies are the step's."""
-    policy = builder.ctx.policy  # bf16 (param_bytes) read, fp32 (master_bytes) written
-    cast = builder.ctx.compute.kernel(numel, numel * (policy.param_bytes + policy.master_bytes), False,
-                                      dtype="bfloat16" if policy.param_bytes == 2 else "float32",
-                                      name="aten._to_copy.default")
+    cast = _gradient_cast(builder, numel)
     segment.backward = segment.backward + cast
     segment.cast = segment.cast + cast
 

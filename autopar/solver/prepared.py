@@ -85,6 +85,12 @@ class PreparedSegments:
     gathered_output_bytes: np.ndarray | None = None
     """Per segment, the whole size of the replicated activations among output_bytes (sent as
     slices, all-gathered over tp by the receiving stage)."""
+    fused_wgrad_numel: np.ndarray | None = None
+    """Per segment, the weights whose gradients the runtime can accumulate inside their GEMMs
+    (evaluate.SegmentCost.fused_wgrad_numel; zeros on CPU clusters)."""
+    fused_wgrad_saving_s: np.ndarray | None = None
+    """Per segment, what a configuration that fuses them saves per microbatch (not taken off time_s:
+    StepModel._stage_parts takes it off where the configuration fuses)."""
     grad_reduce_s: np.ndarray | None = None
     """Per segment, the reductions of weights' Partial gradients (a replicated norm weight read by
     sequence-sharded activations): the runtime makes them once per step, after the last
@@ -165,6 +171,8 @@ class PreparedSegments:
                    gathered_output_bytes=array(s.gathered_output_bytes for s in segments),
                    grad_workspace_bytes=array(s.grad_workspace_bytes for s in segments),
                    grad_reduce_s=grad_reduce,
+                   fused_wgrad_numel=array(s.fused_wgrad_numel for s in segments),
+                   fused_wgrad_saving_s=array(s.fused_wgrad_saving.total_s for s in segments),
                    max_saved_bytes=max((s.saved_bytes for s in segments), default=0.0),
                    max_recomputed_bytes=max((max(0.0, s.saved_bytes - _activation_bytes(s, recompute))
                                              for s in segments), default=0.0))
@@ -200,6 +208,12 @@ class PreparedSegments:
         it (under ep they run fewer, bigger experts, faster; StepModel.ep_times), for lower bounds."""
         return sum(matmul.alone_s for matmuls in self.ep_matmuls for matmul in matmuls)
 
+    @cached_property
+    def fused_wgrad_saving_bound_s(self) -> float:
+        """The most fusing weight gradients into their GEMMs can take off work_s (StepModel takes
+        it off where the configuration fuses), for lower bounds."""
+        return float(self.fused_wgrad_saving_s.sum()) if self.fused_wgrad_saving_s is not None else 0.0
+
     def listed(self, name: str) -> list[float]:
         """Array `name` as plain floats (cheaper to index one by one than numpy's)."""
         listed = self._lists.get(name)
@@ -218,8 +232,9 @@ class PreparedSegments:
             arrays = [self.forward_s, self.backward_s, self.recompute_s, self.forward_comm_s, self.weight_grad_s,
                       self.time_s, self.activation_bytes, self.param_numel, self.buffer_bytes, self.output_bytes,
                       *self.comm_by_op_s.values()]
-            arrays += [a for a in (self.grad_workspace_bytes, self.expert_numel,
-                                   self.grad_reduce_s, self.gathered_output_bytes) if a is not None]
+            arrays += [a for a in (self.grad_workspace_bytes, self.expert_numel, self.grad_reduce_s,
+                                   self.gathered_output_bytes, self.fused_wgrad_numel, self.fused_wgrad_saving_s)
+                       if a is not None]
             ids: dict[tuple, int] = {}
             rows = zip(*(np.asarray(a, dtype=float).tolist() for a in arrays), self.ep_messages or [()] * len(self),
                        self.ep_matmuls or [()] * len(self))

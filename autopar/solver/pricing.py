@@ -235,6 +235,7 @@ def lower_bound_s(prepared: PreparedSegments, config: ParallelConfig) -> float:
     (m - 1) t_max + the sum of the stages (>= total), interleaved (m + (p - 1) / v) t_max, the
     zero-bubble schedules at least m t_max."""
     saving = prepared.ep_saving_bound_s if config.ep > 1 else 0.0  # ep's bigger expert matmuls
+    saving += prepared.fused_wgrad_saving_bound_s  # weight gradients fused into their GEMMs, where they are
     total = prepared.work_s - saving
     m, p = config.num_microbatches, config.pp
     slowest = max(total / p, prepared.slowest_chunk_s(p * config.chunks_per_device) - saving) if p > 1 else total

@@ -146,7 +146,7 @@ class Planner:
             shared_params=_shared_params(graph), allocator=_allocator(cluster, options),
             expert_pricing=options.experts,
 
-            host_link_bytes_per_s=cluster.device.host_link_bytes_per_s,
+            host_link_bytes_per_s=cluster.device.host_link_bytes_per_s, fuses_weight_grads=fp8 is None,
             host_memory_bandwidth_bytes_per_s=cluster.device.host_memory_bandwidth_bytes_per_s,
             host_memory_bytes=cluster.device.host_memory_bytes)
         self.overheads = overheads

@@ -82,7 +82,7 @@ class ShardingResult:
 
 def cost_context(mesh: Mesh, cluster, policy: PrecisionPolicy = BF16_ADAM) -> CostContext:
     return CostContext(mesh=mesh, compute=ComputeModel(cluster.device, cluster.profile), comm=CommModel(cluster),
-                       policy=policy)
+                       policy=policy, fused_wgrad=cluster.device_kind == "cuda")
 
 
 def solve_sharding(graph: OpGraph, mesh: Mesh, cluster, options: ShardingOptions = ShardingOptions(), *,

@@ -147,6 +147,9 @@ class StepModel(StepFsdp, StepTail):
     """Host memory bandwidth of one device's share of the CPU (the CPU Adam step)."""
     host_memory_bytes: float = 0.0
     """Host memory of one device's share of the node (offloaded states must fit)."""
+    fuses_weight_grads: bool = True
+    """Whether the runtime may accumulate weight gradients inside their GEMMs (codegen/fused_wgrad.py);
+    False for precision "fp8", whose linears all run through torchao's override unfused."""
     _send_recv_cache: dict[tuple[float, bool], float] = field(default_factory=dict, repr=False, compare=False)
     _group_cache: dict[tuple[int, int, int], object] = field(default_factory=dict, repr=False, compare=False)
 
@@ -530,6 +533,7 @@ class StepModel(StepFsdp, StepTail):
         """_stage_parts through prepared.stage_cache; `signature`: prepared.signature(own), if known."""
         key = (prepared.signature(own) if signature is None else signature, p2p, config.dp, config.cp, config.tp, config.pp, config.zero_stage,
                config.ep, config.offload, config.num_microbatches if config.offload else 0, config.recompute == "none",
+               self._fuses_wgrad(config),
                _holds_ends(own, len(prepared)), self._shared_held(own))
         parts = prepared.stage_cache.get(key)
         if parts is None:
@@ -567,11 +571,14 @@ class StepModel(StepFsdp, StepTail):
                                                  compute_s=total("forward_s", own) + total("backward_s", own))
         timeline, exposed, step_end, offload = self._fsdp(prepared, own, config)
         ep_s, ep_segments, (ep_forward, ep_backward) = self._ep_parts(prepared, own, config)
+        fused = self._fuses_wgrad(config) and prepared.fused_wgrad_numel is not None
+        saving = total("fused_wgrad_saving_s", own) if fused else 0.0
         time_per_microbatch = (total("time_s", own) + overlap_s + p2p + sum(exposed.values()) + sum(ep_s.values())
-                               + ep_forward + ep_backward + sum(offload.values()))
+                               + ep_forward + ep_backward + sum(offload.values()) - saving)
         forward = total("forward_s", own) + ep_forward
         return dict(time_per_microbatch_s=time_per_microbatch, forward_s=forward,
-                    backward_s=total("backward_s", own) + ep_backward,
+                    backward_s=total("backward_s", own) + ep_backward - saving,
+                    fused_wgrad_numel=total("fused_wgrad_numel", own) if fused else 0.0,
                     recompute_s=total("recompute_s", own), tp_comm_s=tp_comm, p2p_s=p2p, param_numel=numel,
                     memory_bytes=memory, recompute=prepared.recompute, fsdp=timeline, fsdp_exposed_s=exposed,
                     fsdp_step_end_s=step_end, expert_param_numel=expert_numel / config.ep, ep_s=ep_s,
@@ -579,6 +586,13 @@ class StepModel(StepFsdp, StepTail):
                     weight_grad_s=total("weight_grad_s", own), host_memory_bytes=host, offload_s=offload,
                     grad_reduce_s=total("grad_reduce_s", own) if prepared.grad_reduce_s is not None else 0.0,
                     shared_held=tuple(reads for reads, _, _ in self._shared_held(own)))
+
+    def _fuses_wgrad(self, config: ParallelConfig) -> bool:
+        """Whether the runtime accumulates weight gradients inside their GEMMs in this configuration
+        (codegen/fused_wgrad.py): through the step's bf16 copies, which FSDP2 does not make, and
+        not under the zero-bubble schedules (torch's weight pass adds the gradients itself)."""
+        return self.fuses_weight_grads and self.policy.casts_once_per_step and not uses_fsdp(config) \
+            and config.schedule not in ZERO_BUBBLE_SCHEDULES
 
     def _ep_parts(self, prepared: PreparedSegments, own, config: ParallelConfig):
         """Expert parallelism on a stage: seconds per microbatch by breakdown part ("dispatch",

@@ -144,8 +144,9 @@ class StepTail:
         then a separate add reading two fp32 tensors and writing one, 12 bytes). Under FSDP2
         without a reduce-scatter per microbatch its fused add of the bf16 gradient into the fp32
         accumulator is 4 bytes more than the cast; with a reduce-scatter per microbatch only the
-        shard accumulates. Megatron-LM accumulates inside the weight-gradient GEMM (not priced:
-        MEGATRON_BF16)."""
+        shard accumulates. Weights whose gradients accumulate inside their GEMMs (StageEstimate.
+        fused_wgrad_numel: CUDA, no FSDP2, no zero-bubble schedule) add nothing, as under
+        Megatron-LM's gradient-accumulation fusion (not priced: MEGATRON_BF16)."""
         m = config.num_microbatches
         if not self.policy.casts_once_per_step or m <= 1 or config.offload:  # offload: on the host (offload.*)
             return 0.0
@@ -156,7 +157,8 @@ class StepTail:
             return (m - 1) * sharded_numel(stage, config) * 3 * master / self.compute.bandwidth_bytes_per_s
         else:  # reads fp32 and bf16, writes fp32 (10 bytes): 4 more than the cast's 6
             bytes_per_param = master
-        return (m - 1) * stage.param_numel * bytes_per_param / self.compute.bandwidth_bytes_per_s
+        numel = stage.param_numel - stage.fused_wgrad_numel
+        return (m - 1) * numel * bytes_per_param / self.compute.bandwidth_bytes_per_s
 
     def _tied_sync_s(self, config: ParallelConfig, stages) -> float:
         """The shared weights' gradients summed over the pipeline ranks holding a copy, after the

@@ -75,6 +75,17 @@ def grad_placement(placement: str) -> str:
     return REPLICATE if placement == PARTIAL else placement
 
 
+def local_weight_grad(inputs: str, weight: str, output: str, input_ndim: int) -> bool:
+    """Whether a linear's weight gradient computed on each device's local tensors (dY^T @ X, batch
+    dims flattened) is exactly that device's shard of the weight's gradient, on one mesh axis:
+    everything replicated, column-parallel (weight S0, input replicated, output sharded on its
+    last dim) or row-parallel (weight S1, input sharded on its last dim, output partial, whose
+    gradient is replicated). `output` may be the gradient's placement instead (grad_placement)."""
+    last = shard(input_ndim - 1)
+    return (weight, inputs, grad_placement(output)) in {(REPLICATE, REPLICATE, REPLICATE), (shard(0), REPLICATE, last),
+                                                         (shard(1), last, REPLICATE)}
+
+
 def describe(placements: Sequence[str], axis_names: Sequence[str]) -> str:
     return ",".join(f"{name}:{placement}" for name, placement in zip(axis_names, placements))
 

@@ -100,3 +100,60 @@ def test_bf16_compute_keeps_fp32_weights_and_gradients_and_casts_once_per_step()
             else:  # each fp32 weight this rank uses, once; a cast per use costs one per microbatch at least
                 assert 0 < result["casts"] <= result["num_fp32_weights"], label
                 assert result["per_use_casts"] >= result["num_microbatches"] * result["casts"], label
+
+
+FUSED_CONFIGS = ({"tp": 2, "microbatch_size": 4}, {"tp": 2, "microbatch_size": 4, "recompute": "op"},
+                 {"dp": 2, "zero_stage": 0, "microbatch_size": 2},
+                 {"pp": 2, "schedule": "1f1b", "microbatch_size": 2, "zero_stage": 0})
+"""Column- and row-parallel DTensor linears, also under the "op" recomputation (selective
+checkpoints of torch); ZeRO-0's all-reduce overlapped from post-accumulate hooks
+(codegen/grad_overlap.py); pipeline stages accumulating over microbatches."""
+
+
+def fused_worker(cluster: str) -> list[dict]:
+    import os
+
+    from autopar.models import build_model
+    from one_process import parallelize_reusing_captures
+
+    bundle = build_model(SPEC, device="cpu", seed=0, batch_size=8)
+    tokens, targets = bundle.example_inputs[0], bundle.example_targets
+    results = []
+    for constraints in FUSED_CONFIGS:
+        runs = {}
+        for kernel in ("emulate", "off"):
+            os.environ["AUTOPAR_FUSED_WGRAD"] = kernel  # read when the module is built
+            try:
+                module = parallelize_reusing_captures("mixed-precision", bundle.model, cluster, (tokens,),
+                                                      loss_fn=bundle.loss_fn, example_targets=targets,
+                                                      constraints=constraints, precision="bf16")
+            finally:
+                del os.environ["AUTOPAR_FUSED_WGRAD"]
+            for _ in range(2):  # the second step runs ZeRO-0's overlapped reduction from the hooks
+                for param in module.parameters():
+                    param.grad = None
+                runs[kernel] = _step(module, tokens, targets)
+            runs[kernel]["stats"] = dict(module.stats.fused_wgrad)
+        fused, plain = runs["emulate"], runs["off"]
+        relative = max(float((fused["grads"][name] - grad).abs().max() / grad.abs().max().clamp_min(1e-12))
+                       for name, grad in plain["grads"].items())
+        results.append(dict(constraints=constraints, loss=fused["loss"], plain_loss=plain["loss"],
+                            stats=fused["stats"], plain_stats=plain["stats"], largest_relative_diff=relative,
+                            same_grad_names=set(fused["grads"]) == set(plain["grads"]),
+                            grad_dtypes={str(g.dtype) for g in fused["grads"].values()}))
+    return results
+
+
+def test_weight_gradients_fused_into_the_fp32_grads_match_the_cast_and_add():
+    """With the emulated fused kernel forced on (CPU has no out_dtype matmul), every linear on a
+    step copy accumulates its weight gradient in fp32 inside the GEMM (none falls back): the loss
+    is unchanged and the gradients are the cast-and-add path's up to its bf16 rounding of each
+    microbatch's weight gradient (fp32 accumulation of the same bf16 products)."""
+    for rank_results in run_workers(fused_worker, world_size=2, args=(tiny_model_cluster(2),)):
+        for result in rank_results:
+            label = result["constraints"]
+            assert result["stats"].get("fused", 0) > 0 and result["stats"].get("fallback", 0) == 0, label
+            assert result["plain_stats"] == {}, label
+            assert result["loss"] == pytest.approx(result["plain_loss"], rel=1e-6), label
+            assert result["same_grad_names"] and result["grad_dtypes"] == {"torch.float32"}, label
+            assert result["largest_relative_diff"] <= 2e-2, label

@@ -126,3 +126,22 @@ def test_a_saved_view_of_a_weight_is_no_activation():
     weights = {node.name for node in graph.nodes if node.kind == "param"}
     saved = {root: size for segment in result.segments for root, size in segment.saved_by_root.items() if size}
     assert saved and not set(saved) & weights
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_linear_weights_can_accumulate_their_gradients_inside_the_gemms_on_gpus(graph, tp):
+    """On a CUDA cluster the four linear weights of a layer (12 H^2 / tp: column- and row-parallel
+    under tp) can accumulate their gradients inside the weight-gradient GEMMs (codegen/fused_wgrad.py):
+    the saving per microbatch is their cast (6 bytes per element), the GEMMs at this size staying
+    compute-bound with their fp32 epilogue. The biases and norm weights keep the cast. On a CPU
+    cluster nothing fuses."""
+    autopar = layer(graph, tp, BF16_ADAM)
+    cluster = Cluster.from_spec("dgx-a100-80g")
+    bandwidth = cluster.device.memory_bandwidth_bytes_per_s * cluster.device.memory_efficiency
+    assert autopar.fused_wgrad_numel == pytest.approx(12 * H * H / tp, rel=1e-9)
+    assert autopar.fused_wgrad_saving.memory_s == pytest.approx(6 * autopar.fused_wgrad_numel / bandwidth, rel=1e-6)
+    assert autopar.fused_wgrad_saving.matmul_s == 0.0
+    assert 0 < autopar.fused_wgrad_saving.total_s < autopar.cast.total_s
+    cpu = Mesh(axis_names=("tp",), shape=(tp,), devices_per_node=8)
+    on_cpu = solve_sharding(graph, cpu, Cluster.from_spec("cpu:procs=8"), policy=BF16_ADAM)
+    assert all(segment.fused_wgrad_numel == 0 for segment in on_cpu.segments)

@@ -223,3 +223,49 @@ def test_a_weight_shared_by_three_segments_is_held_and_summed_on_every_rank_that
     assert reading == 3  # the middle reader is on its own rank in this partition
     exchange = 2 * planner.step_model.comm.send_recv_s(numel * 2, crosses_nodes=False)  # bf16 gradient
     assert estimate.breakdown_s["pp.tied_weights"] == pytest.approx(2 * exchange)
+
+
+def test_weight_gradients_fused_into_their_gemms_pay_no_cast_or_add_where_the_runtime_fuses():
+    """Segments whose weights can accumulate inside their GEMMs (evaluate.SegmentCost.fused_wgrad_*):
+    without FSDP and outside the zero-bubble schedules each microbatch's backward saves the priced
+    saving and nothing is added after the first microbatch (codegen/fused_wgrad.py); under FSDP2
+    or a zero-bubble schedule (no fusion there) the estimate is the unfused one."""
+    saving_s = 1e-4
+
+    def fused_segments():
+        items = segments()
+        for segment in items:
+            segment.fused_wgrad_numel = segment.param_numel
+            segment.fused_wgrad_saving = ComputeTime(memory_s=saving_s)
+        return items
+
+    def both(**overrides):
+        config = ParallelConfig(**{**dict(dp=8, tp=1, pp=1, microbatch_size=1, num_microbatches=4), **overrides})
+        return (model().estimate(PreparedSegments.build(fused_segments(), "none"), config),
+                model().estimate(PreparedSegments.build(segments(), "none"), config))
+
+    fused, plain = both()
+    assert "gradient_accumulate" not in fused.breakdown_s and plain.breakdown_s["gradient_accumulate"] > 0
+    assert fused.breakdown_s["compute"] == pytest.approx(plain.breakdown_s["compute"] - 4 * 8 * saving_s)
+    assert fused.stages[0].fused_wgrad_numel == pytest.approx(8e6)
+    for config in (dict(schedule="zb1p", pp=2, num_microbatches=4, dp=4), dict(zero_stage=3)):
+        fused, plain = both(**config)
+        assert fused.step_time_s == pytest.approx(plain.step_time_s, rel=1e-12), config
+        assert fused.stages[0].fused_wgrad_numel == 0, config
+
+
+def test_the_search_lower_bound_holds_where_weight_gradients_fuse():
+    """Fusion takes its saving off a configuration's stages after the segments are priced: the
+    bound that prunes configurations must stay below their priced step time."""
+    from autopar import api
+    from autopar.solver.pricing import lower_bound_s
+
+    graph = api.capture_for_planning("gpt:layers=4,hidden=256,heads=4,seq=128,vocab=512")
+    planner = api.planner_for(graph, None, "dgx-h100:nodes=1", global_batch=16)
+    for pp, tp in ((1, 1), (1, 2), (2, 2)):
+        config = api.fixed_config(planner, tp=tp, pp=pp, dp=8 // (pp * tp), microbatch_size=1, schedule="1f1b",
+                                  virtual_stages=None, layers_per_virtual_stage=None, recompute="none",
+                                  zero_stage=0, ep=1)
+        estimate, _ = planner.evaluate(config)
+        assert estimate.stages[0].fused_wgrad_numel > 0
+        assert lower_bound_s(planner.pricing.least_work(config), config) <= estimate.step_time_s

@@ -145,8 +145,12 @@ def test_search_prices_zero_bubble_schedules_beside_1f1b_and_interleaved():
     result = planner().search(Constraints(pp=2, tp=2, microbatch_size=1, recompute="none", zero_stage=0), keep=40)
     by_schedule = {estimate.config.schedule: estimate for estimate in result.ranked}
     assert {"1f1b", "interleaved", "zb1p", "zbv"} <= set(by_schedule)
-    # with memory to spare, a zero-bubble schedule's smaller bubble wins
-    assert result.best.config.schedule in ("zb1p", "zbv")
+    # with memory to spare, a zero-bubble schedule's smaller bubble beats 1F1B, though only 1F1B and
+    # interleaved accumulate weight gradients inside their GEMMs (codegen/fused_wgrad.py), which
+    # here lets interleaved win
+    assert min(by_schedule[name].step_time_s for name in ("zb1p", "zbv")) < by_schedule["1f1b"].step_time_s
+    assert result.best.config.schedule in ("zb1p", "zbv", "interleaved")
+    assert by_schedule["1f1b"].stages[0].fused_wgrad_numel > 0 == by_schedule["zbv"].stages[0].fused_wgrad_numel
     assert by_schedule["zb1p"].breakdown_s["bubble"] < by_schedule["1f1b"].breakdown_s["bubble"]
 
 

@@ -1,0 +1,180 @@
+"""Weight gradients accumulated into the fp32 `.grad` inside the weight-gradient GEMM.
+
+A bf16 plan computes with a step's bf16 copies of fp32 weights (program.WeightCasts). Through the
+copy (main_grad.AccumulatingCast) each microbatch's linear backward runs the weight-gradient GEMM
+with a bf16 output, then one kernel adds that into the fp32 `.grad` (read 2 + 4 bytes, write 4
+per element; the first microbatch's is a cast: read 2, write 4). Megatron-LM's
+gradient_accumulation_fusion instead runs the GEMM with fp32 C and D pointing at the fp32
+main_grad and beta = 1: the add happens in the GEMM's epilogue, and no pass over the gradient
+follows. Here a linear reading a step copy (`aten.linear` in the captured graph) does the same:
+its forward is the same op on the same tensors; its backward computes the input's and the bias's
+gradients as autograd would, and accumulates the weight's straight into `weight.grad`:
+
+- "cuda": `torch.addmm(grad32, dY^T, X, out_dtype=float32, out=grad32)` (aten.addmm.dtype_out:
+  cuBLAS with fp32 C/D, beta = 1); the first microbatch writes with `torch.mm(..., out_dtype=float32)`;
+- "emulate": the same sums on any device as an fp32 GEMM of the upcast bf16 operands (bf16
+  products are exact in fp32, so it is the fused kernel's arithmetic up to summation order), for
+  tests on CPU, where torch has no `out_dtype` matmul;
+- "off": no fusion (the copy's cast-and-add above), the default where the CUDA kernel is absent.
+
+`AUTOPAR_FUSED_WGRAD` (off | emulate | cuda) overrides the default ("cuda" on CUDA devices where
+the op accepts an fp32 accumulator, else "off").
+
+Autograd still runs the weight's AccumulateGrad node (it receives no gradient), so its
+post-accumulate-grad hooks fire once per backward as before (grad_overlap.py counts them).
+
+Under tensor parallelism the weight, its gradient and the activations are DTensors; the GEMM runs
+on local tensors only where the local product is exactly this rank's shard of the weight's
+gradient (strategies/placement.local_weight_grad: replicated, column- or row-parallel). The
+planner prices fusion for the same weights (solver/evaluate.py). A gradient that arrives
+otherwise placed is computed as a DTensor, redistributed to the weight's placement and added.
+Zero-bubble schedules (their weight pass asks autograd for the weights' gradients) and FSDP2
+(no step copies) never reach this code.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from autopar.codegen.main_grad import accumulate_into_grad
+from autopar.codegen.placements import to_plan_placement
+from autopar.errors import ConfigError
+from autopar.strategies.placement import local_weight_grad
+
+KERNELS = ("off", "emulate", "cuda")
+LINEAR = torch.ops.aten.linear.default
+_ENV = "AUTOPAR_FUSED_WGRAD"
+_FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def chosen_kernel(device: torch.device) -> str:
+    """The kernel a rank on `device` uses: `AUTOPAR_FUSED_WGRAD` if set, else "cuda" where the
+    CUDA op accumulates into fp32 (cuda_kernel_works), else "off"."""
+    forced = os.environ.get(_ENV, "").strip().lower()
+    if forced:
+        if forced not in KERNELS:
+            raise ConfigError(f"{_ENV}={forced!r} is not a fused weight-gradient kernel: set it to one of "
+                              f"{', '.join(KERNELS)}, or unset it for the default")
+        return forced
+    return "cuda" if device.type == "cuda" and cuda_kernel_works(device) else "off"
+
+
+def cuda_kernel_works(device: torch.device) -> bool:
+    """Whether `addmm(fp32 C, bf16, bf16, out_dtype=float32, out=C)` runs on `device` (older torch
+    builds require C in the operands' dtype)."""
+    try:
+        accumulator = torch.zeros(2, 2, device=device)
+        operand = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+        torch.addmm(accumulator, operand, operand, out_dtype=torch.float32, out=accumulator)
+        return bool(accumulator[0, 0].item() == 2.0)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+class FusedWgrad:
+    """Runs a rank's linears on step copies with the weight gradient fused into `.grad`."""
+
+    def __init__(self, weight_casts, kernel: str, stats: Counter | None = None) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown fused weight-gradient kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
+        self.weight_casts = weight_casts
+        self.kernel = kernel
+        self.stats = Counter() if stats is None else stats
+        """"fused" and "fallback" counts (RunStats.fused_wgrad)."""
+
+    def master(self, target, args: tuple, output_placement: str | None) -> torch.Tensor | None:
+        """The fp32 weight whose step copy `args[1]` is, where this linear can fuse; else None."""
+        if self.kernel == "off" or target is not LINEAR or len(args) < 2:
+            return None
+        inputs, copy = args[0], args[1]
+        weight = self.weight_casts.master_of(copy)
+        if weight is None or copy.dtype not in _FUSED_DTYPES or inputs.dtype != copy.dtype:
+            return None
+        if isinstance(copy, DTensor) != isinstance(inputs, DTensor):
+            return None
+        if isinstance(copy, DTensor):
+            if copy.device_mesh.ndim != 1 or output_placement is None:
+                return None
+            if not local_weight_grad(to_plan_placement(inputs.placements[0]), to_plan_placement(copy.placements[0]),
+                                     output_placement, inputs.ndim):
+                return None
+        return weight
+
+    def linear(self, weight: torch.Tensor, inputs: torch.Tensor, copy: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        return FusedLinear.apply(inputs, weight, copy.detach(), bias, self)
+
+    def accumulate(self, weight: torch.Tensor, grad: torch.Tensor, inputs: torch.Tensor) -> None:
+        """`weight.grad += grad^T @ inputs` (batch dims flattened), accumulated in fp32."""
+        local = _local_product_ok(weight, grad, inputs)
+        if local is None:
+            self.stats["fallback"] += 1
+            rows = grad.reshape(-1, grad.shape[-1])
+            product = rows.t().mm(inputs.reshape(-1, inputs.shape[-1]))
+            if isinstance(product, DTensor):
+                product = product.redistribute(weight.device_mesh, weight.placements)
+            accumulate_into_grad(weight, product)
+            return
+        rows, columns, held = local
+        self.stats["fused"] += 1
+        if held is None:
+            total = self._first(rows.t(), columns)
+            weight.grad = DTensor.from_local(total, weight.device_mesh, weight.placements, run_check=False,
+                                             shape=weight.shape, stride=weight.stride()) \
+                if isinstance(weight, DTensor) else total
+        else:
+            self._add(held, rows.t(), columns)
+
+    def _first(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "cuda":
+            return torch.mm(left, right, out_dtype=torch.float32)
+        return left.float().mm(right.float())
+
+    def _add(self, accumulator: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+        if self.kernel == "cuda":
+            torch.addmm(accumulator, left, right, out_dtype=torch.float32, out=accumulator)
+        else:
+            accumulator.addmm_(left.float(), right.float())
+
+
+def _local_product_ok(weight, grad, inputs):
+    """(dY rows, X rows, the local fp32 accumulator or None for a first gradient) where the local
+    product is this rank's gradient shard, else None."""
+    held = weight.grad
+    if isinstance(weight, DTensor):
+        if not isinstance(grad, DTensor) or not isinstance(inputs, DTensor):
+            return None
+        if not local_weight_grad(to_plan_placement(inputs.placements[0]), to_plan_placement(weight.placements[0]),
+                                 to_plan_placement(grad.placements[0]), inputs.ndim):
+            return None
+        if held is not None and (not isinstance(held, DTensor) or held.placements != weight.placements):
+            return None
+        grad, inputs = grad.to_local(), inputs.to_local()
+        held = held.to_local() if held is not None else None
+    if held is not None and (held.dtype != torch.float32 or not held.is_contiguous()):
+        return None
+    return grad.reshape(-1, grad.shape[-1]), inputs.reshape(-1, inputs.shape[-1]), held
+
+
+class FusedLinear(torch.autograd.Function):
+    """`aten.linear(inputs, copy, bias)` whose backward accumulates the weight's gradient into the
+    fp32 `weight.grad` itself (FusedWgrad.accumulate) and hands autograd none for it."""
+
+    @staticmethod
+    def forward(ctx, inputs, weight, copy, bias, runner: FusedWgrad):
+        ctx.save_for_backward(inputs, copy)
+        ctx.weight, ctx.runner, ctx.has_bias = weight, runner, bias is not None
+        return LINEAR(inputs, copy, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs, copy = ctx.saved_tensors
+        grad_inputs = grad.matmul(copy) if ctx.needs_input_grad[0] else None
+        grad_bias = grad.sum(dim=tuple(range(grad.ndim - 1))) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        with torch.no_grad():
+            ctx.runner.accumulate(ctx.weight, grad, inputs)
+        return grad_inputs, None, None, grad_bias, None
