@@ -79,21 +79,6 @@ def random_nodes(graph: torch.fx.Graph) -> list[str]:
             and draws(node.target, tuple(node.args), dict(node.kwargs))]
 
 
-def per_replica_draws(plan) -> str:
-    """Why a run of `plan` draws a model's random numbers otherwise than one process does ("" when
-    it draws them as one process, which tp alone does): the ranks or microbatches that draw for
-    their own share (module docstring)."""
-    from autopar.codegen.expert_folding import folds_experts
-
-    shares = [f"{axis}={plan.mesh.get(axis, 1)} {what}" for axis, what in
-              (("dp", "replicas"), ("cp", "sequence shares"), ("pp", "stages")) if plan.mesh.get(axis, 1) > 1]
-    if plan.num_microbatches > 1:
-        shares.append(f"{plan.num_microbatches} microbatches")
-    if folds_experts(plan):
-        shares.append("MoE layers folded on each tp rank's tokens")
-    return ", ".join(shares)
-
-
 def run_random(target, args: tuple, kwargs: dict, mesh, output_placement: str | None, stats=None):
     """The op on DTensors on `mesh`, drawn at the global shape; this rank's planned part of it."""
     wanted = _output_placement(output_placement)

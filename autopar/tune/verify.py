@@ -243,7 +243,6 @@ def run_kinds(spec: str, steps: int, batch_size: int, kinds: list[Kind]) -> dict
 
     from autopar.capture.export import capture_program
     from autopar.codegen.parallelize import build_parallel_module
-    from autopar.codegen.random_ops import per_replica_draws
     from autopar.codegen.runtime import run_on_rank0
     from autopar.plans.planning import plan_with, planner_for
     from autopar.solver.constraints import Constraints
@@ -293,6 +292,21 @@ def run_kinds(spec: str, steps: int, batch_size: int, kinds: list[Kind]) -> dict
         results[kind.name] = dict(mesh=mesh, sharded_params=sharded, losses=losses,
                                   random_ops=sorted(set(module.random_ops)), draws=per_replica_draws(plan))
     return results
+
+
+def per_replica_draws(plan) -> str:
+    """Why a run of `plan` draws a model's random numbers otherwise than one process does ("" when
+    it draws them as one process, which tp alone does): the ranks or microbatches that draw for
+    their own share (codegen/random_ops.py)."""
+    from autopar.codegen.expert_folding import folds_experts
+
+    shares = [f"{axis}={plan.mesh.get(axis, 1)} {what}" for axis, what in
+              (("dp", "replicas"), ("cp", "sequence shares"), ("pp", "stages")) if plan.mesh.get(axis, 1) > 1]
+    if plan.num_microbatches > 1:
+        shares.append(f"{plan.num_microbatches} microbatches")
+    if folds_experts(plan):
+        shares.append("MoE layers folded on each tp rank's tokens")
+    return ", ".join(shares)
 
 
 def compare(kind: str, outcome: dict, reference: list[float]) -> Cell:

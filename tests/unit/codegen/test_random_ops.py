@@ -44,18 +44,3 @@ def test_random_nodes_of_an_exported_model():
     assert targets == {"aten.exponential_.default", "aten.dropout.default"}
     assert len(found) == 2  # the dropout with p = 0 draws nothing
 
-
-def _plan(*, microbatches: int = 1, ep: int = 1, etp: int = 1, **mesh):
-    from types import SimpleNamespace
-
-    return SimpleNamespace(mesh={"dp": 1, "tp": 1, "pp": 1, **mesh}, num_microbatches=microbatches, ep=ep, etp=etp)
-
-
-def test_only_tensor_parallelism_alone_draws_as_one_process():
-    from autopar.codegen.random_ops import per_replica_draws
-
-    assert per_replica_draws(_plan(tp=4)) == ""
-    assert per_replica_draws(_plan(dp=2, tp=2)) == "dp=2 replicas"
-    assert per_replica_draws(_plan(pp=2, microbatches=4)) == "pp=2 stages, 4 microbatches"
-    assert per_replica_draws(_plan(cp=2, tp=2)) == "cp=2 sequence shares"
-    assert per_replica_draws(_plan(dp=2, tp=2, ep=2, etp=1)) == "dp=2 replicas, MoE layers folded on each tp rank's tokens"

@@ -113,3 +113,19 @@ def test_a_kind_whose_random_ops_are_drawn_per_replica_is_labelled_not_a_mismatc
     lines = format_table(report).splitlines()
     assert report.ok and "random ops: drawn per replica (dp=2 replicas" in lines[2]
     assert lines[-1].endswith("1 match, 1 random; exact where comparable: the other kinds that run match one process")
+
+
+def _plan(*, microbatches: int = 1, ep: int = 1, etp: int = 1, **mesh):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(mesh={"dp": 1, "tp": 1, "pp": 1, **mesh}, num_microbatches=microbatches, ep=ep, etp=etp)
+
+
+def test_only_tensor_parallelism_alone_draws_as_one_process():
+    from autopar.tune.verify import per_replica_draws
+
+    assert per_replica_draws(_plan(tp=4)) == ""
+    assert per_replica_draws(_plan(dp=2, tp=2)) == "dp=2 replicas"
+    assert per_replica_draws(_plan(pp=2, microbatches=4)) == "pp=2 stages, 4 microbatches"
+    assert per_replica_draws(_plan(cp=2, tp=2)) == "cp=2 sequence shares"
+    assert per_replica_draws(_plan(dp=2, tp=2, ep=2, etp=1)) == "dp=2 replicas, MoE layers folded on each tp rank's tokens"
