@@ -43,4 +43,3 @@ def test_random_nodes_of_an_exported_model():
     targets = {str(node.target) for node in program.graph.nodes if node.name in found}
     assert targets == {"aten.exponential_.default", "aten.dropout.default"}
     assert len(found) == 2  # the dropout with p = 0 draws nothing
-
