@@ -4,8 +4,9 @@
   different generators: after the step's GeneratorSync both ranks hold the same values for a
   replicated output, and the shards of a sharded one put together are one process's draw from
   the first rank's state.
-- A GPT with dropout 0.1 trained 3 SGD steps under tp2 equals one process drawing from the same
-  seed (1e-4); under dp2 and dp2 x tp2 each replica draws for its own rows from the shared seed
+- A GPT with dropout 0.1 trained 3 SGD steps under tp2 (with and without full recomputation,
+  whose backward draws again from the restored generator state) equals one process drawing from
+  the same seed (1e-4); under dp2 and dp2 x tp2 each replica draws for its own rows from the shared seed
   (as DDP does), which equals one process running each replica's rows from the same generator
   state and averaging the gradients (`train_per_replica`), and the tp2 inside each replica
   changes nothing.
@@ -127,7 +128,9 @@ def dropout_case(case) -> dict:
         losses.append(module.train_step(step_inputs, step_targets).item())
         optimizer.step()
         optimizer.zero_grad()
+    dropouts = [name for name in module.plan.placements if name.startswith("dropout")]  # export's node names
     return dict(losses=losses, reference=reference, random_ops=module.random_ops, mesh=dict(module.plan.mesh),
+                dropout_outputs=sorted({module.plan.placements.get(name, "R").split("|")[0] for name in dropouts}),
                 microbatches=module.plan.num_microbatches, sharded=[name for name, placement
                                                                      in module.plan.param_placements.items()
                                                                      if placement != "R"])
@@ -140,6 +143,9 @@ class _Case:
 
 TABLE = CaseTable([
     case_param(_Case(2, dict(dp=1, tp=2, pp=1, microbatch_size=4)), "gpt-dropout-tp2"),
+    case_param(_Case(2, dict(dp=1, tp=2, pp=1, microbatch_size=4, recompute="full")), "gpt-dropout-tp2-recompute"),
+    case_param(_Case(2, dict(dp=1, tp=2, pp=1, microbatch_size=4, recompute="selective")),
+               "gpt-dropout-tp2-selective"),
     case_param(_Case(2, dict(dp=2, tp=1, pp=1, zero_stage=0, microbatch_size=2)), "gpt-dropout-dp2"),
     case_param(_Case(4, dict(dp=2, tp=2, pp=1, zero_stage=0, microbatch_size=2)), "gpt-dropout-dp2xtp2"),
 ])
@@ -155,6 +161,7 @@ def test_dropout_under_tp_equals_one_process(case_name, case_outcome):
     assert "aten.dropout.default" in first["random_ops"], first["random_ops"]
     if case.constraints["tp"] > 1:
         assert first["sharded"], "the plan shards no parameter: the tp case tests nothing"
+        assert any(placement.startswith("S") for placement in first["dropout_outputs"]), first["dropout_outputs"]
     for rank, result in enumerate(results):
         assert result["losses"] == pytest.approx(result["reference"], rel=TOLERANCE, abs=TOLERANCE), \
             f"rank {rank}: {result['losses']} vs one process {result['reference']}"
