@@ -319,7 +319,7 @@ def compare(kind: str, outcome: dict, reference: list[float]) -> Cell:
     if deviation > TOLERANCE and outcome.get("random_ops") and outcome.get("draws"):
         return Cell(kind=kind, result="random", mesh=outcome["mesh"], max_deviation=deviation, losses=losses,
                     sharded_params=outcome["sharded_params"],
-                    reason=f"{outcome['draws']} draw for their own share ({', '.join(outcome['random_ops'])})")
+                    reason=f"{outcome['draws']} draw for their own share: {', '.join(outcome['random_ops'])}")
     return Cell(kind=kind, result="match" if deviation <= TOLERANCE else "MISMATCH", mesh=outcome["mesh"],
                 max_deviation=deviation, losses=losses, sharded_params=outcome["sharded_params"])
 
