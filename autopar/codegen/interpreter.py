@@ -27,7 +27,7 @@ from autopar.codegen.all_to_all import runs_own_all_to_all, shard_to_shard
 from autopar.codegen.experts import Dispatched
 from autopar.codegen.local_ops import has_local_rule, no_dtensor_strategy, run_replicated, run_sharded
 from autopar.codegen.placements import parse_node_placements, same_placement, to_dtensor_placement
-from autopar.codegen.random_ops import draws, run_random
+from autopar.codegen.random_ops import draws, global_draws, run_random
 from autopar.strategies.placement import grad_placement
 
 
@@ -293,10 +293,11 @@ class PlannedInterpreter:
     def _run_op(self, node: torch.fx.Node, args, kwargs, output_placement):
         if node.target in self.overrides:
             result = self.overrides[node.target](node, args, kwargs)
+        elif node.target is _SDPA and isinstance(args[0], DTensor) and args[0].device.type == "cpu":
+            with global_draws(self.mesh) if draws(node.target, args, kwargs) else contextlib.nullcontext():
+                result = self._cpu_attention(*args, **kwargs)
         elif self.distributed and draws(node.target, args, kwargs) and _has_dtensor(args, kwargs):
             result = run_random(node.target, args, kwargs, self.mesh, output_placement, self.stats)
-        elif node.target is _SDPA and isinstance(args[0], DTensor) and args[0].device.type == "cpu":
-            result = self._cpu_attention(*args, **kwargs)
         elif self.distributed and has_local_rule(node.target):
             result = run_sharded(node.target, args, kwargs, self.mesh, output_placement or "R")
         elif self.distributed and node.target in self.replicated_targets:

@@ -19,9 +19,11 @@ Here, on every device type:
     each rank keeps its planned shard. Dropout draws its scaled mask as dropout of ones (the
     same draws and the same roundings as the op on the whole input: x * (mask / (1 - p)), mask in
     {0, 1}); in-place fills fill a tensor of the global shape and copy this rank's slice in; the
-    `*_like` draws take an empty tensor of the global shape; any other random op (attention with
-    dropout, bernoulli of a tensor of probabilities, multinomial) has its inputs gathered and
-    runs whole (counted in RunStats.random_gathered: a collective the plan did not price).
+    `*_like` draws take an empty tensor of the global shape; attention with dropout on CPU runs
+    its math kernel on the shards with each random fill inside it drawn so (`global_draws`); any
+    other random op (attention with dropout on CUDA, bernoulli of a tensor of probabilities,
+    multinomial) has its inputs gathered and runs whole (counted in RunStats.random_gathered:
+    collectives and compute the plan did not price).
 So a tp run draws what one process draws from the same generator state. The cost: each tp rank
 draws the whole of a sharded random op (tp x its random numbers, and its global-shape mask for
 the op's duration); no communication but the sync (one broadcast of ~5 KB per step).
@@ -37,10 +39,13 @@ cells of such kinds "random ops: drawn per replica" instead of comparing them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.fx.node import map_aggregate
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.codegen.placements import to_dtensor_placement
 from autopar.errors import PlanMismatchError
@@ -54,6 +59,7 @@ _SHAPE_ONLY = frozenset({aten.rand_like.default, aten.randn_like.default, aten.r
 """Out-of-place random ops whose first input gives only the shape, dtype and device."""
 
 
+@functools.cache  # asked for every op of every step
 def is_random_target(target) -> bool:
     """Whether the op draws from a generator (torch tags it nondeterministic_seeded)."""
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
@@ -84,8 +90,7 @@ def run_random(target, args: tuple, kwargs: dict, mesh, output_placement: str | 
     wanted = _output_placement(output_placement)
     if target in _DROPOUTS:
         return _dropout(target, args, kwargs, mesh)
-    schema = target._schema
-    if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
+    if _fills(target):
         return _fill(target, args, kwargs, mesh)
     if target in _SHAPE_ONLY and isinstance(args[0], DTensor):
         like = args[0]
@@ -97,6 +102,31 @@ def run_random(target, args: tuple, kwargs: dict, mesh, output_placement: str | 
     result = target(*_whole(args, mesh), **_whole(kwargs, mesh))
     return map_aggregate(result, lambda value: part_of(value, mesh, wanted) if isinstance(value, torch.Tensor)
                          else value)
+
+
+class global_draws(TorchDispatchMode):
+    """Inside a composite op run on DTensors (attention's math kernel with dropout: softmax, then
+    dropout as `empty_like` + `bernoulli_`), every random fill of a DTensor draws its global shape
+    and keeps this rank's slice (`_fill`), so the op's draws are one process's without gathering
+    its inputs; every other op passes through."""
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _fills(func) and isinstance(args[0], DTensor):
+            return _fill(func, args, kwargs, self.mesh)
+        return func(*args, **kwargs)
+
+
+def _fills(target) -> bool:
+    """Whether `target` is a random op that overwrites its first argument (exponential_, uniform_...)."""
+    if not is_random_target(target):
+        return False
+    first = target._schema.arguments[0] if target._schema.arguments else None
+    return first is not None and first.alias_info is not None and first.alias_info.is_write
 
 
 def part_of(whole: torch.Tensor, mesh, placement) -> DTensor:

@@ -25,6 +25,8 @@ from one_process import CaseTable, case_param
 pytestmark = pytest.mark.dist
 
 SPEC = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64,dropout=0.1"
+SDPA_SPEC = SPEC + ",attention=sdpa"
+"""Attention's dropout inside scaled_dot_product_attention (dropout_p=0.1)."""
 GLOBAL_BATCH, SEQ, VOCAB, NUM_STEPS, LEARNING_RATE, SEED = 4, 16, 64, 3, 0.1, 123
 TOLERANCE = 1e-4
 
@@ -111,14 +113,14 @@ def dropout_case(case) -> dict:
     from harness import tiny_model_cluster
     from one_process import parallelize_reusing_captures
 
-    bundle = build_model(SPEC, device="cpu", seed=0, batch_size=GLOBAL_BATCH)
+    bundle = build_model(case.spec, device="cpu", seed=0, batch_size=GLOBAL_BATCH)
     generator = torch.Generator().manual_seed(1)
     batches = [((torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator),),
                 torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=generator)) for _ in range(NUM_STEPS)]
     dp = case.constraints.get("dp", 1)
     reference = train_per_replica(bundle.model, bundle.loss_fn, batches, dp)
     (inputs, targets), *_ = batches
-    module = parallelize_reusing_captures(SPEC, bundle.model, tiny_model_cluster(case.world_size), inputs,
+    module = parallelize_reusing_captures(case.spec, bundle.model, tiny_model_cluster(case.world_size), inputs,
                                           loss_fn=bundle.loss_fn, example_targets=targets,
                                           constraints=case.constraints)
     torch.manual_seed(SEED)
@@ -130,6 +132,9 @@ def dropout_case(case) -> dict:
         optimizer.zero_grad()
     dropouts = [name for name in module.plan.placements if name.startswith("dropout")]  # export's node names
     return dict(losses=losses, reference=reference, random_ops=module.random_ops, mesh=dict(module.plan.mesh),
+                gathered=dict(module.stats.random_gathered),
+                attention_outputs=sorted({placement.split("|")[0] for name, placement in module.plan.placements.items()
+                                          if name.startswith("scaled_dot_product_attention")}),
                 dropout_outputs=sorted({module.plan.placements.get(name, "R").split("|")[0] for name in dropouts}),
                 microbatches=module.plan.num_microbatches, sharded=[name for name, placement
                                                                      in module.plan.param_placements.items()
@@ -137,8 +142,8 @@ def dropout_case(case) -> dict:
 
 
 class _Case:
-    def __init__(self, world_size: int, constraints: dict) -> None:
-        self.world_size, self.constraints, self.timeout_s = world_size, constraints, 150.0
+    def __init__(self, world_size: int, constraints: dict, spec: str = SPEC) -> None:
+        self.world_size, self.constraints, self.spec, self.timeout_s = world_size, constraints, spec, 150.0
 
 
 TABLE = CaseTable([
@@ -146,6 +151,7 @@ TABLE = CaseTable([
     case_param(_Case(2, dict(dp=1, tp=2, pp=1, microbatch_size=4, recompute="full")), "gpt-dropout-tp2-recompute"),
     case_param(_Case(2, dict(dp=1, tp=2, pp=1, microbatch_size=4, recompute="selective")),
                "gpt-dropout-tp2-selective"),
+    case_param(_Case(2, dict(dp=1, tp=2, pp=1, microbatch_size=4), SDPA_SPEC), "gpt-sdpa-dropout-tp2"),
     case_param(_Case(2, dict(dp=2, tp=1, pp=1, zero_stage=0, microbatch_size=2)), "gpt-dropout-dp2"),
     case_param(_Case(4, dict(dp=2, tp=2, pp=1, zero_stage=0, microbatch_size=2)), "gpt-dropout-dp2xtp2"),
 ])
@@ -159,6 +165,10 @@ def test_dropout_under_tp_equals_one_process(case_name, case_outcome):
     assert first["mesh"]["tp"] == case.constraints["tp"] and first["mesh"]["dp"] == case.constraints["dp"]
     assert first["microbatches"] == 1, first
     assert "aten.dropout.default" in first["random_ops"], first["random_ops"]
+    assert ("aten.scaled_dot_product_attention.default" in first["random_ops"]) == (case.spec == SDPA_SPEC)
+    assert not first["gathered"], first["gathered"]  # attention's dropout drawn on the shards, not gathered
+    if case.spec == SDPA_SPEC:
+        assert first["attention_outputs"] == ["S1"], first["attention_outputs"]  # split by heads
     if case.constraints["tp"] > 1:
         assert first["sharded"], "the plan shards no parameter: the tp case tests nothing"
         assert any(placement.startswith("S") for placement in first["dropout_outputs"]), first["dropout_outputs"]
