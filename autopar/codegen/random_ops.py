@@ -136,8 +136,10 @@ def part_of(whole: torch.Tensor, mesh, placement) -> DTensor:
     if not placement.is_shard():
         return replicated
     sharded = replicated.redistribute(mesh, [placement])
-    return DTensor.from_local(sharded.to_local().clone(), mesh, [placement], run_check=False,
-                              shape=sharded.shape, stride=sharded.stride())
+    local = sharded.to_local()
+    if local.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():  # a view (dim 0): copy
+        local = local.clone()
+    return DTensor.from_local(local, mesh, [placement], run_check=False, shape=sharded.shape, stride=sharded.stride())
 
 
 def _dropout(target, args: tuple, kwargs: dict, mesh):
