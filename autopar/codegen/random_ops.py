@@ -26,15 +26,22 @@ Here, on every device type:
     collectives and compute the plan did not price).
 So a tp run draws what one process draws from the same generator state. The cost: each tp rank
 draws the whole of a sharded random op (tp x its random numbers, and its global-shape mask for
-the op's duration); no communication but the sync (one broadcast of ~5 KB per step).
+the op's duration); no communication but the sync (one broadcast of ~5 KB per step). On CUDA the
+same holds with the CUDA generator (DTensor's tracker is not used: the draws run on local
+tensors); that path has not run on a GPU here.
 
-Data-parallel replicas, pipeline stages, context-parallel ranks and the tp ranks of a folded
-MoE region (codegen/expert_folding.py: plain tensors, each rank's own tokens) draw from their own
-generators for their own samples, layers or tokens, as under DDP: ranks seeded alike draw alike
-(Megatron's default). Such a run is a valid run of the model but not one process's draws; the
-alternative (each replica drawing the whole global batch's numbers and keeping its rows) would
-cost dp x the random numbers on every rank, so it is not done. `autopar verify` labels the
-cells of such kinds "random ops: drawn per replica" instead of comparing them.
+A step's microbatches draw one after another at their own shapes, as one process accumulating
+gradients over those microbatches would. Data-parallel replicas, pipeline stages and
+context-parallel ranks draw from their own generators for their own samples, layers or tokens,
+as under DDP: ranks seeded alike draw alike (Megatron's default, though Megatron offsets its seed
+by pipeline rank, so that stages do not repeat their masks; seed per rank for independent
+draws). A folded MoE region (codegen/expert_folding.py) and context parallelism's attention under
+tp run on each tp rank's plain local tensors from the synced generator: those tp ranks draw the
+same numbers for their different tokens or heads. Each such run is a valid run of the model (no
+two ranks disagree on a value they share) but not one process's draws; the alternative (each
+replica drawing the whole global batch's numbers and keeping its rows) would cost dp x the
+random numbers on every rank, so it is not done. `autopar verify` labels such kinds' cells
+"random ops: drawn per replica" instead of comparing them.
 """
 
 from __future__ import annotations
