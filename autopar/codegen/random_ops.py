@@ -47,6 +47,7 @@ random numbers on every rank, so it is not done. `autopar verify` labels such ki
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -105,6 +106,10 @@ def run_random(target, args: tuple, kwargs: dict, mesh, output_placement: str | 
                        *_whole(args[1:], mesh), **_whole(kwargs, mesh))
         return part_of(whole, mesh, wanted)
     if stats is not None:
+        if not stats.random_gathered[str(target)]:
+            warnings.warn(f"autopar: {target} draws random numbers and has no shard-wise rule under tensor "
+                          "parallelism: its inputs are gathered and it runs whole on every tp rank (exact, but "
+                          "collectives and compute the plan did not price)", stacklevel=2)
         stats.random_gathered[str(target)] += 1
     result = target(*_whole(args, mesh), **_whole(kwargs, mesh))
     return map_aggregate(result, lambda value: part_of(value, mesh, wanted) if isinstance(value, torch.Tensor)
