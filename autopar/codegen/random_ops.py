@@ -60,8 +60,8 @@ from autopar.errors import PlanMismatchError
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
-_DROPOUTS = {aten.dropout.default: 1, aten.native_dropout.default: 1}
-"""Dropouts drawn as dropout of ones: target -> index of p (train follows it)."""
+_DROPOUTS = frozenset({aten.dropout.default, aten.native_dropout.default})
+"""Dropouts drawn as dropout of ones (args: input, p, train)."""
 _SHAPE_ONLY = frozenset({aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
                          aten.randint_like.low_dtype, aten.bernoulli.p})
 """Out-of-place random ops whose first input gives only the shape, dtype and device."""
