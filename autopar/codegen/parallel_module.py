@@ -142,12 +142,12 @@ class ParallelModule(nn.Module):
         local_inputs, local_targets = self._local_batch(inputs, targets)
         self._num_train_steps += 1
         step = self._num_train_steps
-        self._sync_random()
         overlap = self._gradient_overlap()
         if overlap is not None:
             overlap.begin_step()
         # a collective that times out (a stopped peer) fails naming the peer (watchdog.py)
         with watchdog.watched(step, watchdog.PHASES[0]), self._weight_copies():
+            self._sync_random()
             if self.schedule is not None:
                 loss = self._pipelined_step(local_inputs, local_targets)
             else:
