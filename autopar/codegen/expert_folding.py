@@ -155,8 +155,8 @@ class FoldedRegions:
 
         def visit(arg):
             nonlocal position
-            if not isinstance(arg, torch.fx.Node):
-                return arg
+            if not isinstance(arg, torch.fx.Node) or (arg.op == "get_attr" and arg.name not in env):
+                return arg  # a higher-order op's body (a no_grad region): the local interpreter takes it
             if isinstance(env.get(arg.name), torch.Tensor):
                 placement = wanted[position] if position < len(wanted) else None
                 position += 1

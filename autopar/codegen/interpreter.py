@@ -27,6 +27,7 @@ from autopar.codegen.all_to_all import runs_own_all_to_all, shard_to_shard
 from autopar.codegen.experts import Dispatched
 from autopar.codegen.local_ops import has_local_rule, no_dtensor_strategy, run_replicated, run_sharded
 from autopar.codegen.placements import parse_node_placements, same_placement, to_dtensor_placement
+from autopar.codegen.random_ops import draws, global_draws, run_random
 from autopar.strategies.placement import grad_placement
 
 
@@ -46,6 +47,9 @@ class RunStats:
     fused_wgrad: Counter = field(default_factory=Counter)
     """Weight gradients accumulated into the fp32 .grad by codegen/fused_wgrad.py: "fused" inside the
     GEMM, "fallback" as DTensors (a gradient placed otherwise than planned)."""
+    random_gathered: Counter = field(default_factory=Counter)
+    """Random ops run whole on gathered inputs so that every tp rank draws one process's numbers
+    (codegen/random_ops.py: attention with dropout, bernoulli of probabilities...), by target."""
     expert_rows: dict = field(default_factory=dict)
     """Dropless expert layers (grouped matmuls) run expert-parallel: {first op's node: [rows this
     rank received, rows it sent]}, summed over every dispatch (ParallelModule.expert_load)."""
@@ -158,6 +162,12 @@ def _map_tensors(result, fn):
     if isinstance(result, (list, tuple)):
         return type(result)(fn(item) for item in result)
     return fn(result)
+
+
+def _has_dtensor(args, kwargs) -> bool:
+    found = []
+    map_aggregate((args, kwargs), lambda value: found.append(value) if isinstance(value, DTensor) else None)
+    return bool(found)
 
 
 def _special_partial(placement) -> bool:
@@ -290,7 +300,10 @@ class PlannedInterpreter:
         if node.target in self.overrides:
             result = self.overrides[node.target](node, args, kwargs)
         elif node.target is _SDPA and isinstance(args[0], DTensor) and args[0].device.type == "cpu":
-            result = self._cpu_attention(*args, **kwargs)
+            with global_draws(self.mesh) if draws(node.target, args, kwargs) else contextlib.nullcontext():
+                result = self._cpu_attention(*args, **kwargs)
+        elif self.distributed and draws(node.target, args, kwargs) and _has_dtensor(args, kwargs):
+            result = run_random(node.target, args, kwargs, self.mesh, output_placement, self.stats)
         elif self.distributed and has_local_rule(node.target):
             result = run_sharded(node.target, args, kwargs, self.mesh, output_placement or "R")
         elif self.distributed and node.target in self.replicated_targets:

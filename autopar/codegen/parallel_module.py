@@ -70,6 +70,11 @@ class ParallelModule(nn.Module):
         self._step_durations_s: deque[float] = deque(maxlen=4096)
         self._num_train_steps = 0
         self._overlap: OverlappedReduction | None | bool = False  # False: not built yet
+        self.random_ops: tuple[str, ...] = ()
+        """The random ops of the program that draw (dropout with p > 0, rand_like...), one per node."""
+        self.random_sync: Callable[[], None] | None = None
+        """Makes the tp group's generators equal at each step's start (codegen/random_ops.py); None
+        without tensor parallelism or random ops."""
 
     # --- public API ----------------------------------------------------------------------------
 
@@ -92,6 +97,7 @@ class ParallelModule(nn.Module):
                                     "targets) with a pipelined plan")
         flat_inputs = self._flat_inputs(inputs, keyword_inputs)
         local = self._is_local_batch(flat_inputs)
+        self._sync_random()
         output = self.stages[0](*[self._data_parallel_share(x, local) for x in flat_inputs])
         values = replicated_local(output if isinstance(output, tuple) else (output,))
         return self.model_output(tuple(values if local else (self._gather_batch(value) for value in values)))
@@ -141,6 +147,7 @@ class ParallelModule(nn.Module):
             overlap.begin_step()
         # a collective that times out (a stopped peer) fails naming the peer (watchdog.py)
         with watchdog.watched(step, watchdog.PHASES[0]), self._weight_copies():
+            self._sync_random()
             if self.schedule is not None:
                 loss = self._pipelined_step(local_inputs, local_targets)
             else:
@@ -159,6 +166,10 @@ class ParallelModule(nn.Module):
     def _sharded_by_fsdp(self) -> bool:
         """Whether FSDP2 shards this module's parameters (over dp, or dp x cp)."""
         return uses_fsdp(self.plan.zero_stage, self.plan.mesh["dp"] * self.plan.mesh.get("cp", 1), self.plan.offload)
+
+    def _sync_random(self) -> None:
+        if self.random_sync is not None:
+            self.random_sync()
 
     def _weight_copies(self):
         """One bf16 copy of each fp32 weight for the whole step (WeightCasts), cast on entry;
@@ -348,6 +359,7 @@ class ParallelModule(nn.Module):
         if self.loss_fn is None:
             raise PlanMismatchError("eval_step needs a loss: pass loss_fn to autopar.parallelize")
         local_inputs, local_targets = self._local_batch(inputs, targets)
+        self._sync_random()
         with torch.no_grad(), self._weight_copies():
             if self.schedule is None:
                 m = self.plan.num_microbatches

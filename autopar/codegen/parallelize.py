@@ -105,10 +105,22 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
                           has_first=mine[0].index == 0, has_last=mine[-1].index == len(specs) - 1)
     module.persistent_buffers = {fqn: tensor for fqn, tensor in builder.buffers.items()
                                  if fqn in _persistent_buffer_names(model)}
+    _use_random_ops(module, parts, runtime)
     module.parameter_aliases = {first: names[1:] for first, names in all_names(model).items() if len(names) > 1}
     _initialise(module, model, builder, init_fn)
     register_shutdown()
     return module
+
+
+def _use_random_ops(module: ParallelModule, parts: GraphParts, runtime) -> None:
+    """Name the program's random ops; with tp > 1, keep the tp group's generators equal
+    (codegen/random_ops.py: every tp rank draws what one process draws)."""
+    from autopar.codegen.random_ops import GeneratorSync, random_nodes
+
+    found = set(random_nodes(parts.program.graph))
+    module.random_ops = tuple(str(node.target) for node in parts.program.graph.nodes if node.name in found)
+    if module.random_ops and runtime.tp_mesh.size() > 1:
+        module.random_sync = GeneratorSync(runtime.tp_mesh.get_group(), runtime.device)
 
 
 def _folded_nodes(model, inputs: tuple, keywords: dict, parts: GraphParts, plan: Plan, device: torch.device) -> dict:

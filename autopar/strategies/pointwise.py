@@ -18,7 +18,9 @@ Where DTensor differs from the textbook rule:
   - new_ones/new_zeros/... read only the dtype/device of their input: DTensor returns a
     replicated result from an input in any placement, without communication.
   - zeros_like/ones_like/... follow a sharded input; from a Partial input the result is replicated.
-  - dropout with a sharded input gives a different (but valid) random mask than one device would.
+  - dropout with a sharded input: DTensor would draw each shard's mask from its rank's generator;
+    codegen draws the global mask and keeps the shard instead (codegen/random_ops.py), as one
+    device would.
   - tril/triu are replicate-only in DTensor (its linalg rule), though their leading dims could
     be split: not registered.
 

@@ -109,9 +109,10 @@ def test_a_lost_node_resumes_on_the_survivors_and_a_new_one_scales_back_up(tmp_p
     assert not result.sample_problems, result.sample_problems
 
 
-def _draws(folder: str, total_steps: int, stop_at: int | None = None) -> dict[int, tuple[float, float]]:
-    """pm.steps with dropout under dp=2, each rank's own RNG stream (seed 100 + rank): per step, a
-    draw before the step and the loss."""
+def _draws(folder: str, total_steps: int, stop_at: int | None = None,
+           constraints: dict | None = None) -> dict[int, tuple[float, float]]:
+    """pm.steps with dropout under dp=2 (or `constraints`), each rank's own RNG stream (seed 100 +
+    rank): per step, a draw before the step and the loss."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -124,7 +125,7 @@ def _draws(folder: str, total_steps: int, stop_at: int | None = None) -> dict[in
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4))
     pm = autopar.parallelize(model, "cpu:procs=2", (dataset.tensors[0][:4],), loss_fn=nn.functional.mse_loss,
-                             example_targets=dataset.tensors[1][:4], constraints=dict(dp=2, tp=1, pp=1),
+                             example_targets=dataset.tensors[1][:4], constraints=constraints or dict(dp=2, tp=1, pp=1),
                              checkpoint=folder, checkpoint_every=2)
     optimizer = torch.optim.SGD(pm.parameters(), lr=0.1)
     torch.manual_seed(100 + dist.get_rank())  # a resumed loop replaces this with the state its rank saved
@@ -139,10 +140,10 @@ def _draws(folder: str, total_steps: int, stop_at: int | None = None) -> dict[in
     return draws
 
 
-def rng_worker(folder: str) -> dict:
-    uninterrupted = _draws(f"{folder}/a", 4)
-    left = _draws(f"{folder}/b", 4, stop_at=3)  # leaves the loop while step-2's write may be under way
-    resumed = _draws(f"{folder}/b", 4)
+def rng_worker(folder: str, constraints: dict | None = None) -> dict:
+    uninterrupted = _draws(f"{folder}/a", 4, constraints=constraints)
+    left = _draws(f"{folder}/b", 4, stop_at=3, constraints=constraints)  # leaves while step-2's write may be under way
+    resumed = _draws(f"{folder}/b", 4, constraints=constraints)
     return dict(uninterrupted=uninterrupted, left=left, resumed=resumed)
 
 
@@ -157,3 +158,18 @@ def test_every_ranks_rng_resumes_and_a_loop_left_early_keeps_its_last_save(tmp_p
             assert draw == result["uninterrupted"][step][0], (rank, step, result)
             assert abs(loss - result["uninterrupted"][step][1]) <= 1e-6, (rank, step, result)
     assert results[0]["uninterrupted"][3][0] != results[1]["uninterrupted"][3][0]  # the streams differ
+
+
+def test_tp_ranks_seeded_apart_draw_alike_and_resume_alike(tmp_path):
+    """Under tp=2 the ranks' streams are made equal at each step's start (codegen/random_ops.py):
+    from step 2 on, a draw between steps is the same on both ranks, and the job resumed from its
+    step-2 save (each rank its own saved state, equal ones) continues the uninterrupted losses."""
+    results = run_workers(rng_worker, world_size=2, args=(str(tmp_path), dict(dp=1, tp=2, pp=1)), timeout_s=120)
+    for rank, result in enumerate(results):
+        assert sorted(result["resumed"]) == [3, 4], (rank, result)
+        for step, (draw, loss) in result["resumed"].items():
+            assert draw == result["uninterrupted"][step][0], (rank, step, result)
+            assert abs(loss - result["uninterrupted"][step][1]) <= 1e-6, (rank, step, result)
+    first, second = (result["uninterrupted"] for result in results)
+    assert first[1][0] != second[1][0]  # seeded apart: the draws before the first step differ
+    assert all(first[step][0] == second[step][0] for step in (2, 3, 4)), (first, second)

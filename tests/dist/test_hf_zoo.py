@@ -50,6 +50,9 @@ GLOBAL_BATCH = 4
 NUM_STEPS = 3
 LEARNING_RATE = 0.1
 TOLERANCE = 1e-4
+DRAW_SEED = 2
+"""The generator state every rank (and the one-process reference) trains from: a model's random
+ops (Phi-MoE's expert sampling) then draw what one process draws under tp (codegen/random_ops.py)."""
 
 MESHES = {
     "dp2": (2, dict(dp=2, tp=1, pp=1, zero_stage=0)),
@@ -83,6 +86,7 @@ def _reference(model, loss_fn, batches) -> list[float]:
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     losses = []
+    torch.manual_seed(DRAW_SEED)
     for inputs, targets in batches:
         loss = loss_fn(model(**inputs), targets)
         loss.backward()
@@ -238,6 +242,7 @@ def zoo_case(case: ZooCase) -> dict:
             module = build_parallel_module(model, (), plans[mesh], loss_fn, batches[0][0], captured=captured)
             optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
             losses = []
+            torch.manual_seed(DRAW_SEED)
             for inputs, targets in batches:
                 losses.append(module.train_step(inputs, targets).item())
                 optimizer.step()
@@ -246,6 +251,7 @@ def zoo_case(case: ZooCase) -> dict:
             raise RuntimeError(f"{case.arch} under {mesh} failed: {type(error).__name__}: {error}") from error
         plan = module.plan
         results[mesh] = dict(losses=losses, reference=reference, mesh=plan.mesh, schedule=plan.schedule,
+                             random_ops=module.random_ops, microbatches=plan.num_microbatches,
                              sharded=sorted(name for name, placement in plan.param_placements.items()
                                             if placement != "R"))
     return results

@@ -1,6 +1,7 @@
 """`autopar verify` end to end: a tiny built-in model's kinds and two Hugging Face models given as
 factories (GPT-2, Llama) on 2 spawned gloo processes match one process, and a wrong reference
-shows as MISMATCH with exit status 1."""
+shows as MISMATCH with exit status 1; a factory whose dropout is a call in forward matches under
+tp and is labelled "random" (drawn per replica) under dp."""
 
 from __future__ import annotations
 
@@ -98,3 +99,44 @@ def test_a_hugging_face_model_from_a_factory_matches_under_dp_tp_pp(capsys, tmp_
     assert code == 0 and report["ok"], report
     assert all(cells[kind]["result"] == "match" for kind in ("dp", "tp", "pp")), cells
     assert cells["tp"]["sharded_params"] > 0, cells["tp"]
+
+
+NOISY_FACTORY = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Noisy(nn.Module):
+    """An MLP block whose dropout is a call in forward (verify sets only nn.Dropout modules to 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)
+        self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        return self.head(x + self.down(F.dropout(F.gelu(self.up(x)), 0.2, self.training)))
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+def make(batch_size=4):
+    tokens = torch.randint(0, 64, (batch_size, 16), generator=torch.Generator().manual_seed(0))
+    return Noisy(), (tokens,), loss_fn, tokens
+'''
+
+
+def test_random_ops_match_under_tp_and_are_labelled_per_replica_under_dp(capsys, tmp_path):
+    path = tmp_path / "noisy.py"
+    path.write_text(NOISY_FACTORY)
+    code = main(["verify", f"{path}:make", "--nproc", "2", "--kinds", "dp,tp", "--steps", "2", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    cells = {cell["kind"]: cell for cell in report["cells"]}
+    assert code == 0 and report["ok"], report
+    assert cells["tp"]["result"] == "match" and cells["tp"]["sharded_params"] > 0, cells["tp"]
+    assert cells["dp"]["result"] == "random", cells["dp"]
+    assert "dp=2 replicas" in cells["dp"]["reason"] and "aten.dropout.default" in cells["dp"]["reason"]

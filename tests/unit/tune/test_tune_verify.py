@@ -97,3 +97,35 @@ def test_a_built_in_spec_draws_a_new_batch_each_step():
     setup = _setup(tiny_spec("tiny-gpt"), steps=2, batch_size=4)
     assert not torch.equal(setup.batches[0][0][0], setup.batches[1][0][0])
     assert setup.batches[0][0][0].shape == (4, 32)
+
+
+def test_a_kind_whose_random_ops_are_drawn_per_replica_is_labelled_not_a_mismatch():
+    reference = [2.0, 1.5, 1.0]
+    drawn = dict(mesh="dp=2", sharded_params=0, losses=[2.0, 1.5, 1.01], random_ops=["aten.exponential_.default"],
+                 draws="dp=2 replicas")
+    cell = compare("dp", drawn, reference)
+    assert cell.result == "random" and "dp=2 replicas" in cell.reason and "exponential_" in cell.reason
+    tp_only = compare("tp", {**drawn, "mesh": "tp=2", "draws": ""}, reference)  # tp draws as one process: compared
+    assert tp_only.result == "MISMATCH"
+    close = compare("dp", {**drawn, "losses": reference}, reference)
+    assert close.result == "match"
+    report = VerifyReport(model="m", steps=3, reference_losses=reference, cells=[cell, close])
+    lines = format_table(report).splitlines()
+    assert report.ok and "random ops: drawn per replica (dp=2 replicas" in lines[2]
+    assert lines[-1].endswith("1 match, 1 random; exact where comparable: the other kinds that run match one process")
+
+
+def _plan(*, microbatches: int = 1, ep: int = 1, etp: int = 1, **mesh):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(mesh={"dp": 1, "tp": 1, "pp": 1, **mesh}, num_microbatches=microbatches, ep=ep, etp=etp)
+
+
+def test_only_tensor_parallelism_alone_draws_as_one_process():
+    from autopar.tune.verify import per_replica_draws
+
+    assert per_replica_draws(_plan(tp=4)) == ""
+    assert per_replica_draws(_plan(dp=2, tp=2)) == "dp=2 replicas"
+    assert per_replica_draws(_plan(pp=2, microbatches=4)) == "pp=2 stages, 4 microbatches"
+    assert per_replica_draws(_plan(cp=2, tp=2)) == "cp=2 sequence shares"
+    assert per_replica_draws(_plan(dp=2, tp=2, ep=2, etp=1)) == "dp=2 replicas, MoE layers folded on each tp rank's tokens"
