@@ -9,6 +9,7 @@ from autopar.models import build_model
 from autopar.solver.experts import find_expert_ops
 from autopar.solver.step_tail import replica_group
 from cost_model.comm import Group
+from cost_model.memory import BF16_ADAM, FSDP2_BF16_FP32_REDUCE
 
 TINY_MOE = "moe:layers=2,hidden=32,heads=4,seq=16,vocab=64,num_experts=4"
 
@@ -174,3 +175,40 @@ def test_zero0s_all_reduce_hidden_behind_the_backward_holds_sms_too(dense_graph,
     with_sms = sync(dense_graph)
     monkeypatch.setattr(StepTail, "comm_sm_share", lambda self: 0.0)
     assert with_sms > sync(dense_graph) > 0
+
+
+@pytest.mark.parametrize("zero_stage, num_microbatches", [(3, 1), (3, 4), (2, 4), (1, 4)])
+@pytest.mark.parametrize("policy", [FSDP2_BF16_FP32_REDUCE, BF16_ADAM], ids=["torchtitan", "autopar"])
+def test_fsdp_copies_are_priced_on_the_compute_stream(zero_stage, num_microbatches, policy):
+    """FSDP2's copy-out after each all-gather and copy-in before each reduce-scatter. Under
+    autopar's own runtime (BF16_ADAM) each microbatch's copy-in is the gradients' cast to fp32,
+    which the segments' backward already prices (evaluate._add_gradient_cast): not counted twice."""
+    from test_step_model import model, segments
+
+    from autopar.solver.step_model import ParallelConfig, PreparedSegments
+
+    step_model = model(policy=policy)
+    config = ParallelConfig(dp=8, tp=1, pp=1, microbatch_size=1, num_microbatches=num_microbatches,
+                            zero_stage=zero_stage)
+    result = step_model.estimate(PreparedSegments.build(segments(), "none"), config)
+    numel = 8 * 1e6  # the stage's unsharded parameters (segments(): 8 units of 1e6)
+    bandwidth = step_model.compute.bandwidth_bytes_per_s
+    policy = step_model.policy
+    copy_out_s = 2 * numel * policy.fsdp_gather_bytes / bandwidth
+    copy_in_s = numel * (policy.fsdp_gather_bytes + policy.dp_reduce_bytes) / bandwidth
+    breakdown = result.breakdown_s
+    m = num_microbatches
+    if zero_stage == 3:  # gathered before the forward and again before the backward, every microbatch
+        assert breakdown["dp.copy_out"] == pytest.approx(2 * m * copy_out_s)
+    else:  # kept gathered from the first forward to the last backward: once
+        assert breakdown["dp.copy_out.once"] == pytest.approx(copy_out_s)
+    if zero_stage >= 2 and policy.casts_once_per_step:
+        assert "dp.copy_in" not in breakdown and "dp.copy_in.once" not in breakdown
+    elif zero_stage >= 2:  # reduce-scattered every microbatch
+        assert breakdown["dp.copy_in"] == pytest.approx(m * copy_in_s)
+    else:
+        assert breakdown["dp.copy_in.once"] == pytest.approx(copy_in_s)
+    unsharded = step_model.estimate(PreparedSegments.build(segments(), "none"),
+                                    ParallelConfig(dp=8, tp=1, pp=1, microbatch_size=1,
+                                                   num_microbatches=num_microbatches, zero_stage=0))
+    assert not any(term.startswith("dp.copy") for term in unsharded.breakdown_s)  # DDP: no FSDP copies
