@@ -29,6 +29,9 @@ import autopar
 from autopar.models import build_model
 
 KINDS = ("atexit", "with", "close", "destroy", "steps", "steps-destroy")
+JOBS = [("destroy", 4), ("destroy", 2), ("steps", 2), ("atexit", 2), ("steps-destroy", 2),
+        ("destroy", 2), ("with", 2), ("steps", 2), ("close", 2), ("atexit", 2)]
+"""(kind, processes) of the 10 jobs of test_finished_jobs; exit_abort.py's `kinds` cycles through them."""
 SPEC = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64,dropout=0.0"
 GLOBAL_BATCH = 4
 STEPS = 4

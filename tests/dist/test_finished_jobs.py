@@ -21,14 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from exit_job import JOBS
 from harness import launch_like_torchrun
 
 pytestmark = pytest.mark.dist
 
 JOB_SCRIPT = Path(__file__).with_name("exit_job.py")
-JOBS = [("destroy", 4), ("destroy", 2), ("steps", 2), ("atexit", 2), ("steps-destroy", 2),
-        ("destroy", 2), ("with", 2), ("steps", 2), ("close", 2), ("atexit", 2)]
-"""(kind, processes) of the 10 jobs (exit_job.KINDS)."""
 CONCURRENT_JOBS = 2
 """Jobs run at once: a rank waits in process start-up and in collectives, which the other job's
 ranks fill; each rank runs one torch thread."""
