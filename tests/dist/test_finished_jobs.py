@@ -8,8 +8,8 @@ teardown runs as in a real job. (Ranks forked from a process that imported torch
 Kinds: a dp = 4 and dp = 2 ZeRO-3 GPT ending with the script's own dist.destroy_process_group() and
 no `with pm:` (torchtitan's ending); pm.steps with asynchronous checkpoints, returning or ending
 with destroy; a pipelined plan whose script just returns, leaves `with pm:`, or calls pm.close().
-Every rank must exit 0 and have written its result (losses; for pm.steps, the last checkpoint
-published, no `.partial` left).
+Every rank must exit 0 and have written its result (its losses; for pm.steps, the checkpoints of
+steps 2 and 4 published and complete, no `.partial` left).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ pytestmark = pytest.mark.dist
 
 JOB_SCRIPT = Path(__file__).with_name("exit_job.py")
 CONCURRENT_JOBS = 2
-"""Jobs run at once: a rank waits in process start-up and in collectives, which the other job's
-ranks fill; each rank runs one torch thread."""
+"""Jobs run at once (each rank runs one torch thread; a rank waiting in a collective or in its
+start-up leaves its core to the other job's ranks)."""
 
 
 def _run_jobs(jobs: list[tuple[int, str, int]], root: Path) -> list[tuple[int, str, int, Path, list[tuple[int, str]]]]:
@@ -42,7 +42,7 @@ def _run_jobs(jobs: list[tuple[int, str, int]], root: Path) -> list[tuple[int, s
     return finished
 
 
-def _problems(kind: str, world_size: int, folder: Path, ranks: list[tuple[int, str]]) -> list[str]:
+def _problems(kind: str, folder: Path, ranks: list[tuple[int, str]]) -> list[str]:
     problems = []
     for rank, (code, output) in enumerate(ranks):
         result = folder / f"rank-{rank}.json"
@@ -72,5 +72,5 @@ def test_ten_finished_jobs_exit_zero_and_write_their_results(tmp_path):
     failures = []
     for index, kind, world_size, folder, ranks in finished:
         failures += [f"job {index} ({kind}, {world_size} processes): {problem}"
-                     for problem in _problems(kind, world_size, folder, ranks)]
+                     for problem in _problems(kind, folder, ranks)]
     assert not failures, "\n\n".join(failures)
