@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,19 +26,6 @@ from harness import launch_like_torchrun
 pytestmark = pytest.mark.dist
 
 JOB_SCRIPT = Path(__file__).with_name("exit_job.py")
-CONCURRENT_JOBS = 2
-"""Jobs run at once (each rank runs one torch thread; a rank waiting in a collective or in its
-start-up leaves its core to the other job's ranks)."""
-
-
-def _run_jobs(jobs: list[tuple[int, str, int]], root: Path) -> list[tuple[int, str, int, Path, list[tuple[int, str]]]]:
-    finished = []
-    for index, kind, world_size in jobs:
-        folder = root / f"job-{index}-{kind}"
-        folder.mkdir()
-        ranks = launch_like_torchrun([sys.executable, str(JOB_SCRIPT), kind, str(folder)], world_size, cwd=str(folder))
-        finished.append((index, kind, world_size, folder, ranks))
-    return finished
 
 
 def _problems(kind: str, folder: Path, ranks: list[tuple[int, str]]) -> list[str]:
@@ -57,7 +43,7 @@ def _problems(kind: str, folder: Path, ranks: list[tuple[int, str]]) -> list[str
                     not all(math.isfinite(loss) for loss in written["losses"]):
                 problems.append(f"rank {rank} wrote {written}")
     if kind.startswith("steps"):
-        checkpoints = sorted(path.name for path in (folder / "ckpt").iterdir())
+        checkpoints = sorted(path.name for path in (folder / "ckpt").glob("*"))
         complete = all((folder / "ckpt" / name / ".metadata").is_file() for name in checkpoints)
         if checkpoints != ["step-2", "step-4"] or not complete:
             problems.append(f"its checkpoints are {checkpoints} (complete: {complete}): step-2 and step-4 were due")
@@ -65,12 +51,12 @@ def _problems(kind: str, folder: Path, ranks: list[tuple[int, str]]) -> list[str
 
 
 def test_ten_finished_jobs_exit_zero_and_write_their_results(tmp_path):
-    jobs = [(index, kind, world_size) for index, (kind, world_size) in enumerate(JOBS)]
-    with ThreadPoolExecutor(CONCURRENT_JOBS) as pool:
-        shares = pool.map(lambda first: _run_jobs(jobs[first::CONCURRENT_JOBS], tmp_path), range(CONCURRENT_JOBS))
-        finished = sorted(job for share in shares for job in share)
+    """One job after the other (two at once took about as long on 2 idle cores: 47.6 s, against 49.5 s)."""
     failures = []
-    for index, kind, world_size, folder, ranks in finished:
+    for index, (kind, world_size) in enumerate(JOBS):
+        folder = tmp_path / f"job-{index}-{kind}"
+        folder.mkdir()
+        ranks = launch_like_torchrun([sys.executable, str(JOB_SCRIPT), kind, str(folder)], world_size, cwd=str(folder))
         failures += [f"job {index} ({kind}, {world_size} processes): {problem}"
                      for problem in _problems(kind, folder, ranks)]
     assert not failures, "\n\n".join(failures)
