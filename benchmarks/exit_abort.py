@@ -5,19 +5,27 @@
     .venv/bin/python benchmarks/exit_abort.py destroy 10   # ... wait, barrier, destroy_process_group
     .venv/bin/python benchmarks/exit_abort.py autopar 10   # autopar.codegen.runtime's exit hook only
     .venv/bin/python benchmarks/exit_abort.py train 50     # an autopar dp=4 ZeRO-3 step, then the script's own destroy
+    PYTHONPATH=. .venv/bin/python benchmarks/exit_abort.py kinds 50   # test_finished_jobs' 10 kinds of job, in turn
 
 Each of N jobs spawns 4 processes that join gloo, build init_device_mesh("cpu", (1, 2, 2)), issue
 one all_reduce(async_op=True) per mesh axis and an all_gather, then return. Printed: the jobs in
 which some process exited non-zero (-6 is SIGABRT: "terminate called without an active exception").
 `train` instead trains one step of a tiny GPT under autopar (dp=4, ZeRO-3) and ends as torchtitan's
-scripts do, with its own dist.destroy_process_group() and no `with pm:`.
+scripts do, with its own dist.destroy_process_group() and no `with pm:`. `kinds` runs the jobs of
+tests/dist/test_finished_jobs.py (exit_job.JOBS: ZeRO-3 with the script's own destroy on 4 and 2
+processes, pm.steps with async checkpoints, pipelined plans that return, leave `with pm:` or close),
+job i being JOBS[i % 10], each rank a `python exit_job.py` process as torchrun starts it; a job
+also fails when a rank exited 0 without writing its result.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -67,8 +75,59 @@ def _train_then_destroy() -> None:
     dist.destroy_process_group()
 
 
+EXIT_JOB = Path(__file__).resolve().parents[1] / "tests" / "dist" / "exit_job.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _script_job(kind: str, world_size: int, folder: Path) -> list:
+    """Exit codes of the ranks of one exit_job.py job; a rank that exited 0 without its result: "no result"."""
+    port = _free_port()
+    processes = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        processes.append(subprocess.Popen([sys.executable, str(EXIT_JOB), kind, str(folder)], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    codes = []
+    for rank, process in enumerate(processes):
+        try:
+            code = process.wait(300)
+        except subprocess.TimeoutExpired:
+            process.kill()  # only the ranks this call started
+            code = process.wait()
+        codes.append("no result" if code == 0 and not (folder / f"rank-{rank}.json").is_file() else code)
+    return codes
+
+
+def _kinds(num_jobs: int) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("exit_job", EXIT_JOB)
+    exit_job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exit_job)
+    failures = []
+    with tempfile.TemporaryDirectory() as root:
+        for index in range(num_jobs):
+            kind, world_size = exit_job.JOBS[index % len(exit_job.JOBS)]
+            folder = Path(root) / f"job-{index}"
+            folder.mkdir()
+            codes = _script_job(kind, world_size, folder)
+            if any(code != 0 for code in codes):
+                failures.append((index, kind, world_size, codes))
+    print(f"kinds: {len(failures)}/{num_jobs} jobs with a process exiting non-zero or without its result: "
+          f"{failures}", flush=True)
+
+
 def main() -> None:
     mode, num_jobs = sys.argv[1], int(sys.argv[2])
+    if mode == "kinds":
+        _kinds(num_jobs)
+        return
     context = mp.get_context("spawn")
     failures = []
     for _ in range(num_jobs):

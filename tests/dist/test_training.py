@@ -1,5 +1,5 @@
 """Training real models: meta-device init, DCP checkpoints across plans and world sizes, Hugging
-Face safetensors, per-rank data, gradient clipping, and exit codes.
+Face safetensors, per-rank data and gradient clipping (exit codes: test_finished_jobs.py).
 
 Jobs, in order (one process group each, cases one after the other):
   4 ranks: meta init under dp2 x tp2 (+ per-rank data, clipping); train under plan A and save
@@ -12,7 +12,6 @@ A resumed run must continue the uninterrupted run's loss curve (fp32, 1e-5).
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -301,27 +300,3 @@ def test_safetensors_file_loads_into_a_sharded_model(outcomes):
     for result in _values(outcomes, "safetensors"):
         assert result["exact"]
         assert result["loss"] == pytest.approx(result["reference_loss"], abs=TOLERANCE)
-
-
-# --- exit codes ----------------------------------------------------------------------------------
-
-def _run_job(mode: str, world_size: int = 2) -> list[tuple[int, str]]:
-    """Start `world_size` processes of exit_job.py as torchrun would; their exit codes and output."""
-    from harness import launch_like_torchrun
-
-    return launch_like_torchrun([sys.executable, str(Path(__file__).with_name("exit_job.py")), mode], world_size)
-
-
-def test_script_that_destroys_the_process_group_itself_exits_zero():
-    """The usual ending (no `with pm:`, the script's own dist.destroy_process_group() after a
-    ZeRO-3 step) exits 0 on every rank, job after job: the destroy waits for the peers."""
-    for job in range(3):
-        for rank, (code, output) in enumerate(_run_job("destroy")):
-            assert code == 0 and "done" in output, f"job {job}, rank {rank} exited {code}:\n{output[-3000:]}"
-
-
-@pytest.mark.parametrize("mode", ["atexit"])  # "with" and "close" end the same way, earlier
-def test_finished_job_exits_zero(mode):
-    """A job that trained and ended exits 0 on every rank (pipelined plan; no destroy by the user)."""
-    for rank, (code, output) in enumerate(_run_job(mode)):
-        assert code == 0 and "done" in output, f"rank {rank} exited {code}:\n{output[-3000:]}"
