@@ -107,20 +107,12 @@ def test_a_saved_view_of_a_weight_is_no_activation():
     """Hugging Face's grouped-matmul experts read a transpose of the expert weight and save it for
     backward: that keeps the weight itself, not an activation."""
     transformers = pytest.importorskip("transformers")
-    import torch
-
-    from autopar.models import on_meta
+    from hf_meta import capture_causal_lm
 
     config = transformers.MixtralConfig(use_cache=False, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                         num_local_experts=8, num_experts_per_tok=2)
-    with on_meta():
-        model = transformers.MixtralForCausalLM(config)
-    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
-    graph = api.capture_for_planning(
-        model, dict(input_ids=tokens), example_targets=tokens,
-        loss_fn=lambda out, targets: torch.nn.functional.cross_entropy(out.logits.flatten(0, -2).float(),
-                                                                       targets.flatten()))
+    graph = capture_causal_lm(transformers.MixtralForCausalLM, config)
     cluster = Cluster.from_spec("dgx-h100")
     result = solve_sharding(graph, Mesh(axis_names=("tp",), shape=(1,), devices_per_node=8), cluster)
     weights = {node.name for node in graph.nodes if node.kind == "param"}

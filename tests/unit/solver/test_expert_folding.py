@@ -125,21 +125,13 @@ def test_gpt_oss_unchained_expert_matmuls_form_one_layer_region() -> None:
     """GPT-OSS adds a bias gathered per row between its grouped matmuls (not chained): the layer
     is still one token-local region from the norm to the weighted sum, and folding prices it."""
     transformers = pytest.importorskip("transformers")
-    import torch
-
-    from autopar.models import on_meta
+    from hf_meta import capture_causal_lm
 
     config = transformers.GptOssConfig(use_cache=False, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
                                        num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
                                        max_position_embeddings=32)
-    with on_meta():
-        model = transformers.GptOssForCausalLM(config)
-    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
-    oss = autopar.capture_for_planning(
-        model, dict(input_ids=tokens), example_targets=tokens,
-        loss_fn=lambda out, targets: torch.nn.functional.cross_entropy(out.logits.flatten(0, -2).float(),
-                                                                       targets.flatten()))
+    oss = capture_causal_lm(transformers.GptOssForCausalLM, config)
     ops = find_expert_ops(oss)
     assert ops and not any(op.chain_to for op in ops)
     region = set(token_local_region(oss, ops))

@@ -144,18 +144,12 @@ def test_grouped_rows_received_from_each_rank_are_put_in_expert_order() -> None:
 def mixtral_graph():
     """Hugging Face's Mixtral (grouped matmuls over tokens sorted by expert: dropless), tiny, on meta."""
     transformers = pytest.importorskip("transformers")
-    from autopar.models import on_meta
+    from hf_meta import capture_causal_lm
 
     config = transformers.MixtralConfig(use_cache=False, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                         num_local_experts=8, num_experts_per_tok=2)
-    with on_meta():
-        model = transformers.MixtralForCausalLM(config)
-    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
-    return autopar.capture_for_planning(
-        model, dict(input_ids=tokens), example_targets=tokens,
-        loss_fn=lambda out, targets: torch.nn.functional.cross_entropy(out.logits.flatten(0, -2).float(),
-                                                                       targets.flatten()))
+    return capture_causal_lm(transformers.MixtralForCausalLM, config)
 
 
 def test_dropless_grouped_experts_price_dispatch_combine_counts_and_the_stated_imbalance(mixtral_graph) -> None:
