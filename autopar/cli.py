@@ -3,7 +3,8 @@
     autopar plan MODEL --cluster SPEC --global-batch B [--dp D] [--tp T] [--pp P] [--cp C] [--jobs N] [--json]
     autopar evaluate MODEL --cluster SPEC --global-batch B --tp T --pp P --microbatch-size b ...
     autopar profile [--device cpu|cuda] [--nproc N] [--out profile.json] [--no-calibrate]
-        (N >= 2 on the CPU: also fits whole-step terms on a small built-in model; --calibrate MODEL for another)
+        (N >= 2 on the CPU: also fits whole-step terms on two sizes of a small built-in model; --calibrate MODEL
+        for another, repeatable)
     torchrun --nproc-per-node N -m autopar.cli tune MODEL --cluster SPEC --global-batch B --trials k
     autopar show PLAN.json [--timeline out.png|out.html] [--memory out.png] [--html report.html]
     autopar explain PLAN.json
@@ -26,7 +27,7 @@ import os
 import sys
 
 from autopar.capture.heap import collector_paused, freeze_at_exit
-from autopar.tune.defaults import DEFAULT_CALIBRATION_MODEL
+from autopar.tune.defaults import DEFAULT_CALIBRATION_MODELS
 
 with collector_paused():  # torch and the planner: 0.25 CPU s of the collector's passes, nothing to free
     from autopar.plans import planning
@@ -226,11 +227,11 @@ def _profile_parser(commands) -> None:
                         help="processes for the collective sweep (default 1)")
     parser.add_argument("--out", default="profile.json", metavar="FILE")
     parser.add_argument("--quick", action="store_true", help="a smaller sweep")
-    parser.add_argument("--calibrate", metavar="MODEL",
+    parser.add_argument("--calibrate", metavar="MODEL", action="append",
                         help="run a fixed set of configurations of MODEL on --nproc processes and store the fitted "
                              "whole-step terms in the profile (an existing --out file is calibrated, else measured "
-                             "first); default with --nproc N >= 2 on the CPU: a small built-in GPT "
-                             f"({DEFAULT_CALIBRATION_MODEL})")
+                             "first); repeat it for one fit over several models; default with --nproc N >= 2 on the "
+                             f"CPU: a small built-in GPT at two sequence lengths ({' and '.join(DEFAULT_CALIBRATION_MODELS)})")
     parser.add_argument("--no-calibrate", action="store_true",
                         help="measure only: plans on this profile say they are uncalibrated")
     parser.add_argument("--global-batch", type=count(MAX_GLOBAL_BATCH), metavar="B", help="batch of the calibration runs (default 4 x nproc)")
@@ -346,7 +347,7 @@ def _profile(args) -> int:
     if args.no_calibrate or "RANK" in os.environ:
         return 0
     if profile.device_kind == "cpu" and args.nproc >= 2:  # the default: whole steps of a small built-in model
-        args.calibrate = DEFAULT_CALIBRATION_MODEL
+        args.calibrate = list(DEFAULT_CALIBRATION_MODELS)
         return _calibrate(args, exists=True)
     print(_uncalibrated_note(profile.device_kind, args.out))
     return 0
@@ -358,7 +359,7 @@ def _uncalibrated_note(device_kind: str, out: str) -> str:
         return (f"not calibrated: whole steps need --nproc N >= 2 (`autopar profile --nproc 4 --out {out}`); plans "
                 "on this profile say they are uncalibrated")
     return ("not calibrated: on GPUs calibrate inside the job, `torchrun --nproc-per-node N -m autopar.cli profile "
-            f"--calibrate {DEFAULT_CALIBRATION_MODEL} --out {out} --cluster PRESET:nodes=1,profile={out}`; plans on "
+            f"{' '.join('--calibrate ' + spec for spec in DEFAULT_CALIBRATION_MODELS)} --out {out} --cluster PRESET:nodes=1,profile={out}`; plans on "
             "this profile say they are uncalibrated")
 
 

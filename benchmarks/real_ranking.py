@@ -1,9 +1,9 @@
 """Predicted against measured whole steps, and autopar's pick with and without trials (issue 10).
 
-    .venv/bin/autopar profile --nproc 4 --quick --out /tmp/p.json
-    .venv/bin/autopar profile --calibrate CALIBRATION_MODEL --nproc 4 --out /tmp/p.json
-    .venv/bin/autopar profile --calibrate CALIBRATION_MODEL --nproc 2 --out /tmp/p.json
-    .venv/bin/python benchmarks/real_ranking.py --profile /tmp/p.json [--model gpt|llama] [--steps 6 --warmup 3] [--markdown]
+    .venv/bin/autopar profile --nproc 4 --quick --out /tmp/p.json     # measures, then calibrates (the default)
+    .venv/bin/python benchmarks/real_ranking.py --profile /tmp/p.json --procs 4 [--model gpt|llama] [--markdown]
+    # 2 processes too (the default --procs 4 2): add their calibration to the same profile
+    .venv/bin/autopar profile --nproc 2 --out /tmp/p.json --calibrate M1 --calibrate M2   # M1, M2: the defaults
 
 For 4 and then 2 gloo processes of this machine (one job each), a model of MODELS at global batch
 16, fp32, SGD: each configuration of the table (fixed mesh and ZeRO stage; microbatching left to
@@ -13,9 +13,9 @@ median after warm-up: autopar.tune.trials), all configurations of one N built fi
 interleaved rounds, so that load from other jobs falls on each alike. Then autopar's own pick without
 trials (calibrated, and uncalibrated for comparison), and `trials=4` (the four best predicted
 candidates, with early stopping, as `parallelize(..., trials=4)` runs them; its wall time
-includes building every candidate). The calibration ran on another model (CALIBRATION_MODEL)
-and its own fixed set of configurations (`autopar profile --calibrate`), so every row here is
-held out. Prints per N: the table, the rank correlation (Spearman) of predicted and measured
+includes building every candidate). The default calibration ran on other models (the built-in GPT of
+hidden 128 at two sequence lengths, autopar.tune.defaults.DEFAULT_CALIBRATION_MODELS) and its own
+fixed set of configurations, so every row here is held out. Prints per N: the table, the rank correlation (Spearman) of predicted and measured
 over the table's configurations, the median |predicted / measured - 1|, and the measured time
 of each pick over the best measured configuration.
 """
@@ -30,7 +30,6 @@ import time
 MODELS = {"gpt": "gpt:layers=4,hidden=256,heads=4,seq=128,vocab=512,dropout=0.0",
           "llama": "llama:layers=8,hidden=256,heads=8,kv_heads=4,seq=128,vocab=512"}
 """The models ranked (`--model`): a 4-layer GPT and an 8-layer Llama with grouped-query attention."""
-CALIBRATION_MODEL = "gpt:layers=4,hidden=128,heads=4,seq=128,vocab=512,dropout=0.0"
 GLOBAL_BATCH = 16
 TABLE = {
     4: [("dp=4", dict(dp=4, tp=1, pp=1, zero_stage=0)),
@@ -66,7 +65,7 @@ def worker(num_processes: int, profile: str, steps: int, warmup: int, model: str
                                      loss_fn=bundle.loss_fn, example_targets=bundle.example_targets, precision="fp32")
         if calibrated.overheads is None:
             raise SystemExit(f"{profile} has no calibration for {num_processes} processes: run "
-                             f"`autopar profile --calibrate {CALIBRATION_MODEL} --nproc {num_processes} --out {profile}`")
+                             f"`autopar profile --nproc {num_processes} --out {profile}`")
         raw = Planner(calibrated.graph, calibrated.cluster, global_batch=GLOBAL_BATCH, policy=calibrated.policy,
                       precision="fp32")
         rows = []

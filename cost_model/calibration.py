@@ -57,6 +57,8 @@ class CalibrationPoint:
 
     config: str
     """The configuration, as ParallelConfig.describe() writes it."""
+    model: str = ""
+    """The model spec it ran (a calibration may pool several models: Calibration.model names all)."""
     predicted_s: float
     """Step time the uncalibrated model predicted."""
     measured_s: float
@@ -76,7 +78,7 @@ class Calibration:
     version: int
     """Format version of this section (CALIBRATION_VERSION)."""
     model: str
-    """Model the configurations ran (a spec or class name)."""
+    """Model(s) the configurations ran (a spec or class name; several joined by " ; ")."""
     num_processes: int
     """Processes per node during the calibration."""
     num_cores: int

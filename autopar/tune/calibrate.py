@@ -1,11 +1,12 @@
 """`autopar profile --calibrate MODEL`: measure whole steps and fit the terms the model lacks.
 
-A fixed set of configurations of MODEL on N processes of this machine (every mesh pp x dp x tp
+A fixed set of configurations of each MODEL (one or more; by default two sizes of a small GPT,
+defaults.DEFAULT_CALIBRATION_MODELS) on N processes of this machine (every mesh pp x dp x tp
 of N that the model allows, each with one and with more microbatches, ZeRO-3 where dp > 1,
 ZeRO-1 for pure data parallelism, and full recomputation once: `calibration_configs`) is priced
 without calibration and run for a few steps (autopar.tune.trials, the same measurement as
 `trials=`, in interleaved rounds); the terms of cost_model/calibration.py are fitted to the measured step times
-(fit.py) and stored in the profile, replacing an earlier calibration for the same number of
+(fit.py, one fit over every model's configurations) and stored in the profile, replacing an earlier calibration for the same number of
 processes.
 """
 
@@ -15,11 +16,11 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
 
 from autopar.errors import ConfigError, ProfileError
-from autopar.tune.defaults import DEFAULT_CALIBRATION_MODEL  # noqa: F401 (re-exported)
 from autopar.tune.fit import Observation, fit
 from autopar.tune.trials import TrialOptions
 from cost_model.calibration import CALIBRATION_VERSION, Calibration
@@ -29,6 +30,8 @@ from cost_model.profile import HardwareProfile, load_profile
 CALIBRATION_STEPS = TrialOptions(warmup_steps=2, steps=5, interleave=True)
 """Interleaved rounds (load from other jobs falls on every configuration alike), each to the end."""
 MAX_CONFIGS = 12
+MODEL_SEPARATOR = " ; "
+"""Between the model specs of a calibration made on several (Calibration.model)."""
 
 
 def calibration_configs(num_processes: int, global_batch: int, *, num_layers: int, num_heads: int) -> list[dict]:
@@ -108,16 +111,36 @@ def measure_configs(model_spec: str, cluster: str, global_batch: int, options: T
     say = (lambda message: print(f"calibrate: {message}", file=sys.stderr, flush=True))
     results = run_trials(bundle.model, tuple(bundle.example_inputs), bundle.example_targets, bundle.loss_fn, plans,
                          options=options, progress=say)
-    return [dict(config=result.config, predicted_s=plan.predicted.step_time_s, features=features,
+    return [dict(config=result.config, model=model_spec, predicted_s=plan.predicted.step_time_s, features=features,
                  measured_s=result.measured_s, failure=result.error)
             for (plan, features), result in zip(priced, results)]
 
 
-def calibrate_profile(model_spec: str, profile_path: str, *, num_processes: int, global_batch: int | None = None,
-                      options: TrialOptions = CALIBRATION_STEPS, out: str | None = None) -> HardwareProfile:
-    """Run the calibration set on `num_processes` spawned gloo processes and store the fit in
-    the profile (written to `out`, default: back to `profile_path`)."""
+def measure_models(model_specs: tuple[str, ...], cluster: str, global_batch: int, options: TrialOptions,
+                   precision: str = "fp32") -> list[dict]:
+    """`measure_configs` of each model in turn, in one process group: the rows of all of them."""
+    return [row for spec in model_specs
+            for row in measure_configs(spec, cluster, global_batch, options, precision=precision)]
+
+
+def model_specs_of(models: str | Sequence[str]) -> tuple[str, ...]:
+    """The calibration models as a tuple (one spec or several), each a non-empty spec."""
+    specs = (models,) if isinstance(models, str) else tuple(models)
+    if not specs:
+        raise ConfigError("calibration needs at least one model spec, e.g. gpt:layers=4,hidden=128,heads=4")
+    for spec in specs:
+        check_calibration_model(spec)
+    return specs
+
+
+def calibrate_profile(models: str | Sequence[str], profile_path: str, *, num_processes: int,
+                      global_batch: int | None = None, options: TrialOptions = CALIBRATION_STEPS,
+                      out: str | None = None) -> HardwareProfile:
+    """Run the calibration set of each of `models` on `num_processes` spawned gloo processes and
+    store one fit over all of them in the profile (written to `out`, default: back to `profile_path`)."""
     from autopar.tune.launch import spawn
+
+    specs = model_specs_of(models)
 
     profile = _profile_of_this_host(profile_path)
     if profile.device_kind != "cpu":
@@ -127,18 +150,18 @@ def calibrate_profile(model_spec: str, profile_path: str, *, num_processes: int,
                            f"{profile_path} --cluster PRESET:nodes=1,profile={profile_path}`")
     batch = global_batch or 4 * num_processes
     load, started = _load_average(), time.perf_counter()
-    outcome = spawn(measure_configs, num_processes=num_processes,
-                    args=(model_spec, f"cpu:procs={num_processes},profile={profile_path}", batch, options))
+    outcome = spawn(measure_models, num_processes=num_processes,
+                    args=(specs, f"cpu:procs={num_processes},profile={profile_path}", batch, options))
     notes = [] if outcome.clean_exit else [
         f"the processes exited with codes {outcome.exit_codes} after the measurements (an abort at exit); the "
         "measurements were saved before"]
-    calibrated = _with_calibration(profile, outcome.value, model_spec=model_spec, num_processes=num_processes,
+    calibrated = _with_calibration(profile, outcome.value, specs=specs, num_processes=num_processes,
                                    batch=batch, load=load, seconds=time.perf_counter() - started, notes=notes)
     calibrated.save(out or profile_path)
     return calibrated
 
 
-def calibrate_in_job(model_spec: str, profile_path: str, *, cluster: str | None = None,
+def calibrate_in_job(models: str | Sequence[str], profile_path: str, *, cluster: str | None = None,
                      global_batch: int | None = None, options: TrialOptions = CALIBRATION_STEPS,
                      out: str | None = None) -> HardwareProfile | None:
     """The calibration inside this process group (a torchrun job: GPUs with NCCL, or CPUs with
@@ -150,6 +173,7 @@ def calibrate_in_job(model_spec: str, profile_path: str, *, cluster: str | None 
 
     from autopar.codegen.runtime import ensure_process_group
 
+    specs = model_specs_of(models)
     rank, world = ensure_process_group()
     processes_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if not torch.cuda.is_available():
@@ -162,11 +186,10 @@ def calibrate_in_job(model_spec: str, profile_path: str, *, cluster: str | None 
         cluster = f"cpu:procs={world},profile={profile_path}"
     batch = global_batch or 4 * world
     load, started = _load_average(), time.perf_counter()
-    rows = measure_configs(model_spec, cluster, batch, options,
-                           precision="bf16" if profile.device_kind != "cpu" else "fp32")
+    rows = measure_models(specs, cluster, batch, options, precision="bf16" if profile.device_kind != "cpu" else "fp32")
     calibrated = None
     if rank == 0:
-        calibrated = _with_calibration(profile, rows, model_spec=model_spec, num_processes=processes_per_node,
+        calibrated = _with_calibration(profile, rows, specs=specs, num_processes=processes_per_node,
                                        batch=batch, load=load, seconds=time.perf_counter() - started, notes=[])
         calibrated.save(out or profile_path)
     dist.barrier()
@@ -184,17 +207,18 @@ def _profile_of_this_host(profile_path: str) -> HardwareProfile:
     return profile
 
 
-def _with_calibration(profile: HardwareProfile, rows: list[dict], *, model_spec: str, num_processes: int,
+def _with_calibration(profile: HardwareProfile, rows: list[dict], *, specs: tuple[str, ...], num_processes: int,
                       batch: int, load: float, seconds: float, notes: list[str]) -> HardwareProfile:
     """`profile` with the fit of `rows` as its calibration for `num_processes` processes per node."""
     import torch
 
-    notes = list(notes) + [f"{row['config']} failed: {row['failure']}" for row in rows if row["measured_s"] is None]
-    observations = [Observation(config=row["config"], predicted_s=row["predicted_s"], measured_s=row["measured_s"],
+    notes = list(notes) + [f"{row['config']} of {row['model']} failed: {row['failure']}"
+                           for row in rows if row["measured_s"] is None]
+    observations = [Observation(config=row["config"], model=row["model"], predicted_s=row["predicted_s"], measured_s=row["measured_s"],
                                 features=row["features"]) for row in rows if row["measured_s"] is not None]
     result = fit(observations)
     calibration = Calibration(
-        version=CALIBRATION_VERSION, model=model_spec, num_processes=num_processes, num_cores=os.cpu_count() or 1,
+        version=CALIBRATION_VERSION, model=MODEL_SEPARATOR.join(specs), num_processes=num_processes, num_cores=os.cpu_count() or 1,
         host=profile.host, device_name=profile.device_name, torch_version=torch.__version__,
         coefficients=result.coefficients, expected_error=result.expected_error, worst_error=result.worst_error,
         points=tuple(replace(point, fitted_s=f, held_out_s=h)
@@ -222,16 +246,21 @@ def _load_average() -> float:
 
 
 def describe_calibration(calibration: Calibration) -> str:
-    lines = [f"calibration of {calibration.model} on {calibration.num_processes} processes "
+    models = calibration.model.split(MODEL_SEPARATOR)
+    lines = [f"calibration of {' and '.join(models)} on {calibration.num_processes} processes "
              f"({calibration.num_cores} cores, load average {calibration.load_average:.1f} at the start):"]
     for term, value in calibration.coefficients.items():
         lines.append(f"  {term:<28} {value:.4g}")
     lines.append(f"  expected error (median held-out) {100 * calibration.expected_error:.0f}%, "
                  f"worst {100 * calibration.worst_error:.0f}%")
-    lines.append("  config                                                        predicted ms  held-out ms  measured ms")
-    for point in calibration.points:
-        lines.append(f"  {point.config:<62}{point.predicted_s * 1e3:10.1f}{point.held_out_s * 1e3:13.1f}"
-                     f"{point.measured_s * 1e3:13.1f}")
+    for model in dict.fromkeys(point.model for point in calibration.points):
+        if len(models) > 1 and model:
+            lines.append(f"  {model}:")
+        lines.append("  config                                                        predicted ms  held-out ms  "
+                     "measured ms")
+        for point in (p for p in calibration.points if p.model == model):
+            lines.append(f"  {point.config:<62}{point.predicted_s * 1e3:10.1f}{point.held_out_s * 1e3:13.1f}"
+                         f"{point.measured_s * 1e3:13.1f}")
     for note in calibration.notes:
         lines.append(f"  note: {note}")
     return "\n".join(lines)

@@ -141,10 +141,11 @@ def test_profile_writes_a_profile_the_cluster_spec_loads(capsys, tmp_path, monke
 
 def test_profile_calibrates_on_a_small_built_in_model_unless_told_not_to(capsys, monkeypatch, tmp_path):
     """`autopar profile --nproc N` (N >= 2, CPU) measures, then calibrates whole steps of the
-    default model into the same file; --no-calibrate measures only; --calibrate MODEL picks it."""
+    default models (two sequence lengths) into the same file; --no-calibrate measures only;
+    --calibrate MODEL picks it, repeated for several."""
     import autopar.tune.calibrate as calibrate
     import autopar.tune.profile as profile
-    from autopar.tune.defaults import DEFAULT_CALIBRATION_MODEL
+    from autopar.tune.defaults import DEFAULT_CALIBRATION_MODELS
 
     measured, calibrated = [], []
 
@@ -164,10 +165,15 @@ def test_profile_calibrates_on_a_small_built_in_model_unless_told_not_to(capsys,
     monkeypatch.setattr(calibrate, "describe_calibration", lambda calibration: "fitted")
     out_file = str(tmp_path / "p.json")
     code, out, _ = run(capsys, "profile", "--device", "cpu", "--nproc", "2", "--quick", "--out", out_file)
-    assert code == 0 and calibrated == [(DEFAULT_CALIBRATION_MODEL, out_file, 2)] and len(measured) == 1
+    assert code == 0 and calibrated == [(list(DEFAULT_CALIBRATION_MODELS), out_file, 2)] and len(measured) == 1
+    assert len(DEFAULT_CALIBRATION_MODELS) == 2 and "seq=128" in DEFAULT_CALIBRATION_MODELS[0] \
+        and "seq=256" in DEFAULT_CALIBRATION_MODELS[1]
     calibrated.clear()
     code, out, _ = run(capsys, "profile", "--device", "cpu", "--nproc", "2", "--no-calibrate", "--out", out_file)
     assert code == 0 and calibrated == [] and len(measured) == 2
+    code, out, _ = run(capsys, "profile", "--nproc", "2", "--calibrate", "tiny-gpt", "--calibrate", "gpt:layers=2",
+                       "--out", out_file)
+    assert code == 0 and calibrated == [(["tiny-gpt", "gpt:layers=2"], out_file, 2)]
     code, _, err = run(capsys, "profile", "--nproc", "2", "--no-calibrate", "--calibrate", "tiny-gpt", "--out", out_file)
     assert code == 2 and "contradict" in err
 

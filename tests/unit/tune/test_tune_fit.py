@@ -63,3 +63,29 @@ def test_the_error_bar_is_held_out():
 def test_fit_needs_a_few_points():
     with pytest.raises(ConfigError, match="at least 3"):
         fit(_observations({"compute.in_step": 1.0}, sharing=1.0, count=2))
+
+
+def _steps_of_one_model(scale: float) -> list[Observation]:
+    """Steps whose collectives cost 1.6 x their predicted time plus 2e-3 s a call, from a model
+    whose messages are `scale` times the base size: the same calls, `scale` times the bytes."""
+    found = []
+    for index, calls in enumerate((10, 20, 40, 60, 80, 120)):
+        comm_s = scale * calls * 1e-4  # one message size per call: time proportional to calls
+        features = {"compute.in_step": 0.1 * scale, "comm.pattern": comm_s, "comm.calls": float(calls)}
+        measured = 0.1 * scale + 1.6 * comm_s + 2e-3 * calls
+        found.append(Observation(config=f"c{index}", model=f"x{scale}", predicted_s=0.1 * scale + comm_s,
+                                 measured_s=measured, features=features))
+    return found
+
+
+def test_two_message_sizes_separate_the_per_byte_and_the_per_call_collective_terms():
+    """With one model every call moves messages of one size, so 'per byte' and 'per call' are the
+    same column up to a factor and the fit may pick either; a second model with twice the
+    messages at the same calls tells them apart (why `autopar profile` calibrates two sizes)."""
+    one = fit(_steps_of_one_model(1.0))
+    assert one.expected_error < 1e-6  # it fits its own points perfectly ...
+    assert not (one.coefficients["comm.pattern"] == pytest.approx(1.6, rel=1e-3)
+                and one.coefficients["comm.calls"] == pytest.approx(2e-3, rel=1e-3))  # ... with the wrong split
+    both = fit(_steps_of_one_model(1.0) + _steps_of_one_model(2.0))
+    assert both.coefficients["comm.pattern"] == pytest.approx(1.6, rel=1e-6)
+    assert both.coefficients["comm.calls"] == pytest.approx(2e-3, rel=1e-6)
