@@ -29,7 +29,10 @@ sharded and gathers them again in backward, as Megatron does).
 
 The optimizer step is priced as the run's framework stepped it: Megatron-LM's fused Adam, and
 torchtitan's AdamW as its default was at the run's date (foreach before 2025-02, fused since),
-the date being the earliest the source gives (an arXiv id, a month and year).
+the date being the earliest the source gives (an arXiv id, a month and year). torchtitan's FSDP2
+units are priced as its apply_fsdp wrapped them at that date: before 2025-08 the embedding, final
+norm and head were the root unit, gathered once before the forward and reduce-scattered after the
+whole backward, and the last block stayed gathered (cost_model/fsdp.py's root ends).
 
 A power cap the notes state ("power-capped at 500 W") is set as the cluster's
 `device.power_limit_w`, like the figures in cluster_overrides: the device's tensor peak then
@@ -273,6 +276,13 @@ TORCHTITAN_FUSED_ADAMW_SINCE = (2025, 2)
 pytorch/torchtitan#881 ("use Fused AdamW as default", 2025-02-24)."""
 
 
+TORCHTITAN_SEPARATE_ENDS_SINCE = (2025, 8)
+"""torchtitan's apply_fsdp wrapped each transformer block and then the whole model, so the
+embedding, final norm and output head were the root unit, and kept the last block gathered
+after forward (cost_model/fsdp.py's root ends), until pytorch/torchtitan#1094 ("Improve
+reshard_after_forward logic", 2025-07-28) gave the embedding and [norm, output] units of their own."""
+
+
 MEGATRON_BF16_MAIN_GRAD_BYTES = 4.0
 """Megatron's gradients under bf16 are fp32 "main grads", accumulated and reduced in fp32: Megatron-LM
 forces --accumulate-allreduce-grads-in-fp32 when --bf16 is set (megatron/training/arguments.py),
@@ -282,20 +292,24 @@ fp32). fp16 runs keep fp16 gradients unless asked (the flag's default)."""
 
 def policy_of(run: Run) -> PrecisionPolicy:
     """How the run's framework holds and reduces its states: torchtitan's FSDP2 gathers bf16 and
-    reduce-scatters fp32 (MixedPrecisionPolicy), and steps AdamW as its default of the run's time
-    was (foreach before 2025-02, fused since); Megatron-LM uses its bf16/fp16 parameters as they
-    are in every microbatch (no cast per use, unlike autopar's runtime), fp32 main gradients under
-    bf16 (MEGATRON_BF16_MAIN_GRAD_BYTES), and a fused Adam; NeMo runs with TP comm overlap where
-    the notes say so."""
+    reduce-scatters fp32 (MixedPrecisionPolicy), wraps the model as it did at the run's time (the
+    embedding and head in the root unit before 2025-08), and steps AdamW as its default of the
+    run's time was (foreach before 2025-02, fused since); Megatron-LM uses its bf16/fp16
+    parameters as they are in every microbatch (no cast per use, unlike autopar's runtime), fp32
+    main gradients under bf16 (MEGATRON_BF16_MAIN_GRAD_BYTES), and a fused Adam; NeMo runs with TP
+    comm overlap where the notes say so."""
     if run.precision == "fp32":
         return FP32_ADAM
     if "torchtitan" not in run.source.lower():
         return replace(MEGATRON_BF16, tp_comm_overlap=run.tp_comm_overlap,
                        grad_bytes=MEGATRON_BF16_MAIN_GRAD_BYTES if run.precision == "bf16" else MEGATRON_BF16.grad_bytes)
     when = run_month(run.source)
+    policy = FSDP2_BF16_FP32_REDUCE
+    if when is not None and when < TORCHTITAN_SEPARATE_ENDS_SINCE:
+        policy = replace(policy, fsdp_root_ends=True)
     if when is not None and when < TORCHTITAN_FUSED_ADAMW_SINCE:
-        return replace(FSDP2_BF16_FP32_REDUCE, optimizer_io_bytes_per_param=adamw_io_bytes_per_param("foreach"))
-    return FSDP2_BF16_FP32_REDUCE
+        policy = replace(policy, optimizer_io_bytes_per_param=adamw_io_bytes_per_param("foreach"))
+    return policy
 
 
 _ARXIV_ID = re.compile(r"\barXiv[: ]+(\d{2})(\d{2})\.\d{4,5}", re.IGNORECASE)

@@ -18,6 +18,17 @@ backward times B_i, gather times G_i and reduce-scatter times R_i:
     exposed     (forward end - sum F) + (backward end - forward end - sum B)
 
 Without resharding after forward (ZeRO-1/2 as FSDP2 runs them) the backward needs no gathers.
+
+**Root ends** (`root_ends`): torchtitan calls `fully_shard` on every transformer block and then on
+the whole model, so the embedding, the final norm and the output head are one unit, the root's
+(pytorch/torchtitan parallelize_llama's apply_fsdp). FSDP2 never reshards the root after forward
+("For the root, do not reshard after forward since for training, the parameters would be freed
+and all-gathered immediately": FSDPState._lazy_init), and the root's gradients are reduce-
+scattered together once its last parameter's gradient exists, the embedding's at the end of the
+backward. torchtitan also keeps the last block gathered (`reshard_after_forward = layer_id <
+len(layers) - 1`). So the first and last units are gathered together before the first forward
+(exposed), neither they nor the last block is gathered again for backward, and the first and
+last units' gradients are reduce-scattered together after the whole backward (exposed).
 No torch and no autopar imports here.
 """
 
@@ -90,30 +101,34 @@ def timeline_of_arrays(forward_s: list[float], backward_s: list[float], gather_s
 
 
 def timelines_of_arrays(forward_s: list[float], backward_s: list[float], gather_s: list[float],
-                        scatter_s: list[float], *, reshard_after_forward: bool,
-                        reduce_scatter: bool = True) -> tuple[FsdpTimeline, float]:
-    """(the timeline, and what would be exposed without any reduce-scatter), in one forward pass."""
+                        scatter_s: list[float], *, reshard_after_forward: bool, reduce_scatter: bool = True,
+                        backward_gather_s: list[float] | None = None) -> tuple[FsdpTimeline, float]:
+    """(the timeline, and what would be exposed without any reduce-scatter), in one forward pass.
+    `backward_gather_s`: each unit's gather before its backward where it differs from its forward
+    one (`root_ends`); None: the same."""
     if not forward_s:
         return FsdpTimeline(forward_gather_exposed_s=0.0, backward_exposed_s=0.0, first_gather_s=0.0,
                             last_reduce_scatter_s=0.0, gather_s=0.0, reduce_scatter_s=0.0, compute_s=0.0,
                             worst_unit_ratio=0.0), 0.0
     scatters = scatter_s if reduce_scatter else [0.0] * len(scatter_s)
+    regather_s = gather_s if backward_gather_s is None else backward_gather_s
     forward_end, queue_free = _forward(forward_s, gather_s)
-    backward_end = _backward(backward_s, gather_s, scatters, forward_end, queue_free, reshard_after_forward)
+    backward_end = _backward(backward_s, regather_s, scatters, forward_end, queue_free, reshard_after_forward)
     forward_compute, backward_compute = sum(forward_s), sum(backward_s)
     forward_exposed = max(0.0, forward_end - forward_compute)
     gathers_only = forward_exposed
     if reduce_scatter:
-        no_scatter = _backward(backward_s, gather_s, [0.0] * len(gather_s), forward_end, queue_free,
+        no_scatter = _backward(backward_s, regather_s, [0.0] * len(gather_s), forward_end, queue_free,
                                reshard_after_forward)
         gathers_only += max(0.0, no_scatter - forward_end - backward_compute)
-    passes = 2 if reshard_after_forward else 1
-    ratios = [(passes * gather + scatter) / max(forward + backward, 1e-30)
-              for forward, backward, gather, scatter in zip(forward_s, backward_s, gather_s, scatters) if gather > 0]
+    regathers = regather_s if reshard_after_forward else [0.0] * len(gather_s)
+    ratios = [(gather + regather + scatter) / max(forward + backward, 1e-30)
+              for forward, backward, gather, regather, scatter
+              in zip(forward_s, backward_s, gather_s, regathers, scatters) if gather + regather > 0]
     timeline = FsdpTimeline(forward_gather_exposed_s=forward_exposed,
                             backward_exposed_s=max(0.0, backward_end - forward_end - backward_compute),
                             first_gather_s=gather_s[0], last_reduce_scatter_s=scatters[0],
-                            gather_s=passes * sum(gather_s), reduce_scatter_s=sum(scatters),
+                            gather_s=sum(gather_s) + sum(regathers), reduce_scatter_s=sum(scatters),
                             compute_s=forward_compute + backward_compute, worst_unit_ratio=max(ratios, default=0.0))
     return timeline, (gathers_only if reduce_scatter else timeline.exposed_s)
 
@@ -152,6 +167,20 @@ def _backward(backward_s: list[float], gather_s: list[float], scatter_s: list[fl
     return max(clock, queue)
 
 
+def root_ends(gather_s: list[float], scatter_s: list[float]) -> tuple[list[float], list[float], list[float]]:
+    """(forward gathers, backward gathers, reduce-scatters) per unit when the first and last units
+    are the root unit and the last block stays gathered (module docstring), from each unit's own
+    gather and reduce-scatter times: the root's collectives are one each, at unit 0 (first in
+    forward, last in backward), priced as the sum of the two units' own (one collective's latency
+    over). Fewer than three units: as they are."""
+    if len(gather_s) < 3:
+        return list(gather_s), list(gather_s), list(scatter_s)
+    forward = [gather_s[0] + gather_s[-1], *gather_s[1:-1], 0.0]
+    backward = [0.0, *gather_s[1:-2], 0.0, 0.0]
+    scatters = [scatter_s[0] + scatter_s[-1], *scatter_s[1:-1], 0.0]
+    return forward, backward, scatters
+
+
 def copy_bytes(numel: float, *, gather_bytes: float, reduce_bytes: float) -> tuple[float, float]:
     """(all-gather copy-out, reduce-scatter copy-in) memory traffic in bytes for a unit of `numel`
     unsharded parameters: copies FSDP2 makes on the compute stream, besides the collectives.
@@ -167,12 +196,20 @@ def copy_bytes(numel: float, *, gather_bytes: float, reduce_bytes: float) -> tup
     return 2.0 * numel * gather_bytes, numel * (gather_bytes + reduce_bytes)
 
 
-def unsharded_bytes(unit_param_numel: Sequence[float], *, param_bytes: float, grad_bytes: float) -> float:
+def unsharded_bytes(unit_param_numel: Sequence[float], *, param_bytes: float, grad_bytes: float,
+                    root_ends: bool = False, held_grad_bytes: float = 0.0) -> float:
     """Peak of FSDP2's gathered buffers: the largest unit gathered with the next one prefetched
     (two consecutive units' parameters) plus one unit's unsharded gradients before its
-    reduce-scatter frees them."""
+    reduce-scatter frees them. With `root_ends` (module docstring) the first and last units'
+    parameters are held besides, from the first forward to the end of the backward, and so are
+    the last unit's unsharded gradients (`held_grad_bytes` each: the compute dtype), from its
+    backward (the first) until the root's reduce-scatter."""
     sizes = list(unit_param_numel)
     if not sizes:
         return 0.0
+    if root_ends and len(sizes) >= 3:
+        middle = sizes[1:-1]
+        pair = max(map(sum, zip(middle, middle[1:])), default=middle[0])
+        return (sizes[0] + sizes[-1] + pair) * param_bytes + sizes[-1] * held_grad_bytes + max(middle) * grad_bytes
     pair = max(map(sum, zip(sizes, sizes[1:])), default=sizes[0])
     return pair * param_bytes + max(sizes) * grad_bytes

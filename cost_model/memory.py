@@ -71,6 +71,12 @@ class PrecisionPolicy:
     """The runtime overlaps its sequence-parallel collectives with the GEMMs they feed
     (Megatron-Core / NeMo `tp_comm_overlap`, Transformer Engine userbuffers: solver/tp_overlap.py);
     False: they run exposed, as autopar's runtime issues them through DTensor."""
+    fsdp_root_ends: bool = False
+    """The runtime's root FSDP unit holds the first and last segments' parameters (torchtitan:
+    `fully_shard` on each transformer block, then on the whole model, so the embedding, the final
+    norm and the output head are the root's), and keeps the last transformer block gathered from
+    its forward to its backward (cost_model/fsdp.py's "root ends"). False: every segment is its
+    own unit, as autopar's codegen shards a stage (codegen/data_parallel.py)."""
 
     @property
     def model_state_bytes(self) -> float:
@@ -97,7 +103,8 @@ FP32_ADAM = PrecisionPolicy(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0
                             optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])
 FSDP2_BF16_FP32_REDUCE = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0)
 """torchtitan's FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathers,
-fp32 reduce-scatters (for pricing runs made that way)."""
+fp32 reduce-scatters (for pricing runs made that way; `fsdp_root_ends` for its wrapping until
+2025-07)."""
 
 
 @dataclass(frozen=True, kw_only=True)

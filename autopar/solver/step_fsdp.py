@@ -11,7 +11,7 @@ import numpy as np
 from autopar.solver.configs import ParallelConfig, StageEstimate
 from autopar.solver.prepared import PreparedSegments
 from autopar.solver.step_tail import uses_fsdp
-from cost_model.fsdp import copy_bytes, timelines_of_arrays
+from cost_model.fsdp import copy_bytes, root_ends, timelines_of_arrays
 
 
 class StepFsdp:
@@ -29,6 +29,12 @@ class StepFsdp:
             prepared.fsdp_cache[key] = self._fsdp_uncached(prepared, own, config)
         timeline, per_microbatch, step_end, offload = prepared.fsdp_cache[key]
         return timeline, dict(per_microbatch), dict(step_end), dict(offload)
+
+    def fsdp_root_ends(self, config: ParallelConfig, num_units: int) -> bool:
+        """Whether the stage's first and last units are the runtime's root unit (the policy's
+        fsdp_root_ends): only where one stage holds the whole model (pp = 1), without offload, and
+        with a block between them."""
+        return self.policy.fsdp_root_ends and config.pp == 1 and not config.offload and num_units >= 3
 
     @staticmethod
     def _fsdp_ep(prepared: PreparedSegments, config: ParallelConfig) -> int:
@@ -61,6 +67,10 @@ class StepFsdp:
         arrays = dict(forward_s=forward.tolist(), backward_s=(prepared.time_s[indices] - forward).tolist(),
                       gather_s=[gather[i] for i in inverse], scatter_s=[scatter[i] for i in inverse])
         reshard = config.zero_stage == 3
+        ends = self.fsdp_root_ends(config, len(indices))
+        if ends:  # the runtime's root unit holds the first and last segments (cost_model/fsdp.py)
+            forward_gathers, backward_gathers, scatters = root_ends(arrays["gather_s"], arrays["scatter_s"])
+            arrays = dict(arrays, gather_s=forward_gathers, backward_gather_s=backward_gathers, scatter_s=scatters)
         offload: dict[str, float] = {}
         if config.offload:  # (offload runs with ep = 1: constraints.check_ep)
             arrays, offload, overlapped = self._with_offload_copies(arrays, np.asarray([sum(size) for size in sizes]),
@@ -88,8 +98,12 @@ class StepFsdp:
                 "reduce_scatter.sm_contention"] = hidden_scatters * share
         copy_out, copy_in = copy_bytes(float(numel.sum()), gather_bytes=self.policy.fsdp_gather_bytes,
                                        reduce_bytes=self.policy.dp_reduce_bytes)  # FSDP2's copies (cost_model/fsdp.py)
+        if reshard:  # each gather before a backward copies out again (the root ends and last block: none)
+            regathered = float(numel[1:-2].sum()) if ends else float(numel.sum())
+            copy_out += copy_bytes(regathered, gather_bytes=self.policy.fsdp_gather_bytes,
+                                   reduce_bytes=self.policy.dp_reduce_bytes)[0]
         bandwidth = self.compute.bandwidth_bytes_per_s
-        (per_microbatch if reshard else step_end)["copy_out"] = (2 if reshard else 1) * copy_out / bandwidth
+        (per_microbatch if reshard else step_end)["copy_out"] = copy_out / bandwidth
         reduces_each_microbatch = config.zero_stage >= 2 and config.pp == 1
         if not (reduces_each_microbatch and self.policy.casts_once_per_step):
             # (Under casts_once_per_step each microbatch's copy-in is the gradients' cast to the

@@ -383,7 +383,9 @@ class StepModel(StepFsdp, StepTail):
                 units = [numel - experts * (1 - 1 / config.ep)
                          for numel, experts in zip(units, prepared.values("expert_numel", own))]
             fsdp = unsharded_bytes(units, param_bytes=param_bytes,
-                                   grad_bytes=0.0 if accumulated else self.policy.dp_reduce_bytes)
+                                   grad_bytes=0.0 if accumulated else self.policy.dp_reduce_bytes,
+                                   root_ends=self.fsdp_root_ends(config, len(units)),
+                                   held_grad_bytes=0.0 if accumulated else self.policy.fsdp_gather_bytes)
         gradients = 0.0
         if prepared.grad_workspace_bytes is not None and len(prepared):
             gradients = max([0.0, *prepared.values("grad_workspace_bytes", own)])

@@ -145,6 +145,18 @@ def test_torchtitan_rows_step_adamw_as_torchtitan_did_when_they_ran():
     assert policy_of(replace(later, source="torchtitan docs, 2025-06")).optimizer_io_bytes_per_param == fused
 
 
+
+def test_torchtitan_rows_wrap_fsdp_units_as_torchtitan_did_when_they_ran():
+    """The embedding and head in the root unit until pytorch/torchtitan#1094 (2025-07-28), units of
+    their own since; Megatron-LM rows have no FSDP2 wrapping to price."""
+    from benchmarks.published_runs import policy_of
+
+    for run in RUNS.values():
+        assert policy_of(run).fsdp_root_ends == ("torchtitan" in run.source.lower()), run.id
+    later = next(run for run in RUNS.values() if "torchtitan" in run.source.lower())
+    assert not policy_of(replace(later, source="torchtitan docs, 2025-08")).fsdp_root_ends
+    assert policy_of(replace(later, source="torchtitan docs, 2025-07")).fsdp_root_ends
+
 def test_a_compiled_row_with_an_eager_measurement_has_an_eager_twin():
     from benchmarks.published_runs import eager_twin
 

@@ -3,7 +3,7 @@
 import pytest
 
 from cost_model.allocator import AllocatorModel
-from cost_model.fsdp import FsdpUnit, copy_bytes, fsdp_timeline, unsharded_bytes
+from cost_model.fsdp import FsdpUnit, copy_bytes, fsdp_timeline, root_ends, timelines_of_arrays, unsharded_bytes
 
 F, B = 0.010, 0.020
 
@@ -67,3 +67,34 @@ def test_copies_read_and_write_every_gathered_element_and_cast_gradients_to_the_
     copy_out, copy_in = copy_bytes(1e6, gather_bytes=2.0, reduce_bytes=4.0)
     assert copy_out == 2 * 2.0 * 1e6  # gathered bf16 buffer read, unsharded parameters written
     assert copy_in == (2.0 + 4.0) * 1e6  # bf16 gradients read, fp32 reduce-scatter input written
+
+
+def test_root_ends_gather_the_first_and_last_units_together_once_and_keep_the_last_block():
+    forward, backward, scatters = root_ends([1.0, 2.0, 3.0, 4.0, 5.0], [10.0, 20.0, 30.0, 40.0, 50.0])
+    assert forward == [6.0, 2.0, 3.0, 4.0, 0.0]  # the root's gather before the first unit
+    assert backward == [0.0, 2.0, 3.0, 0.0, 0.0]  # root kept (FSDP2's root), last block kept (torchtitan)
+    assert scatters == [60.0, 20.0, 30.0, 40.0, 0.0]  # the root's reduce-scatter after the last backward
+    assert root_ends([1.0, 2.0], [3.0, 4.0]) == ([1.0, 2.0], [1.0, 2.0], [3.0, 4.0])
+
+
+def test_root_ends_expose_the_roots_gather_and_reduce_scatter_whole():
+    """Hidden communication, n identical units: the root's gather (2 G) before the first forward
+    and its reduce-scatter (2 R) after the last backward are exposed; nothing is gathered for the
+    first backward (the root and the last block are kept), so no gather is exposed there."""
+    gather, scatter, count = 0.004, 0.006, 8
+    forward, backward, scatters = root_ends([gather] * count, [scatter] * count)
+    timeline, gathers_only = timelines_of_arrays([F] * count, [B] * count, forward, scatters,
+                                                 reshard_after_forward=True, backward_gather_s=backward)
+    assert timeline.forward_gather_exposed_s == pytest.approx(2 * gather)
+    assert timeline.backward_exposed_s == pytest.approx(2 * scatter)
+    assert gathers_only == pytest.approx(2 * gather)
+    assert timeline.gather_s == pytest.approx((count + count - 3) * gather)
+    assert timeline.reduce_scatter_s == pytest.approx(count * scatter)
+
+
+def test_root_ends_hold_the_root_and_the_heads_gradients_beside_a_pair_of_blocks():
+    sizes = [5e6, 1e6, 2e6, 1e6, 7e6]
+    held = unsharded_bytes(sizes, param_bytes=2, grad_bytes=4, root_ends=True, held_grad_bytes=2)
+    assert held == pytest.approx((5e6 + 7e6 + 3e6) * 2 + 7e6 * 2 + 2e6 * 4)
+    assert unsharded_bytes(sizes[:2], param_bytes=2, grad_bytes=4, root_ends=True) == \
+        unsharded_bytes(sizes[:2], param_bytes=2, grad_bytes=4)

@@ -212,3 +212,31 @@ def test_fsdp_copies_are_priced_on_the_compute_stream(zero_stage, num_microbatch
                                     ParallelConfig(dp=8, tp=1, pp=1, microbatch_size=1,
                                                    num_microbatches=num_microbatches, zero_stage=0))
     assert not any(term.startswith("dp.copy") for term in unsharded.breakdown_s)  # DDP: no FSDP copies
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_root_unit_holding_the_ends_is_priced_where_one_stage_holds_the_model(pp):
+    """fsdp_root_ends (torchtitan's wrapping until 2025-07): with pp = 1 the first and last
+    segments' parameters stay gathered and the last one's gradients are held (memory), the
+    root's reduce-scatter after the whole backward is exposed, and the root and the last block
+    are not gathered again for backward; under pipelining each unit is priced on its own."""
+    from dataclasses import replace
+
+    from test_step_model import model, segments
+
+    from autopar.solver.step_model import ParallelConfig, PreparedSegments
+
+    config = ParallelConfig(dp=8, tp=1, pp=pp, microbatch_size=1, num_microbatches=4, zero_stage=3)
+    ends = model(policy=replace(FSDP2_BF16_FP32_REDUCE, fsdp_root_ends=True)).estimate(
+        PreparedSegments.build(segments(), "none"), config)
+    apart = model(policy=FSDP2_BF16_FP32_REDUCE).estimate(PreparedSegments.build(segments(), "none"), config)
+    if pp == 2:
+        assert ends.memory_bytes == apart.memory_bytes and ends.breakdown_s == apart.breakdown_s
+        return
+    unit = 1e6  # segments(): 8 units of 1e6 parameters
+    # root (2 units) + a pair of blocks in bf16, the head's bf16 gradients, one block's fp32 ones
+    assert ends.memory_bytes["fsdp_unsharded"] == pytest.approx((2 + 2) * unit * 2 + unit * 2 + unit * 4)
+    assert apart.memory_bytes["fsdp_unsharded"] == pytest.approx(2 * unit * 2 + unit * 4)
+    assert ends.breakdown_s["dp.reduce_scatter"] > apart.breakdown_s["dp.reduce_scatter"]
+    # copy-out after each gather: 8 units before forward, 5 before backward (not 0, 6 and 7)
+    assert ends.breakdown_s["dp.copy_out"] == pytest.approx(apart.breakdown_s["dp.copy_out"] * 13 / 16)
