@@ -17,6 +17,8 @@ on the tp ranks, row-parallel outputs all-reduced), else with sequence paralleli
 
 Tensor-parallel communication is overlapped with the GEMMs where the notes say the run did
 ("TP comm overlap on": NeMo's tp_comm_overlap, solver/tp_overlap.py), else priced exposed.
+NeMo's interleaved pipelines overlap their sends in the steady state (overlap_p2p_comm, which
+NeMo sets whenever virtual pipelining is on: solver/p2p_overlap.py).
 
 GPT-family attention is priced as the framework ran it: fused (SDPA, no s x s scores kept)
 for NeMo / Megatron-Core runs (Transformer Engine's attention), unfused for Megatron-LM 2022.
@@ -74,6 +76,7 @@ _POWER_CAP = re.compile(r"power-capped at (\d+(?:\.\d+)?)\s*W\b", re.IGNORECASE)
 _EAGER_MEASURED = re.compile(r"\beager\b[^;]*?\bmeasured (\d+(?:\.\d+)?)", re.IGNORECASE)
 _FUSED_ATTENTION_FRAMEWORK = re.compile(r"\bNeMo\b|\bMegatron-Core\b", re.IGNORECASE)
 _TP_COMM_OVERLAP = re.compile(r"\bTP comm(?:unication)? overlap(?:ped)? on\b", re.IGNORECASE)
+_NEMO = re.compile(r"\bNeMo\b")
 _NO_SEQUENCE_PARALLEL = re.compile(r"\bTP without (?:SP|sequence parallelism)\b", re.IGNORECASE)
 
 
@@ -161,6 +164,13 @@ class Run:
         """Whether the notes say the run overlapped its tensor-parallel communication with the
         GEMMs ("TP comm overlap on": NeMo's tp_comm_overlap); priced so (solver/tp_overlap.py)."""
         return bool(_TP_COMM_OVERLAP.search(self.notes))
+
+    @property
+    def p2p_overlap(self) -> bool:
+        """Whether the run's framework overlapped its interleaved pipeline's sends with compute:
+        NeMo's MegatronCommOverlapCallback sets Megatron-Core's overlap_p2p_comm whenever virtual
+        pipelining is on (solver/p2p_overlap.py); Megatron-LM of 2021-2022 waited on its sends."""
+        return bool(_NEMO.search(self.source))
 
     @property
     def recompute_mode(self) -> str:
@@ -286,11 +296,11 @@ def policy_of(run: Run) -> PrecisionPolicy:
     was (foreach before 2025-02, fused since); Megatron-LM uses its bf16/fp16 parameters as they
     are in every microbatch (no cast per use, unlike autopar's runtime), fp32 main gradients under
     bf16 (MEGATRON_BF16_MAIN_GRAD_BYTES), and a fused Adam; NeMo runs with TP comm overlap where
-    the notes say so."""
+    the notes say so, and with its interleaved pipeline's sends overlapped (Run.p2p_overlap)."""
     if run.precision == "fp32":
         return FP32_ADAM
     if "torchtitan" not in run.source.lower():
-        return replace(MEGATRON_BF16, tp_comm_overlap=run.tp_comm_overlap,
+        return replace(MEGATRON_BF16, tp_comm_overlap=run.tp_comm_overlap, p2p_overlap=run.p2p_overlap,
                        grad_bytes=MEGATRON_BF16_MAIN_GRAD_BYTES if run.precision == "bf16" else MEGATRON_BF16.grad_bytes)
     when = run_month(run.source)
     if when is not None and when < TORCHTITAN_FUSED_ADAMW_SINCE:

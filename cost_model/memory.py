@@ -71,6 +71,11 @@ class PrecisionPolicy:
     """The runtime overlaps its sequence-parallel collectives with the GEMMs they feed
     (Megatron-Core / NeMo `tp_comm_overlap`, Transformer Engine userbuffers: solver/tp_overlap.py);
     False: they run exposed, as autopar's runtime issues them through DTensor."""
+    p2p_overlap: bool = False
+    """The runtime overlaps an interleaved pipeline's sends and receives with the compute of the
+    other chunks in its steady state (Megatron-Core `overlap_p2p_comm`, which NeMo turns on
+    whenever virtual pipelining is used: solver/p2p_overlap.py); False: each send is waited on
+    before the next chunk runs, as autopar's runtime (torch.distributed.pipelining) is priced."""
 
     @property
     def model_state_bytes(self) -> float:
