@@ -20,6 +20,10 @@ Tensor-parallel communication is overlapped with the GEMMs where the notes say t
 NeMo's interleaved pipelines overlap their sends in the steady state (overlap_p2p_comm, which
 NeMo sets whenever virtual pipelining is on: solver/p2p_overlap.py).
 
+torchtitan's fused attention is priced at the documented rates of the kernel torch's SDPA ran on
+Hopper (attention_kernel_of: FlashAttention-2; cost_model/attention.py); other rows' attention, and
+any on other GPUs, as a matmul of torch's FLOP count.
+
 GPT-family attention is priced as the framework ran it: fused (SDPA, no s x s scores kept)
 for NeMo / Megatron-Core runs (Transformer Engine's attention), unfused for Megatron-LM 2022.
 
@@ -263,17 +267,46 @@ _PLANNERS: dict[tuple, object] = {}
 _GRAPHS: dict[tuple, object] = {}
 
 
+TORCH_PREFERS_CUDNN_ATTENTION_SINCE = (2026, 1)
+"""torch's SDPA runs its flash backend (FlashAttention-2) on Hopper until it puts cuDNN first
+(check_prefer_cudnn_attention, from the cuDNN above 9.15 that torch 2.11 bundles; pytorch#138522 had
+made cuDNN opt-in after 2.5): no torchtitan row here is that recent."""
+
+
+def attention_kernel_of(run: Run) -> str:
+    """The fused attention kernel the run's framework ran, where it is named (cost_model/attention.py):
+    torchtitan, torch's SDPA flash backend (FlashAttention-2) before TORCH_PREFERS_CUDNN_ATTENTION_SINCE,
+    cuDNN after; "" (priced as a matmul of torch's count) for the rest. Transformer Engine (NeMo,
+    Megatron-Core) prefers its cuDNN FusedAttention on Hopper, but is not named here: priced at the
+    microbenchmark's cuDNN rates, NeMo's Llama 3 8B FP8 row comes out 14% fast and the DGX Cloud
+    Llama 3.1 70B row's stage partition no longer fits (docs/accuracy.md); Megatron-LM 2021-2022
+    ran unfused attention."""
+    if "torchtitan" in run.source.lower():
+        when = run_month(run.source)
+        return "flash2" if when is None or when < TORCH_PREFERS_CUDNN_ATTENTION_SINCE else "cudnn"
+    return ""
+
+
+def with_attention_kernel(cluster: Cluster, kernel: str) -> Cluster:
+    """`cluster` with its device running `kernel`, where the device documents its rates (Hopper);
+    unchanged elsewhere (attention then priced as a matmul)."""
+    if not kernel or all(known.name != kernel for known in cluster.device.attention_kernels):
+        return cluster
+    return replace(cluster, device=replace(cluster.device, attention_kernel=kernel))
+
+
 def planner_for(run: Run, directory: Path):
     """One capture per (model, cluster, batch, precision): rows that differ only in their
     configuration (Korthikanti's baseline and SP + selective rows) share it."""
     key = (run.model, run.cluster, tuple(sorted((t, tuple(sorted(v.items()))) for t, v in run.cluster_overrides.items())),
-           run.num_nodes, run.global_batch, precision_of(run), policy_of(run))
+           run.num_nodes, run.global_batch, precision_of(run), policy_of(run), attention_kernel_of(run))
     if key not in _PLANNERS:
         graph_key = (run.model, precision_of(run))
         if graph_key not in _GRAPHS:  # rows of one model on other clusters share the capture too
             _GRAPHS[graph_key] = api.capture_for_planning(run.model, precision=precision_of(run))
         graph = _GRAPHS[graph_key]
-        _PLANNERS[key] = Planner(graph, Cluster.from_spec(run.cluster_spec(directory)), global_batch=run.global_batch,
+        cluster = with_attention_kernel(Cluster.from_spec(run.cluster_spec(directory)), attention_kernel_of(run))
+        _PLANNERS[key] = Planner(graph, cluster, global_batch=run.global_batch,
                                  policy=policy_of(run), precision=precision_of(run))
     return _PLANNERS[key]
 
