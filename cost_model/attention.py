@@ -15,12 +15,22 @@ causal; the diagonal tiles they do compute are inside the rate). So
 with work = 1/2 under a causal mask (1 without), f = counted FLOPs x work and f_half the device's
 matmul_half_efficiency_flops (small problems fill fewer SMs).
 
-Rates, as fractions of the H100 SXM5's dense bf16 peak (989.4 TF/s), head dim 128 at sequence
-length 16k, from Shah et al., "FlashAttention-3" (arXiv 2407.08608), Figures 5 and 6 (H100 80GB
-SXM5): FlashAttention-2 forward 370 TF/s without a mask and 335 with the causal mask, backward 322
-without; cuDNN (9.x, mid-2024) forward 595 and 539, backward 516. The paper charts the backward
-without a mask only: the causal backward takes the forward's causal / no-mask ratio. The backward's
-FLOPs are 2.5 x the forward's (five matmuls, the scores recomputed), as torch and the paper count them.
+Rates, as fractions of the H100 SXM5's dense bf16 peak (989.4 TF/s), head dim 128, at long
+sequences (the rates plateau from about 8k):
+- FlashAttention-2, the four from one run of flash-attention's own Hopper benchmark
+  (hopper/benchmark_attn.py, seq 8192, in Dao-AILab/flash-attention#1791, 2025-07): forward 369.9
+  without a mask and 284.1 causal, backward 290.6 and 287.1. Shah et al., "FlashAttention-3"
+  (arXiv 2407.08608, Figs. 5-6, seq 16k) chart FlashAttention-2 at 370 and 335 forward and 322
+  backward without a mask (no causal backward): the same non-causal forward, a faster causal
+  forward and backward. One run gives all four ratios the price needs; with the paper's three
+  (and #1791's causal backward ratio) torchtitan's Llama 3 8B at 32k prices 8% faster
+  (docs/accuracy.md).
+- cuDNN (9.x, mid-2024), Shah et al. Figs. 5-6: forward 595 and 539 causal, backward 516; the
+  causal backward, not charted, takes the forward's causal / no-mask ratio (an H200 here measured
+  cuDNN's backward losing 2.6% to the causal mask at 16k against the forward's 5%,
+  benchmarks/profiles/h200.json).
+The backward's FLOPs are 2.5 x the forward's (five matmuls, the scores recomputed), as torch and
+both sources count them.
 
 Which kernel runs is the runtime's: torch's SDPA runs its flash backend (FlashAttention-2) on
 Hopper until it prefers cuDNN (pytorch#138522 made cuDNN opt-in after 2.5; sdp_utils'
@@ -74,16 +84,20 @@ def work_fraction(causal: bool) -> float:
     return 0.5 if causal else 1.0
 
 
-def _hopper(name: str, forward: float, forward_causal: float, backward: float, source: str) -> AttentionKernel:
+def _hopper(name: str, *, forward: float, forward_causal: float, backward: float, backward_causal: float,
+            source: str) -> AttentionKernel:
+    """A kernel from its published rates in TF/s on an H100 SXM5."""
     peak = H100_SXM_BF16_TFLOPS
     return AttentionKernel(name=name, forward=forward / peak, forward_causal=forward_causal / peak,
-                           backward=backward / peak, backward_causal=backward * forward_causal / forward / peak,
-                           source=source)
+                           backward=backward / peak, backward_causal=backward_causal / peak, source=source)
 
 
-_FA3_PAPER = "Shah et al. 2024 (arXiv 2407.08608) Figs. 5-6: H100 SXM5, head dim 128, seq 16k"
 HOPPER_ATTENTION_KERNELS = (
-    _hopper("flash2", 370.0, 335.0, 322.0, f"FlashAttention-2; {_FA3_PAPER}"),
-    _hopper("cudnn", 595.0, 539.0, 516.0, f"cuDNN 9 fused attention; {_FA3_PAPER}"),
+    _hopper("flash2", forward=369.9, forward_causal=284.1, backward=290.6, backward_causal=287.1,
+            source="FlashAttention-2; Dao-AILab/flash-attention#1791 hopper/benchmark_attn.py, H100, head dim 128, "
+                   "seq 8192"),
+    _hopper("cudnn", forward=595.0, forward_causal=539.0, backward=516.0, backward_causal=516.0 * 539.0 / 595.0,
+            source="cuDNN 9 fused attention; Shah et al. 2024 (arXiv 2407.08608) Figs. 5-6: H100 SXM5, head dim "
+                   "128, seq 16k; causal backward at the forward's causal ratio"),
 )
 """The kernels documented on Hopper (H100, H200: the same SMs and clocks)."""

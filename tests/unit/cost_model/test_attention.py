@@ -12,19 +12,21 @@ def _kernel(name: str) -> AttentionKernel:
     return next(kernel for kernel in HOPPER_ATTENTION_KERNELS if kernel.name == name)
 
 
-def test_flash2_reaches_about_a_third_of_the_h100_peak_and_cudnn_more() -> None:
+def test_flash2_reaches_under_a_third_of_the_h100_peak_and_cudnn_more() -> None:
     flash2, cudnn = _kernel("flash2"), _kernel("cudnn")
-    assert flash2.efficiency("forward", False) == pytest.approx(370 / 989.4)
-    assert flash2.efficiency("forward", True) == pytest.approx(335 / 989.4)
-    assert flash2.efficiency("backward", False) == pytest.approx(322 / 989.4)
+    assert flash2.efficiency("forward", False) == pytest.approx(369.9 / 989.4)
+    assert flash2.efficiency("forward", True) == pytest.approx(284.1 / 989.4)
+    assert flash2.efficiency("backward", False) == pytest.approx(290.6 / 989.4)
+    assert flash2.efficiency("backward", True) == pytest.approx(287.1 / 989.4)
     for phase in ("forward", "backward"):
         for causal in (True, False):
+            assert flash2.efficiency(phase, causal) < 0.38
             assert cudnn.efficiency(phase, causal) > 1.5 * flash2.efficiency(phase, causal)
 
 
-def test_the_causal_backward_takes_the_forwards_causal_ratio() -> None:
-    flash2 = _kernel("flash2")
-    assert flash2.backward_causal / flash2.backward == pytest.approx(flash2.forward_causal / flash2.forward)
+def test_cudnns_causal_backward_takes_the_forwards_causal_ratio() -> None:
+    cudnn = _kernel("cudnn")
+    assert cudnn.backward_causal / cudnn.backward == pytest.approx(cudnn.forward_causal / cudnn.forward)
 
 
 def test_a_causal_kernel_does_half_of_torchs_count() -> None:
