@@ -246,6 +246,7 @@ _DEVICE_FIELDS = {
     "power_limit_w": ("power_limit_w", float, 1.0),
     "board_power_w": ("board_power_w", float, 1.0),
     "clock_power_exponent": ("clock_power_exponent", float, 1.0),
+    "attention_kernel": ("attention_kernel", str, 1.0),
 }
 _DEVICE_TFLOPS = {f"{dtype}_tflops": dtype for dtype in hardware.DTYPES}
 _LINK_FIELDS = {

@@ -17,6 +17,12 @@ on the tp ranks, row-parallel outputs all-reduced), else with sequence paralleli
 
 Tensor-parallel communication is overlapped with the GEMMs where the notes say the run did
 ("TP comm overlap on": NeMo's tp_comm_overlap, solver/tp_overlap.py), else priced exposed.
+NeMo's interleaved pipelines overlap their sends in the steady state (overlap_p2p_comm, which
+NeMo sets whenever virtual pipelining is on: solver/p2p_overlap.py).
+
+torchtitan's fused attention is priced at the documented rates of the kernel torch's SDPA ran on
+Hopper (attention_kernel_of: FlashAttention-2; cost_model/attention.py); other rows' attention, and
+any on other GPUs, as a matmul of torch's FLOP count.
 
 GPT-family attention is priced as the framework ran it: fused (SDPA, no s x s scores kept)
 for NeMo / Megatron-Core runs (Transformer Engine's attention), unfused for Megatron-LM 2022.
@@ -77,6 +83,7 @@ _POWER_CAP = re.compile(r"power-capped at (\d+(?:\.\d+)?)\s*W\b", re.IGNORECASE)
 _EAGER_MEASURED = re.compile(r"\beager\b[^;]*?\bmeasured (\d+(?:\.\d+)?)", re.IGNORECASE)
 _FUSED_ATTENTION_FRAMEWORK = re.compile(r"\bNeMo\b|\bMegatron-Core\b", re.IGNORECASE)
 _TP_COMM_OVERLAP = re.compile(r"\bTP comm(?:unication)? overlap(?:ped)? on\b", re.IGNORECASE)
+_NEMO = re.compile(r"\bNeMo\b")
 _NO_SEQUENCE_PARALLEL = re.compile(r"\bTP without (?:SP|sequence parallelism)\b", re.IGNORECASE)
 
 
@@ -164,6 +171,13 @@ class Run:
         """Whether the notes say the run overlapped its tensor-parallel communication with the
         GEMMs ("TP comm overlap on": NeMo's tp_comm_overlap); priced so (solver/tp_overlap.py)."""
         return bool(_TP_COMM_OVERLAP.search(self.notes))
+
+    @property
+    def p2p_overlap(self) -> bool:
+        """Whether the run's framework overlapped its interleaved pipeline's sends with compute:
+        NeMo's MegatronCommOverlapCallback sets Megatron-Core's overlap_p2p_comm whenever virtual
+        pipelining is on (solver/p2p_overlap.py); Megatron-LM of 2021-2022 waited on its sends."""
+        return bool(_NEMO.search(self.source))
 
     @property
     def recompute_mode(self) -> str:
@@ -256,17 +270,46 @@ _PLANNERS: dict[tuple, object] = {}
 _GRAPHS: dict[tuple, object] = {}
 
 
+TORCH_PREFERS_CUDNN_ATTENTION_SINCE = (2026, 1)
+"""torch's SDPA runs its flash backend (FlashAttention-2) on Hopper until it puts cuDNN first
+(check_prefer_cudnn_attention, from the cuDNN above 9.15 that torch 2.11 bundles; pytorch#138522 had
+made cuDNN opt-in after 2.5): no torchtitan row here is that recent."""
+
+
+def attention_kernel_of(run: Run) -> str:
+    """The fused attention kernel the run's framework ran, where it is named (cost_model/attention.py):
+    torchtitan, torch's SDPA flash backend (FlashAttention-2) before TORCH_PREFERS_CUDNN_ATTENTION_SINCE,
+    cuDNN after; "" (priced as a matmul of torch's count) for the rest. Transformer Engine (NeMo,
+    Megatron-Core) prefers its cuDNN FusedAttention on Hopper, but is not named here: priced at the
+    microbenchmark's cuDNN rates, NeMo's Llama 3 8B FP8 row comes out 14% fast and the DGX Cloud
+    Llama 3.1 70B row's stage partition no longer fits (docs/accuracy.md); Megatron-LM 2021-2022
+    ran unfused attention."""
+    if "torchtitan" in run.source.lower():
+        when = run_month(run.source)
+        return "flash2" if when is None or when < TORCH_PREFERS_CUDNN_ATTENTION_SINCE else "cudnn"
+    return ""
+
+
+def with_attention_kernel(cluster: Cluster, kernel: str) -> Cluster:
+    """`cluster` with its device running `kernel`, where the device documents its rates (Hopper);
+    unchanged elsewhere (attention then priced as a matmul)."""
+    if not kernel or all(known.name != kernel for known in cluster.device.attention_kernels):
+        return cluster
+    return replace(cluster, device=replace(cluster.device, attention_kernel=kernel))
+
+
 def planner_for(run: Run, directory: Path):
     """One capture per (model, cluster, batch, precision): rows that differ only in their
     configuration (Korthikanti's baseline and SP + selective rows) share it."""
     key = (run.model, run.cluster, tuple(sorted((t, tuple(sorted(v.items()))) for t, v in run.cluster_overrides.items())),
-           run.num_nodes, run.global_batch, precision_of(run), policy_of(run))
+           run.num_nodes, run.global_batch, precision_of(run), policy_of(run), attention_kernel_of(run))
     if key not in _PLANNERS:
         graph_key = (run.model, precision_of(run))
         if graph_key not in _GRAPHS:  # rows of one model on other clusters share the capture too
             _GRAPHS[graph_key] = api.capture_for_planning(run.model, precision=precision_of(run))
         graph = _GRAPHS[graph_key]
-        _PLANNERS[key] = Planner(graph, Cluster.from_spec(run.cluster_spec(directory)), global_batch=run.global_batch,
+        cluster = with_attention_kernel(Cluster.from_spec(run.cluster_spec(directory)), attention_kernel_of(run))
+        _PLANNERS[key] = Planner(graph, cluster, global_batch=run.global_batch,
                                  policy=policy_of(run), precision=precision_of(run))
     return _PLANNERS[key]
 
@@ -297,11 +340,12 @@ def policy_of(run: Run) -> PrecisionPolicy:
     run's time was (foreach before 2025-02, fused since); Megatron-LM uses its bf16/fp16
     parameters as they are in every microbatch (no cast per use, unlike autopar's runtime), fp32
     main gradients under bf16 (MEGATRON_BF16_MAIN_GRAD_BYTES), and a fused Adam; NeMo runs with TP
-    comm overlap where the notes say so."""
+    comm overlap where the notes say so, and with its interleaved pipeline's sends overlapped
+    (Run.p2p_overlap)."""
     if run.precision == "fp32":
         return FP32_ADAM
     if "torchtitan" not in run.source.lower():
-        return replace(MEGATRON_BF16, tp_comm_overlap=run.tp_comm_overlap,
+        return replace(MEGATRON_BF16, tp_comm_overlap=run.tp_comm_overlap, p2p_overlap=run.p2p_overlap,
                        grad_bytes=MEGATRON_BF16_MAIN_GRAD_BYTES if run.precision == "bf16" else MEGATRON_BF16.grad_bytes)
     when = run_month(run.source)
     policy = FSDP2_BF16_FP32_REDUCE

@@ -11,7 +11,9 @@ measured throughput is interpolated in log(FLOPs) for the kernel's dtype, and el
 kernels heavy in arithmetic (GELU, softmax, norms) meet their kind's measured element rate: on
 a GPU that ceiling is far above bandwidth, on a CPU it is what bounds them. Fused attention
 kernels (flash / efficient / cuDNN sdpa, forward and backward) meet the profile's measured
-attention rate for their phase and mask, interpolated the same way; without one, a matmul's.
+attention rate for their phase and mask, interpolated the same way; without one, the documented
+rate of the attention kernel the device names (DeviceSpec.attention_kernel, attention.py), and
+where it names none, a matmul's.
 
 A grouped matmul (MoE experts: S rows sorted by expert x weight[E, K, N]) is E matmuls of about
 S/E rows each, and each runs at the rate of its own size: `groups` (the experts on the device)
@@ -27,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from cost_model.attention import work_fraction
 from cost_model.hardware import DeviceSpec
 from cost_model.profile import HardwareProfile
 
@@ -128,6 +131,14 @@ class ComputeModel:
         efficiency = self.device.matmul_efficiency * flops / (flops + self.device.matmul_half_efficiency_flops)
         return self.device.peak_flops(key) * max(efficiency, 1e-6)
 
+    def documented_attention_s(self, flops: float, phase: str, causal: bool) -> float:
+        """A fused attention kernel of torch's count `flops` at the device's named kernel's
+        documented rate (cost_model/attention.py)."""
+        work = flops * work_fraction(causal)
+        efficiency = self.device.attention.efficiency(phase, causal)
+        efficiency *= work / (work + self.device.matmul_half_efficiency_flops)
+        return work / (self.device.peak_flops("bf16") * efficiency)
+
     def grouped_matmul_s(self, flops: float, flops_per_group: float, dtype: str) -> float:
         """Tensor-core time of a grouped matmul of `flops` made of matmuls of `flops_per_group`
         each (one expert's rows x its weight): each runs at the rate of its own size, so many
@@ -146,6 +157,10 @@ class ComputeModel:
         attention = self._attention.get((attention_phase(name), causal)) if self._attention else None
         if attention is not None and flops > 0:
             return ComputeTime(matmul_s=flops / _interpolate(attention, flops), overhead_s=self.overhead_s)
+        documented = self.device.attention if not self._attention else None
+        if documented is not None and flops > 0 and attention_phase(name):
+            return ComputeTime(matmul_s=self.documented_attention_s(flops, attention_phase(name), causal),
+                               overhead_s=self.overhead_s)
         if not is_matmul or flops <= 0:
             rate = self.element_rates.get(kernel_kind(name, dtype, flops, io_bytes, broadcast)) if name else None
             if rate:  # flops of an element-wise kernel count its output elements

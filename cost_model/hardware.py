@@ -16,6 +16,8 @@ import math
 import os
 from dataclasses import dataclass, replace
 
+from cost_model.attention import HOPPER_ATTENTION_KERNELS, AttentionKernel
+
 GB = 1e9
 GIB = 2**30
 TFLOPS = 1e12
@@ -61,11 +63,20 @@ class DeviceSpec:
     sm_count: int = 0
     """Streaming multiprocessors (the datasheet's SM count): what a collective's kernels take a
     share of while they run beside compute (cost_model/contention.py); 0: unknown, not priced."""
+    attention_kernels: tuple[AttentionKernel, ...] = ()
+    """Fused attention kernels whose rates are documented on this device (cost_model/attention.py)."""
+    attention_kernel: str = ""
+    """The fused attention kernel the runtime runs here, by name (one of attention_kernels): it then
+    prices attention without a profile; "": not named, attention priced as a matmul of its FLOPs."""
     source: str = ""
     """Where the figures come from."""
 
     def __post_init__(self) -> None:
         _require_positive(self.name, "memory_bytes", self.memory_bytes)
+        if self.attention_kernel and self.attention is None:
+            known = ", ".join(kernel.name for kernel in self.attention_kernels) or "none documented"
+            raise ValueError(f"{self.name}: attention_kernel '{self.attention_kernel}' has no documented rates on this "
+                             f"device (known: {known}); profile the device (`autopar profile`) instead")
         for name in ("board_power_w", "power_limit_w", "clock_power_exponent"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{self.name}: {name} must be >= 0, got {getattr(self, name)}")
@@ -98,6 +109,11 @@ class DeviceSpec:
         else:
             peak = self.peak_flops_per_s.get("fp32", min(self.peak_flops_per_s.values()))
         return peak * self.clock_fraction
+
+    @property
+    def attention(self) -> AttentionKernel | None:
+        """The named attention kernel's documented rates (None: not named)."""
+        return next((kernel for kernel in self.attention_kernels if kernel.name == self.attention_kernel), None)
 
     @property
     def has_fp8(self) -> bool:
@@ -308,6 +324,7 @@ H100_SXM = DeviceSpec(
     board_power_w=H100_SXM_BOARD_POWER_W,
     clock_power_exponent=HOPPER_CLOCK_POWER_EXPONENT,
     sm_count=132,
+    attention_kernels=HOPPER_ATTENTION_KERNELS,
     source="NVIDIA H100 Tensor Core GPU datasheet (SXM and NVL); DGX H100 datasheet (host)",
 )
 H200_SXM = replace(

@@ -77,6 +77,11 @@ class PrecisionPolicy:
     norm and the output head are the root's), and keeps the last transformer block gathered from
     its forward to its backward (cost_model/fsdp.py's "root ends"). False: every segment is its
     own unit, as autopar's codegen shards a stage (codegen/data_parallel.py)."""
+    p2p_overlap: bool = False
+    """The runtime overlaps an interleaved pipeline's sends and receives with the compute of the
+    other chunks in its steady state (Megatron-Core `overlap_p2p_comm`, which NeMo turns on
+    whenever virtual pipelining is used: solver/p2p_overlap.py); False: each send is waited on
+    before the next chunk runs, as autopar's runtime (torch.distributed.pipelining) is priced."""
 
     @property
     def model_state_bytes(self) -> float:

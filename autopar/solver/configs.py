@@ -102,6 +102,9 @@ class StageEstimate:
     p2p_s: float
     param_numel: float
     memory_bytes: dict[str, float]
+    p2p_hidden_s: float = 0.0
+    """Of p2p_s, what the steady state runs beside compute (solver/p2p_overlap.py): not in
+    time_per_microbatch_s, but in the fill and flush of the pipeline."""
     forward_pass_s: float = 0.0
     """One microbatch's forward pass: compute, forward collectives, half the sends (the F of the
     zero-bubble schedules)."""

@@ -16,7 +16,9 @@ Pipeline with m microbatches on p stages (Narayanan et al., SC21; Qi et al., "Ze
 Pipeline Parallelism", 2023, for the zero-bubble schedules, whose backward runs as an input-
 gradient pass B_k and a weight-gradient pass W_k; t_k = F_k + B_k + W_k):
     1F1B, GPipe     T = (m - 1) max_k t_k + sum_k t_k
-    interleaved     T = (m + (p - 1) / v) max_k t_k          (v model chunks per device)
+    interleaved     T = (m + (p - 1) / v) max_k t_k          (v model chunks per device; a runtime
+                    that overlaps its sends, p2p_overlap.py, hides them from the m steady-state
+                    terms but not from the (p - 1) / v of the fill and flush)
     zb1p            T = m max_k t_k + sum_{k != slowest} (F_k + max(B_k - W_k, 0)) / v
                     (ZB-H1 for v = 1: each hop of the fill and drain costs F + B - W instead of
                     F + B + W, as the deferred W passes fill the drain)
@@ -89,6 +91,7 @@ from autopar.solver.experts import ExpertPricing
 from autopar.solver.prepared import EpTimes, PreparedSegments, recompute_comm_s, recompute_compute_s, weight_grad_s
 from autopar.solver.recompute import RECOMPUTE_MODES
 from autopar.solver.pipeline import ChainCosts, StageSpan, partition, rank_of, stages_of_rank
+from autopar.solver.p2p_overlap import hidden_p2p_s
 from autopar.solver.placement import Placement
 from autopar.solver.schedule_sim import uniform_bubble_s
 from autopar.solver.step_fsdp import StepFsdp, fsdp_notes
@@ -535,7 +538,7 @@ class StepModel(StepFsdp, StepTail):
         """_stage_parts through prepared.stage_cache; `signature`: prepared.signature(own), if known."""
         key = (prepared.signature(own) if signature is None else signature, p2p, config.dp, config.cp, config.tp, config.pp, config.zero_stage,
                config.ep, config.offload, config.num_microbatches if config.offload else 0, config.recompute == "none",
-               self._fuses_wgrad(config),
+               self._fuses_wgrad(config), config.schedule if self.policy.p2p_overlap else "",
                _holds_ends(own, len(prepared)), self._shared_held(own))
         parts = prepared.stage_cache.get(key)
         if parts is None:
@@ -575,13 +578,16 @@ class StepModel(StepFsdp, StepTail):
         ep_s, ep_segments, (ep_forward, ep_backward) = self._ep_parts(prepared, own, config)
         fused = self._fuses_wgrad(config) and prepared.fused_wgrad_numel is not None
         saving = total("fused_wgrad_saving_s", own) if fused else 0.0
-        time_per_microbatch = (total("time_s", own) + overlap_s + p2p + sum(exposed.values()) + sum(ep_s.values())
-                               + ep_forward + ep_backward + sum(offload.values()) - saving)
+        p2p_hidden = hidden_p2p_s(p2p, compute_s=total("forward_s", own) + total("backward_s", own),
+                                  schedule=config.schedule, num_stages=config.pp) if self.policy.p2p_overlap else 0.0
+        time_per_microbatch = (total("time_s", own) + overlap_s + p2p - p2p_hidden + sum(exposed.values())
+                               + sum(ep_s.values()) + ep_forward + ep_backward + sum(offload.values()) - saving)
         forward = total("forward_s", own) + ep_forward
         return dict(time_per_microbatch_s=time_per_microbatch, forward_s=forward,
                     backward_s=total("backward_s", own) + ep_backward - saving,
                     fused_wgrad_numel=total("fused_wgrad_numel", own) if fused else 0.0,
-                    recompute_s=total("recompute_s", own), tp_comm_s=tp_comm, p2p_s=p2p, param_numel=numel,
+                    recompute_s=total("recompute_s", own), tp_comm_s=tp_comm, p2p_s=p2p, p2p_hidden_s=p2p_hidden,
+                    param_numel=numel,
                     memory_bytes=memory, recompute=prepared.recompute, fsdp=timeline, fsdp_exposed_s=exposed,
                     fsdp_step_end_s=step_end, expert_param_numel=expert_numel / config.ep, ep_s=ep_s,
                     ep_segment_s=ep_segments, forward_pass_s=forward + total("forward_comm_s", own) + p2p / 2,
@@ -631,7 +637,7 @@ class StepModel(StepFsdp, StepTail):
             breakdown[op if op.startswith("cp.") else f"tp.{op}"] = m * seconds
         for part, seconds in sorted(slowest.ep_s.items()):
             breakdown[f"ep.{part}"] = m * seconds
-        breakdown["pp.send_recv"] = m * slowest.p2p_s
+        breakdown["pp.send_recv"] = m * (slowest.p2p_s - slowest.p2p_hidden_s)
         breakdown["bubble"] = pipeline_s - m * t_max
         if config.zero_stage == 0:
             breakdown["dp.gradient_sync"] = sync_s
@@ -672,8 +678,8 @@ def pipeline_time_s(config: ParallelConfig, stages: list[StageEstimate], slowest
     t_max = slowest.time_per_microbatch_s
     if p == 1:
         return m * t_max
-    if config.schedule == "interleaved":
-        return (m + (p - 1) / v) * t_max
+    if config.schedule == "interleaved":  # the fill and flush wait for the sends the steady state hides
+        return m * t_max + (p - 1) / v * (t_max + slowest.p2p_hidden_s)
     if config.schedule == "zb1p":
         hops = sum(_zero_bubble_hop_s(stage) for stage in stages if stage is not slowest)
         return m * t_max + hops / v

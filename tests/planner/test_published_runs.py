@@ -205,3 +205,27 @@ def test_megatron_bf16_rows_hold_fp32_main_gradients():
         if "torchtitan" in run.source.lower() or run.precision == "fp32":
             continue
         assert policy_of(run).grad_bytes == (4.0 if run.precision == "bf16" else 2.0), run.id
+
+
+def test_torchtitan_rows_name_sdpas_flash_backend_where_the_device_documents_it():
+    """torch's SDPA ran FlashAttention-2 on Hopper in 2024-2025 (cuDNN came first only in torch
+    2.11): torchtitan's H100 rows are priced at its documented rates; on A100 (no documented
+    rates) and for the other frameworks attention stays a matmul of torch's count."""
+    from autopar.cluster import Cluster
+    from benchmarks.published_runs import attention_kernel_of, with_attention_kernel
+
+    rows = {run.id: run for run in read_runs()}
+    for run in rows.values():
+        assert attention_kernel_of(run) == ("flash2" if "torchtitan" in run.source.lower() else ""), run.id
+    assert with_attention_kernel(Cluster.from_spec("dgx-h100"), "flash2").device.attention.name == "flash2"
+    assert with_attention_kernel(Cluster.from_spec("dgx-a100-80g"), "flash2").device.attention is None
+
+
+def test_nemo_rows_overlap_their_interleaved_sends():
+    """NeMo's MegatronCommOverlapCallback sets overlap_p2p_comm whenever virtual pipelining is on;
+    Megatron-LM's 2022 rows waited on their sends."""
+    from benchmarks.published_runs import policy_of
+
+    for run in read_runs():
+        if run.precision != "fp32":
+            assert policy_of(run).p2p_overlap == ("NeMo" in run.source), run.id

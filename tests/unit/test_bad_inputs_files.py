@@ -45,6 +45,8 @@ TOML_CASES = [
     ('preset = "dgx-h100"\n[device]\nname = 42\n', ["device.name", "string"]),
     ('preset = "dgx-h100"\n[device]\nname = ""\n', ["device.name", "empty"]),
     ('preset = "dgx-h100"\n[device]\nmatmul_efficiency = 2\n', ["matmul_efficiency"]),
+    ('preset = "dgx-h100"\n[device]\nattention_kernel = "flash9"\n', ["attention_kernel 'flash9'", "flash2"]),
+    ('preset = "dgx-h100"\n[device]\nattention_kernel = 2\n', ["device.attention_kernel", "string"]),
     ('preset = "dgx-h100"\n[intra_node]\nefficiency = 0\n', ["efficiency"]),
     ('preset = "dgx-h100"\n[intra_node]\nname = ["a"]\n', ["intra_node.name", "string"]),
     ('preset = "dgx-h100"\n[device]\nspeed = 3\n', ["unknown key 'device.speed'"]),

@@ -173,3 +173,12 @@ def test_a_power_cap_without_a_documented_relation_is_refused(tmp_path):
     path.write_text('preset = "dgx-a100-80g"\n[device]\npower_limit_w = 300\nclock_power_exponent = 0.3\n')
     capped = Cluster.from_spec(str(path)).device  # the user states the relation: priced
     assert capped.peak_flops("bf16") == pytest.approx(312 * TFLOPS * (300 / 400) ** 0.3)
+
+
+def test_a_cluster_file_names_the_attention_kernel_its_runtime_runs(tmp_path):
+    path = tmp_path / "flash2.toml"
+    path.write_text('preset = "dgx-h100"\n[device]\nattention_kernel = "flash2"\n')
+    assert Cluster.from_spec(str(path)).device.attention.name == "flash2"
+    path.write_text('preset = "dgx-a100-80g"\n[device]\nattention_kernel = "flash2"\n')
+    with pytest.raises(ClusterSpecError, match="no documented rates"):
+        Cluster.from_spec(str(path))

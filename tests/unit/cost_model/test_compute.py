@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from autopar.cluster import Cluster
@@ -110,3 +112,34 @@ def test_a_grouped_matmul_runs_each_experts_matmul_at_the_rate_of_its_own_size()
     dense = Kernel(name="aten.mm.default", flops=flops, io_bytes=size, is_matmul=True, dtype="bfloat16")
     assert model.kernels([kernel], groups=128).total_s == pytest.approx(grouped.total_s)
     assert model.kernels([dense], groups=128).total_s == pytest.approx(one.total_s)  # groups: grouped kernels only
+
+
+def test_without_a_profile_a_named_attention_kernel_prices_attention_at_its_documented_rate():
+    """torch counts the whole square; a causal kernel does half of it, at its causal rate."""
+    h100 = Cluster.from_spec("dgx-h100").device
+    named = ComputeModel(replace(h100, attention_kernel="flash2"))
+    plain = ComputeModel(h100)
+    flops = 4.0 * 32 * 16384**2 * 128  # one forward, b 1, 32 heads, seq 16k, head dim 128
+    for phase, suffix in (("forward", ""), ("backward", "_backward")):
+        name = f"aten._scaled_dot_product_flash_attention{suffix}.default"
+        for causal in (True, False):
+            kernel = Kernel(name=name, flops=flops, io_bytes=1e6, is_matmul=True, dtype="bfloat16", causal=causal)
+            work = flops / 2 if causal else flops
+            rate = h100.peak_flops("bf16") * h100.attention_kernels[0].efficiency(phase, causal)
+            size = work / (work + h100.matmul_half_efficiency_flops)
+            assert named.kernels([kernel]).matmul_s == pytest.approx(work / (rate * size))
+            assert plain.kernels([kernel]).matmul_s == pytest.approx(flops / plain.matmul_rate(flops, "bfloat16"))
+    mm = Kernel(name="aten.mm.default", flops=flops, io_bytes=1e6, is_matmul=True, dtype="bfloat16")
+    assert named.kernels([mm]).total_s == pytest.approx(plain.kernels([mm]).total_s)
+
+
+def test_a_measured_attention_sweep_overrules_the_named_kernel():
+    rates = {("forward", True): 4e12, ("forward", False): 2e12, ("backward", True): 3e12, ("backward", False): 1e12}
+    attention = tuple(AttentionPoint(phase=phase, causal=causal, flops=flops, achieved_flops_per_s=rate)
+                      for (phase, causal), rate in rates.items() for flops in (1e9, 1e12))
+    device = replace(Cluster.from_spec("dgx-h100").device, attention_kernel="cudnn")
+    profile = _gpu_model(attention=attention).profile
+    model = ComputeModel(device, profile)
+    kernel = Kernel(name="aten._scaled_dot_product_flash_attention.default", flops=1e11, io_bytes=1e6,
+                    is_matmul=True, dtype="bfloat16", causal=True)
+    assert model.kernels([kernel]).total_s == pytest.approx(1e11 / 4e12)

@@ -1,0 +1,54 @@
+"""Documented fused attention rates (cost_model/attention.py) and the device that names its kernel."""
+
+from dataclasses import replace
+
+import pytest
+
+from autopar.cluster import Cluster
+from cost_model.attention import HOPPER_ATTENTION_KERNELS, AttentionKernel, work_fraction
+
+
+def _kernel(name: str) -> AttentionKernel:
+    return next(kernel for kernel in HOPPER_ATTENTION_KERNELS if kernel.name == name)
+
+
+def test_flash2_reaches_under_a_third_of_the_h100_peak_and_cudnn_more() -> None:
+    flash2, cudnn = _kernel("flash2"), _kernel("cudnn")
+    assert flash2.efficiency("forward", False) == pytest.approx(369.9 / 989.4)
+    assert flash2.efficiency("forward", True) == pytest.approx(284.1 / 989.4)
+    assert flash2.efficiency("backward", False) == pytest.approx(290.6 / 989.4)
+    assert flash2.efficiency("backward", True) == pytest.approx(287.1 / 989.4)
+    for phase in ("forward", "backward"):
+        for causal in (True, False):
+            assert flash2.efficiency(phase, causal) < 0.38
+            assert cudnn.efficiency(phase, causal) > 1.5 * flash2.efficiency(phase, causal)
+
+
+def test_cudnns_causal_backward_takes_the_forwards_causal_ratio() -> None:
+    cudnn = _kernel("cudnn")
+    assert cudnn.backward_causal / cudnn.backward == pytest.approx(cudnn.forward_causal / cudnn.forward)
+
+
+def test_a_causal_kernel_does_half_of_torchs_count() -> None:
+    assert work_fraction(True) == 0.5 and work_fraction(False) == 1.0
+
+
+def test_rates_outside_zero_to_one_and_unknown_phases_are_refused() -> None:
+    with pytest.raises(ValueError, match="forward must be in"):
+        AttentionKernel(name="x", forward=1.2, forward_causal=0.3, backward=0.3, backward_causal=0.3)
+    with pytest.raises(ValueError, match="unknown attention phase"):
+        _kernel("flash2").efficiency("sideways", False)
+
+
+def test_hopper_presets_document_the_kernels_and_name_none_by_default() -> None:
+    for preset in ("dgx-h100", "hgx-h200"):
+        device = Cluster.from_spec(preset).device
+        assert {kernel.name for kernel in device.attention_kernels} == {"flash2", "cudnn"}
+        assert device.attention is None
+        assert replace(device, attention_kernel="flash2").attention.name == "flash2"
+
+
+def test_a_kernel_the_device_does_not_document_is_refused() -> None:
+    a100 = Cluster.from_spec("dgx-a100-80g").device
+    with pytest.raises(ValueError, match="no documented rates"):
+        replace(a100, attention_kernel="flash2")
