@@ -113,6 +113,7 @@ class StageTimes(NamedTuple):
     time_per_microbatch_s: float
     forward_pass_s: float
     weight_grad_s: float
+    p2p_hidden_s: float
 
 
 @dataclass(frozen=True)
@@ -405,7 +406,8 @@ class StepModel(StepFsdp, StepTail):
     def _stage_times(self, prepared: PreparedSegments, place: Placement, config: ParallelConfig) -> "StageTimes":
         """The times of _stage_at(...) the pipeline's length depends on, without building it."""
         parts = self._stage_parts_cached(place.own, prepared, config, place.p2p_s, place.signature(prepared))
-        return StageTimes(parts["time_per_microbatch_s"], parts["forward_pass_s"], parts["weight_grad_s"])
+        return StageTimes(parts["time_per_microbatch_s"], parts["forward_pass_s"], parts["weight_grad_s"],
+                          parts["p2p_hidden_s"])
 
     def _placed(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int,
                 flights: tuple[float, ...]) -> Placement:
