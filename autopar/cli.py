@@ -154,6 +154,7 @@ def _plan_parser(commands) -> None:
     parser.add_argument("--microbatch-size", type=count(MAX_GLOBAL_BATCH))
     parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "zb1p", "zbv"])
     parser.add_argument("--layers-per-virtual-stage", type=count())
+    _pipeline_split_flag(parser, default=None)
     parser.add_argument("--recompute", choices=list(RECOMPUTE_MODES))
     _recompute_modules_flag(parser)
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
@@ -183,6 +184,7 @@ def _evaluate_parser(commands) -> None:
     parser.add_argument("--microbatch-size", type=count(MAX_GLOBAL_BATCH), required=True)
     parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "zb1p", "zbv"], default="1f1b")
     parser.add_argument("--layers-per-virtual-stage", type=count())
+    _pipeline_split_flag(parser, default="balanced")
     parser.add_argument("--recompute", choices=list(RECOMPUTE_MODES), default=None)
     _recompute_modules_flag(parser)
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0)
@@ -211,6 +213,15 @@ def load_imbalance(text: str) -> float:
         return check_load_imbalance(value)
     except ConfigError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _pipeline_split_flag(parser: argparse.ArgumentParser, *, default: str | None) -> None:
+    parser.add_argument("--pipeline-split", default=default, metavar="SPLIT",
+                        help="how pipeline stages are cut: balanced (default: autopar's cut, the slowest stage as "
+                             "fast as it can be), uniform (equal repeated blocks per model chunk, embedding on the "
+                             "first, head and loss on the last, as Megatron-LM), uniform:embedding, uniform:head, "
+                             "uniform:embedding,head (those counted as one block each), or first=N,last=M (blocks "
+                             "of the first and last chunk, the rest even)")
 
 
 def _sequence_parallel_flag(parser: argparse.ArgumentParser) -> None:
@@ -308,7 +319,8 @@ def _plan(args) -> int:
                    "schedule": args.schedule, "layers_per_virtual_stage": args.layers_per_virtual_stage,
                    "recompute": _recompute(args), "zero_stage": args.zero, "ep": args.ep, "etp": args.etp,
                    "offload": {"on": True, "off": False}.get(args.offload),
-                   "sequence_parallel": False if args.sequence_parallel == "off" else None}
+                   "sequence_parallel": False if args.sequence_parallel == "off" else None,
+                   "pipeline_split": args.pipeline_split}
     plan = planning.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
                     constraints={key: value for key, value in constraints.items() if value is not None},
                     precision=args.precision, verbose=args.verbose, fp8_recipe=args.fp8_recipe,
@@ -327,7 +339,8 @@ def _evaluate(args) -> int:
                         zero_stage=args.zero, precision=args.precision, verbose=args.verbose, ep=args.ep,
                         cp=args.cp, offload=args.offload, sequence_parallel=args.sequence_parallel == "on",
                         options=SearchOptions(optimizer=args.optimizer), moe_load_imbalance=args.moe_load_imbalance,
-                        fp8_recipe=args.fp8_recipe, fp8_casts=args.fp8_casts, etp=args.etp)
+                        fp8_recipe=args.fp8_recipe, fp8_casts=args.fp8_casts, etp=args.etp,
+                        pipeline_split=args.pipeline_split)
     return _emit(plan, args)
 
 

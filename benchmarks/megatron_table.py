@@ -78,13 +78,15 @@ def planner_for(row: Row):
 
 def evaluate_published(planner, row: Row, *, sequence_parallel: bool = False):
     """Megatron's configuration as Megatron-LM ran it: bf16 parameters used directly (no cast per
-    use, which autopar's own runtime, the `plan` column, pays), and tensor parallelism without
-    sequence parallelism (SC21 predates it: Korthikanti et al. 2022)."""
+    use, which autopar's own runtime, the `plan` column, pays), tensor parallelism without
+    sequence parallelism (SC21 predates it: Korthikanti et al. 2022), and its pipeline split:
+    num_layers / (pp x vp) layers per model chunk, the embedding on the first, the output layer and
+    loss on the last ("uniform"; Megatron-LM of 2021 asserts that the layers divide)."""
     planner = Planner(planner.graph, planner.cluster, global_batch=row.global_batch, policy=MEGATRON_BF16)
     config = api.fixed_config(planner, tp=row.tp, pp=row.pp, dp=None, microbatch_size=row.microbatch_size,
                               schedule="interleaved" if row.interleave else "1f1b", virtual_stages=None,
                               layers_per_virtual_stage=row.interleave, recompute="full", zero_stage=0,
-                              sequence_parallel=sequence_parallel)
+                              sequence_parallel=sequence_parallel, pipeline_split="uniform")
     estimate, _ = planner.evaluate(config)
     return estimate
 

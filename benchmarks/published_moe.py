@@ -14,7 +14,11 @@ the routing implies (force-balanced routing and token dropping at capacity facto
 Then autopar plans the same model on the same cluster and global batch itself. Both are printed
 in the source's unit: TFLOP/s per GPU by the row's FLOP counting (Megatron-Core's
 num_floating_point_operations: routed top-k experts only, causal attention halved where the row
-says so), or tokens/s per GPU. Where the planner refuses the published configuration, the table
+says so), or tokens/s per GPU. Pipeline stages are cut as the row's framework cut them
+(published_runs.framework_split: Megatron-Core, NeMo and Megatron-Bridge put num_layers / (pp x vp)
+layers on each model chunk, the embedding on the first, the output layer and loss on the last;
+Megatron-Bridge's gpt_oss recipe sets no account-for-embedding/loss or first/last-stage counts, and
+Mixtral 8x22B's 56 layers on pp 8 x vp 7 = 56 chunks leave no room for them). Where the planner refuses the published configuration, the table
 prints the refusal. The reference numbers are only read here, to compare.
 """
 
@@ -31,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autopar.solver.experts import DEFAULT_LOAD_IMBALANCE  # noqa: E402 (the planner's default, for dropless real routing)
-from benchmarks.published_runs import select_rows  # noqa: E402
+from benchmarks.published_runs import select_rows, split_as_run  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_moe.csv"
 
@@ -310,7 +314,7 @@ def evaluate_run(run: MoeRun, plan: bool = True, source: str = "builtin") -> Out
                                   schedule="interleaved" if interleaved else "1f1b",
                                   virtual_stages=run.virtual_stages if interleaved else None,
                                   layers_per_virtual_stage=None, recompute=run.recompute, zero_stage=zero,
-                                  ep=run.ep, cp=run.cp, etp=run.etp)
+                                  ep=run.ep, cp=run.cp, etp=run.etp, pipeline_split=split_as_run(run, planner.graph))
         return planner.evaluate(config)[0]
 
     try:

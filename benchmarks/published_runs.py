@@ -51,6 +51,29 @@ s x s, also under a causal mask).
 measured 6258") also as that eager run (float32-composite norms) and prints the modelled gain
 beside the measured one, with what the compiled pricing removes per op class.
 
+Pipeline stages are cut as the run's framework cut them (`pipeline_split`, solver/pipeline.py),
+not by autopar's balanced cut, derived from the source (framework_split):
+- Megatron-LM and Megatron-Core (NeMo, Megatron-Bridge; every row that is not torchtitan's or
+  Megatron-DeepSpeed's, as `policy_of` reads them): num_layers / (pp x vp) transformer layers per
+  model chunk, the embedding on the first, the output layer and loss on the last ("uniform";
+  megatron/core/transformer/transformer_block.py get_num_layers_to_build; Megatron-LM 2021-22
+  asserts that the layers divide). The recipes of these rows set neither
+  --account-for-embedding/loss-in-pipeline-split nor first/last-stage layer counts (NeMo 24.12's
+  llama3_70b recipe, Megatron-Bridge's gpt_oss recipe); notes that say "account for embedding" /
+  "account for loss" count those as a layer ("uniform:embedding", "uniform:head").
+- Megatron-DeepSpeed (BigScience's BLOOM): `--pp-partition-method 'type:transformer|embedding'`
+  counts the input embedding and the tied output embedding as layers, DeepSpeed's partition of
+  equal weights: 70 + 2 = 12 x 6, rank 0 [embed | 5 blocks], rank 11 [5 blocks | embed]
+  (bigscience-workshop/bigscience train/tr11-176B-ml/README.md) = "uniform:embedding,head".
+- torchtitan before pytorch/torchtitan#1416 (2025-07): generate_split_points, num_layers //
+  stages on the first stage, one more on middle stages while the remainder lasts, the rest on the
+  last (126 layers on 8 stages: 15, 16 x 6, 15 = "first=15,last=15"); since then
+  generate_llm_fqn_per_model_part weighs the embedding and the output as a layer each
+  ("uniform:embedding,head").
+- a row whose notes state its split (Llama 3 405B: section 3.3.2) takes that one.
+A split the model's layers do not divide is printed as a warning and the row priced with the
+balanced cut (the run cannot have cut so: the framework was misread).
+
 `--ran` adds configurations that were run as published but whose step time is not in the
 reference file (Llama 3 405B on 16,384 H100s as Meta trained it; Korthikanti et al.'s 530B and
 1T): they ran, so they must be predicted to fit (block reuse: seconds to capture each).
@@ -70,6 +93,7 @@ from pathlib import Path
 
 from autopar import api
 from autopar.cluster import Cluster
+from autopar.solver.pipeline import BALANCED, block_flags, split_blocker
 from autopar.solver.search import Planner
 from autopar.solver.step_model import Estimate, ParallelConfig
 from cost_model.memory import BF16_ADAM, FP32_ADAM, FSDP2_BF16_FP32_REDUCE, MEGATRON_BF16, PrecisionPolicy
@@ -119,6 +143,8 @@ class Run:
     flop_formula: str
     measured_memory_bytes: float | None
     notes: str
+    pipeline_split: str | None = None
+    """The split its source states (None: its framework's, framework_split)."""
 
     @property
     def model(self) -> str:
@@ -192,7 +218,8 @@ class Run:
                                 schedule="interleaved" if interleaved else "1f1b",
                                 virtual_stages=self.virtual_stages if interleaved else None,
                                 layers_per_virtual_stage=None, recompute=self.recompute_mode, zero_stage=self.zero,
-                                cp=self.cp, sequence_parallel=self.sequence_parallel)
+                                cp=self.cp, sequence_parallel=self.sequence_parallel,
+                                pipeline_split=split_as_run(self, planner.graph))
 
     def predicted(self, step_time_s: float) -> float:
         """The prediction in the source's unit."""
@@ -374,6 +401,58 @@ def run_month(source: str) -> tuple[int, int] | None:
     return min(found, default=None)
 
 
+_MEGATRON_DEEPSPEED = re.compile(r"\bMegatron-DeepSpeed\b|\bBigScience\b|\bBLOOM\b", re.IGNORECASE)
+_ACCOUNTS_FOR = {"embedding": re.compile(r"\baccount(?:s|ed)?[-_ ]for[-_ ]embedding\b", re.IGNORECASE),
+                 "head": re.compile(r"\baccount(?:s|ed)?[-_ ]for[-_ ]loss\b", re.IGNORECASE)}
+TORCHTITAN_WEIGHTED_SPLIT_SINCE = (2025, 7)
+"""pytorch/torchtitan#1416 ("Refactor PP splitting", merged 2025-07): the embedding and the output
+weigh a layer each in generate_llm_fqn_per_model_part; before, generate_split_points split layers."""
+
+
+def framework_split(run, num_layers: int, num_chunks: int) -> str:
+    """The pipeline split of the run's framework (the module docstring says each, with its source);
+    `run` has a source and notes (a Run, or published_moe's MoeRun)."""
+    if getattr(run, "pipeline_split", None):
+        return run.pipeline_split
+    text = f"{run.source}; {run.notes}"
+    if "torchtitan" in run.source.lower():
+        when = run_month(run.source)
+        if when is not None and when >= TORCHTITAN_WEIGHTED_SPLIT_SINCE:
+            return "uniform:embedding,head"
+        return _torchtitan_2024_split(num_layers, num_chunks)
+    if _MEGATRON_DEEPSPEED.search(text):
+        return "uniform:embedding,head"
+    counted = [name for name, pattern in _ACCOUNTS_FOR.items() if pattern.search(run.notes)]
+    return "uniform" + (":" + ",".join(counted) if counted else "")
+
+
+def _torchtitan_2024_split(num_layers: int, num_chunks: int) -> str:
+    """torchtitan's generate_split_points (2024): num_layers // stages layers on the first stage,
+    one more on each middle stage while the remainder lasts, the rest on the last."""
+    base, extra = divmod(num_layers, num_chunks)
+    middle = [base + 1 if stage < extra else base for stage in range(num_chunks - 2)]
+    last = num_layers - base - sum(middle)
+    if num_chunks > 2 and len(set(middle)) > 1:
+        return f"torchtitan-2024:{middle}"  # uneven middle stages: no split by count names them (refused)
+    return f"first={base},last={last}"
+
+
+def split_as_run(run, graph) -> str:
+    """The run's split (framework_split) where the model's blocks divide by it, else the balanced
+    cut with a warning on stderr."""
+    num_chunks = run.pp * max(run.virtual_stages, 1)
+    if run.pp == 1:
+        return BALANCED
+    is_block = block_flags(graph.segments)
+    split = framework_split(run, sum(is_block), num_chunks)
+    blocker = split_blocker(is_block, num_chunks, split)
+    if blocker:
+        print(f"warning: {run.id}: its framework's split does not cut this model ({blocker}); priced with the "
+              "balanced cut", file=sys.stderr)
+        return BALANCED
+    return split
+
+
 def evaluate_run(run: Run, directory: Path) -> Outcome:
     started = time.perf_counter()
     planner = planner_for(run, directory)
@@ -418,11 +497,13 @@ def _row(outcome: Outcome) -> str:
 
 
 def _ran(id: str, source: str, shape: dict[str, int], *, gpus: int, cluster: str, global_batch: int, tp: int, pp: int,
-         dp: int, virtual_stages: int = 1, zero: int = 0, recompute: str, notes: str) -> Run:
+         dp: int, virtual_stages: int = 1, zero: int = 0, recompute: str, notes: str,
+         pipeline_split: str | None = None) -> Run:
     return Run(id=id, source=source, family="gpt" if "kv_heads" not in shape else "llama", shape=shape, gpus=gpus,
                cluster=cluster, cluster_overrides={}, global_batch=global_batch, microbatch=1, tp=tp, pp=pp, dp=dp,
                virtual_stages=virtual_stages, cp=1, zero=zero, recompute=recompute, precision="bf16", metric="step_time_s",
-               published=float("nan"), flop_formula="-", measured_memory_bytes=None, notes=notes)
+               published=float("nan"), flop_formula="-", measured_memory_bytes=None, notes=notes,
+               pipeline_split=pipeline_split)
 
 
 RAN = (
@@ -441,7 +522,8 @@ RAN = (
                "interleaved with one layer per virtual stage (section 3.3.2: the first model chunk of the first "
                "stage holds only the embedding, the last one of the last stage only the output and the loss: "
                "126 + 2 = 16 x 8); FSDP shards optimizer states and gradients, parameters not resharded after "
-               "forward (ZeRO-2), fp32 gradient accumulation and reduce-scatter; 80 GB H100s"),
+               "forward (ZeRO-2), fp32 gradient accumulation and reduce-scatter; 80 GB H100s",
+         pipeline_split="uniform:embedding,head"),
 )
 """Configurations that ran as published, without a step time in the reference file: fit checks."""
 

@@ -48,6 +48,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         zero_stage=config.zero_stage,
         offload=config.offload,
         sequence_parallel=config.sequence_parallel,
+        pipeline_split=config.pipeline_split,
         loss_parallel=config.tp > 1 and any(strategies[node.name].name == VOCAB for node in graph.nodes
                                             if node.name in graph.loss_nodes and node.name in strategies),
         stages=tuple(_stage_plans(graph, estimate, segments)),
@@ -250,5 +251,5 @@ def _runner_up(estimate: Estimate) -> dict:
                          "virtual_stages": config.virtual_stages, "recompute": config.recompute,
                          "zero_stage": config.zero_stage, "ep": config.ep, "offload": config.offload,
                          "etp": 1 if config.folds_experts else None,
-                         "sequence_parallel": config.sequence_parallel},
+                         "sequence_parallel": config.sequence_parallel, "pipeline_split": config.pipeline_split},
             "stage_recompute": [stage.recompute for stage in estimate.stages]}

@@ -117,6 +117,11 @@ class Plan:
     (Korthikanti et al.); False: tensor parallelism without sequence parallelism, as Megatron-LM
     runs without --sequence-parallel (norms, dropouts, residual adds replicated on the tp ranks,
     partial outputs all-reduced). Plans written before this field read as True."""
+    pipeline_split: str = "balanced"
+    """How the model was cut into pipeline chunks (solver/pipeline.py): "balanced" (autopar's cut),
+    or by count as a framework cuts ("uniform", "uniform:embedding,head", "first=N,last=M", ...).
+    The chunks themselves are in `stages`, which codegen builds; plans written before this field
+    read as "balanced"."""
     stages: tuple[StagePlan, ...]
     placements: dict[str, str]
     """Per graph node on the tp axis: "output|input0;input1;..." (R, S<dim>, P)."""
@@ -226,6 +231,13 @@ class Plan:
                    ("calibration", self.calibration, CALIBRATIONS)]
         choices += [(f"stages[{i}].recompute", stage.recompute, ("",) + RECOMPUTE_MODES)
                     for i, stage in enumerate(self.stages)]
+        from autopar.errors import ConfigError
+        from autopar.solver.pipeline import check_pipeline_split
+
+        try:
+            check_pipeline_split(self.pipeline_split)
+        except ConfigError as error:
+            raise PlanMismatchError(f"plan {shorten(source)}: {error}; fix the file or re-run `autopar plan`") from None
         for name, value, allowed in choices:
             if value not in allowed and not (name.endswith("recompute") and _known_modules_mode(value)):
                 raise PlanMismatchError(f"plan {shorten(source)} has {name}={shorten(value)}; expected one of "

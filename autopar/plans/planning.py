@@ -41,6 +41,7 @@ from autopar.solver.experts import ExpertPricing, check_load_imbalance
 from autopar.solver.fp8 import FP8_CASTS, FP8_RECIPES, Fp8Choice, fp8_linears
 from autopar.solver.overheads import overheads_for
 from autopar.solver.parallel_search import check_jobs_env
+from autopar.solver.pipeline import check_pipeline_split
 from autopar.solver.search import Planner, SearchOptions
 from autopar.solver.step_model import ParallelConfig
 from autopar.validation import check_choice, check_global_batch, shorten, type_name
@@ -309,8 +310,10 @@ def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constr
     """Search the best parallelization; `constraints` may fix dp, tp, pp, cp, microbatch_size,
     schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage, ep, etp (the search plans etp
     in {1, tp}: etp=1 keeps MoE parallel folding, searched where the runtime runs it, and tp=1; etp=k > 1
-    pins tp=k), offload and
-    sequence_parallel (False: tensor parallelism without sequence parallelism).
+    pins tp=k), offload,
+    sequence_parallel (False: tensor parallelism without sequence parallelism) and pipeline_split
+    ("balanced", autopar's cut, by default; "uniform", "uniform:embedding,head", "first=N,last=M": by
+    count, as the frameworks cut, solver/pipeline.py).
     `example_inputs` may be a dict of keyword inputs; `example_kwargs` adds keywords to positional ones.
     `moe_load_imbalance` (>= 1.0; default 1.25) prices dropless MoE routing: what the busiest
     expert-parallel rank receives and computes over the even share (1.0: balanced routing).
@@ -433,19 +436,21 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
              cp: int = 1, offload: bool = False, sequence_parallel: bool = True,
              options: SearchOptions | None = None, moe_load_imbalance: float | None = None,
              fp8_recipe: str = "tensorwise", fp8_filter=None, etp: int | None = None,
-             fp8_casts: str | None = None) -> Plan:
+             fp8_casts: str | None = None, pipeline_split: str = "balanced") -> Plan:
     """Price one fully fixed configuration (no search); `ep` splits the experts of an MoE over
     groups of ep data-parallel ranks (`etp=1` with tp > 1: over ep ranks of the tp x dp grid, the
     experts unsplit by tp, MoE parallel folding: priced, not run by autopar's runtime yet), `cp` splits each sequence over cp ranks, `offload` is optimizer
     offload (ZeRO-3, pp = 1), `sequence_parallel=False` is tensor parallelism without sequence
-    parallelism (Megatron-LM without --sequence-parallel). `options` and `moe_load_imbalance` as
-    for `plan` (`optimizer` says how AdamW runs)."""
+    parallelism (Megatron-LM without --sequence-parallel), `pipeline_split` how the pipeline chunks
+    are cut ("balanced": autopar's cut; "uniform" etc.: by count, as a framework cuts,
+    solver/pipeline.py). `options` and `moe_load_imbalance` as for `plan` (`optimizer` says how
+    AdamW runs)."""
     if moe_load_imbalance is not None:
         check_load_imbalance(moe_load_imbalance)
     check_fixed_config(tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                        virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
                        recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,
-                       sequence_parallel=sequence_parallel, etp=etp)
+                       sequence_parallel=sequence_parallel, etp=etp, pipeline_split=pipeline_split)
     check_model_arguments(model, example_inputs, loss_fn, example_targets)
     cluster = Cluster.from_spec(cluster)
     check_degrees(cluster, check_global_batch(global_batch), dp=dp, tp=tp, pp=pp,
@@ -457,14 +462,15 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
     config = fixed_config(planner, tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                           virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
                           recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,
-                          sequence_parallel=sequence_parallel, etp=etp)
+                          sequence_parallel=sequence_parallel, etp=etp, pipeline_split=pipeline_split)
     return evaluate_with(planner, config)
 
 
 def fixed_config(planner: Planner, *, tp: int, pp: int, dp: int | None, microbatch_size: int, schedule: str,
                  virtual_stages: int | None, layers_per_virtual_stage: int | None, recompute: str,
                  zero_stage: int, ep: int = 1, cp: int = 1, offload: bool = False,
-                 sequence_parallel: bool = True, etp: int | None = None) -> ParallelConfig:
+                 sequence_parallel: bool = True, etp: int | None = None,
+                 pipeline_split: str = "balanced") -> ParallelConfig:
     check_pipeline_depth(planner.graph, pp)
     devices = planner.cluster.num_devices
     if tp < 1 or pp < 1 or cp < 1 or devices % (tp * pp * cp):
@@ -482,7 +488,8 @@ def fixed_config(planner: Planner, *, tp: int, pp: int, dp: int | None, microbat
     config = ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
                             num_microbatches=planner.global_batch // (dp * microbatch_size), schedule=schedule,
                             virtual_stages=virtual, recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp,
-                            offload=offload, sequence_parallel=sequence_parallel, etp=etp)
+                            offload=offload, sequence_parallel=sequence_parallel, etp=etp,
+                            pipeline_split=check_pipeline_split(pipeline_split))
     planner.check(config)
     return config
 

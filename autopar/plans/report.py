@@ -22,7 +22,8 @@ def plan_summary(plan, *, max_stages: int = 8, max_params: int = 14) -> str:
         f"autopar plan for {plan.model or 'model'} on {plan.cluster} ({plan.num_devices} devices), "
         f"global batch {plan.global_batch}",
         _mesh_line(plan) + _experts(plan),
-        f"  microbatches  {plan.num_microbatches} of {plan.microbatch_size}, schedule {_schedule(plan)}",
+        f"  microbatches  {plan.num_microbatches} of {plan.microbatch_size}, schedule {_schedule(plan)}"
+        + _split(plan),
         f"  memory saving recompute={plan.recompute}{_lighter_stages(plan)}, ZeRO stage {plan.zero_stage}"
         + (", optimizer offload to host memory (FSDP2 CPUOffloadPolicy)" if plan.offload else ""),
         *([f"  fp8           {len(plan.fp8_linears)} linears in float8 (torchao, {plan.fp8_recipe} scaling), "
@@ -103,6 +104,12 @@ def _own_recompute(plan, stage) -> str:
 def _lighter_stages(plan) -> str:
     lighter = [stage.index for stage in plan.stages if _own_recompute(plan, stage)]
     return f" (stages {', '.join(map(str, lighter))} need less)" if lighter else ""
+
+
+def _split(plan) -> str:
+    """How the pipeline chunks were cut, where it is not autopar's balanced cut."""
+    split = getattr(plan, "pipeline_split", "balanced")
+    return f", stages cut by count ({split})" if plan.mesh["pp"] > 1 and split != "balanced" else ""
 
 
 def _schedule(plan) -> str:

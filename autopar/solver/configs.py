@@ -65,6 +65,12 @@ class ParallelConfig:
     """Whether the tp solution may shard activations beyond what sharded weights make them
     (Korthikanti et al.'s sequence parallelism, where cheaper); False: Megatron-LM's tensor
     parallelism without it (solver/sharding_problem.py). Meaningless with tp = 1."""
+    pipeline_split: str = "balanced"
+    """How the model is cut into pipeline chunks (solver/pipeline.py): "balanced", autopar's cut (the
+    slowest stage as fast as memory allows), or by count as the frameworks cut: "uniform" (equal
+    repeated blocks per chunk, the embedding on the first, head and loss on the last),
+    "uniform:embedding" / "uniform:head" / "uniform:embedding,head" (those counted as a block each),
+    "first=N,last=M" (blocks of the first and last chunk, the rest even)."""
 
     @property
     def chunks_per_device(self) -> int:
@@ -77,7 +83,8 @@ class ParallelConfig:
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         return (f"dp={self.dp}{experts}{cp} tp={self.tp} pp={self.pp} microbatch={self.microbatch_size}x"
                 f"{self.num_microbatches} {schedule} recompute={self.recompute} zero={self.zero_stage}"
-                + (" offload" if self.offload else "") + (" no-sp" if self.tp > 1 and not self.sequence_parallel else ""))
+                + (" offload" if self.offload else "") + (" no-sp" if self.tp > 1 and not self.sequence_parallel else "")
+                + (f" split={self.pipeline_split}" if self.pp > 1 and self.pipeline_split != "balanced" else ""))
 
 
 def chunks_per_device(schedule: str, virtual_stages: int) -> int:

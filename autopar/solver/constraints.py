@@ -21,6 +21,7 @@ from autopar.errors import ConfigError
 from autopar.graph import OpGraph
 from autopar.solver.expert_folding import etp_blocker
 from autopar.solver.experts import ExpertOp
+from autopar.solver.pipeline import BALANCED, block_flags, check_pipeline_split, split_spans
 from autopar.solver.recompute_modules import check_recompute, classify, is_modules_mode, mode_kinds, modules_mode
 from autopar.solver.step_model import SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, StepModel
 from autopar.validation import MAX_DEVICES, MAX_GLOBAL_BATCH, check_choice, check_int, shorten, type_name
@@ -63,6 +64,12 @@ class Constraints:
     reduce-scatter and an all-gather in place of each all-reduce: small messages favour the
     all-reduce). Unlike other constraints this one is not searched as two options: the allowed
     placements include every one the restricted solve could choose."""
+    pipeline_split: str | None = None
+    """How pipeline chunks are cut (solver/pipeline.py): None or "balanced", autopar's cut (the
+    slowest stage as fast as memory allows); "uniform" (equal repeated blocks per chunk, embedding
+    on the first, head and loss on the last, as Megatron-LM), "uniform:embedding", "uniform:head",
+    "uniform:embedding,head" (those counted as a block), or "first=N,last=M". The search tries only
+    the pipelines the split divides."""
 
     @property
     def sequence_parallel_allowed(self) -> bool:
@@ -127,6 +134,8 @@ def check_constraint_values(value: Any) -> dict[str, Any]:
             checked["recompute"] = _with_modules_mode(value)["recompute"]
         elif key in ("offload", "sequence_parallel"):
             checked[key] = _check_flag(item, f"constraints['{key}']")
+        elif key == "pipeline_split":
+            checked[key] = check_pipeline_split(item, "constraints['pipeline_split']")
         else:
             checked[key] = item  # an unknown name: Constraints.from_value names the known ones
     if checked.get("sequence_parallel") is False and checked.get("recompute") == "gathers":
@@ -185,8 +194,10 @@ def search_etp(constraints: Constraints) -> Constraints:
 
 def check_fixed_config(*, tp: Any, pp: Any, dp: Any, microbatch_size: Any, schedule: Any, virtual_stages: Any,
                        layers_per_virtual_stage: Any, recompute: Any, zero_stage: Any, ep: Any = 1,
-                       cp: Any = 1, offload: Any = False, sequence_parallel: Any = True, etp: Any = None) -> None:
+                       cp: Any = 1, offload: Any = False, sequence_parallel: Any = True, etp: Any = None,
+                       pipeline_split: Any = "balanced") -> None:
     """The arguments of `evaluate`: types and ranges, before anything is captured."""
+    check_pipeline_split(pipeline_split)
     if etp is not None:
         check_int(etp, "etp", maximum=MAX_DEVICES)
         if isinstance(tp, int) and isinstance(ep, int) and etp_blocker(tp, ep, etp):
@@ -320,6 +331,7 @@ class ConfigChecks:
                               f"{config.pp} stages: 1F1B and the zero-bubble schedules need at least as many "
                               "microbatches as stages, the interleaved schedule a multiple of them; use a smaller "
                               "microbatch or a larger batch")
+        self.check_split(config)
         self.check_ep(config)
         self.check_offload(config)
         if not self.graph.batch_dynamic and config.microbatch_size != self.graph.batch_size:
@@ -345,6 +357,15 @@ class ConfigChecks:
         if config.schedule == "zbv" and config.virtual_stages != 2:
             raise ConfigError(f"the zbv schedule runs exactly 2 model chunks per device (a V), got "
                               f"virtual_stages={config.virtual_stages}; use 2, or the zb1p schedule")
+
+    def check_split(self, config: ParallelConfig) -> None:
+        """A pipeline split by count that cuts this model's blocks into the configuration's chunks."""
+        split = check_pipeline_split(config.pipeline_split)
+        if split != config.pipeline_split:
+            raise ConfigError(f"pipeline_split {config.pipeline_split!r} is spelt {split!r}: give that")
+        chunks = config.pp * config.chunks_per_device
+        if split != BALANCED and chunks > 1:
+            split_spans(block_flags(self.graph.segments), chunks, split)
 
     def check_ep(self, config: ParallelConfig) -> None:
         if etp_blocker(config.tp, config.ep, config.etp):

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from autopar.cluster import Cluster
 from autopar.errors import ConfigError
 from autopar.graph import OpGraph
-from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES, ParallelConfig
+from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES, ParallelConfig, chunks_per_device
 from autopar.solver.constraints import ConfigChecks, Constraints, schedule_accepts
 from autopar.solver.expert_folding import runtime_blocker
+from autopar.solver.pipeline import BALANCED, block_flags, split_blocker
 from autopar.solver.pricing import Pricing
 from autopar.solver.recompute import RECOMPUTE_MODES
 from autopar.solver.recompute_modules import classify, is_modules_mode, mode_kinds
@@ -120,8 +121,9 @@ class Candidates:
         eps = self.ep_degrees(tp, pp, dp, microbatch, constraints, cp, offload=offload) \
             if tp == 1 or constraints.etp != 1 else []
         folded = self.folded_ep_degrees(tp, pp, dp, microbatch, constraints, cp, offload=offload)
+        split = constraints.pipeline_split or BALANCED
         for schedule, virtual in schedules:
-            if not schedule_accepts(schedule, pp, m, virtual):
+            if not schedule_accepts(schedule, pp, m, virtual) or self.split_blocker(pp, schedule, virtual, split):
                 continue
             for recompute in modes:
                 runs_folded = not runtime_blocker(cp, recompute)
@@ -132,7 +134,7 @@ class Candidates:
                         yield ParallelConfig(dp=dp, tp=tp, pp=pp, microbatch_size=microbatch, num_microbatches=m,
                                              schedule=schedule, virtual_stages=virtual, recompute=recompute,
                                              zero_stage=zero, ep=ep, cp=cp, offload=offload,
-                                             sequence_parallel=sequence_parallel, etp=etp)
+                                             sequence_parallel=sequence_parallel, etp=etp, pipeline_split=split)
 
     def recompute_modes(self, tp: int, microbatch: int, constraints: Constraints, cp: int = 1,
                         sequence_parallel: bool = True) -> list[str]:
@@ -252,6 +254,13 @@ class Candidates:
             return [virtual]
         return []
 
+    def split_blocker(self, pp: int, schedule: str, virtual: int, split: str) -> str:
+        """Why the pipeline split cannot cut this model into the schedule's chunks ("" when it can)."""
+        if split == BALANCED or pp == 1:
+            return ""
+        chunks = pp * chunks_per_device(schedule, virtual)
+        return split_blocker(block_flags(self.graph.segments), chunks, split)
+
     def interleavings(self, pp: int) -> list[int]:
         """Chunks per device with at least two layers per chunk on average (uneven chunks allowed)."""
         return [v for v in (2, 3, 4) if pp and self.num_blocks >= 2 * pp * v]
@@ -303,6 +312,10 @@ class Candidates:
             if constraints.schedule == "zbv" and 2 * pp > len(self.graph.segments):
                 reasons.append(f"the zbv schedule cuts the model into 2 x pp = {2 * pp} chunks, more than its "
                                f"{len(self.graph.segments)} segments")
+            if constraints.pipeline_split not in (None, BALANCED):
+                blockers = [self.split_blocker(pp, schedule, virtual, constraints.pipeline_split)
+                            for schedule, virtual in self.schedules(pp, constraints)]
+                reasons += [blocker for blocker in blockers[:1] if blocker and all(blockers)]
         if constraints.etp == 1 and constraints.tp != 1:
             blocker = runtime_blocker(constraints.cp or 1, constraints.recompute or "none")
             if not self.checks.expert_ops:

@@ -10,7 +10,20 @@ in_flight(k) falls with the stage index (1F1B: p - k), so filling early stages a
 bound allows never hurts later ones: a greedy left-to-right packing decides whether a bound T is
 achievable, and bisection on T finds the smallest (to a relative 1e-4), from a bracket grown
 above the even share. With prefix sums each greedy pass costs O(p log n) for p stages over n
-segments. No torch here.
+segments.
+
+That balanced cut is autopar's own (pipeline_split "balanced"). The frameworks that ran published
+configurations cut by count instead, whatever the stages cost (split_spans): "uniform" puts the
+same number of repeated blocks on every model chunk, with the segments before the first block
+(the embedding) on the first chunk and those after the last (final norm, output layer, loss) on
+the last, as Megatron-LM and Megatron-Core do by default (num_layers / (pp x vp) per chunk);
+"uniform:embedding", "uniform:head" and "uniform:embedding,head" count the embedding and/or the
+head as one block more (Megatron-Core's --account-for-embedding-in-pipeline-split and
+--account-for-loss-in-pipeline-split, Megatron-DeepSpeed's --pp-partition-method
+'type:transformer|embedding', torchtitan's split since pytorch/torchtitan#1416); "first=N",
+"last=M" or "first=N,last=M" fix the blocks of the first and/or last chunk and split the rest
+evenly over the others (Megatron-Core's --decoder-first/last-pipeline-num-layers without
+interleaving). A count that does not divide is refused with the counts. No torch here.
 """
 
 from __future__ import annotations
@@ -20,6 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from autopar.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -179,6 +194,119 @@ def _balanced_cut(costs: ChainCosts, span: StageSpan) -> int:
     cut = int(np.searchsorted(prefix, half))
     candidates = [c for c in (cut - 1, cut, cut + 1) if span.start < c < span.stop]
     return min(candidates, key=lambda c: abs(prefix[c] - half))
+
+
+# --- splits by count, as the frameworks cut ----------------------------------------------------
+
+BALANCED = "balanced"
+_SPLIT_FORMS = ("'balanced' (autopar's cut: the slowest stage as fast as it can be), 'uniform' (the same number "
+                "of repeated blocks per model chunk, the embedding on the first, the head and loss on the last), "
+                "'uniform:embedding', 'uniform:head' or 'uniform:embedding,head' (those counted as one block "
+                "more each), or 'first=N', 'last=M', 'first=N,last=M' (blocks of the first and last chunk, "
+                "the rest even over the others)")
+
+
+def check_pipeline_split(value, name: str = "pipeline_split") -> str:
+    """The split in its canonical spelling ("uniform:embedding,head", "first=1,last=2"), or
+    ConfigError naming the forms."""
+    text = value.replace(" ", "").lower() if isinstance(value, str) else None
+    if text in (BALANCED, "uniform"):
+        return text
+    if text and text.startswith("uniform:"):
+        parts = text.removeprefix("uniform:").split(",")
+        if parts and not set(parts) - {"embedding", "head"} and len(set(parts)) == len(parts):
+            return "uniform:" + ",".join(part for part in ("embedding", "head") if part in parts)
+    counts = _first_last(text) if text else None
+    if counts is not None:
+        return ",".join(f"{key}={counts[key]}" for key in ("first", "last") if key in counts)
+    raise ConfigError(f"{name} must be {_SPLIT_FORMS}; got {value!r}")
+
+
+def _first_last(text: str) -> dict[str, int] | None:
+    counts: dict[str, int] = {}
+    for item in text.split(","):
+        key, equals, number = item.partition("=")
+        if key not in ("first", "last") or not equals or not number.isdigit() or key in counts:
+            return None
+        counts[key] = int(number)
+    return counts
+
+
+def split_counts(num_blocks: int, num_chunks: int, split: str) -> list[int]:
+    """Repeated blocks per model chunk, in pipeline order, under a split by count; ConfigError
+    with the counts when they do not divide."""
+    split = check_pipeline_split(split)
+    if num_chunks == 1:
+        return [num_blocks]
+    shown = f"pipeline_split '{split}'"
+    if split.startswith("uniform"):
+        extra = {"embedding": "embedding" in split, "head": "head" in split}
+        counted = num_blocks + sum(extra.values())
+        if num_blocks == 0 or counted % num_chunks:
+            named = " + ".join([f"{num_blocks} repeated blocks"] + [f"the {key}" for key, on in extra.items() if on])
+            named += f" = {counted}" if counted != num_blocks else ""
+            raise ConfigError(f"{shown} puts an equal count on each of the {num_chunks} model chunks (pp x chunks per "
+                              f"rank), but {named} does not divide by {num_chunks}; use a pp (or "
+                              f"interleaving) that divides it, another uniform form, 'first=N,last=M' or 'balanced'")
+        each = counted // num_chunks
+        counts = [each] * num_chunks
+        counts[0] -= extra["embedding"]
+        counts[-1] -= extra["head"]
+        return counts
+    fixed = _first_last(split) or {}
+    rest = num_blocks - sum(fixed.values())
+    others = num_chunks - len(fixed)
+    if rest < 0:
+        raise ConfigError(f"{shown} puts {sum(fixed.values())} repeated blocks on the end chunks, more than the "
+                          f"model's {num_blocks}; change the counts or use 'uniform' or 'balanced'")
+    if (others and rest % others) or (not others and rest):
+        raise ConfigError(f"{shown} leaves {rest} of the {num_blocks} repeated blocks for the other {others} of "
+                          f"{num_chunks} model chunks, which does not split evenly; change the counts or use "
+                          "'uniform' or 'balanced'")
+    even = rest // others if others else 0
+    return [fixed.get("first", even)] + [even] * (num_chunks - 2) + [fixed.get("last", even)]
+
+
+def split_spans(is_block: Sequence[bool], num_chunks: int, split: str) -> list[StageSpan]:
+    """The model chunks of a split by count as spans of segments (`is_block`: whether each segment
+    is a repeated block). Segments before the first block go with the first chunk, those after
+    the last block with the last, others with the block before them."""
+    counts = split_counts(sum(is_block), num_chunks, split)
+    chunk_of_block = [chunk for chunk, count in enumerate(counts) for _ in range(count)]
+    last_block = max((position for position, block in enumerate(is_block) if block), default=-1)
+    blocks_seen, chunks = 0, []
+    for position, block in enumerate(is_block):
+        if block:
+            chunks.append(chunk_of_block[blocks_seen])
+            blocks_seen += 1
+        else:
+            chunks.append(0 if blocks_seen == 0 else num_chunks - 1 if position > last_block else chunks[-1])
+    starts: dict[int, int] = {}
+    stops: dict[int, int] = {}
+    for position, chunk in enumerate(chunks):
+        starts.setdefault(chunk, position)
+        stops[chunk] = position + 1
+    if len(starts) < num_chunks:
+        empty = [chunk for chunk in range(num_chunks) if chunk not in starts]
+        raise ConfigError(f"pipeline_split '{split}' leaves model chunk(s) {empty} of {num_chunks} empty (no block, "
+                          "no embedding or head): give each chunk at least one block")
+    return [StageSpan(starts[chunk], stops[chunk]) for chunk in range(num_chunks)]
+
+
+def block_flags(segments) -> tuple[bool, ...]:
+    """Whether each segment (graph.Segment) is one instance of a repeated block."""
+    return tuple(segment.block_group is not None for segment in segments)
+
+
+def split_blocker(is_block: Sequence[bool], num_chunks: int, split: str) -> str:
+    """Why the split cannot cut these segments into `num_chunks` chunks ("" when it can)."""
+    if split == BALANCED:
+        return "" if num_chunks <= len(is_block) else f"{num_chunks} chunks need at least as many segments"
+    try:
+        split_spans(is_block, num_chunks, split)
+    except ConfigError as error:
+        return str(error)
+    return ""
 
 
 # --- which rank runs which pipeline stage ----------------------------------------------------

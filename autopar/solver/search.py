@@ -58,6 +58,7 @@ from autopar.solver.fp8_pricing import Fp8Pricing
 from autopar.solver.experts import ExpertPricing, find_expert_ops
 from autopar.solver.overheads import Overheads, SegmentCounts
 from autopar.solver.parallel_search import search_in_workers, search_jobs
+from autopar.solver.pipeline import block_flags
 from autopar.solver.pricing import Pricing, TpKey, lower_bound_s
 from autopar.solver.sharding import ShardingOptions, ShardingResult
 from autopar.solver.step_model import Estimate, ParallelConfig, PreparedSegments, StepModel
@@ -144,6 +145,7 @@ class Planner:
             comm=CommModel(cluster), policy=policy,
             memory_budget_bytes=cluster.device.memory_bytes * options.usable_memory_fraction,
             shared_params=_shared_params(graph), allocator=_allocator(cluster, options),
+            segment_blocks=block_flags(graph.segments),
             expert_pricing=options.experts,
 
             host_link_bytes_per_s=cluster.device.host_link_bytes_per_s, fuses_weight_grads=fp8 is None,

@@ -84,13 +84,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from autopar.errors import ConfigError
 from autopar.mesh import Mesh
 from autopar.solver.configs import (SCHEDULES, ZERO_BUBBLE_SCHEDULES, Estimate, ParallelConfig, StageEstimate,
                                     chunks_per_device)
 from autopar.solver.experts import ExpertPricing
 from autopar.solver.prepared import EpTimes, PreparedSegments, recompute_comm_s, recompute_compute_s, weight_grad_s
 from autopar.solver.recompute import RECOMPUTE_MODES
-from autopar.solver.pipeline import ChainCosts, StageSpan, partition, rank_of, stages_of_rank
+from autopar.solver.pipeline import BALANCED, ChainCosts, StageSpan, partition, rank_of, split_spans, stages_of_rank
 from autopar.solver.p2p_overlap import hidden_p2p_s
 from autopar.solver.placement import Placement
 from autopar.solver.schedule_sim import uniform_bubble_s
@@ -154,8 +155,12 @@ class StepModel(StepFsdp, StepTail):
     fuses_weight_grads: bool = True
     """Whether the runtime may accumulate weight gradients inside their GEMMs (codegen/fused_wgrad.py);
     False for precision "fp8", whose linears all run through torchao's override unfused."""
+    segment_blocks: tuple[bool, ...] = ()
+    """Per segment of the model, whether it is a repeated block: what a pipeline split by count
+    counts (ParallelConfig.pipeline_split, pipeline.split_spans)."""
     _send_recv_cache: dict[tuple[float, bool], float] = field(default_factory=dict, repr=False, compare=False)
     _group_cache: dict[tuple[int, int, int], object] = field(default_factory=dict, repr=False, compare=False)
+    _split_cache: dict[tuple[int, str], list[StageSpan]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def can_offload(self) -> bool:
@@ -279,9 +284,13 @@ class StepModel(StepFsdp, StepTail):
 
     def _spans(self, prepared: PreparedSegments, chain: ChainCosts, chain_key: tuple, config: ParallelConfig):
         """(the stage partition, whether it fits): the fastest split if it fits, else the fastest
-        that fits, else the fastest; (None, False) when there are fewer segments than chunks."""
+        that fits, else the fastest; (None, False) when there are fewer segments than chunks. A
+        split by count (config.pipeline_split) is the partition whatever it costs or holds."""
         num_chunks = config.pp * config.chunks_per_device
         workspace = self._workspace_bytes(prepared, config)
+        if config.pipeline_split != BALANCED and num_chunks > 1:
+            spans = self.counted_spans(len(prepared), num_chunks, config.pipeline_split)
+            return spans, self._fits(chain, spans, config, workspace)
 
         flights = _chunks_in_flight(config)
 
@@ -309,6 +318,16 @@ class StepModel(StepFsdp, StepTail):
                 fixed_bytes=workspace, at_least_s=at_least)
         lean = prepared.lean_partitions[lean_key]
         return (lean, True) if lean is not None else (spans, False)
+
+    def counted_spans(self, num_segments: int, num_chunks: int, split: str) -> list[StageSpan]:
+        """The chunks of a split by count (pipeline.split_spans), whatever the segments cost."""
+        if len(self.segment_blocks) != num_segments:
+            raise ConfigError(f"pipeline_split '{split}' needs to know which of the {num_segments} segments are "
+                              "repeated blocks, and this step model was not given them")
+        key = (num_chunks, split)
+        if key not in self._split_cache:
+            self._split_cache[key] = split_spans(self.segment_blocks, num_chunks, split)
+        return self._split_cache[key]
 
     def _lightest(self, prepared: PreparedSegments, place: Placement, config: ParallelConfig,
                   lighter: dict[str, PreparedSegments]) -> PreparedSegments:

@@ -282,6 +282,10 @@ TABLE = CaseTable([
     _case("gpt", 4, dp=2, tp=1, pp=2, microbatch_size=1, schedule="zbv", zero_stage=1, grad_tolerance=1e-6,
           locally_tied="wte.weight"),
     _case("mlp", 4, dp=2, tp=1, pp=2, microbatch_size=1, zero_stage=1),
+    # A pipeline split by count (solver/pipeline.py) as Llama 3 405B's: the embedding and the head
+    # (tied to it) counted as a layer each, so the first stage holds the embedding alone and the last
+    # the head and the loss alone
+    _case("gpt", 4, dp=1, tp=1, pp=4, microbatch_size=1, pipeline_split="uniform:embedding,head"),
     # once known bugs: size arithmetic outside the segments (HF GPT-2 reads input_ids.shape),
     # the planner's own microbatch choice under pp, residual adds between blocks, and HF's SDPA
     # path that traces differently on meta than on the CPU

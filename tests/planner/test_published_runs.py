@@ -229,3 +229,28 @@ def test_nemo_rows_overlap_their_interleaved_sends():
     for run in read_runs():
         if run.precision != "fp32":
             assert policy_of(run).p2p_overlap == ("NeMo" in run.source), run.id
+
+
+def test_pipelined_rows_are_cut_as_their_framework_cut_them(capsys):
+    """Megatron-LM / Megatron-Core put num_layers / (pp x vp) layers on each chunk; Megatron-DeepSpeed's
+    BLOOM counted the two embeddings as layers (70 + 2 = 12 x 6); torchtitan split layers before
+    pytorch/torchtitan#1416 and weighs the embedding and output as a layer each since; a split the
+    layers do not divide cannot have run, so the row keeps the balanced cut and says so."""
+    from types import SimpleNamespace
+
+    from benchmarks.published_runs import framework_split, split_as_run
+
+    kor = next(run for run in RUNS.values() if run.family == "gpt")
+    assert framework_split(kor, 96, 24) == "uniform"
+    assert framework_split(replace(kor, notes="NeMo; account-for-loss-in-pipeline-split"), 96, 24) == "uniform:head"
+    bloom = replace(kor, source="BigScience Workshop 2022, BLOOM (arXiv 2211.05100); Megatron-DeepSpeed")
+    assert framework_split(bloom, 70, 12) == "uniform:embedding,head"
+    titan = next(run for run in RUNS.values() if "torchtitan" in run.source.lower())
+    assert framework_split(titan, 126, 8) == "first=15,last=15"  # generate_split_points: 15, 16 x 6, 15
+    assert framework_split(replace(titan, source="torchtitan docs, 2025-08"), 126, 8) == "uniform:embedding,head"
+    graph = SimpleNamespace(segments=[SimpleNamespace(block_group=None)] + [SimpleNamespace(block_group=0)] * 70
+                            + [SimpleNamespace(block_group=None)])
+    assert split_as_run(replace(bloom, pp=12, virtual_stages=1), graph) == "uniform:embedding,head"
+    assert split_as_run(replace(kor, pp=12, virtual_stages=1), graph) == "balanced"
+    assert "70 repeated blocks does not divide by 12" in capsys.readouterr().err
+    assert split_as_run(replace(kor, pp=1), graph) == "balanced"

@@ -36,6 +36,16 @@ def test_plan_respects_constraints_and_saves(capsys, tmp_path):
     assert code == 0 and "pp=2" in shown
 
 
+@pytest.mark.parametrize("command", [["evaluate", "--tp", "1", "--microbatch-size", "1"], ["plan"]])
+def test_evaluate_and_plan_cut_stages_as_the_pipeline_split_says(capsys, command):
+    code, out, _ = run(capsys, command[0], TINY, "--cluster", "dgx-a100-80g:gpus_per_node=4", "--global-batch", "8",
+                       "--pp", "2", *command[1:], "--pipeline-split", "first=0", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["pipeline_split"] == "first=0"
+    assert [stage["segments"] for stage in data["stages"]] == [["prologue"], ["layers.0", "layers.1", "epilogue"]]
+
+
 def test_evaluate_prices_a_fixed_configuration(capsys):
     code, out, _ = run(capsys, "evaluate", TINY, "--cluster", "dgx-a100-80g:gpus_per_node=4", "--global-batch", "8",
                        "--tp", "2", "--pp", "2", "--microbatch-size", "2", "--recompute", "full", "--zero", "1",
@@ -86,6 +96,12 @@ def test_fp8_flags_plan_float8_linears(capsys, command, fixed):
      "etp=3 must divide tp=2"),
     (["plan", TINY, "--cluster", "dgx-h100", "--global-batch", "8", "--tp", "2", "--etp", "1"],
      "etp=1: with tp > 1 it folds the MoE layers"),
+    (["evaluate", TINY, "--cluster", "dgx-h100", "--global-batch", "8", "--tp", "1", "--pp", "2",
+      "--microbatch-size", "1", "--pipeline-split", "even"], "pipeline_split must be 'balanced'"),
+    (["evaluate", TINY, "--cluster", "dgx-h100", "--global-batch", "8", "--tp", "1", "--pp", "2",
+      "--microbatch-size", "1", "--pipeline-split", "uniform:head"], "2 repeated blocks + the head = 3 does not divide by 2"),
+    (["plan", TINY, "--cluster", "dgx-h100", "--global-batch", "8", "--pp", "2", "--pipeline-split", "first=3"],
+     "puts 3 repeated blocks on the end chunks, more than the model's 2"),
 ])
 def test_bad_input_exits_2_with_one_message(capsys, argv, fragment):
     code, out, err = run(capsys, *argv)

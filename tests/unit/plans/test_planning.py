@@ -1,12 +1,15 @@
-"""Precision "fp8" through plan and evaluate (plans/planning.py): recorded choice, refusals."""
+"""Precision "fp8" and the pipeline split through plan and evaluate (plans/planning.py): recorded
+choice, refusals."""
 
 from __future__ import annotations
 
 import pytest
 
 import autopar
-from autopar.errors import ConfigError, PlanMismatchError
+from autopar.errors import ConfigError, InfeasiblePlanError, PlanMismatchError
+from autopar.plans import planning
 from autopar.plans.plan import Plan
+from autopar.solver.constraints import Constraints
 
 GPT = "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=64"
 
@@ -137,3 +140,51 @@ def test_the_search_prices_float8_and_keeps_the_faster_plan():
     bf16 = autopar.plan(BIG, cluster="dgx-h100", global_batch=16)
     assert fp8.fp8_linears and fp8.predicted.step_time_s < bf16.predicted.step_time_s
     assert fp8.predicted.breakdown_s["fp8.matmul"] > 0
+
+
+# --- the pipeline split ------------------------------------------------------------------------
+
+
+def _split_plan(split: str, pp: int = 4, **fixed):
+    from report_plans import planner
+
+    fixed = {"schedule": "1f1b", "virtual_stages": None, **fixed}
+    config = planning.fixed_config(planner(), tp=1, pp=pp, dp=None, microbatch_size=1, layers_per_virtual_stage=None,
+                                   recompute="none", zero_stage=0, pipeline_split=split, **fixed)
+    return planning.evaluate_with(planner(), config)
+
+
+def test_evaluate_cuts_the_stages_the_split_names_and_records_it():
+    plan = _split_plan("first=1,last=3")
+    assert [stage.segments for stage in plan.stages] == [
+        ("prologue", "layers.0"), ("layers.1", "layers.2"), ("layers.3", "layers.4"), ("layers.5", "layers.6", "layers.7", "epilogue")]
+    assert plan.pipeline_split == "first=1,last=3" and "stages cut by count (first=1,last=3)" in plan.summary()
+    assert Plan.from_dict(plan.to_dict()).pipeline_split == "first=1,last=3"
+    assert Plan.from_dict({key: value for key, value in plan.to_dict().items()
+                           if key != "pipeline_split"}).pipeline_split == "balanced"  # plans written before it
+    with pytest.raises(PlanMismatchError, match="pipeline_split must be"):
+        Plan.from_dict({**plan.to_dict(), "pipeline_split": "even"})
+    interleaved = _split_plan("uniform", pp=2, schedule="interleaved", virtual_stages=2)
+    assert [stage.chunks for stage in interleaved.stages] == [
+        (("prologue", "layers.0", "layers.1"), ("layers.4", "layers.5")),
+        (("layers.2", "layers.3"), ("layers.6", "layers.7", "epilogue"))]
+
+
+def test_a_split_the_blocks_do_not_divide_is_refused_with_the_counts():
+    with pytest.raises(ConfigError, match="8 repeated blocks \\+ the embedding \\+ the head = 10 does not divide by 4"):
+        _split_plan("uniform:embedding,head")
+    with pytest.raises(ConfigError, match="pipeline_split must be"):
+        autopar.evaluate(GPT, cluster="cpu:procs=2", global_batch=8, pp=2, pipeline_split="even")
+
+
+def test_plan_searches_only_the_pipelines_the_split_divides():
+    from report_plans import planner
+
+    plan = planning.plan_with(planner(), Constraints(pp=4, pipeline_split="uniform"))
+    assert plan.pipeline_split == "uniform"
+    assert [len(stage.segments) for stage in plan.stages] == [3, 2, 2, 3]
+    with pytest.raises(InfeasiblePlanError, match="no configuration satisfies pp=4, pipeline_split=uniform:embedding"
+                                                  ",head: pipeline_split 'uniform:embedding,head' puts"):
+        planning.plan_with(planner(), Constraints(pp=4, pipeline_split="uniform:embedding,head"))
+    with pytest.raises(ConfigError, match="constraints\\['pipeline_split'\\] must be"):
+        autopar.plan(GPT, cluster="cpu:procs=2", global_batch=8, constraints={"pipeline_split": "even"})

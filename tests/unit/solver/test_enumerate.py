@@ -59,3 +59,18 @@ def test_an_ep_that_does_not_split_the_experts_says_so():
         autopar.plan("moe:layers=2,hidden=32,heads=4,kv_heads=2,seq=16,vocab=64,num_experts=4,top_k=2,"
                      "expert_ffn_hidden=32", cluster="cpu:procs=3", global_batch=6, constraints={"ep": 3, "tp": 1})
     assert "the 4 experts per tp rank of an expert layer do not split into ep=3 groups" in str(raised.value)
+
+
+def test_a_fixed_pipeline_split_keeps_only_the_pipelines_it_divides():
+    """8 blocks + the embedding + the head counted = 10: 2 chunks (pp 2, 5 each) and 10 would do,
+    4 and 8 would not; every configuration enumerated is one the split cuts."""
+    from autopar.solver.constraints import Constraints
+    from report_plans import planner
+
+    constraints = Constraints(pipeline_split="uniform:embedding,head", microbatch_size=1, tp=1, recompute="none")
+    candidates = planner().candidates
+    chunks = {config.pp * config.chunks_per_device
+              for tp, pp, dp, cp in candidates.meshes(constraints)
+              for config in candidates.configs(tp, pp, dp, 1, constraints, cp)
+              if config.pipeline_split == "uniform:embedding,head"}
+    assert chunks == {1, 2}  # pp 4 and 8 (and their interleavings, zbv) are left out: 10 does not divide
