@@ -61,10 +61,11 @@ not by autopar's balanced cut, derived from the source (framework_split):
   --account-for-embedding/loss-in-pipeline-split nor first/last-stage layer counts (NeMo 24.12's
   llama3_70b recipe, Megatron-Bridge's gpt_oss recipe); notes that say "account for embedding" /
   "account for loss" count those as a layer ("uniform:embedding", "uniform:head").
-- Megatron-DeepSpeed (BigScience's BLOOM): `--pp-partition-method 'type:transformer|embedding'`
-  counts the input embedding and the tied output embedding as layers, DeepSpeed's partition of
-  equal weights: 70 + 2 = 12 x 6, rank 0 [embed | 5 blocks], rank 11 [5 blocks | embed]
-  (bigscience-workshop/bigscience train/tr11-176B-ml/README.md) = "uniform:embedding,head".
+- Megatron-DeepSpeed: GPTModelPipe builds DeepSpeed's PipelineModule with
+  partition_method='type:transformer' (equal counts of transformer layers: "uniform"); a run whose
+  notes give `--pp-partition-method 'type:transformer|embedding'` (as BigScience's fork allows)
+  counts the input embedding and the tied output embedding as layers, e.g. 70 + 2 = 12 x 6, rank 0
+  [embed | 5 blocks], rank 11 [5 blocks | embed] = "uniform:embedding,head".
 - torchtitan before pytorch/torchtitan#1416 (2025-07): generate_split_points, num_layers //
   stages on the first stage, one more on middle stages while the remainder lasts, the rest on the
   last (126 layers on 8 stages: 15, 16 x 6, 15 = "first=15,last=15"); since then
@@ -401,7 +402,8 @@ def run_month(source: str) -> tuple[int, int] | None:
     return min(found, default=None)
 
 
-_MEGATRON_DEEPSPEED = re.compile(r"\bMegatron-DeepSpeed\b|\bBigScience\b|\bBLOOM\b", re.IGNORECASE)
+_MEGATRON_DEEPSPEED = re.compile(r"\bMegatron-DeepSpeed\b", re.IGNORECASE)
+_EMBEDDINGS_AS_LAYERS = re.compile(r"type:transformer\|embedding", re.IGNORECASE)
 _ACCOUNTS_FOR = {"embedding": re.compile(r"\baccount(?:s|ed)?[-_ ]for[-_ ]embedding\b", re.IGNORECASE),
                  "head": re.compile(r"\baccount(?:s|ed)?[-_ ]for[-_ ]loss\b", re.IGNORECASE)}
 TORCHTITAN_WEIGHTED_SPLIT_SINCE = (2025, 7)
@@ -420,7 +422,7 @@ def framework_split(run, num_layers: int, num_chunks: int) -> str:
         if when is not None and when >= TORCHTITAN_WEIGHTED_SPLIT_SINCE:
             return "uniform:embedding,head"
         return _torchtitan_2024_split(num_layers, num_chunks)
-    if _MEGATRON_DEEPSPEED.search(text):
+    if _MEGATRON_DEEPSPEED.search(text) and _EMBEDDINGS_AS_LAYERS.search(run.notes):
         return "uniform:embedding,head"
     counted = [name for name, pattern in _ACCOUNTS_FOR.items() if pattern.search(run.notes)]
     return "uniform" + (":" + ",".join(counted) if counted else "")

@@ -232,8 +232,9 @@ def test_nemo_rows_overlap_their_interleaved_sends():
 
 
 def test_pipelined_rows_are_cut_as_their_framework_cut_them(capsys):
-    """Megatron-LM / Megatron-Core put num_layers / (pp x vp) layers on each chunk; Megatron-DeepSpeed's
-    BLOOM counted the two embeddings as layers (70 + 2 = 12 x 6); torchtitan split layers before
+    """Megatron-LM / Megatron-Core put num_layers / (pp x vp) layers on each chunk, and so does
+    Megatron-DeepSpeed ('type:transformer') unless its notes count the two embeddings as layers
+    ('type:transformer|embedding': 70 + 2 = 12 x 6); torchtitan split layers before
     pytorch/torchtitan#1416 and weighs the embedding and output as a layer each since; a split the
     layers do not divide cannot have run, so the row keeps the balanced cut and says so."""
     from types import SimpleNamespace
@@ -243,7 +244,9 @@ def test_pipelined_rows_are_cut_as_their_framework_cut_them(capsys):
     kor = next(run for run in RUNS.values() if run.family == "gpt")
     assert framework_split(kor, 96, 24) == "uniform"
     assert framework_split(replace(kor, notes="NeMo; account-for-loss-in-pipeline-split"), 96, 24) == "uniform:head"
-    bloom = replace(kor, source="BigScience Workshop 2022, BLOOM (arXiv 2211.05100); Megatron-DeepSpeed")
+    deepspeed = replace(kor, source="a 2022 run; Megatron-DeepSpeed")
+    assert framework_split(deepspeed, 72, 12) == "uniform"  # GPTModelPipe: partition_method='type:transformer'
+    bloom = replace(deepspeed, notes="--pp-partition-method 'type:transformer|embedding'")
     assert framework_split(bloom, 70, 12) == "uniform:embedding,head"
     titan = next(run for run in RUNS.values() if "torchtitan" in run.source.lower())
     assert framework_split(titan, 126, 8) == "first=15,last=15"  # generate_split_points: 15, 16 x 6, 15
