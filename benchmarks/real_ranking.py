@@ -2,6 +2,8 @@
 
     .venv/bin/autopar profile --nproc 4 --quick --out /tmp/p.json     # measures, then calibrates (the default)
     .venv/bin/python benchmarks/real_ranking.py --profile /tmp/p.json --procs 4 [--model gpt|llama] [--markdown]
+    # two calibrations judged on the same steps (e.g. one fitted on one model size only):
+    .venv/bin/python benchmarks/real_ranking.py --profile /tmp/p.json --other-profile /tmp/p1.json --procs 4
     # 2 processes too (the default --procs 4 2): add their calibration to the same profile
     .venv/bin/autopar profile --nproc 2 --out /tmp/p.json --calibrate M1 --calibrate M2   # M1, M2: the defaults
 
@@ -46,8 +48,11 @@ TABLE = {
 NUM_TRIALS = 4
 
 
-def worker(num_processes: int, profile: str, steps: int, warmup: int, model: str = MODELS["gpt"]) -> dict:
-    """Every rank: plan (rank 0), run every configuration, the picks and the trials."""
+def worker(num_processes: int, profile: str, steps: int, warmup: int, model: str = MODELS["gpt"],
+           other_profile: str | None = None) -> dict:
+    """Every rank: plan (rank 0), run every configuration, the picks and the trials. With
+    `other_profile` (another calibration of this machine) every configuration is priced with it too
+    and its own pick runs beside the others: two calibrations judged on one set of steps."""
     from dataclasses import replace
 
     from autopar import api
@@ -77,12 +82,21 @@ def worker(num_processes: int, profile: str, steps: int, warmup: int, model: str
         rows.append(("autopar's pick, calibrated, no trials", pick, _raw_prediction(raw, pick)))
         rows.append(("autopar's pick, uncalibrated, no trials", raw_pick, raw_pick.predicted.step_time_s))
         candidates = api.candidates_with(calibrated, num_candidates=NUM_TRIALS)
+        if other_profile:
+            other = api.planner_for(bundle.model, bundle.example_inputs,
+                                    f"cpu:procs={num_processes},profile={other_profile}", global_batch=GLOBAL_BATCH,
+                                    loss_fn=bundle.loss_fn, example_targets=bundle.example_targets, precision="fp32")
+            other_pick = api.plan_with(other)
+            rows.append(("autopar's pick, other calibration, no trials", other_pick, _raw_prediction(raw, other_pick)))
+            rows = [(label, plan, raw_s, _raw_prediction(other, plan)) for label, plan, raw_s in rows]
+        else:
+            rows = [(label, plan, raw_s, None) for label, plan, raw_s in rows]
         return rows, candidates
 
     rows, candidates = run_on_rank0(plan_all)
     measure = TrialOptions(warmup_steps=warmup, steps=steps, interleave=True)
     results = run_trials(bundle.model, tuple(bundle.example_inputs), bundle.example_targets, bundle.loss_fn,
-                         [plan for _, plan, _ in rows], options=measure, progress=_say)
+                         [plan for _, plan, _, _ in rows], options=measure, progress=_say)
     started = time.perf_counter()
     trial_results = run_trials(bundle.model, tuple(bundle.example_inputs), bundle.example_targets, bundle.loss_fn,
                                candidates, options=replace(measure, interleave=False), progress=_say)
@@ -90,8 +104,9 @@ def worker(num_processes: int, profile: str, steps: int, warmup: int, model: str
     winner = select_winner(trial_results)
     return dict(
         rows=[dict(label=label, config=result.config, raw_s=raw_s, predicted_s=plan.predicted.step_time_s,
-                   measured_s=result.measured_s, failure=result.error, expected_error=plan.predicted.expected_error)
-              for (label, plan, raw_s), result in zip(rows, results)],
+                   other_s=other_s, measured_s=result.measured_s, failure=result.error,
+                   expected_error=plan.predicted.expected_error)
+              for (label, plan, raw_s, other_s), result in zip(rows, results)],
         trials=[dict(config=r.config, predicted_s=r.predicted_s, measured_s=r.measured_s, stopped=r.stopped_early,
                      setup_s=r.setup_s, steps=len(r.step_times_s)) for r in trial_results],
         winner=winner, trials_wall_s=trials_wall_s)
@@ -154,7 +169,10 @@ def report(num_processes: int, outcome: dict, markdown: bool, exit_codes: list[i
         + (" (stopped early)" if t["stopped"] else "") + f" in {t['steps']} steps, set-up {t['setup_s']:.0f} s"
         for t in trials) + f"; wall time of the trials {outcome['trials_wall_s']:.0f} s")
     lines.append("")
-    for kind, key in (("calibrated", "predicted_s"), ("uncalibrated", "raw_s")):
+    kinds = [("calibrated", "predicted_s"), ("uncalibrated", "raw_s")]
+    if rows[0]["other_s"] is not None:
+        kinds.append(("other calibration", "other_s"))
+    for kind, key in kinds:
         errors = [abs(row[key] / row["measured_s"] - 1) for row in measured]
         rho = spearman([row[key] for row in measured], [row["measured_s"] for row in measured])
         lines.append(f"- {kind}: median |error| {100 * statistics.median(errors):.0f}%, rank correlation {rho:.2f} "
@@ -177,6 +195,8 @@ def main() -> None:
     parser.add_argument("--procs", type=int, nargs="*", default=[4, 2])
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt", help="which model to rank (default gpt)")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--other-profile", metavar="P2",
+                        help="another calibrated profile of this machine: the same steps judged with its prices too")
     args = parser.parse_args()
     from autopar.tune.launch import spawn
 
@@ -185,7 +205,7 @@ def main() -> None:
     for num_processes in args.procs:
         outcome = spawn(worker, num_processes=num_processes,
                         args=(num_processes, os.path.abspath(args.profile), args.steps, args.warmup,
-                              MODELS[args.model]))
+                              MODELS[args.model], args.other_profile and os.path.abspath(args.other_profile)))
         print(report(num_processes, outcome.value, args.markdown, outcome.exit_codes), flush=True)
         print(flush=True)
     print(f"model {MODELS[args.model]}; load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
