@@ -2,8 +2,10 @@
 
     .venv/bin/autopar profile --nproc 4 --quick --out /tmp/p.json     # measures, then calibrates (the default)
     .venv/bin/python benchmarks/real_ranking.py --profile /tmp/p.json --procs 4 [--model gpt|llama] [--markdown]
-    # two calibrations judged on the same steps (e.g. one fitted on one model size only):
+    # two calibrations judged on the same steps: another profile, or the same measurements
+    # refitted on the first calibration model only (one model size, as before 2026-12-05):
     .venv/bin/python benchmarks/real_ranking.py --profile /tmp/p.json --other-profile /tmp/p1.json --procs 4
+    .venv/bin/python benchmarks/real_ranking.py --profile /tmp/p.json --one-size --procs 4
     # 2 processes too (the default --procs 4 2): add their calibration to the same profile
     .venv/bin/autopar profile --nproc 2 --out /tmp/p.json --calibrate M1 --calibrate M2   # M1, M2: the defaults
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 import statistics
 import time
 
@@ -187,6 +190,25 @@ def report(num_processes: int, outcome: dict, markdown: bool, exit_codes: list[i
     return "\n".join(lines)
 
 
+def one_size_profile(path: str) -> str:
+    """A copy of the profile whose calibrations are fitted on their first model's points alone
+    (written beside it as NAME.one-size.json)."""
+    from dataclasses import replace
+
+    from autopar.tune.calibrate import MODEL_SEPARATOR, refit
+    from cost_model.profile import load_profile
+
+    profile = load_profile(path)
+    calibrations = []
+    for calibration in profile.calibrations:
+        first = calibration.model.split(MODEL_SEPARATOR)[0]
+        points = tuple(point for point in calibration.points if point.model in (first, ""))
+        calibrations.append(refit(replace(calibration, model=first, points=points)))
+    out = str(Path(path).with_suffix(".one-size.json"))
+    replace(profile, calibrations=tuple(calibrations)).save(out)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", required=True, help="a profile calibrated for 2 and 4 processes")
@@ -197,7 +219,11 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--other-profile", metavar="P2",
                         help="another calibrated profile of this machine: the same steps judged with its prices too")
+    parser.add_argument("--one-size", action="store_true",
+                        help="the other profile: --profile's calibrations refitted on their first model's points only")
     args = parser.parse_args()
+    if args.one_size:
+        args.other_profile = one_size_profile(args.profile)
     from autopar.tune.launch import spawn
 
     started = time.perf_counter()
