@@ -5,10 +5,15 @@ Every architecture of hf_zoo.py (default attention, keyword inputs, a loss readi
 pp2 x tp2 (interleaved), with plans forced by constraints, and its losses must match one
 process within TOLERANCE.
 
-Where the time goes: torch.export is most of it (2-4 CPU-s per export of a tiny HF model,
-against ~1-3 s for all of an architecture's training steps), then starting processes and
-importing transformers. So the meshes of one world size run in one job of gloo processes (the
-harness's `run_cases`), and each architecture is exported twice in all (once for planning,
+Where the time goes (the 32 architectures that ran all five meshes, 2 shared cores, 2026-12-05:
+~370 CPU-s of ranks): the 2-process job ~130 (two exports per architecture ~65, planning ~17,
+loading the saved capture ~9, training steps ~32), the 4-process job ~230 (steps ~140, ~80 of
+them pp2 x tp2's; building the modules ~55, mostly the MoE layers dp2 x tp2 folds, which every
+rank exports again at its share of the tokens; loading ~36). Linear attention costs most: Qwen3.5
+alone ~60 CPU-s, for the gated delta rule's 63-step loop over each chunk's rows (thousands of ops
+to export, plan, and propagate DTensor shardings for on the first step). Starting processes
+and importing transformers cost little beside these. So the meshes of one world size run in one
+job of gloo processes (the harness's `run_cases`), and each architecture is exported twice in all (once for planning,
 once for codegen): the first job's rank 0 captures for planning and plans that job's meshes
 while its last rank captures for codegen and runs one process; the planning graph then goes
 to the last rank, which plans the 4-process meshes, and the codegen capture is saved
