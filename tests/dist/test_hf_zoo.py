@@ -5,13 +5,18 @@ Every architecture of hf_zoo.py (default attention, keyword inputs, a loss readi
 pp2 x tp2 (interleaved), with plans forced by constraints, and its losses must match one
 process within TOLERANCE.
 
-Where the time goes: torch.export is most of it (2-4 CPU-s per export of a tiny HF model,
-against ~1-3 s for all of an architecture's training steps), then starting processes and
-importing transformers. So the meshes of one world size run in one job of gloo processes (the
-harness's `run_cases`), and each architecture is exported twice in all (once for planning,
-once for codegen): the first job's rank 0 captures for planning while its last rank captures
-for codegen and runs one process; the planning graph goes to the ranks that plan (rank 0 this
-world size's meshes, the last rank the 4-process meshes), and the codegen capture is saved
+Where the time goes (the 32 architectures that ran all five meshes, 2 shared cores, 2026-12-05:
+~370 CPU-s of ranks): the 2-process job ~130 (two exports per architecture ~65, planning ~17,
+loading the saved capture ~9, training steps ~32), the 4-process job ~230 (steps ~140, ~80 of
+them pp2 x tp2's; building the modules ~55, mostly the MoE layers dp2 x tp2 folds, which every
+rank exports again at its share of the tokens; loading ~36). Linear attention costs most: Qwen3.5
+alone ~60 CPU-s, for the gated delta rule's 63-step loop over each chunk's rows (thousands of ops
+to export, plan, and propagate DTensor shardings for on the first step). Starting processes
+and importing transformers cost little beside these. So the meshes of one world size run in one
+job of gloo processes (the harness's `run_cases`), and each architecture is exported twice in all (once for planning,
+once for codegen): the first job's rank 0 captures for planning and plans that job's meshes
+while its last rank captures for codegen and runs one process; the planning graph then goes
+to the last rank, which plans the 4-process meshes, and the codegen capture is saved
 (torch.export.save) for the other ranks and for the 4-process job, which loads plans, losses
 and capture from the run's shared folder (`_shared_dir`) instead of capturing again.
 
@@ -19,7 +24,9 @@ and capture from the run's shared folder (`_shared_dir`) instead of capturing ag
 README's supported-model table, each cell's deviation or failure on stderr; `--write-readme`
 runs all of it and writes the table into README.md.
 
-`make test` runs every architecture; AUTOPAR_ZOO=GPT-2,Llama (names of hf_zoo.py) runs some.
+`make test` runs every architecture of hf_zoo.TESTED, those of hf_zoo.IN_SUITE_TWO_PROCESSES
+under the 2-process meshes only; AUTOPAR_ZOO=GPT-2,Llama (names of hf_zoo.py) runs every mesh of
+some.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -76,6 +83,9 @@ class ZooCase:
     capturing and planning again."""
     timeout_s: float = 180.0
     """How long the case may run (capture, planning and every mesh of this world size)."""
+    later_sizes: tuple[int, ...] = (4,)
+    """The world sizes of the jobs that run this architecture after this one: this job plans their
+    meshes (none when their cells are not run)."""
 
     @property
     def meshes(self) -> list[str]:
@@ -187,10 +197,11 @@ def _stored_capture(model, case: ZooCase):
 def _prepare(case: ZooCase, model, batches, loss_fn) -> tuple[dict, list[float], tuple]:
     """(this world size's plans, one process's losses, the codegen capture) on every rank.
 
-    The first job of an architecture: rank 0 captures for planning while the last rank captures
-    for codegen (and saves it) and runs one process; the planning graph goes to every rank,
-    rank 0 plans this world size's meshes and the last rank the larger world sizes' (stored for
-    their jobs), and the other ranks load the saved codegen capture. A later job loads it all."""
+    The first job of an architecture: rank 0 captures for planning and plans this world size's
+    meshes while the last rank captures for codegen (and saves it) and runs one process; then the
+    last rank gets the planning graph and plans the later jobs' meshes (stored for them) while the
+    other ranks load the saved codegen capture. A later job loads it all. (Rank 0 plans before it
+    sends the graph: the ranks then wait on each other once, not twice.)"""
     import torch.distributed as dist
 
     from autopar.capture.export import capture_program
@@ -201,17 +212,18 @@ def _prepare(case: ZooCase, model, batches, loss_fn) -> tuple[dict, list[float],
         captured = _stored_capture(model, case)
         return (*stored, captured or capture_program(model, (), batches[0][0], allow_fallback=False))
     rank, last = dist.get_rank(), dist.get_world_size() - 1
-    graph = captured = reference = None
+    graph = captured = reference = plans = None
     if rank == 0:
-        graph = _planner(model, batches, loss_fn, case.world_size).graph
+        planner = _planner(model, batches, loss_fn, case.world_size)
+        graph, plans = planner.graph, _plans(planner, case.world_size)
     if rank == last:
         captured = _capture_and_store(model, batches[0][0], case)
         reference = _reference(model, loss_fn, batches)
-    graph, reference = broadcast_object(graph), broadcast_object(reference, src=last)
-    plans = _plans(_planner(graph, batches, loss_fn, case.world_size), case.world_size) if rank == 0 else None
+    if case.later_sizes:
+        graph = broadcast_object(graph)
+    reference = broadcast_object(reference, src=last)
     if rank == last:
-        later = sorted({size for size, _ in MESHES.values() if size > case.world_size})
-        for size in later:
+        for size in case.later_sizes:
             _store_plans(case, _plans(_planner(graph, batches, loss_fn, size), size))
     if rank != last:
         captured = _stored_capture(model, case) or capture_program(model, (), batches[0][0], allow_fallback=False)
@@ -257,8 +269,8 @@ def zoo_case(case: ZooCase) -> dict:
     return results
 
 
-SELECTED = [name for name in os.environ.get("AUTOPAR_ZOO", "").split(",") if name and name != "all"] \
-    or [arch.name for arch in hf_zoo.TESTED]
+NAMED = [name for name in os.environ.get("AUTOPAR_ZOO", "").split(",") if name and name != "all"]
+SELECTED = NAMED or [arch.name for arch in hf_zoo.TESTED]
 """The architectures whose tests are collected (AUTOPAR_ZOO=a,b,...; default: all of them)."""
 if set(SELECTED) - set(hf_zoo.BY_NAME):
     raise ValueError(f"AUTOPAR_ZOO names unknown architectures {sorted(set(SELECTED) - set(hf_zoo.BY_NAME))}; "
@@ -279,10 +291,19 @@ def _shared_dir() -> str:
     return folder
 
 
-CASES = {f"{arch.name}-{size}": ZooCase(arch.name, size, _shared_dir()) for size in (2, 4)
-         for arch in hf_zoo.ARCHITECTURES + hf_zoo.RECENT}
+def _sizes(name: str) -> tuple[int, ...]:
+    """The world sizes whose cells the zoo test runs for an architecture: the 2-process ones only
+    for hf_zoo.IN_SUITE_TWO_PROCESSES unless AUTOPAR_ZOO names it."""
+    if name not in SELECTED:
+        return ()
+    return (2,) if name in hf_zoo.IN_SUITE_TWO_PROCESSES and name not in NAMED else (2, 4)
+
+
+CASES = {f"{arch.name}-{size}": ZooCase(arch.name, size, _shared_dir(),
+                                        later_sizes=tuple(later for later in _sizes(arch.name) if later > size))
+         for size in (2, 4) for arch in hf_zoo.ARCHITECTURES + hf_zoo.RECENT}
 TESTS = [(f"{arch.name}-{size}", mesh) for mesh, (size, _) in MESHES.items()
-         for arch in hf_zoo.ARCHITECTURES + hf_zoo.RECENT if arch.name in SELECTED]
+         for arch in hf_zoo.ARCHITECTURES + hf_zoo.RECENT if size in _sizes(arch.name)]
 
 
 def check(outcome, mesh: str) -> None:
@@ -329,8 +350,10 @@ def run_zoo(architectures: list[str]) -> dict:
     from harness import run_cases
 
     outcomes = {}
-    for size in sorted({size for size, _ in MESHES.values()}):
-        cases = {name: case for name, case in CASES.items() if case.world_size == size and case.arch in architectures}
+    sizes = sorted({size for size, _ in MESHES.values()})
+    for size in sizes:
+        cases = {name: replace(case, later_sizes=tuple(later for later in sizes if later > size))
+                 for name, case in CASES.items() if case.world_size == size and case.arch in architectures}
         started = time.perf_counter()
         outcomes.update(run_cases(zoo_case, size, cases, timeout_per_case_s=max(c.timeout_s for c in cases.values())))
         print(f"{size} processes: {len(cases)} architectures in {time.perf_counter() - started:.0f} s",
