@@ -225,6 +225,7 @@ class _ColumnLinear(torch.autograd.Function):
             product = product + bias.to_local()
         ctx.save_for_backward(gathered, weight_local)
         ctx.runner, ctx.dim, ctx.has_bias, ctx.like = runner, dim, bias is not None, x
+        ctx.set_materialize_grads(False)  # A without other readers: no gradient, the fused reduce-scatter
         out_shape = (*x.shape[:-1], weight.shape[0])
         out = _wrap(product, x, Shard(x.ndim - 1), out_shape)
         whole = _wrap(gathered, x, Replicate(), x.shape)
@@ -234,7 +235,8 @@ class _ColumnLinear(torch.autograd.Function):
     def backward(ctx, grad_out, grad_whole):
         gathered, weight_local = ctx.saved_tensors
         runner, dim, like = ctx.runner, ctx.dim, ctx.like
-        grad_local = _local(grad_out, Shard(grad_out.ndim - 1))
+        grad_local = _local(grad_out, Shard(grad_out.ndim - 1)) if grad_out is not None else \
+            gathered.new_zeros((*gathered.shape[:-1], weight_local.shape[0]))
         after = None
         if grad_whole is None:
             grad_x = runner.matmul_scatter(grad_local, weight_local, dim)
@@ -242,8 +244,10 @@ class _ColumnLinear(torch.autograd.Function):
             summed = grad_local.matmul(weight_local)
             if isinstance(grad_whole, DTensor) and isinstance(grad_whole.placements[0], Partial):
                 summed = summed + grad_whole.to_local()
-            else:  # a whole gradient: this rank's chunk is added after the sum
+            elif isinstance(grad_whole, DTensor):  # a whole gradient: this rank's chunk is added after the sum
                 after = _local(grad_whole, Shard(dim))
+            else:
+                after = grad_whole.chunk(runner.mesh.size(), dim)[runner.mesh.get_local_rank()]
             grad_x = reduce_scatter(summed, dim, runner.group)  # not fused: the sum comes first
             if after is not None:
                 grad_x = grad_x + after
