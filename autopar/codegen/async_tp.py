@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,8 @@ class AsyncTP:
         self.stats = Counter() if stats is None else stats
         """"column" and "row" (fused), "shared" (a gathered input reused), "fallback" counts."""
         self.group = mesh.get_group() if kernel != "off" else None
+        self.fused_wgrad = None
+        """FusedWgrad (codegen/fused_wgrad.py) that accumulates these linears' weight gradients, if any."""
         if kernel == "cuda":
             from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
@@ -105,7 +108,8 @@ class AsyncTP:
 
     def run(self, node, interpreter, env: dict, cache: dict, output_placement, input_placements):
         """The output of linear `node` run fused, or None for the interpreter's own path."""
-        if self.kernel == "off" or node.target is not LINEAR or len(node.args) < 2:
+        if self.kernel == "off" or node.target is not LINEAR or len(node.args) < 2 or \
+                node.target in interpreter.overrides:
             return None
         source = node.args[0]
         value = env.get(source.name) if isinstance(source, torch.fx.Node) else None
@@ -118,9 +122,10 @@ class AsyncTP:
         if column and (source.name, "R") in cache:
             self.stats["shared"] += 1
             return None
-        ok = not node.kwargs and interpreter.on_gather is None and len(wanted) == len(node.args) and \
-            all(isinstance(arg, torch.fx.Node) for arg in node.args) and isinstance(value, DTensor)
-        weights = [interpreter.place(env[arg.name], placement) for arg, placement in zip(node.args[1:], wanted[1:])] \
+        operands = [arg for arg in node.args if arg is not None]  # linear(x, w, None): no bias
+        ok = not node.kwargs and interpreter.on_gather is None and len(wanted) == len(operands) and \
+            all(isinstance(arg, torch.fx.Node) for arg in operands) and isinstance(value, DTensor)
+        weights = [interpreter.place(env[arg.name], placement) for arg, placement in zip(operands[1:], wanted[1:])] \
             if ok else []
         size = self.mesh.size()
         even = isinstance(value, DTensor) and value.shape[_shard_dim(value) if column else scatter_dim] % size == 0
@@ -133,13 +138,39 @@ class AsyncTP:
             self.stats["fallback"] += 1
             return None
         weight, bias = weights[0], (weights[1] if len(weights) > 1 else None)
+        self.fused_wgrad = interpreter.fused_wgrad
+        master = _fused_master(interpreter.fused_wgrad, weight, value)
+        if master is not None:  # its gradient goes to master.grad: none through the copy's cast
+            weight = weight.detach()
         if column:
             self.stats["column"] += 1
-            out, gathered = _ColumnLinear.apply(value, weight, bias, self, _shard_dim(value))
+            out, gathered = _ColumnLinear.apply(value, weight, bias, self, _shard_dim(value), master)
             cache[(source.name, "R")] = gathered
             return out
         self.stats["row"] += 1
-        return _RowLinear.apply(value, weight, bias, self, scatter_dim)
+        return _RowLinear.apply(value, weight, bias, self, scatter_dim, master)
+
+
+def _fused_master(fused_wgrad, weight: DTensor, inputs: DTensor):
+    """The fp32 weight whose bf16 step copy `weight` is, where codegen/fused_wgrad.py accumulates
+    its gradient inside the GEMM (FusedWgrad.accumulate, from this module's backward), else None.
+    Both linears here are column- or row-parallel: the local product is the rank's shard."""
+    if fused_wgrad is None or fused_wgrad.kernel == "off":
+        return None
+    master = fused_wgrad.weight_casts.master_of(weight)
+    if master is None or weight.dtype not in (torch.bfloat16, torch.float16) or inputs.dtype != weight.dtype:
+        return None
+    return master
+
+
+def _weight_grad(ctx, grad: Callable[[], DTensor], inputs: Callable[[], DTensor], local_grad: Callable[[], DTensor]):
+    """The weight's gradient for autograd (`local_grad`), or None where FusedWgrad accumulated it into
+    the fp32 master's .grad itself, from the `grad` and `inputs` DTensors its placement check reads."""
+    if ctx.master is None:
+        return local_grad()
+    with torch.no_grad():
+        ctx.runner.fused_wgrad.accumulate(ctx.master, grad(), inputs())
+    return None
 
 
 def _placed(values, placements) -> bool:
@@ -218,13 +249,13 @@ class _ColumnLinear(torch.autograd.Function):
     """linear(all_gather(x), W, b) with W, b column-sharded; returns (Y sharded on its last dim, A)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, runner: AsyncTP, dim: int):
+    def forward(ctx, x, weight, bias, runner: AsyncTP, dim: int, master=None):
         weight_local = weight.to_local()
         gathered, product = runner.gather_matmul(x.to_local(), weight_local.t(), dim)
         if bias is not None:
             product = product + bias.to_local()
         ctx.save_for_backward(gathered, weight_local)
-        ctx.runner, ctx.dim, ctx.has_bias, ctx.like = runner, dim, bias is not None, x
+        ctx.runner, ctx.dim, ctx.has_bias, ctx.like, ctx.master = runner, dim, bias is not None, x, master
         ctx.set_materialize_grads(False)  # A without other readers: no gradient, the fused reduce-scatter
         out_shape = (*x.shape[:-1], weight.shape[0])
         out = _wrap(product, x, Shard(x.ndim - 1), out_shape)
@@ -251,25 +282,29 @@ class _ColumnLinear(torch.autograd.Function):
             grad_x = reduce_scatter(summed, dim, runner.group)  # not fused: the sum comes first
             if after is not None:
                 grad_x = grad_x + after
-        grad_weight = _rows(grad_local).t().mm(_rows(gathered))
+        size = runner.mesh.size()
+        grad_weight = _weight_grad(
+            ctx, lambda: _wrap(grad_local, like, Shard(like.ndim - 1), (*like.shape[:-1], grad_local.shape[-1] * size)),
+            lambda: _wrap(gathered, like, Replicate(), like.shape),
+            lambda: _wrap(_rows(grad_local).t().mm(_rows(gathered)), like, Shard(0),
+                          (grad_local.shape[-1] * size, gathered.shape[-1])))
         grad_bias = _rows(grad_local).sum(0) if ctx.has_bias else None
-        return (_wrap(grad_x, like, Shard(dim), like.shape),
-                _wrap(grad_weight, like, Shard(0), (grad_weight.shape[0] * runner.mesh.size(), grad_weight.shape[1])),
+        return (_wrap(grad_x, like, Shard(dim), like.shape), grad_weight,
                 _wrap(grad_bias, like, Shard(0), (grad_bias.shape[0] * runner.mesh.size(),))
-                if grad_bias is not None else None, None, None)
+                if grad_bias is not None else None, None, None, None)
 
 
 class _RowLinear(torch.autograd.Function):
     """reduce_scatter(linear(x, W)) + b with x, W row-sharded, b replicated; Y sharded on `dim`."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, runner: AsyncTP, dim: int):
+    def forward(ctx, x, weight, bias, runner: AsyncTP, dim: int, master=None):
         x_local, weight_local = x.to_local(), weight.to_local()
         product = runner.matmul_scatter(x_local, weight_local.t(), dim)
         if bias is not None:
             product = product + bias.to_local()
         ctx.save_for_backward(x_local, weight_local)
-        ctx.runner, ctx.dim, ctx.has_bias, ctx.like = runner, dim, bias is not None, x
+        ctx.runner, ctx.dim, ctx.has_bias, ctx.like, ctx.master = runner, dim, bias is not None, x, master
         return _wrap(product, x, Shard(dim), (*x.shape[:-1], weight.shape[0]))
 
     @staticmethod
@@ -277,8 +312,12 @@ class _RowLinear(torch.autograd.Function):
         x_local, weight_local = ctx.saved_tensors
         runner, dim, like = ctx.runner, ctx.dim, ctx.like
         gathered, grad_x = runner.gather_matmul(_local(grad_out, Shard(dim)).contiguous(), weight_local, dim)
-        grad_weight = _rows(gathered).t().mm(_rows(x_local))
+        grad_weight = _weight_grad(
+            ctx, lambda: _wrap(gathered, like, Replicate(), (*like.shape[:-1], gathered.shape[-1])),
+            lambda: _wrap(x_local, like, Shard(like.ndim - 1), like.shape),
+            lambda: _wrap(_rows(gathered).t().mm(_rows(x_local)), like, Shard(1),
+                          (gathered.shape[-1], x_local.shape[-1] * runner.mesh.size())))
         grad_bias = _rows(gathered).sum(0) if ctx.has_bias else None
-        return (_wrap(grad_x, like, Shard(like.ndim - 1), like.shape),
-                _wrap(grad_weight, like, Shard(1), (grad_weight.shape[0], grad_weight.shape[1] * runner.mesh.size())),
-                _wrap(grad_bias, like, Replicate(), grad_bias.shape) if grad_bias is not None else None, None, None)
+        return (_wrap(grad_x, like, Shard(like.ndim - 1), like.shape), grad_weight,
+                _wrap(grad_bias, like, Replicate(), grad_bias.shape) if grad_bias is not None else None,
+                None, None, None)

@@ -93,3 +93,26 @@ def test_the_kernel_defaults_to_off_on_cpu_and_can_be_forced(monkeypatch):
     monkeypatch.setenv("AUTOPAR_ASYNC_TP", "fast")
     with pytest.raises(ConfigError, match="one of off, emulate, cuda"):
         chosen_kernel(torch.device("cpu"), "async")
+
+
+def test_a_bf16_step_copy_accumulates_its_weight_gradient_through_fused_wgrad(mesh):
+    """Under a bf16 plan with fused weight gradients (codegen/fused_wgrad.py) the fused linear's
+    backward accumulates the fp32 master's gradient itself and hands autograd none for the copy."""
+    from autopar.codegen.fused_wgrad import FusedWgrad
+    from autopar.codegen.program import WeightCasts
+
+    torch.manual_seed(2)
+    master = torch.nn.Parameter(DTensor.from_local(torch.randn(8, 6), mesh, [Shard(0)], run_check=False))
+    x = _leaf(mesh, torch.randn(2, 4, 6).bfloat16(), Shard(1))
+    casts = WeightCasts()
+    runner = AsyncTP(mesh, "emulate")
+    runner.fused_wgrad = FusedWgrad(casts, "emulate")
+    with casts.step([(master, torch.bfloat16)]):
+        copy = casts.cast(master, torch.bfloat16)
+        out, gathered = _ColumnLinear.apply(x, copy.detach(), None, runner, 1, master)
+        out.full_tensor().float().pow(2).sum().backward()
+    assert runner.fused_wgrad.stats == {"fused": 1}
+    grad_out = (2 * out.full_tensor().float()).bfloat16().float().reshape(-1, 8)
+    expected = grad_out.t() @ gathered.full_tensor().float().reshape(-1, 6)
+    assert master.grad.dtype == torch.float32
+    torch.testing.assert_close(master.grad.full_tensor(), expected, rtol=1e-5, atol=1e-4)
