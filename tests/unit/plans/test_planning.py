@@ -77,7 +77,9 @@ def test_the_planner_picks_fp8_for_llama_3_8b_on_h100s_with_compiled_casts():
     assert "; saves " in bought[0]
     eager = autopar.evaluate(LLAMA3_8B, **fixed, precision="fp8", fp8_casts="eager")
     assert eager.fp8_casts == "eager" and eager.fp8_linears == ()
-    assert eager.predicted.step_time_s == pytest.approx(bf16.predicted.step_time_s)
+    # fp8 plans run sequence parallelism's collectives through DTensor (no async TP): as bf16's "off"
+    exposed = autopar.evaluate(LLAMA3_8B, **fixed, tp_overlap="off")
+    assert eager.predicted.step_time_s == pytest.approx(exposed.predicted.step_time_s)
 
 
 def test_the_planner_keeps_a_small_hidden_model_in_bf16_even_with_compiled_casts():
