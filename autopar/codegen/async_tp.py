@@ -19,8 +19,8 @@ The gathered A also serves the other linears that read the same input (q, k and 
 up), as the interpreter's cache of redistributed inputs does. Kernels:
 
 - "cuda": torch's symmetric-memory ops (CUDA, NCCL; not runnable on this project's CPU CI);
-- "emulate": the same decomposition with plain collectives (all_gather_single then matmul,
-  matmul then reduce_scatter_single), on any backend, for tests on gloo;
+- "emulate": the same decomposition with plain collectives (torch's functional all_gather_single then
+  matmul, matmul then reduce_scatter_single), on any backend, for tests on gloo;
 - "off": DTensor's path.
 
 `AUTOPAR_ASYNC_TP` (off | emulate | cuda) overrides the default ("cuda" on CUDA devices for a plan
@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.codegen.placements import current
@@ -72,7 +72,7 @@ def _shard_dim(value) -> int | None:
 class AsyncTP:
     """Runs a rank's sequence-parallel linears with their collectives fused into the GEMM."""
 
-    def __init__(self, mesh, kernel: str, stats: Counter | None = None) -> None:
+    def __init__(self, mesh, kernel: str, stats: Counter | None = None, fused_wgrad=None) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"unknown async TP kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
         self.mesh = mesh
@@ -80,7 +80,7 @@ class AsyncTP:
         self.stats = Counter() if stats is None else stats
         """"column" and "row" (fused), "shared" (a gathered input reused), "fallback" counts."""
         self.group = mesh.get_group() if kernel != "off" else None
-        self.fused_wgrad = None
+        self.fused_wgrad = fused_wgrad
         """FusedWgrad (codegen/fused_wgrad.py) that accumulates these linears' weight gradients, if any."""
         if kernel == "cuda":
             from torch.distributed._symmetric_memory import enable_symm_mem_for_group
@@ -138,8 +138,7 @@ class AsyncTP:
             self.stats["fallback"] += 1
             return None
         weight, bias = weights[0], (weights[1] if len(weights) > 1 else None)
-        self.fused_wgrad = interpreter.fused_wgrad
-        master = _fused_master(interpreter.fused_wgrad, weight, value)
+        master = _fused_master(self.fused_wgrad, weight, value)
         if master is not None:  # its gradient goes to master.grad: none through the copy's cast
             weight = weight.detach()
         if column:
@@ -213,21 +212,18 @@ def _tensor_args(node) -> list:
 # --- plain collectives on a dim -------------------------------------------------------------------
 
 def all_gather(shard: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """The ranks' shards concatenated on `dim` (all_gather_single gathers on dim 0)."""
-    size = dist.get_world_size(group)
-    moved = shard.movedim(dim, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] * size, *moved.shape[1:]))
-    dist.all_gather_single(out, moved, group=group)
-    return out.movedim(0, dim).contiguous()
+    """The ranks' shards concatenated on `dim`. Functional collectives, as DTensor's: the "op"
+    recomputation's selective checkpoint refuses an in-place collective's output buffer."""
+    return _waited(funcol.all_gather_single(shard.contiguous(), dim, group)).contiguous()
 
 
 def reduce_scatter(full: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This rank's chunk on `dim` of the ranks' sum of `full`."""
-    size = dist.get_world_size(group)
-    moved = full.movedim(dim, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-    dist.reduce_scatter_single(out, moved, group=group)
-    return out.movedim(0, dim).contiguous()
+    return _waited(funcol.reduce_scatter_single(full.contiguous(), "sum", dim, group)).contiguous()
+
+
+def _waited(value: torch.Tensor) -> torch.Tensor:
+    return value.wait() if isinstance(value, funcol.AsyncCollectiveTensor) else value
 
 
 def _rows(value: torch.Tensor) -> torch.Tensor:

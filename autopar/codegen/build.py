@@ -127,7 +127,7 @@ class ProgramBuilder:
             self.interpreter.fused_wgrad = FusedWgrad(self.weight_casts, kernel, stats.fused_wgrad)
         tp_kernel = async_tp_kernel(device, plan.tp_overlap) if plan.precision != "fp8" and tp_mesh.size() > 1 else "off"
         if tp_kernel != "off":  # fp8: torchao's override runs every float8 linear
-            self.interpreter.async_tp = AsyncTP(tp_mesh, tp_kernel, stats.async_tp)
+            self.interpreter.async_tp = AsyncTP(tp_mesh, tp_kernel, stats.async_tp, self.interpreter.fused_wgrad)
         self.fp8 = self._float8_linears()
         """Precision "fp8": the plan's float8 linears (codegen/fp8.py), else None."""
 
