@@ -207,6 +207,10 @@ def test_async_tp_is_the_default_on_cuda_and_prices_sp_collectives_hidden():
     assert fused.predicted.step_time_s < exposed.predicted.step_time_s
     assert fused.predicted.breakdown_s["tp.all_gather"] < exposed.predicted.breakdown_s["tp.all_gather"]
     assert Plan.from_dict(fused.to_dict()).tp_overlap == "async"
+    from autopar.report.explain import explain_text
+
+    assert "tp_overlap async" in explain_text(fused) and "tp_overlap" not in explain_text(exposed)
+    assert "tp overlap    async" in fused.summary() and "tp overlap" not in exposed.summary()
     assert autopar.evaluate(GPT, cluster="dgx-h100", global_batch=8).tp_overlap == "off"  # tp = 1
     assert autopar.evaluate(GPT, cluster="cpu", global_batch=8).tp_overlap == "off"
     with pytest.raises(PlanMismatchError, match="tp_overlap='async'; expected one of 'off'"):
