@@ -23,6 +23,12 @@ up), as the interpreter's cache of redistributed inputs does. Kernels:
   matmul, matmul then reduce_scatter_single), on any backend, for tests on gloo;
 - "off": DTensor's path.
 
+When the gathered A has other readers, their gradients arrive summed by autograd, so the column
+backward's reduce-scatter runs after the local sum, unfused (one collective, as DTensor's); fusing
+it would need the sibling linears run as one (torch's op takes several B) -- not done. Weight
+gradients of bf16 step copies go through codegen/fused_wgrad.py where it runs. Precision fp8
+(torchao's float8 linears) keeps DTensor's path (codegen/build.py).
+
 `AUTOPAR_ASYNC_TP` (off | emulate | cuda) overrides the default ("cuda" on CUDA devices for a plan
 with tp_overlap "async", else "off"). A linear that looks like one of the two but does not meet
 the rule (another placement, kwargs, a plan input it cannot see, the "gathers" recomputation's

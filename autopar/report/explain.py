@@ -129,8 +129,8 @@ def explain_text(plan: Plan, *, max_alternatives: int = 3) -> str:
                      "ep.dispatch, ep.combine, ep.counts are the all-to-alls)")
     lines += [f"          {note}" for note in fp8_notes(plan)]
     if getattr(plan, "tp_overlap", "off") == "async":
-        lines.append("          tp_overlap async: sequence-parallel all-gathers and reduce-scatters fused with their GEMMs "
-                     "(torch's async TP), priced hidden but 1/tp (solver/tp_overlap.py; tp.sm_contention)")
+        lines.append("          tp_overlap async: sequence-parallel all-gathers and reduce-scatters fused with their "
+                     "GEMMs (torch's async TP), priced hidden but 1/tp (solver/tp_overlap.py; tp.sm_contention)")
     if not explanation.alternatives:
         lines.append("  no runners-up recorded (a configuration priced with `autopar evaluate`, or the search "
                      "found only this one)")

@@ -200,7 +200,8 @@ def test_sequence_parallelism_runs_its_collectives_and_matches_one_process(case_
 def test_async_tp_fuses_the_linears_and_matches_the_dtensor_path(case_outcome):
     """The emulated async TP runs the tiny Llama's column- and row-parallel linears fused (none
     falls back) and its step gives the DTensor path's loss."""
-    fused, plain = case_outcome(count_case, CASES, "llama-tp2-sp-async"), case_outcome(count_case, CASES, "llama-tp2-sp")
+    fused = case_outcome(count_case, CASES, "llama-tp2-sp-async")
+    plain = case_outcome(count_case, CASES, "llama-tp2-sp")
     assert fused.ok and plain.ok, (fused.error, plain.error)
     for rank, (result, reference) in enumerate(zip(fused.values, plain.values)):
         assert result["async_tp"].get("column", 0) > 0 and result["async_tp"].get("row", 0) > 0, (rank, result)
