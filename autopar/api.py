@@ -63,7 +63,7 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
                 init_fn=None, trials: int = 1, trial_options=None, progress=None, options=None,
                 checkpoint: str | Path | None = None, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
                 checkpoint_async: bool = True, fp8_recipe: str = "tensorwise", fp8_filter=None,
-                fp8_casts: str | None = None) -> ParallelModule:
+                fp8_casts: str | None = None, tp_overlap: str | None = None) -> ParallelModule:
     """Plan (on rank 0) or take `plan`, and return this rank's ParallelModule. `example_inputs`
     is a tuple of positional inputs or a dict of keyword inputs (`input_ids=`, `attention_mask=`);
     `example_kwargs` adds keyword inputs to positional ones.
@@ -88,7 +88,9 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
     `precision="fp8"` trains the linears that solver/fp8.py picks (or `fp8_filter(module_fqn,
     weight_shape)` keeps) in float8 with torchao's `fp8_recipe` ("tensorwise" or "rowwise"), the casts
     compiled by torch.compile or run eagerly as `fp8_casts` says ("compiled" or "eager"; default:
-    compiled on GPU clusters, eager on CPU ones)."""
+    compiled on GPU clusters, eager on CPU ones). `tp_overlap` is how sequence parallelism's
+    collectives run: "async" (fused with their GEMMs, torch's async TP; the default on CUDA
+    clusters) or "off" (DTensor's)."""
     _check_arguments(model, example_inputs, example_kwargs, plan, global_batch)
     _, world = ensure_process_group()
     inputs, keywords = split_inputs(example_inputs, example_kwargs)
@@ -100,7 +102,7 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
         return planning.plan(model, inputs, cluster or default_cluster(world), global_batch=batch,
                              constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
                              example_kwargs=keywords, options=options, fp8_recipe=fp8_recipe, fp8_filter=fp8_filter,
-                             fp8_casts=fp8_casts,
+                             fp8_casts=fp8_casts, tp_overlap=tp_overlap,
                              precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"))
 
     if trials > 1 and plan is None:
@@ -108,7 +110,8 @@ def parallelize(model: nn.Module, cluster=None, example_inputs=None, *, plan: Pl
                                    loss_fn=loss_fn, example_targets=example_targets, constraints=constraints,
                                    precision=precision or ("bf16" if torch.cuda.is_available() else "fp32"),
                                    trial_options=trial_options, progress=progress, options=options,
-                                   fp8=dict(fp8_recipe=fp8_recipe, fp8_filter=fp8_filter, fp8_casts=fp8_casts))
+                                   fp8=dict(fp8_recipe=fp8_recipe, fp8_filter=fp8_filter, fp8_casts=fp8_casts,
+                                            tp_overlap=tp_overlap))
     elif trials < 1:
         raise ConfigError(f"trials must be >= 1 (1: no trial runs), got {trials}")
     else:

@@ -139,6 +139,13 @@ def _fp8_flag(parser: argparse.ArgumentParser) -> None:
                              "default on CPU clusters)")
 
 
+def _tp_overlap_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp-overlap", choices=list(planning.TP_OVERLAPS),
+                        help="how the runtime runs (and the plan prices) sequence parallelism's all-gathers and "
+                             "reduce-scatters: async (fused with the GEMMs they feed, torch's async TP; default on "
+                             "CUDA clusters, needs sequence parallelism) or off (DTensor's collectives, exposed)")
+
+
 def _cache_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-capture-cache", action="store_true",
                         help="trace the model even if the capture cache holds it (as AUTOPAR_CAPTURE_CACHE=0)")
@@ -167,6 +174,7 @@ def _plan_parser(commands) -> None:
                         help="optimizer offload (FSDP2 CPUOffloadPolicy): auto uses it only when nothing fits without")
     _sequence_parallel_flag(parser)
     _fp8_flag(parser)
+    _tp_overlap_flag(parser)
     parser.add_argument("--jobs", type=count(1024), metavar="N",
                         help="processes that price configurations (default: $AUTOPAR_JOBS, else the usable cores up "
                              "to 8; 1 for a small search)")
@@ -180,6 +188,7 @@ def _evaluate_parser(commands) -> None:
     parser.add_argument("--pp", type=count(), required=True)
     parser.add_argument("--dp", type=count(), help="default: devices / (tp x pp x cp)")
     _fp8_flag(parser)
+    _tp_overlap_flag(parser)
     parser.add_argument("--cp", type=count(), default=1, help="context-parallel degree (default 1)")
     parser.add_argument("--microbatch-size", type=count(MAX_GLOBAL_BATCH), required=True)
     parser.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "zb1p", "zbv"], default="1f1b")
@@ -324,7 +333,7 @@ def _plan(args) -> int:
     plan = planning.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
                     constraints={key: value for key, value in constraints.items() if value is not None},
                     precision=args.precision, verbose=args.verbose, fp8_recipe=args.fp8_recipe,
-                    fp8_casts=args.fp8_casts,
+                    fp8_casts=args.fp8_casts, tp_overlap=args.tp_overlap,
                     options=SearchOptions(jobs=args.jobs, optimizer=args.optimizer),
                     moe_load_imbalance=args.moe_load_imbalance)
     return _emit(plan, args)
@@ -340,7 +349,7 @@ def _evaluate(args) -> int:
                         cp=args.cp, offload=args.offload, sequence_parallel=args.sequence_parallel == "on",
                         options=SearchOptions(optimizer=args.optimizer), moe_load_imbalance=args.moe_load_imbalance,
                         fp8_recipe=args.fp8_recipe, fp8_casts=args.fp8_casts, etp=args.etp,
-                        pipeline_split=args.pipeline_split)
+                        pipeline_split=args.pipeline_split, tp_overlap=args.tp_overlap)
     return _emit(plan, args)
 
 

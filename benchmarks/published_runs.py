@@ -94,6 +94,7 @@ from pathlib import Path
 
 from autopar import api
 from autopar.cluster import Cluster
+from autopar.plans.planning import default_tp_overlap
 from autopar.solver.pipeline import BALANCED, block_flags, split_blocker
 from autopar.solver.search import Planner
 from autopar.solver.step_model import Estimate, ParallelConfig
@@ -470,12 +471,15 @@ into fp32) with a fused AdamW, as the framework rows ran theirs: the same plan i
 
 
 def runtime_step_s(run: Run, directory: Path) -> float | None:
-    """The run's configuration priced for autopar's runtime (bf16 rows only; None otherwise)."""
+    """The run's configuration priced for autopar's runtime (bf16 rows only; None otherwise), with
+    the tp_overlap the planner gives autopar's runtime on the run's cluster (async TP on CUDA:
+    planning.default_tp_overlap; it hides only sequence parallelism's collectives)."""
     if precision_of(run) != "bf16":
         return None
     framework = planner_for(run, directory)
+    overlap = default_tp_overlap(framework.cluster, "bf16") == "async"
     planner = Planner(framework.graph, framework.cluster, global_batch=run.global_batch,
-                      policy=AUTOPAR_RUNTIME_FUSED_ADAMW, precision="bf16")
+                      policy=replace(AUTOPAR_RUNTIME_FUSED_ADAMW, tp_comm_overlap=overlap), precision="bf16")
     estimate, _ = planner.evaluate(run.config(planner))
     return estimate.step_time_s
 

@@ -70,7 +70,8 @@ class PrecisionPolicy:
     tp_comm_overlap: bool = False
     """The runtime overlaps its sequence-parallel collectives with the GEMMs they feed
     (Megatron-Core / NeMo `tp_comm_overlap`, Transformer Engine userbuffers: solver/tp_overlap.py);
-    False: they run exposed, as autopar's runtime issues them through DTensor."""
+    autopar's runtime with async TP (Plan.tp_overlap "async"). False: they run exposed, as autopar's
+    runtime issues them through DTensor with tp_overlap "off"."""
     fsdp_root_ends: bool = False
     """The runtime's root FSDP unit holds the first and last segments' parameters (torchtitan:
     `fully_shard` on each transformer block, then on the whole model, so the embedding, the final

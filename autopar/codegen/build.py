@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from autopar.codegen.align import align_names
+from autopar.codegen.async_tp import AsyncTP
+from autopar.codegen.async_tp import chosen_kernel as async_tp_kernel
 from autopar.codegen.fused_wgrad import FusedWgrad, chosen_kernel
 from autopar.codegen.interpreter import PlannedInterpreter, RunStats
 from autopar.codegen.program import (GraphParts, SegmentModule, StageProgram, WeightCasts, distribute_parameter,
@@ -123,6 +125,9 @@ class ProgramBuilder:
         kernel = chosen_kernel(device) if plan.precision == "bf16" else "off"  # fp8: torchao runs every linear
         if kernel != "off":
             self.interpreter.fused_wgrad = FusedWgrad(self.weight_casts, kernel, stats.fused_wgrad)
+        tp_kernel = async_tp_kernel(device, plan.tp_overlap) if plan.precision != "fp8" and tp_mesh.size() > 1 else "off"
+        if tp_kernel != "off":  # fp8: torchao's override runs every float8 linear
+            self.interpreter.async_tp = AsyncTP(tp_mesh, tp_kernel, stats.async_tp, self.interpreter.fused_wgrad)
         self.fp8 = self._float8_linears()
         """Precision "fp8": the plan's float8 linears (codegen/fp8.py), else None."""
 

@@ -26,7 +26,7 @@ from torch.fx.node import map_aggregate
 from autopar.codegen.all_to_all import runs_own_all_to_all, shard_to_shard
 from autopar.codegen.experts import Dispatched
 from autopar.codegen.local_ops import has_local_rule, no_dtensor_strategy, run_replicated, run_sharded
-from autopar.codegen.placements import parse_node_placements, same_placement, to_dtensor_placement
+from autopar.codegen.placements import current, parse_node_placements, same_placement, to_dtensor_placement
 from autopar.codegen.random_ops import draws, global_draws, run_random
 from autopar.strategies.placement import grad_placement
 
@@ -47,6 +47,9 @@ class RunStats:
     fused_wgrad: Counter = field(default_factory=Counter)
     """Weight gradients accumulated into the fp32 .grad by codegen/fused_wgrad.py: "fused" inside the
     GEMM, "fallback" as DTensors (a gradient placed otherwise than planned)."""
+    async_tp: Counter = field(default_factory=Counter)
+    """Sequence-parallel linears run by codegen/async_tp.py: "column" (all-gather fused with the GEMM),
+    "row" (GEMM fused with the reduce-scatter), "shared" (a gathered input reused), "fallback" (DTensor's path)."""
     random_gathered: Counter = field(default_factory=Counter)
     """Random ops run whole on gathered inputs so that every tp rank draws one process's numbers
     (codegen/random_ops.py: attention with dropout, bernoulli of probabilities...), by target."""
@@ -201,6 +204,9 @@ class PlannedInterpreter:
         self.fused_wgrad = None
         """FusedWgrad (codegen/fused_wgrad.py) of a bf16 plan: linears on step copies accumulate
         their weight gradients into the fp32 .grad inside the GEMM; None: autograd's path."""
+        self.async_tp = None
+        """AsyncTP (codegen/async_tp.py) of a sequence-parallel plan run with async TP: linears fuse
+        their all-gather / reduce-scatter into the GEMM; None: DTensor's collectives."""
 
     def as_dtensor(self, value: torch.Tensor) -> DTensor:
         """Plain tensors (factory outputs, buffers) are the same on every rank: replicated."""
@@ -261,6 +267,14 @@ class PlannedInterpreter:
 
     def _planned_call(self, node: torch.fx.Node, env: dict[str, Any], cache: dict, output_placement,
                       input_placements: list[str]) -> Any:
+        if self.async_tp is not None and self.distributed:
+            self.current_node = node.name
+            try:
+                fused = self.async_tp.run(node, self, env, cache, output_placement, input_placements)
+            finally:
+                self.current_node = None
+            if fused is not None:  # placed as its readers want: no check, its gradient pinned so
+                return pin_grad(fused, current(fused))
         position = 0
 
         def load(arg):

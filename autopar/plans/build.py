@@ -16,7 +16,7 @@ from autopar.strategies.loss import VOCAB
 def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate, sharding: ShardingResult,
               memory_budget_bytes: float, search: SearchResult | None = None, notes: tuple[str, ...] = (),
               precision: str = "bf16", segments=None, strategies: dict | None = None,
-              moe_load_imbalance: float | None = None, fp8: Fp8Choice | None = None) -> Plan:
+              moe_load_imbalance: float | None = None, fp8: Fp8Choice | None = None, tp_overlap: str = "off") -> Plan:
     """`strategies` covers every node of `graph` (defaults to the sharding result's own);
     `moe_load_imbalance` is what its expert ops were priced with (None: the model has none); `fp8`
     is precision "fp8"'s choice (recorded as fp8_recipe, fp8_linears and fp8_casts, its handling)."""
@@ -62,6 +62,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         fp8_recipe=fp8.recipe if fp8 is not None else "",
         fp8_linears=fp8.linears if fp8 is not None else (),
         fp8_casts=fp8.handling if fp8 is not None else "",
+        tp_overlap=tp_overlap,
         predicted=prediction,
         replicated_ops=sharding.replicated_ops,
         search=_search_stats(estimate, sharding, search),

@@ -89,9 +89,9 @@ def check_plan_data(data: dict, source: str) -> None:
     never meet a malformed plan deep in a report or in codegen."""
     fields = _PlanFields(source)
     for key in ("model", "model_fingerprint", "cluster", "cluster_fingerprint", "schedule", "recompute", "precision",
-                "fp8_recipe", "fp8_casts", "calibration"):
+                "fp8_recipe", "fp8_casts", "calibration", "tp_overlap"):
         fields.text(fields.get(data, key, key, "" if key in ("precision", "calibration", "fp8_recipe", "fp8_casts")
-                               else ...), key)
+                               else "off" if key == "tp_overlap" else ...), key)
     num_devices = fields.integer(fields.get(data, "num_devices", "num_devices"), "num_devices")
     global_batch = fields.integer(fields.get(data, "global_batch", "global_batch"), "global_batch",
                                   maximum=MAX_GLOBAL_BATCH)

@@ -147,6 +147,11 @@ class Plan:
     """precision "fp8": how the runtime runs the float8 casts, and how they were priced: "compiled"
     (torch.compile, codegen/fp8_compile.py) or "eager" (torchao op by op); "" otherwise (a plan
     written before this field ran and was priced eager)."""
+    tp_overlap: str = "off"
+    """How the runtime runs the sequence-parallel all-gathers and reduce-scatters of tensor
+    parallelism, and how they were priced: "async" (fused with the GEMMs they feed, torch's async
+    TP: codegen/async_tp.py; priced by solver/tp_overlap.py) or "off" (DTensor's collectives,
+    exposed). "async" needs sequence parallelism and tp > 1; plans written before this field read "off"."""
     trials: tuple[dict[str, Any], ...] = ()
     """Trial runs that chose this plan among candidates (autopar.tune): per candidate its
     config, predicted_s, measured_s (None when it failed), error and chosen."""
@@ -227,6 +232,8 @@ class Plan:
                    ("zero_stage", self.zero_stage, (0, 1, 2, 3)), ("precision", self.precision, ("bf16", "fp32", "fp8")),
                    ("fp8_recipe", self.fp8_recipe, ("",) + FP8_RECIPES if self.precision == "fp8" else ("",)),
                    ("fp8_casts", self.fp8_casts, ("",) + FP8_CASTS if self.precision == "fp8" else ("",)),
+                   ("tp_overlap", self.tp_overlap, ("off", "async") if self.sequence_parallel and self.mesh.get("tp", 1) > 1
+                    else ("off",)),
                    ("offload", self.offload, (False, True)), ("sequence_parallel", self.sequence_parallel, (False, True)),
                    ("calibration", self.calibration, CALIBRATIONS)]
         choices += [(f"stages[{i}].recompute", stage.recompute, ("",) + RECOMPUTE_MODES)

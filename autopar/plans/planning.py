@@ -257,6 +257,40 @@ def default_fp8_casts(cluster: Cluster) -> str:
     return "eager" if cluster.device_kind == "cpu" else "compiled"
 
 
+TP_OVERLAPS = ("async", "off")
+"""How the runtime runs the sequence-parallel all-gathers and reduce-scatters (Plan.tp_overlap)."""
+
+
+def default_tp_overlap(cluster: Cluster, precision: str) -> str:
+    """"async" on CUDA clusters (torch's symmetric-memory ops, codegen/async_tp.py), except precision
+    "fp8" (torchao runs its float8 linears), else "off"."""
+    return "async" if cluster.device_kind == "cuda" and precision != "fp8" else "off"
+
+
+def check_tp_overlap(tp_overlap: str | None, cluster: Cluster, precision: str) -> str:
+    """The tp_overlap to plan with (None: default_tp_overlap); ConfigError for one the runtime cannot run."""
+    if tp_overlap is None:
+        return default_tp_overlap(cluster, precision)
+    check_choice(tp_overlap, "tp_overlap", TP_OVERLAPS)
+    if tp_overlap == "async" and (cluster.device_kind != "cuda" or precision == "fp8"):
+        where = "precision 'fp8' (torchao runs its float8 linears)" if precision == "fp8" else \
+            f"a {cluster.device_kind} cluster (torch's async TP runs on CUDA symmetric memory)"
+        raise ConfigError(f"tp_overlap='async' cannot run on {where}: use tp_overlap='off'")
+    return tp_overlap
+
+
+def check_async_needs_sp(tp_overlap: str | None, sequence_parallel) -> None:
+    """"async" overlaps sequence parallelism's collectives: refused with sequence_parallel=False."""
+    if tp_overlap == "async" and sequence_parallel is False:
+        raise ConfigError("tp_overlap='async' overlaps the all-gathers and reduce-scatters of sequence parallelism, "
+                          "and sequence_parallel=False has none: allow sequence parallelism or use tp_overlap='off'")
+
+
+def tp_overlap_of(planner: Planner, config: ParallelConfig) -> str:
+    """The plan's tp_overlap: "async" where the planner priced it and the plan has SP with tp > 1."""
+    return "async" if planner.policy.tp_comm_overlap and config.sequence_parallel and config.tp > 1 else "off"
+
+
 def _progress(verbose: bool):
     return (lambda message: print(message, file=sys.stderr, flush=True)) if verbose else None
 
@@ -264,7 +298,8 @@ def _progress(verbose: bool):
 def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=None, example_targets=None,
                 precision: str = "bf16", options: SearchOptions | None = None, verbose: bool = False,
                 calibrated: bool = True, example_kwargs=None, moe_load_imbalance: float | None = None,
-                fp8_recipe: str = "tensorwise", fp8_filter=None, fp8_casts: str | None = None) -> Planner:
+                fp8_recipe: str = "tensorwise", fp8_filter=None, fp8_casts: str | None = None,
+                tp_overlap: str | None = None) -> Planner:
     """Capture once and return a Planner that can search and price many configurations.
 
     With `calibrated` (the default) the profile's whole-step calibration, if it has one, adds
@@ -273,7 +308,10 @@ def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=No
     share of a dropless MoE layer's tokens (1.0: balanced routing). Precision "fp8" runs the linears
     solver/fp8.py chooses (or those `fp8_filter(module_fqn, weight_shape)` keeps) with torchao's
     `fp8_recipe` ("tensorwise" or "rowwise"), its casts run and priced as `fp8_casts` says
-    ("compiled" or "eager"; None: default_fp8_casts)."""
+    ("compiled" or "eager"; None: default_fp8_casts). `tp_overlap` says how the runtime runs the
+    sequence-parallel collectives, and how they are priced: "async" (fused with their GEMMs,
+    codegen/async_tp.py, priced by solver/tp_overlap.py), "off" (DTensor's, exposed); None:
+    default_tp_overlap."""
     policy = _policy(precision)
     check_fp8_arguments(precision, fp8_recipe, fp8_filter, fp8_casts)
     global_batch = check_global_batch(global_batch)
@@ -287,6 +325,8 @@ def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=No
     overheads = overheads_for(cluster, torch_version=torch.__version__, host=socket.gethostname()) if calibrated \
         else None
     check_fp8_device(cluster, precision)
+    overlap = check_tp_overlap(tp_overlap, cluster, precision)
+    policy = replace(policy, tp_comm_overlap=overlap == "async")
     graph = capture_for_planning(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                                  example_kwargs=example_kwargs, precision="bf16" if precision == "fp8" else precision,
                                  verbose=verbose)
@@ -306,7 +346,8 @@ def _with_load_imbalance(options: SearchOptions, moe_load_imbalance: float | Non
 def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constraints=None, loss_fn=None,
          example_targets=None, precision: str = "bf16", options: SearchOptions | None = None,
          verbose: bool = False, example_kwargs=None, moe_load_imbalance: float | None = None,
-         fp8_recipe: str = "tensorwise", fp8_filter=None, fp8_casts: str | None = None) -> Plan:
+         fp8_recipe: str = "tensorwise", fp8_filter=None, fp8_casts: str | None = None,
+         tp_overlap: str | None = None) -> Plan:
     """Search the best parallelization; `constraints` may fix dp, tp, pp, cp, microbatch_size,
     schedule, virtual_stages / layers_per_virtual_stage, recompute, zero_stage, ep, etp (the search plans etp
     in {1, tp}: etp=1 keeps MoE parallel folding, searched where the runtime runs it, and tp=1; etp=k > 1
@@ -318,12 +359,12 @@ def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constr
     `moe_load_imbalance` (>= 1.0; default 1.25) prices dropless MoE routing: what the busiest
     expert-parallel rank receives and computes over the even share (1.0: balanced routing).
     `precision="fp8"` trains the eligible linears in float8 with torchao (`fp8_recipe`, `fp8_filter`,
-    `fp8_casts`: see `planner_for`)."""
+    `fp8_casts`: see `planner_for`); `tp_overlap` ("async" | "off"; None: "async" on CUDA clusters) too."""
     return candidate_plans(model, example_inputs, cluster, global_batch=global_batch, num_candidates=1,
                            constraints=constraints, loss_fn=loss_fn, example_targets=example_targets,
                            precision=precision, options=options, verbose=verbose, example_kwargs=example_kwargs,
                            moe_load_imbalance=moe_load_imbalance, fp8_recipe=fp8_recipe, fp8_filter=fp8_filter,
-                           fp8_casts=fp8_casts)[0]
+                           fp8_casts=fp8_casts, tp_overlap=tp_overlap)[0]
 
 
 def _check_constraints(cluster: Cluster, global_batch: int, constraints: Constraints) -> None:
@@ -339,11 +380,12 @@ def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: 
                     constraints=None, loss_fn=None, example_targets=None, precision: str = "bf16",
                     options: SearchOptions | None = None, verbose: bool = False, example_kwargs=None,
                     moe_load_imbalance: float | None = None, fp8_recipe: str = "tensorwise",
-                    fp8_filter=None, fp8_casts: str | None = None) -> list[Plan]:
+                    fp8_filter=None, fp8_casts: str | None = None, tp_overlap: str | None = None) -> list[Plan]:
     """The `num_candidates` fastest predicted plans, fastest first (what trials measure)."""
     if moe_load_imbalance is not None:
         check_load_imbalance(moe_load_imbalance)
     constraints = search_etp(Constraints.from_value(check_constraint_values(constraints)))
+    check_async_needs_sp(tp_overlap, constraints.sequence_parallel)
     check_model_arguments(model, example_inputs, loss_fn, example_targets)
     check_jobs_env()
     cluster = Cluster.from_spec(cluster)
@@ -351,7 +393,7 @@ def candidate_plans(model, example_inputs=None, cluster="cpu", *, global_batch: 
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
                           example_targets=example_targets, precision=precision, options=options, verbose=verbose,
                           example_kwargs=example_kwargs, moe_load_imbalance=moe_load_imbalance,
-                          fp8_recipe=fp8_recipe, fp8_filter=fp8_filter, fp8_casts=fp8_casts)
+                          fp8_recipe=fp8_recipe, fp8_filter=fp8_filter, fp8_casts=fp8_casts, tp_overlap=tp_overlap)
     return candidates_with(planner, constraints, num_candidates=num_candidates)
 
 
@@ -376,6 +418,7 @@ def _candidates(planner: Planner, constraints: Constraints, num_candidates: int)
                                                    config.folds_experts),
                          memory_budget_bytes=planner.step_model.memory_budget_bytes,
                          search=result if estimate is result.best else None, precision=planner.precision,
+                         tp_overlap=tp_overlap_of(planner, config),
                          moe_load_imbalance=planner.moe_load_imbalance, fp8=_fp8_of(planner, config),
                          segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
                                                         config.sequence_parallel, config.folds_experts),
@@ -436,7 +479,7 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
              cp: int = 1, offload: bool = False, sequence_parallel: bool = True,
              options: SearchOptions | None = None, moe_load_imbalance: float | None = None,
              fp8_recipe: str = "tensorwise", fp8_filter=None, etp: int | None = None,
-             fp8_casts: str | None = None, pipeline_split: str = "balanced") -> Plan:
+             fp8_casts: str | None = None, pipeline_split: str = "balanced", tp_overlap: str | None = None) -> Plan:
     """Price one fully fixed configuration (no search); `ep` splits the experts of an MoE over
     groups of ep data-parallel ranks (`etp=1` with tp > 1: over ep ranks of the tp x dp grid, the
     experts unsplit by tp, MoE parallel folding: priced, not run by autopar's runtime yet), `cp` splits each sequence over cp ranks, `offload` is optimizer
@@ -444,9 +487,10 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
     parallelism (Megatron-LM without --sequence-parallel), `pipeline_split` how the pipeline chunks
     are cut ("balanced": autopar's cut; "uniform" etc.: by count, as a framework cuts,
     solver/pipeline.py). `options` and `moe_load_imbalance` as for `plan` (`optimizer` says how
-    AdamW runs)."""
+    AdamW runs), `tp_overlap` as for `planner_for`."""
     if moe_load_imbalance is not None:
         check_load_imbalance(moe_load_imbalance)
+    check_async_needs_sp(tp_overlap, sequence_parallel)
     check_fixed_config(tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                        virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
                        recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,
@@ -458,7 +502,7 @@ def evaluate(model, example_inputs=None, cluster="cpu", *, global_batch: int, tp
     planner = planner_for(model, example_inputs, cluster, global_batch=global_batch, loss_fn=loss_fn,
                           example_targets=example_targets, precision=precision, verbose=verbose,
                           example_kwargs=example_kwargs, options=options, moe_load_imbalance=moe_load_imbalance,
-                          fp8_recipe=fp8_recipe, fp8_filter=fp8_filter, fp8_casts=fp8_casts)
+                          fp8_recipe=fp8_recipe, fp8_filter=fp8_filter, fp8_casts=fp8_casts, tp_overlap=tp_overlap)
     config = fixed_config(planner, tp=tp, pp=pp, dp=dp, microbatch_size=microbatch_size, schedule=schedule,
                           virtual_stages=virtual_stages, layers_per_virtual_stage=layers_per_virtual_stage,
                           recompute=recompute, zero_stage=zero_stage, ep=ep, cp=cp, offload=offload,
@@ -504,7 +548,7 @@ def evaluate_with(planner: Planner, config: ParallelConfig) -> Plan:
     plan = make_plan(planner.graph, planner.cluster, global_batch=planner.global_batch, estimate=estimate,
                      sharding=sharding, memory_budget_bytes=planner.step_model.memory_budget_bytes, notes=notes,
                      precision=planner.precision, moe_load_imbalance=planner.moe_load_imbalance,
-                     fp8=_fp8_of(planner, config),
+                     fp8=_fp8_of(planner, config), tp_overlap=tp_overlap_of(planner, config),
                      segments=planner.segment_costs(config.tp, config.microbatch_size, config.cp,
                                                     config.sequence_parallel, config.folds_experts),
                      strategies=planner.strategies(config.tp, config.microbatch_size, config.sequence_parallel,

@@ -28,6 +28,8 @@ def plan_summary(plan, *, max_stages: int = 8, max_params: int = 14) -> str:
         + (", optimizer offload to host memory (FSDP2 CPUOffloadPolicy)" if plan.offload else ""),
         *([f"  fp8           {len(plan.fp8_linears)} linears in float8 (torchao, {plan.fp8_recipe} scaling), "
            f"casts {plan.fp8_casts or 'eager'}, the rest in bf16"] if plan.precision == "fp8" else []),
+        *(["  tp overlap    async: sequence-parallel all-gathers and reduce-scatters fused with their GEMMs "
+           "(torch's async TP)"] if getattr(plan, "tp_overlap", "off") == "async" else []),
         f"  predicted     {predicted.step_time_s:.4g} s per step, {plan.model_tflops_per_device:.1f} model "
         f"TFLOP/s per device, " + (f"{predicted.tokens_per_s:,.0f} tokens/s" if predicted.tokens_per_s
                                     else f"{plan.global_batch / max(predicted.step_time_s, 1e-12):,.0f} samples/s")

@@ -128,6 +128,9 @@ def explain_text(plan: Plan, *, max_alternatives: int = 3) -> str:
         lines.append(f"          MoE experts priced with load imbalance {plan.moe_load_imbalance:g} (ep.load_imbalance; "
                      "ep.dispatch, ep.combine, ep.counts are the all-to-alls)")
     lines += [f"          {note}" for note in fp8_notes(plan)]
+    if getattr(plan, "tp_overlap", "off") == "async":
+        lines.append("          tp_overlap async: sequence-parallel all-gathers and reduce-scatters fused with their "
+                     "GEMMs (torch's async TP), priced hidden but 1/tp (solver/tp_overlap.py; tp.sm_contention)")
     if not explanation.alternatives:
         lines.append("  no runners-up recorded (a configuration priced with `autopar evaluate`, or the search "
                      "found only this one)")

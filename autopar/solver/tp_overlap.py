@@ -20,8 +20,9 @@ last transfer, the pipelined reduce-scatter's last chunk), so per collective
 and the hidden seconds hold SMs while the GEMMs run (cost_model/contention.py): they add
 hidden x channels / SMs. Collectives without sequence parallelism (all-reduces), the context-
 parallel exchange and the expert all-to-alls are not overlapped this way and stay as priced.
-autopar's own runtime issues its tensor-parallel collectives through DTensor, exposed, and is
-priced so (tp_comm_overlap False).
+autopar's own runtime runs the same overlap as torch's async TP where the plan's tp_overlap is
+"async" (codegen/async_tp.py: the default on CUDA clusters) and is priced so; with "off" it issues
+its tensor-parallel collectives through DTensor, exposed (tp_comm_overlap False).
 """
 
 from __future__ import annotations

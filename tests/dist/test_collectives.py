@@ -19,6 +19,8 @@ left partial would be reduced by the optimizer, and counted.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections import Counter
 from dataclasses import dataclass
 
@@ -52,6 +54,8 @@ class Case:
     """The constraint (None: allowed where cheaper)."""
     known_error: str = ""
     """What the failure of a case marked with a known bug says."""
+    async_tp: bool = False
+    """Run with AUTOPAR_ASYNC_TP=emulate (codegen/async_tp.py's decomposition on gloo)."""
     timeout_s: float = 120.0
     """How long a case may run without progress (planning and tracing a tp4 GPT under load took
     over the harness's default 45 s)."""
@@ -83,10 +87,11 @@ def count_case(case: Case) -> dict:
         constraints["sequence_parallel"] = case.sequence_parallel
     batches = [((tokens,), targets)]
     reference = train_one_process(bundle.model, bundle.loss_fn, batches, LEARNING_RATE)
-    module = parallelize_reusing_captures(case.model, bundle.model, cluster, (tokens,), loss_fn=bundle.loss_fn,
-                                          example_targets=targets, constraints=constraints)
     counter = CommDebugMode()
-    run = train_parallel(module, batches, LEARNING_RATE, reference, first_step=counter)
+    with _forced_async_tp(case.async_tp):
+        module = parallelize_reusing_captures(case.model, bundle.model, cluster, (tokens,), loss_fn=bundle.loss_fn,
+                                              example_targets=targets, constraints=constraints)
+        run = train_parallel(module, batches, LEARNING_RATE, reference, first_step=counter)
     actual = Counter()
     for op, count in counter.get_comm_counts().items():
         actual[collective_kind(str(op))] += count
@@ -95,7 +100,20 @@ def count_case(case: Case) -> dict:
                 num_microbatches=module.plan.num_microbatches, mismatches=dict(module.stats.mismatches),
                 sharded=[name for name, placement in module.plan.param_placements.items() if placement != "R"],
                 sequence_parallel=module.plan.sequence_parallel, loss=run.losses[0], reference_loss=reference.losses[0],
-                grad_errors=run.grad_errors)
+                grad_errors=run.grad_errors, async_tp=dict(module.stats.async_tp))
+
+
+@contextlib.contextmanager
+def _forced_async_tp(forced: bool):
+    """AUTOPAR_ASYNC_TP=emulate while the case builds and runs its module (codegen/async_tp.py)."""
+    if not forced:
+        yield
+        return
+    os.environ["AUTOPAR_ASYNC_TP"] = "emulate"
+    try:
+        yield
+    finally:
+        del os.environ["AUTOPAR_ASYNC_TP"]
 
 
 TABLE = CaseTable([
@@ -112,6 +130,9 @@ TABLE = CaseTable([
     # Sequence parallelism allowed (the default) where memory-bound norms are worth splitting.
     case_param(Case(TINY_GPT, 2, "tiny", memory_bandwidth_gbs=2), "gpt-tp2-sp"),
     case_param(Case(TINY_LLAMA, 2, "tiny", memory_bandwidth_gbs=2), "llama-tp2-sp"),
+    # Async TP, emulated: the sequence-parallel all-gathers and reduce-scatters run inside the
+    # column- and row-parallel linears (codegen/async_tp.py), the same kinds and counts.
+    case_param(Case(TINY_LLAMA, 2, "tiny", memory_bandwidth_gbs=2, async_tp=True), "llama-tp2-sp-async"),
 ])
 CASES = TABLE.cases
 
@@ -157,7 +178,7 @@ def test_without_sequence_parallelism_all_reduces_and_matches_one_process(case_n
         assert_one_process_numerics(rank, result)
 
 
-@pytest.mark.parametrize("case_name", ["gpt-tp2-sp", "llama-tp2-sp"])
+@pytest.mark.parametrize("case_name", ["gpt-tp2-sp", "llama-tp2-sp", "llama-tp2-sp-async"])
 def test_sequence_parallelism_runs_its_collectives_and_matches_one_process(case_name, case_outcome):
     """Sequence parallelism, the default path of large models: the plan shards the norms'
     activations on the sequence (reduce-scatters, all-gathers), moves shards between dims with
@@ -174,6 +195,19 @@ def test_sequence_parallelism_runs_its_collectives_and_matches_one_process(case_
         # Reduced in train_step, where the plan priced it, not left to the optimizer's update.
         assert result["partial_grads"] == [], f"rank {rank}: gradients left partial: {result['partial_grads']}"
         assert_one_process_numerics(rank, result)
+
+
+def test_async_tp_fuses_the_linears_and_matches_the_dtensor_path(case_outcome):
+    """The emulated async TP runs the tiny Llama's column- and row-parallel linears fused (none
+    falls back) and its step gives the DTensor path's loss."""
+    fused = case_outcome(count_case, CASES, "llama-tp2-sp-async")
+    plain = case_outcome(count_case, CASES, "llama-tp2-sp")
+    assert fused.ok and plain.ok, (fused.error, plain.error)
+    for rank, (result, reference) in enumerate(zip(fused.values, plain.values)):
+        assert result["async_tp"].get("column", 0) > 0 and result["async_tp"].get("row", 0) > 0, (rank, result)
+        assert result["async_tp"].get("fallback", 0) == 0, (rank, result["async_tp"])
+        assert reference["async_tp"] == {}
+        assert result["loss"] == pytest.approx(reference["loss"], rel=1e-6, abs=1e-6)
 
 
 def assert_one_process_numerics(rank: int, result: dict) -> None:

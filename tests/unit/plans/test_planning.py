@@ -77,7 +77,9 @@ def test_the_planner_picks_fp8_for_llama_3_8b_on_h100s_with_compiled_casts():
     assert "; saves " in bought[0]
     eager = autopar.evaluate(LLAMA3_8B, **fixed, precision="fp8", fp8_casts="eager")
     assert eager.fp8_casts == "eager" and eager.fp8_linears == ()
-    assert eager.predicted.step_time_s == pytest.approx(bf16.predicted.step_time_s)
+    # fp8 plans run sequence parallelism's collectives through DTensor (no async TP): as bf16's "off"
+    exposed = autopar.evaluate(LLAMA3_8B, **fixed, tp_overlap="off")
+    assert eager.predicted.step_time_s == pytest.approx(exposed.predicted.step_time_s)
 
 
 def test_the_planner_keeps_a_small_hidden_model_in_bf16_even_with_compiled_casts():
@@ -188,3 +190,38 @@ def test_plan_searches_only_the_pipelines_the_split_divides():
         planning.plan_with(planner(), Constraints(pp=4, pipeline_split="uniform:embedding,head"))
     with pytest.raises(ConfigError, match="constraints\\['pipeline_split'\\] must be"):
         autopar.plan(GPT, cluster="cpu:procs=2", global_batch=8, constraints={"pipeline_split": "even"})
+
+
+# --- async TP (Plan.tp_overlap) ----------------------------------------------------------------
+
+WIDE_LLAMA = "llama:layers=1,hidden=2048,heads=16,ffn_hidden=5504,seq=2048,vocab=256"
+
+
+def test_async_tp_is_the_default_on_cuda_and_prices_sp_collectives_hidden():
+    """A CUDA cluster's SP plan runs async TP and is priced below the same plan with DTensor's
+    exposed collectives (solver/tp_overlap.py); tp=1 and CPU clusters stay "off"."""
+    fused = autopar.evaluate(WIDE_LLAMA, cluster="dgx-h100", global_batch=8, tp=8, pp=1, microbatch_size=1)
+    exposed = autopar.evaluate(WIDE_LLAMA, cluster="dgx-h100", global_batch=8, tp=8, pp=1, microbatch_size=1,
+                               tp_overlap="off")
+    assert (fused.tp_overlap, exposed.tp_overlap) == ("async", "off")
+    assert fused.predicted.step_time_s < exposed.predicted.step_time_s
+    assert fused.predicted.breakdown_s["tp.all_gather"] < exposed.predicted.breakdown_s["tp.all_gather"]
+    assert Plan.from_dict(fused.to_dict()).tp_overlap == "async"
+    from autopar.report.explain import explain_text
+
+    assert "tp_overlap async" in explain_text(fused) and "tp_overlap" not in explain_text(exposed)
+    assert "tp overlap    async" in fused.summary() and "tp overlap" not in exposed.summary()
+    assert autopar.evaluate(GPT, cluster="dgx-h100", global_batch=8).tp_overlap == "off"  # tp = 1
+    assert autopar.evaluate(GPT, cluster="cpu", global_batch=8).tp_overlap == "off"
+    with pytest.raises(PlanMismatchError, match="tp_overlap='async'; expected one of 'off'"):
+        Plan.from_dict({**exposed.to_dict(), "tp_overlap": "async", "sequence_parallel": False})
+
+
+def test_async_tp_without_sequence_parallelism_or_off_cuda_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="sequence_parallel=False has none"):
+        autopar.evaluate(GPT, cluster="dgx-h100", global_batch=8, tp=2, pp=1, microbatch_size=1,
+                         sequence_parallel=False, tp_overlap="async")
+    with pytest.raises(ConfigError, match="cpu cluster"):
+        autopar.evaluate(GPT, cluster="cpu", global_batch=8, tp_overlap="async")
+    with pytest.raises(ConfigError, match="tp_overlap"):
+        autopar.evaluate(GPT, cluster="dgx-h100", global_batch=8, tp_overlap="sync")
