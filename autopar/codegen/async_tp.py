@@ -68,6 +68,12 @@ def chosen_kernel(device: torch.device, tp_overlap: str) -> str:
     return "off"
 
 
+def _enable_symm_mem(group_name: str) -> None:
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    enable_symm_mem_for_group(group_name)
+
+
 def _shard_dim(value) -> int | None:
     """The dim a one-axis DTensor is sharded on (non-negative), else None."""
     if not isinstance(value, DTensor) or len(value.placements) != 1 or not value.placements[0].is_shard():
@@ -89,25 +95,44 @@ class AsyncTP:
         self.fused_wgrad = fused_wgrad
         """FusedWgrad (codegen/fused_wgrad.py) that accumulates these linears' weight gradients, if any."""
         if kernel == "cuda":
-            from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+            try:
+                _enable_symm_mem(self.group.group_name)
+            except Exception as error:  # noqa: BLE001 - any failure of the CUDA path falls back, said once
+                self._fall_back(error)
 
-            enable_symm_mem_for_group(self.group.group_name)
+    def _fall_back(self, error: Exception) -> None:
+        """The fused CUDA kernels failed (symmetric memory unsupported here, a shape they refuse):
+        run the same decomposition with plain collectives from now on, exposed as DTensor's are
+        (the plan priced them hidden), and say so once."""
+        import warnings
+
+        warnings.warn(f"async TP: torch's fused symmetric-memory kernels failed ({type(error).__name__}: {error}); "
+                      "the sequence-parallel collectives run unfused from here on, slower than the plan predicts "
+                      "(plan with --tp-overlap off to price them so)", RuntimeWarning, stacklevel=3)
+        self.kernel = "emulate"
+        self.stats["cuda_failed"] += 1
 
     # --- the two collectives, fused (cuda) or not (emulate) -------------------------------------
 
     def gather_matmul(self, shard: torch.Tensor, right: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(all_gather(shard) on `dim`, that @ right)."""
         if self.kernel == "cuda":
-            gathered, (product,) = torch.ops.symm_mem.fused_all_gather_matmul(
-                shard, [right], dim, self.group.group_name, return_A=True)
-            return gathered, product
+            try:
+                gathered, (product,) = torch.ops.symm_mem.fused_all_gather_matmul(
+                    shard, [right], dim, self.group.group_name, return_A=True)
+                return gathered, product
+            except Exception as error:  # noqa: BLE001 - see _fall_back
+                self._fall_back(error)
         gathered = all_gather(shard, dim, self.group)
         return gathered, gathered.matmul(right)
 
     def matmul_scatter(self, left: torch.Tensor, right: torch.Tensor, dim: int) -> torch.Tensor:
         """reduce_scatter(left @ right) on `dim` (sum)."""
         if self.kernel == "cuda":
-            return torch.ops.symm_mem.fused_matmul_reduce_scatter(left, right, "sum", dim, self.group.group_name)
+            try:
+                return torch.ops.symm_mem.fused_matmul_reduce_scatter(left, right, "sum", dim, self.group.group_name)
+            except Exception as error:  # noqa: BLE001 - see _fall_back
+                self._fall_back(error)
         return reduce_scatter(left.matmul(right), dim, self.group)
 
     # --- the interpreter's hook ------------------------------------------------------------------

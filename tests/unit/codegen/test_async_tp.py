@@ -116,3 +116,23 @@ def test_a_bf16_step_copy_accumulates_its_weight_gradient_through_fused_wgrad(me
     expected = grad_out.t() @ gathered.full_tensor().float().reshape(-1, 6)
     assert master.grad.dtype == torch.float32
     torch.testing.assert_close(master.grad.full_tensor(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_failing_cuda_kernel_falls_back_to_the_unfused_collectives_and_says_so(mesh, monkeypatch):
+    """The symmetric-memory kernels have not run on a GPU here: where they fail (no symmetric
+    memory, a shape they refuse), the step goes on with plain collectives, warning once."""
+    import autopar.codegen.async_tp as async_tp
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("symmetric memory is not available")
+
+    monkeypatch.setattr(async_tp, "_enable_symm_mem", refuse, raising=False)
+    with pytest.warns(RuntimeWarning, match="symmetric memory is not available"):
+        runner = AsyncTP(mesh, "cuda")
+    assert runner.kernel == "emulate" and runner.stats["cuda_failed"] == 1
+    runner.kernel = "cuda"  # set up, then the fused op itself fails (CPU tensors: it does)
+    shard, right = torch.randn(4, 6, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="run unfused"):
+        gathered, product = runner.gather_matmul(shard, right, 0)
+    assert runner.kernel == "emulate" and runner.stats["cuda_failed"] == 2
+    torch.testing.assert_close(product, shard @ right)
