@@ -3,8 +3,8 @@
     autopar plan MODEL --cluster SPEC --global-batch B [--dp D] [--tp T] [--pp P] [--cp C] [--jobs N] [--json]
     autopar evaluate MODEL --cluster SPEC --global-batch B --tp T --pp P --microbatch-size b ...
     autopar profile [--device cpu|cuda] [--nproc N] [--out profile.json] [--no-calibrate]
-        (N >= 2 on the CPU: also fits whole-step terms on two sizes of a small built-in model; --calibrate MODEL
-        for another, repeatable)
+        (N >= 2 on the CPU: also fits whole-step terms on a small built-in model; --calibrate MODEL for
+        another, repeatable for one fit over several)
     torchrun --nproc-per-node N -m autopar.cli tune MODEL --cluster SPEC --global-batch B --trials k
     autopar show PLAN.json [--timeline out.png|out.html] [--memory out.png] [--html report.html]
     autopar explain PLAN.json
@@ -251,7 +251,7 @@ def _profile_parser(commands) -> None:
                         help="run a fixed set of configurations of MODEL on --nproc processes and store the fitted "
                              "whole-step terms in the profile (an existing --out file is calibrated, else measured "
                              "first); repeat it for one fit over several models; default with --nproc N >= 2 on the "
-                             f"CPU: a small built-in GPT at two sequence lengths ({' and '.join(DEFAULT_CALIBRATION_MODELS)})")
+                             f"CPU: a small built-in GPT ({' and '.join(DEFAULT_CALIBRATION_MODELS)})")
     parser.add_argument("--no-calibrate", action="store_true",
                         help="measure only: plans on this profile say they are uncalibrated")
     parser.add_argument("--global-batch", type=count(MAX_GLOBAL_BATCH), metavar="B", help="batch of the calibration runs (default 4 x nproc)")

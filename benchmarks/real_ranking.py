@@ -3,11 +3,11 @@
     .venv/bin/autopar profile --nproc 4 --quick --out /tmp/p.json     # measures, then calibrates (the default)
     .venv/bin/python benchmarks/real_ranking.py --profile /tmp/p.json --procs 4 [--model gpt|llama] [--markdown]
     # two calibrations judged on the same steps: another profile, or the same measurements
-    # refitted on the first calibration model only (one model size, as before 2026-12-05):
+    # refitted on the first calibration model only (e.g. a profile calibrated on two sizes):
     .venv/bin/python benchmarks/real_ranking.py --profile /tmp/p.json --other-profile /tmp/p1.json --procs 4
     .venv/bin/python benchmarks/real_ranking.py --profile /tmp/p.json --one-size --procs 4
     # 2 processes too (the default --procs 4 2): add their calibration to the same profile
-    .venv/bin/autopar profile --nproc 2 --out /tmp/p.json --calibrate M1 --calibrate M2   # M1, M2: the defaults
+    .venv/bin/autopar profile --nproc 2 --out /tmp/p.json --calibrate gpt:layers=4,hidden=128,heads=4,seq=128,vocab=512,dropout=0.0
 
 For 4 and then 2 gloo processes of this machine (one job each), a model of MODELS at global batch
 16, fp32, SGD: each configuration of the table (fixed mesh and ZeRO stage; microbatching left to
@@ -17,9 +17,9 @@ median after warm-up: autopar.tune.trials), all configurations of one N built fi
 interleaved rounds, so that load from other jobs falls on each alike. Then autopar's own pick without
 trials (calibrated, and uncalibrated for comparison), and `trials=4` (the four best predicted
 candidates, with early stopping, as `parallelize(..., trials=4)` runs them; its wall time
-includes building every candidate). The default calibration ran on other models (the built-in GPT of
-hidden 128 at two sequence lengths, autopar.tune.defaults.DEFAULT_CALIBRATION_MODELS) and its own
-fixed set of configurations, so every row here is held out. Prints per N: the table, the rank correlation (Spearman) of predicted and measured
+includes building every candidate). The default calibration ran on another model (the built-in GPT of
+hidden 128, autopar.tune.defaults.DEFAULT_CALIBRATION_MODELS) and its own fixed set of
+configurations, so every row here is held out. Prints per N: the table, the rank correlation (Spearman) of predicted and measured
 over the table's configurations, the median |predicted / measured - 1|, and the measured time
 of each pick over the best measured configuration.
 """

@@ -160,7 +160,7 @@ def test_profile_writes_a_profile_the_cluster_spec_loads(capsys, tmp_path, monke
 
 def test_profile_calibrates_on_a_small_built_in_model_unless_told_not_to(capsys, monkeypatch, tmp_path):
     """`autopar profile --nproc N` (N >= 2, CPU) measures, then calibrates whole steps of the
-    default models (two sequence lengths) into the same file; --no-calibrate measures only;
+    default model into the same file; --no-calibrate measures only;
     --calibrate MODEL picks it, repeated for several."""
     import autopar.tune.calibrate as calibrate
     import autopar.tune.profile as profile
@@ -185,8 +185,7 @@ def test_profile_calibrates_on_a_small_built_in_model_unless_told_not_to(capsys,
     out_file = str(tmp_path / "p.json")
     code, out, _ = run(capsys, "profile", "--device", "cpu", "--nproc", "2", "--quick", "--out", out_file)
     assert code == 0 and calibrated == [(list(DEFAULT_CALIBRATION_MODELS), out_file, 2)] and len(measured) == 1
-    assert len(DEFAULT_CALIBRATION_MODELS) == 2 and "seq=128" in DEFAULT_CALIBRATION_MODELS[0] \
-        and "seq=256" in DEFAULT_CALIBRATION_MODELS[1]
+    assert len(DEFAULT_CALIBRATION_MODELS) == 1 and DEFAULT_CALIBRATION_MODELS[0].startswith("gpt:layers=4")
     calibrated.clear()
     code, out, _ = run(capsys, "profile", "--device", "cpu", "--nproc", "2", "--no-calibrate", "--out", out_file)
     assert code == 0 and calibrated == [] and len(measured) == 2
