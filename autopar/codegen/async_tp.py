@@ -37,7 +37,6 @@ hook) keeps DTensor's path and is counted as a "fallback" (RunStats.async_tp).
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Callable
 
@@ -45,8 +44,8 @@ import torch
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from autopar.codegen.fused_wgrad import forced_kernel
 from autopar.codegen.placements import current
-from autopar.errors import ConfigError
 
 KERNELS = ("off", "emulate", "cuda")
 LINEAR = torch.ops.aten.linear.default
@@ -56,11 +55,8 @@ _ENV = "AUTOPAR_ASYNC_TP"
 def chosen_kernel(device: torch.device, tp_overlap: str) -> str:
     """`AUTOPAR_ASYNC_TP` if set, else "cuda" on a CUDA device for a plan whose tp_overlap is
     "async" (and torch has the symmetric-memory ops), else "off"."""
-    forced = os.environ.get(_ENV, "").strip().lower()
+    forced = forced_kernel(_ENV, KERNELS, "an async TP kernel")
     if forced:
-        if forced not in KERNELS:
-            raise ConfigError(f"{_ENV}={forced!r} is not an async TP kernel: set it to one of "
-                              f"{', '.join(KERNELS)}, or unset it for the default")
         return forced
     if tp_overlap == "async" and device.type == "cuda" and hasattr(torch.ops, "symm_mem") and \
             hasattr(torch.ops.symm_mem, "fused_all_gather_matmul"):

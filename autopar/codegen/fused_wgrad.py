@@ -54,13 +54,20 @@ _FUSED_DTYPES = (torch.bfloat16, torch.float16)
 def chosen_kernel(device: torch.device) -> str:
     """The kernel a rank on `device` uses: `AUTOPAR_FUSED_WGRAD` if set, else "cuda" where the
     CUDA op accumulates into fp32 (cuda_kernel_works), else "off"."""
-    forced = os.environ.get(_ENV, "").strip().lower()
+    forced = forced_kernel(_ENV, KERNELS, "a fused weight-gradient kernel")
     if forced:
-        if forced not in KERNELS:
-            raise ConfigError(f"{_ENV}={forced!r} is not a fused weight-gradient kernel: set it to one of "
-                              f"{', '.join(KERNELS)}, or unset it for the default")
         return forced
     return "cuda" if device.type == "cuda" and cuda_kernel_works(device) else "off"
+
+
+def forced_kernel(variable: str, kernels: tuple[str, ...], what: str) -> str | None:
+    """The kernel the environment variable names (one of `kernels`), None where it is unset;
+    another value is a ConfigError naming the choices."""
+    forced = os.environ.get(variable, "").strip().lower()
+    if forced and forced not in kernels:
+        raise ConfigError(f"{variable}={forced!r} is not {what}: set it to one of {', '.join(kernels)}, or unset it "
+                          "for the default")
+    return forced or None
 
 
 def cuda_kernel_works(device: torch.device) -> bool:
