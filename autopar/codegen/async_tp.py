@@ -141,7 +141,8 @@ class AsyncTP:
         source = node.args[0]
         value = env.get(source.name) if isinstance(source, torch.fx.Node) else None
         wanted = list(input_placements)
-        column = _shard_dim(value) is not None and _shard_dim(value) < value.ndim - 1 and wanted[:1] == ["R"]
+        shard_dim = _shard_dim(value)
+        column = shard_dim is not None and shard_dim < value.ndim - 1 and wanted[:1] == ["R"]
         row = output_placement == "P" and wanted[:1] == [f"S{getattr(value, 'ndim', 0) - 1}"]
         scatter_dim = _readers_shard_dim(node, interpreter.placements) if row else None
         if not column and scatter_dim is None:
@@ -155,7 +156,7 @@ class AsyncTP:
         weights = [interpreter.place(env[arg.name], placement) for arg, placement in zip(operands[1:], wanted[1:])] \
             if ok else []
         size = self.mesh.size()
-        even = isinstance(value, DTensor) and value.shape[_shard_dim(value) if column else scatter_dim] % size == 0
+        even = isinstance(value, DTensor) and value.shape[shard_dim if column else scatter_dim] % size == 0
         ok = ok and even
         if column:
             ok = ok and output_placement == f"S{value.ndim - 1}" and _placed(weights, ("S0", "S0"))
@@ -170,7 +171,7 @@ class AsyncTP:
             weight = weight.detach()
         if column:
             self.stats["column"] += 1
-            out, gathered = _ColumnLinear.apply(value, weight, bias, self, _shard_dim(value), master)
+            out, gathered = _ColumnLinear.apply(value, weight, bias, self, shard_dim, master)
             cache[(source.name, "R")] = gathered
             return out
         self.stats["row"] += 1
