@@ -1,6 +1,6 @@
 """`autopar profile --calibrate MODEL`: measure whole steps and fit the terms the model lacks.
 
-A fixed set of configurations of each MODEL (one or more; by default two sizes of a small GPT,
+A fixed set of configurations of each MODEL (one or more; by default a small built-in GPT,
 defaults.DEFAULT_CALIBRATION_MODELS) on N processes of this machine (every mesh pp x dp x tp
 of N that the model allows, each with one and with more microbatches, ZeRO-3 where dp > 1,
 ZeRO-1 for pure data parallelism, and full recomputation once: `calibration_configs`) is priced
