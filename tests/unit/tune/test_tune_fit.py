@@ -81,7 +81,7 @@ def _steps_of_one_model(scale: float) -> list[Observation]:
 def test_two_message_sizes_separate_the_per_byte_and_the_per_call_collective_terms():
     """With one model every call moves messages of one size, so 'per byte' and 'per call' are the
     same column up to a factor and the fit may pick either; a second model with twice the
-    messages at the same calls tells them apart (why `autopar profile` calibrates two sizes)."""
+    messages at the same calls tells them apart (why `--calibrate` takes several models)."""
     one = fit(_steps_of_one_model(1.0))
     assert one.expected_error < 1e-6  # it fits its own points perfectly ...
     assert not (one.coefficients["comm.pattern"] == pytest.approx(1.6, rel=1e-3)
