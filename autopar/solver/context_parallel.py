@@ -18,11 +18,12 @@ mesh). So, from the tensor-parallel solution at the full sequence (sharding.py),
       "cp.kv_ring" steps), and for the all-gather the gathered K, V kept for the backward;
       recomputing the attention (full or selective recomputation) exchanges K, V again.
     torch's `context_parallel` as it runs (methods "torch", "torch_compiled":
-    cost_model/context_parallel.py) instead prices its SDPA calls step by step (the causal
-    diagonal and cp - 1 non-causal blocks at their own rates, "cp.ring_attention" the difference
-    from the even split), the fp32 merges and accumulations ("cp.merge"), the K, V it is given
-    gathered in the forward and again in the backward, and the fp32 dK, dV sent after every
-    backward step ("cp.kv_all_gather", "cp.dkv_ring"), exposed as the runtime waits on them.
+    cost_model/context_parallel.py) instead prices in the compute its SDPA calls step by step
+    (the causal diagonal and cp - 1 non-causal blocks at their own rates, in place of the even
+    split's causal price) and its fp32 merges and accumulations, and as collectives the K, V at
+    every query head gathered in the forward and again in the backward ("cp.kv_all_gather") and
+    the fp32 dK, dV sent after every backward step ("cp.dkv_ring"), exposed as the runtime waits
+    on them; nothing gathered is kept for the backward.
 
 The transformation assumes every op but attention works token by token; the planner only
 offers cp > 1 when `strategies.attention.context_parallel_blocker` finds nothing else mixing
