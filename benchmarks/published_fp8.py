@@ -19,13 +19,20 @@ input of the price (cost_model/fp8.py HANDLINGS):
   cast once per step and kept (memory), float8 inputs saved for backward (memory);
 - otherwise "eager", autopar's own runtime (torchao without torch.compile).
 
+Context parallelism is priced as the row's framework ran it too (published_runs.cp_kv_exchange_of:
+torchtitan's is torch's `context_parallel`, its exchange waited where issued in the compiled blocks);
+autopar's runtime columns price autopar's own.
+
 Each row prints the prediction as run, the same configuration priced for autopar's runtime with
 its casts compiled (its default on GPUs, codegen/fp8_compile.py) and eager (what the handling
 changes), and in bf16 (what fp8 buys, modelled), with the predicted peak memory
 against the measured one where the notes state it. The reference numbers are only read here, to
 compare; the product never sees them.
 
-Left out: torchao's README float8 table (8 H100s, Llama 3 8B, tensorwise 7689.5 and rowwise 6768
+Left out: torchtitan's Table 5 interleaved 1F1B row (128 tokens/s): how many stages each rank
+held is set by split points the table does not state (torchtitan 9dec370's
+pipeline_parallel_split_points has no default); its Tables 1 and 3 bf16 rows are not FP8 runs.
+torchao's README float8 table (8 H100s, Llama 3 8B, tensorwise 7689.5 and rowwise 6768
 tokens/s) does not say which H100 (SXM or the 500 W HBM2e part) ran it. DeepSeek-V3 (arXiv
 2412.19437): its FP8 recipe is blockwise (1 x 128 activation tiles, 128 x 128 weight blocks), neither torchao's tensorwise nor rowwise, and the report gives GPU-hours
 per trillion tokens on 2,048 H800s (a GPU autopar has no preset for) rather than a step time of a
@@ -45,7 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autopar.solver.fp8 import Fp8Choice, fp8_linears  # noqa: E402
-from autopar.solver.search import Planner  # noqa: E402
+from autopar.solver.search import Planner, SearchOptions  # noqa: E402
 from autopar.solver.step_model import Estimate  # noqa: E402
 from benchmarks.published_runs import (Run, evaluate_run, planner_for, policy_of, read_runs,  # noqa: E402
                                        select_rows)
@@ -86,7 +93,10 @@ def fp8_planner(run: Run, directory: Path, handling: str) -> Planner:
         base = planner_for(run, directory)
         choice = Fp8Choice(recipe=recipe_of(run), linears=fp8_linears(base.graph), handling=handling)
         _FP8_PLANNERS[key] = Planner(base.graph, base.cluster, global_batch=run.global_batch, policy=policy_of(run),
-                                     precision="fp8", fp8=choice)
+                                     precision="fp8", fp8=choice,
+                                     # as run: the row's context parallelism (published_runs.cp_kv_exchange_of);
+                                     # autopar's runtime: its own (the planner's default)
+                                     options=base.options if handling == handling_of(run) else SearchOptions())
     return _FP8_PLANNERS[key]
 
 

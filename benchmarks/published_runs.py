@@ -96,7 +96,7 @@ from autopar import api
 from autopar.cluster import Cluster
 from autopar.plans.planning import default_tp_overlap
 from autopar.solver.pipeline import BALANCED, block_flags, split_blocker
-from autopar.solver.search import Planner
+from autopar.solver.search import Planner, SearchOptions
 from autopar.solver.step_model import Estimate, ParallelConfig
 from cost_model.memory import BF16_ADAM, FP32_ADAM, FSDP2_BF16_FP32_REDUCE, MEGATRON_BF16, PrecisionPolicy
 from cost_model.optimizer import adamw_io_bytes_per_param
@@ -319,6 +319,18 @@ def attention_kernel_of(run: Run) -> str:
     return ""
 
 
+_COMPILE_ON = re.compile(r"\btorch\.compile on\b|\bcompile\b(?! off)", re.IGNORECASE)
+
+
+def cp_kv_exchange_of(run: Run) -> str:
+    """How the run's context parallelism moved keys and values (cost_model/context_parallel.py):
+    torchtitan ran torch's `context_parallel` ("torch_compiled" where its blocks were compiled,
+    its collectives then waited where issued; "torch" eager); the planner's default elsewhere."""
+    if "torchtitan" not in run.source.lower():
+        return SearchOptions().cp_kv_exchange
+    return "torch" if _EAGER.search(run.notes) or not _COMPILE_ON.search(run.notes) else "torch_compiled"
+
+
 def with_attention_kernel(cluster: Cluster, kernel: str) -> Cluster:
     """`cluster` with its device running `kernel`, where the device documents its rates (Hopper);
     unchanged elsewhere (attention then priced as a matmul)."""
@@ -331,15 +343,16 @@ def planner_for(run: Run, directory: Path):
     """One capture per (model, cluster, batch, precision): rows that differ only in their
     configuration (Korthikanti's baseline and SP + selective rows) share it."""
     key = (run.model, run.cluster, tuple(sorted((t, tuple(sorted(v.items()))) for t, v in run.cluster_overrides.items())),
-           run.num_nodes, run.global_batch, precision_of(run), policy_of(run), attention_kernel_of(run))
+           run.num_nodes, run.global_batch, precision_of(run), policy_of(run), attention_kernel_of(run),
+           cp_kv_exchange_of(run))
     if key not in _PLANNERS:
         graph_key = (run.model, precision_of(run))
         if graph_key not in _GRAPHS:  # rows of one model on other clusters share the capture too
             _GRAPHS[graph_key] = api.capture_for_planning(run.model, precision=precision_of(run))
         graph = _GRAPHS[graph_key]
         cluster = with_attention_kernel(Cluster.from_spec(run.cluster_spec(directory)), attention_kernel_of(run))
-        _PLANNERS[key] = Planner(graph, cluster, global_batch=run.global_batch,
-                                 policy=policy_of(run), precision=precision_of(run))
+        _PLANNERS[key] = Planner(graph, cluster, global_batch=run.global_batch, policy=policy_of(run),
+                                 precision=precision_of(run), options=SearchOptions(cp_kv_exchange=cp_kv_exchange_of(run)))
     return _PLANNERS[key]
 
 

@@ -17,6 +17,13 @@ mesh). So, from the tensor-parallel solution at the full sequence (sharding.py),
       it overlaps ("cp.kv_all_gather" forward, "cp.kv_reduce_scatter" backward, or the ring's
       "cp.kv_ring" steps), and for the all-gather the gathered K, V kept for the backward;
       recomputing the attention (full or selective recomputation) exchanges K, V again.
+    torch's `context_parallel` as it runs (methods "torch", "torch_compiled":
+    cost_model/context_parallel.py) instead prices in the compute its SDPA calls step by step
+    (the causal diagonal and cp - 1 non-causal blocks at their own rates, in place of the even
+    split's causal price) and its fp32 merges and accumulations, and as collectives the K, V at
+    every query head gathered in the forward and again in the backward ("cp.kv_all_gather") and
+    the fp32 dK, dV sent after every backward step ("cp.dkv_ring"), exposed as the runtime waits
+    on them; nothing gathered is kept for the backward.
 
 The transformation assumes every op but attention works token by token; the planner only
 offers cp > 1 when `strategies.attention.context_parallel_blocker` finds nothing else mixing
@@ -35,11 +42,31 @@ from autopar.strategies.attention import attention_nodes, is_causal, kv_repeats
 from autopar.strategies.placement import shard_factor, shards_on_dim
 from cost_model.comm import CommModel, Group
 from cost_model.compute import ComputeTime
-from cost_model.context_parallel import causal_work_share, exposed_kv_exchange_s, ring_step_bytes
+from cost_model.context_parallel import (TORCH_BACKWARD_BYTES_PER_ELEMENT, TORCH_MERGE_BYTES_PER_ELEMENT,
+                                          TORCH_METHODS, causal_work_share, exposed_kv_exchange_s, ring_step_bytes,
+                                          torch_dkv_sends_exposed_s, torch_gather_exposed_s, torch_ring_steps)
 
 KV_ALL_GATHER = "cp.kv_all_gather"
 KV_REDUCE_SCATTER = "cp.kv_reduce_scatter"
 KV_RING = "cp.kv_ring"
+DKV_RING = "cp.dkv_ring"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchRing:
+    """One attention op run by torch's `context_parallel` on one rank (per microbatch)."""
+
+    forward_delta: ComputeTime
+    """Its SDPA calls (the diagonal, cp - 1 non-causal blocks) less the even split's causal price."""
+    backward_delta: ComputeTime
+    diagonal_forward_s: float
+    diagonal_backward_s: float
+    step_backward_s: float
+    """One non-causal block's backward: what a dK, dV send overlaps when eager."""
+    merge_forward: ComputeTime
+    """The fp32 merges of the forward's cp - 1 steps."""
+    merge_backward: ComputeTime
+    """The fp32 accumulations of the backward's cp steps."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +80,12 @@ class AttentionCost:
     forward: ComputeTime
     backward: ComputeTime
     causal: bool
+    sdpa_kv_bytes: float = 0.0
+    """Bytes of K plus V on this tp rank at every query head: what torch's `context_parallel` moves
+    for a model that repeats its kv heads before SDPA, as torchtitan's Llama does (`repeat_kv`;
+    torch's flash and efficient kernels of 2024 took as many K, V heads as query heads)."""
+    torch_ring: TorchRing | None = None
+    """How torch's `context_parallel` runs it (methods "torch", "torch_compiled"; else None)."""
 
 
 def sequence_length(graph: OpGraph) -> int:
@@ -63,8 +96,10 @@ def sequence_length(graph: OpGraph) -> int:
     return 0
 
 
-def attention_costs(graph: OpGraph, strategies: dict, ctx: CostContext) -> dict[str, list[AttentionCost]]:
-    """Per segment name, its attention ops priced under their tensor-parallel strategies."""
+def attention_costs(graph: OpGraph, strategies: dict, ctx: CostContext, *, cp: int = 1,
+                    method: str = "all_gather") -> dict[str, list[AttentionCost]]:
+    """Per segment name, its attention ops priced under their tensor-parallel strategies (and, for
+    torch's methods, as torch's ring runs them over `cp` ranks)."""
     segment_of = {name: segment.name for segment in graph.segments for name in segment.nodes}
     found: dict[str, list[AttentionCost]] = {}
     for node in attention_nodes(graph):
@@ -74,10 +109,53 @@ def attention_costs(graph: OpGraph, strategies: dict, ctx: CostContext) -> dict[
         inputs = [graph[source].output for source in node.inputs]
         forward, backward = ctx.node_compute(node, strategy, inputs)
         kv_bytes = sum(inputs[index].nbytes / shard_factor(strategy.inputs[index], ctx.mesh.shape) for index in (1, 2))
+        # K, V at every query head: repeated in the graph, or for the kernel where sdpa takes fewer (enable_gqa)
+        sdpa_kv_bytes = kv_bytes * max(1, inputs[0].shape[1] // inputs[1].shape[1]) if len(inputs[1].shape) == 4 \
+            else kv_bytes
         kv_bytes /= local_kv_repeats(node, inputs, strategy, kv_repeats(graph, node), ctx.mesh.shape)
+        ring = torch_ring(node, inputs, strategy, ctx, cp, method) if method in TORCH_METHODS and cp > 1 else None
         found.setdefault(segment_of[node.name], []).append(
-            AttentionCost(node=node.name, kv_bytes=kv_bytes, forward=forward, backward=backward, causal=is_causal(node)))
+            AttentionCost(node=node.name, kv_bytes=kv_bytes, forward=forward, backward=backward, causal=is_causal(node),
+                          sdpa_kv_bytes=sdpa_kv_bytes, torch_ring=ring))
     return found
+
+
+def torch_ring(node, inputs, strategy, ctx: CostContext, cp: int, method: str) -> TorchRing:
+    """`node` as torch's `context_parallel` runs it on one rank (cost_model/context_parallel.py)."""
+    divisor = strategy.work_divisor(ctx.mesh.shape)
+    causal = is_causal(node)
+    even = [_calls(ctx, kernels, 1.0 / (divisor * cp), cp * divisor, causal) for kernels in (node.fwd_kernels,
+                                                                                           node.bwd_kernels)]
+    steps = torch_ring_steps(cp, causal=causal)
+    forward, backward = [[_calls(ctx, kernels, step.flops_fraction / divisor, cp * divisor, step.causal)
+                          for step in steps] for kernels in (node.fwd_kernels, node.bwd_kernels)]
+    q_elements = inputs[0].numel / shard_factor(strategy.inputs[0], ctx.mesh.shape) / cp
+    kv_elements = 2 * q_elements  # K and V at every query head (AttentionCost.sdpa_kv_bytes)
+    bandwidth = ctx.compute.bandwidth_bytes_per_s
+    q_bytes, kv_bytes = TORCH_BACKWARD_BYTES_PER_ELEMENT[method]
+    merge_forward = ComputeTime(memory_s=(cp - 1) * TORCH_MERGE_BYTES_PER_ELEMENT[method] * q_elements / bandwidth,
+                                overhead_s=(cp - 1) * ctx.compute.overhead_s)
+    merge_backward = ComputeTime(memory_s=cp * (q_bytes * q_elements + kv_bytes * kv_elements) / bandwidth,
+                                 overhead_s=cp * ctx.compute.overhead_s)
+    return TorchRing(forward_delta=_minus(_sum(forward), even[0]), backward_delta=_minus(_sum(backward), even[1]),
+                     diagonal_forward_s=forward[0].total_s, diagonal_backward_s=backward[0].total_s,
+                     step_backward_s=backward[-1].total_s, merge_forward=merge_forward, merge_backward=merge_backward)
+
+
+def _calls(ctx: CostContext, kernels, flops_scale: float, bytes_divisor: float, causal: bool) -> ComputeTime:
+    """Attention kernels at `flops_scale` of torch's count, causal or not, on 1 / bytes_divisor of the bytes."""
+    total = ComputeTime()
+    for kernel in kernels:
+        total = total + ctx.compute.kernel(kernel.flops * flops_scale, kernel.io_bytes / bytes_divisor,
+                                           kernel.is_matmul, kernel.dtype, kernel.name, causal)
+    return total
+
+
+def _sum(times: list[ComputeTime]) -> ComputeTime:
+    total = ComputeTime()
+    for time in times:
+        total = total + time
+    return total
 
 
 def local_kv_repeats(node, inputs, strategy, repeats: int, mesh_shape) -> int:
@@ -150,6 +228,14 @@ def split_sequence(segment: SegmentCost, attentions: list[AttentionCost], *, cp:
     group = cp_group(cp, tp, devices_per_node)
     recompute_comm = [_rescaled(event, scale, comm, tp_group) for event in segment.selective_recompute_comm]
     for attention in attentions:
+        if method in TORCH_METHODS:
+            ring = attention.torch_ring
+            forward = forward + ring.forward_delta + ring.merge_forward
+            backward = backward + ring.backward_delta + ring.merge_backward
+            exchange = _torch_exchange(attention, cp, comm, group, method)
+            events += exchange
+            recompute_comm += [event for event in exchange if event.phase == "fwd"]  # sdpa is recomputed
+            continue  # the gathered K, V are not kept: the backward gathers them again
         share = causal_work_share(cp, load_balanced=load_balanced) if attention.causal else scale
         # Compute above is already the even share; an unbalanced causal split costs the busiest rank more.
         forward = forward + attention.forward.scaled(share - scale)
@@ -223,3 +309,19 @@ def _kv_exchange(attention: AttentionCost, share: float, cp: int, comm: CommMode
             CommEvent(op=KV_REDUCE_SCATTER, axis=-1, message_bytes=attention.kv_bytes, phase="bwd",
                       time_s=exposed_kv_exchange_s(method=method, collective_s=scatter_s, attention_s=backward_s,
                                                    num_ranks=cp))]
+
+
+def _torch_exchange(attention: AttentionCost, cp: int, comm: CommModel, group: Group, method: str) -> list[CommEvent]:
+    """torch's `context_parallel` exchange of one attention op, exposed as it waits (events carry
+    exposed seconds; axis -1: cp): the K, V all-gather forward and backward, the fp32 dK, dV sends."""
+    ring = attention.torch_ring
+    gather_s = comm.time_s("all_gather", attention.sdpa_kv_bytes, group)
+    send_bytes = 2 * attention.sdpa_kv_bytes / cp  # fp32 dK, dV: twice the bf16 K, V
+    send_s = comm.time_s("send_recv", send_bytes, group)
+    forward_s = torch_gather_exposed_s(method=method, gather_s=gather_s, diagonal_s=ring.diagonal_forward_s)
+    gather_back_s = torch_gather_exposed_s(method=method, gather_s=gather_s, diagonal_s=ring.diagonal_backward_s)
+    sends_s = torch_dkv_sends_exposed_s(method=method, send_s=send_s, step_s=ring.step_backward_s, num_ranks=cp)
+    return [CommEvent(op=KV_ALL_GATHER, axis=-1, message_bytes=attention.sdpa_kv_bytes, phase="fwd", time_s=forward_s),
+            CommEvent(op=KV_ALL_GATHER, axis=-1, message_bytes=attention.sdpa_kv_bytes, phase="bwd",
+                      time_s=gather_back_s),
+            CommEvent(op=DKV_RING, axis=-1, message_bytes=send_bytes * cp, phase="bwd", time_s=sends_s)]

@@ -131,7 +131,7 @@ class Pricing:
         sharding = self.sharding(tp, microbatch_size, sequence_parallel)
         graph = self.condensed.with_batch(microbatch_size) if self.graph.batch_dynamic else self.condensed
         ctx = cost_context(sharding.mesh, self.cluster, self.policy)
-        attentions = attention_costs(graph, sharding.strategies, ctx)
+        attentions = attention_costs(graph, sharding.strategies, ctx, cp=cp, method=self.cp_kv_exchange)
         compute = split_compute(graph, sharding.strategies, ctx, cp)
         return [split_sequence(segment, attentions.get(segment.name, []), cp=cp, tp=tp, comm=self.step_model.comm,
                                devices_per_node=self.cluster.devices_per_node, method=self.cp_kv_exchange,

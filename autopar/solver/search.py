@@ -86,7 +86,9 @@ class SearchOptions:
     """Context-parallel degrees searched leave each rank at least this many tokens of a sequence
     (smaller blocks cannot hide the KV exchange behind their attention); a constraint overrides."""
     cp_kv_exchange: str = "all_gather"
-    """How context parallelism moves keys and values: "all_gather" (Llama 3's) or "ring"."""
+    """How context parallelism moves keys and values: "all_gather" (Llama 3's; autopar's runtime),
+    "ring", or torch's `context_parallel` as it runs, "torch" eager or "torch_compiled" with the
+    attention compiled (what torchtitan ran: cost_model/context_parallel.py)."""
     jobs: int | None = None
     """Processes that price configurations (forked after the capture, solver/parallel_search.py);
     None: $AUTOPAR_JOBS if set, else the usable cores (at most 8), and 1 for a small search."""

@@ -54,9 +54,13 @@ def test_every_row_prices(outcomes, name):
     # The handling is an input: the framework's fused casts cost less than autopar's eager ones, and
     # autopar's compiled casts as little as torchtitan's (whose float8 tp gathers it does not run).
     assert outcome.eager.breakdown_s["fp8.cast"] > estimate.breakdown_s["fp8.cast"]
-    assert outcome.eager.step_time_s > estimate.step_time_s
     assert outcome.compiled.breakdown_s["fp8.cast"] < outcome.eager.breakdown_s["fp8.cast"]
-    if outcome.handling == "torchtitan":
+    if outcome.handling != "torchtitan" or outcome.run.cp == 1:  # the casts are all that differ
+        assert outcome.eager.step_time_s > estimate.step_time_s
+    if outcome.handling == "torchtitan" and outcome.run.cp == 1:
         assert outcome.compiled.step_time_s >= estimate.step_time_s
+    if outcome.handling == "torchtitan" and outcome.run.cp > 1:  # torch's context_parallel, compiled: its
+        # exchange waited where issued (published_runs.cp_kv_exchange_of); autopar's runtime gathers its own way
+        assert estimate.breakdown_s["cp.dkv_ring"] > 0 and "cp.dkv_ring" not in outcome.compiled.breakdown_s
     # On H100s the same plan is priced faster in fp8 (as run) than in bf16.
     assert outcome.bf16 is not None and estimate.step_time_s < outcome.bf16.step_time_s

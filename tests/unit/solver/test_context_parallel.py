@@ -301,3 +301,60 @@ def test_cp_attention_gathers_every_rth_head_and_matches_the_repeated_attention(
     torch.testing.assert_close(grouped, expected)
     for got, want in zip(grouped_grads, whole_grads):
         torch.testing.assert_close(got, want)
+
+
+# --- torch's context_parallel as it runs (methods "torch", "torch_compiled") ----------------------
+
+def test_torch_ring_makes_a_causal_diagonal_and_non_causal_blocks():
+    from cost_model.context_parallel import torch_ring_steps
+
+    steps = torch_ring_steps(4, causal=True)
+    assert [step.causal for step in steps] == [True, False, False, False]
+    # torch's count is the whole square: the diagonal is 1/16 of it (half of that is work), each
+    # non-causal c x 2c block 1/32 (all work): together a quarter of the causal work
+    assert steps[0].flops_fraction == pytest.approx(1 / 16)
+    assert steps[0].flops_fraction / 2 + sum(step.flops_fraction for step in steps[1:]) == pytest.approx(1 / 8)
+    assert [step.causal for step in torch_ring_steps(2, causal=False)] == [False, False]
+
+
+def test_torch_exchange_is_exposed_whole_when_compiled():
+    from cost_model.context_parallel import torch_dkv_sends_exposed_s, torch_gather_exposed_s
+
+    assert torch_gather_exposed_s(method="torch_compiled", gather_s=1.0, diagonal_s=5.0) == 1.0
+    assert torch_gather_exposed_s(method="torch", gather_s=1.0, diagonal_s=5.0) == 0.0
+    assert torch_dkv_sends_exposed_s(method="torch_compiled", send_s=1.0, step_s=5.0, num_ranks=4) == 4.0
+    # eager: each send hides behind the next step's backward, the last one waits
+    assert torch_dkv_sends_exposed_s(method="torch", send_s=1.0, step_s=5.0, num_ranks=4) == 1.0
+    assert torch_dkv_sends_exposed_s(method="torch", send_s=2.0, step_s=1.5, num_ranks=4) == pytest.approx(3.5)
+
+
+def test_torch_context_parallel_moves_every_query_heads_kv_and_passes_fp32_dkv():
+    from autopar.solver.context_parallel import DKV_RING
+    from autopar.solver.search import SearchOptions
+
+    def plan(method):
+        planner = api.planner_for(LLAMA, None, Cluster.from_spec(CLUSTER), global_batch=4,
+                                  options=SearchOptions(cp_kv_exchange=method))
+        return api.plan_with(planner, Constraints(cp=2, tp=1, pp=1, recompute="none"))
+
+    compiled, eager = plan("torch_compiled"), plan("torch")
+    assert compiled.predicted.collectives_per_microbatch[DKV_RING] == 2  # one per attention op
+    assert compiled.predicted.collectives_per_microbatch[KV_ALL_GATHER] == 4  # forward and backward
+    assert KV_REDUCE_SCATTER not in compiled.predicted.collectives_per_microbatch
+    exchange = [sum(value for key, value in result.predicted.breakdown_s.items() if key.startswith("cp."))
+                for result in (compiled, eager)]
+    assert exchange[0] > exchange[1] >= 0  # compiled, nothing overlaps the exchange
+
+
+def test_torch_context_parallel_gathers_kv_at_every_query_head(planner):
+    """torchtitan's Llama repeats its kv heads before SDPA, and torch's ring moves what SDPA gets:
+    4 query heads' K, V where autopar's runtime gathers the 2 kv heads."""
+    from autopar.solver.context_parallel import attention_costs
+    from autopar.solver.sharding import cost_context
+
+    sharding = planner.sharding(1, 1)
+    ctx = cost_context(sharding.mesh, planner.cluster)
+    costs = attention_costs(planner.condensed.with_batch(1), sharding.strategies, ctx, cp=2, method="torch_compiled")
+    cost = next(iter(costs.values()))[0]
+    assert cost.sdpa_kv_bytes == 2 * cost.kv_bytes and cost.torch_ring is not None
+    assert cost.torch_ring.merge_forward.memory_s > 0 and cost.torch_ring.merge_backward.memory_s > 0
