@@ -25,11 +25,9 @@ microbatch x seq (tp = cp = 1; rows with tp > 1 are left at 0), rows = tokens x 
                       gpt_oss_bridge: window_size (127, 0), window_attn_skip_freq 2): a query tile
                       of `window` rows meets two key tiles, 2 x window keys, instead of the causal
                       half of seq; priced as the family prices attention (ComputeModel.kernel).
-    expert reorder    MoEAlltoAllTokenDispatcher.dispatch_postprocess / combine_preprocess
-                      (sort_chunks_by_idxs, num_local_experts > 1): the rows come source-major from
-                      the all-to-all and the grouped GEMM wants them expert-major; one read and write
-                      of rows x hidden before the GEMM and after it, forward and backward (autopar's
-                      codegen/experts.dispatch_rows and combine_rows do the same).
+
+The reorder of the rows around the grouped GEMMs (MoEAlltoAllTokenDispatcher's sort_chunks_by_idxs
+with more than one local expert) was listed here and is now priced: ep.reorder (solver/experts.py).
 
 Which run has which feature comes from its model's public config (PUBLIC_FEATURES: gpt-oss's
 config.json has expert biases, swiglu_limit 7.0 and sliding_window 128 on alternate layers).
@@ -79,8 +77,6 @@ def layer_costs_s(run, compute) -> dict[str, float]:
                                 - memory_s(FAMILY_GLU_BYTES_PER_ELEMENT, 0, ffn))
     if run.sliding_window:
         costs["sliding windows"] = _window_s(run, compute, tokens)
-    if run.ep > 1 and local > 1:
-        costs["expert reorder"] = memory_s(4 * (2 + 2), 4)
     return costs
 
 
