@@ -18,7 +18,11 @@ says so), or tokens/s per GPU. Pipeline stages are cut as the row's framework cu
 (published_runs.framework_split: Megatron-Core, NeMo and Megatron-Bridge put num_layers / (pp x vp)
 layers on each model chunk, the embedding on the first, the output layer and loss on the last;
 Megatron-Bridge's gpt_oss recipe sets no account-for-embedding/loss or first/last-stage counts, and
-Mixtral 8x22B's 56 layers on pp 8 x vp 7 = 56 chunks leave no room for them). Where the planner refuses the published configuration, the table
+Mixtral 8x22B's 56 layers on pp 8 x vp 7 = 56 chunks leave no room for them). The runs' Megatron-Core
+token dispatcher (MoeRun.fused_permute: the flex dispatcher writes rows expert-major in its all-to-all,
+the all-to-all dispatcher reorders them around the grouped GEMMs, ep.reorder) and distributed optimizer
+(bf16 parameter all-gathers, overlapped with the next forward where the recipe sets overlap_param_gather:
+published_runs.param_gather_overlapped) are priced as their recipes set them. Where the planner refuses the published configuration, the table
 prints the refusal. The reference numbers are only read here, to compare.
 """
 
@@ -30,12 +34,12 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autopar.solver.experts import DEFAULT_LOAD_IMBALANCE  # noqa: E402 (the planner's default, for dropless real routing)
-from benchmarks.published_runs import select_rows, split_as_run  # noqa: E402
+from benchmarks.published_runs import param_gather_overlapped, select_rows, split_as_run  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_moe.csv"
 
@@ -44,6 +48,7 @@ _SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "dense_layers", "ffn_hid
 _HEAD_DIM_NOTE = re.compile(r"\bhead_dim (\d+)\b")
 _CAPACITY = re.compile(r"capacity factor (\d+(?:\.\d+)?)", re.IGNORECASE)
 _SLIDING_NOTE = re.compile(r"sliding window (\d+)\b", re.IGNORECASE)
+_FUSED_DISPATCH = re.compile(r"\bflex dispatcher|\bDeepEP\b|\bHybridEP\b|moe_recipes", re.IGNORECASE)
 
 PUBLIC_CONFIG = {
     "Qwen3-30B-A3B": dict(head_dim=128),
@@ -80,6 +85,8 @@ class MoeRun:
     published: float
     flop_counting: str
     notes: str
+    optimizer_sharding: str = ""
+    """The optimizer sharding as the row words it (how the distributed optimizer ran)."""
 
     @property
     def num_nodes(self) -> int:
@@ -98,6 +105,18 @@ class MoeRun:
         if capacity and "drop" in self.routing:
             return max(1.0, float(capacity.group(1)))
         return DEFAULT_LOAD_IMBALANCE
+
+    @property
+    def fused_permute(self) -> bool:
+        """Whether the run's token dispatcher writes the received rows expert-major inside its
+        all-to-all (Megatron-Core's flex dispatcher with DeepEP or HybridEP: no reorder pass,
+        ExpertPricing.fused_permute): where the row says so, and for the recipes of Megatron-LM's
+        examples/moe_recipes, every one of which sets moe_token_dispatcher_type flex (dev branch,
+        2026-08; qwen3_30b/h100/bf16_32GPU_TP1PP1EP8.yaml: flex, hybridep). Else Megatron-Core's
+        all-to-all dispatcher, which reorders with more than one local expert (Megatron-Bridge's
+        gpt_oss recipes; the Megatron-MoE-ModelZoo Mixtral script's DISPATCHER=alltoall)."""
+        text = f"{self.source} {self.notes} {self.routing}"
+        return bool(_FUSED_DISPATCH.search(text))
 
     @property
     def family(self) -> str:
@@ -155,7 +174,8 @@ def _run(item: dict[str, str]) -> MoeRun:
                   cp=int(item["cp"] or 1), ep=int(item["ep"] or 1), etp=int(item["etp"] or 1), dp=int(item["dp"]),
                   zero=zero_stage(item["optimizer_sharding"]), recompute=recompute_mode(item["recompute"]),
                   recompute_as_run=item["recompute"], routing=item["routing"], metric=item["metric"],
-                  published=float(item["published"]), flop_counting=item["flop_counting"], notes=notes)
+                  published=float(item["published"]), flop_counting=item["flop_counting"], notes=notes,
+                  optimizer_sharding=item["optimizer_sharding"])
 
 
 def zero_stage(text: str) -> int:
@@ -289,8 +309,11 @@ def planner_for(run: MoeRun, source: str = "builtin"):
     model, inputs, targets, loss = build_model(run, source=source)
     graph = capture_for_planning(model, inputs, loss_fn=loss, example_targets=targets)
     attention = model.config._attn_implementation if source == "hf" else "sdpa"
-    options = SearchOptions(experts=ExpertPricing(load_imbalance=run.load_imbalance), jobs=1)
-    planner = Planner(graph, Cluster.from_spec(run.cluster_spec), global_batch=run.global_batch, policy=MEGATRON_BF16,
+    options = SearchOptions(experts=ExpertPricing(load_imbalance=run.load_imbalance, fused_permute=run.fused_permute),
+                            jobs=1)
+    policy = replace(MEGATRON_BF16, param_gather_overlap=param_gather_overlapped(
+        f"{run.source} {run.notes} {run.optimizer_sharding}"))
+    planner = Planner(graph, Cluster.from_spec(run.cluster_spec), global_batch=run.global_batch, policy=policy,
                       precision="bf16", options=options)
     return planner, attention
 

@@ -110,6 +110,8 @@ _EAGER_MEASURED = re.compile(r"\beager\b[^;]*?\bmeasured (\d+(?:\.\d+)?)", re.IG
 _FUSED_ATTENTION_FRAMEWORK = re.compile(r"\bNeMo\b|\bMegatron-Core\b", re.IGNORECASE)
 _TP_COMM_OVERLAP = re.compile(r"\bTP comm(?:unication)? overlap(?:ped)? on\b", re.IGNORECASE)
 _NEMO = re.compile(r"\bNeMo\b")
+_PARAM_GATHER_OVERLAP = re.compile(r"\boverlap\w*\b[^;]*\bparam(?:eter)?[ _-]gather\b|\bNeMo\b|\bMegatron-Bridge\b"
+                                   r"|\bMegatron-MoE-ModelZoo\b", re.IGNORECASE)
 _NO_SEQUENCE_PARALLEL = re.compile(r"\bTP without (?:SP|sequence parallelism)\b", re.IGNORECASE)
 
 
@@ -206,6 +208,12 @@ class Run:
         NeMo's MegatronCommOverlapCallback sets Megatron-Core's overlap_p2p_comm whenever virtual
         pipelining is on (solver/p2p_overlap.py); Megatron-LM of 2021-2022 waited on its sends."""
         return bool(_NEMO.search(self.source))
+
+    @property
+    def param_gather_overlap(self) -> bool:
+        """Whether the run's distributed optimizer gathered its parameters inside the next
+        forward (PrecisionPolicy.param_gather_overlap): see param_gather_overlapped."""
+        return param_gather_overlapped(f"{self.source} {self.notes}")
 
     @property
     def recompute_mode(self) -> str:
@@ -375,6 +383,17 @@ and NeMo's bf16_mixed() sets Megatron-Core's grad_reduce_in_fp32=True (its grad 
 fp32). fp16 runs keep fp16 gradients unless asked (the flag's default)."""
 
 
+def param_gather_overlapped(text: str) -> bool:
+    """Whether a Megatron-Core run described by `text` (source and notes) overlapped its
+    distributed optimizer's parameter all-gather with the next forward (overlap_param_gather):
+    where the text says so, and where its framework's recipes set it: NeMo 2.0's (24.12:
+    nemo/collections/llm/recipes/*.py, DistributedDataParallelConfig(overlap_param_gather=True)),
+    Megatron-Bridge's (v0.4.0 recipes, e.g. gpt_oss.py: cfg.ddp.overlap_param_gather = True) and
+    the Megatron-MoE-ModelZoo benchmarking configs (--overlap-param-gather true). Else
+    Megatron-LM's default (--overlap-param-gather off: all gathered after the optimizer step)."""
+    return bool(_PARAM_GATHER_OVERLAP.search(text))
+
+
 def policy_of(run: Run) -> PrecisionPolicy:
     """How the run's framework holds and reduces its states: torchtitan's FSDP2 gathers bf16 and
     reduce-scatters fp32 (MixedPrecisionPolicy), wraps the model as it did at the run's time (the
@@ -388,6 +407,7 @@ def policy_of(run: Run) -> PrecisionPolicy:
         return FP32_ADAM
     if "torchtitan" not in run.source.lower():
         return replace(MEGATRON_BF16, tp_comm_overlap=run.tp_comm_overlap, p2p_overlap=run.p2p_overlap,
+                       param_gather_overlap=run.param_gather_overlap,
                        grad_bytes=MEGATRON_BF16_MAIN_GRAD_BYTES if run.precision == "bf16" else MEGATRON_BF16.grad_bytes)
     when = run_month(run.source)
     policy = FSDP2_BF16_FP32_REDUCE

@@ -83,6 +83,14 @@ class PrecisionPolicy:
     other chunks in its steady state (Megatron-Core `overlap_p2p_comm`, which NeMo turns on
     whenever virtual pipelining is used: solver/p2p_overlap.py); False: each send is waited on
     before the next chunk runs, as autopar's runtime (torch.distributed.pipelining) is priced."""
+    param_gather_overlap: bool = True
+    """ZeRO-1/2's all-gather of the updated parameters runs inside the step's first forward, each
+    unit's one ahead of the compute that needs it (cost_model/fsdp.py's timeline): FSDP2's
+    prefetch in autopar's runtime, and Megatron-Core's distributed optimizer with
+    `overlap_param_gather` (distributed_data_parallel.py: each module's forward pre-hook waits for
+    its bucket group's all-gather and dispatches the next one's). False: Megatron-Core without
+    it (Megatron-LM's default), whose DistributedOptimizer.step_with_ready_grads all-gathers every
+    bucket synchronously right after the optimizer step: all of it exposed (dp.all_gather.once)."""
 
     @property
     def model_state_bytes(self) -> float:
@@ -102,9 +110,13 @@ class PrecisionPolicy:
 BF16_ADAM = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0, casts_once_per_step=True,
                             optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])
 """autopar's runtime with `torch.optim.AdamW(pm.parameters())` as the README writes it (foreach)."""
-MEGATRON_BF16 = PrecisionPolicy(gather_bytes=4.0, reduce_bytes=4.0)
+MEGATRON_BF16 = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0)
 """Megatron-LM's mixed precision (for pricing runs made that way): bf16/fp16 parameters used
-directly by every microbatch, the fp32 master copy inside the optimizer; no cast."""
+directly by every microbatch, the fp32 master copy inside the optimizer; no cast. Its distributed
+optimizer all-gathers the bf16 parameter buffer (2 bytes: megatron/core/distributed/
+param_and_grad_buffer.py, each bucket's param_data in the parameters' dtype, gathered with
+all_gather_into_tensor after the optimizer copies its fp32 shard in) and reduce-scatters the fp32
+main gradients (grad_reduce_in_fp32)."""
 FP32_ADAM = PrecisionPolicy(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0, activation_dtype="float32",
                             optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])
 FSDP2_BF16_FP32_REDUCE = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0)

@@ -23,8 +23,9 @@ Both exchanges are even (every block the same size: the shapes are static), so e
 A grouped matmul (rows sorted by expert, `offs[e]` the end of expert e's rows) is dropless: each
 rank first sends every other rank how many of its rows go to each of that rank's experts (an
 all-to-all of counts), then the rows (uneven splits), reorders what it received from
-source-major to expert-major, runs the grouped matmul on its experts, and sends the rows back in
-the order they came (the backward exchanges the gradients alike).
+source-major to expert-major (with more than one local expert: the price's ep.reorder,
+solver/experts.py), runs the grouped matmul on its experts, and sends the rows back in the order
+they came (the backward exchanges the gradients alike).
 
 Chains (solver/experts.py): the first op of a chain dispatches and keeps its output on the
 dispatched rows (`Dispatched`: the value, as planned on tp, and for a grouped mm the `Route`
@@ -89,8 +90,9 @@ class _AllToAllUneven(torch.autograd.Function):
 class Route:
     """How one rank's rows of a grouped expert op were dispatched: what the combine undoes."""
 
-    order: torch.Tensor
-    """Positions, in the rows received source after source, of the rows in expert-major order."""
+    order: torch.Tensor | None
+    """Positions, in the rows received source after source, of the rows in expert-major order
+    (None: one local expert, the two orders are the same)."""
     local_offsets: torch.Tensor
     """End row of each of this rank's experts in the expert-major rows."""
     sent: list[int]
@@ -130,15 +132,17 @@ def dispatch_rows(tokens: torch.Tensor, offsets: torch.Tensor, group, ep: int) -
     sent = counts.view(ep, local_experts).sum(dim=1).tolist()
     received = by_source.sum(dim=1).tolist()
     rows = _AllToAllUneven.apply(tokens[:used], received, sent, group)
-    order = _expert_major(by_source)
+    # With one local expert the received rows are already expert-major: no reorder (as
+    # Megatron-Core's all-to-all dispatcher, which sorts only when num_local_experts > 1).
+    order = _expert_major(by_source) if local_experts > 1 else None
     local_offsets = by_source.sum(dim=0).cumsum(dim=0).to(offsets.dtype)
     route = Route(order=order, local_offsets=local_offsets, sent=sent, received=received, rows=tokens.shape[0])
-    return Dispatched(rows[order], route)
+    return Dispatched(rows if order is None else rows[order], route)
 
 
 def combine_rows(output: torch.Tensor, route: Route, group) -> torch.Tensor:
     """The inverse of `dispatch_rows`: expert-major rows of this rank's experts -> this rank's rows."""
-    back = torch.empty_like(output).index_copy(0, route.order, output)  # the rows in the order they came
+    back = output if route.order is None else torch.empty_like(output).index_copy(0, route.order, output)
     mine = _AllToAllUneven.apply(back, route.sent, route.received, group)
     if mine.shape[0] == route.rows:
         return mine

@@ -126,7 +126,8 @@ def explain_text(plan: Plan, *, max_alternatives: int = 3) -> str:
              f"  chosen  {explanation.chosen_config}"]
     if plan.moe_load_imbalance is not None:
         lines.append(f"          MoE experts priced with load imbalance {plan.moe_load_imbalance:g} (ep.load_imbalance; "
-                     "ep.dispatch, ep.combine, ep.counts are the all-to-alls)")
+                     "ep.dispatch, ep.combine, ep.counts are the all-to-alls, ep.reorder the rows sorted "
+                     "between source-major and expert-major around them)")
     lines += [f"          {note}" for note in fp8_notes(plan)]
     if getattr(plan, "tp_overlap", "off") == "async":
         lines.append("          tp_overlap async: sequence-parallel all-gathers and reduce-scatters fused with their "

@@ -8,6 +8,8 @@ activations per device.
 
 from __future__ import annotations
 
+import math
+
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -266,7 +268,10 @@ def _exchange(graph: OpGraph, builder: ProblemBuilder, node, strategy, op) -> Ex
         token_grad=tokens.requires_grad and tokens.output.is_float, dropless=op.dropless,
         compute_s=forward.total_s + backward.total_s,
         count_bytes=8.0 * op.num_experts if op.kind == "grouped_mm" else 0.0, matmuls=matmuls,
-        dispatches=not op.chain_from, combines=not op.chain_to)
+        dispatches=not op.chain_from, combines=not op.chain_to,
+        device_experts=op.num_experts // math.prod(size for size, placement in
+                                                   zip(builder.mesh_shape, strategy.inputs[op.weight_input])
+                                                   if placement == "S0"))
 
 
 def _placements(strategy_of: dict, name: str) -> tuple | None:

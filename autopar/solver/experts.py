@@ -52,6 +52,21 @@ share; its price is `ExpertPricing.load_imbalance` times the even share, a param
 Transformer and GShard train with a capacity factor of 1.25; 1.0 prices force-balanced routing),
 not fitted: `autopar plan --moe-load-imbalance X`.
 
+Reorder (`ExpertPricing.reorder_s`, the breakdown's ep.reorder): a rank holding more than one
+expert receives its rows source-major (every source's rows for its experts, each source's sorted by
+expert) and the expert matmul wants them expert-major, so the rows are reordered after the dispatch
+and back before the combine, and alike for the gradients in the backward: one read and one write of
+the dispatched rows per all-to-all, memory-bound, one kernel each. Megatron-Core's all-to-all
+dispatcher does it with `sort_chunks_by_idxs` in dispatch_postprocess / combine_preprocess, only
+when num_local_experts > 1 (megatron/core/transformer/moe/token_dispatcher.py,
+MoEAlltoAllTokenDispatcher; split + cat, or TE's fused_sort_chunks_by_index under
+moe_permute_fusion); autopar's runtime with `rows[order]` and `index_copy` (codegen/experts.py,
+skipped with one local expert) and, for an einsum's even exchange, the copy that lays the received
+blocks along the token dim (`join_blocks` of more than one local expert; `split_blocks` before the
+combine). Megatron-Core's flex dispatcher (DeepEP, HybridEP) writes the received rows
+expert-major inside its dispatch kernel and reads them back so in its combine: no reorder pass
+(`ExpertPricing.fused_permute`; _HybridEPManager: "permute tokens for experts in single step").
+
 Grouped-matmul shapes: a grouped matmul of S rows over the E experts of a device runs E matmuls
 of S / E rows (cost_model/compute.py prices each at its own size's rate). Under ep the rank holds
 E / ep experts and receives the group's rows for them: E / ep matmuls of ep x S / E rows each,
@@ -128,8 +143,25 @@ class ExpertPricing:
     ops (capacity-padded ones have static shapes). Switch/GShard's capacity factor 1.25; 1.0 is
     force-balanced routing (how NVIDIA's published MoE throughputs are measured)."""
 
+    fused_permute: bool = False
+    """The runtime's dispatch kernel writes the received rows expert-major and its combine reads
+    them so (Megatron-Core's flex dispatcher: DeepEP, HybridEP): no reorder pass around the
+    expert matmuls. False: the rows are reordered after each dispatch and before each combine
+    when a rank holds more than one expert (autopar's runtime, Megatron-Core's all-to-all
+    dispatcher; module docstring)."""
+
     def __post_init__(self) -> None:
         check_load_imbalance(self.load_imbalance)
+
+    def reorder_s(self, message_bytes: float, device_experts: int, ep: int, compute) -> float:
+        """The reorder of one dispatched or combined message of `message_bytes` (what the busiest
+        rank receives or sends): one read and one write of its rows at the device's memory
+        bandwidth plus one kernel launch (`compute`: a ComputeModel), where the rank holds more
+        than one of the `device_experts` (experts on the device before ep) and the dispatch does
+        not fuse it; else 0."""
+        if self.fused_permute or ep <= 1 or device_experts // ep <= 1:
+            return 0.0
+        return 2 * message_bytes / compute.bandwidth_bytes_per_s + compute.overhead_s
 
 
 def check_load_imbalance(value) -> float:
@@ -161,6 +193,9 @@ class ExpertExchange:
     """It dispatches its tokens (False: they arrive dispatched from the previous op of its chain)."""
     combines: bool = True
     """It combines its output (False: the output stays dispatched for the next op of its chain)."""
+    device_experts: int = 0
+    """Experts of the op on this device before ep (its weight's expert dim over the tp shards
+    that split it): with ep, more than one per rank means a reorder around the matmul."""
 
     def messages(self) -> tuple[tuple[float, str, str], ...]:
         """(bytes each rank sends and receives, phase, part) of its all-to-alls: the counts

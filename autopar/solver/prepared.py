@@ -31,7 +31,8 @@ class EpTimes:
     """All-to-alls of the forward (a full recompute's replay included)."""
     backward_s: np.ndarray
     parts_s: dict[str, np.ndarray]
-    """The same all-to-alls by part: "counts", "dispatch", "combine"."""
+    """The same all-to-alls by part: "counts", "dispatch", "combine", and the rows' "reorder" around
+    them (solver/experts.py; in forward_s and backward_s too)."""
     load_imbalance_s: np.ndarray
     """Grouped-matmul time the busiest rank adds over the even share (>= 0)."""
     shape_forward_s: np.ndarray
@@ -76,9 +77,10 @@ class PreparedSegments:
     """StepModel.chain by what it depends on (dp x cp, dp, ZeRO stage, offload, ep)."""
     expert_numel: np.ndarray | None = None
     """Per segment, the expert weights among param_numel (None: no expert ops)."""
-    ep_messages: tuple[tuple[tuple[float, str, bool, str], ...], ...] = ()
+    ep_messages: tuple[tuple[tuple[float, str, bool, str, int], ...], ...] = ()
     """Per segment, its expert ops' all-to-alls: (bytes, "fwd" | "bwd", dropless, part: "counts",
-    "dispatch" or "combine"); a full recompute repeats the forward ones."""
+    "dispatch" or "combine", the op's experts on the device before ep); a full recompute repeats
+    the forward ones."""
     ep_matmuls: tuple[tuple[GroupedMatmul, ...], ...] = ()
     """Per segment, its dropless expert ops' grouped-matmul kernels (what ep reshapes and load
     imbalance stretches); a full recompute repeats the forward ones."""
@@ -151,7 +153,8 @@ class PreparedSegments:
         total_comm = sum(comm.values()) if comm else np.zeros(len(segments))
         experts = any(s.expert_exchanges for s in segments)
         repeat = 2 if recompute == "full" or (is_modules_mode(recompute) and "moe" in mode_kinds(recompute)) else 1
-        messages = tuple(tuple((size, phase, exchange.dropless, part) for exchange in s.expert_exchanges
+        messages = tuple(tuple((size, phase, exchange.dropless, part, exchange.device_experts)
+                               for exchange in s.expert_exchanges
                                for size, phase, part in exchange.messages()
                                for _ in range(repeat if phase == "fwd" else 1))
                          for s in segments)

@@ -82,7 +82,11 @@ class StepFsdp:
         step_end: dict[str, float] = {}
         # ZeRO-3 gathers in every microbatch; ZeRO-1/2 keep parameters gathered from the first
         # forward to the last backward (codegen's set_reshard_after_backward, and what
-        # torch.distributed.pipelining does under FSDP2), so their gathers are exposed once.
+        # torch.distributed.pipelining does under FSDP2), so their gathers are exposed once:
+        # where the first forward does not hide them, or all of them where the runtime gathers
+        # synchronously after the optimizer step (PrecisionPolicy.param_gather_overlap False).
+        if not reshard and not self.policy.param_gather_overlap:  # all gathered before the forward
+            gathers_only_s = timeline.gather_s
         (per_microbatch if reshard else step_end)["all_gather"] = gathers_only_s
         # Gradients are reduce-scattered every microbatch by ZeRO-2/3 without pipelining; ZeRO-1
         # and any ZeRO under pipelining (set_requires_gradient_sync) reduce once, in the last.

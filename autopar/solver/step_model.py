@@ -201,9 +201,11 @@ class StepModel(StepFsdp, StepTail):
 
     def ep_times(self, prepared: PreparedSegments, config: ParallelConfig) -> EpTimes:
         """Per segment: expert parallelism's all-to-alls (over the ep group where it lies: inside
-        a node or across nodes), the busiest rank's extra grouped-matmul time under load
-        imbalance (dropless ops), and the change of the grouped matmuls' time from their ep shape
-        (E / ep experts of ep x the rows each, solver/experts.py)."""
+        a node or across nodes), the reorder of the rows around each dispatch and combine where a
+        rank holds more than one expert ("reorder", ExpertPricing.reorder_s), the busiest rank's
+        extra grouped-matmul time under load imbalance (dropless ops), and the change of the
+        grouped matmuls' time from their ep shape (E / ep experts of ep x the rows each,
+        solver/experts.py)."""
         key = (config.ep, config.tp, self.devices_per_node, config.folds_experts)
         if key not in prepared.ep_times:
             group = self.ep_group(config)
@@ -211,11 +213,17 @@ class StepModel(StepFsdp, StepTail):
             zeros = lambda: np.zeros(len(prepared))  # noqa: E731
             times = {"fwd": zeros(), "bwd": zeros()}
             parts: dict[str, np.ndarray] = {}
+            pricing = self.expert_pricing
             for index, messages in enumerate(prepared.ep_messages):
-                for size, phase, dropless, part in messages:
-                    seconds = self.comm.time_s("all_to_all", size * (imbalance if dropless else 1.0), group)
+                for size, phase, dropless, part, experts in messages:
+                    busiest = size * (imbalance if dropless else 1.0)
+                    seconds = self.comm.time_s("all_to_all", busiest, group)
                     times[phase][index] += seconds
                     parts.setdefault(part, zeros())[index] += seconds
+                    reorder = pricing.reorder_s(busiest, experts, config.ep, self.compute) if part != "counts" else 0.0
+                    if reorder:
+                        times[phase][index] += reorder
+                        parts.setdefault("reorder", zeros())[index] += reorder
             extra, shape = zeros(), {"fwd": zeros(), "bwd": zeros()}
             for index, matmuls in enumerate(prepared.ep_matmuls):
                 for matmul in matmuls:

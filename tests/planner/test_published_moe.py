@@ -79,6 +79,25 @@ def test_the_reference_rows_parse():
     assert all(run.flops_per_step() > 0 and run.load_imbalance >= 1.0 for run in runs)
 
 
+def test_the_dispatcher_and_the_parameter_gather_are_read_as_their_recipes_ran(tmp_path):
+    """The flex dispatcher (DeepEP, HybridEP; every Megatron-LM moe_recipes recipe) sorts the rows
+    inside its all-to-all, the all-to-all dispatcher does not; the distributed optimizer's gather
+    overlaps the next forward where the row or its framework's recipes say so (Megatron-LM's
+    default otherwise: after the optimizer step)."""
+    from benchmarks.published_runs import param_gather_overlapped
+
+    row = ('{id},"{source}",T,Qwen3-30B-A3B,2,64,4,4,0,,32,8,2,0,100,32,8,H100,dgx-h100,16,1,1,1,,1,2,1,8,'
+           '{sharding},none,bf16,force-balanced,tokens_per_s_per_gpu,1,m,"{notes}"')
+    path = _write(tmp_path, row.format(id="a", source="Megatron-LM examples/moe_recipes", sharding="x", notes=""),
+                  row.format(id="b", source="s", sharding="x", notes="all-to-all dispatcher"),
+                  row.format(id="c", source="s", sharding="x", notes="HybridEP"))
+    assert [run.fused_permute for run in read_runs(path)] == [True, False, True]
+    assert param_gather_overlapped("distributed optimizer with overlapped grad reduce / param gather")
+    assert param_gather_overlapped("NVIDIA NeMo Megatron-Bridge performance summary")
+    assert param_gather_overlapped("Megatron-Core; NVIDIA's Megatron-MoE-ModelZoo script")
+    assert not param_gather_overlapped("Megatron-LM; distributed optimizer (ZeRO-1)")
+
+
 def test_a_row_becomes_a_builtin_moe_spec_with_its_shape(tmp_path):
     from autopar.models import build_model
 

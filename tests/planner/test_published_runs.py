@@ -231,6 +231,15 @@ def test_nemo_rows_overlap_their_interleaved_sends():
             assert policy_of(run).p2p_overlap == ("NeMo" in run.source), run.id
 
 
+def test_nemo_rows_gather_their_parameters_inside_the_next_forward():
+    """NeMo 2.0's recipes set overlap_param_gather; Megatron-LM's default gathers after the step."""
+    from benchmarks.published_runs import policy_of
+
+    for run in read_runs():
+        if run.precision != "fp32" and "torchtitan" not in run.source.lower():
+            assert policy_of(run).param_gather_overlap == ("NeMo" in run.source), run.id
+
+
 def test_pipelined_rows_are_cut_as_their_framework_cut_them(capsys):
     """Megatron-LM / Megatron-Core put num_layers / (pp x vp) layers on each chunk, and so does
     Megatron-DeepSpeed ('type:transformer') unless its notes count the two embeddings as layers

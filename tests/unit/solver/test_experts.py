@@ -14,7 +14,7 @@ from autopar.errors import ConfigError
 from autopar.graph import OpGraph, OpNode, ParamInfo, Ref, TensorMeta
 from autopar.models import build_model
 from autopar.plans.plan import Plan
-from autopar.solver.experts import ExpertExchange, GroupedMatmul, expert_ops_at, find_expert_ops
+from autopar.solver.experts import ExpertExchange, ExpertPricing, GroupedMatmul, expert_ops_at, find_expert_ops
 from autopar.strategies import mesh_strategies
 from cost_model.compute import ComputeModel
 
@@ -140,6 +140,30 @@ def test_grouped_rows_received_from_each_rank_are_put_in_expert_order() -> None:
     assert order.tolist() == [0, 3, 4, 5, 1, 2]
 
 
+def test_one_local_expert_keeps_the_received_rows_as_they_came(one_process_group) -> None:
+    """With one expert per rank the rows arrive expert-major: neither dispatch nor combine reorders."""
+    import torch.distributed as dist
+
+    from autopar.codegen.experts import combine_rows, dispatch_rows
+
+    tokens = torch.arange(12.0).reshape(6, 2)
+    rows = dispatch_rows(tokens, torch.tensor([5], dtype=torch.int32), dist.group.WORLD, 1)
+    assert rows.route.order is None and rows.route.local_offsets.tolist() == [5]
+    torch.testing.assert_close(rows.value, tokens[:5])
+    torch.testing.assert_close(combine_rows(rows.value * 2, rows.route, dist.group.WORLD),
+                               torch.cat([tokens[:5] * 2, torch.zeros(1, 2)]))
+
+
+def test_a_reorder_reads_and_writes_its_rows_once_unless_the_dispatch_fuses_it() -> None:
+    compute = ComputeModel(Cluster.from_spec("dgx-h100:nodes=1").device)
+    pricing = ExpertPricing(load_imbalance=1.0)
+    assert pricing.reorder_s(1e9, 16, 8, compute) == pytest.approx(2e9 / compute.bandwidth_bytes_per_s
+                                                                   + compute.overhead_s)
+    assert pricing.reorder_s(1e9, 8, 8, compute) == 0.0  # one expert per rank: already expert-major
+    assert pricing.reorder_s(1e9, 16, 1, compute) == 0.0  # no ep
+    assert ExpertPricing(fused_permute=True).reorder_s(1e9, 16, 8, compute) == 0.0  # DeepEP / HybridEP
+
+
 @pytest.fixture(scope="module")
 def mixtral_graph():
     """Hugging Face's Mixtral (grouped matmuls over tokens sorted by expert: dropless), tiny, on meta."""
@@ -167,6 +191,13 @@ def test_dropless_grouped_experts_price_dispatch_combine_counts_and_the_stated_i
     assert (balanced.moe_load_imbalance, skewed.moe_load_imbalance, default.moe_load_imbalance) == (1.0, 1.5, 1.25)
     assert "load imbalance 1.5" in skewed.summary()
     assert Plan.from_dict(json.loads(skewed.to_json())).moe_load_imbalance == 1.5
+
+
+def test_the_rows_are_reordered_around_the_exchanges_where_a_rank_holds_more_than_one_expert(mixtral_graph) -> None:
+    two = _evaluate(mixtral_graph, tp=1, pp=1, dp=8, ep=4, moe_load_imbalance=1.0).predicted  # 8 experts / ep 4
+    one = _evaluate(mixtral_graph, tp=1, pp=1, dp=8, ep=8, moe_load_imbalance=1.0).predicted
+    assert two.breakdown_s["ep.reorder"] > 0
+    assert "ep.reorder" not in one.breakdown_s
 
 
 def test_the_load_imbalance_is_checked_and_only_recorded_for_models_with_experts(mixtral_graph) -> None:

@@ -240,3 +240,25 @@ def test_a_root_unit_holding_the_ends_is_priced_where_one_stage_holds_the_model(
     assert ends.breakdown_s["dp.reduce_scatter"] > apart.breakdown_s["dp.reduce_scatter"]
     # copy-out after each gather: 8 units before forward, 5 before backward (not 0, 6 and 7)
     assert ends.breakdown_s["dp.copy_out"] == pytest.approx(apart.breakdown_s["dp.copy_out"] * 13 / 16)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_a_runtime_that_gathers_after_the_optimizer_step_exposes_every_gather(zero_stage):
+    """PrecisionPolicy.param_gather_overlap False (Megatron-Core's distributed optimizer without
+    overlap_param_gather): the updated parameters are all-gathered synchronously after the step,
+    none of it hidden by the first forward, which FSDP2's prefetch (and overlap_param_gather) does."""
+    from dataclasses import replace
+
+    from test_step_model import model, segments
+
+    from autopar.solver.step_model import ParallelConfig, PreparedSegments
+    from cost_model.memory import MEGATRON_BF16
+
+    config = ParallelConfig(dp=8, tp=1, pp=1, microbatch_size=1, num_microbatches=4, zero_stage=zero_stage)
+    overlapped = model(policy=MEGATRON_BF16).estimate(PreparedSegments.build(segments(), "none"), config)
+    synchronous = model(policy=replace(MEGATRON_BF16, param_gather_overlap=False)).estimate(
+        PreparedSegments.build(segments(), "none"), config)
+    assert synchronous.breakdown_s["dp.all_gather.once"] == pytest.approx(overlapped.stages[0].fsdp.gather_s)
+    assert synchronous.breakdown_s["dp.all_gather.once"] > overlapped.breakdown_s["dp.all_gather.once"]
+    assert not synchronous.breakdown_s.get("dp.all_gather.sm_contention.once")
+    assert synchronous.step_time_s > overlapped.step_time_s
