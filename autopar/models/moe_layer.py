@@ -108,7 +108,7 @@ class MoELayer(nn.Module):
         row_gates = gates.t().reshape(-1)[order]
         if self.capacity_factor:
             row_gates = row_gates * self._kept(expert_of_pair[order], counts)
-        weighted = rows * row_gates.unsqueeze(-1).to(rows.dtype)
+        weighted = rows * row_gates.unsqueeze(-1).type_as(rows)  # type_as: follows the rows at run time (bf16)
         routed = weighted[order.argsort()].unflatten(0, (self.top_k, num_tokens)).sum(dim=0)
         if self.shared is not None:
             routed = routed + self.shared(tokens)
