@@ -17,9 +17,10 @@ each operand to float8 e4m3 with per-row scales rounded to powers of two and run
 torchao's kernels need every expert's rows a multiple of 16 (torchtitan's TorchAOTokenDispatcher
 pads them in its permutation) and the weight column-major per expert (torchtitan stores experts
 [E, N, K] and passes a transpose): the moe family stores [E, K, N], so here each call pads the
-rows (zero rows, dropped after) and copies the weight column-major; torchao saves that copy for
-the backward. Both are priced (solver/fp8_experts.py: fp8.copy.experts, memory
-fp8.expert_weight_copies).
+rows (zero rows, dropped after) and copies the weight column-major. torchao's Function would save
+that copy for the backward (a weight-sized tensor per op and microbatch in flight); under
+saved_tensors_hooks it saves the weight instead (as the bf16 grouped matmul does) and the backward
+copies it again. Both are priced (solver/fp8_experts.py: fp8.copy.experts).
 
 **Emulated (CPUs, and the gloo tests).** torchao's FP8 grouped GEMM is CUDA only (Triton kernels
 and `torch._scaled_grouped_mm`; its padding helper says "TODO: support emulated mode"), so on
@@ -166,12 +167,41 @@ def torchao_grouped_mm(tokens: torch.Tensor, weight: torch.Tensor, offs: torch.T
     padded_offs, positions, padding = _padding(offs)
     used = positions.shape[0]
     padded = _Spread.apply(tokens[:used].to(torch.bfloat16), positions, padding, int(padded_offs[-1]))
-    column_major = weight.to(torch.bfloat16).transpose(-2, -1).contiguous().transpose(-2, -1)
-    output = _quantize_then_scaled_grouped_mm(padded, column_major, config=Float8TrainingOpConfig(), offs=padded_offs)
+    weight = weight.to(torch.bfloat16)
+    column_major = _column_major(weight)
+    with torch.autograd.graph.saved_tensors_hooks(*_copy_not_saved(column_major, weight)):
+        output = _quantize_then_scaled_grouped_mm(padded, column_major, config=Float8TrainingOpConfig(),
+                                                  offs=padded_offs)
     rows = _Gather.apply(output, positions, padding)
     if rows.shape[0] == tokens.shape[0]:
         return rows
     return torch.cat([rows, rows.new_zeros(tokens.shape[0] - rows.shape[0], rows.shape[1])])
+
+
+def _column_major(weight: torch.Tensor) -> torch.Tensor:
+    """[E, K, N] with strides (K N, 1, K): each expert's matrix column-major, as torchao's B_t."""
+    return weight.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+class _WeightRef:
+    """What is saved for backward in place of a weight's column-major copy: the weight itself."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+
+def _copy_not_saved(copy: torch.Tensor, weight: torch.Tensor):
+    """saved_tensors_hooks under which torchao's Function saves `weight` (which the bf16 grouped
+    matmul saves too, and FSDP2 gathers again for the backward) instead of its column-major
+    `copy`; the backward copies it again. Other tensors are saved as they are."""
+    def pack(value: torch.Tensor):
+        same = value.data_ptr() == copy.data_ptr() and value.shape == copy.shape and value.stride() == copy.stride()
+        return _WeightRef(weight) if same else value
+
+    def unpack(value):
+        return _column_major(value.weight) if isinstance(value, _WeightRef) else value
+
+    return pack, unpack
 
 
 class Float8GroupedMM:

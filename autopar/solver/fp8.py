@@ -101,7 +101,8 @@ def fp8_experts(graph: OpGraph, keep: Callable[[str, tuple[int, ...]], bool] | N
     qualifies: dict[str, str] = {}
     for _, fqn, shape, kind in expert_weights(graph):
         if kind != "grouped_mm":
-            why = "an einsum/bmm expert matmul: torchao's float8 grouped GEMM takes grouped matmuls of rows sorted by expert"
+            why = ("an einsum/bmm expert matmul: torchao's float8 grouped GEMM takes grouped matmuls of rows "
+                   "sorted by expert")
         elif keep is not None:
             why = "" if keep(fqn.rsplit(".", 1)[0], shape) else "left out by fp8_filter"
         elif not default_keep(shape[1:]):

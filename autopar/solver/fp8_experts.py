@@ -30,12 +30,10 @@ Terms (each named in the plan's breakdown):
   torchao's kernels: each expert's rows padded to 16 and back (the tokens scattered into the
   padded rows and the output gathered from them forward, grad_output scattered and the token
   gradient gathered backward: a bf16 read and write each) and the weight copied column-major
-  (read and write) per call.
-- memory `fp8.copies`: the float8 copies alive around one op (the larger of the forward's and the
-  backward's, with the padded bf16 operand), against the linears' (the larger counts);
-  `fp8.expert_weight_copies`: the column-major weight copies torchao saves for the backward, per
-  microbatch in flight (min(m, pp) on a pipeline's first stage, one otherwise, or under full
-  recomputation).
+  (read and write) forward and again backward (the copy is not saved for the backward).
+- memory `fp8.copies`: the copies alive around one op (the larger of the forward's and the
+  backward's: float8 operands, the padded bf16 operand and, on the CUDA path, the weight's
+  column-major copy), against the linears' (the larger counts).
 """
 
 from __future__ import annotations
@@ -88,7 +86,6 @@ class PricedExpert:
     cast_s: float
     copy_s: float
     transient_bytes: float
-    weight_copy_bytes: float
     kept: bool
 
 
@@ -157,16 +154,16 @@ class Fp8ExpertPricing:
                                       bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s,
                                       kernel_overhead_s=self.compute.overhead_s, handling=handling)
         copy_s = self._copy_s(token_elements, grad_elements, weight_elements, again) if tensor_cores else 0.0
-        forward_bytes = (token_elements + weight_elements) * fp8_cost.FP8_BYTES + token_elements * COMPUTE_BYTES
+        copy = weight_elements * COMPUTE_BYTES if tensor_cores else 0.0  # the column-major weight
+        forward_bytes = (token_elements + weight_elements) * fp8_cost.FP8_BYTES + token_elements * COMPUTE_BYTES + copy
         backward_bytes = (2 * grad_elements + token_elements + weight_elements) * fp8_cost.FP8_BYTES \
-            + grad_elements * COMPUTE_BYTES
+            + grad_elements * COMPUTE_BYTES + copy
         if not tensor_cores:  # no float8 matmul: the matmuls stay in compute
             bf16_s = extra_s = again_s = fp8_s = 0.0
         kept = not self.auto or fp8_s + cast_s + copy_s < bf16_s + extra_s
         return PricedExpert(matmul=matmul, bf16_s=bf16_s, bf16_imbalance_s=extra_s, bf16_again_s=again_s,
                             fp8_s=fp8_s, cast_s=cast_s, copy_s=copy_s,
-                            transient_bytes=max(forward_bytes, backward_bytes),
-                            weight_copy_bytes=weight_elements * COMPUTE_BYTES if tensor_cores else 0.0, kept=kept)
+                            transient_bytes=max(forward_bytes, backward_bytes), kept=kept)
 
     def _fp8_s(self, flops: float, experts: int, ratio: float) -> float:
         if flops <= 0:
@@ -179,8 +176,8 @@ class Fp8ExpertPricing:
         runs = 2 if again else 1
         passes = (runs * (PAD_PASSES * token_elements + UNPAD_PASSES * grad_elements)  # forward: tokens in, output out
                   + PAD_PASSES * grad_elements + UNPAD_PASSES * token_elements  # backward: grad in, token grad out
-                  + runs * COPY_PASSES * weight_elements)
-        kernels = runs * 4 + 3
+                  + (runs + 1) * COPY_PASSES * weight_elements)  # forward (again if recomputed) and backward
+        kernels = runs * 3 + 4
         return passes * COMPUTE_BYTES / self.compute.bandwidth_bytes_per_s + kernels * self.compute.overhead_s
 
     @staticmethod
@@ -208,12 +205,6 @@ class Fp8ExpertPricing:
     @staticmethod
     def _recomputed(config: ParallelConfig) -> bool:
         """The op's forward runs again in backward (full recomputation, or recomputed MoE modules)."""
-        return config.recompute == "full" or (is_modules_mode(config.recompute) and "moe" in mode_kinds(config.recompute))
+        mode = config.recompute
+        return mode == "full" or (is_modules_mode(mode) and "moe" in mode_kinds(mode))
 
-
-def in_flight_microbatches(config: ParallelConfig) -> int:
-    """Microbatches whose saved tensors a rank holds at once: min(m, pp) on a 1F1B pipeline's first
-    stage, one without a pipeline or under full recomputation (the op's tensors are not kept)."""
-    if config.recompute == "full" or config.pp == 1:
-        return 1
-    return min(config.num_microbatches, config.pp)

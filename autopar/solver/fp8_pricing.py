@@ -42,7 +42,7 @@ from autopar.mesh import Mesh
 from autopar.solver.configs import Estimate, ParallelConfig
 from autopar.solver.experts import DEFAULT_LOAD_IMBALANCE
 from autopar.solver.fp8 import Fp8Choice, linear_weights
-from autopar.solver.fp8_experts import Fp8ExpertPricing, PricedExpert, in_flight_microbatches
+from autopar.solver.fp8_experts import Fp8ExpertPricing, PricedExpert
 from autopar.solver.step_tail import uses_fsdp
 from cost_model import fp8 as fp8_cost
 from cost_model.comm import CommModel
@@ -243,7 +243,6 @@ class Fp8Pricing:
         experts = [item for item in self.experts.priced(config, strategies) if item.kept]
         notes += self._expert_terms(experts, estimate, breakdown, terms, slots, bubble_slots)
         copies = max([copies] + [item.transient_bytes for item in experts])
-        weight_copies = in_flight_microbatches(config) * sum(item.weight_copy_bytes for item in experts) / config.pp
         breakdown.update({name: seconds for name, seconds in terms.items()
                           if seconds and name.startswith("fp8.")})
         notes += (self._what_fp8_buys(kept, terms, estimate.step_time_s, experts),)
@@ -253,9 +252,8 @@ class Fp8Pricing:
             share = self.saved_input_share * len(kept) / max(len(self.linears), 1)
             saved = estimate.memory_bytes.get("activations", 0.0) * share * (1 - fp8_cost.FP8_BYTES / COMPUTE_BYTES)
         memory = {**estimate.memory_bytes, **({"fp8.copies": copies} if copies else {}),
-                  **({"fp8.weights": weights} if weights else {}), **({"fp8.saved_inputs": -saved} if saved else {}),
-                  **({"fp8.expert_weight_copies": weight_copies} if weight_copies else {})}
-        peak = estimate.peak_memory_bytes + copies + weights - saved + weight_copies
+                  **({"fp8.weights": weights} if weights else {}), **({"fp8.saved_inputs": -saved} if saved else {})}
+        peak = estimate.peak_memory_bytes + copies + weights - saved
         return replace(estimate, step_time_s=estimate.step_time_s + sum(terms.values()), breakdown_s=breakdown,
                        memory_bytes=memory, peak_memory_bytes=peak, notes=notes,
                        fits=estimate.fits and peak <= self.memory_budget_bytes)
@@ -284,8 +282,9 @@ class Fp8Pricing:
             changes["compute"] -= m * extra_s / pp
         for name, seconds in changes.items():
             if seconds:
-                breakdown[name] = breakdown.get(name, 0.0) + seconds
-                terms[name] = terms.get(name, 0.0) + seconds
+                before = breakdown.get(name, 0.0)
+                breakdown[name] = before + seconds if before + seconds > 1e-9 * before else 0.0  # all of it: 0
+                terms[name] = terms.get(name, 0.0) + breakdown[name] - before
         terms["fp8.matmul.experts"] = m * fp8_s / pp
         if bubble_slots:
             bubble_s = bubble_slots * (fp8_s - bf16_s - extra_s) / pp

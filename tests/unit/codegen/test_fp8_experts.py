@@ -92,3 +92,45 @@ def test_shapes_torchao_cannot_run_stay_bf16(shape, reason):
 
     assert reason in _shape_blocker(torch.empty(shape))
     assert _shape_blocker(torch.empty(4, 32, 64)) == ""
+
+
+def test_the_cuda_path_pads_groups_and_saves_the_weight_not_its_column_major_copy(monkeypatch):
+    """torchao_grouped_mm around a stand-in for torchao's Function (its kernels are CUDA only):
+    it gets rows padded per expert to 16 and a column-major weight, and what it saves for the
+    backward is a fresh copy of the weight, not the forward's (no weight-sized tensor kept)."""
+    import torchao.prototype.moe_training.utils as torchao_utils
+
+    from autopar.codegen.fp8_experts import torchao_grouped_mm
+    from autopar.models.grouped_mm import grouped_mm
+
+    seen = {}
+
+    class StandIn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, rows, weight_t, offs):
+            # the forward's copy held here: its memory cannot be reused by the backward's
+            seen.update(offs=offs.tolist(), strides=weight_t.stride(), forward=weight_t)
+            ctx.save_for_backward(rows, weight_t, offs)
+            return grouped_mm(rows, weight_t.contiguous(), offs)
+
+        @staticmethod
+        def backward(ctx, grad):
+            rows, weight_t, offs = ctx.saved_tensors
+            seen["backward_ptr"] = weight_t.data_ptr()
+            grad_rows, grad_weight = torch.ops.autopar.grouped_mm_backward(rows, weight_t.contiguous(), offs, grad)
+            return grad_rows, grad_weight, None
+
+    monkeypatch.setattr(torchao_utils, "_quantize_then_scaled_grouped_mm",
+                        lambda rows, weight_t, config, offs: StandIn.apply(rows, weight_t, offs))
+    tokens, weight, offs, grad = _operands()
+    tokens.requires_grad_(), weight.requires_grad_()
+    output = torchao_grouped_mm(tokens, weight, offs)
+    output.backward(grad)
+    k, n = weight.shape[1], weight.shape[2]
+    assert seen["offs"] == [16, 16, 48, 64] and seen["strides"] == (k * n, 1, k)
+    assert seen["backward_ptr"] != seen["forward"].data_ptr()
+    plain = [value.detach().clone().requires_grad_() for value in (tokens, weight)]
+    expected = grouped_mm(plain[0], plain[1], offs)
+    expected.backward(grad)
+    for got, want in ((output, expected), (tokens.grad, plain[0].grad), (weight.grad, plain[1].grad)):
+        assert torch.equal(got, want)

@@ -53,7 +53,7 @@ def test_float8_experts_are_priced_faster_at_large_expert_shapes(large):
     moved = bf16["compute"] - terms["compute"] + bf16["ep.load_imbalance"] - terms.get("ep.load_imbalance", 0.0)
     assert terms["fp8.matmul.experts"] < moved < 2.5 * terms["fp8.matmul.experts"]
     assert both.predicted.step_time_s < linears.predicted.step_time_s
-    assert both.predicted.memory_bytes["fp8.expert_weight_copies"] > 0
+    assert both.predicted.memory_bytes["fp8.copies"] > linears.predicted.memory_bytes["fp8.copies"]
     assert any("2 of 2 expert weights' grouped matmuls in float8" in note for note in both.notes)
     # the planner's own choice (no filter) keeps them
     assert _large_plan(large).fp8_experts == both.fp8_experts
