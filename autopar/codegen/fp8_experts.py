@@ -190,16 +190,29 @@ class _WeightRef:
         self.weight = weight
 
 
+class _Outer:
+    """A tensor packed by the hooks that were active around ours (recomputation's checkpoint)."""
+
+    def __init__(self, packed, unpack) -> None:
+        self.packed, self.unpack = packed, unpack
+
+
 def _copy_not_saved(copy: torch.Tensor, weight: torch.Tensor):
     """saved_tensors_hooks under which torchao's Function saves `weight` (which the bf16 grouped
     matmul saves too, and FSDP2 gathers again for the backward) instead of its column-major
-    `copy`; the backward copies it again. Other tensors are saved as they are."""
+    `copy`; the backward copies it again. Other tensors go to the hooks active around these
+    (torch.utils.checkpoint's, in a recomputed region), else are saved as they are."""
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)  # torch keeps only the innermost pair
+
     def pack(value: torch.Tensor):
-        same = value.data_ptr() == copy.data_ptr() and value.shape == copy.shape and value.stride() == copy.stride()
-        return _WeightRef(weight) if same else value
+        if value.data_ptr() == copy.data_ptr() and value.shape == copy.shape and value.stride() == copy.stride():
+            return _WeightRef(weight)
+        return _Outer(outer[0](value), outer[1]) if outer is not None else value
 
     def unpack(value):
-        return _column_major(value.weight) if isinstance(value, _WeightRef) else value
+        if isinstance(value, _WeightRef):
+            return _column_major(value.weight)
+        return value.unpack(value.packed) if isinstance(value, _Outer) else value
 
     return pack, unpack
 

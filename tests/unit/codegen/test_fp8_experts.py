@@ -109,7 +109,8 @@ def test_the_cuda_path_pads_groups_and_saves_the_weight_not_its_column_major_cop
         @staticmethod
         def forward(ctx, rows, weight_t, offs):
             # the forward's copy held here: its memory cannot be reused by the backward's
-            seen.update(offs=offs.tolist(), strides=weight_t.stride(), forward=weight_t)
+            seen.update(offs=offs.tolist(), strides=weight_t.stride(), forward=weight_t,
+                        forwards=seen.get("forwards", 0) + 1)
             ctx.save_for_backward(rows, weight_t, offs)
             return grouped_mm(rows, weight_t.contiguous(), offs)
 
@@ -123,14 +124,22 @@ def test_the_cuda_path_pads_groups_and_saves_the_weight_not_its_column_major_cop
     monkeypatch.setattr(torchao_utils, "_quantize_then_scaled_grouped_mm",
                         lambda rows, weight_t, config, offs: StandIn.apply(rows, weight_t, offs))
     tokens, weight, offs, grad = _operands()
-    tokens.requires_grad_(), weight.requires_grad_()
-    output = torchao_grouped_mm(tokens, weight, offs)
-    output.backward(grad)
-    k, n = weight.shape[1], weight.shape[2]
-    assert seen["offs"] == [16, 16, 48, 64] and seen["strides"] == (k * n, 1, k)
-    assert seen["backward_ptr"] != seen["forward"].data_ptr()
-    plain = [value.detach().clone().requires_grad_() for value in (tokens, weight)]
+    plain = [value.clone().requires_grad_() for value in (tokens, weight)]
     expected = grouped_mm(plain[0], plain[1], offs)
     expected.backward(grad)
-    for got, want in ((output, expected), (tokens.grad, plain[0].grad), (weight.grad, plain[1].grad)):
-        assert torch.equal(got, want)
+    for recomputed in (False, True):  # and inside a checkpointed (recomputed) region, whose hooks it keeps
+        seen["forwards"] = 0
+        operands = [value.clone().requires_grad_() for value in (tokens, weight)]
+        if recomputed:
+            from torch.utils.checkpoint import checkpoint
+
+            output = checkpoint(torchao_grouped_mm, *operands, offs, use_reentrant=False)
+        else:
+            output = torchao_grouped_mm(*operands, offs)
+        output.backward(grad)
+        k, n = weight.shape[1], weight.shape[2]
+        assert seen["offs"] == [16, 16, 48, 64] and seen["strides"] == (k * n, 1, k)
+        assert seen["backward_ptr"] != seen["forward"].data_ptr()
+        assert seen["forwards"] == (2 if recomputed else 1)  # the region ran again for the backward
+        for got, want in ((output, expected), (operands[0].grad, plain[0].grad), (operands[1].grad, plain[1].grad)):
+            assert torch.equal(got, want), recomputed
