@@ -3,6 +3,8 @@ process groups: dp2 x ep2 (ZeRO-0 and ZeRO-3) against one process running the sa
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from harness import run_workers
@@ -12,10 +14,18 @@ pytestmark = pytest.mark.dist
 
 SPEC = "moe:layers=2,hidden=64,heads=4,seq=16,vocab=64,num_experts=4,top_k=2,expert_ffn_hidden=64"
 GLOBAL_BATCH = 8
-CONFIGS = ({"dp": 2, "ep": 2, "zero_stage": 0, "microbatch_size": 4},
-           {"dp": 2, "ep": 2, "zero_stage": 3, "microbatch_size": 4})
-"""One microbatch per rank: the rows an expert gets from the ep group are one process's rows of
-that expert over the whole batch (the weight gradient's per-expert scales see the same rows)."""
+CONFIGS = (({"dp": 2, "ep": 2, "zero_stage": 0, "microbatch_size": 4}, 4),
+           ({"dp": 2, "ep": 2, "zero_stage": 3, "microbatch_size": 4}, 4),
+           ({"dp": 2, "ep": 2, "zero_stage": 0, "microbatch_size": 4, "recompute": "full"}, 8),
+           ({"pp": 2, "schedule": "1f1b", "microbatch_size": 4, "zero_stage": 0}, 4))
+"""(constraints, float8 grouped matmuls each rank runs in the step: 2 per MoE layer it holds per
+microbatch, twice under full recomputation). Under ep one microbatch per rank: the rows an expert
+gets from the ep group are one process's rows of that expert over the whole batch (the weight
+gradient's per-expert scales see the same rows); pp2 runs 2 microbatches of 4 (scaled per
+microbatch, against one process's batch of 8: within TOLERANCE, measured 0.031)."""
+_ALL = pytest.mark.skipif(not os.environ.get("AUTOPAR_FP8_ALL"),
+                          reason="a tiny MoE under 4 fp8 plans against one process (15 s here): "
+                                 "set AUTOPAR_FP8_ALL=1")
 TOLERANCE = 0.05
 """Gradient error (first-step gradients, relative norm) against one process running the same
 recipe: measured 0.021 over every parameter and 0.032 over the expert weights. That is this
@@ -83,7 +93,7 @@ def fp8_experts_worker(cluster: str, configs: tuple) -> list[dict]:
     Float8GroupedMM.grouped_mm = counted
     results = []
     try:
-        for constraints in configs:
+        for constraints, expected_calls in configs:
             module = parallelize_reusing_captures("fp8-experts", bundle.model, cluster, (tokens,),
                                                   loss_fn=bundle.loss_fn, example_targets=targets,
                                                   constraints=constraints, precision="fp8", fp8_recipe="rowwise")
@@ -94,8 +104,9 @@ def fp8_experts_worker(cluster: str, configs: tuple) -> list[dict]:
             loss = module.train_step((tokens,), targets).item()
             grads = {name: param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
                      for name, param in module.named_model_parameters().items() if param.grad is not None}
-            experts = {name: grads[name] for name in plan.fp8_experts}
-            results.append(dict(constraints=constraints, ep=plan.ep, experts=plan.fp8_experts,
+            experts = {name: grads[name] for name in plan.fp8_experts if name in grads}
+            results.append(dict(constraints=constraints, expected_calls=expected_calls, ep=plan.ep,
+                                experts=plan.fp8_experts,
                                 linears=len(plan.fp8_linears), loss=loss, reference_loss=runs[True]["loss"],
                                 grad_error=global_error(grads, runs[True]["grads"]),
                                 expert_error=global_error(experts, runs[True]["grads"]),
@@ -106,18 +117,21 @@ def fp8_experts_worker(cluster: str, configs: tuple) -> list[dict]:
     return results
 
 
-def test_fp8_experts_under_dp_ep_and_zero3_match_one_process(tmp_path):
-    """dp2 x ep2 with ZeRO-0 and ZeRO-3 (FSDP2 over the expert replicas): each rank's experts run
-    torchao's rowwise FP8 grouped GEMM (emulated) on the rows dispatched to them, and every
-    first-step gradient is one process's running the same recipe on the whole batch (EXACT);
-    the experts' gradients are measurably not bf16's (FP8_EFFECT)."""
+@_ALL
+def test_fp8_experts_under_dp_ep_zero3_recompute_and_pp_match_one_process(tmp_path):
+    """dp2 x ep2 with ZeRO-0, ZeRO-3 (FSDP2 over the expert replicas) and full recomputation, and
+    pp2: each rank's experts run torchao's rowwise FP8 grouped GEMM (emulated) on the rows
+    dispatched to them, and the first-step gradients are one process's running the same recipe
+    on the whole batch (TOLERANCE); the experts' gradients are measurably not bf16's (FP8_EFFECT).
+    Not here: tp2 without ep (runs; the experts' gradients are 0.076 from one process's, 0.10
+    from bf16's: tensor parallelism's own float8 noise, as test_fp8_runs.TP_TOLERANCE says)."""
     for rank_results in run_workers(fp8_experts_worker, world_size=2, args=(fp8_cluster(2, tmp_path), CONFIGS)):
         for result in rank_results:
             label = result["constraints"]
-            assert result["ep"] == 2, label
+            assert result["ep"] == label.get("ep", 1), label
             assert {name.rsplit(".", 1)[-1] for name in result["experts"]} == {"w_gate_up", "w_down"}, label
             assert len(result["experts"]) == 4 and result["linears"] > 0, label
-            assert result["num_calls"] == 4, label  # 2 grouped matmuls x 2 layers, one microbatch
+            assert result["num_calls"] == result["expected_calls"], label
             assert result["loss"] == pytest.approx(result["reference_loss"], rel=1e-3), label
             assert result["grad_error"] < TOLERANCE, (label, result["grad_error"])
             assert result["expert_error"] < TOLERANCE, (label, result["expert_error"])
