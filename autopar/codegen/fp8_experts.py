@@ -239,8 +239,9 @@ class Float8GroupedMM:
         """Node -> why its grouped matmul ran in bf16 (the plan listed it in float8)."""
 
     def install(self, interpreter, param_of: dict[str, str], fx_nodes: dict[str, torch.fx.Node]) -> None:
-        """Route the chosen grouped matmuls through `run`: the interpreter's ops (no ep), and the
-        expert runner's local grouped matmul (ep; set again by `attach` once it exists)."""
+        """Route the chosen grouped matmuls (those reading a weight of the plan's list) through
+        `matmul` where the interpreter runs them (no ep; on tp shards through the local rule); under
+        ep the expert runner calls `matmul` itself (ProgramBuilder.use_expert_parallelism)."""
         self.nodes = frozenset(name for name, node in fx_nodes.items()
                                if str(node.target) in GROUPED_MM_TARGETS and len(node.args) > 1
                                and param_of.get(_weight_source(node.args[1])) in self.weights)
