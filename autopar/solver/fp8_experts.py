@@ -115,6 +115,8 @@ class Fp8ExpertPricing:
                                              in_features=shape[1], out_features=shape[2], flops_per_sample=kernels))
 
     def priced(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> list[PricedExpert]:
+        if not self.matmuls:
+            return []
         placements = strategies(config) if config.tp > 1 else {}
         return [self._priced(matmul, config, placements.get(matmul.node)) for matmul in self.matmuls]
 
