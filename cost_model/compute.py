@@ -122,6 +122,10 @@ class ComputeModel:
         """Whether the profile measured matmuls of this dtype key ("fp8": torch._scaled_mm)."""
         return _DTYPE_KEYS.get(dtype, dtype) in self._tables
 
+    def measured_grouped(self, dtype: str) -> bool:
+        """Whether the profile's grouped-matmul sweep measured this dtype key."""
+        return _DTYPE_KEYS.get(dtype, dtype) in self._grouped
+
     def matmul_rate(self, flops: float, dtype: str) -> float:
         """Achieved FLOP/s of a matmul of `flops` FLOPs."""
         key = _DTYPE_KEYS.get(dtype, "fp32")

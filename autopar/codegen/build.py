@@ -130,6 +130,8 @@ class ProgramBuilder:
             self.interpreter.async_tp = AsyncTP(tp_mesh, tp_kernel, stats.async_tp, self.interpreter.fused_wgrad)
         self.fp8 = self._float8_linears()
         """Precision "fp8": the plan's float8 linears (codegen/fp8.py), else None."""
+        self.fp8_experts = self._float8_experts()
+        """Precision "fp8": the plan's float8 expert grouped matmuls (codegen/fp8_experts.py), else None."""
 
     def _float8_linears(self):
         if self.plan.precision != "fp8":
@@ -143,6 +145,15 @@ class ProgramBuilder:
                             fsdp_float8_all_gather=gathered, compiled=self.plan.fp8_casts == "compiled")
         fp8.install(self.interpreter, self.parts.param_of, self.parts.fx_nodes)
         return fp8
+
+    def _float8_experts(self):
+        if self.plan.precision != "fp8" or not getattr(self.plan, "fp8_experts", ()):
+            return None
+        from autopar.codegen.fp8_experts import Float8GroupedMM
+
+        experts = Float8GroupedMM(self.plan.fp8_experts, self.device)
+        experts.install(self.interpreter, self.parts.param_of, self.parts.fx_nodes)
+        return experts
 
     def use_expert_parallelism(self, runtime, *, folded: bool = False) -> None:
         """Run the plan's expert ops expert-parallel and place its expert weights on the (tp, ep)
@@ -159,6 +170,7 @@ class ProgramBuilder:
         ops_run = ops if folded else expert_ops_at(ops, self._placements)  # the chains the plan priced
         self.interpreter.experts = ExpertRunner({op.node: op for op in ops_run}, runtime.ep_group, self.plan.ep,
                                                 rows=self.interpreter.stats.expert_rows)  # ParallelModule reads them
+        self.interpreter.experts.float8 = self.fp8_experts  # the local grouped matmuls after dispatch
         self.expert_mesh = runtime.expert_mesh
 
     def _placements(self, name: str) -> tuple | None:

@@ -226,6 +226,9 @@ class ExpertRunner:
         self.ep = ep
         self.rows = {} if rows is None else rows
         """{node of a dropless layer's first op: [rows received, rows sent]} (RunStats.expert_rows)."""
+        self.float8 = None
+        """Precision "fp8": the Float8GroupedMM (codegen/fp8_experts.py) whose nodes' local grouped
+        matmuls run in float8; None: every op runs its own target."""
 
     @staticmethod
     def run_view(node: torch.fx.Node, env: dict):
@@ -293,7 +296,9 @@ class ExpertRunner:
             counted = self.rows.setdefault(node.name, [0, 0])
             counted[0] += sum(rows.route.received)
             counted[1] += sum(rows.route.sent)
-        output = node.target(rows.value, weight, rows.route.local_offsets, *rest, **(kwargs or {}))
+        target = self.float8.matmul(node) if self.float8 is not None and node.name in self.float8.nodes \
+            else node.target
+        output = target(rows.value, weight, rows.route.local_offsets, *rest, **(kwargs or {}))
         if op.chain_to:
             return rows.wrap(_placed(output, tp_mesh, output_placement))
         return _placed(combine_rows(output, rows.route, self.group), tp_mesh, output_placement)

@@ -108,7 +108,9 @@ class MoELayer(nn.Module):
         row_gates = gates.t().reshape(-1)[order]
         if self.capacity_factor:
             row_gates = row_gates * self._kept(expert_of_pair[order], counts)
-        weighted = rows * row_gates.unsqueeze(-1).to(rows.dtype)
+        # type_as, not .to(dtype): the dtype is read at run time (bf16), not fixed at capture (fp32); of the
+        # tokens, not the rows, so that the experts' output has one reader (expert_folding.py's region exit)
+        weighted = rows * row_gates.unsqueeze(-1).type_as(tokens)
         routed = weighted[order.argsort()].unflatten(0, (self.top_k, num_tokens)).sum(dim=0)
         if self.shared is not None:
             routed = routed + self.shared(tokens)

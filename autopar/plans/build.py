@@ -19,7 +19,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
               moe_load_imbalance: float | None = None, fp8: Fp8Choice | None = None, tp_overlap: str = "off") -> Plan:
     """`strategies` covers every node of `graph` (defaults to the sharding result's own);
     `moe_load_imbalance` is what its expert ops were priced with (None: the model has none); `fp8`
-    is precision "fp8"'s choice (recorded as fp8_recipe, fp8_linears and fp8_casts, its handling)."""
+    is precision "fp8"'s choice (recorded as fp8_recipe, fp8_linears, fp8_experts and fp8_casts, its handling)."""
     strategies = strategies or sharding.strategies
     segments = segments or sharding.segments
     config = estimate.config
@@ -61,6 +61,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         precision=precision,
         fp8_recipe=fp8.recipe if fp8 is not None else "",
         fp8_linears=fp8.linears if fp8 is not None else (),
+        fp8_experts=fp8.experts if fp8 is not None else (),
         fp8_casts=fp8.handling if fp8 is not None else "",
         tp_overlap=tp_overlap,
         predicted=prediction,

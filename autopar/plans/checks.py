@@ -123,6 +123,7 @@ def check_plan_data(data: dict, source: str) -> None:
     if imbalance is not None and fields.number(imbalance, "moe_load_imbalance") < 1.0:
         fields.fail(f"moe_load_imbalance must be >= 1.0 (1.0: balanced routing), got {imbalance}")
     fields.texts(fields.get(data, "fp8_linears", "fp8_linears", []), "fp8_linears")
+    fields.texts(fields.get(data, "fp8_experts", "fp8_experts", []), "fp8_experts")
     stages = fields.list(fields.get(data, "stages", "stages"), "stages")
     if len(stages) != mesh["pp"]:
         fields.fail(f"stages lists {len(stages)} pipeline stages, but mesh pp is {mesh['pp']}")

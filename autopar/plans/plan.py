@@ -143,6 +143,10 @@ class Plan:
     """precision "fp8": torchao's scaling recipe, "tensorwise" or "rowwise" ("" otherwise)."""
     fp8_linears: tuple[str, ...] = ()
     """precision "fp8": the weight FQNs of the linears run in float8 (solver/fp8.py's rule)."""
+    fp8_experts: tuple[str, ...] = ()
+    """precision "fp8": the expert weight FQNs whose grouped matmuls run in float8 (torchao's
+    rowwise FP8 grouped GEMM, codegen/fp8_experts.py; solver/fp8.py's rule); the other expert
+    weights' grouped matmuls stay bf16 (a note says why)."""
     fp8_casts: str = ""
     """precision "fp8": how the runtime runs the float8 casts, and how they were priced: "compiled"
     (torch.compile, codegen/fp8_compile.py) or "eager" (torchao op by op); "" otherwise (a plan
@@ -215,7 +219,8 @@ class Plan:
             values.update(schema_version=SCHEMA_VERSION, predicted=predicted, stages=stages, input_placements=tuple(data.get("input_placements", ())),
                           replicated_ops=tuple(tuple(item) for item in data.get("replicated_ops", ())),
                           notes=tuple(data.get("notes", ())), trials=tuple(data.get("trials", ())),
-                          ep_params=tuple(data.get("ep_params", ())), fp8_linears=tuple(data.get("fp8_linears", ())))
+                          ep_params=tuple(data.get("ep_params", ())), fp8_linears=tuple(data.get("fp8_linears", ())),
+                          fp8_experts=tuple(data.get("fp8_experts", ())))
             plan = cls(**values)
         except (KeyError, TypeError) as error:
             raise PlanMismatchError(f"plan {shorten(source)} is missing or has a malformed field ({error}); "

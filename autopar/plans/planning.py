@@ -38,7 +38,7 @@ from autopar.solver.constraints import (Constraints, check_constraint_values, ch
                                         check_pipeline_depth, search_etp)
 from autopar.solver.expert_folding import runtime_blocker
 from autopar.solver.experts import ExpertPricing, check_load_imbalance
-from autopar.solver.fp8 import FP8_CASTS, FP8_RECIPES, Fp8Choice, fp8_linears
+from autopar.solver.fp8 import FP8_CASTS, FP8_RECIPES, Fp8Choice, fp8_experts, fp8_linears
 from autopar.solver.overheads import overheads_for
 from autopar.solver.parallel_search import check_jobs_env
 from autopar.solver.pipeline import check_pipeline_split
@@ -330,8 +330,9 @@ def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=No
     graph = capture_for_planning(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                                  example_kwargs=example_kwargs, precision="bf16" if precision == "fp8" else precision,
                                  verbose=verbose)
-    fp8 = Fp8Choice(recipe=fp8_recipe, linears=fp8_linears(graph, fp8_filter),
-                    handling=fp8_casts or default_fp8_casts(cluster),
+    experts, experts_in_bf16 = fp8_experts(graph, fp8_filter) if precision == "fp8" else ((), ())
+    fp8 = Fp8Choice(recipe=fp8_recipe, linears=fp8_linears(graph, fp8_filter), experts=experts,
+                    experts_in_bf16=experts_in_bf16, handling=fp8_casts or default_fp8_casts(cluster),
                     auto=fp8_filter is None and cluster.device.has_fp8) if precision == "fp8" else None
     return Planner(graph, cluster, global_batch=global_batch, policy=policy, precision=precision,
                    options=options, progress=_progress(verbose), overheads=overheads, fp8=fp8)
@@ -433,9 +434,10 @@ def _fp8_of(planner: Planner, config: ParallelConfig) -> Fp8Choice | None:
     it chooses: fp8_pricing.Fp8Pricing.chosen)."""
     if planner.fp8 is None or planner.pricing.fp8 is None:
         return planner.fp8
-    linears = planner.pricing.fp8.chosen(config, lambda chosen: planner.pricing.strategies(
-        chosen.tp, chosen.microbatch_size, chosen.sequence_parallel, chosen.folds_experts))
-    return replace(planner.fp8, linears=linears)
+    strategies = lambda chosen: planner.pricing.strategies(  # noqa: E731
+        chosen.tp, chosen.microbatch_size, chosen.sequence_parallel, chosen.folds_experts)
+    return replace(planner.fp8, linears=planner.pricing.fp8.chosen(config, strategies),
+                   experts=planner.pricing.fp8.chosen_experts(config, strategies))
 
 
 def _distinct(ranked: list) -> list:

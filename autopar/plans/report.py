@@ -27,7 +27,8 @@ def plan_summary(plan, *, max_stages: int = 8, max_params: int = 14) -> str:
         f"  memory saving recompute={plan.recompute}{_lighter_stages(plan)}, ZeRO stage {plan.zero_stage}"
         + (", optimizer offload to host memory (FSDP2 CPUOffloadPolicy)" if plan.offload else ""),
         *([f"  fp8           {len(plan.fp8_linears)} linears in float8 (torchao, {plan.fp8_recipe} scaling), "
-           f"casts {plan.fp8_casts or 'eager'}, the rest in bf16"] if plan.precision == "fp8" else []),
+           f"casts {plan.fp8_casts or 'eager'}" + _fp8_experts(plan) + ", the rest in bf16"]
+          if plan.precision == "fp8" else []),
         *(["  tp overlap    async: sequence-parallel all-gathers and reduce-scatters fused with their GEMMs "
            "(torch's async TP)"] if getattr(plan, "tp_overlap", "off") == "async" else []),
         f"  predicted     {predicted.step_time_s:.4g} s per step, {plan.model_tflops_per_device:.1f} model "
@@ -150,6 +151,12 @@ def _chunk_text(segments) -> str:
     described = extra + ([f"layers {min(blocks)}-{max(blocks)}" if len(blocks) > 1 else f"layer {blocks[0]}"]
                          if blocks else [])
     return " + ".join(described) or ", ".join(segments)
+
+
+def _fp8_experts(plan) -> str:
+    """The expert grouped matmuls run in float8 (the notes say why any stay bf16)."""
+    experts = getattr(plan, "fp8_experts", ())
+    return f", {len(experts)} expert weights' grouped matmuls in float8 (torchao, rowwise)" if experts else ""
 
 
 def _experts(plan) -> str:

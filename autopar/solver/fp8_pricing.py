@@ -40,7 +40,9 @@ from autopar.errors import ConfigError
 from autopar.graph import OpGraph
 from autopar.mesh import Mesh
 from autopar.solver.configs import Estimate, ParallelConfig
+from autopar.solver.experts import DEFAULT_LOAD_IMBALANCE
 from autopar.solver.fp8 import Fp8Choice, linear_weights
+from autopar.solver.fp8_experts import Fp8ExpertPricing, PricedExpert
 from autopar.solver.step_tail import uses_fsdp
 from cost_model import fp8 as fp8_cost
 from cost_model.comm import CommModel
@@ -110,7 +112,8 @@ class Fp8Pricing:
     """The fp8 terms of one planner's estimates."""
 
     def __init__(self, graph: OpGraph, choice: Fp8Choice, *, compute: ComputeModel, comm: CommModel,
-                 devices_per_node: int, memory_budget_bytes: float, auto: bool = False) -> None:
+                 devices_per_node: int, memory_budget_bytes: float, auto: bool = False,
+                 load_imbalance: float = DEFAULT_LOAD_IMBALANCE) -> None:
         self.choice = choice
         self.graph = graph
         if choice.handling not in fp8_cost.HANDLINGS:
@@ -120,6 +123,9 @@ class Fp8Pricing:
         """How the casts run: "compiled" or "eager" for autopar's runtime (cost_model/fp8.py HANDLINGS)."""
         self.auto = auto
         """Keep only the linears whose float8 run is priced faster (the planner's choice)."""
+        self.experts = Fp8ExpertPricing(graph, choice.experts, compute=compute, load_imbalance=load_imbalance,
+                                        auto=auto)
+        """The float8 expert grouped matmuls' terms (fp8_experts.py)."""
         self.compute = compute
         self.comm = comm
         self.devices_per_node = devices_per_node
@@ -174,6 +180,10 @@ class Fp8Pricing:
     def chosen(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> tuple[str, ...]:
         """Weight FQNs of the linears that run in float8 under `config` (sorted)."""
         return tuple(sorted(item.linear.fqn for item in self.priced(config, strategies) if item.kept))
+
+    def chosen_experts(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> tuple[str, ...]:
+        """Expert weight FQNs whose grouped matmuls run in float8 under `config` (sorted)."""
+        return self.experts.chosen(config, strategies)
 
     def apply(self, estimate: Estimate, strategies: Callable[[ParallelConfig], dict]) -> Estimate:
         config = estimate.config
@@ -230,9 +240,12 @@ class Fp8Pricing:
                 bubble_s = bubble_slots * (fp8_matmul_s - bf16_matmul_s) / pp
                 breakdown["bubble"] = max(breakdown["bubble"] + bubble_s, 0.0)
                 terms["bubble"] = bubble_s
+        experts = [item for item in self.experts.priced(config, strategies) if item.kept]
+        notes += self._expert_terms(experts, estimate, breakdown, terms, slots, bubble_slots)
+        copies = max([copies] + [item.transient_bytes for item in experts])
         breakdown.update({name: seconds for name, seconds in terms.items()
                           if seconds and name.startswith("fp8.")})
-        notes += (self._what_fp8_buys(kept, terms, estimate.step_time_s),)
+        notes += (self._what_fp8_buys(kept, terms, estimate.step_time_s, experts),)
         weights = fp8_cost.held_weight_bytes(held_weight / config.pp, self.handling)
         saved = 0.0
         if self.handling.saves_float8_inputs and kept and config.recompute == "none":
@@ -245,20 +258,73 @@ class Fp8Pricing:
                        memory_bytes=memory, peak_memory_bytes=peak, notes=notes,
                        fits=estimate.fits and peak <= self.memory_budget_bytes)
 
-    def _what_fp8_buys(self, kept: list[_Priced], terms: dict[str, float], bf16_step_s: float) -> str:
+    def _expert_terms(self, experts: list[PricedExpert], estimate: Estimate, breakdown: dict[str, float],
+                      terms: dict[str, float], slots: float, bubble_slots: float) -> tuple[str, ...]:
+        """Adds the float8 expert grouped matmuls' terms (fp8_experts.py) to `terms` and takes their
+        bf16 matmuls out of `breakdown`; the notes on the experts that stay bf16."""
+        config = estimate.config
+        m, pp = config.num_microbatches, config.pp
+        notes = self._experts_in_bf16_notes(experts)
+        if not experts:
+            return notes
+        for name, seconds in (("fp8.cast.experts", sum(item.cast_s for item in experts)),
+                              ("fp8.copy.experts", sum(item.copy_s for item in experts))):
+            if seconds:
+                terms[name] = seconds * slots / pp
+        bf16_s, fp8_s = sum(item.bf16_s for item in experts), sum(item.fp8_s for item in experts)
+        extra_s = sum(item.bf16_imbalance_s for item in experts)
+        again_s = sum(item.bf16_again_s for item in experts) if "recompute" in breakdown else 0.0
+        if not fp8_s:
+            return notes
+        changes = {"compute": -m * (bf16_s - again_s) / pp, "recompute": -m * again_s / pp,
+                   "ep.load_imbalance": -m * extra_s / pp if "ep.load_imbalance" in breakdown else 0.0}
+        if not changes["ep.load_imbalance"]:  # no load-imbalance term to take it from: it is in compute
+            changes["compute"] -= m * extra_s / pp
+        for name, seconds in changes.items():
+            if seconds:
+                before = breakdown.get(name, 0.0)
+                breakdown[name] = before + seconds if before + seconds > 1e-9 * before else 0.0  # all of it: 0
+                terms[name] = terms.get(name, 0.0) + breakdown[name] - before
+        terms["fp8.matmul.experts"] = m * fp8_s / pp
+        if bubble_slots:
+            bubble_s = bubble_slots * (fp8_s - bf16_s - extra_s) / pp
+            breakdown["bubble"] = max(breakdown["bubble"] + bubble_s, 0.0)
+            terms["bubble"] = terms.get("bubble", 0.0) + bubble_s
+        return notes
+
+    def _experts_in_bf16_notes(self, experts: list[PricedExpert]) -> tuple[str, ...]:
+        """What `autopar explain` says of expert weights whose grouped matmuls stay bf16."""
+        reasons: dict[str, list[str]] = {}
+        for fqn, why in self.choice.experts_in_bf16:
+            reasons.setdefault(why, []).append(fqn)
+        kept = {item.matmul.fqn for item in experts}
+        slower = sorted({matmul.fqn for matmul in self.experts.matmuls} - kept)
+        if slower:
+            reasons["their float8 casts and copies would cost more than their faster grouped matmuls save"] = slower
+        return tuple(f"fp8: {len(names)} expert weights' grouped matmuls stay bf16: {why} ({', '.join(names[:4])}"
+                     f"{', ...' if len(names) > 4 else ''})" for why, names in reasons.items())
+
+    def _what_fp8_buys(self, kept: list[_Priced], terms: dict[str, float], bf16_step_s: float,
+                       experts: list[PricedExpert] = ()) -> str:
         """The note `autopar explain` shows: the step's change from float8, term by term."""
         head = (f"fp8 buys: {len(kept)} of {len(self.linears)} eligible linears in float8 ({self.choice.recipe} "
                 f"scaling, {self.choice.handling} casts)")
-        if not kept:
+        if self.experts.matmuls:
+            total = len({matmul.fqn for matmul in self.experts.matmuls}) + len(self.choice.experts_in_bf16)
+            head += (f", {len({item.matmul.fqn for item in experts})} of {total} expert weights' grouped matmuls "
+                     "in float8 (rowwise)")
+        if not kept and not experts:
             why = ("each one's casts and amax reductions would cost more than its float8 matmuls save" if self.auto
                    else "no linear is chosen")
             return f"{head}: nothing, {why}; the step runs in bf16"
         change_s = sum(terms.values())
-        replaced_s = -terms.get("compute", 0.0) - terms.get("recompute", 0.0)
-        matmul = (f"matmuls {terms['fp8.matmul']:.3g} s in float8 instead of {replaced_s:.3g} s in bf16, "
-                  if terms.get("fp8.matmul") else "matmuls emulated (no FP8 tensor cores), ")
+        replaced = ("compute", "recompute", "ep.load_imbalance")
+        replaced_s = -sum(terms.get(name, 0.0) for name in replaced)
+        float8_s = terms.get("fp8.matmul", 0.0) + terms.get("fp8.matmul.experts", 0.0)
+        matmul = (f"matmuls {float8_s:.3g} s in float8 instead of {replaced_s:.3g} s in bf16, "
+                  if float8_s else "matmuls emulated (no FP8 tensor cores), ")
         others = ", ".join(f"{name} {seconds:+.3g} s" for name, seconds in terms.items()
-                           if seconds and name not in ("fp8.matmul", "compute", "recompute"))
+                           if seconds and name not in ("fp8.matmul", "fp8.matmul.experts") + replaced)
         verdict = "saves" if change_s < 0 else "costs"
         return (f"{head}: {matmul}{others or 'nothing else'}; {verdict} "
                 f"{abs(change_s):.3g} s per step ({100 * abs(change_s) / max(bf16_step_s, 1e-30):.1f}% of the bf16 "

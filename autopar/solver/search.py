@@ -170,7 +170,8 @@ class Planner:
         if fp8 is not None:
             self.pricing.fp8 = Fp8Pricing(graph, fp8, compute=self.step_model.compute, comm=self.step_model.comm,
                                           devices_per_node=cluster.devices_per_node,
-                                          memory_budget_bytes=self.step_model.memory_budget_bytes, auto=fp8.auto)
+                                          memory_budget_bytes=self.step_model.memory_budget_bytes, auto=fp8.auto,
+                                          load_imbalance=options.experts.load_imbalance)
         self.checks = ConfigChecks(graph=graph, cluster=cluster, global_batch=global_batch, step_model=self.step_model,
                                    expert_ops=self.expert_ops, ep_options=self.pricing.ep_options,
                                    folding_blocker=self.pricing.folding_blocker,

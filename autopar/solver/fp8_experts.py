@@ -1,0 +1,212 @@
+"""Prices the float8 expert grouped matmuls of precision "fp8" (codegen/fp8_experts.py).
+
+One expert op is a grouped matmul tokens[S, K] x weight[E, K, N] over rows sorted by expert. Per
+microbatch on one rank it works on
+
+    rows     R: the op's rows per sample x the microbatch / cp, / tp where the plan splits the rows
+             or the experts on tp, or folds the experts (each tp rank routes its own rows); under
+             ep the rank's experts get the group's rows for them, R x the load imbalance on the
+             busiest rank (solver/experts.py)
+    experts  E_local: E (/ tp where split by expert on tp) / ep
+    dims     K, N (/ tp where the weight is split along one of them)
+
+Terms (each named in the plan's breakdown):
+
+- `fp8.matmul.experts`: its three grouped matmuls (forward, token gradient, weight gradient) at
+  the fp8 rate with the grouped-GEMM efficiency the model gives their per-expert size
+  (ComputeModel.grouped_matmul_s: E_local matmuls of R / E_local rows each; a profile's fp8
+  grouped sweep where measured, else the bf16 grouped rate x the datasheet's fp8/bf16 peak ratio,
+  as the linears' matmuls). They replace the same matmuls at the bf16 rate, which leave `compute`
+  (the busiest rank's extra rows: `ep.load_imbalance`; the forward's run again: `recompute`).
+  Emulated devices (no FP8 tensor cores) keep the bf16 matmuls in `compute`.
+- `fp8.cast.experts`: torchao's rowwise quantization passes (fp8_grouped_mm.py), each a fused
+  Triton kernel that reads its bf16 source twice (the row amaxes, then scale and cast) and writes
+  float8 (cost_model/fp8.py's "compiled" bytes, 5 per element): forward, tokens (R K) and weight
+  (E_local K N); backward, grad_output (R N) and the weight again for the token gradient, then
+  grad_output and tokens scaled per expert's rows for the weight gradient (one dual kernel):
+  2 R K + 2 R N + 2 E_local K N elements in 5 kernels, the forward's two again where the op is
+  recomputed. Emulated: the same elements at torchao's eager element passes.
+- `fp8.copy.experts` (FP8 tensor cores: the CUDA path): what autopar's runtime adds around
+  torchao's kernels: each expert's rows padded to 16 and back (the tokens scattered into the
+  padded rows and the output gathered from them forward, grad_output scattered and the token
+  gradient gathered backward: a bf16 read and write each) and the weight copied column-major
+  (read and write) forward and again backward (the copy is not saved for the backward).
+- memory `fp8.copies`: the copies alive around one op (the larger of the forward's and the
+  backward's: float8 operands, the padded bf16 operand and, on the CUDA path, the weight's
+  column-major copy), against the linears' (the larger counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from autopar.graph import OpGraph
+from autopar.solver.configs import ParallelConfig
+from autopar.solver.recompute_modules import is_modules_mode, mode_kinds
+from cost_model import fp8 as fp8_cost
+from cost_model.compute import ComputeModel, is_grouped_matmul
+
+COMPUTE_BYTES = 2
+"""bf16 tokens, weights and gradients."""
+PAD_PASSES = 2
+"""Padding rows: the rows read and written into the padded buffer (only its padding rows zeroed)."""
+UNPAD_PASSES = 2
+"""Dropping the padding: the rows read and written."""
+COPY_PASSES = 2
+"""The weight's column-major copy: read and written."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertMatmul:
+    """One grouped expert matmul of the graph chosen to run in float8."""
+
+    node: str
+    fqn: str
+    num_experts: int
+    rows_per_sample: float
+    in_features: int
+    out_features: int
+    flops_per_sample: tuple[tuple[float, bool], ...]
+    """(FLOPs per sample, forward) of each of its grouped-matmul kernels."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PricedExpert:
+    """One expert op's float8 prices per microbatch on one rank."""
+
+    matmul: ExpertMatmul
+    bf16_s: float
+    """Its matmuls at the bf16 rate, even load (in `compute`)."""
+    bf16_imbalance_s: float
+    """The busiest rank's extra bf16 matmul time (in `ep.load_imbalance`)."""
+    bf16_again_s: float
+    """Of bf16_s: the forward's matmul run again under recomputation (in `recompute`)."""
+    fp8_s: float
+    cast_s: float
+    copy_s: float
+    transient_bytes: float
+    kept: bool
+
+
+class Fp8ExpertPricing:
+    """The float8 expert terms of one planner's estimates."""
+
+    def __init__(self, graph: OpGraph, fqns: tuple[str, ...], *, compute: ComputeModel, load_imbalance: float,
+                 auto: bool = False) -> None:
+        from autopar.solver.fp8 import expert_weights
+
+        self.compute = compute
+        self.load_imbalance = load_imbalance
+        self.auto = auto
+        """Keep only the ops whose float8 run is priced faster than bf16 (the planner's choice)."""
+        chosen = set(fqns)
+        batch = max(graph.batch_size, 1)
+        self.matmuls: list[ExpertMatmul] = []
+        for node, fqn, shape, kind in expert_weights(graph):
+            if fqn not in chosen or kind != "grouped_mm":
+                continue
+            op = graph[node]
+            kernels = tuple((kernel.flops / batch, forward)
+                            for forward, group in ((True, op.fwd_kernels), (False, op.bwd_kernels))
+                            for kernel in group if kernel.is_matmul and is_grouped_matmul(kernel.name))
+            self.matmuls.append(ExpertMatmul(node=node, fqn=fqn, num_experts=shape[0],
+                                             rows_per_sample=graph[op.inputs[0]].output.shape[0] / batch,
+                                             in_features=shape[1], out_features=shape[2], flops_per_sample=kernels))
+
+    def priced(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> list[PricedExpert]:
+        if not self.matmuls:
+            return []
+        placements = strategies(config) if config.tp > 1 else {}
+        return [self._priced(matmul, config, placements.get(matmul.node)) for matmul in self.matmuls]
+
+    def chosen(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> tuple[str, ...]:
+        """Expert weight FQNs whose grouped matmuls run in float8 under `config` (sorted): a weight
+        read by several ops runs in float8 when every one is kept."""
+        kept: dict[str, bool] = {}
+        for item in self.priced(config, strategies):
+            kept[item.matmul.fqn] = kept.get(item.matmul.fqn, True) and item.kept
+        return tuple(sorted(fqn for fqn, ok in kept.items() if ok))
+
+    def _priced(self, matmul: ExpertMatmul, config: ParallelConfig, strategy) -> PricedExpert:
+        rows, experts, k, n, divisor = self._shape(matmul, config, strategy)
+        imbalance = self.load_imbalance if config.ep > 1 else 1.0
+        again = self._recomputed(config)
+        device = self.compute.device
+        ratio = device.peak_flops("fp8") / device.peak_flops("bf16")
+        tensor_cores = device.has_fp8 and ratio > 1.0
+        bf16_s = extra_s = again_s = fp8_s = 0.0
+        for per_sample, forward in matmul.flops_per_sample:
+            flops = per_sample * config.microbatch_size / config.cp / divisor
+            runs = 2 if forward and again else 1
+            even = self.compute.grouped_matmul_s(flops, flops / experts, "bf16")
+            busiest = self.compute.grouped_matmul_s(flops * imbalance, flops * imbalance / experts, "bf16")
+            bf16_s += runs * even
+            extra_s += runs * (busiest - even)
+            again_s += (runs - 1) * even
+            fp8_s += runs * self._fp8_s(flops * imbalance, experts, ratio)
+        token_elements, grad_elements, weight_elements = rows * imbalance * k, rows * imbalance * n, experts * k * n
+        casts = 2 * token_elements + 2 * grad_elements + 2 * weight_elements
+        kernels = 5
+        if again:  # the forward's tokens and weight cast again
+            casts += token_elements + weight_elements
+            kernels += 2
+        handling = fp8_cost.HANDLINGS["compiled" if tensor_cores else "eager"]
+        cast_s = fp8_cost.cast_time_s(casts, kernels, source_bytes=COMPUTE_BYTES,
+                                      bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s,
+                                      kernel_overhead_s=self.compute.overhead_s, handling=handling)
+        copy_s = self._copy_s(token_elements, grad_elements, weight_elements, again) if tensor_cores else 0.0
+        copy = weight_elements * COMPUTE_BYTES if tensor_cores else 0.0  # the column-major weight
+        forward_bytes = (token_elements + weight_elements) * fp8_cost.FP8_BYTES + token_elements * COMPUTE_BYTES + copy
+        backward_bytes = (2 * grad_elements + token_elements + weight_elements) * fp8_cost.FP8_BYTES \
+            + grad_elements * COMPUTE_BYTES + copy
+        if not tensor_cores:  # no float8 matmul: the matmuls stay in compute
+            bf16_s = extra_s = again_s = fp8_s = 0.0
+        kept = not self.auto or fp8_s + cast_s + copy_s < bf16_s + extra_s
+        return PricedExpert(matmul=matmul, bf16_s=bf16_s, bf16_imbalance_s=extra_s, bf16_again_s=again_s,
+                            fp8_s=fp8_s, cast_s=cast_s, copy_s=copy_s,
+                            transient_bytes=max(forward_bytes, backward_bytes), kept=kept)
+
+    def _fp8_s(self, flops: float, experts: int, ratio: float) -> float:
+        if flops <= 0:
+            return 0.0
+        if self.compute.measured_grouped("fp8"):
+            return self.compute.grouped_matmul_s(flops, flops / experts, "fp8")
+        return self.compute.grouped_matmul_s(flops, flops / experts, "bf16") / ratio
+
+    def _copy_s(self, token_elements: float, grad_elements: float, weight_elements: float, again: bool) -> float:
+        runs = 2 if again else 1
+        passes = (runs * (PAD_PASSES * token_elements + UNPAD_PASSES * grad_elements)  # forward: tokens in, output out
+                  + PAD_PASSES * grad_elements + UNPAD_PASSES * token_elements  # backward: grad in, token grad out
+                  + (runs + 1) * COPY_PASSES * weight_elements)  # forward (again if recomputed) and backward
+        kernels = runs * 3 + 4
+        return passes * COMPUTE_BYTES / self.compute.bandwidth_bytes_per_s + kernels * self.compute.overhead_s
+
+    @staticmethod
+    def _shape(matmul: ExpertMatmul, config: ParallelConfig, strategy) -> tuple[float, int, float, float, int]:
+        """(rows, local experts, K, N, the tp divisor of its FLOPs) on one rank (module docstring)."""
+        inputs = getattr(strategy, "inputs", ())
+        tokens = inputs[0][0] if len(inputs) > 0 and inputs[0] else "R"
+        weight = inputs[1][0] if len(inputs) > 1 and inputs[1] else "R"
+        tp = config.tp
+        rows = matmul.rows_per_sample * config.microbatch_size / config.cp
+        experts, k, n, divisor = matmul.num_experts, float(matmul.in_features), float(matmul.out_features), 1
+        if config.folds_experts:
+            rows, divisor = rows / tp, tp
+        elif tp > 1:
+            if tokens.startswith("S0") or weight == "S0":
+                rows, divisor = rows / tp, tp
+            if weight == "S0":
+                experts = max(experts // tp, 1)
+            elif weight == "S1":
+                k, divisor = k / tp, tp
+            elif weight == "S2":
+                n, divisor = n / tp, tp
+        return rows, max(experts // max(config.ep, 1), 1), k, n, divisor
+
+    @staticmethod
+    def _recomputed(config: ParallelConfig) -> bool:
+        """The op's forward runs again in backward (full recomputation, or recomputed MoE modules)."""
+        mode = config.recompute
+        return mode == "full" or (is_modules_mode(mode) and "moe" in mode_kinds(mode))
+
