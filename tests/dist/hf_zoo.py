@@ -370,7 +370,8 @@ HELD_OUT = [
         mamba_headdim=32, chunk_size=16, use_mamba_kernels=False, intermediate_size=FFN, num_attention_heads=HEADS,
         num_key_value_heads=HEADS, max_position_embeddings=SEQ, pad_token_id=0)),
     Architecture(name="Seed-OSS", kind="causal LM", build=_causal(
-        "SeedOssConfig", "SeedOssForCausalLM", head_dim=_HD, pad_token_id=0, **_LLAMA_LIKE)),
+        "SeedOssConfig", "SeedOssForCausalLM", head_dim=_HD, attention_dropout=0.0, residual_dropout=0.0,
+        pad_token_id=0, **_LLAMA_LIKE)),  # dropout 0.1 by default: dp and pp replicas draw their own masks
     Architecture(name="SmolLM3", kind="causal LM", build=_causal(
         "SmolLM3Config", "SmolLM3ForCausalLM", no_rope_layer_interval=2, pad_token_id=0, **_LLAMA_LIKE)),
     Architecture(name="Cohere2", kind="causal LM", build=_causal(
