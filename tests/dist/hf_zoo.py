@@ -407,7 +407,7 @@ HELD_OUT = [
     Architecture(name="DiffLlama", kind="causal LM", build=_causal(
         "DiffLlamaConfig", "DiffLlamaForCausalLM", head_dim=_HD, pad_token_id=0, **_LLAMA_LIKE)),
     Architecture(name="Doge", kind="causal LM", build=_causal(
-        "DogeConfig", "DogeForCausalLM", keep_window_size=16, pad_token_id=0, **_LLAMA_LIKE)),
+        "DogeConfig", "DogeForCausalLM", pad_token_id=0, **_LLAMA_LIKE)),  # keep_window_size 2048 > SEQ: see HELD_OUT
     Architecture(name="RecurrentGemma", kind="hybrid recurrent", build=_causal(
         "RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", hidden_size=HIDDEN, num_hidden_layers=LAYERS,
         intermediate_size=FFN, num_attention_heads=HEADS, num_key_value_heads=1, head_dim=_HD, lru_width=HIDDEN,
