@@ -105,7 +105,7 @@ def _where(node: torch.fx.Node, env: dict[str, Any], planned) -> str:
         value = env.get(arg.name) if isinstance(arg, torch.fx.Node) else None
         if isinstance(value, DTensor):
             return (f"{arg.name}: {tuple(value.shape)} {value.placements[0]} stride {value.stride()} (local "
-                    f"{tuple(value.to_local().shape)} stride {value.to_local().stride()})")
+                    f"{tuple(value._local_tensor.shape)} stride {value._local_tensor.stride()})")
         if isinstance(value, torch.Tensor):
             return f"{arg.name}: {tuple(value.shape)} stride {value.stride()}"
         return repr(arg)
@@ -118,7 +118,8 @@ def _where(node: torch.fx.Node, env: dict[str, Any], planned) -> str:
 
 
 def _hint(value) -> int:
-    return value.node.hint if isinstance(value, torch.SymInt) else int(value)
+    """A stride's value (a symbolic one's hint; 0 for one without: at worst a needless copy)."""
+    return (value.node.hint or 0) if isinstance(value, torch.SymInt) else int(value)
 
 
 @functools.cache
