@@ -463,6 +463,9 @@ Before the interpreter's layout fixes (codegen/interpreter.py: `captured_layout`
 (its `output.view(...)` after attention assumed the CPU flash kernel's memory layout), LFM2-MoE (a
 gathered transposed tensor held contiguous but described transposed), Doge (a softplus gradient
 stored transposed, described contiguous) and RecurrentGemma (one kv head expanded to every head).
+Their 4-process mixes now match too (AUTOPAR_ZOO_MESHES=dp2xtp2,pp2xtp2: AFMoE 8.6e-8 / 8.6e-8,
+LFM2-MoE 2.6e-7 / 1.7e-7, RecurrentGemma 8.4e-8 / 8.4e-8, Doge 8.6e-8 / 8.6e-8), and so do the tp2
+cells of the 40 architectures of TESTED after those fixes (all within 1.7e-7).
 Seed-OSS trains with dropout 0.1 by default: its dp2 and pp2 replicas draw their own masks
 (deviation ~3e-4), so it is built with dropout 0. Doge is at its default keep window (2048 > SEQ):
 with `keep_window_size=16` its dynamic mask takes a top-k over keys that all tie at the start (A is

@@ -24,6 +24,8 @@ and capture from the run's shared folder (`_shared_dir`) instead of capturing ag
 README's supported-model table, each cell's deviation or failure on stderr; `--write-readme`
 runs all of it and writes the table into README.md.
 
+AUTOPAR_ZOO_MESHES=tp2,pp2 runs only those cells, in that order (a hand run of hf_zoo.HELD_OUT).
+
 `make test` runs every architecture of hf_zoo.TESTED, those of hf_zoo.IN_SUITE_TWO_PROCESSES
 under the 2-process meshes only; AUTOPAR_ZOO=GPT-2,Llama (names of hf_zoo.py) runs every mesh of
 some.
