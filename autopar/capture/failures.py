@@ -55,12 +55,21 @@ def _any_cause(error: BaseException | None, test) -> bool:
     return False
 
 
+UNTRACED_TENSOR_ADVICE = (
+    "torch.export met a tensor that no traced op made: the forward writes to a tensor's `.data` (in "
+    "training, Gemma 3n's AltUp clamps its coefficients with `weight.data.clamp_`) or builds a tensor outside "
+    "torch's ops. A graph without that write would train another model: move the write out of forward "
+    "(a clamp of weights after the optimizer step) or into an op on the tensor itself.")
+_UNTRACED_TENSOR_MARK = "fake tensor in the exported program constant"
+
+
 def failure_reason(error: BaseException, model: nn.Module) -> str:
     """One or two lines: the exception and the innermost model module on the stack."""
     message = str(error).strip().splitlines()
     first = next((line for line in message if line.strip()), type(error).__name__)
     location = failing_location(error, model)
-    return f"{type(error).__name__}: {first[:300]}" + (f" (in {location})" if location else "")
+    advice = f" {UNTRACED_TENSOR_ADVICE}" if _UNTRACED_TENSOR_MARK in first else ""
+    return f"{type(error).__name__}: {first[:300]}" + (f" (in {location})" if location else "") + advice
 
 
 _TORCH_DIR = str(Path(torch.__file__).parent)

@@ -98,14 +98,100 @@ def contiguous_grad(value):
     return value
 
 
+def _where(node: torch.fx.Node, env: dict[str, Any], planned) -> str:
+    """The failing node, its inputs as the interpreter held them and the model's line that made it
+    (the note a failure carries: an op error alone names neither)."""
+    def describe(arg):
+        value = env.get(arg.name) if isinstance(arg, torch.fx.Node) else None
+        if isinstance(value, DTensor):
+            return (f"{arg.name}: {tuple(value.shape)} {value.placements[0]} stride {value.stride()} (local "
+                    f"{tuple(value._local_tensor.shape)} stride {value._local_tensor.stride()})")
+        if isinstance(value, torch.Tensor):
+            return f"{arg.name}: {tuple(value.shape)} stride {value.stride()}"
+        return repr(arg)
+
+    inputs = ", ".join(describe(arg) for arg in node.args if not isinstance(arg, (list, tuple)))
+    frames = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()
+              if line.strip().startswith("File ") and "/torch/" not in line]
+    return (f"autopar: while running {node.name} = {node.target}({inputs}), planned (output, inputs) {planned}"
+            + (f", {frames[-1]}" if frames else ""))
+
+
+def _hint(value) -> int:
+    """A stride's value (a symbolic one's hint; 0 for one without: at worst a needless copy)."""
+    return (value.node.hint or 0) if isinstance(value, torch.SymInt) else int(value)
+
+
+@functools.cache
+def _aliases_an_input(target) -> bool:
+    """Whether an op's output may be a view of an input (a copy of it would no longer alias)."""
+    schema = getattr(target, "_schema", None)
+    return schema is None or any(value.alias_info is not None for value in schema.returns)
+
+
+def _dim_order(strides) -> list[int]:
+    """The dims of a layout from outermost to innermost (ties in their order)."""
+    return sorted(range(len(strides)), key=lambda dim: -_hint(strides[dim]))
+
+
+def _same_order(strides, other_strides, sizes) -> bool:
+    """Whether two layouts of a shape order its dims alike (dims of size 1 have no place in memory)."""
+    def order(values):
+        return [dim for dim in _dim_order(values) if _hint(sizes[dim]) > 1]
+
+    return order(strides) == order(other_strides)
+
+
+def _relaid(value: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """`value` copied so that its dims lie in memory in `order` (outermost first)."""
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return value.permute(order).contiguous().permute(inverse)
+
+
+def captured_layout(result, captured):
+    """`result` laid out in memory as the captured op's output was (`captured`, its fake value).
+
+    A kernel run in place of the captured one can compute the same values in another layout: CPU's
+    flash attention (which export records) returns its output as (batch, sequence, heads, dim) in
+    memory, the math kernel `_cpu_attention` runs under DTensor as (batch, heads, sequence, dim). A
+    later `view` that export recorded on the captured layout (AFMoE's `output.transpose(1, 2)
+    .view(batch, sequence, -1)`, with no `.contiguous()` between since export saw none needed) then
+    fails on the other one ("Cannot view a tensor ..."). The result is copied into the captured dim
+    order (values and placements unchanged)."""
+    if not isinstance(result, torch.Tensor) or not isinstance(captured, torch.Tensor) or result.dim() != captured.dim():
+        return result
+    if _same_order(result.stride(), captured.stride(), result.shape):
+        return result
+    return _relaid(result, _dim_order(captured.stride()))
+
+
+def local_as_described(value: DTensor) -> DTensor:
+    """`value` with its local tensor laid out as its DTensor spec says.
+
+    A redistribution allocates a new local tensor (an all-gather's, contiguous) but keeps the
+    spec's global strides: a transposed tensor gathered from Shard(1) to Replicate is described as
+    transposed and held contiguous. DTensor decides later views on the description and runs them on
+    the local tensor (LFM2-MoE's short convolution: `in_proj(x).transpose(-1, -2).chunk(3, -2)`
+    gathered, multiplied, transposed back and fed to a linear, whose view of the local input failed
+    with "view size is not compatible"). Some ops' rules describe their output (forward or
+    gradient) as contiguous where the local kernel, following its inputs' layout, stored it
+    otherwise (Doge: softplus's gradient, stored transposed, reached a linear's backward described
+    contiguous). The local tensor is copied into the described dim order."""
+    local = value._local_tensor
+    if _same_order(local.stride(), value.stride(), local.shape):
+        return value
+    return DTensor.from_local(_relaid(value.to_local(), _dim_order(value.stride())), value.device_mesh,
+                              value.placements, shape=value.shape, stride=value.stride(), run_check=False)
+
+
 def redistribute(value: DTensor, placement: str) -> DTensor:
     """`value` on its one-axis mesh with the plan's `placement` (not "P"), by the collective the
     planner priced: DTensor's redistribution, or an all-to-all where DTensor would all-gather a
     shard-dim change instead (codegen/all_to_all.py)."""
     target = to_dtensor_placement(placement)
     if runs_own_all_to_all(value, target):
-        return shard_to_shard(contiguous_grad(value), target.dim)
-    return contiguous_grad(value).redistribute(value.device_mesh, [target])
+        return local_as_described(shard_to_shard(contiguous_grad(value), target.dim))
+    return local_as_described(contiguous_grad(value).redistribute(value.device_mesh, [target]))
 
 
 class _PinnedGrad(torch.autograd.Function):
@@ -120,6 +206,8 @@ class _PinnedGrad(torch.autograd.Function):
     def backward(ctx, grad):
         if isinstance(grad, DTensor) and not same_placement(grad.placements[0], ctx.placement):
             grad = redistribute(grad, ctx.placement)
+        elif isinstance(grad, DTensor):  # DTensor's backward rules too describe some gradients otherwise than held
+            grad = local_as_described(grad)
         return grad, None
 
 
@@ -248,7 +336,11 @@ class PlannedInterpreter:
         for node in nodes:
             if node.op != "call_function":
                 continue
-            env[node.name] = self._call(node, env, cache)
+            try:
+                env[node.name] = self._call(node, env, cache)
+            except Exception as error:
+                error.add_note(_where(node, env, self.placements.get(node.name)))
+                raise
 
     def _call(self, node: torch.fx.Node, env: dict[str, Any], cache: dict) -> Any:
         if self.folded is not None and node.name in self.folded.nodes:
@@ -302,6 +394,8 @@ class PlannedInterpreter:
             result = self._run_op(node, args, kwargs, output_placement)
         finally:
             self.current_node = None
+        if self.distributed and not _aliases_an_input(node.target):
+            result = _map_tensors(result, lambda value: local_as_described(value) if isinstance(value, DTensor) else value)
         if output_placement is not None and node.target is not operator.getitem and self.distributed:
             result = self._check_output(node, result, output_placement)
             if not _written_in_place(node):  # autograd forbids in-place writes to a custom Function's view
@@ -315,7 +409,7 @@ class PlannedInterpreter:
             result = self.overrides[node.target](node, args, kwargs)
         elif node.target is _SDPA and isinstance(args[0], DTensor) and args[0].device.type == "cpu":
             with global_draws(self.mesh) if draws(node.target, args, kwargs) else contextlib.nullcontext():
-                result = self._cpu_attention(*args, **kwargs)
+                result = captured_layout(self._cpu_attention(*args, **kwargs), node.meta.get("val"))
         elif self.distributed and draws(node.target, args, kwargs) and _has_dtensor(args, kwargs):
             result = run_random(node.target, args, kwargs, self.mesh, output_placement, self.stats)
         elif self.distributed and has_local_rule(node.target):
@@ -373,8 +467,13 @@ class PlannedInterpreter:
     def _cpu_attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                        enable_gqa=False):
         """DTensor has no rule for the CPU flash kernel: run the math kernel with an explicit
-        causal mask (DTensor cannot build the implicit one)."""
+        causal mask (DTensor cannot build the implicit one). The flash kernel reads any strides;
+        the math kernel's batched matmuls view (batch, heads) as one dim, which keys and values
+        broadcast over heads (stride 0: RecurrentGemma's one kv head expanded to every query head)
+        cannot be: those are copied contiguous first."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        query, key, value = (tensor.contiguous() for tensor in (query, key, value))
 
         if is_causal:
             rows, columns = query.shape[-2], key.shape[-2]

@@ -24,6 +24,8 @@ and capture from the run's shared folder (`_shared_dir`) instead of capturing ag
 README's supported-model table, each cell's deviation or failure on stderr; `--write-readme`
 runs all of it and writes the table into README.md.
 
+AUTOPAR_ZOO_MESHES=tp2,pp2 runs only those cells, in that order (a hand run of hf_zoo.HELD_OUT).
+
 `make test` runs every architecture of hf_zoo.TESTED, those of hf_zoo.IN_SUITE_TWO_PROCESSES
 under the 2-process meshes only; AUTOPAR_ZOO=GPT-2,Llama (names of hf_zoo.py) runs every mesh of
 some.
@@ -71,6 +73,12 @@ MESHES = {
 }
 
 
+CHOSEN_MESHES = [mesh for mesh in os.environ.get("AUTOPAR_ZOO_MESHES", "").split(",") if mesh] or list(MESHES)
+"""The meshes run, in this order (AUTOPAR_ZOO_MESHES=tp2,pp2: a hand run of some cells; default: all)."""
+if set(CHOSEN_MESHES) - set(MESHES):
+    raise ValueError(f"AUTOPAR_ZOO_MESHES names unknown meshes {sorted(set(CHOSEN_MESHES) - set(MESHES))}")
+
+
 @dataclass(frozen=True)
 class ZooCase:
     """One architecture under every mesh of one world size (one capture serves them all)."""
@@ -89,7 +97,7 @@ class ZooCase:
 
     @property
     def meshes(self) -> list[str]:
-        return [mesh for mesh, (size, _) in MESHES.items() if size == self.world_size]
+        return [mesh for mesh in CHOSEN_MESHES if MESHES[mesh][0] == self.world_size]
 
 
 def _reference(model, loss_fn, batches) -> list[float]:
@@ -301,8 +309,8 @@ def _sizes(name: str) -> tuple[int, ...]:
 
 CASES = {f"{arch.name}-{size}": ZooCase(arch.name, size, _shared_dir(),
                                         later_sizes=tuple(later for later in _sizes(arch.name) if later > size))
-         for size in (2, 4) for arch in hf_zoo.ARCHITECTURES + hf_zoo.RECENT}
-TESTS = [(f"{arch.name}-{size}", mesh) for mesh, (size, _) in MESHES.items()
+         for size in (2, 4) for arch in hf_zoo.ARCHITECTURES + hf_zoo.RECENT + hf_zoo.HELD_OUT}
+TESTS = [(f"{arch.name}-{size}", mesh) for mesh in CHOSEN_MESHES for size in (MESHES[mesh][0],)
          for arch in hf_zoo.ARCHITECTURES + hf_zoo.RECENT if size in _sizes(arch.name)]
 
 
@@ -350,7 +358,7 @@ def run_zoo(architectures: list[str]) -> dict:
     from harness import run_cases
 
     outcomes = {}
-    sizes = sorted({size for size, _ in MESHES.values()})
+    sizes = sorted({MESHES[mesh][0] for mesh in CHOSEN_MESHES})
     for size in sizes:
         cases = {name: replace(case, later_sizes=tuple(later for later in sizes if later > size))
                  for name, case in CASES.items() if case.world_size == size and case.arch in architectures}
@@ -366,14 +374,14 @@ def zoo_table(architectures: list[str] | None = None) -> str:
     to stderr."""
     import transformers
 
-    chosen = [arch for arch in hf_zoo.ARCHITECTURES + hf_zoo.RECENT
+    chosen = [arch for arch in hf_zoo.ARCHITECTURES + hf_zoo.RECENT + hf_zoo.HELD_OUT
               if (architectures is None and arch in hf_zoo.TESTED) or (architectures and arch.name in architectures)]
     outcomes = run_zoo([arch.name for arch in chosen])
-    header = ["architecture", "kind", *MESHES]
+    header = ["architecture", "kind", *CHOSEN_MESHES]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for arch in chosen:
         cells = []
-        for mesh in MESHES:
+        for mesh in CHOSEN_MESHES:
             verdict, detail = _verdict(outcomes[f"{arch.name}-{MESHES[mesh][0]}"], mesh)
             print(f"{arch.name} {mesh}: {verdict}: {detail}", file=sys.stderr, flush=True)
             cells.append(verdict)

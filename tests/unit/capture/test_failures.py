@@ -52,3 +52,26 @@ def test_a_data_dependent_expert_loop_names_its_line_and_the_grouped_matmul_way(
     message = str(raised.value)
     assert "test_failures.py" in message
     assert "grouped matmul" in message and "torch._grouped_mm" in message
+
+
+class ClampsItsData(nn.Module):
+    """Clamps a weight's .data in training, as Gemma 3n's AltUp does: export cannot trace the write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        self.coefs = nn.Linear(4, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.coefs.weight.data.clamp_(-1.0, 1.0)
+        return self.coefs(torch.tanh(self.router(x))).sum()
+
+
+def test_a_write_to_data_in_forward_says_what_export_missed():
+    from autopar.capture.export import capture_program
+
+    with pytest.raises(CaptureError) as raised:  # as codegen captures: export only
+        capture_program(ClampsItsData(), (torch.randn(4, 8),), allow_fallback=False)
+    message = str(raised.value)
+    assert "`.data`" in message and "another model" in message
