@@ -51,6 +51,7 @@ import warnings
 import torch
 from torch.distributed.tensor import DTensor
 
+from autopar.models.grouped_mm import row_ranges
 from autopar.strategies.grouped_mm import GROUPED_MM_TARGETS
 
 FP8_GROUP_ROWS = 16
@@ -73,15 +74,6 @@ def _dequantized(value: torch.Tensor, dim: int) -> torch.Tensor:
     return to_fp8_saturated(value.to(torch.float32) * scale, dtype).to(torch.float32) / scale
 
 
-def _ranges(offs: torch.Tensor) -> list[tuple[int, int, int]]:
-    ranges, start = [], 0
-    for expert, end in enumerate(offs.tolist()):
-        if end > start:
-            ranges.append((expert, start, end))
-        start = max(start, end)
-    return ranges
-
-
 class EmulatedFloat8GroupedMM(torch.autograd.Function):
     """torchao's `_Float8GroupedMM` recipe, emulated (module docstring): tokens [S, K], weight
     [E, K, N], offs [E] (int, cumulative end rows) -> [S, N] in `out_dtype`; rows past offs[-1]
@@ -95,7 +87,7 @@ class EmulatedFloat8GroupedMM(torch.autograd.Function):
         rows = _dequantized(tokens, -1)  # a scale per row, over K
         experts = _dequantized(weight, -2)  # per expert and column, over K
         output = rows.new_zeros(tokens.shape[0], weight.shape[2])
-        for expert, start, end in _ranges(offs):
+        for expert, start, end in row_ranges(offs):
             output[start:end] = rows[start:end] @ experts[expert]
         return output.to(out_dtype)
 
@@ -106,7 +98,7 @@ class EmulatedFloat8GroupedMM(torch.autograd.Function):
         experts = _dequantized(weight, -1)  # per expert and row, over N
         grad_tokens = grad_rows.new_zeros(tokens.shape)
         grad_weight = grad_rows.new_zeros(weight.shape)
-        for expert, start, end in _ranges(offs):
+        for expert, start, end in row_ranges(offs):
             grad_tokens[start:end] = grad_rows[start:end] @ experts[expert].t()
             # the weight gradient: each expert's rows scaled per column on their own
             group_tokens = _dequantized(tokens[start:end], 0)

@@ -30,7 +30,7 @@ def _kernel_ok(tokens: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -
             and offs.dtype == torch.int32 and hasattr(torch, "_grouped_mm"))
 
 
-def _row_ranges(offs: torch.Tensor) -> list[tuple[int, int, int]]:
+def row_ranges(offs: torch.Tensor) -> list[tuple[int, int, int]]:
     """(expert, first row, end row) of every expert with rows (one device-to-host copy)."""
     ranges, start = [], 0
     for expert, end in enumerate(offs.tolist()):
@@ -46,7 +46,7 @@ def grouped_mm(tokens: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -
     if _kernel_ok(tokens, weight, offs):
         return torch._grouped_mm(tokens, weight, offs=offs)
     output = tokens.new_zeros(tokens.shape[0], weight.shape[2])
-    for expert, start, end in _row_ranges(offs):
+    for expert, start, end in row_ranges(offs):
         output[start:end] = tokens[start:end] @ weight[expert]
     return output
 
@@ -69,7 +69,7 @@ def grouped_mm_backward(tokens: torch.Tensor, weight: torch.Tensor, offs: torch.
         grad_weight = torch._grouped_mm(tokens.t(), grad_output, offs=offs)
         return grad_tokens, grad_weight
     grad_tokens, grad_weight = torch.zeros_like(tokens), torch.zeros_like(weight)
-    for expert, start, end in _row_ranges(offs):
+    for expert, start, end in row_ranges(offs):
         grad_tokens[start:end] = grad_output[start:end] @ weight[expert].t()
         grad_weight[expert] = tokens[start:end].t() @ grad_output[start:end]
     return grad_tokens, grad_weight
