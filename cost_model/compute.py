@@ -177,13 +177,15 @@ class ComputeModel:
         return ComputeTime(memory_s=memory_s, overhead_s=self.overhead_s)
 
     def kernels(self, kernels: Iterable[KernelLike], *, flops_scale: float = 1.0, bytes_scale: float = 1.0,
-                groups: int = 1) -> ComputeTime:
+                groups: int = 1, causal: bool | None = None) -> ComputeTime:
         """Total time of kernels whose FLOPs and bytes are scaled (e.g. by 1/shards); the grouped
-        matmuls among them (is_grouped_matmul) run `groups` matmuls each (the experts on this device)."""
+        matmuls among them (is_grouped_matmul) run `groups` matmuls each (the experts on this device);
+        `causal` run them causal or not (a ring step's block), else each as captured."""
         total = ComputeTime()
         for kernel in kernels:
             total = total + self.kernel(kernel.flops * flops_scale, kernel.io_bytes * bytes_scale,
-                                        kernel.is_matmul, kernel.dtype, kernel.name, getattr(kernel, "causal", False),
+                                        kernel.is_matmul, kernel.dtype, kernel.name,
+                                        getattr(kernel, "causal", False) if causal is None else causal,
                                         getattr(kernel, "broadcast", False),
                                         groups if is_grouped_matmul(kernel.name) else 1)
         return total

@@ -124,10 +124,12 @@ def torch_ring(node, inputs, strategy, ctx: CostContext, cp: int, method: str) -
     """`node` as torch's `context_parallel` runs it on one rank (cost_model/context_parallel.py)."""
     divisor = strategy.work_divisor(ctx.mesh.shape)
     causal = is_causal(node)
-    even = [_calls(ctx, kernels, 1.0 / (divisor * cp), cp * divisor, causal) for kernels in (node.fwd_kernels,
-                                                                                           node.bwd_kernels)]
+    bytes_scale = 1.0 / (cp * divisor)
+    even = [ctx.compute.kernels(kernels, flops_scale=1.0 / (divisor * cp), bytes_scale=bytes_scale, causal=causal)
+            for kernels in (node.fwd_kernels, node.bwd_kernels)]
     steps = torch_ring_steps(cp, causal=causal)
-    forward, backward = [[_calls(ctx, kernels, step.flops_fraction / divisor, cp * divisor, step.causal)
+    forward, backward = [[ctx.compute.kernels(kernels, flops_scale=step.flops_fraction / divisor,
+                                              bytes_scale=bytes_scale, causal=step.causal)
                           for step in steps] for kernels in (node.fwd_kernels, node.bwd_kernels)]
     q_elements = inputs[0].numel / shard_factor(strategy.inputs[0], ctx.mesh.shape) / cp
     kv_elements = 2 * q_elements  # K and V at every query head (AttentionCost.sdpa_kv_bytes)
@@ -137,25 +139,10 @@ def torch_ring(node, inputs, strategy, ctx: CostContext, cp: int, method: str) -
                                 overhead_s=(cp - 1) * ctx.compute.overhead_s)
     merge_backward = ComputeTime(memory_s=cp * (q_bytes * q_elements + kv_bytes * kv_elements) / bandwidth,
                                  overhead_s=cp * ctx.compute.overhead_s)
-    return TorchRing(forward_delta=_minus(_sum(forward), even[0]), backward_delta=_minus(_sum(backward), even[1]),
+    return TorchRing(forward_delta=_minus(sum(forward, ComputeTime()), even[0]),
+                     backward_delta=_minus(sum(backward, ComputeTime()), even[1]),
                      diagonal_forward_s=forward[0].total_s, diagonal_backward_s=backward[0].total_s,
                      step_backward_s=backward[-1].total_s, merge_forward=merge_forward, merge_backward=merge_backward)
-
-
-def _calls(ctx: CostContext, kernels, flops_scale: float, bytes_divisor: float, causal: bool) -> ComputeTime:
-    """Attention kernels at `flops_scale` of torch's count, causal or not, on 1 / bytes_divisor of the bytes."""
-    total = ComputeTime()
-    for kernel in kernels:
-        total = total + ctx.compute.kernel(kernel.flops * flops_scale, kernel.io_bytes / bytes_divisor,
-                                           kernel.is_matmul, kernel.dtype, kernel.name, causal)
-    return total
-
-
-def _sum(times: list[ComputeTime]) -> ComputeTime:
-    total = ComputeTime()
-    for time in times:
-        total = total + time
-    return total
 
 
 def local_kv_repeats(node, inputs, strategy, repeats: int, mesh_shape) -> int:
