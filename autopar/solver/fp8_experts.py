@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from autopar.graph import OpGraph
 from autopar.solver.configs import ParallelConfig
+from autopar.solver.fp8 import expert_weights
 from autopar.solver.recompute_modules import is_modules_mode, mode_kinds
 from cost_model import fp8 as fp8_cost
 from cost_model.compute import ComputeModel, is_grouped_matmul
@@ -94,8 +95,6 @@ class Fp8ExpertPricing:
 
     def __init__(self, graph: OpGraph, fqns: tuple[str, ...], *, compute: ComputeModel, load_imbalance: float,
                  auto: bool = False) -> None:
-        from autopar.solver.fp8 import expert_weights
-
         self.compute = compute
         self.load_imbalance = load_imbalance
         self.auto = auto
