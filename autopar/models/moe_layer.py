@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.gpt import INIT_STD
-from autopar.models.grouped_mm import grouped_mm
+from autopar.models.grouped_mm import expert_bias, grouped_mm
 from autopar.models.llama import SwiGLU
 
 __all__ = ["GroupedExperts", "MoELayer", "Router"]
@@ -74,8 +74,8 @@ GLU_ALPHA = 1.702
 class GroupedExperts(nn.Module):
     """SwiGLU experts as two grouped matmuls: rows sorted by expert (rows, hidden) -> (rows, hidden).
 
-    `bias`: a bias per expert on both projections, gathered per row by the row's expert (the
-    grouped matmul takes none); `swiglu_limit` > 0: GPT-OSS's clamped GLU (moe.py)."""
+    `bias`: a bias per expert on both projections, added to each row by its expert after the
+    grouped matmul, which takes none (`expert_bias`); `swiglu_limit` > 0: GPT-OSS's clamped GLU (moe.py)."""
 
     def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, *, bias: bool = False,
                  swiglu_limit: float = 0.0) -> None:
@@ -94,11 +94,10 @@ class GroupedExperts(nn.Module):
             if bias is not None:
                 nn.init.zeros_(bias)
 
-    def forward(self, rows: torch.Tensor, offs: torch.Tensor, row_experts: torch.Tensor | None = None) -> torch.Tensor:
-        """`row_experts`: the expert of each row (needed with biases)."""
+    def forward(self, rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         gate_up = grouped_mm(rows, self.w_gate_up, offs)
         if self.b_gate_up is not None:
-            gate_up = gate_up + self.b_gate_up[row_experts]
+            gate_up = expert_bias(gate_up, self.b_gate_up, offs)
         gate, up = gate_up.chunk(2, dim=-1)
         if self.swiglu_limit:
             gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
@@ -106,7 +105,7 @@ class GroupedExperts(nn.Module):
         else:
             hidden = F.silu(gate) * up
         out = grouped_mm(hidden, self.w_down, offs)
-        return out + self.b_down[row_experts] if self.b_down is not None else out
+        return expert_bias(out, self.b_down, offs) if self.b_down is not None else out
 
 
 class MoELayer(nn.Module):
@@ -132,8 +131,7 @@ class MoELayer(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add(
             0, expert_of_pair, torch.ones_like(expert_of_pair))
         offs = counts.cumsum(dim=0).to(torch.int32)
-        row_experts = expert_of_pair[order] if self.experts.b_down is not None else None
-        rows = self.experts(tokens.index_select(0, order % num_tokens), offs, row_experts)
+        rows = self.experts(tokens.index_select(0, order % num_tokens), offs)
         row_gates = gates.t().reshape(-1)[order]
         if self.capacity_factor:
             row_gates = row_gates * self._kept(expert_of_pair[order], counts)
