@@ -196,8 +196,13 @@ NAMED_SIZES: dict[str, dict[str, object]] = {
 
 class WindowedAttention(GroupedQueryAttention):
     """`GroupedQueryAttention` where each query sees the last `window` positions, itself included
-    (transformers' sliding_window_causal mask): sdpa with a banded boolean mask built from the
-    positions (no buffer, so it follows the sequence length and device)."""
+    (transformers' sliding_window_causal mask).
+
+    Where the window divides the sequence, the queries go in blocks of `window` rows, each
+    attending to the keys of its own block and the block before (2 x window keys, masked to the
+    band): one sdpa over (batch x blocks) of window-row tiles, so the tiles outside the band are
+    never computed, as FlashAttention's and cuDNN's windowed kernels skip them. Elsewhere sdpa over
+    the whole sequence with a banded boolean mask."""
 
     def __init__(self, config: MoEConfig, window: int) -> None:
         super().__init__(config)
@@ -207,12 +212,43 @@ class WindowedAttention(GroupedQueryAttention):
         query = apply_rotary(self._split_heads(self.q_proj(x), self.num_heads), cos, sin)
         key = apply_rotary(self._split_heads(self.k_proj(x), self.num_kv_heads), cos, sin)
         value = self._split_heads(self.v_proj(x), self.num_kv_heads)
-        positions = torch.arange(x.shape[-2], device=x.device)
-        behind = positions.unsqueeze(-1) - positions  # query position - key position
-        band = (behind >= 0) & (behind < self.window)
-        context = F.scaled_dot_product_attention(query, key, value, attn_mask=band,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+        seq = x.shape[-2]
+        if seq % self.window == 0 and seq > self.window:
+            context = self._blocked(query, key, value)
+        else:
+            positions = torch.arange(seq, device=x.device)
+            mask = in_window(positions.unsqueeze(-1) - positions, self.window)
+            context = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                     enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(context.transpose(1, 2).flatten(-2))
+
+    def _blocked(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, seq, head_dim) attention in window-row query blocks over 2-block keys."""
+        batch, _, seq, _ = query.shape
+        blocks, window = seq // self.window, self.window
+
+        def tiles(tensor: torch.Tensor) -> torch.Tensor:  # (batch, h, seq, d) -> (batch x blocks, h, window, d)
+            return tensor.unflatten(2, (blocks, window)).transpose(1, 2).flatten(0, 1)
+
+        def with_previous(tensor: torch.Tensor) -> torch.Tensor:  # each block's keys: the block before, then its own
+            own = tensor.unflatten(2, (blocks, window))
+            before = F.pad(own, (0, 0, 0, 0, 1, 0))[:, :, :blocks]
+            return torch.cat((before, own), dim=3).transpose(1, 2).flatten(0, 1)
+
+        starts = torch.arange(blocks, device=query.device) * window
+        rows = starts.unsqueeze(-1) + torch.arange(window, device=query.device)  # [blocks, window]
+        columns = starts.unsqueeze(-1) - window + torch.arange(2 * window, device=query.device)
+        mask = in_window(rows.unsqueeze(-1) - columns.unsqueeze(-2), window) & (columns >= 0).unsqueeze(-2)
+        mask = mask.unsqueeze(1).repeat(batch, 1, 1, 1)  # [batch x blocks, 1, window, 2 window]
+        context = F.scaled_dot_product_attention(tiles(query), with_previous(key), with_previous(value),
+                                                 attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return context.unflatten(0, (batch, blocks)).transpose(1, 2).flatten(2, 3)
+
+
+def in_window(behind: torch.Tensor, window: int) -> torch.Tensor:
+    """True where a key `behind` positions before the query (query - key position) is among the
+    last `window` positions up to the query's own."""
+    return (behind >= 0) & (behind < window)
 
 
 class MoEBlock(nn.Module):

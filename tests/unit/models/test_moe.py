@@ -127,6 +127,20 @@ def test_gpt_oss_experts_equal_a_loop_with_biases_and_the_clamped_glu():
     assert moe.experts.b_gate_up.grad.abs().sum() > 0 and moe.experts.b_down.grad.abs().sum() > 0
 
 
+def _banded_attention(attention, x, cos, sin):
+    """`attention` over the whole sequence with transformers' sliding-window causal mask."""
+    from autopar.models.llama import apply_rotary
+    from autopar.models.moe import in_window
+
+    query = apply_rotary(attention._split_heads(attention.q_proj(x), attention.num_heads), cos, sin)
+    key = apply_rotary(attention._split_heads(attention.k_proj(x), attention.num_kv_heads), cos, sin)
+    value = attention._split_heads(attention.v_proj(x), attention.num_kv_heads)
+    positions = torch.arange(x.shape[-2])
+    context = F.scaled_dot_product_attention(query, key, value, enable_gqa=True,
+                                             attn_mask=in_window(positions.unsqueeze(-1) - positions, attention.window))
+    return attention.o_proj(context.transpose(1, 2).flatten(-2))
+
+
 def test_sliding_window_alternates_and_a_window_past_the_sequence_is_causal():
     from autopar.models.llama import GroupedQueryAttention
     from autopar.models.moe import WindowedAttention
@@ -140,6 +154,9 @@ def test_sliding_window_alternates_and_a_window_past_the_sequence_is_causal():
     causal.load_state_dict(windowed.state_dict())
     x, cos, sin = torch.randn(2, 8, 64), torch.ones(8, 16), torch.zeros(8, 16)
     torch.testing.assert_close(windowed(x, cos, sin), causal(x, cos, sin), rtol=1e-5, atol=1e-5)
+    blocked = WindowedAttention(config, 2)  # 8 % 2 == 0: query blocks of 2 over keys of 2 blocks
+    blocked.load_state_dict(windowed.state_dict())
+    torch.testing.assert_close(blocked(x, cos, sin), _banded_attention(blocked, x, cos, sin), rtol=1e-5, atol=1e-5)
     narrow = WindowedAttention(config, 1)  # each position sees itself only: o_proj(v_proj(x)), per head
     narrow.load_state_dict(windowed.state_dict())
     value = narrow.v_proj(x).unflatten(-1, (2, 16)).repeat_interleave(2, dim=-2).flatten(-2)
