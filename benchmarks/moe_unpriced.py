@@ -41,8 +41,9 @@ with more than one local expert) was listed here and is now priced: ep.reorder (
 
 Which run has which feature comes from its model's public config (PUBLIC_FEATURES: gpt-oss's
 config.json has expert biases, swiglu_limit 7.0 and sliding_window 128 on alternate layers;
-published_moe.PUBLIC_CONFIG builds them). Not computed: the host sync of the dispatcher before each all-to-all (no host-time model),
-head_dim-64 attention rates (cost_model/attention.py's documented kernels are head_dim 128).
+published_moe.PUBLIC_CONFIG builds them). Not computed: the host sync of the dispatcher before each
+all-to-all (no host-time model), head_dim-64 attention rates (cost_model/attention.py's documented
+kernels are head_dim 128; the MoE rows price attention as a matmul of torch's count, no kernel named).
 """
 
 from __future__ import annotations

@@ -48,7 +48,6 @@ from torch.fx.node import map_aggregate
 
 from autopar.codegen.placements import to_dtensor_placement
 from autopar.solver.experts import ExpertOp
-from autopar.strategies.grouped_mm import EXPERT_BIAS_TARGETS
 
 
 class _AllToAll(torch.autograd.Function):

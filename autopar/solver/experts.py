@@ -23,10 +23,11 @@ dim), every tensor operand of those ops is A's output, another of them, or a 0-d
 constant, none of them (A's output included) is read outside the chain, and all lie in one segment
 (no pipeline boundary inside); a per-expert bias added to the rows by their expert
 (`expert_bias(rows, bias, offs)` with the chain's offsets: GPT-OSS's gate/up bias) is row-local
-too, run on the rank's block of the bias and its local offsets. The chain dispatches A's tokens (and, dropless, exchanges the
-counts) once, runs A, the ops between and B on the rank's own experts, and combines B's output
-once: a SwiGLU layer moves H per token copy each way instead of H + 2F + F + H. Backward: B's
-output gradient is dispatched, A's token gradient combined; the intermediates stay where they are.
+too, run on the rank's block of the bias and its local offsets. The chain dispatches A's tokens
+(and, dropless, exchanges the counts) once, runs A, the ops between and B on the rank's own
+experts, and combines B's output once: a SwiGLU layer moves H per token copy each way instead of
+H + 2F + F + H. Backward: B's output gradient is dispatched, A's token gradient combined; the
+intermediates stay where they are.
 A chain runs where the plan's tensor-parallel placements split none of its values along the rows
 (`expert_ops_at`): the ops between then run as planned (DTensors on the tp mesh) on rows that are
 the same on every tp rank. Elsewhere each op exchanges its own input and output (four all-to-alls
