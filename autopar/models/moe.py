@@ -232,7 +232,7 @@ class WindowedAttention(GroupedQueryAttention):
 
         def with_previous(tensor: torch.Tensor) -> torch.Tensor:  # each block's keys: the block before, then its own
             own = tensor.unflatten(2, (blocks, window))
-            before = F.pad(own, (0, 0, 0, 0, 1, 0))[:, :, :blocks]
+            before = torch.cat((torch.zeros_like(own[:, :, :1]), own[:, :, :-1]), dim=2)
             return torch.cat((before, own), dim=3).transpose(1, 2).flatten(0, 1)
 
         starts = torch.arange(blocks, device=query.device) * window
