@@ -52,9 +52,13 @@ _FUSED_DISPATCH = re.compile(r"\bflex dispatcher|\bDeepEP\b|\bHybridEP\b|moe_rec
 
 PUBLIC_CONFIG = {
     "Qwen3-30B-A3B": dict(head_dim=128),
+    "gpt-oss-120b": dict(expert_bias=True, swiglu_limit=7.0),
 }
-"""Shape figures a model's public config.json has and the reference file's columns do not
-(Qwen/Qwen3-30B-A3B config.json: head_dim 128, so heads x head_dim = 4096 != hidden 2048)."""
+"""Figures a model's public config.json has and the reference file's columns do not
+(Qwen/Qwen3-30B-A3B config.json: head_dim 128, so heads x head_dim = 4096 != hidden 2048;
+openai/gpt-oss-120b config.json: the experts' gate_up_proj_bias and down_proj_bias, swiglu_limit 7.0)."""
+_MODEL_KEYS = ("expert_bias", "swiglu_limit")
+"""PUBLIC_CONFIG's keys that are `moe:` spec keys beside the shape."""
 
 @dataclass(frozen=True, kw_only=True)
 class MoeRun:
@@ -66,6 +70,8 @@ class MoeRun:
     shape: dict[str, int]
     head_dim: int
     sliding_window: int | None
+    model_keys: dict[str, object]
+    """`moe:` keys of the model's public config beyond the shape columns (PUBLIC_CONFIG)."""
     gpus: int
     cluster: str
     global_batch: int
@@ -167,7 +173,9 @@ def _run(item: dict[str, str]) -> MoeRun:
     public = PUBLIC_CONFIG.get(item["model"], {})
     head_dim = int(stated.group(1)) if stated else public.get("head_dim", shape["hidden"] // shape["heads"])
     window = _SLIDING_NOTE.search(notes)
+    model_keys = {key: value for key, value in public.items() if key in _MODEL_KEYS}
     return MoeRun(id=item["id"], source=item["source"], model_name=item["model"], shape=shape, head_dim=head_dim,
+                  model_keys=model_keys,
                   sliding_window=int(window.group(1)) if window else None, gpus=int(item["gpus"]),
                   cluster=item["cluster"], global_batch=int(item["global_batch"]), microbatch=int(item["microbatch"]),
                   tp=int(item["tp"]), pp=int(item["pp"]), virtual_stages=int(item["virtual_stages"] or 1),
@@ -238,8 +246,9 @@ def build_model(run: MoeRun, batch: int = 1, source: str = "builtin"):
 
 def model_spec(run: MoeRun) -> str:
     """The row's model as a built-in `moe:` spec: its shape columns, softmax routing, dropless
-    unless the row dropped tokens at a capacity factor. Left out: gpt-oss's sliding windows and
-    attention sinks (every layer is priced with full causal attention)."""
+    unless the row dropped tokens at a capacity factor, the sliding window the notes name and the
+    public config's expert biases and clamped GLU (PUBLIC_CONFIG). Left out: gpt-oss's attention
+    sinks and attention and router biases."""
     shape = dict(run.shape)
     shape.setdefault("ffn_hidden", shape["expert_ffn_hidden"])
     shape["head_dim"] = run.head_dim
@@ -248,7 +257,10 @@ def model_spec(run: MoeRun) -> str:
     shape["capacity_factor"] = capacity.group(1) if capacity and "drop" in run.routing else 0
     fields = ("layers", "hidden", "heads", "kv_heads", "head_dim", "seq", "vocab", "ffn_hidden", "dense_layers",
               "num_experts", "top_k", "expert_ffn_hidden", "shared_experts", "capacity_factor")
-    return "moe:" + ",".join(f"{key}={shape[key]}" for key in fields if key in shape) + ",router=softmax,attention=gqa"
+    keys = dict(run.model_keys, **({"sliding_window": run.sliding_window} if run.sliding_window else {}))
+    extra = "".join(f",{key}={str(value).lower()}" for key, value in keys.items())
+    return ("moe:" + ",".join(f"{key}={shape[key]}" for key in fields if key in shape)
+            + ",router=softmax,attention=gqa" + extra)
 
 
 def shape_fields(run: MoeRun) -> dict:

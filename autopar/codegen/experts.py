@@ -257,6 +257,22 @@ class ExpertRunner:
         inputs = {source.name: local(env[source.name]) for source in node.all_input_nodes}
         return inputs, found[0]
 
+    def run_bias(self, node: torch.fx.Node, env: dict) -> Dispatched:
+        """A chain's per-expert bias (`expert_bias`): on the dispatched rows, with this rank's
+        experts' block of the bias and their local offsets (local tensors: not through the
+        interpreter's placed inputs, which are the whole bias and the global offsets)."""
+        rows, bias = env[node.args[0].name], env[node.args[1].name]
+        route = rows.route
+        num_local = route.local_offsets.shape[0]
+        first = dist.get_rank(self.group) * num_local
+        value = rows.value
+        local_rows = value.to_local() if isinstance(value, DTensor) else value
+        local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
+        output = node.target(local_rows, local_bias[first:first + num_local], route.local_offsets)
+        if isinstance(value, DTensor):
+            output = DTensor.from_local(output, value.device_mesh, value.placements, run_check=False)
+        return rows.wrap(output)
+
     def run(self, node: torch.fx.Node, args: tuple, kwargs: dict, tp_mesh, output_placement: str | None,
             partial_token_grad: bool):
         """`args` hold the token operand as the plan placed it on tp (or, inside a chain, as the

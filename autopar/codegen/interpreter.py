@@ -28,6 +28,7 @@ from autopar.codegen.experts import Dispatched
 from autopar.codegen.local_ops import has_local_rule, no_dtensor_strategy, run_replicated, run_sharded
 from autopar.codegen.placements import current, parse_node_placements, same_placement, to_dtensor_placement
 from autopar.codegen.random_ops import draws, global_draws, run_random
+from autopar.strategies.grouped_mm import EXPERT_BIAS_TARGETS
 from autopar.strategies.placement import grad_placement
 
 
@@ -353,6 +354,8 @@ class PlannedInterpreter:
         if self.experts is not None and node.name in self.experts.between:
             # A row-local op between two chained expert ops: as planned, on the rows dispatched
             # to this rank's experts; its result stays dispatched (codegen/experts.py).
+            if str(node.target) in EXPERT_BIAS_TARGETS:
+                return self.experts.run_bias(node, env)
             inputs, dispatched = self.experts.unwrap(node, env)
             return dispatched.wrap(self._planned_call(node, inputs, cache, output_placement, input_placements))
         return self._planned_call(node, env, cache, output_placement, input_placements)

@@ -1,8 +1,9 @@
 """Ops that DTensor cannot run, run on each device's local tensors.
 
 Two kinds:
-  - ops with a rule of ours but no DTensor strategy (grouped expert matmuls): run on the local
-    shards with the plan's placements, which the rule says are exact (strategies/grouped_mm.py);
+  - ops with a rule of ours but no DTensor strategy (grouped expert matmuls, the per-expert bias
+    after them): run on the local shards with the plan's placements, which the rule says are
+    exact (strategies/grouped_mm.py);
   - ops without any sharding strategy in DTensor (`aten.lift_fresh_copy`, a library's custom
     op): run replicated, as the planner assumed for an op without a rule: every input is
     gathered, every device computes the whole op, and the output is a replicated DTensor.
@@ -18,17 +19,22 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.fx.node import map_aggregate
 
 from autopar.codegen.placements import to_dtensor_placement
-from autopar.strategies.grouped_mm import GROUPED_MM_TARGETS
+from autopar.strategies.grouped_mm import EXPERT_BIAS_TARGETS, GROUPED_MM_TARGETS
 
 _GROUPED_MM = frozenset(GROUPED_MM_TARGETS)
+_EXPERT_BIAS = frozenset(EXPERT_BIAS_TARGETS)
 
 
 def has_local_rule(target) -> bool:
-    return str(target) in _GROUPED_MM
+    return str(target) in _GROUPED_MM or str(target) in _EXPERT_BIAS
 
 
 def run_sharded(target, args: tuple, kwargs: dict, mesh, output_placement: str):
-    """Run a grouped matmul on local shards placed as the plan says (col, row or expert)."""
+    """Run a grouped matmul on local shards placed as the plan says (col, row or expert), or a
+    per-expert bias on its columns' shards (col)."""
+    if str(target) in _EXPERT_BIAS:
+        output = target(*(_local(value, partial_grad=False) for value in args), **kwargs)
+        return DTensor.from_local(output, mesh, [to_dtensor_placement(output_placement)], run_check=False)
     tokens, weight, offsets, *rest = args
     weight_split = isinstance(weight, DTensor) and weight.placements[0] in (_shard(0), _shard(2))
     local = [_local(value, partial_grad=weight_split) for value in (tokens, weight, offsets)]

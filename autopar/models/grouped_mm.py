@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["grouped_mm"]
+__all__ = ["expert_bias", "grouped_mm"]
 
 
 def _kernel_ok(tokens: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
@@ -92,3 +92,56 @@ def _backward(ctx, grad_output):
 
 
 grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _row_experts(offs: torch.Tensor) -> torch.Tensor:
+    """The expert of each row before offs[-1] (rows sorted by expert; one device-to-host copy)."""
+    counts = torch.diff(offs.long(), prepend=offs.new_zeros(1, dtype=torch.long)).clamp(min=0)
+    return torch.repeat_interleave(torch.arange(offs.shape[0], device=offs.device), counts)
+
+
+@torch.library.custom_op("autopar::expert_bias", mutates_args=())
+def expert_bias(rows: torch.Tensor, bias: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """rows [S, N] sorted by expert, bias [E, N], offs [E] -> rows + bias[e(row)] (rows past
+    offs[-1] unchanged): the per-expert bias torch._grouped_mm does not take, one gather and one
+    add, a row-local op that runs on dispatched rows with the rank's experts' block (solver/experts.py)."""
+    experts = _row_experts(offs)
+    output = rows.clone()
+    output[:experts.shape[0]] += bias.index_select(0, experts).to(rows.dtype)
+    return output
+
+
+@expert_bias.register_fake
+def _expert_bias_fake(rows: torch.Tensor, bias: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    torch._check(rows.dim() == 2 and bias.dim() == 2 and offs.dim() == 1,
+                 lambda: "expert_bias takes rows [S, N], bias [E, N] and offs [E]")
+    torch._check(rows.shape[1] == bias.shape[1] and offs.shape[0] == bias.shape[0],
+                 lambda: "expert_bias: bias [E, N] must match rows [S, N] and offs [E]")
+    return torch.empty_like(rows)
+
+
+@torch.library.custom_op("autopar::expert_bias_backward", mutates_args=())
+def expert_bias_backward(grad_output: torch.Tensor, bias: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The bias's gradient of `expert_bias`: each expert's rows of grad_output summed."""
+    experts = _row_experts(offs)
+    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+    grad_bias.index_add_(0, experts, grad_output[:experts.shape[0]].float())
+    return grad_bias.to(bias.dtype)
+
+
+@expert_bias_backward.register_fake
+def _expert_bias_backward_fake(grad_output, bias, offs):
+    return torch.empty_like(bias)
+
+
+def _bias_setup_context(ctx, inputs, output) -> None:
+    rows, bias, offs = inputs
+    ctx.save_for_backward(bias, offs)
+
+
+def _bias_backward(ctx, grad_output):
+    bias, offs = ctx.saved_tensors
+    return grad_output, torch.ops.autopar.expert_bias_backward(grad_output, bias, offs), None
+
+
+expert_bias.register_autograd(_bias_backward, setup_context=_bias_setup_context)

@@ -15,8 +15,21 @@ Left out per model (none changes a parameter count by more than 0.1%):
   deepseek-v3     group-limited routing (8 groups, top 4) and the routed scaling factor 2.5 (no
                   shapes), YaRN, and the multi-token-prediction module (14B more weights, counted
                   apart by DeepSeek: 671B without it).
-  gpt-oss-120b    attention sinks, alternating 128-token sliding windows, biases of attention,
-                  router and experts, and the clamped SwiGLU (116.8B published, 116.8B here).
+  gpt-oss-120b    attention sinks and the biases of attention and router (116.8B published, 116.8B
+                  here). Its experts' biases (`expert_bias`), clamped GLU (`swiglu_limit` 7.0) and
+                  128-token sliding windows on every other layer (`sliding_window`) are built.
+
+GPT-OSS's keys (off by default; every other model is unchanged):
+  expert_bias     a bias per expert on the gate/up and down projections, added to each row by its
+                  expert (`bias[expert of row]`, as transformers' GptOssExperts adds
+                  gate_up_proj_bias[e] and down_proj_bias[e]).
+  swiglu_limit    > 0: GPT-OSS's clamped GLU instead of silu(gate) x up: gate clamped to at most the
+                  limit, up to [-limit, limit], then (up + 1) x gate x sigmoid(1.702 gate)
+                  (transformers' GptOssExperts._apply_gate, swiglu_alpha 1.702).
+  sliding_window  > 0: blocks 0, 2, 4, ... attend to the last `sliding_window` positions (the query's
+                  own included; GPT-OSS's layer_types alternate sliding_attention and
+                  full_attention, window 128), through sdpa with a banded boolean mask; the others
+                  stay causal.
 """
 
 from __future__ import annotations
@@ -25,11 +38,12 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from autopar.errors import ModelSpecError
 from autopar.models.gpt import example_inputs, example_targets, loss_fn
-from autopar.models.llama import GroupedQueryAttention, Llama, RMSNorm, SwiGLU
+from autopar.models.llama import GroupedQueryAttention, Llama, RMSNorm, SwiGLU, apply_rotary
 from autopar.models.mla import LatentAttention
 from autopar.models.moe_gshard import GShardMoEGPT
 from autopar.models.moe_layer import MoELayer
@@ -72,13 +86,16 @@ class MoEConfig:
     rope_theta: float = 10000.0  # rotary base frequency
     norm_eps: float = 1e-5  # RMSNorm epsilon
     dropout: float = 0.0  # router=gshard only: the GPT blocks' dropout
+    expert_bias: bool = False  # a bias per expert on the experts' gate/up and down projections (GPT-OSS)
+    swiglu_limit: float = 0.0  # > 0: GPT-OSS's clamped GLU with this limit (7.0); 0: silu(gate) x up
+    sliding_window: int = 0  # > 0: every other block from the first attends to this many last positions
 
     def __post_init__(self) -> None:
         check_field_types(self)
         require_positive(self, "layers", "hidden", "heads", "kv_heads", "seq", "vocab", "ffn_hidden", "num_experts",
                          "top_k", "expert_ffn_hidden", "rope_theta", "norm_eps")
         _require_non_negative(self, "dense_layers", "shared_experts", "q_lora_rank", "kv_lora_rank",
-                              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "swiglu_limit", "sliding_window")
         require_probability(self, "dropout")
         if self.top_k > self.num_experts:
             raise ModelSpecError(f"moe: top_k ({self.top_k}) must be at most num_experts ({self.num_experts}); "
@@ -113,7 +130,9 @@ def _require_non_negative(config: MoEConfig, *names: str) -> None:
 
 def _check_gshard(config: MoEConfig) -> None:
     others = {"dense_layers": config.dense_layers, "shared_experts": config.shared_experts,
-              "attention=mla": config.attention == "mla", "capacity_factor=0": config.capacity_factor == 0}
+              "attention=mla": config.attention == "mla", "capacity_factor=0": config.capacity_factor == 0,
+              "expert_bias": config.expert_bias, "swiglu_limit": config.swiglu_limit,
+              "sliding_window": config.sliding_window}
     unsupported = [name for name, value in others.items() if value]
     if unsupported:
         raise ModelSpecError(f"moe: router=gshard builds the 2020 GShard GPT, which has no {', '.join(unsupported)}; "
@@ -133,6 +152,8 @@ def _check_gqa(config: MoEConfig) -> None:
 
 
 def _check_mla(config: MoEConfig) -> None:
+    if config.sliding_window:
+        raise ModelSpecError("moe: sliding_window applies to attention=gqa only; drop it or use attention=gqa")
     for name, example in (("kv_lora_rank", 512), ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64),
                           ("v_head_dim", 128)):
         if getattr(config, name) <= 0:
@@ -168,17 +189,78 @@ NAMED_SIZES: dict[str, dict[str, object]] = {
                     "norm_eps": 1e-6, "seq": _PRETRAIN_SEQ},
     "gpt-oss-120b": {"layers": 36, "hidden": 2880, "heads": 64, "kv_heads": 8, "head_dim": 64, "vocab": 201088,
                      "ffn_hidden": 2880, "num_experts": 128, "top_k": 4, "expert_ffn_hidden": 2880,
-                     "router": "softmax", "rope_theta": 150000.0, "seq": _PRETRAIN_SEQ},
+                     "router": "softmax", "rope_theta": 150000.0, "seq": _PRETRAIN_SEQ, "expert_bias": True,
+                     "swiglu_limit": 7.0, "sliding_window": 128},
 }
+
+
+class WindowedAttention(GroupedQueryAttention):
+    """`GroupedQueryAttention` where each query sees the last `window` positions, itself included
+    (transformers' sliding_window_causal mask).
+
+    Where the window divides the sequence, the queries go in blocks of `window` rows, each
+    attending to the keys of its own block and the block before (2 x window keys, masked to the
+    band): one sdpa over (batch x blocks) of window-row tiles, so the tiles outside the band are
+    never computed, as FlashAttention's and cuDNN's windowed kernels skip them. Elsewhere sdpa over
+    the whole sequence with a banded boolean mask."""
+
+    def __init__(self, config: MoEConfig, window: int) -> None:
+        super().__init__(config)
+        self.window = window
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        query = apply_rotary(self._split_heads(self.q_proj(x), self.num_heads), cos, sin)
+        key = apply_rotary(self._split_heads(self.k_proj(x), self.num_kv_heads), cos, sin)
+        value = self._split_heads(self.v_proj(x), self.num_kv_heads)
+        seq = x.shape[-2]
+        if seq % self.window == 0 and seq > self.window:
+            context = self._blocked(query, key, value)
+        else:
+            positions = torch.arange(seq, device=x.device)
+            mask = in_window(positions.unsqueeze(-1) - positions, self.window)
+            context = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                     enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(context.transpose(1, 2).flatten(-2))
+
+    def _blocked(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, seq, head_dim) attention in window-row query blocks over 2-block keys."""
+        batch, _, seq, _ = query.shape
+        blocks, window = seq // self.window, self.window
+
+        def tiles(tensor: torch.Tensor) -> torch.Tensor:  # (batch, h, seq, d) -> (batch x blocks, h, window, d)
+            return tensor.unflatten(2, (blocks, window)).transpose(1, 2).flatten(0, 1)
+
+        def with_previous(tensor: torch.Tensor) -> torch.Tensor:  # each block's keys: the block before, then its own
+            own = tensor.unflatten(2, (blocks, window))
+            before = torch.cat((torch.zeros_like(own[:, :, :1]), own[:, :, :-1]), dim=2)
+            return torch.cat((before, own), dim=3).transpose(1, 2).flatten(0, 1)
+
+        starts = torch.arange(blocks, device=query.device) * window
+        rows = starts.unsqueeze(-1) + torch.arange(window, device=query.device)  # [blocks, window]
+        columns = starts.unsqueeze(-1) - window + torch.arange(2 * window, device=query.device)
+        mask = in_window(rows.unsqueeze(-1) - columns.unsqueeze(-2), window) & (columns >= 0).unsqueeze(-2)
+        mask = mask.unsqueeze(1).repeat(batch, 1, 1, 1)  # [batch x blocks, 1, window, 2 window]
+        context = F.scaled_dot_product_attention(tiles(query), with_previous(key), with_previous(value),
+                                                 attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return context.unflatten(0, (batch, blocks)).transpose(1, 2).flatten(2, 3)
+
+
+def in_window(behind: torch.Tensor, window: int) -> torch.Tensor:
+    """True where a key `behind` positions before the query (query - key position) is among the
+    last `window` positions up to the query's own."""
+    return (behind >= 0) & (behind < window)
 
 
 class MoEBlock(nn.Module):
     """Pre-RMSNorm attention and MLP (dense SwiGLU or `MoELayer`), each with a residual."""
 
-    def __init__(self, config: MoEConfig, *, dense: bool) -> None:
+    def __init__(self, config: MoEConfig, *, dense: bool, window: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden, config.norm_eps)
-        self.attn = LatentAttention(config) if config.attention == "mla" else GroupedQueryAttention(config)
+        if config.attention == "mla":
+            self.attn = LatentAttention(config)
+        else:
+            self.attn = WindowedAttention(config, window) if window else GroupedQueryAttention(config)
         self.mlp_norm = RMSNorm(config.hidden, config.norm_eps)
         self.mlp = SwiGLU(config.hidden, config.ffn_hidden) if dense else MoELayer(config)
 
@@ -202,7 +284,8 @@ class MoE(Llama):
 
     @staticmethod
     def make_layers(config) -> list[nn.Module]:
-        return [MoEBlock(config, dense=index < config.dense_layers) for index in range(config.layers)]
+        return [MoEBlock(config, dense=index < config.dense_layers,
+                         window=config.sliding_window if index % 2 == 0 else 0) for index in range(config.layers)]
 
 
 def build(config: MoEConfig) -> nn.Module:

@@ -4,6 +4,8 @@
     rows           = x of every (choice, token) pair, sorted by expert (stable, choice-major)
     offs           = cumulative rows per expert (int32)
     out            = grouped_mm(silu(gate) * up of grouped_mm(rows, w_gate_up, offs), w_down, offs)
+                     (expert_bias: + b_gate_up[e] and + b_down[e] of each row's expert e; swiglu_limit:
+                     GPT-OSS's clamped GLU in place of silu(gate) * up, moe.py)
     y[token]       = sum over its choices of gate x out (un-permuted), + shared SwiGLU(x)
 
 Routers:
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.gpt import INIT_STD
-from autopar.models.grouped_mm import grouped_mm
+from autopar.models.grouped_mm import expert_bias, grouped_mm
 from autopar.models.llama import SwiGLU
 
 __all__ = ["GroupedExperts", "MoELayer", "Router"]
@@ -65,22 +67,45 @@ class Router(nn.Module):
         return gates / gates.sum(dim=-1, keepdim=True), choices
 
 
-class GroupedExperts(nn.Module):
-    """SwiGLU experts as two grouped matmuls: rows sorted by expert (rows, hidden) -> (rows, hidden)."""
+GLU_ALPHA = 1.702
+"""GPT-OSS's swiglu_alpha: gate x sigmoid(1.702 gate) (quick GELU) in its clamped GLU."""
 
-    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int) -> None:
+
+class GroupedExperts(nn.Module):
+    """SwiGLU experts as two grouped matmuls: rows sorted by expert (rows, hidden) -> (rows, hidden).
+
+    `bias`: a bias per expert on both projections, added to each row by its expert after the
+    grouped matmul, which takes none (`expert_bias`); `swiglu_limit` > 0: GPT-OSS's clamped GLU (moe.py)."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, *, bias: bool = False,
+                 swiglu_limit: float = 0.0) -> None:
         super().__init__()
+        self.swiglu_limit = swiglu_limit
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, hidden, 2 * ffn_hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden))
+        self.b_gate_up = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden)) if bias else None
+        self.b_down = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.w_gate_up, std=INIT_STD)
         nn.init.normal_(self.w_down, std=INIT_STD)
+        for bias in (self.b_gate_up, self.b_down):
+            if bias is not None:
+                nn.init.zeros_(bias)
 
     def forward(self, rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        gate, up = grouped_mm(rows, self.w_gate_up, offs).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.w_down, offs)
+        gate_up = grouped_mm(rows, self.w_gate_up, offs)
+        if self.b_gate_up is not None:
+            gate_up = expert_bias(gate_up, self.b_gate_up, offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.swiglu_limit:
+            gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
+            hidden = (up + 1) * (gate * torch.sigmoid(GLU_ALPHA * gate))
+        else:
+            hidden = F.silu(gate) * up
+        out = grouped_mm(hidden, self.w_down, offs)
+        return expert_bias(out, self.b_down, offs) if self.b_down is not None else out
 
 
 class MoELayer(nn.Module):
@@ -91,7 +116,9 @@ class MoELayer(nn.Module):
         self.num_experts, self.top_k = config.num_experts, config.top_k
         self.capacity_factor = config.capacity_factor
         self.router = Router(config.hidden, config.num_experts, config.top_k, config.router)
-        self.experts = GroupedExperts(config.num_experts, config.hidden, config.expert_ffn_hidden)
+        self.experts = GroupedExperts(config.num_experts, config.hidden, config.expert_ffn_hidden,
+                                      bias=getattr(config, "expert_bias", False),
+                                      swiglu_limit=getattr(config, "swiglu_limit", 0.0))
         self.shared = (SwiGLU(config.hidden, config.shared_experts * config.expert_ffn_hidden)
                        if config.shared_experts else None)
 

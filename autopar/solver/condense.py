@@ -21,8 +21,9 @@ def condense(graph: OpGraph) -> OpGraph:
     weights: dict[str, int] = {}
     groups = []
     stand_ins: dict[str, str] = {}
+    condensed = _condensable(graph)
     for group in graph.blocks:
-        if group.num_instances < 3 or not _only_last_read_from_outside(graph, group):
+        if id(group) not in condensed:
             groups.append(group)
             continue
         last = group.nodes[-1]
@@ -50,13 +51,26 @@ def condense(graph: OpGraph) -> OpGraph:
                    node_weights=weights, stand_ins=stand_ins)
 
 
-def _only_last_read_from_outside(graph: OpGraph, group: BlockGroup) -> bool:
-    """Blocks 1..N-2 must feed only the next block: ops between blocks (a residual add in the
-    parent's forward) would lose their inputs, so such a group is kept whole."""
+def _condensable(graph: OpGraph) -> set[int]:
+    """ids of the groups of 3 or more blocks whose blocks 1..N-2 feed only blocks of the groups
+    condensed with them: the next block of their own group, or, where two kinds of block
+    alternate (GPT-OSS's windowed and full layers, A B A B ...), the other kind's block in
+    between, which is dropped alike (blocks 0 and 1 of each kind are kept). Ops between blocks
+    (a residual add in the parent's forward) would lose their inputs: such a group is kept whole."""
+    candidates = [group for group in graph.blocks if group.num_instances >= 3]
+    while True:
+        inside = {name for group in candidates for names in group.nodes for name in names}
+        kept = [group for group in candidates if _only_last_read_from_outside(graph, group, inside)]
+        if len(kept) == len(candidates):
+            return {id(group) for group in kept}
+        candidates = kept
+
+
+def _only_last_read_from_outside(graph: OpGraph, group: BlockGroup, condensed: set[str]) -> bool:
+    """Blocks 1..N-2 feed only nodes of the groups condensed together (`condensed`: their nodes)."""
     middle = {name for names in group.nodes[1:-1] for name in names}
-    inside = {name for names in group.nodes for name in names}
     for node in graph.nodes:
-        if node.name in inside:
+        if node.name in condensed:
             continue
         if any(source in middle for source in node.inputs):
             return False

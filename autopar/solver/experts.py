@@ -21,15 +21,19 @@ A's output only through row-local ops (elementwise ops, casts, and chunk/split/s
 a dim the exchange does not touch: not the rows of a grouped mm, not an einsum's expert or token
 dim), every tensor operand of those ops is A's output, another of them, or a 0-d parameter or
 constant, none of them (A's output included) is read outside the chain, and all lie in one segment
-(no pipeline boundary inside). The chain dispatches A's tokens (and, dropless, exchanges the
-counts) once, runs A, the ops between and B on the rank's own experts, and combines B's output
-once: a SwiGLU layer moves H per token copy each way instead of H + 2F + F + H. Backward: B's
-output gradient is dispatched, A's token gradient combined; the intermediates stay where they are.
+(no pipeline boundary inside); a per-expert bias added to the rows by their expert
+(`expert_bias(rows, bias, offs)` with the chain's offsets: GPT-OSS's gate/up bias) is row-local
+too, run on the rank's block of the bias and its local offsets. The chain dispatches A's tokens
+(and, dropless, exchanges the counts) once, runs A, the ops between and B on the rank's own
+experts, and combines B's output once: a SwiGLU layer moves H per token copy each way instead of
+H + 2F + F + H. Backward: B's output gradient is dispatched, A's token gradient combined; the
+intermediates stay where they are.
 A chain runs where the plan's tensor-parallel placements split none of its values along the rows
 (`expert_ops_at`): the ops between then run as planned (DTensors on the tp mesh) on rows that are
 the same on every tp rank. Elsewhere each op exchanges its own input and output (four all-to-alls
 forward and four backward for a two-matmul layer). Not chained: ops whose tokens meet a tensor
-from outside between them (GPT-OSS adds a bias gathered per row by its expert).
+from outside between them (Hugging Face's GPT-OSS adds a bias gathered per row by its expert;
+the built-in family's `expert_bias` op chains).
 Expert weights' gradients are complete on their owner (the tokens of every rank of the group
 reached it), so data parallelism reduces them over the dp / ep ranks that hold the same experts,
 not over the whole dp group.
@@ -82,7 +86,7 @@ from dataclasses import dataclass, replace
 
 from autopar.errors import ConfigError
 from autopar.graph import OpGraph, OpNode
-from autopar.strategies.grouped_mm import GROUPED_MM_TARGETS
+from autopar.strategies.grouped_mm import EXPERT_BIAS_TARGETS, GROUPED_MM_TARGETS
 from autopar.strategies.pointwise import CASTS, NONLINEAR_NARY, NONLINEAR_UNARY
 
 EINSUM_TARGETS = ("aten.einsum.default",)
@@ -316,6 +320,10 @@ def _chain_from(graph: OpGraph, op: ExpertOp, by_node: dict[str, ExpertOp], segm
             members.add(name)
             continue
         producer = graph[name]
+        if _expert_bias(graph, producer, op):
+            members.add(name)
+            frontier.append(producer.inputs[0])  # the bias and offsets are read for the rank's experts
+            continue
         if not _row_local(graph, producer, op):
             return None
         members.add(name)
@@ -360,6 +368,18 @@ def _row_local(graph: OpGraph, node: OpNode, op: ExpertOp) -> bool:
         dim = node.args[position] if len(node.args) > position else node.kwarg("dim", 0)
         return isinstance(dim, int) and dim % len(shape) not in kept
     return False
+
+
+def _expert_bias(graph: OpGraph, node: OpNode, op: ExpertOp) -> bool:
+    """`node` adds a per-expert bias to the rows of `op`'s routing (`expert_bias(rows, bias, offs)`
+    with `op`'s offsets and a bias [num_experts, N]): row-local on dispatched rows given the rank's
+    block of the bias and its local offsets (codegen/experts.py)."""
+    if node.kind != "call" or node.target not in EXPERT_BIAS_TARGETS or len(node.inputs) != 3:
+        return False
+    bias, offsets = graph[node.inputs[1]], graph[node.inputs[2]]
+    return (op.kind == "grouped_mm" and node.inputs[2] == graph[op.node].inputs[2]
+            and len(bias.output.shape) == 2 and bias.output.shape[0] == op.num_experts
+            and tuple(offsets.output.shape) == (op.num_experts,))
 
 
 def _scalar_constant(node: OpNode) -> bool:

@@ -35,6 +35,7 @@ from autopar.errors import ConfigError
 from autopar.graph import OpGraph
 from autopar.solver.experts import find_expert_ops
 from autopar.solver.recompute import ATTENTION_TARGETS, MATMUL_TARGETS, RECOMPUTE_MODES
+from autopar.strategies.grouped_mm import EXPERT_BIAS_TARGETS
 
 MODULE_KINDS = ("layernorm", "core_attn", "moe_act", "mlp", "moe", "mla_up_proj")
 MODULES_PREFIX = "modules:"
@@ -315,7 +316,8 @@ def _ancestors(graph: OpGraph, name: str, stop: set[str]) -> set[str]:
         if source in seen or node.kind != "call":
             continue
         seen.add(source)
-        if source not in stop and not _params_of(graph, node) and not _is_matmul(node):
+        through = not _params_of(graph, node) or node.target in EXPERT_BIAS_TARGETS  # a per-expert bias: row-local
+        if source not in stop and through and not _is_matmul(node):
             todo.extend(node.inputs)
     return seen
 

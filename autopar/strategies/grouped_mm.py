@@ -16,6 +16,11 @@ which the general rule (a split op with a Partial output gives its replicated op
 gradients, true of a row-parallel bias) would miss: the rule states it, so the planner prices the
 backward all-reduce that codegen runs.
 
+A per-expert bias after a grouped matmul, `autopar.expert_bias(rows[S, N], bias[E, N], offs[E])`
+(rows + bias[e(row)], models/grouped_mm.py), is split like the matmul's columns:
+
+    col     rows S1, bias S1, offs R -> out S1
+
 DTensor has no strategy for these ops: codegen runs them on the local shards (see
 codegen/local_ops.py), which is exact for each of these placements.
 """
@@ -32,6 +37,19 @@ from autopar.strategies.placement import PARTIAL, REPLICATE, shard
 # see capture._target_name); both spellings of each are registered.
 GROUPED_MM_TARGETS = ("aten._grouped_mm.default", "grouped_mm_fallback.default",
                       "transformers.grouped_mm_fallback.default", "grouped_mm.default", "autopar.grouped_mm.default")
+
+
+EXPERT_BIAS_TARGETS = ("expert_bias.default", "autopar.expert_bias.default")
+
+
+@register(*EXPERT_BIAS_TARGETS)
+def expert_bias(node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) -> list[Strategy1D]:
+    if len(inputs) != 3 or tuple(node.args[:3]) != (Ref(index=0), Ref(index=1), Ref(index=2)):
+        return []
+    rows, bias, offsets = inputs
+    if len(rows.shape) != 2 or len(bias.shape) != 2 or len(offsets.shape) != 1:
+        return []
+    return [Strategy1D(inputs=(shard(1), shard(1), REPLICATE), output=shard(1), split=True, name="col")]
 
 
 @register(*GROUPED_MM_TARGETS)

@@ -9,6 +9,8 @@ round-off tolerance). The harness is one_process.py's, as in test_experts_runs.p
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from harness import case_outcome  # noqa: F401 (a fixture)
@@ -28,6 +30,7 @@ SPECS = {
     "gqa-softmax": f"moe:layers=2,{_TINY},kv_heads=2,router=softmax",
     "mla-sigmoid": f"moe:layers=3,{_TINY},dense_layers=1,ffn_hidden=48,shared_experts=1,router=sigmoid,"
                    "attention=mla,q_lora_rank=16,kv_lora_rank=16,qk_nope_head_dim=8,qk_rope_head_dim=4,v_head_dim=8",
+    "gqa-oss": f"moe:layers=2,{_TINY},kv_heads=2,router=softmax,expert_bias=true,swiglu_limit=7,sliding_window=4",
 }
 
 
@@ -43,10 +46,17 @@ def moe_case(case: Case) -> dict:
 
 
 EP = dict(dp=2, tp=1, pp=1, ep=2, zero_stage=0, microbatch_size=4)
+_EP_ALL = pytest.mark.skipif(not os.environ.get("AUTOPAR_EP_ALL"), reason="more expert cases: set AUTOPAR_EP_ALL=1")
 PP = dict(dp=1, tp=1, pp=2, zero_stage=0, microbatch_size=4)
 TABLE = CaseTable([
     case_param(Case(model, 2, constraints), f"{model}-{kind}")
-    for model in SPECS for kind, constraints in (("dp2-ep2", EP), ("pp2", PP))
+    for model in ("gqa-softmax", "mla-sigmoid") for kind, constraints in (("dp2-ep2", EP), ("pp2", PP))
+] + [
+    # GPT-OSS's keys: the gate/up bias inside the chain (on the rank's block of the bias), the down
+    # bias after the combine, the clamped GLU, a sliding window on the first block (query blocks);
+    # and with tp2 (the biases split by column with the grouped matmul's columns).
+    case_param(Case("gqa-oss", 2, EP), "gqa-oss-dp2-ep2", _EP_ALL),
+    case_param(Case("gqa-oss", 2, dict(dp=1, tp=2, pp=1, zero_stage=0, microbatch_size=4)), "gqa-oss-tp2", _EP_ALL),
 ] + [
     # Each layer's grouped expert matmuls run as one chain: recomputed whole (the dispatch, counts
     # and combine again), or the SwiGLU between them run again on the dispatched rows.
@@ -65,7 +75,7 @@ def test_moe_family_matches_one_process(case_name, case_outcome):
             assert {name.rsplit(".", 1)[-1] for name in result["ep_params"]} == {"w_gate_up", "w_down"}
         assert result["pp"] == case.constraints["pp"]
         # The router's measured load: the busiest ep rank's rows over the mean, per expert layer
-        # (one per MoE layer, the first op of its chain: both models have 2), the same on every rank.
+        # (one per MoE layer, the first op of its chain: all models have 2), the same on every rank.
         if result["ep"] > 1:
             assert len(result["load"]) == 2 and all(1.0 <= v <= result["ep"] for v in result["load"].values())
             assert result["load"] == results[0]["load"]

@@ -1,5 +1,5 @@
-"""benchmarks/moe_unpriced.py: the arithmetic of the runtime mechanisms the `moe:` family does not
-price, by the shapes of a published row (which mechanism applies, how each scales)."""
+"""benchmarks/moe_unpriced.py: the arithmetic of how Megatron-Core runs GPT-OSS's mechanisms, by the
+shapes of a published row (which mechanism applies, how each scales)."""
 
 from pathlib import Path
 
@@ -30,7 +30,7 @@ def _runs(tmp_path: Path, ep_oss: int):
 def test_each_mechanism_applies_by_the_rows_features_and_shapes(tmp_path):
     oss, mixtral = _runs(tmp_path, ep_oss=8)
     costs = layer_costs_s(oss, COMPUTE)
-    assert set(costs) == {"expert fc2 bias", "clamped GLU", "sliding windows"}  # the reorder is priced: ep.reorder
+    assert set(costs) == {"expert biases", "clamped GLU", "sliding windows"}  # the reorder is priced: ep.reorder
     assert costs["sliding windows"] < 0 < min(costs[name] for name in costs if name != "sliding windows")
     assert layer_costs_s(mixtral, COMPUTE) == {}  # no biases, no windows
 
@@ -38,5 +38,5 @@ def test_each_mechanism_applies_by_the_rows_features_and_shapes(tmp_path):
 def test_the_bias_loop_launches_kernels_per_local_expert(tmp_path):
     (eight, _), (four, _) = _runs(tmp_path, ep_oss=8), _runs(tmp_path, ep_oss=4)
     # ep 4: twice the local experts (7 more kernels each), the same rows per rank (force-balanced)
-    extra = layer_costs_s(four, COMPUTE)["expert fc2 bias"] - layer_costs_s(eight, COMPUTE)["expert fc2 bias"]
+    extra = layer_costs_s(four, COMPUTE)["expert biases"] - layer_costs_s(eight, COMPUTE)["expert biases"]
     assert extra == pytest.approx(16 * 7 * COMPUTE.overhead_s)

@@ -44,8 +44,21 @@ def naive_route(moe: MoELayer, token: torch.Tensor) -> list[tuple[float, int]]:
 
 
 def swiglu_expert(moe: MoELayer, token: torch.Tensor, expert: int) -> torch.Tensor:
-    gate, up = (token @ moe.experts.w_gate_up[expert]).chunk(2)
-    return (F.silu(gate) * up) @ moe.experts.w_down[expert]
+    """One expert on one token; with GPT-OSS's keys as transformers' GptOssExperts computes it
+    (gate_up_proj_bias[e], _apply_gate with swiglu_alpha 1.702, down_proj_bias[e])."""
+    experts = moe.experts
+    gate_up = token @ experts.w_gate_up[expert]
+    if experts.b_gate_up is not None:
+        gate_up = gate_up + experts.b_gate_up[expert]
+    gate, up = gate_up.chunk(2)
+    if experts.swiglu_limit:
+        limit = experts.swiglu_limit
+        gate, up = gate.clamp(min=None, max=limit), up.clamp(min=-limit, max=limit)
+        hidden = (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+    else:
+        hidden = F.silu(gate) * up
+    out = hidden @ experts.w_down[expert]
+    return out + experts.b_down[expert] if experts.b_down is not None else out
 
 
 def naive_layer(moe: MoELayer, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
@@ -101,6 +114,53 @@ def test_dropless_layer_equals_a_loop_over_tokens_and_experts(overrides):
     moe = layer(**overrides)
     x = torch.randn(2, 9, 64)
     torch.testing.assert_close(moe(x), naive_layer(moe, x), rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_experts_equal_a_loop_with_biases_and_the_clamped_glu():
+    moe = layer(expert_bias=True, swiglu_limit=0.05)  # a limit the tiny init's activations cross
+    with torch.no_grad():
+        moe.experts.b_gate_up.copy_(torch.randn_like(moe.experts.b_gate_up) * 0.1)
+        moe.experts.b_down.copy_(torch.randn_like(moe.experts.b_down))
+    x = torch.randn(2, 9, 64)
+    torch.testing.assert_close(moe(x), naive_layer(moe, x), rtol=1e-5, atol=1e-5)
+    moe(x).square().sum().backward()
+    assert moe.experts.b_gate_up.grad.abs().sum() > 0 and moe.experts.b_down.grad.abs().sum() > 0
+
+
+def _banded_attention(attention, x, cos, sin):
+    """`attention` over the whole sequence with transformers' sliding-window causal mask."""
+    from autopar.models.llama import apply_rotary
+    from autopar.models.moe import in_window
+
+    query = apply_rotary(attention._split_heads(attention.q_proj(x), attention.num_heads), cos, sin)
+    key = apply_rotary(attention._split_heads(attention.k_proj(x), attention.num_kv_heads), cos, sin)
+    value = attention._split_heads(attention.v_proj(x), attention.num_kv_heads)
+    positions = torch.arange(x.shape[-2])
+    context = F.scaled_dot_product_attention(query, key, value, enable_gqa=True,
+                                             attn_mask=in_window(positions.unsqueeze(-1) - positions, attention.window))
+    return attention.o_proj(context.transpose(1, 2).flatten(-2))
+
+
+def test_sliding_window_alternates_and_a_window_past_the_sequence_is_causal():
+    from autopar.models.llama import GroupedQueryAttention
+    from autopar.models.moe import WindowedAttention
+
+    model = build_model("moe:layers=4,sliding_window=4").model
+    assert [type(block.attn) for block in model.layers] == [WindowedAttention, GroupedQueryAttention] * 2
+    assert [block.attn.window for block in model.layers[::2]] == [4, 4]
+    torch.manual_seed(0)
+    config = MoEConfig(sliding_window=64)
+    windowed, causal = WindowedAttention(config, 64), GroupedQueryAttention(config)
+    causal.load_state_dict(windowed.state_dict())
+    x, cos, sin = torch.randn(2, 8, 64), torch.ones(8, 16), torch.zeros(8, 16)
+    torch.testing.assert_close(windowed(x, cos, sin), causal(x, cos, sin), rtol=1e-5, atol=1e-5)
+    blocked = WindowedAttention(config, 2)  # 8 % 2 == 0: query blocks of 2 over keys of 2 blocks
+    blocked.load_state_dict(windowed.state_dict())
+    torch.testing.assert_close(blocked(x, cos, sin), _banded_attention(blocked, x, cos, sin), rtol=1e-5, atol=1e-5)
+    narrow = WindowedAttention(config, 1)  # each position sees itself only: o_proj(v_proj(x)), per head
+    narrow.load_state_dict(windowed.state_dict())
+    value = narrow.v_proj(x).unflatten(-1, (2, 16)).repeat_interleave(2, dim=-2).flatten(-2)
+    torch.testing.assert_close(narrow(x, cos, sin), narrow.o_proj(value), rtol=1e-5, atol=1e-5)
 
 
 def test_gradients_reach_router_experts_and_shared_experts():
@@ -174,6 +234,10 @@ def test_dense_layers_lead():
     ("moe:heads=4,kv_heads=3", ["heads (4) must be divisible by kv_heads (3)"]),
     ("moe:head_dim=7", ["head_dim (7) must be even"]),
     ("moe:shared_experts=-1", ["'shared_experts' must be >= 0"]),
+    ("moe:sliding_window=-1", ["'sliding_window' must be >= 0"]),
+    ("moe:router=gshard,expert_bias=true", ["no expert_bias"]),
+    ("moe:sliding_window=8,attention=mla,kv_lora_rank=8,qk_nope_head_dim=8,qk_rope_head_dim=4,v_head_dim=8",
+     ["sliding_window applies to attention=gqa only"]),
 ])
 def test_spec_errors_say_what_to_change(spec, words):
     with pytest.raises(ModelSpecError) as error:
