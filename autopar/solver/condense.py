@@ -52,28 +52,33 @@ def condense(graph: OpGraph) -> OpGraph:
 
 
 def _condensable(graph: OpGraph) -> set[int]:
-    """ids of the groups of 3 or more blocks whose blocks 1..N-2 feed only blocks of the groups
-    condensed with them: the next block of their own group, or, where two kinds of block
-    alternate (GPT-OSS's windowed and full layers, A B A B ...), the other kind's block in
-    between, which is dropped alike (blocks 0 and 1 of each kind are kept). Ops between blocks
-    (a residual add in the parent's forward) would lose their inputs: such a group is kept whole."""
+    """ids of the groups of 3 or more blocks that condense: blocks 0 and 1 of each are kept, blocks
+    2..N-1 dropped (the last one's readers redirected to block 1). Where two kinds of block
+    alternate (GPT-OSS's windowed and full layers, A B A B ...) both condense together: block 1 of
+    one kind may feed a kept block of the other. A group whose later blocks feed a node that stays
+    (an op between blocks in the parent's forward, a kept block of another kind: A A B A A B ...)
+    is kept whole, and so, in turn, are the groups that relied on it."""
     candidates = [group for group in graph.blocks if group.num_instances >= 3]
     while True:
-        inside = {name for group in candidates for names in group.nodes for name in names}
-        kept = [group for group in candidates if _only_last_read_from_outside(graph, group, inside)]
-        if len(kept) == len(candidates):
-            return {id(group) for group in kept}
-        candidates = kept
+        kept = {name for group in candidates for names in group.nodes[:2] for name in names}
+        dropped = {name for group in candidates for names in group.nodes[2:] for name in names}
+        fit = [group for group in candidates if _read_only_by_condensed(graph, group, kept, dropped)]
+        if len(fit) == len(candidates):
+            return {id(group) for group in fit}
+        candidates = fit
 
 
-def _only_last_read_from_outside(graph: OpGraph, group: BlockGroup, condensed: set[str]) -> bool:
-    """Blocks 1..N-2 feed only nodes of the groups condensed together (`condensed`: their nodes)."""
-    middle = {name for names in group.nodes[1:-1] for name in names}
+def _read_only_by_condensed(graph: OpGraph, group: BlockGroup, kept: set[str], dropped: set[str]) -> bool:
+    """Block 1 feeds only kept blocks or dropped ones, blocks 2..N-2 only dropped ones: after
+    condensing, every remaining node's inputs remain (or are redirected, from a last block)."""
+    second = set(group.nodes[1])
+    later = {name for names in group.nodes[2:-1] for name in names}
     for node in graph.nodes:
-        if node.name in condensed:
+        if node.name in dropped:
             continue
-        if any(source in middle for source in node.inputs):
-            return False
+        for source in node.inputs:
+            if source in later or (source in second and node.name not in kept):
+                return False
     return True
 
 
