@@ -61,11 +61,25 @@ def _map_instances(graph: OpGraph, rep: dict[str, str]) -> None:
     for group in graph.blocks:
         if group.num_instances < 2:
             continue
-        template = group.template
-        for instance, names in zip(group.instances, group.nodes):
+        start = _first_typical_instance(graph, group)
+        if group.num_instances - start < 2:
+            continue
+        template = group.nodes[start]
+        for instance, names in zip(group.instances[start:], group.nodes[start:]):
             for position, name in enumerate(names):
                 rep[name] = template[position]
-                _map_params(graph, name, template[position], instance, group.instances[0], owner_of_param, rep)
+                _map_params(graph, name, template[position], instance, group.instances[start], owner_of_param, rep)
+
+
+def _first_typical_instance(graph: OpGraph, group) -> int:
+    """0, or 1 where block 0 computes fewer gradients than block 1: a block reading the model's input
+    (no embedding before it) needs no input gradient, so it is not a template for the rest and
+    stays unfolded (folded onto it, every block would be priced without its first input gradient)."""
+    def grads(name: str) -> tuple[bool, ...]:
+        return tuple(graph[source].requires_grad for source in graph[name].inputs)
+
+    differs = any(grads(a) != grads(b) for a, b in zip(group.nodes[0], group.nodes[1]))
+    return 1 if differs else 0
 
 
 def _param_owners(graph: OpGraph) -> dict[str, set[str]]:

@@ -27,21 +27,22 @@ class _Block(nn.Module):
 class _Stack(nn.Module):
     """Blocks of two kinds (widths 128 and 192) in the order `pattern` gives ("ab", "aab", ...)."""
 
-    def __init__(self, pattern: str):
+    def __init__(self, pattern: str, embed: bool = True):
         super().__init__()
-        self.embed = nn.Embedding(100, 64)
+        self.embed = nn.Embedding(100, 64) if embed else None
         self.layers = nn.ModuleList(_Block(128 if kind == "a" else 192) for kind in pattern)
         self.head = nn.Linear(64, 16)
 
     def forward(self, ids):
-        x = self.embed(ids)
+        x = self.embed(ids) if self.embed is not None else ids
         for layer in self.layers:
             x = layer(x)
         return self.head(x).sum()
 
 
-def _graph(pattern: str):
-    return api.capture_for_planning(_Stack(pattern), (torch.randint(0, 100, (8,)),))
+def _graph(pattern: str, embed: bool = True):
+    inputs = torch.randint(0, 100, (8,)) if embed else torch.randn(8, 64)
+    return api.capture_for_planning(_Stack(pattern, embed), (inputs,))
 
 
 def _dangling(graph) -> list[str]:
@@ -67,3 +68,13 @@ def test_a_dropped_block_feeding_a_kept_one_keeps_the_groups_whole():
     condensed = condense(graph)
     assert not _dangling(condensed)
     assert len(condensed.nodes) == len(graph.nodes)
+
+
+def test_a_first_block_reading_the_input_is_not_the_template():
+    """Block 0 reads the model's input (no embedding): it computes no input gradient, so folding the
+    other blocks onto it would price each of them without one; block 0 stays apart."""
+    graph = _graph("a" * 5, embed=False)
+    mesh = Mesh(axis_names=("tp",), shape=(2,), devices_per_node=8)
+    full = solve_sharding(graph, mesh, A100, ShardingOptions(fold_blocks=False)).solution.cost_s
+    assert solve_sharding(graph, mesh, A100).solution.cost_s == pytest.approx(full, rel=1e-6)
+    assert solve_sharding(condense(graph), mesh, A100).solution.cost_s == pytest.approx(full, rel=1e-6)
