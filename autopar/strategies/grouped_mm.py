@@ -44,20 +44,14 @@ EXPERT_BIAS_TARGETS = ("expert_bias.default", "autopar.expert_bias.default")
 
 @register(*EXPERT_BIAS_TARGETS)
 def expert_bias(node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) -> list[Strategy1D]:
-    if len(inputs) != 3 or tuple(node.args[:3]) != (Ref(index=0), Ref(index=1), Ref(index=2)):
-        return []
-    rows, bias, offsets = inputs
-    if len(rows.shape) != 2 or len(bias.shape) != 2 or len(offsets.shape) != 1:
+    if not _three_tensors(node, inputs, ranks=(2, 2, 1)):  # rows, bias, offsets
         return []
     return [Strategy1D(inputs=(shard(1), shard(1), REPLICATE), output=shard(1), split=True, name="col")]
 
 
 @register(*GROUPED_MM_TARGETS)
 def grouped_mm(node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) -> list[Strategy1D]:
-    if len(inputs) != 3 or tuple(node.args[:3]) != (Ref(index=0), Ref(index=1), Ref(index=2)):
-        return []
-    tokens, weight, offsets = inputs
-    if len(tokens.shape) != 2 or len(weight.shape) != 3 or len(offsets.shape) != 1:
+    if not _three_tensors(node, inputs, ranks=(2, 3, 1)):  # tokens, weight, offsets
         return []
     return [
         Strategy1D(inputs=(REPLICATE, shard(2), REPLICATE), output=shard(1), split=True, name="col"),
@@ -65,3 +59,9 @@ def grouped_mm(node: OpNode, inputs: Sequence[TensorMeta], axis_size: int) -> li
         Strategy1D(inputs=(REPLICATE, shard(0), REPLICATE), output=PARTIAL, split=True, name="expert",
                    input_grads=(PARTIAL, "", "")),
     ]
+
+
+def _three_tensors(node: OpNode, inputs: Sequence[TensorMeta], ranks: tuple[int, int, int]) -> bool:
+    """The op reads its three tensor arguments in order, of these ranks."""
+    return len(inputs) == 3 and tuple(node.args[:3]) == (Ref(index=0), Ref(index=1), Ref(index=2)) \
+        and tuple(len(meta.shape) for meta in inputs) == ranks
