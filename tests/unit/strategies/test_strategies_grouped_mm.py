@@ -44,3 +44,29 @@ def test_each_devices_experts_sum_to_the_whole_op() -> None:
     pieces = [_grouped_mm_own_experts(_grouped_mm, tokens, weight[2 * rank:2 * rank + 2], offsets, rank, (), {})
               for rank in range(2)]
     torch.testing.assert_close(pieces[0] + pieces[1], _grouped_mm(tokens, weight, offsets))
+
+
+def test_expert_bias_is_column_parallel_and_exact_on_column_shards() -> None:
+    """The per-expert bias's one rule: rows and bias split by column, offsets whole; each device's
+    columns of the output and of the bias's gradient are the whole op's."""
+    from autopar.models.grouped_mm import expert_bias
+
+    metas = [TensorMeta(shape=(12, 6), dtype="float32"), TensorMeta(shape=(4, 6), dtype="float32"),
+             TensorMeta(shape=(4,), dtype="int32")]
+    node = OpNode(name="bias", kind="call", target="autopar.expert_bias.default", inputs=("x", "b", "offs"),
+                  args=(Ref(index=0), Ref(index=1), Ref(index=2)), outputs=(metas[0],))
+    offered = {s.name: (s.inputs, s.output) for s in strategies_1d(node, metas, 2)}
+    assert offered["col"] == (("S1", "S1", "R"), "S1") and set(offered) == {"col", "replicate"}
+    generator = torch.Generator().manual_seed(0)
+    rows, bias = torch.randn(12, 6, generator=generator), torch.randn(4, 6, generator=generator, requires_grad=True)
+    offsets = torch.tensor([3, 3, 7, 10], dtype=torch.int32)  # expert 1 gets none; rows 10, 11 are padding
+    whole = expert_bias(rows, bias, offsets)
+    grad = torch.randn(whole.shape, generator=generator)
+    (whole_grad,) = torch.autograd.grad(whole, bias, grad)
+    for columns in (slice(0, 3), slice(3, 6)):
+        piece_bias = bias.detach()[:, columns].clone().requires_grad_()
+        piece = expert_bias(rows[:, columns], piece_bias, offsets)
+        torch.testing.assert_close(piece, whole[:, columns])
+        (piece_grad,) = torch.autograd.grad(piece, piece_bias, grad[:, columns])
+        torch.testing.assert_close(piece_grad, whole_grad[:, columns])
+    torch.testing.assert_close(whole[10:], rows[10:])
