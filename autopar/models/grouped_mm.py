@@ -94,10 +94,17 @@ def _backward(ctx, grad_output):
 grouped_mm.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _row_experts(offs: torch.Tensor) -> torch.Tensor:
-    """The expert of each row before offs[-1] (rows sorted by expert; one device-to-host copy)."""
-    counts = torch.diff(offs.long(), prepend=offs.new_zeros(1, dtype=torch.long)).clamp(min=0)
-    return torch.repeat_interleave(torch.arange(offs.shape[0], device=offs.device), counts)
+def _row_experts(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """The expert of each of `rows` rows sorted by expert (offs: cumulative rows per expert); rows
+    past offs[-1] get len(offs). One binary search per row on the device: no size depends on the
+    counts, so no device-to-host copy waits for the GPU (a repeat_interleave by counts would)."""
+    positions = torch.arange(rows, device=offs.device, dtype=offs.dtype)
+    return torch.searchsorted(offs, positions, right=True)
+
+
+def _padded(bias: torch.Tensor) -> torch.Tensor:
+    """bias [E, N] with a zero row E, the bias of rows past offs[-1]."""
+    return torch.cat((bias, bias.new_zeros(1, bias.shape[1])))
 
 
 @torch.library.custom_op("autopar::expert_bias", mutates_args=())
@@ -105,10 +112,8 @@ def expert_bias(rows: torch.Tensor, bias: torch.Tensor, offs: torch.Tensor) -> t
     """rows [S, N] sorted by expert, bias [E, N], offs [E] -> rows + bias[e(row)] (rows past
     offs[-1] unchanged): the per-expert bias torch._grouped_mm does not take, one gather and one
     add, a row-local op that runs on dispatched rows with the rank's experts' block (solver/experts.py)."""
-    experts = _row_experts(offs)
-    output = rows.clone()
-    output[:experts.shape[0]] += bias.index_select(0, experts).to(rows.dtype)
-    return output
+    experts = _row_experts(offs, rows.shape[0])
+    return rows + _padded(bias).index_select(0, experts).to(rows.dtype)
 
 
 @expert_bias.register_fake
@@ -123,10 +128,10 @@ def _expert_bias_fake(rows: torch.Tensor, bias: torch.Tensor, offs: torch.Tensor
 @torch.library.custom_op("autopar::expert_bias_backward", mutates_args=())
 def expert_bias_backward(grad_output: torch.Tensor, bias: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """The bias's gradient of `expert_bias`: each expert's rows of grad_output summed."""
-    experts = _row_experts(offs)
-    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-    grad_bias.index_add_(0, experts, grad_output[:experts.shape[0]].float())
-    return grad_bias.to(bias.dtype)
+    experts = _row_experts(offs, grad_output.shape[0])
+    grad_bias = torch.zeros((bias.shape[0] + 1, bias.shape[1]), dtype=torch.float32, device=bias.device)
+    grad_bias.index_add_(0, experts, grad_output.float())
+    return grad_bias[:-1].to(bias.dtype)
 
 
 @expert_bias_backward.register_fake
