@@ -236,7 +236,7 @@ class ExpertRunner:
         def local(value):
             if isinstance(value, torch.fx.Node):
                 value = env[value.name]
-            return value.to_local() if isinstance(value, DTensor) else value
+            return _as_local(value)
 
         return node.target(*map_aggregate(node.args, local), **map_aggregate(dict(node.kwargs), local))
 
@@ -266,9 +266,7 @@ class ExpertRunner:
         num_local = route.local_offsets.shape[0]
         first = dist.get_rank(self.group) * num_local
         value = rows.value
-        local_rows = value.to_local() if isinstance(value, DTensor) else value
-        local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
-        output = node.target(local_rows, local_bias[first:first + num_local], route.local_offsets)
+        output = node.target(_as_local(value), _as_local(bias)[first:first + num_local], route.local_offsets)
         if isinstance(value, DTensor):
             output = DTensor.from_local(output, value.device_mesh, value.placements, run_check=False)
         return rows.wrap(output)
@@ -294,7 +292,7 @@ class ExpertRunner:
             if index == op.token_input:
                 return dispatch(_token_local(value, partial_token_grad), op.token_expert_dim, op.token_split_dim,
                                 self.group, self.ep)
-            return value.to_local() if isinstance(value, DTensor) else value
+            return _as_local(value)
 
         output = node.target(*map_aggregate(args, local), **map_aggregate(kwargs, local))
         if op.chain_to:
@@ -304,7 +302,7 @@ class ExpertRunner:
 
     def _grouped_mm(self, op: ExpertOp, node, args, kwargs, tp_mesh, output_placement, partial_token_grad: bool):
         tokens, weight, offsets, *rest = args
-        weight, offsets = (value.to_local() if isinstance(value, DTensor) else value for value in (weight, offsets))
+        weight, offsets = _as_local(weight), _as_local(offsets)
         if isinstance(tokens, Dispatched):
             rows = tokens.wrap(_token_local(tokens.value, partial_token_grad))
         else:
@@ -333,3 +331,8 @@ def _token_local(value, partial_grad: bool) -> torch.Tensor:
     if replicated and value.requires_grad and partial_grad:
         return value.to_local(grad_placements=[Partial()])
     return value.to_local()
+
+
+def _as_local(value):
+    """A DTensor's local tensor; anything else as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
