@@ -76,6 +76,8 @@ class Kernel:
     """dtype of the kernel's first floating-point tensor (sets the peak FLOP/s)."""
     causal: bool = False
     """A fused attention kernel with a causal mask (a measured attention rate prices it)."""
+    head_dim: int = 0
+    """A fused attention kernel's query head dim (documented rates depend on it); 0 for others."""
     broadcast: bool = False
     """A pointwise kernel with an operand broadcast along the output (a [s, s] mask over
     [b, h, s, s] scores, RoPE's [s, d] tables): GPUs run these unvectorized (a measured rate)."""

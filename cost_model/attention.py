@@ -32,6 +32,15 @@ sequences (the rates plateau from about 8k):
 The backward's FLOPs are 2.5 x the forward's (five matmuls, the scores recomputed), as torch and
 both sources count them.
 
+Head dim. The rates above are at head dim 128. A kernel's rate falls with a smaller head dim (each
+tile's matmuls are shorter against the same softmax work per score): Shah et al. chart both kernels
+at head dim 64 too (Figs. 5-6, seq 16k): FlashAttention-2 forward 324 and 299 causal, backward 291;
+cuDNN forward 413 and 388 causal, backward 433 (against 370/335/322 and 595/539/516 at 128). Each
+kernel's rate at head dim 64 is its rate at 128 times that figure's ratio for the same kernel and
+phase (the causal backward takes the backward's); between 64 and 128 the ratio is interpolated
+linearly in the head dim; below 64 it is 64's (optimistic: nothing smaller is charted); above 128
+it is 1 (both figures chart 256 forward only, at rates near 128's).
+
 Which kernel runs is the runtime's: torch's SDPA runs its flash backend (FlashAttention-2) on
 Hopper until it prefers cuDNN (pytorch#138522 made cuDNN opt-in after 2.5; sdp_utils'
 check_prefer_cudnn_attention puts it first on sm90 from a bundled cuDNN above 9.15, torch 2.11);
@@ -63,20 +72,39 @@ class AttentionKernel:
     """Backward without a mask."""
     backward_causal: float
     """Backward under a causal mask."""
+    head_dim_64: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    """Rate at head dim 64 over the rate at 128, forward, causal forward and backward (the causal
+    backward takes the backward's), from one source charting both head dims."""
     source: str = ""
 
     def __post_init__(self) -> None:
         for field in ("forward", "forward_causal", "backward", "backward_causal"):
             if not 0.0 < getattr(self, field) <= 1.0:
                 raise ValueError(f"attention kernel {self.name}: {field} must be in (0, 1], got {getattr(self, field)}")
+        if len(self.head_dim_64) != 3 or not all(0.0 < ratio <= 1.0 for ratio in self.head_dim_64):
+            raise ValueError(f"attention kernel {self.name}: head_dim_64 must be three ratios in (0, 1], got "
+                             f"{self.head_dim_64}")
 
-    def efficiency(self, phase: str, causal: bool) -> float:
-        """Fraction of the bf16 peak for "forward" or "backward", with or without a causal mask."""
+    def efficiency(self, phase: str, causal: bool, head_dim: int = 0) -> float:
+        """Fraction of the bf16 peak for "forward" or "backward", with or without a causal mask, at
+        `head_dim` (0: unknown, priced at 128)."""
         if phase == "forward":
-            return self.forward_causal if causal else self.forward
-        if phase == "backward":
-            return self.backward_causal if causal else self.backward
-        raise ValueError(f"unknown attention phase '{phase}' (forward, backward)")
+            rate, ratio = (self.forward_causal, self.head_dim_64[1]) if causal else (self.forward, self.head_dim_64[0])
+        elif phase == "backward":
+            rate, ratio = (self.backward_causal if causal else self.backward), self.head_dim_64[2]
+        else:
+            raise ValueError(f"unknown attention phase '{phase}' (forward, backward)")
+        return rate * head_dim_factor(ratio, head_dim)
+
+
+def head_dim_factor(ratio_at_64: float, head_dim: int) -> float:
+    """The rate at `head_dim` over the rate at 128, given the ratio at 64: linear in the head dim
+    between 64 and 128, 64's below, 1 above (and for 0, unknown)."""
+    if head_dim <= 0 or head_dim >= 128:
+        return 1.0
+    if head_dim <= 64:
+        return ratio_at_64
+    return ratio_at_64 + (1.0 - ratio_at_64) * (head_dim - 64) / 64
 
 
 def work_fraction(causal: bool) -> float:
@@ -85,19 +113,23 @@ def work_fraction(causal: bool) -> float:
 
 
 def _hopper(name: str, *, forward: float, forward_causal: float, backward: float, backward_causal: float,
-            source: str) -> AttentionKernel:
-    """A kernel from its published rates in TF/s on an H100 SXM5."""
+            at_64: tuple[float, float, float], at_128: tuple[float, float, float], source: str) -> AttentionKernel:
+    """A kernel from its published rates in TF/s on an H100 SXM5 at head dim 128, and one source's
+    forward, causal forward and backward rates at head dims 64 (`at_64`) and 128 (`at_128`)."""
     peak = H100_SXM_BF16_TFLOPS
     return AttentionKernel(name=name, forward=forward / peak, forward_causal=forward_causal / peak,
-                           backward=backward / peak, backward_causal=backward_causal / peak, source=source)
+                           backward=backward / peak, backward_causal=backward_causal / peak,
+                           head_dim_64=tuple(low / high for low, high in zip(at_64, at_128)), source=source)
 
 
 HOPPER_ATTENTION_KERNELS = (
     _hopper("flash2", forward=369.9, forward_causal=284.1, backward=290.6, backward_causal=287.1,
+            at_64=(324.0, 299.0, 291.0), at_128=(370.0, 335.0, 322.0),
             source="FlashAttention-2; Dao-AILab/flash-attention#1791 hopper/benchmark_attn.py, H100, head dim 128, "
-                   "seq 8192"),
+                   "seq 8192; head dim 64 by Shah et al. 2024 Figs. 5-6 (64 against 128)"),
     _hopper("cudnn", forward=595.0, forward_causal=539.0, backward=516.0, backward_causal=516.0 * 539.0 / 595.0,
+            at_64=(413.0, 388.0, 433.0), at_128=(595.0, 539.0, 516.0),
             source="cuDNN 9 fused attention; Shah et al. 2024 (arXiv 2407.08608) Figs. 5-6: H100 SXM5, head dim "
-                   "128, seq 16k; causal backward at the forward's causal ratio"),
+                   "128, seq 16k; causal backward at the forward's causal ratio; head dim 64 from the same figures"),
 )
 """The kernels documented on Hopper (H100, H200: the same SMs and clocks)."""

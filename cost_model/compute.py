@@ -135,11 +135,11 @@ class ComputeModel:
         efficiency = self.device.matmul_efficiency * flops / (flops + self.device.matmul_half_efficiency_flops)
         return self.device.peak_flops(key) * max(efficiency, 1e-6)
 
-    def documented_attention_s(self, flops: float, phase: str, causal: bool) -> float:
+    def documented_attention_s(self, flops: float, phase: str, causal: bool, head_dim: int = 0) -> float:
         """A fused attention kernel of torch's count `flops` at the device's named kernel's
-        documented rate (cost_model/attention.py)."""
+        documented rate at its head dim (cost_model/attention.py; 0: unknown, 128's rate)."""
         work = flops * work_fraction(causal)
-        efficiency = self.device.attention.efficiency(phase, causal)
+        efficiency = self.device.attention.efficiency(phase, causal, head_dim)
         efficiency *= work / (work + self.device.matmul_half_efficiency_flops)
         return work / (self.device.peak_flops("bf16") * efficiency)
 
@@ -155,15 +155,17 @@ class ComputeModel:
         return flops / rate
 
     def kernel(self, flops: float, io_bytes: float, is_matmul: bool, dtype: str = "bfloat16",
-               name: str = "", causal: bool = False, broadcast: bool = False, groups: int = 1) -> ComputeTime:
-        """`groups` > 1: a grouped matmul (is_grouped_matmul(name)) of that many equal matmuls."""
+               name: str = "", causal: bool = False, broadcast: bool = False, groups: int = 1,
+               head_dim: int = 0) -> ComputeTime:
+        """`groups` > 1: a grouped matmul (is_grouped_matmul(name)) of that many equal matmuls;
+        `head_dim`: a fused attention kernel's query head dim (0: unknown)."""
         memory_s = io_bytes / self.bandwidth_bytes_per_s
         attention = self._attention.get((attention_phase(name), causal)) if self._attention else None
         if attention is not None and flops > 0:
             return ComputeTime(matmul_s=flops / _interpolate(attention, flops), overhead_s=self.overhead_s)
         documented = self.device.attention if not self._attention else None
         if documented is not None and flops > 0 and attention_phase(name):
-            return ComputeTime(matmul_s=self.documented_attention_s(flops, attention_phase(name), causal),
+            return ComputeTime(matmul_s=self.documented_attention_s(flops, attention_phase(name), causal, head_dim),
                                overhead_s=self.overhead_s)
         if not is_matmul or flops <= 0:
             rate = self.element_rates.get(kernel_kind(name, dtype, flops, io_bytes, broadcast)) if name else None
@@ -187,7 +189,8 @@ class ComputeModel:
                                         kernel.is_matmul, kernel.dtype, kernel.name,
                                         getattr(kernel, "causal", False) if causal is None else causal,
                                         getattr(kernel, "broadcast", False),
-                                        groups if is_grouped_matmul(kernel.name) else 1)
+                                        groups if is_grouped_matmul(kernel.name) else 1,
+                                        getattr(kernel, "head_dim", 0))
         return total
 
 

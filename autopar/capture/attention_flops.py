@@ -29,13 +29,11 @@ def is_causal(func, args, kwargs) -> bool:
 
 def attention_flops(func, args) -> float | None:
     """FLOPs of `func` if it is a fused attention kernel on [batch, heads, seq, dim] tensors, else None."""
+    operands = _operands(func, args)
+    if operands is None:
+        return None
     name = getattr(func, "_overloadpacket", func).__name__
-    if name not in _FORWARD and name not in _BACKWARD:
-        return None
-    tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
-    query, key, value = tensors[1:4] if name in _BACKWARD else tensors[:3]
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        return None
+    query, key, value = operands
     batch, query_heads, query_len, head_dim = query.shape
     key_len, value_dim = key.shape[-2], value.shape[-1]
     pairs = batch * query_heads * query_len * key_len
@@ -43,3 +41,21 @@ def attention_flops(func, args) -> float | None:
     if name in _FORWARD:
         return scores + weighted
     return 3 * scores + 2 * weighted  # scores again, grad q, grad k; grad scores, grad v
+
+
+def attention_head_dim(func, args) -> int:
+    """The query head dim of a fused attention kernel (0 if `func` is none)."""
+    operands = _operands(func, args)
+    return int(operands[0].shape[-1]) if operands is not None else 0
+
+
+def _operands(func, args):
+    """(query, key, value) of a fused attention kernel on [batch, heads, seq, dim] tensors, else None."""
+    name = getattr(func, "_overloadpacket", func).__name__
+    if name not in _FORWARD and name not in _BACKWARD:
+        return None
+    tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
+    query, key, value = tensors[1:4] if name in _BACKWARD else tensors[:3]
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return None
+    return query, key, value

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from autopar.capture.attention_flops import attention_flops, is_causal
+from autopar.capture.attention_flops import attention_flops, attention_head_dim, is_causal
 from autopar.graph import Kernel, Ref
 
 aten = torch.ops.aten
@@ -119,6 +119,7 @@ class KernelRecorder(TorchDispatchMode):
         self.kernels.append(Kernel(name=str(func), flops=flops, io_bytes=float(io_bytes), is_matmul=is_matmul,
                                    dtype=_compute_dtype(args, out),
                                    causal=attention is not None and is_causal(func, args, kwargs),
+                                   head_dim=attention_head_dim(func, args) if attention is not None else 0,
                                    broadcast=_broadcasts(func, args, out)))
         return out
 

@@ -85,6 +85,8 @@ def test_attention_kernels_carry_their_causal_mask():
         attention = [k for k in result.fwd_kernels + result.bwd_kernels if "attention" in k.name]
         assert len(attention) == 2 and all(kernel.causal == causal for kernel in attention)
         assert not any(kernel.causal for kernel in result.fwd_kernels + result.bwd_kernels if kernel not in attention)
+        assert {kernel.head_dim for kernel in attention} == {shape[-1]}
+        assert not any(kernel.head_dim for kernel in result.fwd_kernels + result.bwd_kernels if kernel not in attention)
 
 
 def test_masked_fill_runs_as_a_copy_then_the_fill_in_place():

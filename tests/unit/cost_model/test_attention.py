@@ -29,6 +29,20 @@ def test_cudnns_causal_backward_takes_the_forwards_causal_ratio() -> None:
     assert cudnn.backward_causal / cudnn.backward == pytest.approx(cudnn.forward_causal / cudnn.forward)
 
 
+def test_a_smaller_head_dim_runs_at_the_figures_ratio_and_interpolates_to_128() -> None:
+    cudnn = _kernel("cudnn")
+    assert cudnn.efficiency("forward", False, 64) == pytest.approx(cudnn.forward * 413 / 595)
+    assert cudnn.efficiency("forward", True, 64) == pytest.approx(cudnn.forward_causal * 388 / 539)
+    assert cudnn.efficiency("backward", True, 64) == pytest.approx(cudnn.backward_causal * 433 / 516)
+    assert cudnn.efficiency("backward", False, 96) == pytest.approx(cudnn.backward * (433 / 516 + 1) / 2)
+    assert cudnn.efficiency("forward", False, 32) == cudnn.efficiency("forward", False, 64)
+    for head_dim in (0, 128, 192, 256):
+        assert cudnn.efficiency("forward", False, head_dim) == cudnn.forward
+    with pytest.raises(ValueError, match="head_dim_64 must be"):
+        AttentionKernel(name="x", forward=0.3, forward_causal=0.3, backward=0.3, backward_causal=0.3,
+                        head_dim_64=(1.2, 1.0, 1.0))
+
+
 def test_a_causal_kernel_does_half_of_torchs_count() -> None:
     assert work_fraction(True) == 0.5 and work_fraction(False) == 1.0
 

@@ -131,6 +131,10 @@ def test_without_a_profile_a_named_attention_kernel_prices_attention_at_its_docu
             assert plain.kernels([kernel]).matmul_s == pytest.approx(flops / plain.matmul_rate(flops, "bfloat16"))
     mm = Kernel(name="aten.mm.default", flops=flops, io_bytes=1e6, is_matmul=True, dtype="bfloat16")
     assert named.kernels([mm]).total_s == pytest.approx(plain.kernels([mm]).total_s)
+    narrow = Kernel(name="aten._scaled_dot_product_flash_attention.default", flops=flops, io_bytes=1e6,
+                    is_matmul=True, dtype="bfloat16", head_dim=64)
+    wide = replace(narrow, head_dim=128)
+    assert named.kernels([narrow]).matmul_s == pytest.approx(named.kernels([wide]).matmul_s * 370 / 324, rel=1e-3)
 
 
 def test_a_measured_attention_sweep_overrules_the_named_kernel():
