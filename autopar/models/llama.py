@@ -145,9 +145,12 @@ class GroupedQueryAttention(nn.Module):
         query = apply_rotary(self._split_heads(self.q_proj(x), self.num_heads), cos, sin)
         key = apply_rotary(self._split_heads(self.k_proj(x), self.num_kv_heads), cos, sin)
         value = self._split_heads(self.v_proj(x), self.num_kv_heads)
-        context = F.scaled_dot_product_attention(query, key, value, is_causal=True,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(context.transpose(1, 2).flatten(-2))
+        return self.o_proj(self._attend(query, key, value).transpose(1, 2).flatten(-2))
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, seq, head_dim) causal attention; a subclass may mask otherwise."""
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                              enable_gqa=self.num_heads != self.num_kv_heads)
 
     def _split_heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
         return x.unflatten(-1, (num_heads, self.head_dim)).transpose(1, 2)

@@ -43,7 +43,7 @@ from torch import nn
 
 from autopar.errors import ModelSpecError
 from autopar.models.gpt import example_inputs, example_targets, loss_fn
-from autopar.models.llama import GroupedQueryAttention, Llama, RMSNorm, SwiGLU, apply_rotary
+from autopar.models.llama import GroupedQueryAttention, Llama, RMSNorm, SwiGLU
 from autopar.models.mla import LatentAttention
 from autopar.models.moe_gshard import GShardMoEGPT
 from autopar.models.moe_layer import MoELayer
@@ -208,19 +208,14 @@ class WindowedAttention(GroupedQueryAttention):
         super().__init__(config)
         self.window = window
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        query = apply_rotary(self._split_heads(self.q_proj(x), self.num_heads), cos, sin)
-        key = apply_rotary(self._split_heads(self.k_proj(x), self.num_kv_heads), cos, sin)
-        value = self._split_heads(self.v_proj(x), self.num_kv_heads)
-        seq = x.shape[-2]
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        seq = query.shape[-2]
         if seq % self.window == 0 and seq > self.window:
-            context = self._blocked(query, key, value)
-        else:
-            positions = torch.arange(seq, device=x.device)
-            mask = in_window(positions.unsqueeze(-1) - positions, self.window)
-            context = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                                     enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(context.transpose(1, 2).flatten(-2))
+            return self._blocked(query, key, value)
+        positions = torch.arange(seq, device=query.device)
+        mask = in_window(positions.unsqueeze(-1) - positions, self.window)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                              enable_gqa=self.num_heads != self.num_kv_heads)
 
     def _blocked(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """(batch, heads, seq, head_dim) attention in window-row query blocks over 2-block keys."""
