@@ -72,6 +72,12 @@ class PrecisionPolicy:
     (Megatron-Core / NeMo `tp_comm_overlap`, Transformer Engine userbuffers: solver/tp_overlap.py);
     autopar's runtime with async TP (Plan.tp_overlap "async"). False: they run exposed, as autopar's
     runtime issues them through DTensor with tp_overlap "off"."""
+    tp_overlap_sums: bool = True
+    """Under tp_comm_overlap, the reduce-scatter of a gradient autograd summed over several readers
+    of one gathered input (q, k and v; gate and up) is overlapped too: Transformer Engine, as
+    Megatron-Core runs those readers as one fused linear (linear_qkv, linear_fc1). False for torch's
+    async TP (the inductor pass fuses a reduce-scatter only with the one matmul producing it) and
+    autopar's runtime (codegen/async_tp.py): that reduce-scatter runs after the sum, exposed."""
     fsdp_root_ends: bool = False
     """The runtime's root FSDP unit holds the first and last segments' parameters (torchtitan:
     `fully_shard` on each transformer block, then on the whole model, so the embedding, the final

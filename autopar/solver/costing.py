@@ -38,6 +38,15 @@ class CommEvent:
     time_s: float
     phase: str
     """"fwd", "bwd" or "step" (once per optimizer step: gradient synchronisation)."""
+    summed: bool = False
+    """Reduces a gradient autograd summed over several readers of one redistributed tensor (the
+    backward of a fan-out), not the output of one op."""
+
+    @property
+    def column(self) -> str:
+        """Its term in the breakdown: the op, and ".summed" for a summed gradient's reduce-scatter
+        (which torch's async TP cannot fuse with a GEMM: solver/tp_overlap.py)."""
+        return f"{self.op}.summed" if self.summed and self.op == "reduce_scatter" else self.op
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.graph import OpGraph
 from autopar.solver.costing import CommEvent
@@ -202,7 +202,8 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                     _note_node_comm(segment, node, events)
                     if producer.requires_grad and producer.output.is_float:
                         target = tuple(grad_placement(p) for p in source_strategy.output)
-                        segment.comm += builder.ctx.redistribute(producer.output, grad, target, "bwd")
+                        segment.comm += tuple(replace(event, summed=True) for event in
+                                              builder.ctx.redistribute(producer.output, grad, target, "bwd"))
                     if _saved_by_any(graph, source) and not _views_a_weight(graph, source, placement, placement):
                         size = producer.output.nbytes / shard_factor(placement, mesh_shape)
                         _save_once(segment, (source, placement), size)

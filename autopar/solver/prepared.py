@@ -141,11 +141,11 @@ class PreparedSegments:
                 if once_per_step(event):
                     grad_reduce[index] += event.time_s
                 else:
-                    _column(comm, event.op, len(segments))[index] += event.time_s
+                    _column(comm, event.column, len(segments))[index] += event.time_s
             for op, seconds in recompute_comm_s(segment, recompute).items():
                 _column(comm, op, len(segments))[index] += seconds
             for event in segment.selective_recompute_comm if recompute == "selective" else ():
-                _column(comm, event.op, len(segments))[index] += event.time_s
+                _column(comm, event.column, len(segments))[index] += event.time_s
         array = lambda values: np.asarray(list(values), dtype=float)  # noqa: E731
         forward = array(s.forward.total_s for s in segments)
         backward = array(s.backward.total_s for s in segments)

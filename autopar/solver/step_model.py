@@ -602,7 +602,8 @@ class StepModel(StepFsdp, StepTail):
         overlap_s = 0.0
         if self.policy.tp_comm_overlap:  # the runtime hides its SP collectives behind GEMMs (tp_overlap.py)
             tp_comm, overlap_s = overlap_tp_comm(tp_comm, tp=config.tp, share=self.comm_sm_share(),
-                                                 compute_s=total("forward_s", own) + total("backward_s", own))
+                                                 compute_s=total("forward_s", own) + total("backward_s", own),
+                                                 sums=self.policy.tp_overlap_sums)
         timeline, exposed, step_end, offload = self._fsdp(prepared, own, config)
         ep_s, ep_segments, (ep_forward, ep_backward) = self._ep_parts(prepared, own, config)
         fused = self._fuses_wgrad(config) and prepared.fused_wgrad_numel is not None

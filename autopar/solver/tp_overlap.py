@@ -18,7 +18,16 @@ last transfer, the pipelined reduce-scatter's last chunk), so per collective
     exposed = time / tp,    hidden = time x (tp - 1) / tp   (at most the stage's compute)
 
 and the hidden seconds hold SMs while the GEMMs run (cost_model/contention.py): they add
-hidden x channels / SMs. Collectives without sequence parallelism (all-reduces), the context-
+hidden x channels / SMs.
+
+What each runtime fuses. Transformer Engine overlaps every one of them: Megatron-Core runs the
+readers of one gathered input as one linear (linear_qkv; linear_fc1 holds gate and up), so each
+backward reduce-scatter follows one dgrad GEMM. torch's async TP (the inductor pass
+micro_pipeline_tp, torchtitan's enable_async_tensor_parallel) fuses an all-gather with every matmul
+reading it, but a reduce-scatter only with the single matmul producing it; where q, k and v (or
+gate and up) are separate linears, the gradient of their shared input is a sum of their dgrads, and
+its reduce-scatter runs after the sum, exposed ("reduce_scatter.summed", PrecisionPolicy.
+tp_overlap_sums False). autopar's runtime does the same (codegen/async_tp.py). Collectives without sequence parallelism (all-reduces), the context-
 parallel exchange and the expert all-to-alls are not overlapped this way and stay as priced.
 autopar's own runtime runs the same overlap as torch's async TP where the plan's tp_overlap is
 "async" (codegen/async_tp.py: the default on CUDA clusters) and is priced so; with "off" it issues
@@ -32,24 +41,28 @@ OVERLAPPED_OPS = ("all_gather", "reduce_scatter")
 "all_gather.regather")."""
 
 
-def overlappable(op: str) -> bool:
-    """Whether a tensor-parallel comm term (StageEstimate.tp_comm_s key) is overlapped."""
-    return not op.startswith("cp.") and op.split(".")[0] in OVERLAPPED_OPS
+def overlappable(op: str, sums: bool = True) -> bool:
+    """Whether a tensor-parallel comm term (StageEstimate.tp_comm_s key) is overlapped; `sums`:
+    also the reduce-scatters of summed gradients ("reduce_scatter.summed")."""
+    if op.startswith("cp.") or (not sums and op.endswith(".summed")):
+        return False
+    return op.split(".")[0] in OVERLAPPED_OPS
 
 
-def overlap_tp_comm(tp_comm_s: dict[str, float], *, tp: int, compute_s: float,
-                    share: float) -> tuple[dict[str, float], float]:
+def overlap_tp_comm(tp_comm_s: dict[str, float], *, tp: int, compute_s: float, share: float,
+                    sums: bool = True) -> tuple[dict[str, float], float]:
     """(the comm terms with only their exposed seconds, plus "sm_contention"; the seconds the
     stage's time per microbatch changes by: - hidden + contention). `share`: of the SMs the
-    overlapped communication holds (contention.sm_share). See the module docstring."""
+    overlapped communication holds (contention.sm_share); `sums`: PrecisionPolicy.tp_overlap_sums.
+    See the module docstring."""
     if tp <= 1:
         return dict(tp_comm_s), 0.0
-    total = sum(seconds for op, seconds in tp_comm_s.items() if overlappable(op))
+    total = sum(seconds for op, seconds in tp_comm_s.items() if overlappable(op, sums))
     if total <= 0:
         return dict(tp_comm_s), 0.0
     hidden = min(total * (tp - 1) / tp, max(0.0, compute_s))
     kept = 1.0 - hidden / total
-    terms = {op: seconds * kept if overlappable(op) else seconds for op, seconds in tp_comm_s.items()}
+    terms = {op: seconds * kept if overlappable(op, sums) else seconds for op, seconds in tp_comm_s.items()}
     contention = hidden * share
     if contention:
         terms["sm_contention"] = contention

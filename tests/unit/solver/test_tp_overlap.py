@@ -71,3 +71,25 @@ def test_a_runtime_that_overlaps_its_tp_comm_is_priced_faster_with_its_sm_share(
     assert overlapped.breakdown_s["tp.all_gather"] == pytest.approx(exposed.breakdown_s["tp.all_gather"] / 4)
     assert overlapped.breakdown_s["tp.sm_contention"] > 0
     assert "tp.sm_contention" not in exposed.breakdown_s
+
+
+def test_async_tp_leaves_the_reduce_scatter_of_a_summed_gradient_exposed() -> None:
+    terms = {**TERMS, "reduce_scatter.summed": 0.3}
+    assert overlappable("reduce_scatter.summed") and not overlappable("reduce_scatter.summed", sums=False)
+    te, _ = overlap_tp_comm(terms, tp=4, compute_s=10.0, share=0.0)
+    torch_async, change = overlap_tp_comm(terms, tp=4, compute_s=10.0, share=0.0, sums=False)
+    assert te["reduce_scatter.summed"] == pytest.approx(0.3 / 4)
+    assert torch_async["reduce_scatter.summed"] == 0.3 and torch_async["reduce_scatter"] == pytest.approx(0.1)
+    assert change == pytest.approx(-1.0 * 3 / 4)
+
+
+def test_a_gradient_summed_over_the_readers_of_one_gathered_input_is_reduce_scattered_summed(graph) -> None:
+    policy = replace(MEGATRON_BF16, tp_comm_overlap=True)
+    te = _estimate(graph, policy)
+    torch_async = _estimate(graph, replace(policy, tp_overlap_sums=False))
+    exposed = _estimate(graph, MEGATRON_BF16)
+    assert exposed.breakdown_s["tp.reduce_scatter.summed"] > 0
+    assert te.breakdown_s["tp.reduce_scatter.summed"] == pytest.approx(exposed.breakdown_s["tp.reduce_scatter.summed"] / 4)
+    assert torch_async.breakdown_s["tp.reduce_scatter.summed"] == pytest.approx(
+        exposed.breakdown_s["tp.reduce_scatter.summed"])
+    assert te.step_time_s < torch_async.step_time_s < exposed.step_time_s
