@@ -167,7 +167,7 @@ class AsyncTP:
             return None
         weight, bias = weights[0], (weights[1] if len(weights) > 1 else None)
         master = _fused_master(self.fused_wgrad, weight, value)
-        if master is not None:  # its gradient goes to master.grad: none through the copy's cast
+        if master is not None and master is not weight:  # into master.grad: none through the copy's cast
             weight = weight.detach()
         if column:
             self.stats["column"] += 1
@@ -184,7 +184,7 @@ def _fused_master(fused_wgrad, weight: DTensor, inputs: DTensor):
     Both linears here are column- or row-parallel: the local product is the rank's shard."""
     if fused_wgrad is None or fused_wgrad.kernel == "off":
         return None
-    master = fused_wgrad.weight_casts.master_of(weight)
+    master = fused_wgrad.master_of(weight)
     if master is None or weight.dtype not in (torch.bfloat16, torch.float16) or inputs.dtype != weight.dtype:
         return None
     return master
@@ -192,12 +192,13 @@ def _fused_master(fused_wgrad, weight: DTensor, inputs: DTensor):
 
 def _weight_grad(ctx, grad: Callable[[], DTensor], inputs: Callable[[], DTensor], local_grad: Callable[[], DTensor]):
     """The weight's gradient for autograd (`local_grad`), or None where FusedWgrad accumulated it into
-    the fp32 master's .grad itself, from the `grad` and `inputs` DTensors its placement check reads."""
+    the fp32 master's .grad (or FSDP2's fp32 unsharded gradient) itself, from the `grad` and `inputs`
+    DTensors its placement check reads."""
     if ctx.master is None:
         return local_grad()
     with torch.no_grad():
-        ctx.runner.fused_wgrad.accumulate(ctx.master, grad(), inputs())
-    return None
+        taken = ctx.runner.fused_wgrad.accumulate(ctx.master, grad(), inputs())
+    return None if taken else local_grad()
 
 
 def _placed(values, placements) -> bool:

@@ -26,6 +26,7 @@ from autopar.solver.recompute import op_saved_nodes
 from autopar.plans.plan import Plan
 from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES
 from autopar.solver.pipeline import rank_of, stages_of_rank
+from autopar.solver.step_tail import fsdp_fuses_wgrad
 
 
 @dataclass
@@ -132,6 +133,17 @@ class ProgramBuilder:
         """Precision "fp8": the plan's float8 linears (codegen/fp8.py), else None."""
         self.fp8_experts = self._float8_experts()
         """Precision "fp8": the plan's float8 expert grouped matmuls (codegen/fp8_experts.py), else None."""
+
+    def fuse_under_fsdp(self, stages: list[StageProgram]) -> None:
+        """After apply_fsdp: where FSDP2 accumulates fp32 unsharded gradients over microbatches
+        (solver/step_tail.fsdp_fuses_wgrad, the rule the planner prices), the linears' GEMMs
+        accumulate into them (codegen/fused_wgrad.py)."""
+        fused, plan = self.interpreter.fused_wgrad, self.plan
+        if fused is None or plan.schedule in ZERO_BUBBLE_SCHEDULES or not fsdp_fuses_wgrad(
+                zero_stage=plan.zero_stage, pp=plan.mesh["pp"], num_microbatches=plan.num_microbatches,
+                offload=plan.offload):
+            return
+        fused.use_fsdp([module for stage in stages for module in stage.modules() if hasattr(module, "_get_fsdp_state")])
 
     def _float8_linears(self):
         if self.plan.precision != "fp8":

@@ -3,7 +3,9 @@
     ZeRO 0  parameters replicated; gradients all-reduced (averaged) over dp once per step
     ZeRO 1  FSDP2 fully_shard, parameters gathered once per step and kept until the last
             microbatch's backward (set_reshard_after_backward), gradient reduce-scatter only
-            after the last microbatch (set_requires_gradient_sync)
+            after the last microbatch (set_requires_gradient_sync); FSDP2 accumulates the
+            gradients unsharded in fp32 meanwhile, where the linears' GEMMs add into it
+            (codegen/fused_wgrad.py, also under ZeRO 2 with pipelining)
     ZeRO 2  as 1, but gradients reduce-scattered after every microbatch (without pipelining)
     ZeRO 3  FSDP2 with reshard_after_forward: parameters gathered before each use
     offload ZeRO 3 with CPUOffloadPolicy (ZeRO-Offload as FSDP2 runs it): sharded parameters,

@@ -82,6 +82,7 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
         apply_fsdp(stages, runtime.reduce_mesh, plan.zero_stage, offload=plan.offload,
                    param_dtype=torch.bfloat16 if plan.precision in ("bf16", "fp8") else None,
                    expert_mesh=runtime.expert_replica_mesh if plan.ep > 1 else None)
+        builder.fuse_under_fsdp(stages)
     schedule, tied = None, {}
     if len(specs) > 1:
         pipeline = PipelineBuilder(plan, parts, builder.placements, runtime.device, runtime.pp_group, builder.wires)

@@ -175,6 +175,11 @@ class WeightCasts:
             self._masters[id(copy)] = (copy, weight)
         return held[1]
 
+    @property
+    def in_step(self) -> bool:
+        """Inside `step()` (a training or evaluation step of ParallelModule)."""
+        return self._copies is not None
+
     def master_of(self, value) -> torch.Tensor | None:
         """The fp32 weight whose step copy `value` is, when that copy accumulates into `.grad`
         (fused_wgrad.py may then accumulate in its place); else None."""

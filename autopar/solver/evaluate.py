@@ -64,8 +64,9 @@ class SegmentCost:
     """Of param_numel, the weights whose gradients the runtime can accumulate inside their linears'
     weight-gradient GEMMs (codegen/fused_wgrad.py; CUDA clusters only)."""
     fused_wgrad_saving: ComputeTime = field(default_factory=ComputeTime)
-    """What backward costs less per microbatch where the configuration fuses them (no FSDP2, no
-    zero-bubble schedule): their casts, less the GEMMs' fp32 epilogues (_add_fused_saving)."""
+    """What backward costs less per microbatch where the configuration fuses them (StepModel.
+    _fuses_wgrad: no zero-bubble schedule; under FSDP2 only where it accumulates fp32 unsharded
+    gradients over microbatches): their casts, less the GEMMs' fp32 epilogues (_add_fused_saving)."""
     selective_recompute_comm: list[CommEvent] = field(default_factory=list)
     """Collectives those ops run again when recomputed (context parallelism's KV all-gather)."""
     gathered: dict[str, tuple[float, float, float, tuple]] = field(default_factory=dict)

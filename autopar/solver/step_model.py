@@ -96,7 +96,7 @@ from autopar.solver.p2p_overlap import hidden_p2p_s
 from autopar.solver.placement import Placement
 from autopar.solver.schedule_sim import uniform_bubble_s
 from autopar.solver.step_fsdp import StepFsdp, fsdp_notes
-from autopar.solver.step_tail import StepTail, uses_fsdp
+from autopar.solver.step_tail import StepTail, fsdp_fuses_wgrad, uses_fsdp
 from autopar.solver.tp_overlap import overlap_tp_comm
 from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
@@ -627,9 +627,13 @@ class StepModel(StepFsdp, StepTail):
 
     def _fuses_wgrad(self, config: ParallelConfig) -> bool:
         """Whether the runtime accumulates weight gradients inside their GEMMs in this configuration
-        (codegen/fused_wgrad.py): through the step's bf16 copies, which FSDP2 does not make, and
-        not under the zero-bubble schedules (torch's weight pass adds the gradients itself)."""
-        return self.fuses_weight_grads and self.policy.casts_once_per_step and not uses_fsdp(config) \
+        (codegen/fused_wgrad.py): into the fp32 .grad behind the step's bf16 copies, or under FSDP2
+        into its fp32 unsharded accumulator where it keeps one (step_tail.fsdp_fuses_wgrad); not
+        under the zero-bubble schedules (torch's weight pass adds the gradients itself)."""
+        fsdp_ok = not uses_fsdp(config) or fsdp_fuses_wgrad(
+            zero_stage=config.zero_stage, pp=config.pp, num_microbatches=config.num_microbatches,
+            offload=config.offload)
+        return self.fuses_weight_grads and self.policy.casts_once_per_step and fsdp_ok \
             and config.schedule not in ZERO_BUBBLE_SCHEDULES
 
     def _ep_parts(self, prepared: PreparedSegments, own, config: ParallelConfig):

@@ -19,6 +19,16 @@ def uses_fsdp(config: ParallelConfig) -> bool:
     return config.offload or (config.zero_stage >= 1 and config.data_shards > 1)
 
 
+def fsdp_fuses_wgrad(*, zero_stage: int, pp: int, num_microbatches: int, offload: bool) -> bool:
+    """Under FSDP2, whether the runtime accumulates weight gradients inside their GEMMs
+    (codegen/fused_wgrad.py): where FSDP2 keeps an fp32 unsharded gradient across microbatches
+    (FSDPParam.unsharded_accumulated_grad: ZeRO-1, and ZeRO-2 under pipelining, which reduce-scatter
+    after the last microbatch only), the GEMM writes into it. Not ZeRO-2 without pipelining (each
+    microbatch's bf16 gradient goes straight to the reduce-scatter, cast in its copy-in), not one
+    microbatch (nothing accumulates), not ZeRO-3 or offload (left as FSDP2 runs them)."""
+    return zero_stage in (1, 2) and not offload and num_microbatches > 1 and (zero_stage == 1 or pp > 1)
+
+
 def sharded_numel(stage: StageEstimate, config: ParallelConfig) -> float:
     """Parameters of the stage in this device's optimizer shard: all of them under ZeRO-0, else
     the dense ones over the data shards and this rank's experts over the ranks holding the same
@@ -145,8 +155,8 @@ class StepTail:
         without a reduce-scatter per microbatch its fused add of the bf16 gradient into the fp32
         accumulator is 4 bytes more than the cast; with a reduce-scatter per microbatch only the
         shard accumulates. Weights whose gradients accumulate inside their GEMMs (StageEstimate.
-        fused_wgrad_numel: CUDA, no FSDP2, no zero-bubble schedule) add nothing, as under
-        Megatron-LM's gradient-accumulation fusion (not priced: MEGATRON_BF16)."""
+        fused_wgrad_numel: CUDA, no zero-bubble schedule, under FSDP2 where fsdp_fuses_wgrad) add
+        nothing, as under Megatron-LM's gradient-accumulation fusion (not priced: MEGATRON_BF16)."""
         m = config.num_microbatches
         if not self.policy.casts_once_per_step or m <= 1 or config.offload:  # offload: on the host (offload.*)
             return 0.0

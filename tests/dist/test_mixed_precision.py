@@ -104,14 +104,18 @@ def test_bf16_compute_keeps_fp32_weights_and_gradients_and_casts_once_per_step()
 
 FUSED_CONFIGS = ({"tp": 2, "microbatch_size": 4}, {"tp": 2, "microbatch_size": 4, "recompute": "op"},
                  {"dp": 2, "zero_stage": 0, "microbatch_size": 2},
-                 {"pp": 2, "schedule": "1f1b", "microbatch_size": 2, "zero_stage": 0})
+                 {"pp": 2, "schedule": "1f1b", "microbatch_size": 2, "zero_stage": 0},
+                 {"dp": 2, "zero_stage": 1, "microbatch_size": 1})
 """Column- and row-parallel DTensor linears, also under the "op" recomputation (selective
 checkpoints of torch); ZeRO-0's all-reduce overlapped from post-accumulate hooks
-(codegen/grad_overlap.py); pipeline stages accumulating over microbatches."""
+(codegen/grad_overlap.py); pipeline stages accumulating over microbatches; ZeRO-1 on FSDP2 over 4
+microbatches (into its fp32 unsharded gradients, reduce-scattered after the last)."""
 
 
 def fused_worker(cluster: str) -> list[dict]:
     import os
+
+    from torch.distributed.tensor import DTensor
 
     from autopar.models import build_model
     from one_process import parallelize_reusing_captures
@@ -137,7 +141,11 @@ def fused_worker(cluster: str) -> list[dict]:
         fused, plain = runs["emulate"], runs["off"]
         relative = max(float((fused["grads"][name] - grad).abs().max() / grad.abs().max().clamp_min(1e-12))
                        for name, grad in plain["grads"].items())
+        sharded = [p.grad for p in fused["params"].values() if isinstance(p.grad, DTensor)
+                   and any(placement.is_shard() for placement in p.grad.placements)]
         results.append(dict(constraints=constraints, loss=fused["loss"], plain_loss=plain["loss"],
+                            zero_stage=module.plan.zero_stage, num_microbatches=module.plan.num_microbatches,
+                            num_sharded_grads=len(sharded), num_params=len(fused["params"]),
                             stats=fused["stats"], plain_stats=plain["stats"], largest_relative_diff=relative,
                             same_grad_names=set(fused["grads"]) == set(plain["grads"]),
                             grad_dtypes={str(g.dtype) for g in fused["grads"].values()}))
@@ -157,3 +165,6 @@ def test_weight_gradients_fused_into_the_fp32_grads_match_the_cast_and_add():
             assert result["loss"] == pytest.approx(result["plain_loss"], rel=1e-6), label
             assert result["same_grad_names"] and result["grad_dtypes"] == {"torch.float32"}, label
             assert result["largest_relative_diff"] <= 2e-2, label
+            if result["zero_stage"] == 1:  # FSDP2 reduce-scattered the fused buffers into sharded fp32 grads
+                assert result["num_microbatches"] >= 2, label
+                assert result["num_sharded_grads"] == result["num_params"], label

@@ -154,3 +154,59 @@ def test_the_cuda_kernel_calls_are_well_formed_on_meta_tensors():
     assert first.dtype == torch.float32 and first.shape == (3, 4)
     fused.accumulate(weight, grad, inputs)
     assert weight.grad is first and fused.stats == {"fused": 2}
+
+
+class _FakeFsdp(nn.Module):
+    """A module with FSDP2's private state as fused_wgrad.FsdpGradients reads it (one gathered bf16
+    parameter; its group's gradient sync set by the test)."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.fsdp_param = SimpleNamespace(_unsharded_param=param, unsharded_accumulated_grad=None)
+        self.group = SimpleNamespace(fsdp_params=[self.fsdp_param], reduce_grads=False)
+        self.state = SimpleNamespace(_fsdp_param_group=self.group)
+
+    def _get_fsdp_state(self):
+        return self.state
+
+
+def test_under_fsdp2_the_gemm_accumulates_into_its_fp32_unsharded_gradient_while_it_accumulates():
+    """FSDP2's gathered bf16 parameter: the first microbatch without gradient sync creates the fp32
+    unsharded gradient, later ones add into it (also the one that syncs); autograd gets nothing. A
+    backward that syncs with no accumulated gradient hands autograd the bf16 gradient (FSDP2
+    reduce-scatters it as unfused); outside a step nothing fuses."""
+    gathered = nn.Parameter(torch.randn(3, 4).bfloat16())
+    module, casts = _FakeFsdp(gathered), WeightCasts()
+    fused = FusedWgrad(casts, "emulate")
+    fused.use_fsdp([module])
+    inputs = [x.detach().bfloat16() for x in _inputs()]
+    expected = torch.zeros(3, 4, dtype=torch.float64)
+    assert fused.master(LINEAR, (inputs[0], gathered), None) is None  # no step
+    with casts.step():
+        for index, x in enumerate(inputs):
+            module.group.reduce_grads = index == len(inputs) - 1
+            assert fused.master(LINEAR, (x, gathered), None) is gathered
+            out = fused.linear(gathered, x, gathered)
+            out.float().pow(2).sum().backward()
+            expected += (2 * out.float()).bfloat16().double().reshape(-1, 3).t() @ x.double().reshape(-1, 4)
+            assert gathered.grad is None
+        accumulated = module.fsdp_param.unsharded_accumulated_grad
+        assert accumulated.dtype == torch.float32
+        torch.testing.assert_close(accumulated.double(), expected, rtol=1e-6, atol=1e-4)
+        module.fsdp_param.unsharded_accumulated_grad = None  # FSDP2 reduce-scattered it
+        fused.linear(gathered, inputs[0], gathered).float().sum().backward()
+    assert module.fsdp_param.unsharded_accumulated_grad is None and gathered.grad.dtype == torch.bfloat16
+    assert fused.stats == {"fused": 3}
+
+
+def test_without_fsdp2_private_state_nothing_fuses_and_the_fallback_is_counted():
+    gathered = nn.Parameter(torch.randn(3, 4).bfloat16())
+    module, casts = _FakeFsdp(gathered), WeightCasts()
+    del module.group.reduce_grads
+    fused = FusedWgrad(casts, "emulate")
+    fused.use_fsdp([module])
+    with casts.step():
+        assert fused.master(LINEAR, (torch.randn(5, 4).bfloat16(), gathered), None) is None
+    assert fused.stats == {"fallback": 1}

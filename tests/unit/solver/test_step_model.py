@@ -227,9 +227,11 @@ def test_a_weight_shared_by_three_segments_is_held_and_summed_on_every_rank_that
 
 def test_weight_gradients_fused_into_their_gemms_pay_no_cast_or_add_where_the_runtime_fuses():
     """Segments whose weights can accumulate inside their GEMMs (evaluate.SegmentCost.fused_wgrad_*):
-    without FSDP and outside the zero-bubble schedules each microbatch's backward saves the priced
-    saving and nothing is added after the first microbatch (codegen/fused_wgrad.py); under FSDP2
-    or a zero-bubble schedule (no fusion there) the estimate is the unfused one."""
+    outside the zero-bubble schedules, without FSDP or where FSDP2 keeps fp32 unsharded gradients
+    over the microbatches (ZeRO-1, ZeRO-2 pipelined), each microbatch's backward saves the priced
+    saving and nothing is added after the first microbatch (codegen/fused_wgrad.py); under ZeRO-2
+    without pipelining, ZeRO-3, one microbatch or a zero-bubble schedule (no fusion there) the
+    estimate is the unfused one."""
     saving_s = 1e-4
 
     def fused_segments():
@@ -244,11 +246,16 @@ def test_weight_gradients_fused_into_their_gemms_pay_no_cast_or_add_where_the_ru
         return (model().estimate(PreparedSegments.build(fused_segments(), "none"), config),
                 model().estimate(PreparedSegments.build(segments(), "none"), config))
 
-    fused, plain = both()
+    for config in (dict(), dict(zero_stage=1)):
+        fused, plain = both(**config)
+        assert "gradient_accumulate" not in fused.breakdown_s and plain.breakdown_s["gradient_accumulate"] > 0, config
+        assert fused.breakdown_s["compute"] == pytest.approx(plain.breakdown_s["compute"] - 4 * 8 * saving_s), config
+        assert fused.stages[0].fused_wgrad_numel == pytest.approx(8e6), config
+    fused, plain = both(zero_stage=2, pp=2, dp=4)
     assert "gradient_accumulate" not in fused.breakdown_s and plain.breakdown_s["gradient_accumulate"] > 0
-    assert fused.breakdown_s["compute"] == pytest.approx(plain.breakdown_s["compute"] - 4 * 8 * saving_s)
-    assert fused.stages[0].fused_wgrad_numel == pytest.approx(8e6)
-    for config in (dict(schedule="zb1p", pp=2, num_microbatches=4, dp=4), dict(zero_stage=3)):
+    assert fused.stages[0].fused_wgrad_numel > 0 and fused.step_time_s < plain.step_time_s
+    for config in (dict(schedule="zb1p", pp=2, num_microbatches=4, dp=4), dict(zero_stage=3), dict(zero_stage=2),
+                   dict(zero_stage=1, num_microbatches=1)):
         fused, plain = both(**config)
         assert fused.step_time_s == pytest.approx(plain.step_time_s, rel=1e-12), config
         assert fused.stages[0].fused_wgrad_numel == 0, config
