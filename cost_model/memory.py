@@ -87,8 +87,11 @@ class PrecisionPolicy:
     p2p_overlap: bool = False
     """The runtime overlaps an interleaved pipeline's sends and receives with the compute of the
     other chunks in its steady state (Megatron-Core `overlap_p2p_comm`, which NeMo turns on
-    whenever virtual pipelining is used: solver/p2p_overlap.py); False: each send is waited on
-    before the next chunk runs, as autopar's runtime (torch.distributed.pipelining) is priced."""
+    whenever virtual pipelining is used: solver/p2p_overlap.py), and autopar's runtime: torch.
+    distributed.pipelining runs the interleaved schedule as a _PipelineScheduleRuntime, which posts
+    each receive as early as the sender's schedule allows, waits on it just before the compute that
+    reads it, and waits on its sends only at the step's end (torch 2.13 schedules.py: _add_send_recv,
+    _step_microbatches). False: each send is waited on before the next chunk runs."""
     param_gather_overlap: bool = True
     """ZeRO-1/2's all-gather of the updated parameters runs inside the step's first forward, each
     unit's one ahead of the compute that needs it (cost_model/fsdp.py's timeline): FSDP2's
@@ -113,7 +116,7 @@ class PrecisionPolicy:
 
 # autopar's codegen keeps fp32 parameters and makes bf16 copies once per step; FSDP2 gathers bf16
 # (MixedPrecisionPolicy) and gradients are reduced in fp32.
-BF16_ADAM = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0, casts_once_per_step=True,
+BF16_ADAM = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0, casts_once_per_step=True, p2p_overlap=True,
                             optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])
 """autopar's runtime with `torch.optim.AdamW(pm.parameters())` as the README writes it (foreach)."""
 MEGATRON_BF16 = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0)
@@ -124,7 +127,7 @@ param_and_grad_buffer.py, each bucket's param_data in the parameters' dtype, gat
 all_gather_into_tensor after the optimizer copies its fp32 shard in) and reduce-scatters the fp32
 main gradients (grad_reduce_in_fp32)."""
 FP32_ADAM = PrecisionPolicy(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0, activation_dtype="float32",
-                            optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])
+                            p2p_overlap=True, optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])
 FSDP2_BF16_FP32_REDUCE = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0)
 """torchtitan's FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathers,
 fp32 reduce-scatters (for pricing runs made that way; `fsdp_root_ends` for its wrapping until

@@ -1,5 +1,6 @@
 """Pipeline sends and receives overlapped with compute, for runtimes that run them so
-(PrecisionPolicy.p2p_overlap: Megatron-Core's `overlap_p2p_comm`).
+(PrecisionPolicy.p2p_overlap: Megatron-Core's `overlap_p2p_comm`; torch.distributed.pipelining's
+interleaved schedule, whose runtime posts receives early and waits on sends at the step's end).
 
 In the interleaved schedule a rank runs one model chunk after another, and each chunk's output
 goes to the next pipeline rank (its gradient comes back in the backward). With
