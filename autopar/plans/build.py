@@ -174,10 +174,12 @@ def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str, *,
             if name in in_chunk:
                 _add(parts, "ep.all_to_all.forward", forward_s)
                 _add(parts, "ep.all_to_all.backward", backward_s)
-        # The stage's sends, and all-gathers of what it receives as slices: over the chunks that
-        # send, by bytes; on the first chunk of a stage that only receives.
-        if stage.p2p_s and (index in senders or (not senders and index == 0)):
-            share = stage.p2p_s * ((senders[index] / sent_bytes if sent_bytes else 1 / len(senders)) if senders else 1.0)
+        # The stage's sends, and all-gathers of what it receives as slices, less what runs beside
+        # other chunks' compute (solver/p2p_overlap.py): over the chunks that send, by bytes; on
+        # the first chunk of a stage that only receives.
+        exposed_p2p = stage.p2p_s - stage.p2p_hidden_s
+        if exposed_p2p and (index in senders or (not senders and index == 0)):
+            share = exposed_p2p * ((senders[index] / sent_bytes if sent_bytes else 1 / len(senders)) if senders else 1.0)
             _add(parts, "pp.send_recv.forward", share / 2)
             _add(parts, "pp.send_recv.backward", share / 2)
         times.append(parts)
