@@ -382,6 +382,10 @@ class PlannedInterpreter:
             for name in runs.read_outside(nodes):
                 runs.materialize(name, env, cache)
 
+    @staticmethod
+    def written_in_place(node: torch.fx.Node) -> bool:
+        return _written_in_place(node)
+
     def _local_runs_apply(self) -> bool:
         """Local runs serve plain tensor-parallel plans; the runners that read the interpreter's
         values themselves (experts, folded experts, async TP, context parallelism's overrides)

@@ -97,6 +97,8 @@ class LocalRuns:
             return False
         if target is aten.scaled_dot_product_attention.default or node.name in interpreter.recomputed_activations:
             return False
+        if interpreter.written_in_place(node):
+            return False  # autograd's view and in-place tracking would cross from_local / to_local
         parameters = interpreter.parameter_inputs
         if any(source.op == "placeholder" and (parameters is None or source.name in parameters)
                for source in node.all_input_nodes):

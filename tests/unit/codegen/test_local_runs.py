@@ -13,7 +13,8 @@ aten = torch.ops.aten
 def _runs(placements: dict[str, tuple[str, list[str]]]) -> LocalRuns:
     interpreter = SimpleNamespace(placements=placements, overrides={}, replicated_targets=set(),
                                   recomputed_activations=frozenset(), parameter_inputs=None,
-                                  mesh=SimpleNamespace(size=lambda: 2), stats=RunStats(), current_node=None)
+                                  mesh=SimpleNamespace(size=lambda: 2), stats=RunStats(), current_node=None,
+                                  written_in_place=lambda node: False)
     return LocalRuns(interpreter)
 
 
