@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.fx.node import map_aggregate
 
 from autopar.codegen.placements import current, to_dtensor_placement
+from autopar.codegen.random_ops import draws, is_random_target
 
 aten = torch.ops.aten
 
@@ -72,6 +73,14 @@ def _single_tensor_op(target) -> bool:
     return len(schema.returns) == 1 and str(schema.returns[0].type) == "Tensor"
 
 
+def _may_draw(node: torch.fx.Node) -> bool:
+    """Whether a random op may draw (by its static arguments; a computed one counts as drawing)."""
+    try:
+        return draws(node.target, tuple(node.args), dict(node.kwargs))
+    except (TypeError, ValueError):
+        return True
+
+
 class LocalRuns:
     """Which nodes of a plan run on local tensors, and running them (PlannedInterpreter's helper)."""
 
@@ -97,6 +106,8 @@ class LocalRuns:
             return False
         if target is aten.scaled_dot_product_attention.default or node.name in interpreter.recomputed_activations:
             return False
+        if is_random_target(target) and _may_draw(node):
+            return False  # drawn as one process would (random_ops.py); the first run's check would draw too
         if interpreter.written_in_place(node):
             return False  # autograd's view and in-place tracking would cross from_local / to_local
         parameters = interpreter.parameter_inputs
@@ -130,8 +141,6 @@ class LocalRuns:
         if args is None:
             return None
         local_args, local_kwargs = args
-        from autopar.codegen.random_ops import draws
-
         if draws(node.target, local_args, local_kwargs):
             return None
         self.interpreter.current_node = node.name
