@@ -7,7 +7,9 @@ priced). After the op, DTensor's own output placement is checked against the pla
 difference is redistributed away and counted (`mismatches`), so the collectives that run are
 those the plan priced. Autograd runs the backward through the same DTensor ops, and each
 output's gradient is moved to the placement the plan priced for it (`pin_grad`) before it
-reaches its producer.
+reaches its producer. Ops whose placed inputs make them purely local (no collective, DTensor's
+output as planned) run on the local tensors instead, without DTensor's dispatch
+(codegen/local_runs.py), as PyTorch's own tensor parallelism runs attention and activations.
 """
 
 from __future__ import annotations
