@@ -107,6 +107,7 @@ class ProgramBuilder:
         self.placements = codegen_placements(plan, parts)
         self.interpreter = PlannedInterpreter(self.placements, tp_mesh, stats)
         self.interpreter.recomputed_activations = parts.graph.recomputed_activations
+        self.interpreter.parameter_inputs = frozenset(parts.param_of)
         self.recomputable = recomputable_nodes(parts.graph)
         self.op_kept = op_saved_nodes(parts.graph)
         self.readers = parts.readers()

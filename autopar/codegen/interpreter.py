@@ -7,7 +7,9 @@ priced). After the op, DTensor's own output placement is checked against the pla
 difference is redistributed away and counted (`mismatches`), so the collectives that run are
 those the plan priced. Autograd runs the backward through the same DTensor ops, and each
 output's gradient is moved to the placement the plan priced for it (`pin_grad`) before it
-reaches its producer.
+reaches its producer. Ops whose placed inputs make them purely local (no collective, DTensor's
+output as planned) run on the local tensors instead, without DTensor's dispatch
+(codegen/local_runs.py), as PyTorch's own tensor parallelism runs attention and activations.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.fx.node import map_aggregate
 
 from autopar.codegen.all_to_all import runs_own_all_to_all, shard_to_shard
 from autopar.codegen.experts import Dispatched
+from autopar.codegen.local_runs import LocalRuns
 from autopar.codegen.local_ops import has_local_rule, no_dtensor_strategy, run_replicated, run_sharded
 from autopar.codegen.placements import current, parse_node_placements, same_placement, to_dtensor_placement
 from autopar.codegen.random_ops import draws, global_draws, run_random
@@ -51,6 +54,8 @@ class RunStats:
     async_tp: Counter = field(default_factory=Counter)
     """Sequence-parallel linears run by codegen/async_tp.py: "column" (all-gather fused with the GEMM),
     "row" (GEMM fused with the reduce-scatter), "shared" (a gathered input reused), "fallback" (DTensor's path)."""
+    local: Counter = field(default_factory=Counter)
+    """Ops run on local tensors, their placed inputs making them purely local (codegen/local_runs.py), by target."""
     random_gathered: Counter = field(default_factory=Counter)
     """Random ops run whole on gathered inputs so that every tp rank draws one process's numbers
     (codegen/random_ops.py: attention with dropout, bernoulli of probabilities...), by target."""
@@ -311,6 +316,10 @@ class PlannedInterpreter:
         self.async_tp = None
         """AsyncTP (codegen/async_tp.py) of a sequence-parallel plan run with async TP: linears fuse
         their all-gather / reduce-scatter into the GEMM; None: DTensor's collectives."""
+        self.parameter_inputs: frozenset[str] | None = None
+        """Placeholders that are parameters (None: unknown, every placeholder counts as one)."""
+        self.local_runs = LocalRuns(self) if self.distributed else None
+        """Ops the plan makes purely local, run on local tensors where run_nodes allows (local_runs.py)."""
 
     def as_dtensor(self, value: torch.Tensor) -> DTensor:
         """Plain tensors (factory outputs, buffers) are the same on every rank: replicated."""
@@ -346,17 +355,45 @@ class PlannedInterpreter:
         map_aggregate(dict(node.kwargs), visit)
         return found
 
-    def run_nodes(self, nodes: list[torch.fx.Node], env: dict[str, Any]) -> None:
-        """Execute `nodes`, reading inputs from and writing outputs into `env`."""
+    def run_nodes(self, nodes: list[torch.fx.Node], env: dict[str, Any], *, local: bool = False) -> None:
+        """Execute `nodes`, reading inputs from and writing outputs into `env`. `local`: ops the
+        plan makes purely local may run on local tensors (codegen/local_runs.py); what is read
+        after `nodes` leaves them as DTensors."""
         cache: dict[tuple[str, str], DTensor] = {}
+        runs = self.local_runs if local and self._local_runs_apply() else None
         for node in nodes:
             if node.op != "call_function":
                 continue
             try:
-                env[node.name] = self._call(node, env, cache)
+                if runs is None:
+                    env[node.name] = self._call(node, env, cache)
+                    continue
+                result = runs.try_run(node, env, cache)
+                if result is None:
+                    for source in node.all_input_nodes:
+                        runs.materialize(source.name, env, cache)
+                    mismatches = len(self.stats.details)
+                    result = self._call(node, env, cache)
+                    if runs.wants_check(node):
+                        runs.verify(node, env, cache, result, planned=len(self.stats.details) == mismatches)
+                env[node.name] = result
             except Exception as error:
                 error.add_note(_where(node, env, self.placements.get(node.name)))
                 raise
+        if runs is not None:
+            for name in runs.read_outside(nodes):
+                runs.materialize(name, env, cache)
+
+    @staticmethod
+    def written_in_place(node: torch.fx.Node) -> bool:
+        return _written_in_place(node)
+
+    def _local_runs_apply(self) -> bool:
+        """Local runs serve plain tensor-parallel plans; the runners that read the interpreter's
+        values themselves (experts, folded experts, async TP, context parallelism's overrides)
+        and the "gathers" mode's saved-tensor hooks see DTensors only."""
+        return self.local_runs is not None and self.distributed and self.experts is None and self.folded is None \
+            and self.async_tp is None and not self.overrides and self.on_gather is None
 
     def _call(self, node: torch.fx.Node, env: dict[str, Any], cache: dict) -> Any:
         if self.folded is not None and node.name in self.folded.nodes:

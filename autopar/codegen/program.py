@@ -296,7 +296,7 @@ class SegmentModule(ParameterOwner):
             self._run_regions(env)
         else:
             with compact_saves(self.interpreter, regather=self.recompute == "gathers"):
-                self.interpreter.run_nodes(self.nodes, env)
+                self.interpreter.run_nodes(self.nodes, env, local=True)
         return {name: env[name] for name in self.produced}
 
     def _run_all(self, names: list[str], others: dict, *tensors: torch.Tensor) -> tuple:

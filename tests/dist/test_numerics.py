@@ -205,7 +205,8 @@ def numerics_case(case: Case) -> dict:
                 losses=run.losses, reference_losses=reference.losses, grad_errors=run.grad_errors,
                 eval_loss=eval_loss, reference_eval_loss=reference_eval_loss,
                 all_parameters=sorted(reference.grads), mismatches=dict(module.stats.mismatches),
-                kept=dict(module.stats.kept), in_several_chunks=_in_several_chunks(module),
+                kept=dict(module.stats.kept), local=dict(module.stats.local),
+                in_several_chunks=_in_several_chunks(module),
                 tied_across_ranks=sorted(module.tied_groups),
                 sliced_boundaries=sorted({name for stage in module.stages for name in getattr(stage, "wires", {})}),
                 plan=dict(mesh=plan.mesh, microbatch_size=plan.microbatch_size, schedule=plan.schedule,
@@ -316,6 +317,9 @@ def test_matches_one_device(case_name, case_outcome):
     # tests/dist/test_recompute.py checks that mechanism.
     if case.constraints.get("sequence_parallel") is False:
         assert any(result["sliced_boundaries"] for result in results), "no boundary was sent as slices"
+    if case.constraints["tp"] > 1 and case.constraints.get("recompute", "none") == "none":
+        # Ops the plan makes local ran on local tensors after their first run (codegen/local_runs.py).
+        assert sum(results[0]["local"].values()) > 0, results[0]["local"]
     if case.constraints.get("recompute") == "op":
         assert results[0]["kept"].get("op", 0) > 0, results[0]["kept"]
 
