@@ -18,8 +18,8 @@ where a DTensor op or another segment reads it; its gradient arrives at the prod
 value's own placement, the plan's `grad_placement` for R and S outputs.
 
 Each node runs through DTensor the first time, and is run locally from then on only if DTensor's
-output had the plan's placement and the local run gives the same local tensor on every rank of
-the mesh (the check costs one extra op and a one-integer all-reduce per node, once).
+output had the plan's placement and the local run gives the same local tensor (the check costs
+one extra op per node, once).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.fx.node import map_aggregate
 
@@ -219,19 +218,8 @@ class LocalRuns:
 
     def verify(self, node: torch.fx.Node, env: dict, cache: dict, result, *, planned: bool) -> None:
         """After the node's first run through DTensor (`planned`: DTensor's output placement was
-        the plan's): whether its local run gives the same, on every rank of the mesh (one rank's
-        tolerance must not send it down another path than its peers: their backward
-        redistributions would then differ)."""
-        same = planned and self._same_as_dtensor(node, env, cache, result)
-        self.verified[node.name] = self._on_every_rank(same, result)
-
-    def _on_every_rank(self, same: bool, result) -> bool:
-        if self.size <= 1:
-            return same
-        device = result.device if isinstance(result, torch.Tensor) else torch.device("cpu")
-        flag = torch.tensor([1 if same else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.interpreter.mesh.get_group())
-        return bool(flag.item())
+        the plan's): whether its local run gives the same."""
+        self.verified[node.name] = planned and self._same_as_dtensor(node, env, cache, result)
 
     def _same_as_dtensor(self, node: torch.fx.Node, env: dict, cache: dict, result) -> bool:
         output_placement, input_placements = self.interpreter.placements[node.name]
