@@ -19,7 +19,10 @@ value's own placement, the plan's `grad_placement` for R and S outputs.
 
 Each node runs through DTensor the first time, and is run locally from then on only if DTensor's
 output had the plan's placement and the local run gives the same local tensor (the check costs
-one extra op per node, once).
+one extra op per node, once). The check is each rank's own: the ops it admits compute their
+shard the same way on every rank, so the ranks agree; an op whose local run were right on some
+ranks only (one reading global positions along the sharded dim) must not be admitted, as the ranks
+would then take different paths and their backward redistributions differ.
 """
 
 from __future__ import annotations
