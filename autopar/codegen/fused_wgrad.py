@@ -156,11 +156,7 @@ class FusedWgrad:
         local = _local_product_ok(weight, grad, inputs, weight.grad)
         if local is None:
             self.stats["fallback"] += 1
-            rows = grad.reshape(-1, grad.shape[-1])
-            product = rows.t().mm(inputs.reshape(-1, inputs.shape[-1]))
-            if isinstance(product, DTensor):
-                product = product.redistribute(weight.device_mesh, weight.placements)
-            accumulate_into_grad(weight, product)
+            accumulate_into_grad(weight, _weight_grad(grad, inputs, weight))
             return True
         created = self._fused(weight, local)
         if created is not None:
