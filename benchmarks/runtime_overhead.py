@@ -7,7 +7,8 @@ batch 8; compute dominates) two ways in the same job, step for step alternately:
   - autopar: `autopar.parallelize` with the plan it makes for 4 A100s under fixed constraints;
   - by hand: the same placements with PyTorch's own APIs, as torchtitan writes them:
       tp x dp  `parallelize_module` (ColwiseParallel on q/k/v and fc_in, RowwiseParallel on fc_out;
-               o_proj as the plan places it) + FSDP2 `fully_shard` per block and at the root;
+               o_proj as the plan places it) + FSDP2 `fully_shard` per block (the last one not
+               resharded after forward) and at the root (embeddings, final norm, head);
       pp x dp  two `PipelineStage`s cut where the plan cuts, `Schedule1F1B`, gradients all-reduced
                over dp and the tied embedding's two copies over pp, as autopar does.
 A step is forward + backward of the global batch, gradient synchronisation, the loss averaged
@@ -85,8 +86,9 @@ class HandTensorParallel:
             }
             parallelize_module(block, mesh["tp"], layout)
             block.attn.num_heads //= tp  # each rank runs its heads on local tensors
-        for block in self.model.layers:
-            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=True)
+        last = len(self.model.layers) - 1
+        for index, block in enumerate(self.model.layers):  # torchtitan keeps the last block gathered
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=index < last)
         fully_shard(self.model, mesh=mesh["dp"], reshard_after_forward=True)
 
     def parameters(self):

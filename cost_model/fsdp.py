@@ -29,6 +29,13 @@ backward. torchtitan also keeps the last block gathered (`reshard_after_forward 
 len(layers) - 1`). So the first and last units are gathered together before the first forward
 (exposed), neither they nor the last block is gathered again for backward, and the first and
 last units' gradients are reduce-scattered together after the whole backward (exposed).
+
+autopar's runtime wraps a stage that way where the ends are small (`ends_fit_a_block`): the first
+and last segments together hold no more parameters than the largest block between them, so the
+root holds at most one block's more. Each FSDP unit costs the host its hooks and collective calls
+in every microbatch (benchmarks/runtime_overhead.py: two units more cost a 4-layer GPT's step about
+3% of its CPU time); where the ends are large (an untied embedding and head of a 128k vocabulary)
+they stay units of their own, as torchtitan wraps them since 2025-07, and are not held gathered.
 No torch and no autopar imports here.
 """
 
@@ -73,6 +80,8 @@ class FsdpTimeline:
     worst_unit_ratio: float
     """Largest (gather + reduce-scatter) / (forward + backward) over the units: above 1 a unit's
     communication cannot hide behind its neighbour's compute."""
+    root_ends: bool = False
+    """The first and last units are the root's ("root ends"; set by the caller that chose it)."""
 
     @property
     def exposed_s(self) -> float:
@@ -179,6 +188,14 @@ def root_ends(gather_s: list[float], scatter_s: list[float]) -> tuple[list[float
     backward = [0.0, *gather_s[1:-2], 0.0, 0.0]
     scatters = [scatter_s[0] + scatter_s[-1], *scatter_s[1:-1], 0.0]
     return forward, backward, scatters
+
+
+def ends_fit_a_block(unit_param_numel: Sequence[float]) -> bool:
+    """Whether the first and last of a stage's units (three or more) together hold no more
+    parameters than the largest unit between them: the runtime makes them the root's (module
+    docstring, "root ends")."""
+    sizes = list(unit_param_numel)
+    return len(sizes) >= 3 and sizes[0] + sizes[-1] <= max(sizes[1:-1])
 
 
 def copy_bytes(numel: float, *, gather_bytes: float, reduce_bytes: float) -> tuple[float, float]:

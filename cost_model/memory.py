@@ -83,7 +83,11 @@ class PrecisionPolicy:
     `fully_shard` on each transformer block, then on the whole model, so the embedding, the final
     norm and the output head are the root's), and keeps the last transformer block gathered from
     its forward to its backward (cost_model/fsdp.py's "root ends"). False: every segment is its
-    own unit, as autopar's codegen shards a stage (codegen/data_parallel.py)."""
+    own unit (torchtitan since 2025-07), unless `fsdp_small_root_ends`."""
+    fsdp_small_root_ends: bool = False
+    """As `fsdp_root_ends` where the first and last segments together hold no more parameters than
+    the largest block (cost_model/fsdp.py's ends_fit_a_block), each segment its own unit elsewhere:
+    autopar's runtime (codegen/data_parallel.py), as its plan records (Plan.fsdp_root_ends)."""
     p2p_overlap: bool = False
     """The runtime overlaps an interleaved pipeline's sends and receives with the compute of the
     other chunks in its steady state (Megatron-Core `overlap_p2p_comm`, which NeMo turns on
@@ -117,7 +121,7 @@ class PrecisionPolicy:
 # autopar's codegen keeps fp32 parameters and makes bf16 copies once per step; FSDP2 gathers bf16
 # (MixedPrecisionPolicy) and gradients are reduced in fp32.
 BF16_ADAM = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0, casts_once_per_step=True, p2p_overlap=True,
-                            optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])
+                            fsdp_small_root_ends=True, optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])
 """autopar's runtime with `torch.optim.AdamW(pm.parameters())` as the README writes it (foreach)."""
 MEGATRON_BF16 = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0)
 """Megatron-LM's mixed precision (for pricing runs made that way): bf16/fp16 parameters used
@@ -127,7 +131,8 @@ param_and_grad_buffer.py, each bucket's param_data in the parameters' dtype, gat
 all_gather_into_tensor after the optimizer copies its fp32 shard in) and reduce-scatters the fp32
 main gradients (grad_reduce_in_fp32)."""
 FP32_ADAM = PrecisionPolicy(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0, activation_dtype="float32",
-                            p2p_overlap=True, optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])
+                            p2p_overlap=True, fsdp_small_root_ends=True,
+                            optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])
 FSDP2_BF16_FP32_REDUCE = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0)
 """torchtitan's FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 gathers,
 fp32 reduce-scatters (for pricing runs made that way; `fsdp_root_ends` for its wrapping until

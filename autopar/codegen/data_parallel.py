@@ -17,7 +17,8 @@
 
 Every segment module (a transformer block) is one FSDP unit, the stage program the root unit
 for parameters shared by several segments, as torchtitan shards a model: the parameters are
-already tensor-parallel DTensors on the tp dimension of the same device mesh.
+already tensor-parallel DTensors on the tp dimension of the same device mesh. Where the plan says
+so (Plan.fsdp_root_ends: one stage, small ends), the first and last segments are the root's too.
 
 A weight that several of one rank's pipeline chunks read (a tied embedding and head under ZB-V,
 T5's shared embedding interleaved) is one Parameter of several stage programs. FSDP2 shards per
@@ -44,7 +45,7 @@ def uses_fsdp(zero_stage: int, dp: int, offload: bool = False) -> bool:
 
 
 def apply_fsdp(stages: list[StageProgram], dp_mesh, zero_stage: int, *, offload: bool = False,
-               param_dtype: torch.dtype | None = None, expert_mesh=None) -> None:
+               param_dtype: torch.dtype | None = None, expert_mesh=None, root_ends: bool = False) -> None:
     """`param_dtype` (mixed precision): FSDP2 casts each fp32 shard to it before the all-gather,
     so the gathered parameters the segments use are already in the compute dtype (one cast per
     gather, on the shard), and reduce-scatters the gradients in fp32, as torchtitan's
@@ -57,7 +58,11 @@ def apply_fsdp(stages: list[StageProgram], dp_mesh, zero_stage: int, *, offload:
     gradients reduce-scattered (averaged) over dp_rep only, then divided by ep
     (`divide_expert_gradients`: each expert gradient already sums the tokens of the ep ranks of
     its group); the rest of the segment is
-    sharded over all dp ranks, as torchtitan shards a MoE block (its "efsdp" mesh)."""
+    sharded over all dp ranks, as torchtitan shards a MoE block (its "efsdp" mesh).
+
+    `root_ends` (Plan.fsdp_root_ends, one stage): the first and last segments are not units of
+    their own, so their parameters are the root unit's (the stage's), and the last block is not
+    resharded after forward, as the plan was priced (cost_model/fsdp.py's "root ends")."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     reshard = zero_stage == 3
@@ -75,11 +80,16 @@ def apply_fsdp(stages: list[StageProgram], dp_mesh, zero_stage: int, *, offload:
     options = dict(mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy, mp_policy=precision,
                    ignored_params=set(whole.values()))
     for stage in stages:
-        for segment in stage.segments:
+        ends = root_ends and len(stages) == 1 and len(stage.segments) >= 3
+        last = len(stage.segments) - 1
+        for index, segment in enumerate(stage.segments):
             if expert_mesh is not None and segment.has_experts:
                 _shard_experts(segment.experts, expert_mesh, options, fully_shard)
+            if ends and index in (0, last):
+                continue  # the root's
             if any(id(param) not in whole for param in segment.parameters(recurse=False)):
-                fully_shard(segment, **options)
+                kept = ends and index == last - 1  # the last block, gathered until its backward
+                fully_shard(segment, **(dict(options, reshard_after_forward=False) if kept else options))
         fully_shard(stage, **options)
 
 

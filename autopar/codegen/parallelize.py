@@ -81,7 +81,8 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
             builder.weight_casts.before_step.append(builder.fp8.precompute_scales)
         apply_fsdp(stages, runtime.reduce_mesh, plan.zero_stage, offload=plan.offload,
                    param_dtype=torch.bfloat16 if plan.precision in ("bf16", "fp8") else None,
-                   expert_mesh=runtime.expert_replica_mesh if plan.ep > 1 else None)
+                   expert_mesh=runtime.expert_replica_mesh if plan.ep > 1 else None,
+                   root_ends=plan.fsdp_root_ends)
         builder.fuse_under_fsdp(stages)
     schedule, tied = None, {}
     if len(specs) > 1:

@@ -47,6 +47,7 @@ def make_plan(graph: OpGraph, cluster, *, global_batch: int, estimate: Estimate,
         recompute=config.recompute,
         zero_stage=config.zero_stage,
         offload=config.offload,
+        fsdp_root_ends=any(stage.fsdp is not None and stage.fsdp.root_ends for stage in estimate.stages),
         sequence_parallel=config.sequence_parallel,
         pipeline_split=config.pipeline_split,
         loss_parallel=config.tp > 1 and any(strategies[node.name].name == VOCAB for node in graph.nodes

@@ -109,6 +109,11 @@ class Plan:
     offload: bool = False
     """Optimizer offload: FSDP2 CPUOffloadPolicy keeps sharded parameters, gradients and Adam
     states in host memory and steps the optimizer on the CPU (ZeRO-3, no pipeline)."""
+    fsdp_root_ends: bool = False
+    """Under FSDP2 with one pipeline stage: the stage's first and last segments (embedding, final
+    norm and head) are the root unit's, not units of their own, and the last block stays gathered
+    from its forward to its backward (cost_model/fsdp.py's "root ends"; the planner chooses it where
+    they are small). Plans written before this field read as False."""
     loss_parallel: bool = False
     """The cross-entropy loss runs on logits sharded by class over tp (a vocabulary-parallel loss:
     DTensor's loss_parallel); the model output feeding it is not gathered."""
@@ -239,7 +244,8 @@ class Plan:
                    ("fp8_casts", self.fp8_casts, ("",) + FP8_CASTS if self.precision == "fp8" else ("",)),
                    ("tp_overlap", self.tp_overlap, ("off", "async") if self.sequence_parallel and self.mesh.get("tp", 1) > 1
                     else ("off",)),
-                   ("offload", self.offload, (False, True)), ("sequence_parallel", self.sequence_parallel, (False, True)),
+                   ("offload", self.offload, (False, True)), ("fsdp_root_ends", self.fsdp_root_ends, (False, True)),
+                   ("sequence_parallel", self.sequence_parallel, (False, True)),
                    ("calibration", self.calibration, CALIBRATIONS)]
         choices += [(f"stages[{i}].recompute", stage.recompute, ("",) + RECOMPUTE_MODES)
                     for i, stage in enumerate(self.stages)]

@@ -25,7 +25,8 @@ def plan_summary(plan, *, max_stages: int = 8, max_params: int = 14) -> str:
         f"  microbatches  {plan.num_microbatches} of {plan.microbatch_size}, schedule {_schedule(plan)}"
         + _split(plan),
         f"  memory saving recompute={plan.recompute}{_lighter_stages(plan)}, ZeRO stage {plan.zero_stage}"
-        + (", optimizer offload to host memory (FSDP2 CPUOffloadPolicy)" if plan.offload else ""),
+        + (", optimizer offload to host memory (FSDP2 CPUOffloadPolicy)" if plan.offload else "")
+        + (", first and last segments in FSDP's root unit" if getattr(plan, "fsdp_root_ends", False) else ""),
         *([f"  fp8           {len(plan.fp8_linears)} linears in float8 (torchao, {plan.fp8_recipe} scaling), "
            f"casts {plan.fp8_casts or 'eager'}" + _fp8_experts(plan) + ", the rest in bf16"]
           if plan.precision == "fp8" else []),

@@ -157,8 +157,12 @@ def _call_latencies_s(config, mine: list[SegmentCounts], m: int, units: int, ten
 
 
 def _fsdp_units(stage: StageEstimate, counts: dict[str, SegmentCounts]) -> int:
-    """Segments holding parameters are FSDP units, and each stage's root is one more."""
-    return 1 + sum(1 for name in stage.segment_names if name in counts and counts[name].num_param_tensors)
+    """Segments holding parameters are FSDP units, and each stage's root is one more; where the
+    root holds the first and last segments (FsdpTimeline.root_ends), those are not units."""
+    names = list(stage.segment_names)
+    if stage.fsdp is not None and stage.fsdp.root_ends:
+        names = names[1:-1]
+    return 1 + sum(1 for name in names if name in counts and counts[name].num_param_tensors)
 
 
 def _dp_calls(config, units: int, tensors: int) -> dict[str, float]:

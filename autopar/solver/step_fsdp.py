@@ -6,12 +6,14 @@ accumulation; the notes the report shows for them.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from autopar.solver.configs import ParallelConfig, StageEstimate
 from autopar.solver.prepared import PreparedSegments
 from autopar.solver.step_tail import uses_fsdp
-from cost_model.fsdp import copy_bytes, root_ends, timelines_of_arrays
+from cost_model.fsdp import copy_bytes, ends_fit_a_block, root_ends, timelines_of_arrays
 
 
 class StepFsdp:
@@ -30,11 +32,15 @@ class StepFsdp:
         timeline, per_microbatch, step_end, offload = prepared.fsdp_cache[key]
         return timeline, dict(per_microbatch), dict(step_end), dict(offload)
 
-    def fsdp_root_ends(self, config: ParallelConfig, num_units: int) -> bool:
+    def fsdp_root_ends(self, config: ParallelConfig, unit_param_numel) -> bool:
         """Whether the stage's first and last units are the runtime's root unit (the policy's
-        fsdp_root_ends): only where one stage holds the whole model (pp = 1), without offload, and
-        with a block between them."""
-        return self.policy.fsdp_root_ends and config.pp == 1 and not config.offload and num_units >= 3
+        fsdp_root_ends, or fsdp_small_root_ends where they are small: cost_model/fsdp.py), given
+        each unit's parameters on this device: only where one stage holds the whole model
+        (pp = 1), without offload, and with a block between them."""
+        sizes = list(unit_param_numel)
+        if config.pp != 1 or config.offload or len(sizes) < 3:
+            return False
+        return self.policy.fsdp_root_ends or (self.policy.fsdp_small_root_ends and ends_fit_a_block(sizes))
 
     @staticmethod
     def _fsdp_ep(prepared: PreparedSegments, config: ParallelConfig) -> int:
@@ -67,7 +73,7 @@ class StepFsdp:
         arrays = dict(forward_s=forward.tolist(), backward_s=(prepared.time_s[indices] - forward).tolist(),
                       gather_s=[gather[i] for i in inverse], scatter_s=[scatter[i] for i in inverse])
         reshard = config.zero_stage == 3
-        ends = self.fsdp_root_ends(config, len(indices))
+        ends = self.fsdp_root_ends(config, numel.tolist())
         if ends:  # the runtime's root unit holds the first and last segments (cost_model/fsdp.py)
             forward_gathers, backward_gathers, scatters = root_ends(arrays["gather_s"], arrays["scatter_s"])
             arrays = dict(arrays, gather_s=forward_gathers, backward_gather_s=backward_gathers, scatter_s=scatters)
@@ -77,6 +83,7 @@ class StepFsdp:
                                                                     np.asarray(inverse),
                                                                     config, reshard)
         timeline, gathers_only_s = timelines_of_arrays(**arrays, reshard_after_forward=reshard)
+        timeline = replace(timeline, root_ends=ends)
         scatter_s = max(0.0, timeline.exposed_s - gathers_only_s)
         per_microbatch: dict[str, float] = {}
         step_end: dict[str, float] = {}

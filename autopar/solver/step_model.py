@@ -415,7 +415,7 @@ class StepModel(StepFsdp, StepTail):
                          for numel, experts in zip(units, prepared.values("expert_numel", own))]
             fsdp = unsharded_bytes(units, param_bytes=param_bytes,
                                    grad_bytes=0.0 if accumulated else self.policy.dp_reduce_bytes,
-                                   root_ends=self.fsdp_root_ends(config, len(units)),
+                                   root_ends=self.fsdp_root_ends(config, units),
                                    held_grad_bytes=0.0 if accumulated else self.policy.fsdp_gather_bytes)
         gradients = 0.0
         if prepared.grad_workspace_bytes is not None and len(prepared):

@@ -3,7 +3,8 @@
 import pytest
 
 from cost_model.allocator import AllocatorModel
-from cost_model.fsdp import FsdpUnit, copy_bytes, fsdp_timeline, root_ends, timelines_of_arrays, unsharded_bytes
+from cost_model.fsdp import (FsdpUnit, copy_bytes, ends_fit_a_block, fsdp_timeline, root_ends, timelines_of_arrays,
+                             unsharded_bytes)
 
 F, B = 0.010, 0.020
 
@@ -98,3 +99,9 @@ def test_root_ends_hold_the_root_and_the_heads_gradients_beside_a_pair_of_blocks
     assert held == pytest.approx((5e6 + 7e6 + 3e6) * 2 + 7e6 * 2 + 2e6 * 4)
     assert unsharded_bytes(sizes[:2], param_bytes=2, grad_bytes=4, root_ends=True) == \
         unsharded_bytes(sizes[:2], param_bytes=2, grad_bytes=4)
+
+
+def test_ends_fit_a_block_when_together_no_larger_than_the_largest_block():
+    assert ends_fit_a_block([1.0, 5.0, 5.0, 4.0])
+    assert not ends_fit_a_block([3.0, 5.0, 5.0, 3.0])
+    assert not ends_fit_a_block([0.0, 0.0])  # no block between them

@@ -262,3 +262,28 @@ def test_a_runtime_that_gathers_after_the_optimizer_step_exposes_every_gather(ze
     assert synchronous.breakdown_s["dp.all_gather.once"] > overlapped.breakdown_s["dp.all_gather.once"]
     assert not synchronous.breakdown_s.get("dp.all_gather.sm_contention.once")
     assert synchronous.step_time_s > overlapped.step_time_s
+
+
+@pytest.mark.parametrize("end_numel, joins", [(4e5, True), (6e5, False)])
+def test_autopar_runtime_makes_small_ends_the_roots_and_prices_them_so(end_numel, joins):
+    """BF16_ADAM (autopar's runtime) wraps the first and last segments into the root unit where
+    together they hold no more parameters than a block (cost_model/fsdp.ends_fit_a_block): the
+    estimate says so (FsdpTimeline.root_ends, which the plan records) and prices that wrapping,
+    as fsdp_root_ends does; larger ends stay units of their own, priced as before."""
+    from dataclasses import replace
+
+    from test_step_model import model, segments
+
+    from autopar.solver.step_model import ParallelConfig, PreparedSegments
+    from cost_model.memory import BF16_ADAM
+
+    items = segments()
+    items[0].param_numel = items[-1].param_numel = end_numel
+    config = ParallelConfig(dp=8, tp=1, pp=1, microbatch_size=1, num_microbatches=4, zero_stage=3)
+    chosen = model().estimate(PreparedSegments.build(items, "none"), config)
+    forced = model(policy=replace(BF16_ADAM, fsdp_small_root_ends=False, fsdp_root_ends=joins)).estimate(
+        PreparedSegments.build(items, "none"), config)
+    assert [stage.fsdp.root_ends for stage in chosen.stages] == [joins]
+    assert chosen.breakdown_s == forced.breakdown_s and chosen.memory_bytes == forced.memory_bytes
+    piped = model().estimate(PreparedSegments.build(items, "none"), replace(config, pp=2))
+    assert not any(stage.fsdp.root_ends for stage in piped.stages)  # one stage holding the model only
