@@ -30,6 +30,8 @@ def _graph():
         "add": graph.call_function(aten.add.Tensor, (source, source)),
         "softmax": graph.call_function(aten.softmax.int, (source, -1)),
         "linear": graph.call_function(aten.linear.default, (source, weight)),
+        "norm": graph.call_function(aten.layer_norm.default, (source, [16], weight)),
+        "weight_view": graph.call_function(aten.t.default, (weight,)),
     }
     return source, nodes
 
@@ -47,7 +49,14 @@ def test_ops_whose_placed_inputs_make_them_local_are_chosen():
     assert runs._eligible(nodes["view"]) and runs._eligible(nodes["unflatten"]) and runs._eligible(nodes["softmax"])
     assert runs._eligible(nodes["add"])  # replicated: every rank computes the whole op, whatever it is
     assert not runs._eligible(nodes["sum"])  # a reduction on shards: not one of the shard-local ops
-    assert not runs._eligible(nodes["linear"])  # reads a parameter: FSDP's and the casts' DTensor
+    assert not runs._eligible(nodes["linear"])  # a matmul of a parameter: fused_wgrad.py and fp8 own it
+
+
+def test_a_norm_reads_its_parameters_locally_but_views_of_parameters_stay_on_dtensors():
+    _, nodes = _graph()
+    runs = _runs(_by_name(nodes, {"norm": ("R", ["R", "R"]), "weight_view": ("R", ["R"])}))
+    assert runs._eligible(nodes["norm"])  # its scale's local tensor passes the gradient back as R
+    assert not runs._eligible(nodes["weight_view"])  # would alias the parameter outside its DTensor
 
 
 def test_partial_placements_and_replicated_outputs_of_shards_stay_on_dtensors():
