@@ -80,14 +80,15 @@ _MATMULS = frozenset({aten.linear.default, aten.mm.default, aten.addmm.default, 
                       aten.baddbmm.default, aten.einsum.default})
 
 
-def _reads_parameters_locally(target) -> bool:
+def _reads_parameters_locally(target, *, fused_wgrad: bool) -> bool:
     """Whether an op reading parameters may run on their local tensors (a norm's scale and shift,
-    an embedding table, a pointwise op on a bias): not matmuls, whose weights the weight-gradient
-    fusion and float8 replace (fused_wgrad.py), nor views, whose result would alias them. The
-    local tensor of a parameter (or its step copy) passes its gradient back in the parameter's
-    own placement, so FSDP2 and the casts see it as from a DTensor op."""
+    an embedding table, a pointwise op on a bias, a replicated linear): not views, whose result
+    would alias them, nor matmuls where the weight-gradient fusion runs them (`fused_wgrad`:
+    fused_wgrad.py; float8's linears are interpreter overrides, never local). The local tensor of
+    a parameter (or its step copy) passes its gradient back in the parameter's own placement, so
+    FSDP2 and the casts see it as from a DTensor op."""
     returned = target._schema.returns[0]
-    return target not in _MATMULS and returned.alias_info is None
+    return not (fused_wgrad and target in _MATMULS) and returned.alias_info is None
 
 
 def _may_draw(node: torch.fx.Node) -> bool:
@@ -129,8 +130,9 @@ class LocalRuns:
             return False  # autograd's view and in-place tracking would cross from_local / to_local
         parameters = interpreter.parameter_inputs
         if any(source.op == "placeholder" and (parameters is None or source.name in parameters)
-               for source in node.all_input_nodes) and not _reads_parameters_locally(target):
-            return False  # matmuls and views of parameters stay DTensor ops: fused_wgrad.py, fp8 own them
+               for source in node.all_input_nodes) and \
+                not _reads_parameters_locally(target, fused_wgrad=interpreter.fused_wgrad is not None):
+            return False  # views of parameters, and matmuls fused_wgrad.py runs, stay DTensor ops
         if any(source.name in interpreter.recomputed_activations for source in node.all_input_nodes):
             return False  # a gated activation's output is saved as its recipe when its reader saves the DTensor
         planned = interpreter.placements.get(node.name)

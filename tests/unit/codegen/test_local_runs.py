@@ -14,7 +14,7 @@ def _runs(placements: dict[str, tuple[str, list[str]]]) -> LocalRuns:
     interpreter = SimpleNamespace(placements=placements, overrides={}, replicated_targets=set(),
                                   recomputed_activations=frozenset(), parameter_inputs=None,
                                   mesh=SimpleNamespace(size=lambda: 2), stats=RunStats(), current_node=None,
-                                  written_in_place=lambda node: False)
+                                  written_in_place=lambda node: False, fused_wgrad=None)
     return LocalRuns(interpreter)
 
 
@@ -49,14 +49,19 @@ def test_ops_whose_placed_inputs_make_them_local_are_chosen():
     assert runs._eligible(nodes["view"]) and runs._eligible(nodes["unflatten"]) and runs._eligible(nodes["softmax"])
     assert runs._eligible(nodes["add"])  # replicated: every rank computes the whole op, whatever it is
     assert not runs._eligible(nodes["sum"])  # a reduction on shards: not one of the shard-local ops
-    assert not runs._eligible(nodes["linear"])  # a matmul of a parameter: fused_wgrad.py and fp8 own it
+    assert not runs._eligible(nodes["linear"])  # sharded output of a replicated input needing a gradient
 
 
 def test_a_norm_reads_its_parameters_locally_but_views_of_parameters_stay_on_dtensors():
     _, nodes = _graph()
-    runs = _runs(_by_name(nodes, {"norm": ("R", ["R", "R"]), "weight_view": ("R", ["R"])}))
+    runs = _runs(_by_name(nodes, {"norm": ("R", ["R", "R"]), "weight_view": ("R", ["R"]),
+                                  "linear": ("R", ["R", "R"])}))
     assert runs._eligible(nodes["norm"])  # its scale's local tensor passes the gradient back as R
     assert not runs._eligible(nodes["weight_view"])  # would alias the parameter outside its DTensor
+    assert runs._eligible(nodes["linear"])  # replicated, and no weight-gradient fusion runs it
+    fused = _runs(_by_name(nodes, {"linear": ("R", ["R", "R"])}))
+    fused.interpreter.fused_wgrad = object()
+    assert not fused._eligible(nodes["linear"])  # fused_wgrad.py accumulates its weight gradient
 
 
 def test_partial_placements_and_replicated_outputs_of_shards_stay_on_dtensors():
