@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from autopar.graph import OpGraph
+from autopar.graph import OpGraph, Segment
 from autopar.mesh import Mesh
 from autopar.strategies import Strategy
 from autopar.solver.dtensor_ops import runs_on_dtensors
@@ -73,21 +73,45 @@ def segment_counts(graph: OpGraph, segments: list[SegmentCost], strategies: dict
             tensors[users[0]] = tensors.get(users[0], 0) + 1
     by_name = graph.by_name
     costs = {cost.name: cost for cost in segments}
+    solved = _solved_blocks(graph, strategies)
     counts = {}
     for segment in graph.segments:
         cost = costs.get(segment.name, SegmentCost(name=segment.name))
         calls = [by_name[name] for name in segment.nodes if by_name[name].kind == "call"]
         ops = len(calls) + sum(1 for node in calls if node.requires_grad)
-        on_dtensors = [node for node in calls if strategies is None or runs_on_dtensors(
-            graph, node, strategies.get(node.name), fused_wgrad=fused_wgrad)]
-        dtensor_ops = len(on_dtensors) + sum(1 for node in on_dtensors if node.requires_grad)
         collectives: dict[str, float] = {}
         for event in cost.comm:
             collectives[event.op] = collectives.get(event.op, 0.0) + 1.0
         counts[segment.name] = SegmentCounts(num_ops=float(ops), collectives=collectives,
                                              num_param_tensors=tensors.get(segment.name, 0),
-                                             num_dtensor_ops=float(dtensor_ops))
+                                             num_dtensor_ops=_dtensor_ops(graph, segment, calls, strategies,
+                                                                          fused_wgrad, solved))
     return counts
+
+
+def _solved_blocks(graph: OpGraph, strategies: dict[str, Strategy] | None) -> dict[int, Segment]:
+    """Per repeated block group, its last instance the intra-op solve priced (condense.py keeps the
+    first two of identical blocks: the second is the steady one)."""
+    solved: dict[int, Segment] = {}
+    for segment in graph.segments:
+        if strategies is not None and segment.block_group is not None and any(
+                name in strategies for name in segment.nodes):
+            solved[segment.block_group] = segment
+    return solved
+
+
+def _dtensor_ops(graph: OpGraph, segment: Segment, calls: list, strategies: dict[str, Strategy] | None,
+                 fused_wgrad: bool, solved: dict[int, Segment]) -> float:
+    """Ops of `calls` (forward, and backward where they need a gradient) the runtime dispatches
+    through DTensor; a repeated block solved only through its template counts as the instance
+    the solve kept (`solved`)."""
+    if strategies is not None and calls and segment.block_group in solved \
+            and not any(node.name in strategies for node in calls):
+        kept = solved[segment.block_group]
+        calls = [graph.by_name[name] for name in kept.nodes if graph.by_name[name].kind == "call"]
+    on_dtensors = [node for node in calls if strategies is None or runs_on_dtensors(
+        graph, node, strategies.get(node.name), fused_wgrad=fused_wgrad)]
+    return float(len(on_dtensors) + sum(1 for node in on_dtensors if node.requires_grad))
 
 
 def step_features(estimate: Estimate, counts: dict[str, SegmentCounts], step_model: StepModel,

@@ -45,3 +45,22 @@ def test_replicated_linears_run_locally_unless_their_weight_gradient_is_fused_an
     assert runs_on_dtensors(_graph(linear), linear, _strategy("R", "R", "R"), fused_wgrad=True)
     view = _node("aten.t.default", "w", alias=0)
     assert runs_on_dtensors(_graph(view), view, _strategy("R", "R"), fused_wgrad=False)
+
+
+def test_every_repeated_block_counts_as_the_block_the_solve_priced():
+    """The intra-op solve condenses identical blocks: blocks it did not solve count the DTensor
+    ops of the one it did, not every op (overheads.segment_counts)."""
+    from autopar.cluster import Cluster
+    from autopar.models import build_model
+    from autopar.plans.planning import capture_for_planning
+    from autopar.solver.search import Planner
+    from cost_model.memory import FP32_ADAM
+
+    bundle = build_model("gpt:layers=6,hidden=64,heads=4,seq=16,vocab=64,dropout=0.0", device="meta", batch_size=8)
+    graph = capture_for_planning(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                 example_targets=bundle.example_targets)
+    planner = Planner(graph, Cluster.from_spec("cpu:procs=4"), global_batch=8, policy=FP32_ADAM, precision="fp32")
+    counts = planner.pricing.counts(2, 8)
+    blocks = [counts[f"layers.{index}"] for index in range(6)]
+    assert len({block.num_dtensor_ops for block in blocks}) == 1
+    assert blocks[0].num_dtensor_ops < blocks[0].num_ops  # ops it runs on local tensors are not counted
