@@ -35,6 +35,7 @@ from torch.fx.node import map_aggregate
 
 from autopar.codegen.placements import current, to_dtensor_placement
 from autopar.codegen.random_ops import draws, is_random_target
+from autopar.solver.dtensor_ops import MATMULS, PARAMETER_READERS
 
 aten = torch.ops.aten
 
@@ -76,19 +77,16 @@ def _single_tensor_op(target) -> bool:
     return len(schema.returns) == 1 and str(schema.returns[0].type) == "Tensor"
 
 
-_MATMULS = frozenset({aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default, aten.bmm.default,
-                      aten.baddbmm.default, aten.einsum.default})
-
-
 def _reads_parameters_locally(target, *, fused_wgrad: bool) -> bool:
-    """Whether an op reading parameters may run on their local tensors (a norm's scale and shift,
-    an embedding table, a pointwise op on a bias, a replicated linear): not views, whose result
-    would alias them, nor matmuls where the weight-gradient fusion runs them (`fused_wgrad`:
-    fused_wgrad.py; float8's linears are interpreter overrides, never local). The local tensor of
-    a parameter (or its step copy) passes its gradient back in the parameter's own placement, so
-    FSDP2 and the casts see it as from a DTensor op."""
-    returned = target._schema.returns[0]
-    return not (fused_wgrad and target in _MATMULS) and returned.alias_info is None
+    """Whether an op reading parameters may run on their local tensors: one computing each
+    parameter's gradient afresh (a norm's scale and shift, an embedding table, a convolution, a
+    replicated linear: solver/dtensor_ops.PARAMETER_READERS says why others may not), and not a
+    matmul the weight-gradient fusion runs (`fused_wgrad`: fused_wgrad.py; float8's linears are
+    interpreter overrides, never local). The local tensor of a parameter (or its step copy) passes
+    its gradient back in the parameter's own placement, so FSDP2 and the casts see it as from a
+    DTensor op."""
+    name = str(target)
+    return name in PARAMETER_READERS and not (fused_wgrad and name in MATMULS)
 
 
 def _may_draw(node: torch.fx.Node) -> bool:

@@ -4,7 +4,8 @@ autopar's runtime runs an op on plain local tensors where the plan's placements 
 local (codegen/local_runs.py): every input and the output replicated, or a shard-local op (a
 pointwise op, a view, a softmax or batched matmul) on shards; each of those pays eager dispatch
 only. The rest (ops meeting a partial operand, matmuls that shard their weight, attention, views
-of parameters, matmuls whose weight gradient is fused into the GEMM) dispatch through DTensor,
+of parameters and ops passing their gradient through to one, matmuls whose weight gradient is
+fused into the GEMM) dispatch through DTensor,
 which costs per op what the calibration's `framework.dtensor_dispatch` term prices (overheads.py).
 Local runs apply only to segments run without recomputation: a recomputing stage dispatches
 every op through DTensor.
@@ -22,8 +23,18 @@ from autopar.strategies.reduction import ALONG_DIM
 from autopar.strategies.views import IDENTITIES, RESHAPES
 
 _SDPA = "aten.scaled_dot_product_attention.default"
-_MATMULS = frozenset({"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.matmul.default",
-                      "aten.bmm.default", "aten.baddbmm.default", "aten.einsum.default"})
+MATMULS = frozenset({"aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.matmul.default",
+                     "aten.bmm.default", "aten.baddbmm.default", "aten.einsum.default"})
+PARAMETER_READERS = frozenset({
+    *MATMULS, "aten.layer_norm.default", "aten.native_layer_norm.default", "aten.rms_norm.default",
+    "aten.group_norm.default", "aten.embedding.default", "aten.conv1d.default", "aten.conv2d.default",
+    "aten.conv3d.default", "aten.convolution.default", "aten.mul.Tensor",
+})
+"""Ops that may read parameters on their local tensors: each computes the parameter's gradient
+afresh. An op passing its output's gradient through to a parameter (an add of a position
+embedding, a cast, a clone) may not: autograd would keep that very tensor as the parameter's
+.grad behind a new DTensor and add the next microbatch's into it in place while another input's
+backward still reads it (found on ViT under pp2 x tp2); views would alias the parameter."""
 _SHARD_LOCAL = frozenset({
     *NONLINEAR_UNARY, *NONLINEAR_NARY, *CASTS, *RESHAPES, *IDENTITIES, *ALONG_DIM,
     "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor",
@@ -46,7 +57,7 @@ def runs_on_dtensors(graph: OpGraph, node: OpNode, strategy: Strategy | None, *,
     if not _local(output) or not all(_local(item) for item in inputs):
         return True
     reads_parameters = any(graph.by_name[name].kind == "param" for name in node.inputs if name in graph.by_name)
-    if reads_parameters and (node.alias_input is not None or (fused_wgrad and node.target in _MATMULS)):
+    if reads_parameters and (node.target not in PARAMETER_READERS or (fused_wgrad and node.target in MATMULS)):
         return True
     if output == "R":
         return not all(item == "R" for item in inputs)

@@ -32,6 +32,7 @@ def _graph():
         "linear": graph.call_function(aten.linear.default, (source, weight)),
         "norm": graph.call_function(aten.layer_norm.default, (source, [16], weight)),
         "weight_view": graph.call_function(aten.t.default, (weight,)),
+        "weight_add": graph.call_function(aten.add.Tensor, (source, weight)),
     }
     return source, nodes
 
@@ -58,6 +59,8 @@ def test_a_norm_reads_its_parameters_locally_but_views_of_parameters_stay_on_dte
                                   "linear": ("R", ["R", "R"])}))
     assert runs._eligible(nodes["norm"])  # its scale's local tensor passes the gradient back as R
     assert not runs._eligible(nodes["weight_view"])  # would alias the parameter outside its DTensor
+    passes = _runs(_by_name(nodes, {"weight_add": ("R", ["R", "R"])}))
+    assert not passes._eligible(nodes["weight_add"])  # its output's gradient would become the weight's .grad
     assert runs._eligible(nodes["linear"])  # replicated, and no weight-gradient fusion runs it
     fused = _runs(_by_name(nodes, {"linear": ("R", ["R", "R"])}))
     fused.interpreter.fused_wgrad = object()
