@@ -130,7 +130,7 @@ class LocalRuns:
         if any(source.op == "placeholder" and (parameters is None or source.name in parameters)
                for source in node.all_input_nodes) and \
                 not _reads_parameters_locally(target, fused_wgrad=interpreter.fused_wgrad is not None):
-            return False  # views of parameters, and matmuls fused_wgrad.py runs, stay DTensor ops
+            return False  # only ops computing a parameter's gradient afresh read it locally
         if any(source.name in interpreter.recomputed_activations for source in node.all_input_nodes):
             return False  # a gated activation's output is saved as its recipe when its reader saves the DTensor
         planned = interpreter.placements.get(node.name)
