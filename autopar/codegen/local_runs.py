@@ -35,7 +35,7 @@ from torch.fx.node import map_aggregate
 
 from autopar.codegen.placements import current, to_dtensor_placement
 from autopar.codegen.random_ops import draws, is_random_target
-from autopar.solver.dtensor_ops import MATMULS, PARAMETER_READERS
+from autopar.solver.dtensor_ops import MATMULS, PARAMETER_READERS, local_placement
 
 aten = torch.ops.aten
 
@@ -64,10 +64,6 @@ class Local:
 
 def _shard_dim(placement: str) -> int | None:
     return int(placement[1:]) if placement.startswith("S") else None
-
-
-def _local_placement(placement: str | None) -> bool:
-    return placement is not None and (placement == "R" or placement.startswith("S"))
 
 
 def _single_tensor_op(target) -> bool:
@@ -137,7 +133,7 @@ class LocalRuns:
         if planned is None:
             return False
         output, inputs = planned
-        if not _local_placement(output) or not all(_local_placement(item) for item in inputs):
+        if not local_placement(output) or not all(local_placement(item) for item in inputs):
             return False
         if output == "R":
             return all(item == "R" for item in inputs)

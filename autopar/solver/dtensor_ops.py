@@ -54,7 +54,7 @@ def runs_on_dtensors(graph: OpGraph, node: OpNode, strategy: Strategy | None, *,
         return True
     output = strategy.output[0]
     inputs = [placement[0] for placement in strategy.inputs]
-    if not _local(output) or not all(_local(item) for item in inputs):
+    if not local_placement(output) or not all(local_placement(item) for item in inputs):
         return True
     reads_parameters = any(graph.by_name[name].kind == "param" for name in node.inputs if name in graph.by_name)
     if reads_parameters and (node.target not in PARAMETER_READERS or (fused_wgrad and node.target in MATMULS)):
@@ -68,5 +68,6 @@ def runs_on_dtensors(graph: OpGraph, node: OpNode, strategy: Strategy | None, *,
                for item, name in zip(inputs, node.inputs) if name in graph.by_name)
 
 
-def _local(placement: str) -> bool:
-    return placement == "R" or placement.startswith("S")
+def local_placement(placement: str | None) -> bool:
+    """A placement whose tensor a rank holds whole or as its shard (not partial, not unplanned)."""
+    return placement is not None and (placement == "R" or placement.startswith("S"))

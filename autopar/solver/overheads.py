@@ -71,22 +71,30 @@ def segment_counts(graph: OpGraph, segments: list[SegmentCost], strategies: dict
         users = [owner[user] for user in graph.consumers.get(param.node, ()) if user in owner]
         if users:
             tensors[users[0]] = tensors.get(users[0], 0) + 1
-    by_name = graph.by_name
     costs = {cost.name: cost for cost in segments}
     solved = _solved_blocks(graph, strategies)
     counts = {}
     for segment in graph.segments:
         cost = costs.get(segment.name, SegmentCost(name=segment.name))
-        calls = [by_name[name] for name in segment.nodes if by_name[name].kind == "call"]
-        ops = len(calls) + sum(1 for node in calls if node.requires_grad)
+        calls = _calls(graph, segment)
+        ops = _executed(calls)
         collectives: dict[str, float] = {}
         for event in cost.comm:
             collectives[event.op] = collectives.get(event.op, 0.0) + 1.0
-        counts[segment.name] = SegmentCounts(num_ops=float(ops), collectives=collectives,
+        counts[segment.name] = SegmentCounts(num_ops=ops, collectives=collectives,
                                              num_param_tensors=tensors.get(segment.name, 0),
                                              num_dtensor_ops=_dtensor_ops(graph, segment, calls, strategies,
                                                                           fused_wgrad, solved))
     return counts
+
+
+def _calls(graph: OpGraph, segment: Segment) -> list:
+    return [graph.by_name[name] for name in segment.nodes if graph.by_name[name].kind == "call"]
+
+
+def _executed(calls: list) -> float:
+    """Ops executed: each call forward, and backward where it needs a gradient."""
+    return float(len(calls) + sum(1 for node in calls if node.requires_grad))
 
 
 def _solved_blocks(graph: OpGraph, strategies: dict[str, Strategy] | None) -> dict[int, Segment]:
@@ -107,11 +115,10 @@ def _dtensor_ops(graph: OpGraph, segment: Segment, calls: list, strategies: dict
     the solve kept (`solved`)."""
     if strategies is not None and calls and segment.block_group in solved \
             and not any(node.name in strategies for node in calls):
-        kept = solved[segment.block_group]
-        calls = [graph.by_name[name] for name in kept.nodes if graph.by_name[name].kind == "call"]
+        calls = _calls(graph, solved[segment.block_group])
     on_dtensors = [node for node in calls if strategies is None or runs_on_dtensors(
         graph, node, strategies.get(node.name), fused_wgrad=fused_wgrad)]
-    return float(len(on_dtensors) + sum(1 for node in on_dtensors if node.requires_grad))
+    return _executed(on_dtensors)
 
 
 def step_features(estimate: Estimate, counts: dict[str, SegmentCounts], step_model: StepModel,
