@@ -21,7 +21,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 
 from autopar.errors import ConfigError, ProfileError
-from autopar.tune.fit import Observation, fit
+from autopar.tune.fit import Observation, fit, unexercised_terms
 from autopar.tune.trials import TrialOptions
 from cost_model.calibration import CALIBRATION_VERSION, Calibration
 from cost_model.errors import CostModelInputError
@@ -217,6 +217,12 @@ def _with_calibration(profile: HardwareProfile, rows: list[dict], *, specs: tupl
     observations = [Observation(config=row["config"], model=row["model"], predicted_s=row["predicted_s"], measured_s=row["measured_s"],
                                 features=row["features"]) for row in rows if row["measured_s"] is not None]
     result = fit(observations)
+    unseen = unexercised_terms(observations)
+    if unseen:
+        notes.append(f"no configuration exercised {', '.join(unseen)} (0 in every configuration's plan, e.g. "
+                     "tensor-parallel plans fully replicated at this model's size): kept at their floor, so plans "
+                     "that run them are priced without their cost; calibrate on a model whose plans run them "
+                     "(--calibrate MODEL)")
     calibration = Calibration(
         version=CALIBRATION_VERSION, model=MODEL_SEPARATOR.join(specs), num_processes=num_processes, num_cores=os.cpu_count() or 1,
         host=profile.host, device_name=profile.device_name, torch_version=torch.__version__,

@@ -72,6 +72,12 @@ def fit(observations: list[Observation]) -> FitResult:
                      expected_error=float(statistics.median(errors)), worst_error=float(errors.max()))
 
 
+def unexercised_terms(observations: list[Observation]) -> list[str]:
+    """Terms whose feature is 0 on every observation: the fit cannot see them, so they keep their
+    floor (a multiplier 1, a count term 0) whatever they cost on other models."""
+    return [term for term in TERMS if not any(o.features.get(term, 0.0) for o in observations)]
+
+
 def _solve(columns: np.ndarray, rest: np.ndarray, measured: np.ndarray) -> np.ndarray:
     """min_c ||(rest + columns c - measured) / measured|| subject to c >= floor, where the floor
     is 1 for multipliers (a kernel or collective inside a step is not faster than the profile

@@ -89,3 +89,14 @@ def test_two_message_sizes_separate_the_per_byte_and_the_per_call_collective_ter
     both = fit(_steps_of_one_model(1.0) + _steps_of_one_model(2.0))
     assert both.coefficients["comm.pattern"] == pytest.approx(1.6, rel=1e-6)
     assert both.coefficients["comm.calls"] == pytest.approx(2e-3, rel=1e-6)
+
+
+def test_unexercised_terms_are_those_zero_in_every_configuration():
+    from autopar.tune.fit import unexercised_terms
+
+    observations = _observations({"compute.in_step": 1.2}, sharing=1.0, count=4)
+    unseen = unexercised_terms(observations)
+    assert "framework.dtensor_dispatch" in unseen and "dp.hooks" in unseen
+    assert "compute.in_step" not in unseen and "framework.eager_ops" not in unseen
+    one = [Observation(config="tp", predicted_s=0.1, measured_s=0.2, features={"framework.dtensor_dispatch": 40.0})]
+    assert "framework.dtensor_dispatch" not in unexercised_terms(observations + one)
