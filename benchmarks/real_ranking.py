@@ -22,7 +22,7 @@ falls on each alike: each pick is judged against the best configuration measured
 (the trials' own sequential medians, taken minutes apart, are listed but not compared). Rows that
 are the same configuration (a pick is often one of the table's) are one measurement: each shows the
 median of all their steps. The default calibration ran on another model (the built-in GPT of
-hidden 128, autopar.tune.defaults.DEFAULT_CALIBRATION_MODELS) and its own fixed set of
+hidden 320, autopar.tune.defaults.DEFAULT_CALIBRATION_MODELS) and its own fixed set of
 configurations, so every row here is held out. Prints per N: the table, the rank correlation (Spearman) of predicted and measured
 over the table's configurations, the median |predicted / measured - 1|, and the measured time
 of each pick over the best measured configuration.
