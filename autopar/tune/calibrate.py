@@ -220,9 +220,9 @@ def _with_calibration(profile: HardwareProfile, rows: list[dict], *, specs: tupl
     unseen = unexercised_terms(observations)
     if unseen:
         notes.append(f"no configuration exercised {', '.join(unseen)} (0 in every configuration's plan, e.g. "
-                     "tensor-parallel plans fully replicated at this model's size): kept at their floor, so plans "
-                     "that run them are priced without their cost; calibrate on a model whose plans run them "
-                     "(--calibrate MODEL)")
+                     "tensor-parallel plans fully replicated at this model's size): kept at their floor (a multiplier "
+                     "1, a count term 0), so plans that run them are priced with nothing added for them; calibrate "
+                     "on a model whose plans run them (--calibrate MODEL)")
     calibration = Calibration(
         version=CALIBRATION_VERSION, model=MODEL_SEPARATOR.join(specs), num_processes=num_processes, num_cores=os.cpu_count() or 1,
         host=profile.host, device_name=profile.device_name, torch_version=torch.__version__,
