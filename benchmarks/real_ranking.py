@@ -122,7 +122,7 @@ def worker(num_processes: int, profile: str, steps: int, warmup: int, model: str
               for (label, plan, raw_s, other_s), result in zip(rows, results)],
         trials=[dict(config=r.config, predicted_s=r.predicted_s, measured_s=r.measured_s, stopped=r.stopped_early,
                      setup_s=r.setup_s, steps=len(r.step_times_s)) for r in trial_results],
-        winner=winner, trials_wall_s=trials_wall_s)
+        trials_wall_s=trials_wall_s)
 
 
 def _trial_rows(rows: list, candidates: list, winner: int) -> list:
