@@ -127,6 +127,12 @@ class OpNode:
     """The output depends on trainable parameters."""
     note: str = ""
     """Why the costs are approximate (e.g. op could not run on meta)."""
+    dispatches: int = 0
+    """aten ops a call dispatches, forward and backward, views and allocations included, as the
+    probe counted them: what a tensor subclass such as DTensor handles one by one (0: not counted)."""
+    unfused_dispatches: int = 0
+    """A fused attention call: the aten ops of torch's math kernel in its place, forward and
+    backward, which is how DTensor runs attention on CPU (capture/unfused_attention.py); 0 otherwise."""
 
     @property
     def output(self) -> TensorMeta:

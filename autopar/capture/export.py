@@ -477,7 +477,8 @@ class ExportConverter:
         self.nodes.append(OpNode(**common, fwd_kernels=result.fwd_kernels, bwd_kernels=result.bwd_kernels,
                                  saved_inputs=result.saved_inputs, saved_output=result.saved_output,
                                  saved_extra_bytes=result.saved_extra_bytes, alias_input=result.alias_input,
-                                 requires_grad=result.requires_grad, note=result.note))
+                                 requires_grad=result.requires_grad, note=result.note,
+                                 dispatches=result.dispatches, unfused_dispatches=result.unfused_dispatches))
 
     def _reprobe(self, name: str, grad_strides: tuple[tuple[int, ...], ...]) -> ProbeResult | None:
         """Node `name`'s probe again, its gradient laid out with `grad_strides` (gradient_layouts.py)."""

@@ -198,7 +198,8 @@ class _FxConverter:
                       fwd_kernels=result.fwd_kernels, bwd_kernels=result.bwd_kernels,
                       saved_inputs=result.saved_inputs, saved_output=result.saved_output,
                       saved_extra_bytes=result.saved_extra_bytes, alias_input=result.alias_input,
-                      requires_grad=result.requires_grad, note=result.note)
+                      requires_grad=result.requires_grad, note=result.note,
+                      dispatches=result.dispatches, unfused_dispatches=result.unfused_dispatches)
         self._add(node, result.requires_grad)
 
     def _target(self, fx_node, args: list, inputs: list[str]):

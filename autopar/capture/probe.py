@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from autopar.capture.attention_flops import attention_flops, attention_head_dim, is_causal
+from autopar.capture.unfused_attention import math_attention_dispatches
 from autopar.graph import Kernel, Ref
 
 aten = torch.ops.aten
@@ -64,6 +65,10 @@ class ProbeResult:
     note: str = ""
     output_strides: tuple[tuple[int, ...], ...] = ()
     """Strides of the outputs as the CUDA-equivalent kernels lay them out (empty: unknown)."""
+    dispatches: int = 0
+    """aten ops the forward and backward dispatched, views and free ops included (OpNode.dispatches)."""
+    unfused_dispatches: int = 0
+    """A fused attention call: the aten ops of torch's math kernel in its place (OpNode.unfused_dispatches)."""
     input_grad_strides: tuple[tuple[int, ...] | None, ...] = ()
     """Per input, the strides of the gradient the backward returns for it (None: none returned;
     empty: unknown). A view's backward keeps its incoming gradient's layout, so a gradient that
@@ -80,7 +85,8 @@ def _tensor_bytes(value) -> int:
 
 
 class KernelRecorder(TorchDispatchMode):
-    """Records the kernels dispatched while active (views and allocations are free)."""
+    """Records the kernels dispatched while active (views and allocations are free), and counts
+    every aten op dispatched (views and allocations too)."""
 
     active: list[KernelRecorder] = []
     """Recorders entered and not yet exited, innermost last (for kernels emulated in Python)."""
@@ -88,6 +94,7 @@ class KernelRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.kernels: list[Kernel] = []
+        self.dispatches = 0
 
     def __enter__(self):
         KernelRecorder.active.append(self)
@@ -100,6 +107,7 @@ class KernelRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.dispatches += 1
         if func in _FREE_OPS or _is_view_op(func):
             return out
         if func in _COPY_FIRST_OPS:
@@ -268,27 +276,41 @@ def probe_op(target, args, kwargs: dict, specs: Sequence[InputSpec],
     bwd_kernels: tuple[Kernel, ...] = ()
     grad_strides_out: tuple[tuple[int, ...] | None, ...] = ()
     note = ""
+    dispatches = fwd.dispatches
     if requires_grad:
         try:
-            kernels, grad_strides_out = _backward_kernels(out_tensors, inputs, grad_strides)
+            kernels, grad_strides_out, backward_dispatches = _backward_kernels(out_tensors, inputs, grad_strides)
             bwd_kernels = tuple(kernels)
+            dispatches += backward_dispatches
         except Exception as error:  # an op whose backward has no meta kernel
             note = f"backward not measurable on meta ({type(error).__name__}); priced as 2x forward"
             bwd_kernels = tuple(fwd.kernels) * 2
+            dispatches *= 3
     return ProbeResult(fwd_kernels=tuple(fwd.kernels), bwd_kernels=bwd_kernels, saved_inputs=saved_inputs,
                        saved_output=saved_output, saved_extra_bytes=extra_bytes, alias_input=alias_input,
-                       requires_grad=requires_grad, note=note,
+                       requires_grad=requires_grad, note=note, dispatches=dispatches,
+                       unfused_dispatches=_unfused_dispatches(target, call_args, call_kwargs),
                        output_strides=tuple(tuple(t.stride()) for t in out_tensors),
                        input_grad_strides=grad_strides_out)
 
 
+def _unfused_dispatches(target, args: tuple, kwargs: dict) -> int:
+    """For scaled_dot_product_attention, the aten ops of the math kernel (unfused_attention.py)."""
+    if target is not aten.scaled_dot_product_attention.default:
+        return 0
+    try:
+        return math_attention_dispatches(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - arguments the math kernel refuses: the fused count stands
+        return 0
+
+
 def _backward_kernels(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                       grad_strides: Sequence[tuple[int, ...]] | None = None
-                      ) -> tuple[list[Kernel], tuple[tuple[int, ...] | None, ...]]:
+                      ) -> tuple[list[Kernel], tuple[tuple[int, ...] | None, ...], int]:
     diff_outputs = [t for t in outputs if t.requires_grad]
     diff_inputs = [t for t in inputs if t.requires_grad]
     if not diff_inputs:
-        return [], ()
+        return [], (), 0
     if grad_strides is not None and len(grad_strides) == len(diff_outputs):
         grads = [torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
                  for t, stride in zip(diff_outputs, grad_strides)]
@@ -297,7 +319,7 @@ def _backward_kernels(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
     with KernelRecorder() as bwd:
         returned = iter(torch.autograd.grad(diff_outputs, diff_inputs, grads, allow_unused=True))
     grads_by_input = [next(returned) if t.requires_grad else None for t in inputs]
-    return bwd.kernels, tuple(None if grad is None else tuple(grad.stride()) for grad in grads_by_input)
+    return bwd.kernels, tuple(None if grad is None else tuple(grad.stride()) for grad in grads_by_input), bwd.dispatches
 
 
 def _classify_saved(saved, inputs, specs, outputs) -> tuple[tuple[int, ...], bool, float]:
@@ -337,7 +359,7 @@ def io_priced(name: str, specs: Sequence[InputSpec], output_bytes: float, error:
     input_bytes = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in specs)
     kernel = Kernel(name=name, flops=0.0, io_bytes=float(input_bytes + output_bytes), is_matmul=False)
     grad = any(spec.requires_grad for spec in specs)
-    return ProbeResult(fwd_kernels=(kernel,), bwd_kernels=(kernel, kernel) if grad else (),
+    return ProbeResult(fwd_kernels=(kernel,), bwd_kernels=(kernel, kernel) if grad else (), dispatches=3 if grad else 1,
                        saved_inputs=tuple(i for i, spec in enumerate(specs) if not spec.is_param),
                        saved_output=False, saved_extra_bytes=0.0, alias_input=None, requires_grad=grad,
                        note=f"could not run on meta ({type(error).__name__}); priced by its input/output bytes")

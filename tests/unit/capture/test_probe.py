@@ -129,3 +129,29 @@ def test_grouped_mm_backward_counts_the_weight_gradient_as_a_grouped_matmul():
     flops = 2.0 * 128 * 64 * 256
     assert [kernel.flops for kernel in result.fwd_kernels] == [flops]
     assert [kernel.flops for kernel in result.bwd_kernels if kernel.is_matmul] == [flops, flops]
+
+
+def test_dispatches_count_every_aten_op_of_forward_and_backward_views_included():
+    """What DTensor handles one by one (overheads.py's framework.dtensor_dispatch): a linear on a
+    3-d input is views, a transpose and a matmul forward and more backward; a pointwise op one
+    each way (and a detach where autograd saves a tensor)."""
+    linear = probe_op(aten.linear.default, (Ref(index=0), Ref(index=1)), {},
+                      [_spec((2, 8, 64)), _spec((32, 64), param=True)])
+    gelu = probe_op(aten.gelu.default, (Ref(index=0),), {}, [_spec((2, 8, 64))])
+    assert 2 <= gelu.dispatches <= 3
+    assert linear.dispatches >= 3 * gelu.dispatches
+    assert linear.dispatches > len(linear.fwd_kernels) + len(linear.bwd_kernels) >= 3
+    frozen = probe_op(aten.gelu.default, (Ref(index=0),), {},
+                      [InputSpec(shape=(4,), stride=(1,), dtype=torch.float32, requires_grad=False, is_param=False)])
+    assert frozen.dispatches == 1  # no backward
+
+
+def test_attention_also_counts_the_math_kernels_ops_that_dtensor_runs_on_cpu():
+    """The fused kernel is one op each way; torch's math kernel in its place (how the runtime runs
+    attention on CPU DTensors) is the scores' matmuls, the mask, the softmax and their backward."""
+    query, key_value = _spec((2, 4, 16, 8)), _spec((2, 2, 16, 8))
+    result = probe_op(aten.scaled_dot_product_attention.default, (Ref(index=0), Ref(index=1), Ref(index=2)),
+                      {"is_causal": True, "enable_gqa": True}, [query, key_value, key_value])
+    assert result.unfused_dispatches > 4 * result.dispatches > 0
+    gelu = probe_op(aten.gelu.default, (Ref(index=0),), {}, [_spec((2, 8, 64))])
+    assert gelu.unfused_dispatches == 0
