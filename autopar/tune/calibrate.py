@@ -3,7 +3,8 @@
 A fixed set of configurations of each MODEL (one or more; by default a small built-in GPT,
 defaults.DEFAULT_CALIBRATION_MODELS) on N processes of this machine (every mesh pp x dp x tp
 of N that the model allows, each with one and with more microbatches, ZeRO-3 where dp > 1,
-ZeRO-1 for pure data parallelism, and full recomputation once: `calibration_configs`) is priced
+ZeRO-1 for pure data parallelism, and full recomputation once without and once with tensor
+parallelism: `calibration_configs`) is priced
 without calibration and run for a few steps (autopar.tune.trials, the same measurement as
 `trials=`, in interleaved rounds); the terms of cost_model/calibration.py are fitted to the measured step times
 (fit.py, one fit over every model's configurations) and stored in the profile, replacing an earlier calibration for the same number of
@@ -29,7 +30,7 @@ from cost_model.profile import HardwareProfile, load_profile
 
 CALIBRATION_STEPS = TrialOptions(warmup_steps=2, steps=5, interleave=True)
 """Interleaved rounds (load from other jobs falls on every configuration alike), each to the end."""
-MAX_CONFIGS = 12
+MAX_CONFIGS = 13
 MODEL_SEPARATOR = " ; "
 """Between the model specs of a calibration made on several (Calibration.model)."""
 
@@ -53,6 +54,12 @@ def calibration_configs(num_processes: int, global_batch: int, *, num_layers: in
                     configs.append(dict(dp=dp, tp=1, pp=1, microbatch_size=local, zero_stage=1))
     if configs:
         configs.append({**configs[0], "recompute": "full"})
+        # Recomputing, a tensor-parallel stage dispatches every op through DTensor (no local runs),
+        # so this point's DTensor ops grow about 3x against 1.5x for its collectives: what tells
+        # framework.dtensor_dispatch from comm.pattern, which the other points move together.
+        sharded = next((c for c in configs if c["tp"] > 1 and c["pp"] == 1 and c["zero_stage"] == 0), None)
+        if sharded is not None:
+            configs.append({**sharded, "recompute": "full"})
     # Keep the variety when there are too many: every mesh's first, then the rest in order.
     firsts = [c for i, c in enumerate(configs) if i == 0 or _mesh(c) != _mesh(configs[i - 1])]
     rest = [c for c in configs if c not in firsts]
