@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cost_model.calibration import Calibration, calibration_from_dict
+from cost_model.calibration import Calibration, calibration_from_dict, is_stale
 from cost_model.errors import CostModelInputError
 
 SCHEMA_VERSION = 2
@@ -133,12 +133,17 @@ class HardwareProfile:
     """Host name where it was measured."""
     calibrations: tuple[Calibration, ...] = ()
     """Whole-step calibrations (`autopar profile --calibrate`), one per process count."""
+    stale_calibrations: int = 0
+    """Calibrations dropped when the file was read: made by an earlier autopar whose terms had
+    other units (an older CALIBRATION_VERSION); not written back."""
 
     def dtypes(self) -> tuple[str, ...]:
         return tuple(sorted({point.dtype for point in self.matmul}))
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        data = asdict(self)
+        del data["stale_calibrations"]
+        return json.dumps(data, indent=1)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
@@ -206,6 +211,7 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfil
                       for index, item in enumerate(reader.list("attention", required=False)))
     grouped = tuple(_grouped_point(item, source, index)
                     for index, item in enumerate(reader.list("grouped_matmul", required=False)))
+    calibrations = reader.list("calibrations", required=False)
     device_kind = reader.text("device_kind")
     if device_kind not in ("cpu", "cuda"):
         raise CostModelInputError(f"profile '{source}': field 'device_kind' must be 'cpu' or 'cuda', "
@@ -225,8 +231,8 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfil
         grouped_matmul=grouped,
         created=str(data.get("created", ""))[:MAX_TEXT_CHARS],
         host=str(data.get("host", ""))[:MAX_TEXT_CHARS],
-        calibrations=tuple(calibration_from_dict(item, source=source)
-                           for item in reader.list("calibrations", required=False)),
+        calibrations=tuple(calibration_from_dict(item, source=source) for item in calibrations if not is_stale(item)),
+        stale_calibrations=sum(1 for item in calibrations if is_stale(item)),
     )
 
 

@@ -464,6 +464,9 @@ def _with_error_bar(plan: Plan, planner: Planner) -> Plan:
                 "add on this machine (on 4 gloo processes such prices ranked configurations poorly and picked "
                 "~1.5x the best measured); `autopar profile --nproc N --out FILE` calibrates whole steps, "
                 "then re-plan")
+        if planner.cluster.profile.stale_calibrations:
+            note += ("; its calibration was made by an earlier autopar, whose terms had other units, and was "
+                     "left out")
         return replace(plan, calibration="uncalibrated", notes=plan.notes + (note,))
     calibration = planner.overheads.calibration
     note = (f"calibrated step time (profile calibration of {calibration.model} on {calibration.num_processes} "

@@ -5,8 +5,9 @@ local (codegen/local_runs.py): every input and the output replicated, or a shard
 pointwise op, a view, a softmax or batched matmul) on shards; each of those pays eager dispatch
 only. The rest (ops meeting a partial operand, matmuls that shard their weight, attention, views
 of parameters and ops passing their gradient through to one, matmuls whose weight gradient is
-fused into the GEMM) dispatch through DTensor, which costs per op what the calibration's
-`framework.dtensor_dispatch` term prices (overheads.py).
+fused into the GEMM) dispatch through DTensor, which costs per aten op they dispatch (the probe's
+count, OpNode.dispatches) what the calibration's `framework.dtensor_dispatch` term prices
+(overheads.py).
 Local runs apply only to segments run without recomputation: a recomputing stage dispatches
 every op through DTensor.
 

@@ -6,8 +6,10 @@ and its unit):
 
     compute.in_step             (c - 1) x W          W: compute + recompute + bubble + optimizer
     framework.eager_ops         c_op x ops           ops executed on the critical path per step
-    framework.dtensor_dispatch  c_dt x ops           of those, the ops dispatched through DTensor (tp > 1:
-                                                     dtensor_ops.py; local runs pay eager dispatch only)
+    framework.dtensor_dispatch  c_dt x dispatches    aten ops dispatched through DTensor (tp > 1): each
+                                                     captured op's own count (OpNode.dispatches: a linear
+                                                     about 9, a pointwise op 2) over the ops that run on
+                                                     DTensors (dtensor_ops.py; local runs pay eager only)
     comm.pattern                (c - 1) x C          C: the collective time the model predicts
     comm.calls                  c_call x latencies   every collective call of the step at the
                                                      profile's small-message latency
@@ -51,15 +53,18 @@ class SegmentCounts:
     """Tensor-parallel collective calls by kind, forward + backward."""
     num_param_tensors: int
     """Trainable parameter tensors it holds (the optimizer steps each)."""
-    num_dtensor_ops: float = 0.0
-    """Of num_ops, those dispatched through DTensor when the segment runs without recomputation
-    (dtensor_ops.py; with recomputation every op is)."""
+    num_dispatches: float = 0.0
+    """aten ops its calls dispatch on DTensors, forward and backward (OpNode.dispatches)."""
+    num_dtensor_dispatches: float = 0.0
+    """Of num_dispatches, those dispatched through DTensor when the segment runs without
+    recomputation (dtensor_ops.py; with recomputation every op is)."""
 
 
 def segment_counts(graph: OpGraph, segments: list[SegmentCost], strategies: dict[str, Strategy] | None = None, *,
-                   fused_wgrad: bool = False) -> dict[str, SegmentCounts]:
+                   fused_wgrad: bool = False, unfused_attention: bool = False) -> dict[str, SegmentCounts]:
     """Counts per segment name, from the captured graph and the intra-op solution's events and
-    strategies (None: every op counted as dispatched through DTensor)."""
+    strategies (None: every op counted as dispatched through DTensor); `unfused_attention`: the
+    runtime runs attention on DTensors through torch's math kernel (on CPU)."""
     owner: dict[str, str] = {}
     for segment in graph.segments:
         for name in segment.nodes:
@@ -83,8 +88,10 @@ def segment_counts(graph: OpGraph, segments: list[SegmentCost], strategies: dict
             collectives[event.op] = collectives.get(event.op, 0.0) + 1.0
         counts[segment.name] = SegmentCounts(num_ops=ops, collectives=collectives,
                                              num_param_tensors=tensors.get(segment.name, 0),
-                                             num_dtensor_ops=_dtensor_ops(graph, segment, calls, strategies,
-                                                                          fused_wgrad, solved))
+                                             num_dispatches=_dispatched(calls, unfused_attention),
+                                             num_dtensor_dispatches=_dtensor_dispatches(
+                                                 graph, segment, calls, strategies, fused_wgrad, solved,
+                                                 unfused_attention))
     return counts
 
 
@@ -95,6 +102,14 @@ def _calls(graph: OpGraph, segment: Segment) -> list:
 def _executed(calls: list) -> float:
     """Ops executed: each call forward, and backward where it needs a gradient."""
     return float(len(calls) + sum(1 for node in calls if node.requires_grad))
+
+
+def _dispatched(calls: list, unfused_attention: bool) -> float:
+    """aten ops the calls dispatch on DTensors, forward and backward (a call the probe did not
+    count: one forward, one backward where it needs a gradient); attention as the math kernel's
+    ops where `unfused_attention`."""
+    return float(sum((unfused_attention and node.unfused_dispatches) or node.dispatches or 1 + node.requires_grad
+                     for node in calls))
 
 
 def _solved_blocks(graph: OpGraph, strategies: dict[str, Strategy] | None) -> dict[int, Segment]:
@@ -108,17 +123,17 @@ def _solved_blocks(graph: OpGraph, strategies: dict[str, Strategy] | None) -> di
     return solved
 
 
-def _dtensor_ops(graph: OpGraph, segment: Segment, calls: list, strategies: dict[str, Strategy] | None,
-                 fused_wgrad: bool, solved: dict[int, Segment]) -> float:
-    """Ops of `calls` (forward, and backward where they need a gradient) the runtime dispatches
-    through DTensor; a repeated block solved only through its template counts as the instance
-    the solve kept (`solved`)."""
+def _dtensor_dispatches(graph: OpGraph, segment: Segment, calls: list, strategies: dict[str, Strategy] | None,
+                        fused_wgrad: bool, solved: dict[int, Segment], unfused_attention: bool) -> float:
+    """aten ops that the calls the runtime runs on DTensors dispatch (forward, and backward where
+    they need a gradient); a repeated block solved only through its template counts as the
+    instance the solve kept (`solved`)."""
     if strategies is not None and calls and segment.block_group in solved \
             and not any(node.name in strategies for node in calls):
         calls = _calls(graph, solved[segment.block_group])
     on_dtensors = [node for node in calls if strategies is None or runs_on_dtensors(
         graph, node, strategies.get(node.name), fused_wgrad=fused_wgrad)]
-    return _executed(on_dtensors)
+    return _dispatched(on_dtensors, unfused_attention)
 
 
 def step_features(estimate: Estimate, counts: dict[str, SegmentCounts], step_model: StepModel,
@@ -134,8 +149,11 @@ def step_features(estimate: Estimate, counts: dict[str, SegmentCounts], step_mod
     recomputes = 1.5 if slowest.recompute == "full" else 1.0
     ops = m * pipeline_factor * sum(c.num_ops * recomputes for c in mine)
     local_runs = slowest.recompute == "none"  # codegen runs local ops only without recomputation
-    dtensor_ops = m * pipeline_factor * sum((c.num_dtensor_ops if local_runs else c.num_ops) * recomputes
-                                            for c in mine)
+    # Under tensor parallelism every parameter is a DTensor (codegen), so each microbatch's
+    # accumulation into its gradient is one more op DTensor dispatches.
+    accumulations = m * sum(c.num_param_tensors for c in mine)
+    dtensor_dispatches = accumulations + m * pipeline_factor * sum(
+        (c.num_dtensor_dispatches if local_runs else c.num_dispatches) * recomputes for c in mine)
     fsdp = config.zero_stage >= 1 and config.dp > 1
     units = max((_fsdp_units(stage, counts) for stage in estimate.stages), default=0)
     tensors = max((sum(counts[n].num_param_tensors for n in stage.segment_names if n in counts)
@@ -150,7 +168,7 @@ def step_features(estimate: Estimate, counts: dict[str, SegmentCounts], step_mod
     return {
         "compute.in_step": work_s,
         "framework.eager_ops": ops,
-        "framework.dtensor_dispatch": dtensor_ops if config.tp > 1 else 0.0,
+        "framework.dtensor_dispatch": dtensor_dispatches if config.tp > 1 else 0.0,
         "comm.pattern": sum(seconds for name, seconds in breakdown.items() if name.startswith(COMM_BREAKDOWN_PREFIXES)),
         "comm.calls": _call_latencies_s(config, mine, m, units, tensors, actions, step_model),
         "pp.schedule": actions,

@@ -209,7 +209,8 @@ class Pricing:
             sharding = self.sharding(tp, microbatch_size, sequence_parallel, folded)
             self._counts[key] = segment_counts(self.graph, self.segment_costs(
                 tp, microbatch_size, sequence_parallel=sequence_parallel, folded=folded), sharding.strategies,
-                fused_wgrad=self.cluster.device_kind == "cuda" and self.policy.casts_once_per_step)
+                fused_wgrad=self.cluster.device_kind == "cuda" and self.policy.casts_once_per_step,
+                unfused_attention=self.cluster.device_kind == "cpu")
         return self._counts[key]
 
     def features(self, estimate: Estimate) -> dict[str, float]:

@@ -58,8 +58,21 @@ def test_version_1_profiles_without_calibration_still_load():
     assert profile_from_dict(data).calibrations == ()
 
 
+def test_a_calibration_of_an_earlier_autopar_is_left_out_and_not_written_back(tmp_path):
+    """Its terms had other units (framework.dtensor_dispatch per captured op in version 1): it
+    cannot price, the kernels still can, and calibrating again replaces it."""
+    data = json.loads(make_profile([make_calibration(), make_calibration(num_processes=2)]).to_json())
+    data["calibrations"][0]["version"] = CALIBRATION_VERSION - 1
+    loaded = profile_from_dict(data)
+    assert [c.num_processes for c in loaded.calibrations] == [2] and loaded.stale_calibrations == 1
+    loaded.save(tmp_path / "p.json")
+    assert "stale_calibrations" not in (tmp_path / "p.json").read_text()
+    assert load_profile(tmp_path / "p.json").stale_calibrations == 0
+
+
 @pytest.mark.parametrize("change, fragment", [
     ({"version": 99}, "version 99"),
+    ({"version": "1"}, "version '1'"),
     ({"coefficients": {"made.up": 1.0}}, "unknown term"),
     ({"coefficients": {"comm.calls": -1.0}}, "comm.calls must be a finite number >= 0"),
     ({"num_cores": 0}, "num_cores must be a positive integer"),
@@ -95,6 +108,16 @@ def test_planning_on_another_host_refuses_the_calibration(graph, tmp_path, monke
     monkeypatch.setattr(socket, "gethostname", lambda: "some-other-machine")
     with pytest.raises(ProfileError, match="calibrat"):
         autopar.plan(graph, cluster=f"cpu:procs=4,profile={path}", global_batch=8, precision="fp32")
+
+
+def test_a_plan_on_a_profile_whose_calibration_was_left_out_says_why(graph, tmp_path):
+    data = json.loads(make_profile([make_calibration()]).to_json())
+    data["calibrations"][0]["version"] = CALIBRATION_VERSION - 1
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    plan = autopar.plan(graph, cluster=f"cpu:procs=4,profile={path}", global_batch=8, precision="fp32")
+    assert plan.calibration == "uncalibrated"
+    assert any("made by an earlier autopar" in note for note in plan.notes)
 
 
 def test_core_sharing():

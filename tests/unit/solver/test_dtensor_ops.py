@@ -62,5 +62,28 @@ def test_every_repeated_block_counts_as_the_block_the_solve_priced():
     planner = Planner(graph, Cluster.from_spec("cpu:procs=4"), global_batch=8, policy=FP32_ADAM, precision="fp32")
     counts = planner.pricing.counts(2, 8)
     blocks = [counts[f"layers.{index}"] for index in range(6)]
-    assert len({block.num_dtensor_ops for block in blocks}) == 1
-    assert blocks[0].num_dtensor_ops < blocks[0].num_ops  # ops it runs on local tensors are not counted
+    assert len({block.num_dtensor_dispatches for block in blocks}) == 1
+    assert 0 < blocks[0].num_dtensor_dispatches < blocks[0].num_dispatches  # local runs are not counted
+
+
+def test_attention_on_cpu_dtensors_counts_the_math_kernels_ops():
+    """On CPU the runtime runs attention on DTensors through torch's math kernel (codegen's
+    _cpu_attention), so a CPU plan counts that kernel's ops, a GPU plan the fused kernel's."""
+    from autopar.cluster import Cluster
+    from autopar.models import build_model
+    from autopar.plans.planning import capture_for_planning
+    from autopar.solver.overheads import segment_counts
+    from autopar.solver.search import Planner
+    from cost_model.memory import FP32_ADAM
+
+    bundle = build_model("llama:layers=2,hidden=64,heads=4,kv_heads=2,seq=16,vocab=64", device="meta", batch_size=8)
+    graph = capture_for_planning(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                 example_targets=bundle.example_targets)
+    planner = Planner(graph, Cluster.from_spec("cpu:procs=4"), global_batch=8, policy=FP32_ADAM, precision="fp32")
+    strategies = planner.pricing.sharding(2, 8, True, False).strategies
+    costs = planner.pricing.segment_costs(2, 8, sequence_parallel=True, folded=False)
+    fused = segment_counts(graph, costs, strategies)
+    unfused = segment_counts(graph, costs, strategies, unfused_attention=True)
+    assert unfused["layers.0"].num_dispatches > fused["layers.0"].num_dispatches + 20
+    assert unfused["layers.0"].num_dtensor_dispatches > fused["layers.0"].num_dtensor_dispatches + 20
+    assert planner.pricing.counts(2, 8)["layers.0"] == unfused["layers.0"]
