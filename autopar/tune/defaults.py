@@ -4,7 +4,7 @@ DEFAULT_CALIBRATION_MODELS = ("gpt:layers=4,hidden=320,heads=4,seq=128,vocab=512
 """The small built-in model `autopar profile` calibrates on unless told otherwise (--calibrate
 MODEL, repeatable for one fit over several; --no-calibrate): every mesh of 2, 4 or 8 processes
 divides its 4 layers and 4 heads (pp, tp up to 4), and a step takes under a second on a CPU, so
-the fixed set of configurations (calibrate.calibration_configs) runs in about a minute and a half
+the fixed set of configurations (calibrate.calibration_configs) runs in about two minutes
 on 2 cores.
 
 Wide enough that its tensor-parallel configurations shard. At hidden 128 (the default until
