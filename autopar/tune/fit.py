@@ -74,8 +74,15 @@ def fit(observations: list[Observation]) -> FitResult:
 
 def unexercised_terms(observations: list[Observation]) -> list[str]:
     """Terms whose feature is 0 on every observation: the fit cannot see them, so they keep their
-    floor (a multiplier 1, a count term 0) whatever they cost on other models."""
-    return [term for term in TERMS if not any(o.features.get(term, 0.0) for o in observations)]
+    floor (a multiplier 1, a count term 0) whatever they cost on other models (`_solve`'s unused
+    columns)."""
+    used = _used(design(observations)[0])
+    return [term for term, seen in zip(TERMS, used) if not seen]
+
+
+def _used(columns: np.ndarray) -> np.ndarray:
+    """Per term, whether any observation's column is non-zero (else the fit leaves its floor)."""
+    return np.abs(columns).sum(axis=0) > 0
 
 
 def _solve(columns: np.ndarray, rest: np.ndarray, measured: np.ndarray) -> np.ndarray:
@@ -86,7 +93,7 @@ def _solve(columns: np.ndarray, rest: np.ndarray, measured: np.ndarray) -> np.nd
     weights = 1.0 / measured
     matrix = columns * weights[:, None]
     target = (measured - rest - columns @ floor) * weights
-    used = np.abs(matrix).sum(axis=0) > 0
+    used = _used(columns)
     solution = floor.copy()
     if used.any():
         scale = np.linalg.norm(matrix[:, used], axis=0)
