@@ -211,7 +211,8 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfil
                       for index, item in enumerate(reader.list("attention", required=False)))
     grouped = tuple(_grouped_point(item, source, index)
                     for index, item in enumerate(reader.list("grouped_matmul", required=False)))
-    calibrations = reader.list("calibrations", required=False)
+    stored = reader.list("calibrations", required=False)
+    current = [item for item in stored if not is_stale(item)]
     device_kind = reader.text("device_kind")
     if device_kind not in ("cpu", "cuda"):
         raise CostModelInputError(f"profile '{source}': field 'device_kind' must be 'cpu' or 'cuda', "
@@ -231,8 +232,8 @@ def profile_from_dict(data: Any, *, source: str = "<profile>") -> HardwareProfil
         grouped_matmul=grouped,
         created=str(data.get("created", ""))[:MAX_TEXT_CHARS],
         host=str(data.get("host", ""))[:MAX_TEXT_CHARS],
-        calibrations=tuple(calibration_from_dict(item, source=source) for item in calibrations if not is_stale(item)),
-        stale_calibrations=sum(1 for item in calibrations if is_stale(item)),
+        calibrations=tuple(calibration_from_dict(item, source=source) for item in current),
+        stale_calibrations=len(stored) - len(current),
     )
 
 
