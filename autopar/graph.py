@@ -133,6 +133,11 @@ class OpNode:
     unfused_dispatches: int = 0
     """A fused attention call: the aten ops of torch's math kernel in its place, forward and
     backward, which is how DTensor runs attention on CPU (capture/unfused_attention.py); 0 otherwise."""
+    unfused_fwd_kernels: tuple[Kernel, ...] = ()
+    """A fused attention call: the kernels of torch's math kernel in its place, forward (empty
+    otherwise): what the runtime computes where it takes that path (solver/costing.py)."""
+    unfused_bwd_kernels: tuple[Kernel, ...] = ()
+    """The same, backward."""
 
     @property
     def output(self) -> TensorMeta:

@@ -199,7 +199,8 @@ class _FxConverter:
                       saved_inputs=result.saved_inputs, saved_output=result.saved_output,
                       saved_extra_bytes=result.saved_extra_bytes, alias_input=result.alias_input,
                       requires_grad=result.requires_grad, note=result.note,
-                      dispatches=result.dispatches, unfused_dispatches=result.unfused_dispatches)
+                      dispatches=result.dispatches, unfused_dispatches=result.unfused_dispatches,
+                      unfused_fwd_kernels=result.unfused_fwd_kernels, unfused_bwd_kernels=result.unfused_bwd_kernels)
         self._add(node, result.requires_grad)
 
     def _target(self, fx_node, args: list, inputs: list[str]):

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from autopar.capture.attention_flops import attention_flops, attention_head_dim, is_causal
-from autopar.capture.unfused_attention import math_attention_dispatches
+from autopar.capture.unfused_attention import run_math_attention
 from autopar.graph import Kernel, Ref
 
 aten = torch.ops.aten
@@ -69,6 +69,10 @@ class ProbeResult:
     """aten ops the forward and backward dispatched, views and free ops included (OpNode.dispatches)."""
     unfused_dispatches: int = 0
     """A fused attention call: the aten ops of torch's math kernel in its place (OpNode.unfused_dispatches)."""
+    unfused_fwd_kernels: tuple[Kernel, ...] = ()
+    """A fused attention call: the kernels of torch's math kernel in its place, forward."""
+    unfused_bwd_kernels: tuple[Kernel, ...] = ()
+    """... and backward (OpNode.unfused_fwd_kernels, unfused_bwd_kernels)."""
     input_grad_strides: tuple[tuple[int, ...] | None, ...] = ()
     """Per input, the strides of the gradient the backward returns for it (None: none returned;
     empty: unknown). A view's backward keeps its incoming gradient's layout, so a gradient that
@@ -286,22 +290,27 @@ def probe_op(target, args, kwargs: dict, specs: Sequence[InputSpec],
             note = f"backward not measurable on meta ({type(error).__name__}); priced as 2x forward"
             bwd_kernels = tuple(fwd.kernels) * 2
             dispatches *= 3
+    unfused_dispatches, unfused_fwd, unfused_bwd = _unfused(target, call_args, call_kwargs)
     return ProbeResult(fwd_kernels=tuple(fwd.kernels), bwd_kernels=bwd_kernels, saved_inputs=saved_inputs,
                        saved_output=saved_output, saved_extra_bytes=extra_bytes, alias_input=alias_input,
                        requires_grad=requires_grad, note=note, dispatches=dispatches,
-                       unfused_dispatches=_unfused_dispatches(target, call_args, call_kwargs),
+                       unfused_dispatches=unfused_dispatches, unfused_fwd_kernels=unfused_fwd,
+                       unfused_bwd_kernels=unfused_bwd,
                        output_strides=tuple(tuple(t.stride()) for t in out_tensors),
                        input_grad_strides=grad_strides_out)
 
 
-def _unfused_dispatches(target, args: tuple, kwargs: dict) -> int:
-    """For scaled_dot_product_attention, the aten ops of the math kernel (unfused_attention.py)."""
+def _unfused(target, args: tuple, kwargs: dict) -> tuple[int, tuple[Kernel, ...], tuple[Kernel, ...]]:
+    """For scaled_dot_product_attention, the aten ops (forward and backward) and the forward and
+    backward kernels of the math kernel in its place (unfused_attention.py); (0, (), ()) else."""
     if target is not aten.scaled_dot_product_attention.default:
-        return 0
+        return 0, (), ()
+    fwd, bwd = KernelRecorder(), KernelRecorder()
     try:
-        return math_attention_dispatches(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - arguments the math kernel refuses: the fused count stands
-        return 0
+        run_math_attention(fwd, bwd, *args, **kwargs)
+    except Exception:  # noqa: BLE001 - arguments the math kernel refuses: the fused kernel stands
+        return 0, (), ()
+    return fwd.dispatches + bwd.dispatches, tuple(fwd.kernels), tuple(bwd.kernels)
 
 
 def _backward_kernels(outputs: list[torch.Tensor], inputs: list[torch.Tensor],

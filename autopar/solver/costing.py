@@ -60,6 +60,10 @@ class CostContext:
     fused_wgrad: bool = False
     """The runtime can accumulate a linear's weight gradient into the fp32 .grad inside its GEMM
     (codegen/fused_wgrad.py: CUDA's out_dtype matmul; not on CPU clusters)."""
+    math_attention: bool = False
+    """The runtime runs fused attention as torch's math kernel (on CPU DTensors, under tensor
+    parallelism: codegen/interpreter.py's `_cpu_attention`): priced as that path's kernels
+    (OpNode.unfused_fwd_kernels / unfused_bwd_kernels), not the fused kernel's."""
     _redistribute_cache: dict = field(default_factory=dict)
     _compute_cache: dict = field(default_factory=dict)
 
@@ -72,10 +76,11 @@ class CostContext:
         divisor = strategy.work_divisor(self.mesh.shape)
         bytes_scale = self._bytes_scale(node, strategy, inputs)
         groups = self.local_experts(node, strategy, inputs)
-        forward = self.compute.kernels(node.fwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale,
-                                       groups=groups)
-        backward = self.compute.kernels(node.bwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale,
-                                        groups=groups)
+        fwd_kernels, bwd_kernels = node.fwd_kernels, node.bwd_kernels
+        if self.math_attention and node.unfused_fwd_kernels:
+            fwd_kernels, bwd_kernels = node.unfused_fwd_kernels, node.unfused_bwd_kernels
+        forward = self.compute.kernels(fwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale, groups=groups)
+        backward = self.compute.kernels(bwd_kernels, flops_scale=1.0 / divisor, bytes_scale=bytes_scale, groups=groups)
         self._compute_cache[key] = (forward, backward)
         return forward, backward
 

@@ -82,7 +82,8 @@ class ShardingResult:
 
 def cost_context(mesh: Mesh, cluster, policy: PrecisionPolicy = BF16_ADAM) -> CostContext:
     return CostContext(mesh=mesh, compute=ComputeModel(cluster.device, cluster.profile), comm=CommModel(cluster),
-                       policy=policy, fused_wgrad=cluster.device_kind == "cuda")
+                       policy=policy, fused_wgrad=cluster.device_kind == "cuda",
+                       math_attention=cluster.device_kind == "cpu" and mesh.size("tp") > 1)
 
 
 def solve_sharding(graph: OpGraph, mesh: Mesh, cluster, options: ShardingOptions = ShardingOptions(), *,

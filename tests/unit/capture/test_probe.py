@@ -155,3 +155,21 @@ def test_attention_also_counts_the_math_kernels_ops_that_dtensor_runs_on_cpu():
     assert result.unfused_dispatches > 4 * result.dispatches > 0
     gelu = probe_op(aten.gelu.default, (Ref(index=0),), {}, [_spec((2, 8, 64))])
     assert gelu.unfused_dispatches == 0
+
+
+def test_attention_records_the_math_kernels_the_cpu_runtime_computes():
+    """Beside the fused kernel, the probe keeps the math path's kernels, forward and backward: the
+    scores' and the context's batched matmuls (the same FLOPs as the fused count without a mask),
+    the softmax, and their backward."""
+    query, key_value = _spec((2, 4, 16, 8)), _spec((2, 4, 16, 8))
+    result = probe_op(aten.scaled_dot_product_attention.default, (Ref(index=0), Ref(index=1), Ref(index=2)),
+                      {}, [query, key_value, key_value])
+    forward = [kernel.name for kernel in result.unfused_fwd_kernels]
+    backward = [kernel.name for kernel in result.unfused_bwd_kernels]
+    assert forward.count("aten.bmm.default") == 2 and any("softmax" in name for name in forward)
+    assert backward.count("aten.bmm.default") == 4 and any("softmax_backward" in name for name in backward)
+    fused_flops = sum(kernel.flops for kernel in result.fwd_kernels if kernel.is_matmul)
+    math_flops = sum(kernel.flops for kernel in result.unfused_fwd_kernels if kernel.is_matmul)
+    assert math_flops == fused_flops > 0
+    gelu = probe_op(aten.gelu.default, (Ref(index=0),), {}, [_spec((2, 8, 64))])
+    assert gelu.unfused_fwd_kernels == gelu.unfused_bwd_kernels == ()
