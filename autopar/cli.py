@@ -130,7 +130,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _fp8_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise",
+    parser.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"],
                         help="with --precision fp8: torchao's scaling, one scale per tensor (default; FSDP "
                              "gathers weights in float8) or one per row")
     parser.add_argument("--fp8-casts", choices=["compiled", "eager"],
@@ -308,6 +308,16 @@ def _recompute_modules_flag(parser) -> None:
                              "mla_up_proj (the recompute mode 'modules:KINDS')")
 
 
+def _fp8_recipe(args) -> str:
+    """--fp8-recipe (default tensorwise), which only --precision fp8 reads."""
+    from autopar.errors import ConfigError
+
+    if args.fp8_recipe is not None and args.precision != "fp8":
+        raise ConfigError(f"--fp8-recipe {args.fp8_recipe} chooses the scaling of precision fp8, but the precision is "
+                          f"{args.precision}: add --precision fp8 or drop --fp8-recipe")
+    return args.fp8_recipe or "tensorwise"
+
+
 def _recompute(args) -> str | None:
     """--recompute, or the mode --recompute-modules names (not both)."""
     from autopar.errors import ConfigError
@@ -332,7 +342,7 @@ def _plan(args) -> int:
                    "pipeline_split": args.pipeline_split}
     plan = planning.plan(args.model, cluster=args.cluster, global_batch=args.global_batch,
                     constraints={key: value for key, value in constraints.items() if value is not None},
-                    precision=args.precision, verbose=args.verbose, fp8_recipe=args.fp8_recipe,
+                    precision=args.precision, verbose=args.verbose, fp8_recipe=_fp8_recipe(args),
                     fp8_casts=args.fp8_casts, tp_overlap=args.tp_overlap,
                     options=SearchOptions(jobs=args.jobs, optimizer=args.optimizer),
                     moe_load_imbalance=args.moe_load_imbalance)
@@ -348,7 +358,7 @@ def _evaluate(args) -> int:
                         zero_stage=args.zero, precision=args.precision, verbose=args.verbose, ep=args.ep,
                         cp=args.cp, offload=args.offload, sequence_parallel=args.sequence_parallel == "on",
                         options=SearchOptions(optimizer=args.optimizer), moe_load_imbalance=args.moe_load_imbalance,
-                        fp8_recipe=args.fp8_recipe, fp8_casts=args.fp8_casts, etp=args.etp,
+                        fp8_recipe=_fp8_recipe(args), fp8_casts=args.fp8_casts, etp=args.etp,
                         pipeline_split=args.pipeline_split, tp_overlap=args.tp_overlap)
     return _emit(plan, args)
 

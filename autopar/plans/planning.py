@@ -228,6 +228,9 @@ def _policy(precision: str) -> PrecisionPolicy:
 
 def check_fp8_arguments(precision: str, fp8_recipe: str, fp8_filter, fp8_casts: str | None = None) -> None:
     check_choice(fp8_recipe, "fp8_recipe", FP8_RECIPES)
+    if precision != "fp8" and fp8_recipe != FP8_RECIPES[0]:
+        raise ConfigError(f"fp8_recipe {fp8_recipe!r} chooses the scaling of precision 'fp8', but precision is "
+                          f"{precision!r}: pass precision='fp8' or drop fp8_recipe")
     if fp8_casts is not None:
         check_choice(fp8_casts, "fp8_casts", FP8_CASTS)
         if precision != "fp8":
@@ -369,8 +372,16 @@ def plan(model, example_inputs=None, cluster="cpu", *, global_batch: int, constr
 
 
 def _check_constraints(cluster: Cluster, global_batch: int, constraints: Constraints) -> None:
-    check_degrees(cluster, global_batch, dp=constraints.dp, tp=constraints.tp, pp=constraints.pp,
-                  microbatch_size=constraints.microbatch_size, schedule=constraints.schedule, cp=constraints.cp)
+    """Fixed degrees the cluster and batch refuse; a tp pinned by etp > 1 (search_etp) is named as
+    the etp the user gave."""
+    try:
+        check_degrees(cluster, global_batch, dp=constraints.dp, tp=constraints.tp, pp=constraints.pp,
+                      microbatch_size=constraints.microbatch_size, schedule=constraints.schedule, cp=constraints.cp)
+    except ConfigError as error:
+        if constraints.etp is not None and constraints.etp > 1 and f"tp={constraints.etp}" in str(error):
+            raise ConfigError(f"etp={constraints.etp} runs the experts on tp={constraints.etp} ranks, and {error}") \
+                from None
+        raise
 
 
 def plan_with(planner: Planner, constraints: Constraints = Constraints()) -> Plan:

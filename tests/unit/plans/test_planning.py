@@ -99,6 +99,8 @@ def test_the_cast_handling_defaults_by_device_and_is_refused_without_fp8():
         autopar.evaluate(GPT, cluster="cpu", global_batch=8, precision="fp8", fp8_casts="jit")
     with pytest.raises(ConfigError, match="pass precision='fp8' or drop fp8_casts"):
         autopar.evaluate(GPT, cluster="cpu", global_batch=8, fp8_casts="eager")
+    with pytest.raises(ConfigError, match="pass precision='fp8' or drop fp8_recipe"):
+        autopar.evaluate(GPT, cluster="cpu", global_batch=8, fp8_recipe="rowwise")
 
 
 def test_a_filter_chooses_the_linears():
