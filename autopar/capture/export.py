@@ -474,13 +474,7 @@ class ExportConverter:
             self.strides[fx_node.name] = strides
         if result.note:
             self.notes.append(f"{common['target']}: {result.note}")
-        self.nodes.append(OpNode(**common, fwd_kernels=result.fwd_kernels, bwd_kernels=result.bwd_kernels,
-                                 saved_inputs=result.saved_inputs, saved_output=result.saved_output,
-                                 saved_extra_bytes=result.saved_extra_bytes, alias_input=result.alias_input,
-                                 requires_grad=result.requires_grad, note=result.note,
-                                 dispatches=result.dispatches, unfused_dispatches=result.unfused_dispatches,
-                                 unfused_fwd_kernels=result.unfused_fwd_kernels,
-                                 unfused_bwd_kernels=result.unfused_bwd_kernels))
+        self.nodes.append(OpNode(**common, **result.node_fields()))
 
     def _reprobe(self, name: str, grad_strides: tuple[tuple[int, ...], ...]) -> ProbeResult | None:
         """Node `name`'s probe again, its gradient laid out with `grad_strides` (gradient_layouts.py)."""

@@ -195,12 +195,7 @@ class _FxConverter:
             module_path = LOSS_MODULE_PATH  # ran in WithLoss.forward: part of loss_fn
         node = OpNode(name=fx_node.name, kind="call", target=target, inputs=tuple(inputs), args=tuple(args),
                       kwargs=tuple(kwargs.items()), outputs=(meta,), module_path=module_path.removeprefix(self.prefix),
-                      fwd_kernels=result.fwd_kernels, bwd_kernels=result.bwd_kernels,
-                      saved_inputs=result.saved_inputs, saved_output=result.saved_output,
-                      saved_extra_bytes=result.saved_extra_bytes, alias_input=result.alias_input,
-                      requires_grad=result.requires_grad, note=result.note,
-                      dispatches=result.dispatches, unfused_dispatches=result.unfused_dispatches,
-                      unfused_fwd_kernels=result.unfused_fwd_kernels, unfused_bwd_kernels=result.unfused_bwd_kernels)
+                      **result.node_fields())
         self._add(node, result.requires_grad)
 
     def _target(self, fx_node, args: list, inputs: list[str]):

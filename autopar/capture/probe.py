@@ -78,6 +78,14 @@ class ProbeResult:
     empty: unknown). A view's backward keeps its incoming gradient's layout, so a gradient that
     arrives transposed leaves transposed, and the reshape that undoes a view then copies it."""
 
+    def node_fields(self) -> dict:
+        """The OpNode fields this probe sets (every capture path builds its nodes with them)."""
+        return dict(fwd_kernels=self.fwd_kernels, bwd_kernels=self.bwd_kernels, saved_inputs=self.saved_inputs,
+                    saved_output=self.saved_output, saved_extra_bytes=self.saved_extra_bytes,
+                    alias_input=self.alias_input, requires_grad=self.requires_grad, note=self.note,
+                    dispatches=self.dispatches, unfused_dispatches=self.unfused_dispatches,
+                    unfused_fwd_kernels=self.unfused_fwd_kernels, unfused_bwd_kernels=self.unfused_bwd_kernels)
+
 
 def _is_view_op(func) -> bool:
     returns = func._schema.returns
