@@ -69,6 +69,12 @@ def runs_on_dtensors(graph: OpGraph, node: OpNode, strategy: Strategy | None, *,
                for item, name in zip(inputs, node.inputs) if name in graph.by_name)
 
 
+def runs_math_attention(device_kind: str, tp: int) -> bool:
+    """Whether the runtime runs attention through torch's math kernel (codegen's `_cpu_attention`):
+    on CPU DTensors, which tensor parallelism makes (its ops and kernels: OpNode.unfused_*)."""
+    return device_kind == "cpu" and tp > 1
+
+
 def local_placement(placement: str | None) -> bool:
     """A placement whose tensor a rank holds whole or as its shard (not partial, not unplanned)."""
     return placement is not None and (placement == "R" or placement.startswith("S"))

@@ -15,6 +15,7 @@ from autopar.mesh import Mesh
 from autopar.solver.condense import expand_segments
 from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES, Estimate, ParallelConfig
 from autopar.solver.context_parallel import attention_costs, sequence_length, split_compute, split_sequence
+from autopar.solver.dtensor_ops import runs_math_attention
 from autopar.solver.evaluate import SegmentCost
 from autopar.solver.expert_folding import fixed_token_local, read_outside, runs_folded, token_local_region
 from autopar.solver.experts import ExpertOp, ep_blocker, ep_degrees
@@ -210,7 +211,7 @@ class Pricing:
             self._counts[key] = segment_counts(self.graph, self.segment_costs(
                 tp, microbatch_size, sequence_parallel=sequence_parallel, folded=folded), sharding.strategies,
                 fused_wgrad=self.cluster.device_kind == "cuda" and self.policy.casts_once_per_step,
-                unfused_attention=self.cluster.device_kind == "cpu")
+                unfused_attention=runs_math_attention(self.cluster.device_kind, tp))
         return self._counts[key]
 
     def features(self, estimate: Estimate) -> dict[str, float]:

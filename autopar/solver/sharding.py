@@ -21,6 +21,7 @@ from autopar.graph import OpGraph
 from autopar.validation import human_bytes
 from autopar.mesh import Mesh
 from autopar.solver.costing import CostContext
+from autopar.solver.dtensor_ops import runs_math_attention
 from autopar.solver.evaluate import SegmentCost, evaluate_assignment
 from autopar.solver.intra_op import ChoiceProblem, ChoiceSolution, solve_choices
 from autopar.solver.quotient import fold_blocks
@@ -83,7 +84,7 @@ class ShardingResult:
 def cost_context(mesh: Mesh, cluster, policy: PrecisionPolicy = BF16_ADAM) -> CostContext:
     return CostContext(mesh=mesh, compute=ComputeModel(cluster.device, cluster.profile), comm=CommModel(cluster),
                        policy=policy, fused_wgrad=cluster.device_kind == "cuda",
-                       math_attention=cluster.device_kind == "cpu" and mesh.size("tp") > 1)
+                       math_attention=runs_math_attention(cluster.device_kind, mesh.size("tp")))
 
 
 def solve_sharding(graph: OpGraph, mesh: Mesh, cluster, options: ShardingOptions = ShardingOptions(), *,
