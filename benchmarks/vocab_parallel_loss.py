@@ -1,16 +1,25 @@
 """Fixed tensor-parallel configurations planned with and without the vocabulary-parallel loss.
 
-    .venv/bin/python benchmarks/vocab_parallel_loss.py
+    .venv/bin/python benchmarks/vocab_parallel_loss.py [--memory]
 
 The same search twice per row: once with cross-entropy's class-sharded strategy removed (every
 tp rank gathers the fp32 logits and computes the whole loss, autopar before it had the strategy),
 once as shipped. Prints predicted step time, peak memory and whether the plan keeps the logits
 sharded (plan.loss_parallel).
+
+`--memory` measures instead what the loss itself holds at its peaks on this machine: the resident
+memory (VmHWM, reset through /proc/self/clear_refs) of one fresh process running cross-entropy on
+fp32-cast logits of L bytes, forward then backward, with aten's fused kernels and under DTensor's
+loss_parallel (a one-rank gloo mesh), beside what the plan prices for the same loss (the held
+log-probabilities plus the op's gradient workspace, solver/evaluate.py, at tp 1 and tp 2).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import re
+import subprocess
+import sys
+from contextlib import contextmanager, nullcontext
 
 from autopar import api
 from autopar.strategies import loss, replicate_all
@@ -42,7 +51,98 @@ def _cell(spec: str, cluster: str, global_batch: int, constraints: dict) -> str:
             f"loss_parallel={plan.loss_parallel}")
 
 
+ROWS_TOKENS, LOSS_VOCAB = 4096, 32768
+"""The measured loss's logits: fp32 L = 512 MiB."""
+
+
+def _resident_peak_bytes() -> int:
+    return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+
+
+def _resident_bytes() -> int:
+    return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as status:
+        status.write("5")
+
+
+def measure_loss(parallel: bool) -> tuple[float, float]:
+    """(forward, backward) resident peaks of one cross-entropy, in fp32 logits (L), above the
+    bf16 logits it starts from; in this process, which must be fresh."""
+    import os
+
+    import torch
+    import torch.nn.functional as F
+
+    logits = torch.randn(ROWS_TOKENS, LOSS_VOCAB, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, LOSS_VOCAB, (ROWS_TOKENS,))
+    context = nullcontext()
+    if parallel:
+        import torch.distributed as dist
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29531")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
+        logits = distribute_tensor(logits.detach(), mesh, [Shard(1)]).requires_grad_()
+        target = distribute_tensor(target, mesh, [Replicate()])
+        context = loss_parallel()
+    size = ROWS_TOKENS * LOSS_VOCAB * 4
+    base = _resident_bytes()
+    _reset_peak()
+    with context:
+        loss = F.cross_entropy(logits.float(), target)
+        forward = _resident_peak_bytes() - base
+        _reset_peak()
+        loss.backward()
+    return forward / size, (_resident_peak_bytes() - base) / size
+
+
+def priced_loss_peaks() -> dict[int, float]:
+    """The plan's backward peak of the loss, in local fp32 logits, by tp: the log-probabilities
+    it keeps (an activation) plus the gradient workspace of the cross-entropy's strategy."""
+    from autopar.cluster import Cluster
+    from autopar.mesh import Mesh
+    from autopar.solver.sharding import solve_sharding
+
+    graph = api.capture_for_planning("gpt:layers=1,hidden=256,heads=4,seq=512,vocab=32768").with_batch(1)
+    loss = next(node for node in graph.nodes if node.target == "aten.cross_entropy_loss.default")
+    peaks = {}
+    for tp in (1, 2):
+        mesh = Mesh(axis_names=("tp",), shape=(tp,), devices_per_node=8)
+        result = solve_sharding(graph, mesh, Cluster.from_spec("dgx-a100-80g"))
+        local = graph[loss.inputs[0]].output.numel * 4 / tp
+        workspace = max(segment.grad_workspace_bytes for segment in result.segments)
+        peaks[tp] = 1 + workspace / local
+    return peaks
+
+
+def print_memory() -> None:
+    measured = {}
+    for mode in ("fused", "loss_parallel"):
+        done = subprocess.run([sys.executable, __file__, "--measure-loss", mode], capture_output=True, text=True,
+                              check=True)
+        measured[mode] = [float(value) for value in done.stdout.split()]
+    priced = priced_loss_peaks()
+    print(f"| cross-entropy on fp32 logits (L = {ROWS_TOKENS * LOSS_VOCAB * 4 / 2**20:.0f} MiB) | measured forward peak "
+          "| measured backward peak | priced backward peak |")
+    print("|---|---:|---:|---:|")
+    for mode, tp in (("fused", 1), ("loss_parallel", 2)):
+        forward, backward = measured[mode]
+        print(f"| {mode} (the plan's strategy at tp {tp}) | {forward:.2f} L | {backward:.2f} L | {priced[tp]:.2f} L |")
+
+
 def main() -> int:
+    if "--measure-loss" in sys.argv:
+        print(*measure_loss(sys.argv[-1] == "loss_parallel"))
+        return 0
+    if "--memory" in sys.argv:
+        print_memory()
+        return 0
     print("| configuration | gathered logits | vocabulary-parallel |")
     print("|---|---|---|")
     for label, spec, cluster, global_batch, constraints in ROWS:

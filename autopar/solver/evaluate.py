@@ -301,12 +301,17 @@ def _keep_if(segment: SegmentCost, key: str, size: float, kept: bool) -> None:
 def _gradient_bytes(graph: OpGraph, node, strategy, mesh_shape) -> float:
     """Bytes of the output gradient of `node`, of the intermediates it saves (a composite op's
     backward makes their gradients too: cross-entropy's log-probabilities, as large as the
-    logits) and of its inputs that need one (no view: a view's gradient is a view of its
-    output's)."""
+    logits), of its inputs that need one (no view: a view's gradient is a view of its
+    output's) and of the temporaries its rule's backward holds beside them
+    (Strategy.backward_copies of its first input, in fp32 at least)."""
     if node.alias_input is not None:
         return 0.0
     total = sum(meta.nbytes for meta in node.outputs if meta.is_float) / shard_factor(strategy.output, mesh_shape)
     total += node.saved_extra_bytes / strategy.work_divisor(mesh_shape)
+    if strategy.backward_copies and node.inputs:
+        first = graph[node.inputs[0]].output  # (the temporaries are fp32 for 16-bit inputs too)
+        total += (strategy.backward_copies * first.numel * max(first.itemsize_bytes, 4)
+                  / shard_factor(strategy.inputs[0], mesh_shape))
     for index, source in enumerate(node.inputs):
         producer = graph[source]
         if producer.requires_grad and producer.kind != "param" and producer.outputs and producer.output.is_float:

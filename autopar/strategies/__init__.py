@@ -39,6 +39,10 @@ class Strategy1D:
     collectives: tuple[tuple[str, str, float], ...] = ()
     """Collectives the op's own rule runs on this axis, beyond any resharding of its inputs (a
     vocab-parallel loss all-reduces its row maxima): (op, phase "fwd"/"bwd", message bytes)."""
+    backward_copies: float = 0.0
+    """Temporaries the op's backward under this rule holds at once beyond the gradients, in
+    local copies of its first input (DTensor's vocab-parallel cross-entropy: 1, its exp(x) beside
+    the zeros it scatters the targets into; aten's fused kernels: 0)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class Strategy:
     ("": derived by `input_grad`'s rule); empty: derived everywhere."""
     collectives: tuple[tuple[str, int, str, float], ...] = ()
     """The op's own collectives (Strategy1D.collectives): (op, mesh axis, phase, message bytes)."""
+    backward_copies: float = 0.0
+    """Strategy1D.backward_copies, the most of any axis (one rule runs the op)."""
 
     def work_divisor(self, mesh_shape: Sequence[int]) -> int:
         divisor = 1
@@ -137,6 +143,7 @@ def mesh_strategies(node: OpNode, inputs: Sequence[TensorMeta], mesh_shape: Sequ
             input_grads=_input_grads(choice, len(inputs)),
             collectives=tuple((op, axis, phase, size) for axis, one in enumerate(choice)
                               for op, phase, size in one.collectives),
+            backward_copies=max(axis.backward_copies for axis in choice),
         )
         if _fits_mesh(strategy, node, inputs, mesh_shape):
             combined.append(strategy)

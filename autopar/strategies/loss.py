@@ -81,13 +81,21 @@ VOCAB = "vocab"
 
 def _vocab_parallel(inputs: Sequence[TensorMeta]) -> Strategy1D:
     """Logits sharded on the class dim: each device works on its classes; three all-reduces of
-    one value per row (maximum, sum of exponentials, the target's logit) make the loss whole."""
+    one value per row (maximum, sum of exponentials, the target's logit) make the loss whole.
+
+    DTensor runs it as decomposed ops (loss.py's _log_softmax, _nll_loss_and_log_softmax_backward),
+    not aten's fused kernels, and its backward holds one temporary more: zeros_like(x) with the
+    targets scattered in, exp(x) and their sum at once beside the saved log-probabilities, where
+    aten's nll_loss and log_softmax backward hold two gradients. Measured (resident memory, fp32
+    logits of L bytes, benchmarks/vocab_parallel_loss.py --memory): fused forward 2 L and backward
+    3 L at their peaks, loss_parallel 3 L and 4 L."""
     logits = inputs[0]
     rows = logits.numel // logits.shape[1]
     fp32 = ("all_reduce", "fwd", 4.0 * rows)
     collectives = (fp32, fp32, ("all_reduce", "fwd", float(logits.itemsize_bytes * rows)))
     placements = (shard(1),) + (REPLICATE,) * (len(inputs) - 1)
-    return Strategy1D(inputs=placements, output=REPLICATE, split=True, name=VOCAB, collectives=collectives)
+    return Strategy1D(inputs=placements, output=REPLICATE, split=True, name=VOCAB, collectives=collectives,
+                      backward_copies=1.0)
 
 
 @register(*ELEMENTWISE_LOSSES)

@@ -137,3 +137,19 @@ def test_linear_weights_can_accumulate_their_gradients_inside_the_gemms_on_gpus(
     cpu = Mesh(axis_names=("tp",), shape=(tp,), devices_per_node=8)
     on_cpu = solve_sharding(graph, cpu, Cluster.from_spec("cpu:procs=8"), policy=BF16_ADAM)
     assert all(segment.fused_wgrad_numel == 0 for segment in on_cpu.segments)
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_the_loss_backward_holds_two_gradients_and_loss_parallel_one_temporary_more(graph, tp):
+    """The epilogue's gradient workspace is the cross-entropy's backward: aten's fused kernels hold
+    the log-probabilities' and the logits' gradients (2 L of the fp32 logits on this device);
+    DTensor's loss_parallel (the vocab strategy, chosen at tp 8) also exp(x) beside its scattered
+    zeros (3 L). Measured on the CPU: benchmarks/vocab_parallel_loss.py --memory."""
+    mesh = Mesh(axis_names=("tp",), shape=(tp,), devices_per_node=8)
+    result = solve_sharding(graph, mesh, Cluster.from_spec("dgx-a100-80g"), policy=MEGATRON_BF16)
+    loss = next(node for node in graph.nodes if node.target == "aten.cross_entropy_loss.default")
+    strategy = result.strategies[loss.name]
+    assert (strategy.name == "vocab") == (tp > 1)
+    local_fp32_logits = graph[loss.inputs[0]].output.numel * 4 / tp
+    epilogue = next(segment for segment in result.segments if loss.name in segment.node_kept_bytes)
+    assert epilogue.grad_workspace_bytes == pytest.approx((3 if tp > 1 else 2) * local_fp32_logits, rel=0.01)
