@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.codegen import context_parallel, expert_folding
 from autopar.codegen.build import ProgramBuilder, chunk_specs
-from autopar.codegen.data_parallel import apply_fsdp, uses_fsdp
+from autopar.codegen.data_parallel import apply_fsdp, reshard_zero3_under_pipelining, uses_fsdp
 from autopar.codegen.interpreter import RunStats
 from autopar.codegen.listing import program_listing
 from autopar.codegen.loss_parallel import ModelLoss
@@ -83,6 +83,8 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
                    param_dtype=torch.bfloat16 if plan.precision in ("bf16", "fp8") else None,
                    expert_mesh=runtime.expert_replica_mesh if plan.ep > 1 else None,
                    root_ends=plan.fsdp_root_ends)
+        if len(specs) > 1 and plan.zero_stage == 3:
+            reshard_zero3_under_pipelining(stages)
         builder.fuse_under_fsdp(stages)
     schedule, tied = None, {}
     if len(specs) > 1:

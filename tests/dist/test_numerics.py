@@ -267,6 +267,9 @@ TABLE = CaseTable([
     _case("gpt", 4, dp=2, tp=2, pp=1, zero_stage=3),
     _case("gpt", 4, dp=1, tp=2, pp=2, microbatch_size=2),
     _case("gpt", 4, dp=2, tp=1, pp=2, microbatch_size=1),
+    # ZeRO-3 under pipelining: each unit resharded after every microbatch's backward (codegen's
+    # reshard_zero3_under_pipelining against the stage's own setting), gradients accumulated unsharded
+    _case("gpt", 4, dp=2, tp=1, pp=2, microbatch_size=1, zero_stage=3),
     _case("gpt", 4, dp=1, tp=2, pp=2, microbatch_size=1, schedule="interleaved", virtual_stages=2),
     _case("gpt", 4, dp=1, tp=2, pp=2, microbatch_size=1, schedule="zbv", recompute="selective"),
     _case("gpt", 4, dp=2, tp=2, pp=1, zero_stage=1, microbatch_size=2, recompute="full"),

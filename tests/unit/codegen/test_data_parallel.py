@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from autopar.codegen.data_parallel import apply_fsdp
+from autopar.codegen.data_parallel import apply_fsdp, reshard_zero3_under_pipelining
 
 
 class _Segment(nn.Module):
@@ -52,3 +52,21 @@ def test_root_ends_leave_the_first_and_last_segments_to_the_root_and_keep_the_la
     assert (root_params is not None) == root_ends  # the ends' weights
     assert [_resharded(stage.segments[index]) for index in units] == (
         [True, True, False] if root_ends else [True] * 5)
+
+
+def _reshard_flags(stage: nn.Module) -> list[bool]:
+    return [group.reshard_after_backward for module in stage.modules() if isinstance(module, FSDPModule)
+            for group in module._get_fsdp_state()._fsdp_param_groups]
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_zero3_under_pipelining_stays_resharded_after_backward(dp_mesh, pinned):
+    """torch.distributed.pipelining sets reshard_after_backward False on the stage before each
+    microbatch's backward; under ZeRO-3 the stage's units keep resharding (as planned) once
+    reshard_zero3_under_pipelining has pinned the setter."""
+    stage = _Stage(3)
+    apply_fsdp([stage], dp_mesh, 3)
+    if pinned:
+        reshard_zero3_under_pipelining([stage])
+    stage.set_reshard_after_backward(False)  # what PipelineStage.backward_maybe_with_nosync calls
+    assert _reshard_flags(stage) == [pinned] * 3  # the three segments (the root holds no parameter)
