@@ -222,12 +222,24 @@ class Run:
             return "op"
         return self.recompute
 
+    @property
+    def zero_as_run(self) -> int:
+        """The ZeRO stage autopar prices the run's data parallelism as. torchtitan under pipelining
+        shards with FSDP2 but never reshards after forward (apply_fsdp: reshard_after_forward=False
+        when pp is enabled, pytorch/torchtitan 9dec370), and torch's PipelineStage keeps every
+        unit gathered after each microbatch's backward (set_reshard_after_backward(False)): the
+        parameters are gathered once and held for the step, gradients reduce-scattered once: what
+        autopar's ZeRO-2 under pipelining does. Otherwise the row's stage."""
+        if "torchtitan" in self.source.lower() and self.pp > 1 and self.zero == 3:
+            return 2
+        return self.zero
+
     def config(self, planner) -> ParallelConfig:
         interleaved = self.virtual_stages > 1
         return api.fixed_config(planner, tp=self.tp, pp=self.pp, dp=self.dp, microbatch_size=self.microbatch,
                                 schedule="interleaved" if interleaved else "1f1b",
                                 virtual_stages=self.virtual_stages if interleaved else None,
-                                layers_per_virtual_stage=None, recompute=self.recompute_mode, zero_stage=self.zero,
+                                layers_per_virtual_stage=None, recompute=self.recompute_mode, zero_stage=self.zero_as_run,
                                 cp=self.cp, sequence_parallel=self.sequence_parallel,
                                 pipeline_split=split_as_run(self, planner.graph))
 
