@@ -157,6 +157,17 @@ def test_torchtitan_rows_wrap_fsdp_units_as_torchtitan_did_when_they_ran():
     assert not policy_of(replace(later, source="torchtitan docs, 2025-08")).fsdp_root_ends
     assert policy_of(replace(later, source="torchtitan docs, 2025-07")).fsdp_root_ends
 
+def test_torchtitan_fsdp_under_pipelining_is_priced_as_gathered_once_for_the_step():
+    """torchtitan does not reshard after forward under pipelining and torch's PipelineStage not after
+    backward: its ZeRO-3 rows with pp > 1 are priced as autopar's ZeRO-2 under pipelining; without
+    pp, and Megatron-LM's rows, as stated."""
+    torchtitan = RUNS["tt-8b-fsdp-8"]
+    assert torchtitan.zero_as_run == 3
+    assert replace(torchtitan, pp=8).zero_as_run == 2
+    assert replace(torchtitan, pp=8, zero=1).zero_as_run == 1
+    assert replace(RUNS["kor-22b-sel"], pp=8, zero=3).zero_as_run == 3
+
+
 def test_a_compiled_row_with_an_eager_measurement_has_an_eager_twin():
     from benchmarks.published_runs import eager_twin
 
