@@ -78,6 +78,13 @@ class PrecisionPolicy:
     Megatron-Core runs those readers as one fused linear (linear_qkv, linear_fc1). False for torch's
     async TP (the inductor pass fuses a reduce-scatter only with the one matmul producing it) and
     autopar's runtime (codegen/async_tp.py): that reduce-scatter runs after the sum, exposed."""
+    regather_overlap: bool = False
+    """Where a recomputation mode keeps a sequence-parallel linear's input as its shard ("gathers",
+    "selective"), the runtime all-gathers it again in backward beside that linear's input-gradient
+    GEMM: Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication and Transformer Engine's
+    linears issue the all-gather asynchronously before the dgrad GEMM and wait after it
+    (solver/tp_overlap.py's overlap_regather). False: exposed, as autopar's runtime redistributes
+    the shard through DTensor."""
     fsdp_root_ends: bool = False
     """The runtime's root FSDP unit holds the first and last segments' parameters (torchtitan:
     `fully_shard` on each transformer block, then on the whole model, so the embedding, the final
@@ -123,9 +130,10 @@ class PrecisionPolicy:
 BF16_ADAM = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0, casts_once_per_step=True, p2p_overlap=True,
                             fsdp_small_root_ends=True, optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])
 """autopar's runtime with `torch.optim.AdamW(pm.parameters())` as the README writes it (foreach)."""
-MEGATRON_BF16 = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0)
+MEGATRON_BF16 = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0, regather_overlap=True)
 """Megatron-LM's mixed precision (for pricing runs made that way): bf16/fp16 parameters used
-directly by every microbatch, the fp32 master copy inside the optimizer; no cast. Its distributed
+directly by every microbatch, the fp32 master copy inside the optimizer; no cast; its sequence-
+parallel re-gathers beside the input-gradient GEMMs (`regather_overlap`). Its distributed
 optimizer all-gathers the bf16 parameter buffer (2 bytes: megatron/core/distributed/
 param_and_grad_buffer.py, each bucket's param_data in the parameters' dtype, gathered with
 all_gather_into_tensor after the optimizer copies its fp32 shard in) and reduce-scatters the fp32

@@ -97,7 +97,7 @@ from autopar.solver.placement import Placement
 from autopar.solver.schedule_sim import uniform_bubble_s
 from autopar.solver.step_fsdp import StepFsdp, fsdp_notes
 from autopar.solver.step_tail import StepTail, fsdp_fuses_wgrad, uses_fsdp
-from autopar.solver.tp_overlap import overlap_tp_comm
+from autopar.solver.tp_overlap import overlap_regather, overlap_tp_comm
 from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
@@ -604,6 +604,9 @@ class StepModel(StepFsdp, StepTail):
             tp_comm, overlap_s = overlap_tp_comm(tp_comm, tp=config.tp, share=self.comm_sm_share(),
                                                  compute_s=total("forward_s", own) + total("backward_s", own),
                                                  sums=self.policy.tp_overlap_sums)
+        elif self.policy.regather_overlap:  # re-gathers beside the dgrad GEMMs (tp_overlap.py)
+            tp_comm, overlap_s = overlap_regather(tp_comm, backward_s=total("backward_s", own),
+                                                  share=self.comm_sm_share())
         timeline, exposed, step_end, offload = self._fsdp(prepared, own, config)
         ep_s, ep_segments, (ep_forward, ep_backward) = self._ep_parts(prepared, own, config)
         fused = self._fuses_wgrad(config) and prepared.fused_wgrad_numel is not None

@@ -32,6 +32,10 @@ parallel exchange and the expert all-to-alls are not overlapped this way and sta
 autopar's own runtime runs the same overlap as torch's async TP where the plan's tp_overlap is
 "async" (codegen/async_tp.py: the default on CUDA clusters) and is priced so; with "off" it issues
 its tensor-parallel collectives through DTensor, exposed (tp_comm_overlap False).
+
+Without TP overlap, Megatron-LM and Transformer Engine still run one collective beside a GEMM: a
+sequence-parallel linear keeps its input's shard and all-gathers it again in backward before the
+input-gradient GEMM, waiting after it (PrecisionPolicy.regather_overlap; `overlap_regather`).
 """
 
 from __future__ import annotations
@@ -66,4 +70,21 @@ def overlap_tp_comm(tp_comm_s: dict[str, float], *, tp: int, compute_s: float, s
     contention = hidden * share
     if contention:
         terms["sm_contention"] = contention
+    return terms, contention - hidden
+
+
+def overlap_regather(tp_comm_s: dict[str, float], *, backward_s: float, share: float) -> tuple[dict[str, float], float]:
+    """PrecisionPolicy.regather_overlap without tp_comm_overlap: each backward re-gather of a kept
+    shard runs beside the input-gradient GEMM of the linear that reads it (Megatron-LM, Transformer
+    Engine), so it is hidden up to the stage's backward compute, at the SMs its channels hold
+    (`share`). (the terms with the re-gathers' exposed seconds, plus "sm_contention"; the change of
+    the stage's time per microbatch: - hidden + contention)."""
+    regather = tp_comm_s.get("all_gather.regather", 0.0)
+    hidden = min(regather, max(0.0, backward_s))
+    if hidden <= 0:
+        return dict(tp_comm_s), 0.0
+    terms = dict(tp_comm_s, **{"all_gather.regather": regather - hidden})
+    contention = hidden * share
+    if contention:
+        terms["sm_contention"] = terms.get("sm_contention", 0.0) + contention
     return terms, contention - hidden

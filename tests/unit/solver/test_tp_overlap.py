@@ -9,7 +9,7 @@ import autopar
 from autopar import api
 from autopar.cluster import Cluster
 from autopar.solver.search import Planner
-from autopar.solver.tp_overlap import overlap_tp_comm, overlappable
+from autopar.solver.tp_overlap import overlap_regather, overlap_tp_comm, overlappable
 from cost_model.memory import MEGATRON_BF16
 
 TERMS = {"all_gather": 0.4, "reduce_scatter": 0.4, "all_gather.regather": 0.2, "all_reduce": 0.1,
@@ -44,6 +44,17 @@ def test_no_more_is_hidden_than_the_compute_it_runs_beside() -> None:
     assert sum(terms[op] for op in TERMS if overlappable(op)) == pytest.approx(1.0 - 0.1)
 
 
+def test_a_regather_beside_the_input_gradient_gemms_is_hidden_up_to_them() -> None:
+    """Megatron-LM's and Transformer Engine's backward all-gather of a kept shard runs beside the
+    dgrad GEMM: hidden while the stage's backward lasts, holding its SMs; nothing else moves."""
+    terms, change = overlap_regather(TERMS, backward_s=10.0, share=16 / 132)
+    assert terms["all_gather.regather"] == 0.0 and terms["all_gather"] == TERMS["all_gather"]
+    assert terms["sm_contention"] == pytest.approx(0.2 * 16 / 132)
+    assert change == pytest.approx(-0.2 + 0.2 * 16 / 132)
+    short, _ = overlap_regather(TERMS, backward_s=0.05, share=0.0)
+    assert short["all_gather.regather"] == pytest.approx(0.15)
+
+
 def test_without_tp_nothing_changes() -> None:
     assert overlap_tp_comm(TERMS, tp=1, compute_s=1.0, share=16 / 132) == (TERMS, 0.0)
 
@@ -56,10 +67,10 @@ def graph():
     return autopar.capture_for_planning(GPT)
 
 
-def _estimate(graph, policy):
+def _estimate(graph, policy, recompute: str = "none"):
     planner = Planner(graph, Cluster.from_spec("dgx-h100:nodes=1"), global_batch=8, policy=policy, precision="bf16")
     config = api.fixed_config(planner, tp=4, pp=1, dp=2, microbatch_size=1, schedule="1f1b",
-                                      virtual_stages=None, layers_per_virtual_stage=None, recompute="none",
+                                      virtual_stages=None, layers_per_virtual_stage=None, recompute=recompute,
                                       zero_stage=1, cp=1, sequence_parallel=True)
     return planner.evaluate(config)[0]
 
@@ -93,3 +104,13 @@ def test_a_gradient_summed_over_the_readers_of_one_gathered_input_is_reduce_scat
     assert torch_async.breakdown_s["tp.reduce_scatter.summed"] == pytest.approx(
         exposed.breakdown_s["tp.reduce_scatter.summed"])
     assert te.step_time_s < torch_async.step_time_s < exposed.step_time_s
+
+
+def test_megatrons_regathers_run_beside_its_dgrad_gemms(graph) -> None:
+    """Keeping the gathered inputs as shards ("gathers"), Megatron's runtime hides the backward
+    re-gathers (MEGATRON_BF16.regather_overlap); a runtime that redistributes them leaves them exposed."""
+    hidden = _estimate(graph, MEGATRON_BF16, "gathers")
+    exposed = _estimate(graph, replace(MEGATRON_BF16, regather_overlap=False), "gathers")
+    assert exposed.breakdown_s["tp.all_gather.regather"] > 0
+    assert hidden.breakdown_s.get("tp.all_gather.regather", 0.0) == 0.0
+    assert hidden.step_time_s < exposed.step_time_s
