@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autopar.solver.experts import DEFAULT_LOAD_IMBALANCE  # noqa: E402 (the planner's default, for dropless real routing)
-from benchmarks.published_runs import param_gather_overlapped, select_rows, split_as_run  # noqa: E402
+from benchmarks.published_runs import as_megatron_saves, param_gather_overlapped, select_rows, split_as_run  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_moe.csv"
 
@@ -180,7 +180,8 @@ def _run(item: dict[str, str]) -> MoeRun:
                   cluster=item["cluster"], global_batch=int(item["global_batch"]), microbatch=int(item["microbatch"]),
                   tp=int(item["tp"]), pp=int(item["pp"]), virtual_stages=int(item["virtual_stages"] or 1),
                   cp=int(item["cp"] or 1), ep=int(item["ep"] or 1), etp=int(item["etp"] or 1), dp=int(item["dp"]),
-                  zero=zero_stage(item["optimizer_sharding"]), recompute=recompute_mode(item["recompute"]),
+                  zero=zero_stage(item["optimizer_sharding"]),
+                  recompute=as_megatron_saves(recompute_mode(item["recompute"]), int(item["tp"])),
                   recompute_as_run=item["recompute"], routing=item["routing"], metric=item["metric"],
                   published=float(item["published"]), flop_counting=item["flop_counting"], notes=notes,
                   optimizer_sharding=item["optimizer_sharding"])

@@ -217,9 +217,12 @@ class Run:
 
     @property
     def recompute_mode(self) -> str:
-        """autopar's mode for the run's recomputation (the notes say when it was op-level)."""
+        """autopar's mode for the run's recomputation (the notes say when it was op-level; Megatron's
+        sequence parallelism keeps shards: as_megatron_saves)."""
         if self.recompute == "selective" and _OP_LEVEL.search(self.notes):
             return "op"
+        if "torchtitan" not in self.source.lower():
+            return as_megatron_saves(self.recompute, self.tp, self.sequence_parallel)
         return self.recompute
 
     @property
@@ -298,6 +301,16 @@ def _overrides(text: str) -> dict[str, dict[str, float]]:
         table, _, name = key.partition(".")
         tables.setdefault(table, {})[name] = float(value)
     return tables
+
+
+def as_megatron_saves(mode: str, tp: int, sequence_parallel: bool = True) -> str:
+    """Megatron-LM's and Transformer Engine's sequence-parallel linears save their input as its
+    sequence shard and all-gather it again in backward (Megatron's LinearWithGradAccumulationAnd-
+    AsyncCommunication, TE's "overlap input AG with dgrad"): without recomputation that is autopar's
+    "gathers" mode (Korthikanti et al.'s 34 s b h / t a layer), not "none", which keeps the gathered
+    input as DTensor does. The re-gather is priced exposed (Megatron overlaps it with the
+    input-gradient GEMM)."""
+    return "gathers" if mode == "none" and tp > 1 and sequence_parallel else mode
 
 
 def precision_of(run: Run) -> str:

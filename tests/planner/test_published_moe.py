@@ -33,7 +33,7 @@ def test_a_row_is_read_as_it_ran(tmp_path):
     assert (a.id, a.source, a.family, a.num_nodes, a.cluster_spec) == ("a", "src, with comma", "MixtralConfig", 2,
                                                                       "dgx-h100:nodes=2")
     assert (a.tp, a.pp, a.virtual_stages, a.cp, a.ep, a.etp, a.dp, a.microbatch) == (2, 2, 2, 1, 4, 1, 4, 2)
-    assert (a.zero, a.recompute, a.head_dim) == (1, "none", 16)
+    assert (a.zero, a.recompute, a.head_dim) == (1, "gathers", 16)  # Megatron's SP keeps shards (tp 2)
     assert a.load_imbalance == pytest.approx(1.1)  # token dropping caps the busiest rank at the capacity
     assert (b.family, b.zero, b.recompute, b.head_dim, b.sliding_window) == (
         "GptOssConfig", 0, "modules:layernorm,moe_act", 16, 128)

@@ -168,6 +168,17 @@ def test_torchtitan_fsdp_under_pipelining_is_priced_as_gathered_once_for_the_ste
     assert replace(RUNS["kor-22b-sel"], pp=8, zero=3).zero_as_run == 3
 
 
+def test_megatrons_sequence_parallelism_keeps_shards_without_recomputation():
+    """Megatron-LM's and Transformer Engine's sequence-parallel linears save their input's shard and
+    gather it again in backward: a Megatron row without recomputation under tp is autopar's
+    "gathers" mode; torchtitan's (DTensor keeps the gathered input), tp 1 and other modes stay."""
+    megatron = RUNS["kor-22b-sel"]
+    assert replace(megatron, recompute="none").recompute_mode == "gathers"
+    assert replace(megatron, recompute="none", tp=1).recompute_mode == "none"
+    assert megatron.recompute_mode == "selective"
+    assert replace(RUNS["tt-8b-fsdp-8"], recompute="none", tp=8).recompute_mode == "none"
+
+
 def test_a_compiled_row_with_an_eager_measurement_has_an_eager_twin():
     from benchmarks.published_runs import eager_twin
 
