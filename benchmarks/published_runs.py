@@ -308,8 +308,8 @@ def as_megatron_saves(mode: str, tp: int, sequence_parallel: bool = True) -> str
     sequence shard and all-gather it again in backward (Megatron's LinearWithGradAccumulationAnd-
     AsyncCommunication, TE's "overlap input AG with dgrad"): without recomputation that is autopar's
     "gathers" mode (Korthikanti et al.'s 34 s b h / t a layer), not "none", which keeps the gathered
-    input as DTensor does. The re-gather is priced exposed (Megatron overlaps it with the
-    input-gradient GEMM)."""
+    input as DTensor does. The re-gathers run beside the input-gradient GEMMs
+    (MEGATRON_BF16.regather_overlap)."""
     return "gathers" if mode == "none" and tp > 1 and sequence_parallel else mode
 
 
