@@ -248,7 +248,7 @@ class Fp8Pricing:
         notes += (self._what_fp8_buys(kept, terms, estimate.step_time_s, experts),)
         weights = fp8_cost.held_weight_bytes(held_weight / config.pp, self.handling)
         saved = 0.0
-        if self.handling.saves_float8_inputs and kept and config.recompute == "none":
+        if self.handling.saves_float8_inputs and kept and config.recompute in ("none", "gathers"):
             share = self.saved_input_share * len(kept) / max(len(self.linears), 1)
             saved = estimate.memory_bytes.get("activations", 0.0) * share * (1 - fp8_cost.FP8_BYTES / COMPUTE_BYTES)
         memory = {**estimate.memory_bytes, **({"fp8.copies": copies} if copies else {}),

@@ -158,3 +158,20 @@ def test_transformer_engine_keeps_float8_weights_and_saves_float8_inputs():
     assert memory["te"]["fp8.weights"] == 2 * 2 * per_layer  # two layers, two float8 layouts
     assert 0 < -memory["te"]["fp8.saved_inputs"] < memory["te"]["activations"] / 2
     assert "fp8.weights" not in memory["eager"] and "fp8.saved_inputs" not in memory["eager"]
+
+
+@pytest.mark.parametrize("recompute", ["none", "gathers"])
+def test_transformer_engine_saves_float8_inputs_also_as_sequence_shards(recompute):
+    """Megatron keeps a sequence-parallel linear's input as its shard ("gathers", as priced for
+    Megatron's runs); TE's shard is float8 too, so the saving applies without recomputation either way."""
+    from dataclasses import replace
+
+    from autopar.plans.planning import planner_for
+    from autopar.solver.search import Planner
+
+    base = planner_for(SPEC, None, "dgx-h100:gpus_per_node=4", global_batch=8, precision="fp8",
+                       fp8_filter=every_linear)
+    planner = Planner(base.graph, base.cluster, global_batch=8, policy=base.policy, precision="fp8",
+                      fp8=replace(base.fp8, handling="te"))
+    estimate, _ = planner.evaluate(autopar_config(planner, tp=2, recompute=recompute, sequence_parallel=True))
+    assert 0 < -estimate.memory_bytes["fp8.saved_inputs"] < estimate.memory_bytes["activations"] / 2
