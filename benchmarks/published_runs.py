@@ -242,8 +242,8 @@ class Run:
         return api.fixed_config(planner, tp=self.tp, pp=self.pp, dp=self.dp, microbatch_size=self.microbatch,
                                 schedule="interleaved" if interleaved else "1f1b",
                                 virtual_stages=self.virtual_stages if interleaved else None,
-                                layers_per_virtual_stage=None, recompute=self.recompute_mode, zero_stage=self.zero_as_run,
-                                cp=self.cp, sequence_parallel=self.sequence_parallel,
+                                layers_per_virtual_stage=None, recompute=self.recompute_mode,
+                                zero_stage=self.zero_as_run, cp=self.cp, sequence_parallel=self.sequence_parallel,
                                 pipeline_split=split_as_run(self, planner.graph))
 
     def predicted(self, step_time_s: float) -> float:

@@ -25,10 +25,9 @@ def _gathered_units_at_most() -> dict:
     from autopar.models import build_model
 
     bundle = build_model(MODEL, device="cpu", seed=0, batch_size=8)
+    constraints = dict(pp=2, dp=2, tp=1, zero_stage=3, microbatch_size=8 // 2 // MICROBATCHES, schedule="1f1b")
     module = autopar.parallelize(bundle.model, "dgx-a100-80g:gpus_per_node=4", bundle.example_inputs,
-                                 loss_fn=bundle.loss_fn, example_targets=bundle.example_targets,
-                                 constraints=dict(pp=2, dp=2, tp=1, zero_stage=3, microbatch_size=8 // 2 // MICROBATCHES,
-                                                  schedule="1f1b"))
+                                 loss_fn=bundle.loss_fn, example_targets=bundle.example_targets, constraints=constraints)
     groups = [group for stage in module.stages for unit in stage.modules() if isinstance(unit, FSDPModule)
               for group in unit._get_fsdp_state()._fsdp_param_groups]
     most = {"gathered": 0}
