@@ -61,29 +61,27 @@ def overlap_tp_comm(tp_comm_s: dict[str, float], *, tp: int, compute_s: float, s
     See the module docstring."""
     if tp <= 1:
         return dict(tp_comm_s), 0.0
-    total = sum(seconds for op, seconds in tp_comm_s.items() if overlappable(op, sums))
-    if total <= 0:
-        return dict(tp_comm_s), 0.0
-    hidden = min(total * (tp - 1) / tp, max(0.0, compute_s))
-    kept = 1.0 - hidden / total
-    terms = {op: seconds * kept if overlappable(op, sums) else seconds for op, seconds in tp_comm_s.items()}
-    contention = hidden * share
-    if contention:
-        terms["sm_contention"] = contention
-    return terms, contention - hidden
+    return _hide(tp_comm_s, lambda op: overlappable(op, sums), fraction=(tp - 1) / tp, window_s=compute_s, share=share)
 
 
 def overlap_regather(tp_comm_s: dict[str, float], *, backward_s: float, share: float) -> tuple[dict[str, float], float]:
     """PrecisionPolicy.regather_overlap without tp_comm_overlap: each backward re-gather of a kept
     shard runs beside the input-gradient GEMM of the linear that reads it (Megatron-LM, Transformer
     Engine), so it is hidden up to the stage's backward compute, at the SMs its channels hold
-    (`share`). (the terms with the re-gathers' exposed seconds, plus "sm_contention"; the change of
-    the stage's time per microbatch: - hidden + contention)."""
-    regather = tp_comm_s.get("all_gather.regather", 0.0)
-    hidden = min(regather, max(0.0, backward_s))
+    (`share`). Returns as overlap_tp_comm."""
+    return _hide(tp_comm_s, lambda op: op == "all_gather.regather", fraction=1.0, window_s=backward_s, share=share)
+
+
+def _hide(tp_comm_s: dict[str, float], chosen, *, fraction: float, window_s: float,
+          share: float) -> tuple[dict[str, float], float]:
+    """The `chosen` terms with `fraction` of their seconds hidden, at most `window_s` in all, each
+    term kept in proportion; the hidden seconds add "sm_contention" (their SM `share`)."""
+    total = sum(seconds for op, seconds in tp_comm_s.items() if chosen(op))
+    hidden = min(total * fraction, max(0.0, window_s))
     if hidden <= 0:
         return dict(tp_comm_s), 0.0
-    terms = dict(tp_comm_s, **{"all_gather.regather": regather - hidden})
+    kept = 1.0 - hidden / total
+    terms = {op: seconds * kept if chosen(op) else seconds for op, seconds in tp_comm_s.items()}
     contention = hidden * share
     if contention:
         terms["sm_contention"] = terms.get("sm_contention", 0.0) + contention
