@@ -16,7 +16,10 @@ input of the price (cost_model/fp8.py HANDLINGS):
   inputs of column-parallel linears cast on their shard and all-gathered in float8;
 - NeMo / Megatron-Core (TransformerEngine): "te", per-tensor delayed scaling, one-pass casts with
   their transposes, grad_output cast once, norm-fed inputs written in float8 by the norm, weights
-  cast once per step and kept (memory), float8 inputs saved for backward (memory);
+  cast once per step and kept (memory), float8 inputs saved for backward (memory); where the notes
+  say current scaling (Megatron-Bridge's "fp8_cs", TransformerEngine 2.x), "te-current": an amax
+  pass before each cast (after a norm, the norm's), the amax all-reduced over tp for
+  sequence-parallel operands, sequence-parallel inputs gathered in float8;
 - otherwise "eager", autopar's own runtime (torchao without torch.compile).
 
 Context parallelism is priced as the row's framework ran it too (published_runs.cp_kv_exchange_of:
@@ -37,6 +40,9 @@ tokens/s) does not say which H100 (SXM or the 500 W HBM2e part) ran it. DeepSeek
 2412.19437): its FP8 recipe is blockwise (1 x 128 activation tiles, 128 x 128 weight blocks), neither torchao's tensorwise nor rowwise, and the report gives GPU-hours
 per trillion tokens on 2,048 H800s (a GPU autopar has no preset for) rather than a step time of a
 stated configuration (the DualPipe schedule, MLA and the 61-layer MoE shape are not built-in).
+Megatron-Bridge's DGX-H100 Llama 3 8B FP8-CS row (14,451 tokens/s, 25.11): its recipe recomputes
+5 of the 32 layers in full (recompute_num_layers=5, block), which no autopar recomputation mode
+expresses; its MoE FP8 rows are blockwise (DeepSeek-V3) or MoE shapes priced by published_moe.py.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from benchmarks.published_runs import (Run, evaluate_run, planner_for, policy_of
 REFERENCE = Path(__file__).resolve().with_suffix(".csv")
 _COMPILED = re.compile(r"\btorch\.compile on\b", re.IGNORECASE)
 _TRANSFORMER_ENGINE = re.compile(r"\b(TransformerEngine|Megatron|NeMo)\b")
+_CURRENT_SCALING = re.compile(r"\bcurrent[- ]scaling\b|\bFP8-CS\b|\bfp8_cs\b", re.IGNORECASE)
 def read_fp8_runs(path: Path = REFERENCE) -> list[Run]:
     """The rows of published_fp8.csv (attention as the row's framework ran it: published_runs.Run)."""
     return read_runs(path)
@@ -77,7 +84,7 @@ def recipe_of(run: Run) -> str:
 def handling_of(run: Run) -> str:
     """How the row's framework ran its casts (see the module docstring)."""
     if _TRANSFORMER_ENGINE.search(run.source) or _TRANSFORMER_ENGINE.search(run.notes):
-        return "te"
+        return "te-current" if _CURRENT_SCALING.search(run.notes) else "te"
     if "torchtitan" in run.source.lower() and _COMPILED.search(run.notes):
         return "torchtitan"
     return "eager"

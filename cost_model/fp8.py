@@ -32,7 +32,15 @@ the backward reads (read h, write 2); grad_output is cast once (cast-transpose),
 float8 input is kept for the weight gradient (what is saved for backward: 1 byte per element),
 each weight is cast once per step (its first microbatch; the float8 weight and its transpose are
 kept for the rest: memory `fp8.weights`, two bytes per weight element), and a linear fed by a norm
-gets its input in float8 from the norm kernel (LayerNormLinear), no cast.
+gets its input in float8 from the norm kernel (LayerNormLinear), no cast; linears that read one
+input (Megatron-Core's fused QKV and fc1) cast it once. "te-current" is TransformerEngine 2.x's
+per-tensor current scaling (Float8CurrentScaling, Megatron-Bridge's "fp8_cs"): the scale comes from
+the tensor itself, so a cast is an amax pass and a cast-transpose pass (read h twice, write 2),
+except after a norm, whose kernel writes the amax beside its bf16 output (one cast pass); the amax
+of a sequence-parallel input (column-parallel) or grad_output (row-parallel) is all-reduced over
+the tp group before its cast (TE's amax_reduction_group, one per cast); the input is cast on its
+sequence shard and all-gathered in float8 (layernorm_linear.py, linear.py of TE 2.x); weights,
+saved inputs and the fused linears as under "te".
 
 Matmuls run at the device's "fp8" peak (FP8 tensor cores; a measured bf16
 rate is scaled by the datasheet's fp8/bf16 ratio); a device without them emulates (dequantised
@@ -88,6 +96,18 @@ class CastHandling:
     amax_reduced_per_step: bool = False
     """Delayed scaling: the amaxes of a step are all-reduced once, together, after it (not one
     all-reduce per cast before it)."""
+    norm_fused_amax: bool = False
+    """A linear whose input is a normalization's output gets that input's amax from the norm
+    kernel (TE's current scaling: the norm writes its bf16 output and the amax), so its cast is the
+    cast pass alone (read h, write the layouts), not an amax pass and a cast pass."""
+    amax_on_sequence_shards: bool = False
+    """Current scaling under sequence parallelism as TE runs it: the amax of a column-parallel
+    linear's input (cast on its sequence shard, then gathered in float8) and of a row-parallel
+    linear's grad_output is all-reduced over tp before the cast (TE's amax_reduction_group), one
+    each; torchao all-reduces the amax of every cast of an operand a DTensor shards."""
+    shared_input_cast_once: bool = False
+    """Linears that read one input cast it once (Megatron-Core's fused QKV and fc1 linears: one
+    LayerNormLinear where autopar's graph has q, k, v or gate, up)."""
 
     def bytes_per_element(self, source_bytes: int) -> float:
         if self.element_passes == "eager":
@@ -108,7 +128,12 @@ HANDLINGS = {
     "te": CastHandling(name="te", element_passes="one_pass", layouts_per_cast=2,
                        forward_casts=(("input", 1), ("weight", 1)), backward_casts=(("grad_output", 1),),
                        weight_cast_once_per_step=True, float8_all_gather=False, norm_fused_input_cast=True,
-                       saves_float8_inputs=True, amax_reduced_per_step=True),
+                       saves_float8_inputs=True, amax_reduced_per_step=True, shared_input_cast_once=True),
+    "te-current": CastHandling(name="te-current", element_passes="amax_then_cast", layouts_per_cast=2,
+                               forward_casts=(("input", 1), ("weight", 1)), backward_casts=(("grad_output", 1),),
+                               weight_cast_once_per_step=True, float8_all_gather=False, norm_fused_amax=True,
+                               tp_input_gather_in_float8=True, saves_float8_inputs=True,
+                               amax_on_sequence_shards=True, shared_input_cast_once=True),
 }
 """The cast handlings a price can be asked for: autopar's runtime runs "eager" (torchao without
 torch.compile) or "compiled" (RUNTIME_HANDLINGS); published runs are priced with the handling
@@ -137,7 +162,9 @@ class Fp8LinearElements:
     grad_output: float
 
 
-def _counts(handling: CastHandling | None) -> dict[str, int]:
+def cast_counts(handling: CastHandling | None) -> dict[str, int]:
+    """Casts of each operand ("input", "weight", "grad_output") per linear and microbatch, forward
+    and backward (a weight cast once per step counted here too)."""
     handling = handling or HANDLINGS["eager"]
     counts: dict[str, int] = {}
     for operand, count in handling.forward_casts + handling.backward_casts:
@@ -150,20 +177,20 @@ def cast_elements(linear: Fp8LinearElements, *, weight_precast: bool, handling: 
     gathered in float8, or cast once per step (handling.weight_cast_once_per_step), is not cast
     here."""
     skip_weight = weight_precast or (handling is not None and handling.weight_cast_once_per_step)
-    return sum(count * getattr(linear, operand) for operand, count in _counts(handling).items()
+    return sum(count * getattr(linear, operand) for operand, count in cast_counts(handling).items()
                if not (operand == "weight" and skip_weight))
 
 
 def num_casts(*, weight_precast: bool, handling: CastHandling | None = None) -> int:
     skip_weight = weight_precast or (handling is not None and handling.weight_cast_once_per_step)
-    return sum(count for operand, count in _counts(handling).items() if not (operand == "weight" and skip_weight))
+    return sum(count for operand, count in cast_counts(handling).items() if not (operand == "weight" and skip_weight))
 
 
 def weight_casts_per_step(handling: CastHandling | None = None) -> int:
     """Casts of each weight per step where the handling casts it once per step (0 otherwise)."""
     if handling is None or not handling.weight_cast_once_per_step:
         return 0
-    return _counts(handling).get("weight", 0)
+    return cast_counts(handling).get("weight", 0)
 
 
 def cast_time_s(elements: float, casts: int, *, source_bytes: int, bandwidth_bytes_per_s: float,

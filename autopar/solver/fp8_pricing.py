@@ -163,14 +163,17 @@ class Fp8Pricing:
         its bf16 matmul)."""
         placements = strategies(config) if config.tp > 1 else {}
         gathered = self._gathered_in_float8(config)
-        found = []
+        found, cast_sources = [], set()
         for linear in self.linears:
             elements, sharded = self._elements(linear, config, placements.get(linear.node))
             bf16_s, fp8_s, bf16_again_s = self._matmul_s(linear, config, sharded["weight"])
+            # One cast of an input several linears read, where the handling's linears are fused.
+            shared = self.handling.shared_input_cast_once and linear.source in cast_sources
+            cast_sources.add(linear.source)
             cast_s = self._cast_s(elements, config, gathered,
                                   input_on_shard=self._input_gathered_in_float8(linear, config, placements),
-                                  input_from_norm=self.handling.norm_fused_input_cast and linear.after_norm)
-            amax_s = self._amax_s(linear, elements, sharded, config, gathered)
+                                  input_from_norm=linear.after_norm, input_shared=shared)
+            amax_s = self._amax_s(linear, elements, sharded, config, gathered, input_shared=shared)
             kept = not self.auto or fp8_s + cast_s + amax_s < bf16_s
             found.append(_Priced(linear=linear, elements=elements, bf16_s=bf16_s, fp8_s=fp8_s,
                                  bf16_again_s=bf16_again_s, cast_s=cast_s,
@@ -427,31 +430,43 @@ class Fp8Pricing:
         return producer.output[0].startswith("S") and inputs[0][0] == "R"
 
     def _cast_s(self, elements, config: ParallelConfig, gathered: bool, input_on_shard: bool = False,
-                input_from_norm: bool = False) -> float:
+                input_from_norm: bool = False, input_shared: bool = False) -> float:
+        """One linear's casts per microbatch. `input_from_norm`: its input is a norm's output;
+        `input_shared`: another linear already cast that input (CastHandling.shared_input_cast_once)."""
         handling = self.handling
         count = fp8_cost.cast_elements(elements, weight_precast=gathered, handling=handling)
         casts = fp8_cost.num_casts(weight_precast=gathered, handling=handling)
         forward_input = elements.input / config.tp if input_on_shard else elements.input
-        if input_from_norm:  # the norm kernel writes the float8 input: no cast of it
+        one_pass = 0.0  # a norm-fed input whose amax the norm kernel wrote: the cast pass alone
+        if input_shared or (input_from_norm and handling.norm_fused_input_cast):  # no cast of it here
             forward_input = 0.0
+            casts -= 1
+        elif input_from_norm and handling.norm_fused_amax:
+            one_pass, forward_input = forward_input, 0.0
             casts -= 1
         count -= elements.input - forward_input  # the forward's cast of a float8-gathered input: its shard
         if config.recompute == "full":  # the forward's input (and weight) casts run again
             weight_again = not gathered and not handling.weight_cast_once_per_step
             count += forward_input + (elements.weight if weight_again else 0)
             casts += (1 if forward_input else 0) + (1 if weight_again else 0)
-        return fp8_cost.cast_time_s(count, casts, source_bytes=COMPUTE_BYTES,
+        runs = 2 if config.recompute == "full" else 1
+        return self._casts_s(count, casts, handling) + self._casts_s(
+            runs * one_pass, runs if one_pass else 0, replace(handling, element_passes="one_pass"))
+
+    def _casts_s(self, elements: float, casts: int, handling: fp8_cost.CastHandling) -> float:
+        return fp8_cost.cast_time_s(elements, casts, source_bytes=COMPUTE_BYTES,
                                     bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s,
                                     kernel_overhead_s=self.compute.overhead_s, handling=handling)
 
-    def _amax_s(self, linear: _Linear, elements, sharded: dict, config: ParallelConfig, gathered: bool) -> float:
+    def _amax_s(self, linear: _Linear, elements, sharded: dict, config: ParallelConfig, gathered: bool,
+                input_shared: bool = False) -> float:
+        """The amax all-reduces over tp of one linear's casts per microbatch (`_amax_counts`), each
+        of one scale (tensorwise) or of one scale per row of the operand as the matmul reads it."""
         if config.tp == 1 or self.handling.amax_reduced_per_step:
             return 0.0
         seconds = 0.0
         group = self._tp_group(config)
-        for operand, count in (("input", 2), ("weight", 0 if gathered else 2), ("grad_output", 2)):
-            if not sharded[operand] or not count:
-                continue
+        for operand, count in self._amax_counts(sharded, gathered, input_shared).items():
             if self.choice.recipe == "tensorwise":
                 message = fp8_cost.SCALE_BYTES
             else:  # one scale per row of the operand as the matmul reads it
@@ -459,6 +474,21 @@ class Fp8Pricing:
                 message = fp8_cost.SCALE_BYTES * getattr(elements, operand) * config.tp / width
             seconds += count * self.comm.time_s("all_reduce", message, group)
         return seconds
+
+    def _amax_counts(self, sharded: dict, gathered: bool, input_shared: bool) -> dict[str, int]:
+        """All-reduced amaxes per operand of one linear per microbatch. torchao: each cast of an
+        operand the tp ranks hold parts of (a sharded DTensor's global amax). TE's current scaling
+        (CastHandling.amax_on_sequence_shards): a column-parallel linear's input, cast on its
+        sequence shard before the float8 gather (once per fused linear), and a row-parallel
+        linear's grad_output, which arrives sequence-sharded."""
+        if self.handling.amax_on_sequence_shards:
+            if sharded["input"]:  # row-parallel
+                return {"grad_output": 1}
+            return {"input": 0 if input_shared else 1} if sharded["grad_output"] else {}
+        casts = fp8_cost.cast_counts(self.handling)
+        counts = {"input": casts.get("input", 0), "weight": 0 if gathered else casts.get("weight", 0),
+                  "grad_output": casts.get("grad_output", 0)}
+        return {operand: count for operand, count in counts.items() if sharded[operand] and count}
 
     @staticmethod
     def _gather_saving(breakdown: dict[str, float], share: float) -> float:

@@ -36,6 +36,7 @@ def test_each_framework_is_priced_with_its_cast_handling():
     handlings = {run.id: handling_of(run) for run in RUNS}
     assert {handlings[run.id] for run in RUNS if "torchtitan" in run.source} == {"torchtitan"}
     assert {handlings[run.id] for run in RUNS if "NeMo" in run.source} == {"te"}
+    assert {handlings[run.id] for run in RUNS if "Megatron-Bridge" in run.source} == {"te-current"}
 
 
 @pytest.mark.parametrize("name", [run.id for run in RUNS])

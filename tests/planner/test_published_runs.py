@@ -244,13 +244,17 @@ def test_torchtitan_rows_name_sdpas_flash_backend_where_the_device_documents_it(
 
 
 def test_nemo_rows_overlap_their_interleaved_sends():
-    """NeMo's MegatronCommOverlapCallback sets overlap_p2p_comm whenever virtual pipelining is on;
-    Megatron-LM's 2022 rows waited on their sends."""
+    """NeMo's MegatronCommOverlapCallback, and Megatron-Bridge's CommOverlapConfig after it, set
+    overlap_p2p_comm whenever virtual pipelining is on; Megatron-LM's 2022 rows waited on their sends."""
+    from benchmarks.published_fp8 import read_fp8_runs
     from benchmarks.published_runs import policy_of
 
-    for run in read_runs():
+    runs = read_runs() + read_fp8_runs()
+    assert any("Megatron-Bridge" in run.source for run in runs)
+    for run in runs:
         if run.precision != "fp32":
-            assert policy_of(run).p2p_overlap == ("NeMo" in run.source), run.id
+            framework = "NeMo" in run.source or "Megatron-Bridge" in run.source
+            assert policy_of(run).p2p_overlap == framework, run.id
 
 
 def test_nemo_rows_gather_their_parameters_inside_the_next_forward():

@@ -85,3 +85,18 @@ def test_transformer_engine_casts_in_one_pass_with_the_transpose_and_weights_onc
     eager = fp8.cast_time_s(1e9, 6, source_bytes=2, bandwidth_bytes_per_s=3e12, kernel_overhead_s=5e-6)
     assert fp8.cast_time_s(1e9, 6, source_bytes=2, bandwidth_bytes_per_s=3e12, kernel_overhead_s=5e-6,
                            handling=te) < eager / 8
+
+
+def test_transformer_engine_current_scaling_casts_in_two_passes_except_after_a_norm():
+    """TE's current scaling (Megatron-Bridge's fp8_cs): each cast computes its amax first (read h),
+    then casts with the transpose (read h, write 2); a norm-fed input's amax comes from the norm
+    kernel (one pass). Weights once per step, float8 inputs saved, fused linears cast once."""
+    current, delayed = fp8.HANDLINGS["te-current"], fp8.HANDLINGS["te"]
+    assert current.bytes_per_element(2) == 2 * 2 + 2 and current.kernels(2) == 2
+    assert current.norm_fused_amax and not current.norm_fused_input_cast and delayed.norm_fused_input_cast
+    assert not current.amax_reduced_per_step and delayed.amax_reduced_per_step
+    assert current.tp_input_gather_in_float8 and current.shared_input_cast_once and delayed.shared_input_cast_once
+    linear = fp8.Fp8LinearElements(input=10.0, weight=100.0, grad_output=20.0)
+    assert fp8.cast_elements(linear, weight_precast=False, handling=current) == 10 + 20
+    assert fp8.cast_counts(current) == fp8.cast_counts(delayed) == {"input": 1, "weight": 1, "grad_output": 1}
+    assert fp8.cast_counts(None) == {"input": 2, "weight": 2, "grad_output": 2}  # torchao: six casts per linear

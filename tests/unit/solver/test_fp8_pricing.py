@@ -160,6 +160,27 @@ def test_transformer_engine_keeps_float8_weights_and_saves_float8_inputs():
     assert "fp8.weights" not in memory["eager"] and "fp8.saved_inputs" not in memory["eager"]
 
 
+def test_transformer_engines_current_scaling_pays_amax_passes_and_reductions_and_gathers_float8(monkeypatch):
+    """TE's current scaling ("te-current") casts with an amax pass first (after a norm, the norm's
+    amax: the cast pass alone), all-reduces the amax of a sequence-parallel input or grad_output
+    over tp before each cast, and gathers sequence-parallel inputs in float8; linears reading one
+    input (q, k, v; gate, up: Megatron's fused QKV and fc1) cast it once."""
+    from dataclasses import replace
+
+    from cost_model import fp8
+
+    delayed = _with_handling("te", everything=True, spec=LLAMA, tp=2)
+    current = _with_handling("te-current", everything=True, spec=LLAMA, tp=2)
+    assert current["fp8.cast"] > delayed["fp8.cast"]
+    assert current["fp8.amax"] > delayed["fp8.amax"] > 0  # one per cast against one per step
+    assert current["tp.all_gather"] < delayed["tp.all_gather"]
+    assert current["fp8.matmul"] == pytest.approx(delayed["fp8.matmul"])
+    unfused = replace(fp8.HANDLINGS["te-current"], name="te-unfused", shared_input_cast_once=False)
+    monkeypatch.setitem(fp8.HANDLINGS, "te-unfused", unfused)
+    separate = _with_handling("te-unfused", everything=True, spec=LLAMA, tp=2)
+    assert separate["fp8.cast"] > current["fp8.cast"] and separate["fp8.amax"] > current["fp8.amax"]
+
+
 @pytest.mark.parametrize("recompute", ["none", "gathers"])
 def test_transformer_engine_saves_float8_inputs_also_as_sequence_shards(recompute):
     """Megatron keeps a sequence-parallel linear's input as its shard ("gathers", as priced for
