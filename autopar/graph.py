@@ -78,6 +78,9 @@ class Kernel:
     """A fused attention kernel with a causal mask (a measured attention rate prices it)."""
     head_dim: int = 0
     """A fused attention kernel's query head dim (documented rates depend on it); 0 for others."""
+    dropout: bool = False
+    """A fused attention kernel with dropout: it draws the mask of every score inside the kernel
+    (cost_model/attention.py DROPOUT_SLOWDOWN)."""
     broadcast: bool = False
     """A pointwise kernel with an operand broadcast along the output (a [s, s] mask over
     [b, h, s, s] scores, RoPE's [s, d] tables): GPUs run these unvectorized (a measured rate)."""

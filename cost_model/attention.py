@@ -41,6 +41,17 @@ phase (the causal backward takes the backward's); between 64 and 128 the ratio i
 linearly in the head dim; below 64 it is 64's (optimistic: nothing smaller is charted); above 128
 it is 1 (both figures chart 256 forward only, at rates near 128's).
 
+Dropout. A fused kernel with dropout draws a random number for every score it computes (Philox,
+forward, and again in the backward to rebuild the mask), work the sweeps and the published rates
+above do not have (none of them uses dropout). Measured here (one H200, torch 2.11's SDPA on
+cuDNN, gpt3-1.3b: seq 2048, head dim 128, causal, dropout 0.1, batch 8;
+benchmarks/gpu_runs/h200-2026-12-04/kernels-gpt3-1.3b-sdpa.txt against the same GPU's profile
+sweep, benchmarks/profiles/h200.json): forward 13.14 ms against 6.81 ms priced without dropout,
+backward 27.01 ms (the bprop kernel and its dO.O and dQ-conversion kernels) against 21.04: slowdowns of
+1.93 and 1.28 (DROPOUT_SLOWDOWN), applied to any fused kernel with dropout on any GPU (one
+measured shape: the random numbers per score are fixed work, so a smaller head dim would lose
+more).
+
 Which kernel runs is the runtime's: torch's SDPA runs its flash backend (FlashAttention-2) on
 Hopper until it prefers cuDNN (pytorch#138522 made cuDNN opt-in after 2.5; sdp_utils'
 check_prefer_cudnn_attention puts it first on sm90 from a bundled cuDNN above 9.15, torch 2.11);
@@ -56,6 +67,13 @@ from dataclasses import dataclass
 
 H100_SXM_BF16_TFLOPS = 989.4
 """The peak the published rates are fractions of."""
+DROPOUT_SLOWDOWN = {"forward": 13.14 / 6.81, "backward": 27.01 / 21.04}
+"""Time with dropout over time without, per phase, of a fused attention kernel (module docstring)."""
+
+
+def dropout_slowdown(phase: str, dropout: bool) -> float:
+    """What dropout multiplies a fused attention kernel's time by ("forward" or "backward")."""
+    return DROPOUT_SLOWDOWN[phase] if dropout else 1.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from cost_model.attention import work_fraction
+from cost_model.attention import dropout_slowdown, work_fraction
 from cost_model.hardware import DeviceSpec
 from cost_model.profile import HardwareProfile
 
@@ -156,17 +156,20 @@ class ComputeModel:
 
     def kernel(self, flops: float, io_bytes: float, is_matmul: bool, dtype: str = "bfloat16",
                name: str = "", causal: bool = False, broadcast: bool = False, groups: int = 1,
-               head_dim: int = 0) -> ComputeTime:
+               head_dim: int = 0, dropout: bool = False) -> ComputeTime:
         """`groups` > 1: a grouped matmul (is_grouped_matmul(name)) of that many equal matmuls;
-        `head_dim`: a fused attention kernel's query head dim (0: unknown)."""
+        `head_dim`, `dropout`: a fused attention kernel's query head dim (0: unknown) and whether
+        it drops out (cost_model/attention.py)."""
         memory_s = io_bytes / self.bandwidth_bytes_per_s
-        attention = self._attention.get((attention_phase(name), causal)) if self._attention else None
+        phase = attention_phase(name)
+        attention = self._attention.get((phase, causal)) if self._attention else None
         if attention is not None and flops > 0:
-            return ComputeTime(matmul_s=flops / _interpolate(attention, flops), overhead_s=self.overhead_s)
-        documented = self.device.attention if not self._attention else None
-        if documented is not None and flops > 0 and attention_phase(name):
-            return ComputeTime(matmul_s=self.documented_attention_s(flops, attention_phase(name), causal, head_dim),
+            return ComputeTime(matmul_s=flops / _interpolate(attention, flops) * dropout_slowdown(phase, dropout),
                                overhead_s=self.overhead_s)
+        documented = self.device.attention if not self._attention else None
+        if documented is not None and flops > 0 and phase:
+            return ComputeTime(matmul_s=self.documented_attention_s(flops, phase, causal, head_dim)
+                               * dropout_slowdown(phase, dropout), overhead_s=self.overhead_s)
         if not is_matmul or flops <= 0:
             rate = self.element_rates.get(kernel_kind(name, dtype, flops, io_bytes, broadcast)) if name else None
             if rate:  # flops of an element-wise kernel count its output elements
@@ -190,7 +193,7 @@ class ComputeModel:
                                         getattr(kernel, "causal", False) if causal is None else causal,
                                         getattr(kernel, "broadcast", False),
                                         groups if is_grouped_matmul(kernel.name) else 1,
-                                        getattr(kernel, "head_dim", 0))
+                                        getattr(kernel, "head_dim", 0), getattr(kernel, "dropout", False))
         return total
 
 

@@ -27,6 +27,14 @@ def is_causal(func, args, kwargs) -> bool:
     return False
 
 
+def attention_dropout(func, args, kwargs) -> float:
+    """A fused attention call's dropout probability (its `dropout_p` argument, by schema; 0 if none)."""
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.name == "dropout_p":
+            return float(args[position] if position < len(args) else kwargs.get("dropout_p", 0.0))
+    return 0.0
+
+
 def attention_flops(func, args) -> float | None:
     """FLOPs of `func` if it is a fused attention kernel on [batch, heads, seq, dim] tensors, else None."""
     operands = _operands(func, args)

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from autopar.capture.attention_flops import attention_flops, attention_head_dim, is_causal
+from autopar.capture.attention_flops import attention_dropout, attention_flops, attention_head_dim, is_causal
 from autopar.capture.unfused_attention import run_math_attention
 from autopar.graph import Kernel, Ref
 
@@ -140,6 +140,7 @@ class KernelRecorder(TorchDispatchMode):
                                    dtype=_compute_dtype(args, out),
                                    causal=attention is not None and is_causal(func, args, kwargs),
                                    head_dim=attention_head_dim(func, args) if attention is not None else 0,
+                                   dropout=attention is not None and attention_dropout(func, args, kwargs) > 0,
                                    broadcast=_broadcasts(func, args, out)))
         return out
 

@@ -89,6 +89,17 @@ def test_attention_kernels_carry_their_causal_mask():
         assert not any(kernel.head_dim for kernel in result.fwd_kernels + result.bwd_kernels if kernel not in attention)
 
 
+def test_attention_kernels_carry_their_dropout():
+    shape = (1, 4, 64, 32)
+    args = (Ref(index=0), Ref(index=1), Ref(index=2))
+    for dropout_p in (0.1, 0.0):
+        result = probe_op(aten.scaled_dot_product_attention.default, args, {"dropout_p": dropout_p},
+                          [_spec(shape), _spec(shape), _spec(shape)])
+        attention = [k for k in result.fwd_kernels + result.bwd_kernels if "attention" in k.name]
+        assert len(attention) == 2 and all(kernel.dropout == (dropout_p > 0) for kernel in attention)
+        assert not any(kernel.dropout for kernel in result.fwd_kernels + result.bwd_kernels if kernel not in attention)
+
+
 def test_masked_fill_runs_as_a_copy_then_the_fill_in_place():
     """ATen's out-of-place masked_fill clones `self` and fills the copy: forward and backward
     (grad.masked_fill(mask, 0)) each read and write the whole tensor twice."""
