@@ -17,7 +17,10 @@
 #      shapes of torchtitan's measured Llama 3 8B run, published_runs row tt-8b-fsdp-8), with
 #      torch's default AdamW (foreach) and with AdamW(fused=True)
 #   4. gpt3-1.3b as named (eager attention: masked_fill, softmax and dropout kernels)
-#   5. with RATES=1, benchmarks/kernel_rates.py: fused attention and dtype-cast rates
+#   5. with RATES=1, benchmarks/kernel_rates.py: fused attention and dtype-cast rates, attention with
+#      dropout, float8 GEMMs against bf16, RoPE eager against compiled
+#   6. with FP8=1, one fp8 step of the 8-layer Llama (tensorwise, compiled casts; torchao carried as a
+#      wheel beside ortools: `pip download ... torchao==0.18.0` into .whl), the FP8 issue's GPU check
 set -uo pipefail
 OUT="${OUT:-gpu-check}"
 mkdir -p "$OUT"
@@ -37,4 +40,5 @@ step llama8 "$LLAMA8" 2
 step llama8-fused "$LLAMA8" 2 --optimizer fused && rm -f "$OUT/kernels-llama8-fused.txt"
 step gpt3-1.3b-sdpa "gpt3-1.3b:attention=sdpa" 8
 step gpt3-1.3b gpt3-1.3b 8
-if [ "${RATES:-0}" = 1 ]; then timeout 120 "$PY" benchmarks/kernel_rates.py 2>&1 | tee "$OUT/kernel-rates.md"; fi
+if [ "${RATES:-0}" = 1 ]; then timeout 180 "$PY" benchmarks/kernel_rates.py 2>&1 | tee "$OUT/kernel-rates.md"; fi
+if [ "${FP8:-0}" = 1 ]; then step llama8-fp8 "$LLAMA8" 2 --precision fp8; fi

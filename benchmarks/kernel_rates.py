@@ -1,6 +1,7 @@
-"""Rates of the kernels the profile's sweeps do not cover, on a GPU: fused attention and dtype casts.
+"""Rates of the kernels the profile's sweeps do not cover, on a GPU: fused attention, dtype casts,
+attention with dropout, float8 GEMMs, and RoPE eager against compiled.
 
-    python benchmarks/kernel_rates.py        # on a machine with CUDA; prints a markdown table
+    python benchmarks/kernel_rates.py        # on a machine with CUDA; prints markdown tables
 
 - Attention: `scaled_dot_product_attention` in bf16 (head dim 128, 32 query heads, 8 key/value
   heads as Llama 3 8B), causal and not, forward and forward + backward, at several sequence
@@ -8,6 +9,15 @@
   over the time, so a causal kernel that skips the masked half shows above the matmul rate.
 - Casts: `.to()` between fp32 and bf16 of a 1 Gi-element tensor, bytes read + written over time,
   beside a same-dtype `mul` (what the profile's bandwidth figure measures).
+- Dropout inside fused attention (cost_model/attention.py DROPOUT_SLOWDOWN, measured once at seq
+  2048, head dim 128): causal SDPA with dropout 0.1 over the same call without, forward and
+  backward, at head dims 64 and 128 and seq 2048 and 8192.
+- float8 GEMMs (`torch._scaled_mm`, tensorwise scales, bf16 output) beside bf16 `mm` at a Llama 3
+  8B layer's shapes (8192 tokens): the fp8 rate the model assumes is the bf16 one times the
+  datasheet ratio (cost_model/fp8.py).
+- RoPE as the built-in Llama runs it (autopar/models/llama.py apply_rotary: chunk, neg, cat, two
+  muls with the float32 tables, add) eagerly and under torch.compile (one fused kernel, as
+  Megatron-Core's fused RoPE), forward + backward (docs/accuracy.md "Known compensations").
 Each figure is the median of CUDA-event timings after warm-up.
 """
 
@@ -69,12 +79,65 @@ def cast_rows(elements: int = 2**30) -> list[str]:
     return rows
 
 
+def dropout_rows(batch: int = 2, heads: int = 32) -> list[str]:
+    rows = ["| seq | head dim | forward ms (dropout 0 / 0.1) | forward slowdown | backward ms (0 / 0.1) | "
+            "backward slowdown |", "|---:|---:|---:|---:|---:|---:|"]
+    for seq in (2048, 8192):
+        for head_dim in (64, 128):
+            q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))
+            grad = torch.randn_like(q)
+            times = []
+            for p in (0.0, 0.1):
+                fwd = lambda p=p: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # noqa: E731
+                forward_ms = timed_ms(fwd)
+                times.append((forward_ms, timed_ms(lambda: torch.autograd.grad(fwd(), (q, k, v), grad)) - forward_ms))
+            (f0, b0), (f1, b1) = times
+            rows.append(f"| {seq} | {head_dim} | {f0:.3f} / {f1:.3f} | {f1 / f0:.2f} | {b0:.3f} / {b1:.3f} | "
+                        f"{b1 / b0:.2f} |")
+    return rows
+
+
+def fp8_gemm_rows(tokens: int = 8192) -> list[str]:
+    rows = ["| GEMM (M x K x N) | bf16 TFLOP/s | fp8 TFLOP/s | fp8 / bf16 |", "|---|---:|---:|---:|"]
+    one = torch.ones((), device="cuda")
+    for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
+        a = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        flops = 2.0 * tokens * k * n
+        bf16_ms = timed_ms(lambda: a @ b.t())
+        fp8_ms = timed_ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+        rows.append(f"| {tokens} x {k} x {n} | {flops / bf16_ms / 1e9:.0f} | {flops / fp8_ms / 1e9:.0f} | "
+                    f"{bf16_ms / fp8_ms:.2f} |")
+    return rows
+
+
+def rope_rows(batch: int = 2, seq: int = 8192, heads: int = 32, head_dim: int = 128) -> list[str]:
+    from autopar.models.llama import apply_rotary
+
+    x = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = (torch.randn(seq, head_dim, device="cuda") for _ in range(2))
+    grad = torch.randn_like(x)
+    rows = ["| RoPE of one [2, 32, 8192, 128] bf16 tensor | forward + backward ms | GB/s (x read and written, twice) |",
+            "|---|---:|---:|"]
+    for name, fn in (("eager (the built-in Llama)", apply_rotary), ("torch.compile (one fused kernel)",
+                                                                     torch.compile(apply_rotary))):
+        ms = timed_ms(lambda fn=fn: torch.autograd.grad(fn(x, cos, sin), x, grad))
+        rows.append(f"| {name} | {ms:.3f} | {4 * x.numel() * 2 / ms / 1e6:.0f} |")
+    return rows
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("kernel_rates.py needs a CUDA device")
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
-    print("\n".join(attention_rows()) + "\n\n" + "\n".join(cast_rows()))
+    for table in (attention_rows, cast_rows, dropout_rows, fp8_gemm_rows, rope_rows):
+        try:
+            print("\n".join(table()) + "\n", flush=True)
+        except Exception as error:  # one table's failure (no fp8 GEMMs before sm89) leaves the others
+            print(f"{table.__name__}: {type(error).__name__}: {error}\n", flush=True)
     return 0
 
 
