@@ -32,15 +32,16 @@ the backward reads (read h, write 2); grad_output is cast once (cast-transpose),
 float8 input is kept for the weight gradient (what is saved for backward: 1 byte per element),
 each weight is cast once per step (its first microbatch; the float8 weight and its transpose are
 kept for the rest: memory `fp8.weights`, two bytes per weight element), and a linear fed by a norm
-gets its input in float8 from the norm kernel (LayerNormLinear), no cast; linears that read one
+gets its input in float8 from the norm kernel (LayerNormLinear), no cast, and under sequence
+parallelism all-gathers that float8 shard (TE 1.12's layernorm_linear.py gathers the norm's uint8
+output; again in backward, where Megatron re-gathers its saved shard); linears that read one
 input (Megatron-Core's fused QKV and fc1) cast it once. "te-current" is TransformerEngine 2.x's
 per-tensor current scaling (Float8CurrentScaling, Megatron-Bridge's "fp8_cs"): the scale comes from
 the tensor itself, so a cast is an amax pass and a cast-transpose pass (read h twice, write 2),
 except after a norm, whose kernel writes the amax beside its bf16 output (one cast pass); the amax
 of a sequence-parallel input (column-parallel) or grad_output (row-parallel) is all-reduced over
-the tp group before its cast (TE's amax_reduction_group, one per cast); the input is cast on its
-sequence shard and all-gathered in float8 (layernorm_linear.py, linear.py of TE 2.x); weights,
-saved inputs and the fused linears as under "te".
+the tp group before its cast (TE's amax_reduction_group, one per cast); the input cast on its
+sequence shard and all-gathered in float8, weights, saved inputs and the fused linears as under "te".
 
 Matmuls run at the device's "fp8" peak (FP8 tensor cores; a measured bf16
 rate is scaled by the datasheet's fp8/bf16 ratio); a device without them emulates (dequantised
@@ -125,7 +126,7 @@ HANDLINGS = {
     "eager": CastHandling(name="eager", element_passes="eager"),
     "compiled": CastHandling(name="compiled", element_passes="amax_then_cast"),
     "torchtitan": CastHandling(name="torchtitan", element_passes="amax_then_cast", tp_input_gather_in_float8=True),
-    "te": CastHandling(name="te", element_passes="one_pass", layouts_per_cast=2,
+    "te": CastHandling(name="te", element_passes="one_pass", layouts_per_cast=2, tp_input_gather_in_float8=True,
                        forward_casts=(("input", 1), ("weight", 1)), backward_casts=(("grad_output", 1),),
                        weight_cast_once_per_step=True, float8_all_gather=False, norm_fused_input_cast=True,
                        saves_float8_inputs=True, amax_reduced_per_step=True, shared_input_cast_once=True),

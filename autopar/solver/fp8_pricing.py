@@ -222,15 +222,8 @@ class Fp8Pricing:
             if saved:
                 notes += (f"fp8: FSDP2 gathers {len(kept)} float8 weights at 1 byte per element; "
                           f"dp.all_gather priced {saved:.3g} s lower",)
-        if self.handling.tp_input_gather_in_float8 and kept and breakdown.get("tp.all_gather"):
-            fraction = self._float8_gathered_fraction(config, strategies, {item.linear.node for item in kept})
-            saved = breakdown["tp.all_gather"] * fraction * (COMPUTE_BYTES - fp8_cost.FP8_BYTES) / COMPUTE_BYTES
-            breakdown["tp.all_gather"] -= saved
-            terms["tp.all_gather"] = -saved
-            if saved:
-                notes += (f"fp8: the sequence-parallel inputs of column-parallel float8 linears are all-gathered in "
-                          f"float8 ({100 * fraction:.0f}% of the tp all-gather bytes at 1 byte per element); "
-                          f"tp.all_gather priced {saved:.3g} s lower",)
+        if self.handling.tp_input_gather_in_float8 and kept:
+            notes += self._float8_tp_gathers(config, strategies, {item.linear.node for item in kept}, breakdown, terms)
         if fp8_matmul_s:
             m, pp = config.num_microbatches, config.pp
             breakdown["compute"] = breakdown.get("compute", 0.0) - m * (bf16_matmul_s - again_s) / pp
@@ -333,12 +326,34 @@ class Fp8Pricing:
                 f"{abs(change_s):.3g} s per step ({100 * abs(change_s) / max(bf16_step_s, 1e-30):.1f}% of the bf16 "
                 "step)")
 
+    def _float8_tp_gathers(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict],
+                           float8_nodes: set[str], breakdown: dict[str, float], terms: dict[str, float]) -> tuple:
+        """The sequence-parallel inputs of column-parallel float8 linears gathered in float8
+        (CastHandling.tp_input_gather_in_float8): `tp.all_gather` shrinks by their bytes' share at 1
+        byte per element, and where the handling saves the float8 shard for backward
+        (saves_float8_inputs: TE) so does its re-gather in backward (`tp.all_gather.regather`, the
+        "gathers" recomputation Megatron runs). Returns the notes."""
+        notes = ()
+        for term, forward_only in (("tp.all_gather", False), ("tp.all_gather.regather", True)):
+            if not breakdown.get(term) or (forward_only and not self.handling.saves_float8_inputs):
+                continue
+            fraction = self._float8_gathered_fraction(config, strategies, float8_nodes, forward_only=forward_only)
+            saved = breakdown[term] * fraction * (COMPUTE_BYTES - fp8_cost.FP8_BYTES) / COMPUTE_BYTES
+            breakdown[term] -= saved
+            terms[term] = -saved
+            if saved:
+                notes += (f"fp8: the sequence-parallel inputs of column-parallel float8 linears are all-gathered in "
+                          f"float8 ({100 * fraction:.0f}% of the {term} bytes at 1 byte per element); "
+                          f"{term} priced {saved:.3g} s lower",)
+        return notes
+
     def _float8_gathered_fraction(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict],
-                                  float8_nodes: set[str]) -> float:
+                                  float8_nodes: set[str], forward_only: bool = False) -> float:
         """Share of the tp all-gather bytes that are inputs of float8 linears: of the forward's
         gathers (a sharded output read replicated) and the backward's (each forward reduce-scatter,
-        a partial output read sharded, gathers its gradient back), those gathered for a float8
-        linear's input, each gathered tensor counted once."""
+        a partial output read sharded, gathers its gradient back; not with `forward_only`: the
+        share of the forward's gathers, which the backward's re-gathers repeat), those gathered for
+        a float8 linear's input, each gathered tensor counted once."""
         placements = strategies(config) if config.tp > 1 else {}
         gathered: dict[str, float] = {}
         scattered: dict[str, float] = {}
@@ -357,7 +372,7 @@ class Fp8Pricing:
                         float8_inputs.add(source)
                 elif made == "P" and read.startswith("S"):
                     scattered[source] = self.graph[source].output.numel
-        total = sum(gathered.values()) + sum(scattered.values())
+        total = sum(gathered.values()) + (0.0 if forward_only else sum(scattered.values()))
         return sum(gathered[name] for name in float8_inputs) / total if total else 0.0
 
     @staticmethod
