@@ -24,8 +24,8 @@ input of the price (cost_model/fp8.py HANDLINGS):
 - otherwise "eager", autopar's own runtime (torchao without torch.compile).
 
 Context parallelism is priced as the row's framework ran it too (published_runs.cp_kv_exchange_of:
-torchtitan's is torch's `context_parallel`, its exchange waited where issued in the compiled blocks);
-autopar's runtime columns price autopar's own.
+torchtitan's is torch's `context_parallel`, its exchange waited where issued in the compiled blocks;
+Megatron-Core's is Transformer Engine's ring); autopar's runtime columns price autopar's own.
 
 Each row prints the prediction as run, the same configuration priced for autopar's runtime with
 its casts compiled (its default on GPUs, codegen/fp8_compile.py) and eager (what the handling

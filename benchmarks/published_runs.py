@@ -27,6 +27,9 @@ any on other GPUs, as a matmul of torch's FLOP count.
 GPT-family attention is priced as the framework ran it: fused (SDPA, no s x s scores kept)
 for NeMo / Megatron-Core runs (Transformer Engine's attention), unfused for Megatron-LM 2022.
 
+Context parallelism is priced as the run's framework ran it (cp_kv_exchange_of): torchtitan's torch
+`context_parallel`, Megatron-Core's Transformer Engine ring.
+
 Recomputation is priced as the run's framework did it: torchtitan's "selective" activation
 checkpointing in these runs is its op-level policy (autopar's "op" mode: keep matmul outputs
 except every second one, attention and reduce-scatters), Megatron-LM's selective
@@ -359,9 +362,13 @@ _COMPILE_ON = re.compile(r"\btorch\.compile on\b|\bcompile\b(?! off)", re.IGNORE
 def cp_kv_exchange_of(run: Run) -> str:
     """How the run's context parallelism moved keys and values (cost_model/context_parallel.py):
     torchtitan ran torch's `context_parallel` ("torch_compiled" where its blocks were compiled,
-    its collectives then waited where issued; "torch" eager); the planner's default elsewhere."""
+    its collectives then waited where issued; "torch" eager); Megatron-Core (NeMo, Megatron-Bridge)
+    runs Transformer Engine's ring, "ring": TEDotProductAttention passes cp_comm_type "p2p" when the
+    config names none (megatron/core/extensions/transformer_engine.py; before TE 1.10 the ring was
+    the only kind), each step's K, V sent on while the current block is attended, the backward
+    passing K, V and dK, dV around again, and only the rank's own K, V saved."""
     if "torchtitan" not in run.source.lower():
-        return SearchOptions().cp_kv_exchange
+        return "ring"
     return "torch" if _EAGER.search(run.notes) or not _COMPILE_ON.search(run.notes) else "torch_compiled"
 
 

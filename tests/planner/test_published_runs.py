@@ -257,6 +257,18 @@ def test_nemo_rows_overlap_their_interleaved_sends():
             assert policy_of(run).p2p_overlap == framework, run.id
 
 
+def test_context_parallel_rows_exchange_kv_as_their_framework_did():
+    """Megatron-Core runs Transformer Engine's ring (cp_comm_type "p2p" by default: nothing gathered
+    kept for the backward); torchtitan torch's `context_parallel`, compiled."""
+    from benchmarks.published_fp8 import read_fp8_runs
+    from benchmarks.published_runs import cp_kv_exchange_of
+
+    runs = [run for run in read_runs() + read_fp8_runs() if run.cp > 1]
+    assert {cp_kv_exchange_of(run) for run in runs if "torchtitan" in run.source} == {"torch_compiled"}
+    megatron = [run for run in runs if "torchtitan" not in run.source]
+    assert megatron and {cp_kv_exchange_of(run) for run in megatron} == {"ring"}
+
+
 def test_nemo_rows_gather_their_parameters_inside_the_next_forward():
     """NeMo 2.0's recipes set overlap_param_gather; Megatron-LM's default gathers after the step."""
     from benchmarks.published_runs import policy_of
