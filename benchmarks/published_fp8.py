@@ -17,10 +17,9 @@ input of the price (cost_model/fp8.py HANDLINGS):
 - NeMo / Megatron-Core (TransformerEngine): "te", per-tensor delayed scaling, one-pass casts with
   their transposes, grad_output cast once, norm-fed inputs written in float8 by the norm and
   gathered so under sequence parallelism, weights cast once per step and kept (memory), float8
-  inputs saved for backward (memory); where the notes
-  say current scaling (Megatron-Bridge's "fp8_cs", TransformerEngine 2.x), "te-current": an amax
-  pass before each cast (after a norm, the norm's), the amax all-reduced over tp for
-  sequence-parallel operands;
+  inputs saved for backward (memory); where the notes say current scaling (Megatron-Bridge's
+  "fp8_cs", TransformerEngine 2.x), "te-current": an amax pass before each cast (after a norm, the
+  norm's), the amax all-reduced over tp for sequence-parallel operands;
 - otherwise "eager", autopar's own runtime (torchao without torch.compile).
 
 Context parallelism is priced as the row's framework ran it too (published_runs.cp_kv_exchange_of:

@@ -112,7 +112,7 @@ _POWER_CAP = re.compile(r"power-capped at (\d+(?:\.\d+)?)\s*W\b", re.IGNORECASE)
 _EAGER_MEASURED = re.compile(r"\beager\b[^;]*?\bmeasured (\d+(?:\.\d+)?)", re.IGNORECASE)
 _FUSED_ATTENTION_FRAMEWORK = re.compile(r"\bNeMo\b|\bMegatron-Core\b", re.IGNORECASE)
 _TP_COMM_OVERLAP = re.compile(r"\bTP comm(?:unication)? overlap(?:ped)? on\b", re.IGNORECASE)
-_NEMO = re.compile(r"\bNeMo\b|\bMegatron-Bridge\b")
+_NEMO_FAMILY = re.compile(r"\bNeMo\b|\bMegatron-Bridge\b")
 _PARAM_GATHER_OVERLAP = re.compile(r"\boverlap\w*\b[^;]*\bparam(?:eter)?[ _-]gather\b|\bNeMo\b|\bMegatron-Bridge\b"
                                    r"|\bMegatron-MoE-ModelZoo\b", re.IGNORECASE)
 _NO_SEQUENCE_PARALLEL = re.compile(r"\bTP without (?:SP|sequence parallelism)\b", re.IGNORECASE)
@@ -211,7 +211,7 @@ class Run:
         NeMo's MegatronCommOverlapCallback, and Megatron-Bridge's CommOverlapConfig after it, set
         Megatron-Core's overlap_p2p_comm whenever virtual pipelining is on (solver/p2p_overlap.py);
         Megatron-LM of 2021-2022 waited on its sends."""
-        return bool(_NEMO.search(self.source))
+        return bool(_NEMO_FAMILY.search(self.source))
 
     @property
     def param_gather_overlap(self) -> bool:
