@@ -119,7 +119,7 @@ def rope_rows(batch: int = 2, seq: int = 8192, heads: int = 32, head_dim: int = 
     x = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     cos, sin = (torch.randn(seq, head_dim, device="cuda") for _ in range(2))
     grad = torch.randn_like(x)
-    rows = ["| RoPE of one [2, 32, 8192, 128] bf16 tensor | forward + backward ms | GB/s (x read and written, twice) |",
+    rows = [f"| RoPE of one {list(x.shape)} bf16 tensor | forward + backward ms | GB/s (x read and written, twice) |",
             "|---|---:|---:|"]
     for name, fn in (("eager (the built-in Llama)", apply_rotary), ("torch.compile (one fused kernel)",
                                                                      torch.compile(apply_rotary))):

@@ -9,9 +9,10 @@ sharded (plan.loss_parallel).
 
 `--memory` measures instead what the loss itself holds at its peaks on this machine: the resident
 memory (VmHWM, reset through /proc/self/clear_refs) of fresh processes (the most of MEMORY_RUNS)
-running cross-entropy on fp32-cast logits of L bytes, forward then backward, with aten's fused kernels and under DTensor's
-loss_parallel (a one-rank gloo mesh), beside what the plan prices for the same loss (the held
-log-probabilities plus the op's gradient workspace, solver/evaluate.py, at tp 1 and tp 2).
+running cross-entropy on fp32-cast logits of L bytes, forward then backward, with aten's fused
+kernels and under DTensor's loss_parallel (a one-rank gloo mesh), beside what the plan prices for
+the same loss (the held log-probabilities plus the op's gradient workspace, solver/evaluate.py, at
+tp 1 and tp 2).
 """
 
 from __future__ import annotations

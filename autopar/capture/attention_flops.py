@@ -21,18 +21,20 @@ _BACKWARD = frozenset(name + "_backward" for name in _FORWARD)
 
 def is_causal(func, args, kwargs) -> bool:
     """Whether a fused attention call masks causally (its `is_causal` argument, by schema)."""
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.name == "is_causal":
-            return bool(args[position] if position < len(args) else kwargs.get("is_causal", False))
-    return False
+    return bool(_argument(func, args, kwargs, "is_causal", False))
 
 
 def attention_dropout(func, args, kwargs) -> float:
     """A fused attention call's dropout probability (its `dropout_p` argument, by schema; 0 if none)."""
+    return float(_argument(func, args, kwargs, "dropout_p", 0.0))
+
+
+def _argument(func, args, kwargs, name: str, default):
+    """The value a call passed for `func`'s schema argument `name` (positional or keyword), else `default`."""
     for position, argument in enumerate(func._schema.arguments):
-        if argument.name == "dropout_p":
-            return float(args[position] if position < len(args) else kwargs.get("dropout_p", 0.0))
-    return 0.0
+        if argument.name == name:
+            return args[position] if position < len(args) else kwargs.get(name, default)
+    return default
 
 
 def attention_flops(func, args) -> float | None:
