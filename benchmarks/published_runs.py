@@ -1,5 +1,6 @@
-"""Published, measured training runs (shared/reference/published_runs.csv) against autopar's
-prediction of the same configuration.
+"""Published, measured training runs (shared/reference/published_runs.csv, and the bf16 runs of
+benchmarks/published_bf16.csv beyond that sample) against autopar's prediction of the same
+configuration.
 
     .venv/bin/python benchmarks/published_runs.py [--rows kor-22b-sel,tt-8b-fsdp-8] [--breakdown] [--classes]
         [--compile-gain] [--ran]
@@ -105,6 +106,8 @@ from cost_model.memory import BF16_ADAM, FP32_ADAM, FSDP2_BF16_FP32_REDUCE, MEGA
 from cost_model.optimizer import adamw_io_bytes_per_param
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_runs.csv"
+MORE_BF16 = Path(__file__).resolve().parent / "published_bf16.csv"
+"""Published bf16 runs beyond the shared sample, in its format (DGX Cloud Benchmarking v25.02)."""
 _MEMORY_NOTE = re.compile(r"(\d+(?:\.\d+)?)\s*(GiB|GB)\s+(?:used|measured)")
 _OP_LEVEL = re.compile(r"\bop(?:-level)? (?:SAC|AC)\b|\bselective op AC\b", re.IGNORECASE)
 _EAGER = re.compile(r"\beager \(compile off", re.IGNORECASE)
@@ -116,6 +119,8 @@ _NEMO_FAMILY = re.compile(r"\bNeMo\b|\bMegatron-Bridge\b")
 _PARAM_GATHER_OVERLAP = re.compile(r"\boverlap\w*\b[^;]*\bparam(?:eter)?[ _-]gather\b|\bNeMo\b|\bMegatron-Bridge\b"
                                    r"|\bMegatron-MoE-ModelZoo\b", re.IGNORECASE)
 _NO_SEQUENCE_PARALLEL = re.compile(r"\bTP without (?:SP|sequence parallelism)\b", re.IGNORECASE)
+_DISTRIBUTED_FUSED_ADAM = re.compile(r"\bdistributed[ _]fused[ _]Adam\b", re.IGNORECASE)
+_FP8_PARAMS = re.compile(r"\bfp8[ _]params\b", re.IGNORECASE)
 
 
 def select_rows(runs: list, rows: str | None) -> list:
@@ -212,6 +217,14 @@ class Run:
         Megatron-Core's overlap_p2p_comm whenever virtual pipelining is on (solver/p2p_overlap.py);
         Megatron-LM of 2021-2022 waited on its sends."""
         return bool(_NEMO_FAMILY.search(self.source))
+
+    @property
+    def distributed_fused_adam(self) -> bool:
+        """Whether the run stepped NeMo 1.0's distributed fused Adam (optim.name
+        distributed_fused_adam: nemo/core/optim/distributed_adam.py over Apex's
+        DistributedFusedAdam), which holds the gradients and optimizer state itself, not
+        Megatron-Core's distributed optimizer: DISTRIBUTED_FUSED_ADAM_GRAD_BYTES and _OPTIMIZER_BYTES."""
+        return bool(_DISTRIBUTED_FUSED_ADAM.search(self.notes))
 
     @property
     def param_gather_overlap(self) -> bool:
@@ -416,6 +429,20 @@ and NeMo's bf16_mixed() sets Megatron-Core's grad_reduce_in_fp32=True (its grad 
 fp32). fp16 runs keep fp16 gradients unless asked (the flag's default)."""
 
 
+DISTRIBUTED_FUSED_ADAM_GRAD_BYTES = 2.0
+"""NeMo 1.0's distributed fused Adam accumulates every gradient into its contiguous buffer, full
+size, in `grad_sync_dtype` and reduce-scatters that buffer (Apex DistributedFusedAdam
+_init_grad_buffer: dtype=self.grad_sync_dtype): bf16 where the run's config sets
+optim.grad_sync_dtype bf16, as NeMo's launcher configs do (every pretraining yaml of DGX Cloud's
+v25.02 recipes: Llama 3.1 8B/70B/405B, GPT-3 175B), not Megatron-Core's fp32 main gradients."""
+
+DISTRIBUTED_FUSED_ADAM_OPTIMIZER_BYTES = 10.0
+"""Its optimizer state per parameter, sharded over data parallel (x cp): Adam's two fp32 moments
+and, for a bf16 model with an fp32 optimizer, only the low 16 bits of each fp32 master weight, the
+bf16 parameter holding the high ones (store_param_remainders, which NeMo's
+megatron_base_model.setup_optimization sets unless fp8_params, where it stores fp32 masters: 12)."""
+
+
 def param_gather_overlapped(text: str) -> bool:
     """Whether a Megatron-Core run described by `text` (source and notes) overlapped its
     distributed optimizer's parameter all-gather with the next forward (overlap_param_gather):
@@ -435,13 +462,20 @@ def policy_of(run: Run) -> PrecisionPolicy:
     parameters as they are in every microbatch (no cast per use, unlike autopar's runtime), fp32
     main gradients under bf16 (MEGATRON_BF16_MAIN_GRAD_BYTES), and a fused Adam; NeMo runs with TP
     comm overlap where the notes say so, and with its interleaved pipeline's sends overlapped
-    (Run.p2p_overlap)."""
+    (Run.p2p_overlap); NeMo 1.0's distributed fused Adam holds bf16 gradients and a smaller
+    optimizer state (Run.distributed_fused_adam)."""
     if run.precision == "fp32":
         return FP32_ADAM
     if "torchtitan" not in run.source.lower():
-        return replace(MEGATRON_BF16, tp_comm_overlap=run.tp_comm_overlap, p2p_overlap=run.p2p_overlap,
-                       param_gather_overlap=run.param_gather_overlap,
-                       grad_bytes=MEGATRON_BF16_MAIN_GRAD_BYTES if run.precision == "bf16" else MEGATRON_BF16.grad_bytes)
+        policy = replace(MEGATRON_BF16, tp_comm_overlap=run.tp_comm_overlap, p2p_overlap=run.p2p_overlap,
+                         param_gather_overlap=run.param_gather_overlap,
+                         grad_bytes=MEGATRON_BF16_MAIN_GRAD_BYTES if run.precision == "bf16" else MEGATRON_BF16.grad_bytes)
+        if run.distributed_fused_adam:
+            optimizer_bytes = MEGATRON_BF16.optimizer_bytes if _FP8_PARAMS.search(run.notes) \
+                else DISTRIBUTED_FUSED_ADAM_OPTIMIZER_BYTES
+            policy = replace(policy, grad_bytes=DISTRIBUTED_FUSED_ADAM_GRAD_BYTES,
+                             reduce_bytes=DISTRIBUTED_FUSED_ADAM_GRAD_BYTES, optimizer_bytes=optimizer_bytes)
+        return policy
     when = run_month(run.source)
     policy = FSDP2_BF16_FP32_REDUCE
     if when is not None and when < TORCHTITAN_SEPARATE_ENDS_SINCE:
@@ -615,7 +649,7 @@ def main() -> int:
                         help="also price each bf16 row for autopar's runtime (its precision handling, fused AdamW) "
                              "against the framework's handling")
     args = parser.parse_args()
-    runs = read_runs() + (list(RAN) if args.ran else [])
+    runs = (read_runs() if REFERENCE.exists() else []) + read_runs(MORE_BF16) + (list(RAN) if args.ran else [])
     runs = select_rows(runs, args.rows)
     print("| run | unit | published | predicted | error | predicted peak GiB | measured GiB | memory error | fits | "
           "time (s) |")
