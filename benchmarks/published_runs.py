@@ -121,6 +121,7 @@ _PARAM_GATHER_OVERLAP = re.compile(r"\boverlap\w*\b[^;]*\bparam(?:eter)?[ _-]gat
 _NO_SEQUENCE_PARALLEL = re.compile(r"\bTP without (?:SP|sequence parallelism)\b", re.IGNORECASE)
 _DISTRIBUTED_FUSED_ADAM = re.compile(r"\bdistributed[ _]fused[ _]Adam\b", re.IGNORECASE)
 _FP8_PARAMS = re.compile(r"\bfp8[ _]params\b", re.IGNORECASE)
+_MEGATRON_BRIDGE = re.compile(r"\bMegatron-Bridge\b")
 
 
 def select_rows(runs: list, rows: str | None) -> list:
@@ -429,6 +430,11 @@ and NeMo's bf16_mixed() sets Megatron-Core's grad_reduce_in_fp32=True (its grad 
 fp32). fp16 runs keep fp16 gradients unless asked (the flag's default)."""
 
 
+MEGATRON_BRIDGE_PERF_GRAD_BYTES = 2.0
+"""Megatron-Bridge's performance configurations (scripts/performance/configs/llama/*_pretrain.py,
+gpt_oss, deepseek; perf_recipes/_common.py since) set grad_reduce_in_fp32 False on both the mixed
+precision and the DDP config: bf16 gradient buffers, reduce-scattered in bf16."""
+
 DISTRIBUTED_FUSED_ADAM_GRAD_BYTES = 2.0
 """NeMo 1.0's distributed fused Adam accumulates every gradient into its contiguous buffer, full
 size, in `grad_sync_dtype` and reduce-scatters that buffer (Apex DistributedFusedAdam
@@ -470,6 +476,8 @@ def policy_of(run: Run) -> PrecisionPolicy:
         policy = replace(MEGATRON_BF16, tp_comm_overlap=run.tp_comm_overlap, p2p_overlap=run.p2p_overlap,
                          param_gather_overlap=run.param_gather_overlap,
                          grad_bytes=MEGATRON_BF16_MAIN_GRAD_BYTES if run.precision == "bf16" else MEGATRON_BF16.grad_bytes)
+        if _MEGATRON_BRIDGE.search(run.source):
+            policy = replace(policy, grad_bytes=MEGATRON_BRIDGE_PERF_GRAD_BYTES, reduce_bytes=MEGATRON_BRIDGE_PERF_GRAD_BYTES)
         if run.distributed_fused_adam:
             optimizer_bytes = MEGATRON_BF16.optimizer_bytes if _FP8_PARAMS.search(run.notes) \
                 else DISTRIBUTED_FUSED_ADAM_OPTIMIZER_BYTES

@@ -39,6 +39,19 @@ def test_each_framework_is_priced_with_its_cast_handling():
     assert {handlings[run.id] for run in RUNS if "Megatron-Bridge" in run.source} == {"te-current"}
 
 
+def test_megatron_bridge_rows_reduce_bf16_gradients_as_its_performance_configs_set():
+    """Megatron-Bridge's performance configurations set grad_reduce_in_fp32 False: bf16
+    gradient buffers, reduce-scattered in bf16; other Megatron-Core rows keep their handling."""
+    from benchmarks.published_runs import policy_of
+
+    bridge = [run for run in RUNS if "Megatron-Bridge" in run.source]
+    assert bridge
+    for run in bridge:
+        assert policy_of(run).grad_bytes == policy_of(run).dp_reduce_bytes == 2.0, run.id
+    nemo = next(run for run in RUNS if run.id == "nemo-llama3-70b-fp8")
+    assert policy_of(nemo).dp_reduce_bytes == 4.0
+
+
 @pytest.mark.parametrize("name", [run.id for run in RUNS])
 def test_every_row_is_predicted_to_fit(outcomes, name):
     estimate = outcomes[name].estimate
