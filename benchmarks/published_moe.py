@@ -39,7 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autopar.solver.experts import DEFAULT_LOAD_IMBALANCE  # noqa: E402 (the planner's default, for dropless real routing)
-from benchmarks.published_runs import as_megatron_saves, param_gather_overlapped, select_rows, split_as_run  # noqa: E402
+from benchmarks.published_runs import (as_megatron_saves, megatron_states, param_gather_overlapped, select_rows,  # noqa: E402
+                                       split_as_run)
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_moe.csv"
 
@@ -317,15 +318,14 @@ def planner_for(run: MoeRun, source: str = "builtin"):
     from autopar.plans.planning import capture_for_planning
     from autopar.solver.experts import ExpertPricing
     from autopar.solver.search import Planner, SearchOptions
-    from cost_model.memory import MEGATRON_BF16
 
     model, inputs, targets, loss = build_model(run, source=source)
     graph = capture_for_planning(model, inputs, loss_fn=loss, example_targets=targets)
     attention = model.config._attn_implementation if source == "hf" else "sdpa"
     options = SearchOptions(experts=ExpertPricing(load_imbalance=run.load_imbalance, fused_permute=run.fused_permute),
                             jobs=1)
-    policy = replace(MEGATRON_BF16, param_gather_overlap=param_gather_overlapped(
-        f"{run.source} {run.notes} {run.optimizer_sharding}"))
+    policy = replace(megatron_states(run.source, f"{run.notes} {run.optimizer_sharding}", "bf16"),
+                     param_gather_overlap=param_gather_overlapped(f"{run.source} {run.notes} {run.optimizer_sharding}"))
     planner = Planner(graph, Cluster.from_spec(run.cluster_spec), global_batch=run.global_batch, policy=policy,
                       precision="bf16", options=options)
     return planner, attention

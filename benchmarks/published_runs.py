@@ -460,6 +460,24 @@ def param_gather_overlapped(text: str) -> bool:
     return bool(_PARAM_GATHER_OVERLAP.search(text))
 
 
+def megatron_states(source: str, notes: str, precision: str) -> PrecisionPolicy:
+    """MEGATRON_BF16 with the gradient and optimizer bytes of the Megatron-family framework a
+    run's source and notes name: fp32 main gradients under bf16 (MEGATRON_BF16_MAIN_GRAD_BYTES);
+    bf16 ones where Megatron-Bridge's performance configurations ran it
+    (MEGATRON_BRIDGE_PERF_GRAD_BYTES); NeMo 1.0's distributed fused Adam's bf16 buffer and 16-bit
+    master remainders (DISTRIBUTED_FUSED_ADAM_*)."""
+    policy = replace(MEGATRON_BF16,
+                     grad_bytes=MEGATRON_BF16_MAIN_GRAD_BYTES if precision == "bf16" else MEGATRON_BF16.grad_bytes)
+    if _MEGATRON_BRIDGE.search(source):
+        policy = replace(policy, grad_bytes=MEGATRON_BRIDGE_PERF_GRAD_BYTES, reduce_bytes=MEGATRON_BRIDGE_PERF_GRAD_BYTES)
+    if _DISTRIBUTED_FUSED_ADAM.search(notes):
+        optimizer_bytes = MEGATRON_BF16.optimizer_bytes if _FP8_PARAMS.search(notes) \
+            else DISTRIBUTED_FUSED_ADAM_OPTIMIZER_BYTES
+        policy = replace(policy, grad_bytes=DISTRIBUTED_FUSED_ADAM_GRAD_BYTES,
+                         reduce_bytes=DISTRIBUTED_FUSED_ADAM_GRAD_BYTES, optimizer_bytes=optimizer_bytes)
+    return policy
+
+
 def policy_of(run: Run) -> PrecisionPolicy:
     """How the run's framework holds and reduces its states: torchtitan's FSDP2 gathers bf16 and
     reduce-scatters fp32 (MixedPrecisionPolicy), wraps the model as it did at the run's time (the
@@ -473,17 +491,8 @@ def policy_of(run: Run) -> PrecisionPolicy:
     if run.precision == "fp32":
         return FP32_ADAM
     if "torchtitan" not in run.source.lower():
-        policy = replace(MEGATRON_BF16, tp_comm_overlap=run.tp_comm_overlap, p2p_overlap=run.p2p_overlap,
-                         param_gather_overlap=run.param_gather_overlap,
-                         grad_bytes=MEGATRON_BF16_MAIN_GRAD_BYTES if run.precision == "bf16" else MEGATRON_BF16.grad_bytes)
-        if _MEGATRON_BRIDGE.search(run.source):
-            policy = replace(policy, grad_bytes=MEGATRON_BRIDGE_PERF_GRAD_BYTES, reduce_bytes=MEGATRON_BRIDGE_PERF_GRAD_BYTES)
-        if run.distributed_fused_adam:
-            optimizer_bytes = MEGATRON_BF16.optimizer_bytes if _FP8_PARAMS.search(run.notes) \
-                else DISTRIBUTED_FUSED_ADAM_OPTIMIZER_BYTES
-            policy = replace(policy, grad_bytes=DISTRIBUTED_FUSED_ADAM_GRAD_BYTES,
-                             reduce_bytes=DISTRIBUTED_FUSED_ADAM_GRAD_BYTES, optimizer_bytes=optimizer_bytes)
-        return policy
+        return replace(megatron_states(run.source, run.notes, run.precision), tp_comm_overlap=run.tp_comm_overlap,
+                       p2p_overlap=run.p2p_overlap, param_gather_overlap=run.param_gather_overlap)
     when = run_month(run.source)
     policy = FSDP2_BF16_FP32_REDUCE
     if when is not None and when < TORCHTITAN_SEPARATE_ENDS_SINCE:
