@@ -189,22 +189,39 @@ class Fp8Pricing:
         return self.experts.chosen(config, strategies)
 
     def apply(self, estimate: Estimate, strategies: Callable[[ParallelConfig], dict]) -> Estimate:
+        """`estimate` (priced in bf16) with the chosen linears and experts in float8: their casts,
+        amax reductions and float8 gathers added, their matmuls at the fp8 rate in place of the
+        bf16 ones, and the memory float8 adds and saves."""
         config = estimate.config
-        gathered = self._gathered_in_float8(config)
         kept = [item for item in self.priced(config, strategies) if item.kept]
-        per_microbatch = {"fp8.cast": sum(item.cast_s for item in kept), "fp8.amax": sum(item.amax_s for item in kept)}
-        bf16_matmul_s, fp8_matmul_s = sum(item.bf16_s for item in kept), sum(item.fp8_s for item in kept)
-        again_s = sum(item.bf16_again_s for item in kept) if "recompute" in estimate.breakdown_s else 0.0
-        copies = max((fp8_cost.transient_bytes(item.elements) for item in kept), default=0.0)
         held_weight = sum(item.elements.weight for item in kept)
         bubble_slots = self._bubble_slots(estimate)
         slots = config.num_microbatches + bubble_slots
-        terms = {name: seconds * slots / config.pp for name, seconds in per_microbatch.items()}
         breakdown = dict(estimate.breakdown_s)
         notes = estimate.notes
         if self.auto and len(kept) < len(self.linears):
             notes += (f"fp8: {len(kept)} of {len(self.linears)} eligible linears run in float8 (the others' casts "
                       "would cost more than their faster matmuls save)",)
+        terms = self._cast_terms(kept, config, slots, held_weight)
+        notes += self._gather_step_terms(kept, config, strategies, breakdown, terms, held_weight)
+        self._matmul_terms(kept, estimate, breakdown, terms, bubble_slots)
+        experts = [item for item in self.experts.priced(config, strategies) if item.kept]
+        notes += self._expert_terms(experts, estimate, breakdown, terms, slots, bubble_slots)
+        breakdown.update({name: seconds for name, seconds in terms.items()
+                          if seconds and name.startswith("fp8.")})
+        notes += (self._what_fp8_buys(kept, terms, estimate.step_time_s, experts),)
+        memory, peak = self._memory(kept, experts, estimate, held_weight)
+        return replace(estimate, step_time_s=estimate.step_time_s + sum(terms.values()), breakdown_s=breakdown,
+                       memory_bytes=memory, peak_memory_bytes=peak, notes=notes,
+                       fits=estimate.fits and peak <= self.memory_budget_bytes)
+
+    def _cast_terms(self, kept: list[_Priced], config: ParallelConfig, slots: float,
+                    held_weight: float) -> dict[str, float]:
+        """`fp8.cast` and `fp8.amax` per step: each microbatch's (and bubble slot's) casts and amax
+        reductions, the weights' casts once per step where the handling keeps them, and delayed
+        scaling's one amax all-reduce per step over tp."""
+        per_microbatch = {"fp8.cast": sum(item.cast_s for item in kept), "fp8.amax": sum(item.amax_s for item in kept)}
+        terms = {name: seconds * slots / config.pp for name, seconds in per_microbatch.items()}
         once = fp8_cost.weight_casts_per_step(self.handling)
         if once and kept:  # weights cast on the step's first microbatch only, a stage's share each
             terms["fp8.cast"] += fp8_cost.cast_time_s(
@@ -214,7 +231,15 @@ class Fp8Pricing:
         if self.handling.amax_reduced_per_step and kept and config.tp > 1:
             terms["fp8.amax"] += self.comm.time_s("all_reduce", fp8_cost.SCALE_BYTES * 3 * len(kept),
                                                   self._tp_group(config))
-        if gathered and kept:
+        return terms
+
+    def _gather_step_terms(self, kept: list[_Priced], config: ParallelConfig,
+                           strategies: Callable[[ParallelConfig], dict], breakdown: dict[str, float],
+                           terms: dict[str, float], held_weight: float) -> tuple[str, ...]:
+        """Adds the float8 gathers to `terms` (FSDP2's weights at 1 byte per element, and the
+        sequence-parallel inputs where the handling gathers them in float8); their notes."""
+        notes: tuple[str, ...] = ()
+        if self._gathered_in_float8(config) and kept:
             terms.update(self._gather_terms(config, held_weight / config.pp, len(kept)))
             share = sum(item.linear.weight_numel for item in kept) / self.param_numel
             saved = self._gather_saving(breakdown, share)
@@ -224,24 +249,37 @@ class Fp8Pricing:
                           f"dp.all_gather priced {saved:.3g} s lower",)
         if self.handling.tp_input_gather_in_float8 and kept:
             notes += self._float8_tp_gathers(config, strategies, {item.linear.node for item in kept}, breakdown, terms)
-        if fp8_matmul_s:
-            m, pp = config.num_microbatches, config.pp
-            breakdown["compute"] = breakdown.get("compute", 0.0) - m * (bf16_matmul_s - again_s) / pp
-            terms["fp8.matmul"] = m * fp8_matmul_s / pp
-            terms["compute"] = -m * (bf16_matmul_s - again_s) / pp
-            if again_s:  # the recomputed forward's bf16 matmuls leave `recompute`
-                breakdown["recompute"] -= m * again_s / pp
-                terms["recompute"] = -m * again_s / pp
-            if bubble_slots:
-                bubble_s = bubble_slots * (fp8_matmul_s - bf16_matmul_s) / pp
-                breakdown["bubble"] = max(breakdown["bubble"] + bubble_s, 0.0)
-                terms["bubble"] = bubble_s
-        experts = [item for item in self.experts.priced(config, strategies) if item.kept]
-        notes += self._expert_terms(experts, estimate, breakdown, terms, slots, bubble_slots)
-        copies = max([copies] + [item.transient_bytes for item in experts])
-        breakdown.update({name: seconds for name, seconds in terms.items()
-                          if seconds and name.startswith("fp8.")})
-        notes += (self._what_fp8_buys(kept, terms, estimate.step_time_s, experts),)
+        return notes
+
+    @staticmethod
+    def _matmul_terms(kept: list[_Priced], estimate: Estimate, breakdown: dict[str, float],
+                      terms: dict[str, float], bubble_slots: float) -> None:
+        """Moves the kept linears' matmuls from bf16 (`compute`, and `recompute` for a recomputed
+        forward's) to `fp8.matmul`, and the pipeline bubble by their change."""
+        config = estimate.config
+        bf16_matmul_s, fp8_matmul_s = sum(item.bf16_s for item in kept), sum(item.fp8_s for item in kept)
+        if not fp8_matmul_s:
+            return
+        again_s = sum(item.bf16_again_s for item in kept) if "recompute" in estimate.breakdown_s else 0.0
+        m, pp = config.num_microbatches, config.pp
+        breakdown["compute"] = breakdown.get("compute", 0.0) - m * (bf16_matmul_s - again_s) / pp
+        terms["fp8.matmul"] = m * fp8_matmul_s / pp
+        terms["compute"] = -m * (bf16_matmul_s - again_s) / pp
+        if again_s:  # the recomputed forward's bf16 matmuls leave `recompute`
+            breakdown["recompute"] -= m * again_s / pp
+            terms["recompute"] = -m * again_s / pp
+        if bubble_slots:
+            bubble_s = bubble_slots * (fp8_matmul_s - bf16_matmul_s) / pp
+            breakdown["bubble"] = max(breakdown["bubble"] + bubble_s, 0.0)
+            terms["bubble"] = bubble_s
+
+    def _memory(self, kept: list[_Priced], experts: list[PricedExpert], estimate: Estimate,
+                held_weight: float) -> tuple[dict[str, float], float]:
+        """(memory by term, peak): the float8 copies alive around one matmul, the weights' float8
+        copies the handling keeps, and what saving float8 inputs takes from the activations."""
+        config = estimate.config
+        copies = max([fp8_cost.transient_bytes(item.elements) for item in kept]
+                     + [item.transient_bytes for item in experts], default=0.0)
         weights = fp8_cost.held_weight_bytes(held_weight / config.pp, self.handling)
         saved = 0.0
         if self.handling.saves_float8_inputs and kept and config.recompute in ("none", "gathers"):
@@ -249,10 +287,7 @@ class Fp8Pricing:
             saved = estimate.memory_bytes.get("activations", 0.0) * share * (1 - fp8_cost.FP8_BYTES / COMPUTE_BYTES)
         memory = {**estimate.memory_bytes, **({"fp8.copies": copies} if copies else {}),
                   **({"fp8.weights": weights} if weights else {}), **({"fp8.saved_inputs": -saved} if saved else {})}
-        peak = estimate.peak_memory_bytes + copies + weights - saved
-        return replace(estimate, step_time_s=estimate.step_time_s + sum(terms.values()), breakdown_s=breakdown,
-                       memory_bytes=memory, peak_memory_bytes=peak, notes=notes,
-                       fits=estimate.fits and peak <= self.memory_budget_bytes)
+        return memory, estimate.peak_memory_bytes + copies + weights - saved
 
     def _expert_terms(self, experts: list[PricedExpert], estimate: Estimate, breakdown: dict[str, float],
                       terms: dict[str, float], slots: float, bubble_slots: float) -> tuple[str, ...]:
