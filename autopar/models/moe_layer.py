@@ -4,6 +4,7 @@
     rows           = x of every (choice, token) pair, sorted by expert (stable, choice-major)
     offs           = cumulative rows per expert (int32)
     out            = grouped_mm(silu(gate) * up of grouped_mm(rows, w_gate_up, offs), w_down, offs)
+                     (gate and up interleaved in w_gate_up's columns: below)
                      (expert_bias: + b_gate_up[e] and + b_down[e] of each row's expert e; swiglu_limit:
                      GPT-OSS's clamped GLU in place of silu(gate) * up, moe.py)
     y[token]       = sum over its choices of gate x out (un-permuted), + shared SwiGLU(x)
@@ -24,6 +25,14 @@ micro-batch on one device).
 
 The expert weights are stacked 3-D parameters read only by the grouped matmuls, so expert
 parallelism (solver/experts.py) splits them by expert and exchanges the rows (dropless).
+
+w_gate_up interleaves its gate and up columns (column 2j is gate j, 2j + 1 is up j, as GPT-OSS's
+checkpoints do), so a tensor-parallel split of its columns (Megatron-Core's column-parallel fc1,
+each rank with its own gate and up slices) keeps every pair on one rank: the SwiGLU then runs on
+each rank's columns and the down projection is row-parallel, only token-sized collectives around
+the layer. Concatenated halves (`chunk(2)`) would put the gates on some ranks and the ups on
+others, and the planner would split the matmul along its input instead and reduce-scatter the
+[rows, 2 x expert_ffn_hidden] intermediate.
 """
 
 from __future__ import annotations
@@ -98,7 +107,7 @@ class GroupedExperts(nn.Module):
         gate_up = grouped_mm(rows, self.w_gate_up, offs)
         if self.b_gate_up is not None:
             gate_up = expert_bias(gate_up, self.b_gate_up, offs)
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate_up.unflatten(-1, (-1, 2)).unbind(-1)  # interleaved (module docstring)
         if self.swiglu_limit:
             gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
             hidden = (up + 1) * (gate * torch.sigmoid(GLU_ALPHA * gate))

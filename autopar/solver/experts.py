@@ -17,9 +17,9 @@ the token gradient combined).
 Chains: one dispatch and one combine per MoE layer, as Megatron-Core and torchtitan run it. Two
 expert ops A -> B of the same kind and experts (grouped mm: the same `offs` node; einsum/bmm: B's
 token expert and token dims are A's output's) form a chain where B's token operand is reached from
-A's output only through row-local ops (elementwise ops, casts, and chunk/split/slice/getitem along
-a dim the exchange does not touch: not the rows of a grouped mm, not an einsum's expert or token
-dim), every tensor operand of those ops is A's output, another of them, or a 0-d parameter or
+A's output only through row-local ops (elementwise ops, casts, and chunk/split/slice/unbind/
+unflatten/getitem along a dim the exchange does not touch: not the rows of a grouped mm, not an
+einsum's expert or token dim), every tensor operand of those ops is A's output, another of them, or a 0-d parameter or
 constant, none of them (A's output included) is read outside the chain, and all lie in one segment
 (no pipeline boundary inside); a per-expert bias added to the rows by their expert
 (`expert_bias(rows, bias, offs)` with the chain's offsets: GPT-OSS's gate/up bias) is row-local
@@ -100,8 +100,9 @@ ELEMENTWISE = NONLINEAR_UNARY + NONLINEAR_NARY + CASTS + (
     "aten.add.Scalar", "aten.sub.Scalar", "aten.neg.default", "aten.type_as.default")
 """Row-local ops a chain may hold between two expert ops (every tensor operand the output's shape)."""
 CUTS = {"aten.chunk.default": 2, "aten.split.Tensor": 2, "aten.split_with_sizes.default": 2,
-        "aten.slice.Tensor": 1}
-"""Ops a chain may hold that cut along a dim (-> the position of the dim argument, default 0)."""
+        "aten.slice.Tensor": 1, "aten.unbind.int": 1, "aten.unflatten.int": 1}
+"""Ops a chain may hold that cut, unbind or unflatten along a dim (-> the position of the dim
+argument, default 0): none of them names a row count (unflatten's sizes are the dim's own)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,6 +154,16 @@ class ExpertPricing:
     expert matmuls. False: the rows are reordered after each dispatch and before each combine
     when a rank holds more than one expert (autopar's runtime, Megatron-Core's all-to-all
     dispatcher; module docstring)."""
+
+    tp_share_dispatch: bool = False
+    """Where the experts are split on tp (etp = tp > 1, not folded) and so every tp rank holds the
+    same rows, each tp rank dispatches only its 1/tp of them, and the ranks of a tp group
+    all-gather what they received before the expert matmuls and reduce-scatter the partial
+    outputs before the combine (the breakdown's ep.tp_all_gather, ep.tp_reduce_scatter): the
+    all-to-alls move 1/tp of the rows (Megatron-Core's all-to-all dispatcher under sequence
+    parallelism, which dispatches each rank's sequence shard and calls
+    gather_from_sequence_parallel_region after the all-to-all). False: every tp rank dispatches
+    all the rows (autopar's runtime, codegen/experts.py)."""
 
     def __post_init__(self) -> None:
         check_load_imbalance(self.load_imbalance)

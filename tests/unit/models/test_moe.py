@@ -50,7 +50,7 @@ def swiglu_expert(moe: MoELayer, token: torch.Tensor, expert: int) -> torch.Tens
     gate_up = token @ experts.w_gate_up[expert]
     if experts.b_gate_up is not None:
         gate_up = gate_up + experts.b_gate_up[expert]
-    gate, up = gate_up.chunk(2)
+    gate, up = gate_up[0::2], gate_up[1::2]  # interleaved columns, as GptOssExperts reads them
     if experts.swiglu_limit:
         limit = experts.swiglu_limit
         gate, up = gate.clamp(min=None, max=limit), up.clamp(min=-limit, max=limit)
