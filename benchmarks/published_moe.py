@@ -20,7 +20,9 @@ layers on each model chunk, the embedding on the first, the output layer and los
 Megatron-Bridge's gpt_oss recipe sets no account-for-embedding/loss or first/last-stage counts, and
 Mixtral 8x22B's 56 layers on pp 8 x vp 7 = 56 chunks leave no room for them). The runs' Megatron-Core
 token dispatcher (MoeRun.fused_permute: the flex dispatcher writes rows expert-major in its all-to-all,
-the all-to-all dispatcher reorders them around the grouped GEMMs, ep.reorder) and distributed optimizer
+the all-to-all dispatcher reorders them around the grouped GEMMs, ep.reorder; with experts split on tp
+each tp rank dispatches its share of the rows and the tp group gathers them after the all-to-all,
+ExpertPricing.tp_share_dispatch) and distributed optimizer
 (bf16 parameter all-gathers, overlapped with the next forward where the recipe sets overlap_param_gather:
 published_runs.param_gather_overlapped) are priced as their recipes set them. Where the planner refuses the published configuration, the table
 prints the refusal. The reference numbers are only read here, to compare.
@@ -322,7 +324,10 @@ def planner_for(run: MoeRun, source: str = "builtin"):
     model, inputs, targets, loss = build_model(run, source=source)
     graph = capture_for_planning(model, inputs, loss_fn=loss, example_targets=targets)
     attention = model.config._attn_implementation if source == "hf" else "sdpa"
-    options = SearchOptions(experts=ExpertPricing(load_imbalance=run.load_imbalance, fused_permute=run.fused_permute),
+    # Megatron-Core's dispatchers send each tp rank's share of the rows (tp_share_dispatch: only where
+    # the experts are split on tp, etp = tp > 1)
+    options = SearchOptions(experts=ExpertPricing(load_imbalance=run.load_imbalance, fused_permute=run.fused_permute,
+                                                  tp_share_dispatch=True),
                             jobs=1)
     policy = replace(megatron_states(run.source, f"{run.notes} {run.optimizer_sharding}", "bf16"),
                      param_gather_overlap=param_gather_overlapped(f"{run.source} {run.notes} {run.optimizer_sharding}"))

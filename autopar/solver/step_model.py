@@ -199,13 +199,19 @@ class StepModel(StepFsdp, StepTail):
                                                                      config.tp),
                     devices_per_node=self.devices_per_node).group(2)
 
+    def _tp_group(self, config: ParallelConfig):
+        """The tp ranks of a stage (consecutive, innermost)."""
+        return Mesh(axis_names=("pp", "dp", "tp"), shape=(config.pp, config.dp, config.tp),
+                    devices_per_node=self.devices_per_node).group(2)
+
     def ep_times(self, prepared: PreparedSegments, config: ParallelConfig) -> EpTimes:
         """Per segment: expert parallelism's all-to-alls (over the ep group where it lies: inside
         a node or across nodes), the reorder of the rows around each dispatch and combine where a
         rank holds more than one expert ("reorder", ExpertPricing.reorder_s), the busiest rank's
-        extra grouped-matmul time under load imbalance (dropless ops), and the change of the
+        extra grouped-matmul time under load imbalance (dropless ops), the change of the
         grouped matmuls' time from their ep shape (E / ep experts of ep x the rows each,
-        solver/experts.py)."""
+        solver/experts.py), and under ExpertPricing.tp_share_dispatch the tp group's gathers and
+        reductions of the rows each rank dispatched 1/tp of."""
         key = (config.ep, config.tp, self.devices_per_node, config.folds_experts)
         if key not in prepared.ep_times:
             group = self.ep_group(config)
@@ -214,12 +220,20 @@ class StepModel(StepFsdp, StepTail):
             times = {"fwd": zeros(), "bwd": zeros()}
             parts: dict[str, np.ndarray] = {}
             pricing = self.expert_pricing
+            shares = pricing.tp_share_dispatch and config.tp > 1 and not config.folds_experts
+            tp_group = self._tp_group(config) if shares else None
             for index, messages in enumerate(prepared.ep_messages):
                 for size, phase, dropless, part, experts in messages:
                     busiest = size * (imbalance if dropless else 1.0)
-                    seconds = self.comm.time_s("all_to_all", busiest, group)
+                    sent = busiest / config.tp if shares and part != "counts" else busiest
+                    seconds = self.comm.time_s("all_to_all", sent, group)
                     times[phase][index] += seconds
                     parts.setdefault(part, zeros())[index] += seconds
+                    if sent != busiest:  # the tp group gathers the rows it received, reduces before sending
+                        collective = "all_gather" if part == "dispatch" else "reduce_scatter"
+                        seconds = self.comm.time_s(collective, busiest, tp_group)
+                        times[phase][index] += seconds
+                        parts.setdefault(f"tp_{collective}", zeros())[index] += seconds
                     reorder = pricing.reorder_s(busiest, experts, config.ep, self.compute) if part != "counts" else 0.0
                     if reorder:
                         times[phase][index] += reorder

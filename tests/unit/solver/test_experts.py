@@ -351,3 +351,59 @@ def test_chained_grouped_experts_predict_five_all_to_alls_per_layer(mixtral_grap
     added = plan.predicted.collectives_per_microbatch.get("all_to_all", 0) \
         - dense.predicted.collectives_per_microbatch.get("all_to_all", 0)
     assert added == 5 * 2  # counts, dispatch, combine forward; dispatch, combine backward; 2 layers
+
+
+WIDE_MOE = ("moe:layers=1,hidden=1024,heads=8,kv_heads=4,seq=1024,vocab=512,num_experts=8,top_k=2,"
+            "expert_ffn_hidden=4096")
+"""Experts wide enough that the tp solve splits them by column and row, not by expert."""
+
+
+@pytest.fixture(scope="module")
+def wide_moe_graph():
+    bundle = build_model(WIDE_MOE, device="meta", batch_size=2)
+    return autopar.capture_for_planning(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                        example_targets=bundle.example_targets)
+
+
+def _wide_moe_priced(graph, *, tp: int, ep: int, share: bool = False):
+    from autopar import api
+    from autopar.solver.search import SearchOptions
+
+    options = SearchOptions(experts=ExpertPricing(load_imbalance=1.0, tp_share_dispatch=share))
+    planner = api.planner_for(graph, None, "dgx-h100:nodes=2", global_batch=32, options=options)
+    config = api.fixed_config(planner, tp=tp, pp=1, dp=16 // tp, microbatch_size=2, schedule="1f1b",
+                              virtual_stages=None, layers_per_virtual_stage=None, recompute="none", zero_stage=0,
+                              ep=ep)
+    return planner.evaluate(config)
+
+
+def test_the_builtin_experts_run_column_then_row_parallel_on_tp(wide_moe_graph) -> None:
+    """The family interleaves gate and up in w_gate_up's columns, so under tp (etp = tp) the gate/up
+    grouped matmul splits its columns and the down one its rows, Megatron-Core's expert tensor
+    parallelism: no [rows, 2 x expert_ffn_hidden] intermediate crosses the tp ranks (with the two
+    halves concatenated, the planner split the first matmul along its input and reduce-scattered
+    that intermediate, 2 x 4096 / 1024 = 8x a token's bytes here). (Where few rows make bigger
+    per-expert matmuls worth it, the solve may still split by expert, which ep cannot combine
+    with: constraints' ep blocker.)"""
+    graph = wide_moe_graph
+    _, result = _wide_moe_priced(graph, tp=2, ep=4)
+    gate_up, down = [node for node in graph.calls() if "grouped_mm" in node.target]
+    assert result.strategies[gate_up.name].inputs[1] == ("S2",)  # [E, K, 2F]: columns
+    assert result.strategies[down.name].inputs[1] == ("S1",)  # [E, F, K]: rows
+    token_bytes = graph[gate_up.inputs[0]].output.nbytes  # every (token, choice) row of a microbatch of 2
+    assert max(event.message_bytes for segment in result.segments for event in segment.comm) <= token_bytes
+
+
+def test_megatrons_tp_share_dispatch_moves_one_tp_share_of_the_rows(wide_moe_graph) -> None:
+    """Megatron-Core's dispatcher sends each tp rank's share of the rows and gathers them over tp
+    after the all-to-all (ExpertPricing.tp_share_dispatch): the all-to-alls shrink by tp, the tp
+    group's gather and reduce-scatter are priced beside them; at tp = 1 nothing changes."""
+    def parts(share: bool, tp: int) -> dict[str, float]:
+        estimate, _ = _wide_moe_priced(wide_moe_graph, tp=tp, ep=4, share=share)
+        return {name: seconds for name, seconds in estimate.breakdown_s.items() if name.startswith("ep.")}
+
+    whole, shared = parts(False, 2), parts(True, 2)
+    assert shared["ep.dispatch"] < whole["ep.dispatch"] and shared["ep.combine"] < whole["ep.combine"]
+    assert shared["ep.tp_all_gather"] > 0 and shared["ep.tp_reduce_scatter"] > 0
+    assert "ep.tp_all_gather" not in whole
+    assert parts(True, 1) == parts(False, 1)
