@@ -1,5 +1,6 @@
-"""Published, measured mixture-of-experts runs (shared/reference/published_moe.csv) against
-autopar's prediction of the same configuration, and against the plan autopar would choose.
+"""Published, measured mixture-of-experts runs (shared/reference/published_moe.csv, and those of
+benchmarks/published_moe_more.csv beyond that sample) against autopar's prediction of the same
+configuration, and against the plan autopar would choose.
 
     .venv/bin/python benchmarks/published_moe.py [--rows qwen3-30b-a3b-32,...] [--markdown] [--breakdown]
         [--no-plan] [--hf]
@@ -45,6 +46,8 @@ from benchmarks.published_runs import (as_megatron_saves, megatron_states, param
                                        split_as_run)
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_moe.csv"
+MORE = Path(__file__).resolve().parent / "published_moe_more.csv"
+"""Published MoE runs beyond the shared sample, in its format (DGX Cloud Benchmarking v25.02's Grok 1)."""
 
 _SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "dense_layers", "ffn_hidden", "expert_ffn_hidden",
                "num_experts", "top_k", "shared_experts", "vocab", "seq")
@@ -420,6 +423,14 @@ def plain(outcomes: list[Outcome]) -> str:
                        for outcome in outcomes)
 
 
+def _has_hf_class(run: MoeRun) -> bool:
+    try:
+        return bool(run.family)
+    except ValueError:
+        print(f"{run.id}: skipped with --hf (no Hugging Face config class for {run.model_name})", file=sys.stderr)
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", help="comma-separated row ids (default: all)")
@@ -429,8 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf", action="store_true", help="build each model from its Hugging Face config class "
                         "instead of the built-in moe: family")
     args = parser.parse_args(argv)
-    runs = read_runs()
-    runs = select_rows(runs, args.rows)
+    runs = select_rows((read_runs() if REFERENCE.exists() else []) + read_runs(MORE), args.rows)
+    if args.hf:  # a model without a Hugging Face config class (Grok 1) is priced built-in only
+        runs = [run for run in runs if _has_hf_class(run)]
     outcomes = []
     for run in runs:
         outcome = evaluate_run(run, plan=not args.no_plan, source="hf" if args.hf else "builtin")

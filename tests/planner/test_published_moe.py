@@ -114,3 +114,28 @@ def test_a_row_becomes_a_builtin_moe_spec_with_its_shape(tmp_path):
     assert "capacity_factor=1.1," in model_spec(dropping)  # token-drop at the row's capacity factor
     for run in (dropping, balanced):
         assert build_model(model_spec(run)).model is not None  # the spec is a valid model
+
+
+def test_the_rows_beyond_the_shared_sample_parse_and_split_their_experts_on_tp():
+    """benchmarks/published_moe_more.csv (DGX Cloud's Grok 1 recipes): Megatron-Core's experts
+    tensor-parallel over tp (etp = tp, not folded), ep over the data-parallel ranks."""
+    from benchmarks.published_moe import MORE
+
+    runs = read_runs(MORE)
+    assert runs and len({run.id for run in runs}) == len(runs)
+    assert all(run.dp * run.tp * run.pp * run.cp == run.gpus and run.dp % run.ep == 0 for run in runs)
+    assert all(run.etp == run.tp > 1 and run.load_imbalance == 1.0 for run in runs)  # capacity factor 1.0
+
+
+@pytest.mark.slow
+def test_a_grok_row_is_priced_with_megatrons_tensor_parallel_experts_and_tp_share_dispatch():
+    """As Megatron-Core runs it: gate/up column-parallel and down row-parallel on tp (no
+    [rows, 2 x expert_ffn_hidden] intermediate between the tp ranks), each tp rank dispatching its
+    share of the rows and the tp group gathering them after the all-to-all."""
+    from benchmarks.published_moe import MORE, evaluate_run
+
+    run = next(run for run in read_runs(MORE) if run.id == "dgxc-grok1-8")
+    outcome = evaluate_run(run, plan=False)
+    assert outcome.published_fits and outcome.published_step_s > 0
+    assert outcome.breakdown["ep.tp_all_gather"] > 0 and outcome.breakdown["ep.tp_reduce_scatter"] > 0
+    assert outcome.breakdown["tp.reduce_scatter"] < outcome.breakdown["compute"] / 20
