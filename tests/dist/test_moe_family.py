@@ -31,6 +31,10 @@ SPECS = {
     "mla-sigmoid": f"moe:layers=3,{_TINY},dense_layers=1,ffn_hidden=48,shared_experts=1,router=sigmoid,"
                    "attention=mla,q_lora_rank=16,kv_lora_rank=16,qk_nope_head_dim=8,qk_rope_head_dim=4,v_head_dim=8",
     "gqa-oss": f"moe:layers=2,{_TINY},kv_heads=2,router=softmax,expert_bias=true,swiglu_limit=7,sliding_window=4",
+    # 3 experts do not split over tp = 2: the tp solve runs them column- then row-parallel (gate
+    # and up interleaved in w_gate_up, as Megatron-Core's expert tensor parallelism)
+    "gqa-oss-3": f"moe:layers=2,{_TINY.replace('num_experts=4', 'num_experts=3')},kv_heads=2,router=softmax,"
+                 "expert_bias=true,swiglu_limit=7",
 }
 
 
@@ -57,6 +61,8 @@ TABLE = CaseTable([
     # and with tp2 (the biases split by column with the grouped matmul's columns).
     case_param(Case("gqa-oss", 2, EP), "gqa-oss-dp2-ep2", _EP_ALL),
     case_param(Case("gqa-oss", 2, dict(dp=1, tp=2, pp=1, zero_stage=0, microbatch_size=4)), "gqa-oss-tp2", _EP_ALL),
+    case_param(Case("gqa-oss-3", 2, dict(dp=1, tp=2, pp=1, zero_stage=0, microbatch_size=4)),
+               "gqa-oss-columns-tp2"),
 ] + [
     # Each layer's grouped expert matmuls run as one chain: recomputed whole (the dispatch, counts
     # and combine again), or the SwiGLU between them run again on the dispatched rows.
