@@ -59,11 +59,15 @@ _FUSED_DISPATCH = re.compile(r"\bflex dispatcher|\bDeepEP\b|\bHybridEP\b|moe_rec
 PUBLIC_CONFIG = {
     "Qwen3-30B-A3B": dict(head_dim=128),
     "gpt-oss-120b": dict(expert_bias=True, swiglu_limit=7.0),
+    "DeepSeek-V3": dict(router="sigmoid", attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128),
 }
 """Figures a model's public config.json has and the reference file's columns do not
 (Qwen/Qwen3-30B-A3B config.json: head_dim 128, so heads x head_dim = 4096 != hidden 2048;
-openai/gpt-oss-120b config.json: the experts' gate_up_proj_bias and down_proj_bias, swiglu_limit 7.0)."""
-_MODEL_KEYS = ("expert_bias", "swiglu_limit")
+openai/gpt-oss-120b config.json: the experts' gate_up_proj_bias and down_proj_bias, swiglu_limit 7.0;
+deepseek-ai/DeepSeek-V3 config.json: sigmoid scoring, Multi-head Latent Attention's ranks and head dims)."""
+_MODEL_KEYS = ("expert_bias", "swiglu_limit", "router", "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+               "qk_rope_head_dim", "v_head_dim")
 """PUBLIC_CONFIG's keys that are `moe:` spec keys beside the shape."""
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,10 +256,11 @@ def build_model(run: MoeRun, batch: int = 1, source: str = "builtin"):
 
 
 def model_spec(run: MoeRun) -> str:
-    """The row's model as a built-in `moe:` spec: its shape columns, softmax routing, dropless
-    unless the row dropped tokens at a capacity factor, the sliding window the notes name and the
-    public config's expert biases and clamped GLU (PUBLIC_CONFIG). Left out: gpt-oss's attention
-    sinks and attention and router biases."""
+    """The row's model as a built-in `moe:` spec: its shape columns, softmax routing and grouped-query
+    attention unless the public config says otherwise (PUBLIC_CONFIG: DeepSeek-V3's sigmoid router
+    and latent attention), dropless unless the row dropped tokens at a capacity factor, the sliding
+    window the notes name and the public config's expert biases and clamped GLU. Left out:
+    gpt-oss's attention sinks and attention and router biases; DeepSeek-V3's group-limited routing."""
     shape = dict(run.shape)
     shape.setdefault("ffn_hidden", shape["expert_ffn_hidden"])
     shape["head_dim"] = run.head_dim
@@ -264,10 +269,12 @@ def model_spec(run: MoeRun) -> str:
     shape["capacity_factor"] = capacity.group(1) if capacity and "drop" in run.routing else 0
     fields = ("layers", "hidden", "heads", "kv_heads", "head_dim", "seq", "vocab", "ffn_hidden", "dense_layers",
               "num_experts", "top_k", "expert_ffn_hidden", "shared_experts", "capacity_factor")
-    keys = dict(run.model_keys, **({"sliding_window": run.sliding_window} if run.sliding_window else {}))
+    keys = dict({"router": "softmax", "attention": "gqa"}, **run.model_keys,
+                **({"sliding_window": run.sliding_window} if run.sliding_window else {}))
+    if keys["attention"] == "mla":  # latent attention has no kv heads or head_dim of its own
+        fields = tuple(field for field in fields if field not in ("kv_heads", "head_dim"))
     extra = "".join(f",{key}={str(value).lower()}" for key, value in keys.items())
-    return ("moe:" + ",".join(f"{key}={shape[key]}" for key in fields if key in shape)
-            + ",router=softmax,attention=gqa" + extra)
+    return "moe:" + ",".join(f"{key}={shape[key]}" for key in fields if key in shape) + extra
 
 
 def shape_fields(run: MoeRun) -> dict:

@@ -76,6 +76,8 @@ not by autopar's balanced cut, derived from the source (framework_split):
   generate_llm_fqn_per_model_part weighs the embedding and the output as a layer each
   ("uniform:embedding,head").
 - a row whose notes state its split (Llama 3 405B: section 3.3.2) takes that one.
+- notes naming Megatron-Core's num_layers_in_first_pipeline_stage N and
+  num_layers_in_last_pipeline_stage M (NeMo's DeepSeek-V3 recipe) give "first=N,last=M".
 A split the model's layers do not divide is printed as a warning and the row priced with the
 balanced cut (the run cannot have cut so: the framework was misread).
 
@@ -529,6 +531,10 @@ TORCHTITAN_WEIGHTED_SPLIT_SINCE = (2025, 7)
 weigh a layer each in generate_llm_fqn_per_model_part; before, generate_split_points split layers."""
 
 
+_FIRST_STAGE_LAYERS = re.compile(r"\bnum_layers_in_first_pipeline_stage[ =]+(\d+)")
+_LAST_STAGE_LAYERS = re.compile(r"\bnum_layers_in_last_pipeline_stage[ =]+(\d+)")
+
+
 def framework_split(run, num_layers: int, num_chunks: int) -> str:
     """The pipeline split of the run's framework (the module docstring says each, with its source);
     `run` has a source and notes (a Run, or published_moe's MoeRun)."""
@@ -542,6 +548,9 @@ def framework_split(run, num_layers: int, num_chunks: int) -> str:
         return _torchtitan_2024_split(num_layers, num_chunks)
     if _MEGATRON_DEEPSPEED.search(text) and _EMBEDDINGS_AS_LAYERS.search(run.notes):
         return "uniform:embedding,head"
+    first, last = _FIRST_STAGE_LAYERS.search(run.notes), _LAST_STAGE_LAYERS.search(run.notes)
+    if first and last:  # Megatron-Core's num_layers_in_first/last_pipeline_stage, the rest even
+        return f"first={first.group(1)},last={last.group(1)}"
     counted = [name for name, pattern in _ACCOUNTS_FOR.items() if pattern.search(run.notes)]
     return "uniform" + (":" + ",".join(counted) if counted else "")
 

@@ -117,14 +117,22 @@ def test_a_row_becomes_a_builtin_moe_spec_with_its_shape(tmp_path):
 
 
 def test_the_rows_beyond_the_shared_sample_parse_and_split_their_experts_on_tp():
-    """benchmarks/published_moe_more.csv (DGX Cloud's Grok 1 recipes): Megatron-Core's experts
-    tensor-parallel over tp (etp = tp, not folded), ep over the data-parallel ranks."""
+    """benchmarks/published_moe_more.csv: DGX Cloud's Grok 1 recipes (Megatron-Core's experts
+    tensor-parallel over tp, etp = tp, ep over the data-parallel ranks) and DeepSeek-V3 recipes
+    (MoE parallel folding, etp = 1; latent attention and the sigmoid router from its public
+    config; Megatron-Core's first and last stage layer counts)."""
     from benchmarks.published_moe import MORE
+    from benchmarks.published_runs import framework_split
 
     runs = read_runs(MORE)
     assert runs and len({run.id for run in runs}) == len(runs)
-    assert all(run.dp * run.tp * run.pp * run.cp == run.gpus and run.dp % run.ep == 0 for run in runs)
-    assert all(run.etp == run.tp > 1 and run.load_imbalance == 1.0 for run in runs)  # capacity factor 1.0
+    assert all(run.dp * run.tp * run.pp * run.cp == run.gpus and run.load_imbalance == 1.0 for run in runs)
+    grok = [run for run in runs if run.model_name == "Grok-1"]
+    assert grok and all(run.etp == run.tp > 1 and run.dp % run.ep == 0 for run in grok)
+    deepseek = [run for run in runs if run.model_name == "DeepSeek-V3"]
+    assert deepseek and all(run.etp == 1 and (run.dp * run.tp) % run.ep == 0 for run in deepseek)
+    assert all(",router=sigmoid,attention=mla,q_lora_rank=1536" in model_spec(run) for run in deepseek)
+    assert {framework_split(run, 61, run.pp) for run in deepseek} == {"first=7,last=6", "first=3,last=2"}
 
 
 @pytest.mark.slow
