@@ -15,7 +15,10 @@ keeps what the rest of the segment saves (the "op" machinery of codegen/recomput
                  smallest module around the expert ops that runs a top-k): router, permutation,
                  experts, combine
     mla_up_proj  MLA's up-projections: matmuls of 2-D weights inside the attention module that read
-                 a norm over the output of a low-rank (down) projection
+                 a norm over the output of a low-rank (down) projection, and the memory-bound ops
+                 from their outputs to the attention core (RoPE, splits, q and k concatenated):
+                 Megatron-Core checkpoints them as one function (qkv_up_proj_and_rope_apply) and
+                 discards its q, k, v after the core attention, recomputing them before its backward
 
 Under "modules:<kinds>" each chosen op, with the ops up to the last one reading its output, forms
 a region (SegmentModules.regions) run under a selective checkpoint (codegen/recompute.py's policy):
@@ -389,6 +392,22 @@ def _mla_up_nodes(graph: OpGraph, norms: set[str], attention: set[str]) -> set[s
                     low.target in MATMUL_TARGETS and _is_low_rank(graph, low)
                     for low in _norm_sources(graph, graph.storage_root(source), norms)):
                 found.add(node.name)
+    return found | _up_to_attention(graph, found, attention, attention_paths)
+
+
+def _up_to_attention(graph: OpGraph, starts: set[str], attention: set[str], attention_paths) -> set[str]:
+    """The memory-bound ops of the attention module between the up-projections `starts` and the
+    attention core, each reading only their outputs, one another's, or what the module holds
+    whole (the rotary tables, the shared rotary key): RoPE, splits, concatenations."""
+    consumers, found, todo = graph.consumers, set(), list(starts)
+    while todo:
+        for reader in consumers.get(todo.pop(), ()):
+            node = graph[reader]
+            if reader in found or reader in attention or node.kind != "call" or _is_matmul(node) \
+                    or node.fwd_flops > 0 or not _under_any(node.module_path, attention_paths):
+                continue
+            found.add(reader)
+            todo.append(reader)
     return found
 
 

@@ -68,6 +68,15 @@ def test_mla_up_projections_read_the_norms_over_the_latents():
     assert _param_names(graph, block.kinds["mla_up_proj"]) == {"q_b_proj", "kv_b_proj"}
     # the latents' norms are norms too
     assert len(block.kinds["layernorm"]) == 4
+    # with the up-projections, the RoPE and concatenations that make the attention's q and k: as
+    # Megatron-Core's checkpointed qkv_up_proj_and_rope_apply, their outputs (which the attention
+    # saves) are dropped after the forward and made again before the attention's backward
+    up = block.kinds["mla_up_proj"]
+    assert "aten.cat.default" in _targets(graph, up) and not up & block.kinds["core_attn"]
+    kinds = ("mla_up_proj",)
+    freed = {graph[name].target for name in block.freed(kinds)}
+    assert "aten.cat.default" in freed
+    assert not up & block.kept(kinds)
 
 
 def test_the_tiny_llama_has_norms_attention_and_a_dense_mlp(llama_graph):
