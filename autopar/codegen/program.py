@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autopar.codegen.interpreter import PlannedInterpreter, contiguous_grad
 from autopar.codegen.main_grad import accumulating_copy
-from autopar.codegen.recompute import checkpointed, compact_saves, op_policy_context
+from autopar.codegen.recompute import checkpointed, compact_saves, mutating_on_cpu, op_policy_context
 from autopar.solver.recompute_modules import is_modules_mode
 from autopar.codegen.placements import to_dtensor_placement
 from autopar.graph import OpGraph
@@ -284,7 +284,8 @@ class SegmentModule(ParameterOwner):
         if checkpointed(self.recompute):
             names = [name for name, value in values.items() if isinstance(value, torch.Tensor)]
             others = {name: value for name, value in values.items() if name not in names}
-            options = {"context_fn": op_policy_context(self.interpreter, self.op_kept)} \
+            options = {"context_fn": op_policy_context(self.interpreter, self.op_kept,
+                                                       mutating_on_cpu(self.nodes, self.op_kept))} \
                 if self.recompute == "op" else {}
             results = checkpoint(self._run_all, names, others, *[values[name] for name in names], use_reentrant=False,
                                  **options)
@@ -322,7 +323,8 @@ class SegmentModule(ParameterOwner):
                     self.interpreter.run_nodes(run, env)
                 continue
             self._checkpointed(run, env, env.__getitem__,
-                               context_fn=op_policy_context(self.interpreter, self.op_kept))
+                               context_fn=op_policy_context(self.interpreter, self.op_kept,
+                                                            mutating_on_cpu(run, self.op_kept)))
 
     def _checkpointed(self, run: list[torch.fx.Node], env: dict, kept_input, **checkpoint_kwargs) -> None:
         """Runs `run` under torch.utils.checkpoint from the tensors it reads from outside

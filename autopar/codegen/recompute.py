@@ -72,17 +72,39 @@ _KEPT_COLLECTIVES = frozenset(
     if hasattr(torch.ops._c10d_functional, name))
 
 
-def op_policy_context(interpreter, kept_nodes: set[str]):
-    """`context_fn` for torch.utils.checkpoint under the "op" and "modules:<kinds>" modes."""
+MUTATING_CPU_DECOMPOSITIONS = frozenset({"aten.rms_norm.default"})
+"""Ops whose CPU kernels run as a decomposition that writes into one of its own intermediates
+(rms_norm: pow, mean, add_ on the mean, rsqrt, mul): a selective checkpoint refuses a tensor
+mutated after it kept it ("Tensor cached during selective activation checkpoint has been
+mutated"), so on the CPU such a kept node runs again in backward instead (its input is kept
+anyway; CUDA runs rms_norm as one fused kernel, which is kept)."""
+
+
+def mutating_on_cpu(nodes, kept_nodes: set[str]) -> frozenset[str]:
+    """The kept nodes among `nodes` (fx nodes) whose op is in MUTATING_CPU_DECOMPOSITIONS."""
+    return frozenset(node.name for node in nodes
+                     if node.name in kept_nodes and str(node.target) in MUTATING_CPU_DECOMPOSITIONS)
+
+
+def op_policy_context(interpreter, kept_nodes: set[str], cpu_recomputed: frozenset[str] = frozenset()):
+    """`context_fn` for torch.utils.checkpoint under the "op" and "modules:<kinds>" modes;
+    `cpu_recomputed`: kept nodes run again in backward where their op runs on the CPU
+    (mutating_on_cpu)."""
 
     def policy(ctx, func, *args, **kwargs):
-        if func in _KEPT_COLLECTIVES or (interpreter.current_node in kept_nodes and not func.is_view):
+        node = interpreter.current_node
+        if func in _KEPT_COLLECTIVES or (node in kept_nodes and not func.is_view
+                                         and not (node in cpu_recomputed and _on_cpu(args))):
             if not ctx.is_recompute:
                 interpreter.stats.kept["op"] += 1
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return lambda: create_selective_checkpoint_contexts(policy)
+
+
+def _on_cpu(args) -> bool:
+    return any(isinstance(arg, torch.Tensor) and arg.device.type == "cpu" for arg in args)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Recomputation by module ("modules:<kinds>", solver/recompute_modules.py) on 2 gloo processes,
 against one process: the tiny built-in MoE recomputing its norms and expert activations under
-dp2 x ep2 (the experts' all-to-alls inside the checkpointed segment), and the tiny Llama its norms
-and attention core under tp2. Each trains 3 SGD steps and must give one process's losses and
+dp2 x ep2 (the experts' all-to-alls inside the checkpointed segment), the tiny Llama its norms
+and attention core under tp2, and a latent-attention MoE its up-projections under dp2. Each trains 3 SGD steps and must give one process's losses and
 first gradients (fp32: round-off tolerance); the selective policy must have kept tensors (the
 mode ran as a selective checkpoint, not as a full recompute). The harness is one_process.py's."""
 
@@ -25,6 +25,9 @@ SPECS = {
     "moe": f"moe:layers=2,hidden=32,heads=4,seq={SEQ},vocab={VOCAB},num_experts=4,top_k=2,expert_ffn_hidden=32,"
            "kv_heads=2,router=softmax",
     "llama": f"llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn_hidden=64,seq={SEQ},vocab={VOCAB}",
+    "mla": f"moe:layers=2,hidden=32,heads=4,seq={SEQ},vocab={VOCAB},num_experts=4,top_k=2,expert_ffn_hidden=32,"
+           "router=sigmoid,attention=mla,q_lora_rank=16,kv_lora_rank=16,qk_nope_head_dim=8,qk_rope_head_dim=4,"
+           "v_head_dim=8",
 }
 
 
@@ -43,6 +46,10 @@ TABLE = CaseTable([
                                    recompute_modules="layernorm,moe_act")), "moe-dp2-ep2-layernorm-moe_act"),
     case_param(Case("llama", 2, dict(dp=1, tp=2, pp=1, recompute_modules="layernorm,core_attn")),
                "llama-tp2-layernorm-core_attn"),
+    # MLA's up-projections with the RoPE and concatenations after them, made again before the
+    # attention's backward (Megatron-Core's qkv_up_proj_and_rope_apply)
+    case_param(Case("mla", 2, dict(dp=2, tp=1, pp=1, zero_stage=0, microbatch_size=4, recompute_modules="mla_up_proj")),
+               "mla-dp2-mla_up_proj"),
 ])
 CASES = TABLE.cases
 
