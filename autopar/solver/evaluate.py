@@ -271,9 +271,17 @@ def _exchange(graph: OpGraph, builder: ProblemBuilder, node, strategy, op) -> Ex
         compute_s=forward.total_s + backward.total_s,
         count_bytes=8.0 * op.num_experts if op.kind == "grouped_mm" else 0.0, matmuls=matmuls,
         dispatches=not op.chain_from, combines=not op.chain_to,
+        rows_whole=not any(placement in _row_splits(op) for placement in strategy.inputs[op.token_input]),
         device_experts=op.num_experts // math.prod(size for size, placement in
                                                    zip(builder.mesh_shape, strategy.inputs[op.weight_input])
                                                    if placement == "S0"))
+
+
+def _row_splits(op) -> set[str]:
+    """The placements that split an expert op's token rows (grouped mm: dim 0; einsum: its expert
+    and token dims)."""
+    dims = (0,) if op.kind == "grouped_mm" else (op.token_expert_dim, op.token_split_dim)
+    return {f"S{dim}" for dim in dims}
 
 
 def _placements(strategy_of: dict, name: str) -> tuple | None:

@@ -19,8 +19,9 @@ expert ops A -> B of the same kind and experts (grouped mm: the same `offs` node
 token expert and token dims are A's output's) form a chain where B's token operand is reached from
 A's output only through row-local ops (elementwise ops, casts, and chunk/split/slice/unbind/
 unflatten/getitem along a dim the exchange does not touch: not the rows of a grouped mm, not an
-einsum's expert or token dim), every tensor operand of those ops is A's output, another of them, or a 0-d parameter or
-constant, none of them (A's output included) is read outside the chain, and all lie in one segment
+einsum's expert or token dim), every tensor operand of those ops is A's output, another of them,
+or a 0-d parameter or constant, none of them (A's output included) is read outside the chain, and
+all lie in one segment
 (no pipeline boundary inside); a per-expert bias added to the rows by their expert
 (`expert_bias(rows, bias, offs)` with the chain's offsets: GPT-OSS's gate/up bias) is row-local
 too, run on the rank's block of the bias and its local offsets. The chain dispatches A's tokens
@@ -211,6 +212,9 @@ class ExpertExchange:
     device_experts: int = 0
     """Experts of the op on this device before ep (its weight's expert dim over the tp shards
     that split it): with ep, more than one per rank means a reorder around the matmul."""
+    rows_whole: bool = True
+    """No tp placement splits the token operand's rows (every tp rank holds them all): what
+    ExpertPricing.tp_share_dispatch divides among the tp ranks."""
 
     def messages(self) -> tuple[tuple[float, str, str], ...]:
         """(bytes each rank sends and receives, phase, part) of its all-to-alls: the counts

@@ -77,10 +77,10 @@ class PreparedSegments:
     """StepModel.chain by what it depends on (dp x cp, dp, ZeRO stage, offload, ep)."""
     expert_numel: np.ndarray | None = None
     """Per segment, the expert weights among param_numel (None: no expert ops)."""
-    ep_messages: tuple[tuple[tuple[float, str, bool, str, int], ...], ...] = ()
+    ep_messages: tuple[tuple[tuple[float, str, bool, str, int, bool], ...], ...] = ()
     """Per segment, its expert ops' all-to-alls: (bytes, "fwd" | "bwd", dropless, part: "counts",
-    "dispatch" or "combine", the op's experts on the device before ep); a full recompute repeats
-    the forward ones."""
+    "dispatch" or "combine", the op's experts on the device before ep, ExpertExchange.rows_whole);
+    a full recompute repeats the forward ones."""
     ep_matmuls: tuple[tuple[GroupedMatmul, ...], ...] = ()
     """Per segment, its dropless expert ops' grouped-matmul kernels (what ep reshapes and load
     imbalance stretches); a full recompute repeats the forward ones."""
@@ -153,7 +153,7 @@ class PreparedSegments:
         total_comm = sum(comm.values()) if comm else np.zeros(len(segments))
         experts = any(s.expert_exchanges for s in segments)
         repeat = 2 if recompute == "full" or (is_modules_mode(recompute) and "moe" in mode_kinds(recompute)) else 1
-        messages = tuple(tuple((size, phase, exchange.dropless, part, exchange.device_experts)
+        messages = tuple(tuple((size, phase, exchange.dropless, part, exchange.device_experts, exchange.rows_whole)
                                for exchange in s.expert_exchanges
                                for size, phase, part in exchange.messages()
                                for _ in range(repeat if phase == "fwd" else 1))

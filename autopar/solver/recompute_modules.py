@@ -396,9 +396,9 @@ def _mla_up_nodes(graph: OpGraph, norms: set[str], attention: set[str]) -> set[s
 
 
 def _up_to_attention(graph: OpGraph, starts: set[str], attention: set[str], attention_paths) -> set[str]:
-    """The memory-bound ops of the attention module between the up-projections `starts` and the
-    attention core, each reading only their outputs, one another's, or what the module holds
-    whole (the rotary tables, the shared rotary key): RoPE, splits, concatenations."""
+    """The memory-bound ops of the attention module that the up-projections' (`starts`) outputs
+    reach before the attention core: RoPE, splits, the concatenation of q and k (which also
+    reads the shared rotary key)."""
     consumers, found, todo = graph.consumers, set(), list(starts)
     while todo:
         for reader in consumers.get(todo.pop(), ()):

@@ -223,9 +223,9 @@ class StepModel(StepFsdp, StepTail):
             shares = pricing.tp_share_dispatch and config.tp > 1 and not config.folds_experts
             tp_group = self._tp_group(config) if shares else None
             for index, messages in enumerate(prepared.ep_messages):
-                for size, phase, dropless, part, experts in messages:
+                for size, phase, dropless, part, experts, rows_whole in messages:
                     busiest = size * (imbalance if dropless else 1.0)
-                    sent = busiest / config.tp if shares and part != "counts" else busiest
+                    sent = busiest / config.tp if shares and rows_whole and part != "counts" else busiest
                     seconds = self.comm.time_s("all_to_all", sent, group)
                     times[phase][index] += seconds
                     parts.setdefault(part, zeros())[index] += seconds
