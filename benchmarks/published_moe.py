@@ -47,7 +47,8 @@ from benchmarks.published_runs import (as_megatron_saves, megatron_states, param
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "published_moe.csv"
 MORE = Path(__file__).resolve().parent / "published_moe_more.csv"
-"""Published MoE runs beyond the shared sample, in its format (DGX Cloud Benchmarking v25.02's Grok 1)."""
+"""Published MoE runs beyond the shared sample, in its format (DGX Cloud Benchmarking: v25.02's Grok 1,
+v25.05's DeepSeek-V3)."""
 
 _SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "dense_layers", "ffn_hidden", "expert_ffn_hidden",
                "num_experts", "top_k", "shared_experts", "vocab", "seq")

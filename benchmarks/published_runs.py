@@ -227,7 +227,7 @@ class Run:
         distributed_fused_adam: nemo/core/optim/distributed_adam.py over Apex's
         DistributedFusedAdam), which holds the gradients and optimizer state itself, not
         Megatron-Core's distributed optimizer: DISTRIBUTED_FUSED_ADAM_GRAD_BYTES and _OPTIMIZER_BYTES."""
-        return bool(_DISTRIBUTED_FUSED_ADAM.search(self.notes))
+        return uses_distributed_fused_adam(self.notes)
 
     @property
     def param_gather_overlap(self) -> bool:
@@ -462,6 +462,11 @@ def param_gather_overlapped(text: str) -> bool:
     return bool(_PARAM_GATHER_OVERLAP.search(text))
 
 
+def uses_distributed_fused_adam(notes: str) -> bool:
+    """Whether a run's notes name NeMo 1.0's distributed fused Adam (Run.distributed_fused_adam)."""
+    return bool(_DISTRIBUTED_FUSED_ADAM.search(notes))
+
+
 def megatron_states(source: str, notes: str, precision: str) -> PrecisionPolicy:
     """MEGATRON_BF16 with the gradient and optimizer bytes of the Megatron-family framework a
     run's source and notes name: fp32 main gradients under bf16 (MEGATRON_BF16_MAIN_GRAD_BYTES);
@@ -472,7 +477,7 @@ def megatron_states(source: str, notes: str, precision: str) -> PrecisionPolicy:
                      grad_bytes=MEGATRON_BF16_MAIN_GRAD_BYTES if precision == "bf16" else MEGATRON_BF16.grad_bytes)
     if _MEGATRON_BRIDGE.search(source):
         policy = replace(policy, grad_bytes=MEGATRON_BRIDGE_PERF_GRAD_BYTES, reduce_bytes=MEGATRON_BRIDGE_PERF_GRAD_BYTES)
-    if _DISTRIBUTED_FUSED_ADAM.search(notes):
+    if uses_distributed_fused_adam(notes):
         optimizer_bytes = MEGATRON_BF16.optimizer_bytes if _FP8_PARAMS.search(notes) \
             else DISTRIBUTED_FUSED_ADAM_OPTIMIZER_BYTES
         policy = replace(policy, grad_bytes=DISTRIBUTED_FUSED_ADAM_GRAD_BYTES,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from autopar.graph import OpGraph
 from autopar.solver.costing import CommEvent
 from autopar.solver.expert_folding import TOKEN_LOCAL
-from autopar.solver.experts import ExpertExchange, GroupedMatmul, expert_ops_at, find_expert_ops
+from autopar.solver.experts import ExpertExchange, GroupedMatmul, expert_ops_at, find_expert_ops, row_splits
 from autopar.solver.quotient import Quotient
 from autopar.solver.recompute import op_saved_nodes, reads_trainable_param
 from autopar.solver.recompute_modules import SegmentModules, classify, mode_kinds
@@ -271,17 +271,10 @@ def _exchange(graph: OpGraph, builder: ProblemBuilder, node, strategy, op) -> Ex
         compute_s=forward.total_s + backward.total_s,
         count_bytes=8.0 * op.num_experts if op.kind == "grouped_mm" else 0.0, matmuls=matmuls,
         dispatches=not op.chain_from, combines=not op.chain_to,
-        rows_whole=not any(placement in _row_splits(op) for placement in strategy.inputs[op.token_input]),
+        rows_whole=not any(placement in row_splits(op) for placement in strategy.inputs[op.token_input]),
         device_experts=op.num_experts // math.prod(size for size, placement in
                                                    zip(builder.mesh_shape, strategy.inputs[op.weight_input])
                                                    if placement == "S0"))
-
-
-def _row_splits(op) -> set[str]:
-    """The placements that split an expert op's token rows (grouped mm: dim 0; einsum: its expert
-    and token dims)."""
-    dims = (0,) if op.kind == "grouped_mm" else (op.token_expert_dim, op.token_split_dim)
-    return {f"S{dim}" for dim in dims}
 
 
 def _placements(strategy_of: dict, name: str) -> tuple | None:

@@ -280,9 +280,15 @@ def expert_ops_at(ops: tuple[ExpertOp, ...], placements: Callable[[str], tuple |
     return tuple(replace(op, chain_from="", chain_to="", between=()) if op.node in broken else op for op in ops)
 
 
+def row_splits(op: ExpertOp) -> set[str]:
+    """The placements that split an expert op's token rows (grouped mm: dim 0; einsum: its expert
+    and token dims), which its exchange keeps."""
+    dims = (0,) if op.kind == "grouped_mm" else (op.token_expert_dim, op.token_split_dim)
+    return {f"S{dim}" for dim in dims}
+
+
 def _chain_runs(first: ExpertOp, last: ExpertOp, placements: Callable[[str], tuple | None]) -> bool:
-    kept = {f"S{dim}" for dim in ((0,) if last.kind == "grouped_mm" else (last.token_expert_dim,
-                                                                           last.token_split_dim))}
+    kept = row_splits(last)
     values = []
     for name, token_input in ((first.node, first.token_input), (last.node, last.token_input)):
         found = placements(name)

@@ -43,7 +43,7 @@ from autopar.solver.configs import Estimate, ParallelConfig
 from autopar.solver.experts import DEFAULT_LOAD_IMBALANCE
 from autopar.solver.fp8 import Fp8Choice, linear_weights
 from autopar.solver.fp8_experts import Fp8ExpertPricing, PricedExpert
-from autopar.solver.step_tail import uses_fsdp
+from autopar.solver.step_tail import tp_group, uses_fsdp
 from cost_model import fp8 as fp8_cost
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
@@ -565,6 +565,4 @@ class Fp8Pricing:
         return {"fp8.cast.all_gather": cast, "fp8.amax.precompute": amax}
 
     def _tp_group(self, config: ParallelConfig):
-        mesh = Mesh(axis_names=("pp", "dp_cp", "tp"), shape=(config.pp, config.data_shards, config.tp),
-                    devices_per_node=self.devices_per_node)
-        return mesh.group(2)
+        return tp_group(config, self.devices_per_node)

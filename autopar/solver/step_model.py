@@ -96,7 +96,7 @@ from autopar.solver.p2p_overlap import hidden_p2p_s
 from autopar.solver.placement import Placement
 from autopar.solver.schedule_sim import uniform_bubble_s
 from autopar.solver.step_fsdp import StepFsdp, fsdp_notes
-from autopar.solver.step_tail import StepTail, fsdp_fuses_wgrad, uses_fsdp
+from autopar.solver.step_tail import StepTail, fsdp_fuses_wgrad, tp_group, uses_fsdp
 from autopar.solver.tp_overlap import overlap_regather, overlap_tp_comm
 from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
@@ -199,11 +199,6 @@ class StepModel(StepFsdp, StepTail):
                                                                      config.tp),
                     devices_per_node=self.devices_per_node).group(2)
 
-    def _tp_group(self, config: ParallelConfig):
-        """The tp ranks of a stage (consecutive, innermost)."""
-        return Mesh(axis_names=("pp", "dp", "tp"), shape=(config.pp, config.dp, config.tp),
-                    devices_per_node=self.devices_per_node).group(2)
-
     def ep_times(self, prepared: PreparedSegments, config: ParallelConfig) -> EpTimes:
         """Per segment: expert parallelism's all-to-alls (over the ep group where it lies: inside
         a node or across nodes), the reorder of the rows around each dispatch and combine where a
@@ -221,7 +216,7 @@ class StepModel(StepFsdp, StepTail):
             parts: dict[str, np.ndarray] = {}
             pricing = self.expert_pricing
             shares = pricing.tp_share_dispatch and config.tp > 1 and not config.folds_experts
-            tp_group = self._tp_group(config) if shares else None
+            tp_ranks = tp_group(config, self.devices_per_node) if shares else None
             for index, messages in enumerate(prepared.ep_messages):
                 for size, phase, dropless, part, experts, rows_whole in messages:
                     busiest = size * (imbalance if dropless else 1.0)
@@ -231,7 +226,7 @@ class StepModel(StepFsdp, StepTail):
                     parts.setdefault(part, zeros())[index] += seconds
                     if sent != busiest:  # the tp group gathers the rows it received, reduces before sending
                         collective = "all_gather" if part == "dispatch" else "reduce_scatter"
-                        seconds = self.comm.time_s(collective, busiest, tp_group)
+                        seconds = self.comm.time_s(collective, busiest, tp_ranks)
                         times[phase][index] += seconds
                         parts.setdefault(f"tp_{collective}", zeros())[index] += seconds
                     reorder = pricing.reorder_s(busiest, experts, config.ep, self.compute) if part != "counts" else 0.0

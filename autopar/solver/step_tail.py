@@ -39,6 +39,12 @@ def sharded_numel(stage: StageEstimate, config: ParallelConfig) -> float:
     return (stage.param_numel - experts) / config.data_shards + experts / config.expert_data_shards
 
 
+def tp_group(config: ParallelConfig, devices_per_node: int) -> Group:
+    """The tp ranks of a stage: consecutive, innermost in the (pp, dp x cp, tp) layout."""
+    return Mesh(axis_names=("pp", "dp_cp", "tp"), shape=(config.pp, config.data_shards, config.tp),
+                devices_per_node=devices_per_node).group(2)
+
+
 def replica_group(dp_rep: int, ep: int, cp: int, tp: int, devices_per_node: int) -> Group:
     """The dp_rep x cp ranks of the (dp_rep, ep, cp, tp) layout that share an (ep, tp) index:
     how many nodes they span and how many sit in one node."""
