@@ -256,6 +256,8 @@ class SegmentModule(ParameterOwner):
         self.recomputable = recomputable
         self.op_kept = op_kept
         """Nodes whose outputs the "op" or "modules:<kinds>" mode keeps (codegen/recompute.kept_nodes)."""
+        self.cpu_recomputed = mutating_on_cpu(nodes, op_kept)
+        """Kept nodes run again in backward where they run on the CPU (codegen/recompute.mutating_on_cpu)."""
 
     def own_expert_parameter(self, placeholder: str, fqn: str, param: nn.Parameter) -> None:
         """An expert weight: held by the `experts` child module (ExpertWeights)."""
@@ -284,8 +286,7 @@ class SegmentModule(ParameterOwner):
         if checkpointed(self.recompute):
             names = [name for name, value in values.items() if isinstance(value, torch.Tensor)]
             others = {name: value for name, value in values.items() if name not in names}
-            options = {"context_fn": op_policy_context(self.interpreter, self.op_kept,
-                                                       mutating_on_cpu(self.nodes, self.op_kept))} \
+            options = {"context_fn": op_policy_context(self.interpreter, self.op_kept, self.cpu_recomputed)} \
                 if self.recompute == "op" else {}
             results = checkpoint(self._run_all, names, others, *[values[name] for name in names], use_reentrant=False,
                                  **options)
@@ -323,8 +324,7 @@ class SegmentModule(ParameterOwner):
                     self.interpreter.run_nodes(run, env)
                 continue
             self._checkpointed(run, env, env.__getitem__,
-                               context_fn=op_policy_context(self.interpreter, self.op_kept,
-                                                            mutating_on_cpu(run, self.op_kept)))
+                               context_fn=op_policy_context(self.interpreter, self.op_kept, self.cpu_recomputed))
 
     def _checkpointed(self, run: list[torch.fx.Node], env: dict, kept_input, **checkpoint_kwargs) -> None:
         """Runs `run` under torch.utils.checkpoint from the tensors it reads from outside
