@@ -255,13 +255,18 @@ class _FusedRmsNorm(torch.autograd.Function):
 
 
 def _sdpa_kernel(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    # CUDA's flash kernel takes no mask and one head dim for q, k and v (sdp_utils'
+    # check_head_dim_size_flash); latent attention's wider q, k (DeepSeek's 192 against v's 128)
+    # runs the efficient kernel, whose output, like flash's, is laid out as the query (rows, heads,
+    # dim): transposed back and flattened for the output projection it is a view, not a copy.
     # The efficient kernel takes no grouped K/V (torch 2.13 picks flash for GQA, or the math
     # kernel, which repeats K and V itself); flash reads them at their own head count.
-    if key.shape[-3] != query.shape[-3] and not (enable_gqa and attn_mask is None):
+    flash = attn_mask is None and query.shape[-1] == key.shape[-1] == value.shape[-1]
+    if key.shape[-3] != query.shape[-3] and not (enable_gqa and flash):
         repeats = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(repeats, dim=-3)
         value = value.repeat_interleave(repeats, dim=-3)
-    if attn_mask is None:
+    if flash:
         return lambda: aten._scaled_dot_product_flash_attention.default(
             query, key, value, dropout_p, is_causal, False, scale=scale)[0]
     return lambda: aten._scaled_dot_product_efficient_attention.default(

@@ -124,6 +124,7 @@ class Staged:
     stages: list[StageEstimate]
     """Empty when bound_s exceeded the cutoff: the stages were not priced further."""
     fits: bool
+    """Built stages: whether each one's memory fits; else the split search's bound (_fits)."""
     bound_s: float
     """No step of these stages is shorter: at least m x the slowest stage's time per microbatch
     (Staged.stages empty), else the pipeline's time (pipeline_bound_s)."""
@@ -297,6 +298,9 @@ class StepModel(StepFsdp, StepTail):
             if bound_s > cutoff_s:
                 return Staged(stages=[], fits=fits, bound_s=bound_s)
         stages = [self._stage_at(segments, place, config) for place, segments in zip(places, modes)]
+        # Built, the stages' own memory decides: the split search's check (_fits) bounds every
+        # stage's workspace by the whole model's (the output head's gradients on the first stage too).
+        fits = all(stage.total_memory_bytes <= self.memory_budget_bytes for stage in stages)
         return Staged(stages=stages, fits=fits, bound_s=pipeline_bound_s(config, stages))
 
     def _spans(self, prepared: PreparedSegments, chain: ChainCosts, chain_key: tuple, config: ParallelConfig):

@@ -102,6 +102,22 @@ def test_memory_budget_marks_configurations_that_do_not_fit():
     assert not model(budget=1e8).estimate(prepared, config).fits
 
 
+def test_a_stage_fits_by_its_own_memory_not_the_bound_over_stages():
+    """The split search bounds every stage's workspace by the whole model's (the last segment's
+    large gradient workspace, a vocabulary head's, on the first stage too); a built stage that
+    holds less fits, and the estimate says so."""
+    config = ParallelConfig(dp=1, tp=1, pp=2, microbatch_size=1, num_microbatches=2)
+    items = segments()
+    items[-1].grad_workspace_bytes = 6e8
+    prepared = PreparedSegments.build(items, "none")
+    roomy = model().estimate(prepared, config)
+    first, last = (stage.total_memory_bytes for stage in roomy.stages)
+    assert first < last and roomy.memory_bytes["gradient_workspace"] == pytest.approx(6e8)
+    fitting = model(budget=last * 1.001).estimate(prepared, config)
+    assert fitting.fits
+    assert not model(budget=last * 0.999).estimate(prepared, config).fits
+
+
 def test_later_pipeline_stages_recompute_less_when_they_fit():
     """1F1B's stage s holds pp - s microbatches, so the last stages may keep their activations."""
     config = ParallelConfig(dp=1, tp=1, pp=4, microbatch_size=1, num_microbatches=8, recompute="full")
