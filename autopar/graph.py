@@ -84,6 +84,9 @@ class Kernel:
     broadcast: bool = False
     """A pointwise kernel with an operand broadcast along the output (a [s, s] mask over
     [b, h, s, s] scores, RoPE's [s, d] tables): GPUs run these unvectorized (a measured rate)."""
+    expert_bytes: float = 0.0
+    """Of io_bytes, a grouped matmul's per-expert operands (its 3-D [experts, K, N] weights and
+    weight gradients): expert parallelism divides these among the ranks, not the rows."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,7 @@ from typing import Any
 from autopar.capture.heap import collector_paused
 from autopar.graph import BlockGroup, Kernel, OpGraph, OpNode, ParamInfo, Ref, Segment, TensorMeta
 
-FORMAT = "autopar-opgraph-3"
+FORMAT = "autopar-opgraph-4"
 """Names this layout; a change of graph.py's fields changes the rows, so bump it with them."""
 MAX_DEPTH = 32
 """Deepest nesting of call arguments (a real op's arguments nest a few levels)."""

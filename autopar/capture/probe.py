@@ -141,7 +141,8 @@ class KernelRecorder(TorchDispatchMode):
                                    causal=attention is not None and is_causal(func, args, kwargs),
                                    head_dim=attention_head_dim(func, args) if attention is not None else 0,
                                    dropout=attention is not None and attention_dropout(func, args, kwargs) > 0,
-                                   broadcast=_broadcasts(func, args, out)))
+                                   broadcast=_broadcasts(func, args, out),
+                                   expert_bytes=_expert_bytes(args, out) if _is_grouped_mm(func) else 0.0))
         return out
 
 
@@ -165,6 +166,13 @@ def _is_grouped_mm(func) -> bool:
     backward, which torch's FLOP counter does not know."""
     name = str(func)
     return "grouped_mm" in name
+
+
+def _expert_bytes(args, out) -> float:
+    """A grouped matmul's per-expert operands: the 3-D ones ([experts, K, N] weights, the weight
+    gradient), where the rows are 2-D ([S, K] tokens, outputs, their gradients)."""
+    return float(sum(t.numel() * t.element_size() for t in tree_flatten((args, out))[0]
+                     if isinstance(t, torch.Tensor) and t.dim() == 3))
 
 
 def _grouped_mm_flops(args) -> float:

@@ -258,9 +258,10 @@ def _exchange(graph: OpGraph, builder: ProblemBuilder, node, strategy, op) -> Ex
     experts = builder.ctx.local_experts(node, strategy, inputs)
     divisor = strategy.work_divisor(builder.mesh_shape)
     compute = builder.ctx.compute
-    matmuls = tuple(GroupedMatmul(phase=phase, flops=kernel.flops / divisor, experts=experts, dtype=kernel.dtype,
-                                  alone_s=compute.grouped_matmul_s(kernel.flops / divisor,
-                                                                   kernel.flops / divisor / experts, kernel.dtype))
+    weight = strategy.inputs[op.weight_input]
+    matmuls = tuple(_alone(GroupedMatmul(phase=phase, flops=kernel.flops / divisor, experts=experts,
+                                         dtype=kernel.dtype, **builder.ctx.grouped_bytes(node, strategy, inputs,
+                                                                                        kernel, weight)), compute)
                     for phase, kernels in (("fwd", node.fwd_kernels), ("bwd", node.bwd_kernels))
                     for kernel in kernels if kernel.is_matmul and is_grouped_matmul(kernel.name)
                     ) if op.kind == "grouped_mm" else ()
@@ -275,6 +276,10 @@ def _exchange(graph: OpGraph, builder: ProblemBuilder, node, strategy, op) -> Ex
         device_experts=op.num_experts // math.prod(size for size, placement in
                                                    zip(builder.mesh_shape, strategy.inputs[op.weight_input])
                                                    if placement == "S0"))
+
+
+def _alone(matmul: GroupedMatmul, compute) -> GroupedMatmul:
+    return replace(matmul, alone_s=matmul.time_s(compute))
 
 
 def _placements(strategy_of: dict, name: str) -> tuple | None:

@@ -243,15 +243,23 @@ class GroupedMatmul:
     experts: int
     """Experts on this device (the kernel's groups)."""
     dtype: str
+    io_bytes: float = 0.0
+    """Bytes it reads and writes on this device (all its experts)."""
+    expert_bytes: float = 0.0
+    """Of io_bytes, the per-expert operands' (weights, weight gradients: Kernel.expert_bytes)."""
     alone_s: float = 0.0
     """Its time without expert parallelism (in the segment's compute): the most ep can save."""
 
     def time_s(self, compute, ep: int = 1, load_imbalance: float = 1.0) -> float:
         """Its time on the busiest rank of an ep group: experts / ep matmuls of ep x the rows each
-        (the group's tokens for the rank's experts), `load_imbalance` x the even share."""
+        (the group's tokens for the rank's experts), `load_imbalance` x the even share; bounded
+        by the bytes it moves, the rows' and its own experts' weights (the roofline segment
+        compute prices it by: all E experts' weights read on one device can outweigh its FLOPs)."""
         experts = max(self.experts // ep, 1)
         flops = self.flops * load_imbalance
-        return compute.grouped_matmul_s(flops, flops / experts, self.dtype)
+        io_bytes = (self.io_bytes - self.expert_bytes) * load_imbalance + self.expert_bytes * experts / self.experts
+        return max(compute.grouped_matmul_s(flops, flops / experts, self.dtype),
+                   io_bytes / compute.bandwidth_bytes_per_s)
 
 
 def find_expert_ops(graph: OpGraph) -> tuple[ExpertOp, ...]:

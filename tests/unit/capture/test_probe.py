@@ -142,6 +142,41 @@ def test_grouped_mm_backward_counts_the_weight_gradient_as_a_grouped_matmul():
     assert [kernel.flops for kernel in result.bwd_kernels if kernel.is_matmul] == [flops, flops]
 
 
+def test_grouped_mm_kernels_name_their_per_expert_bytes():
+    """Expert parallelism divides a grouped matmul's 3-D operands (the weights, the weight
+    gradient) among ranks, not its rows: each kernel records those bytes apart."""
+    offsets = InputSpec(shape=(8,), stride=(1,), dtype=torch.int32, requires_grad=False, is_param=False)
+    result = probe_op(aten._grouped_mm.default, (Ref(index=0), Ref(index=1), Ref(index=2)), {},
+                      [_spec((128, 64)), _spec((8, 64, 256), param=True), offsets])
+    weight = _bytes((8, 64, 256))
+    assert [kernel.expert_bytes for kernel in result.fwd_kernels] == [weight]
+    assert sorted(kernel.expert_bytes for kernel in result.bwd_kernels if kernel.is_matmul) == [weight, weight]
+    assert all(kernel.io_bytes > kernel.expert_bytes for kernel in result.fwd_kernels + result.bwd_kernels
+               if kernel.is_matmul)
+    assert all(kernel.expert_bytes == 0 for kernel in
+               probe_op(aten.mm.default, (Ref(index=0), Ref(index=1)), {}, [_spec((128, 64)), _spec((64, 32))]
+                        ).fwd_kernels)
+
+
+def test_latent_attention_output_is_laid_out_as_the_query():
+    """q, k wider than v (DeepSeek's latent attention: 192 against 128) cannot run CUDA's flash
+    kernel; the efficient one does, and its output, like flash's, lies as the query: transposed
+    back and flattened for the output projection it is a view, not a second copy kept beside it."""
+    batch, heads, seq = 2, 4, 16
+    rows_first = lambda dim: InputSpec(  # noqa: E731 - [b, s, h, d] memory seen as [b, h, s, d]
+        shape=(batch, heads, seq, dim), stride=(seq * heads * dim, dim, heads * dim, 1), dtype=torch.bfloat16,
+        requires_grad=True, is_param=False)
+    args = (Ref(index=0), Ref(index=1), Ref(index=2))
+    result = probe_op(aten.scaled_dot_product_attention.default, args, {"is_causal": True},
+                      [rows_first(24), rows_first(24), rows_first(16)])
+    assert [kernel.name for kernel in result.fwd_kernels] == ["aten._scaled_dot_product_efficient_attention.default"]
+    (output_strides,) = result.output_strides
+    assert output_strides == (seq * heads * 16, 16, heads * 16, 1)
+    same = probe_op(aten.scaled_dot_product_attention.default, args, {"is_causal": True},
+                    [rows_first(16), rows_first(16), rows_first(16)])
+    assert [kernel.name for kernel in same.fwd_kernels] == ["aten._scaled_dot_product_flash_attention.default"]
+
+
 def test_dispatches_count_every_aten_op_of_forward_and_backward_views_included():
     """What DTensor handles one by one (overheads.py's framework.dtensor_dispatch): a linear on a
     3-d input is views, a transpose and a matmul forward and more backward; a pointwise op one

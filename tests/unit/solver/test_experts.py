@@ -242,6 +242,43 @@ def test_expert_parallel_grouped_matmuls_run_fewer_bigger_experts(mixtral_graph)
     assert matmul.time_s(compute, 4) < matmul.time_s(compute, 4, 1.5) < 1.5 * matmul.time_s(compute, 4)
 
 
+def test_expert_parallelism_divides_the_weights_a_grouped_matmul_reads() -> None:
+    """A device running all 64 experts on 64 rows each reads every expert's weights: the kernel
+    is bound by those bytes, as the segment's compute prices it. Under ep=8 it reads 8 experts'
+    weights (the rows stay as many, times the load imbalance): its time there, and what ep saves,
+    count that."""
+    compute = ComputeModel(Cluster.from_spec("dgx-h100").device)
+    rows, hidden, ffn, experts = 4096, 4096, 4096, 64
+    weights, row_bytes, flops = 2.0 * experts * hidden * ffn, 2.0 * rows * (hidden + ffn), 2.0 * rows * hidden * ffn
+    matmul = GroupedMatmul(phase="fwd", flops=flops, experts=experts, dtype="bfloat16",
+                           io_bytes=row_bytes + weights, expert_bytes=weights)
+    bandwidth = compute.bandwidth_bytes_per_s
+    assert matmul.time_s(compute) == pytest.approx((row_bytes + weights) / bandwidth)
+    assert matmul.time_s(compute) > compute.grouped_matmul_s(flops, flops / experts, "bfloat16")
+    assert matmul.time_s(compute, 8) == pytest.approx(max(compute.grouped_matmul_s(flops, flops / 8, "bfloat16"),
+                                                          (row_bytes + weights / 8) / bandwidth))
+    assert matmul.time_s(compute, 8, 1.5) == pytest.approx(max(compute.grouped_matmul_s(1.5 * flops, 1.5 * flops / 8,
+                                                                                        "bfloat16"),
+                                                               (1.5 * row_bytes + weights / 8) / bandwidth))
+
+
+def test_what_ep_saves_is_measured_from_the_grouped_matmuls_priced_time(mixtral_graph) -> None:
+    """GroupedMatmul.alone_s is the kernel's time in the segment's compute (the roofline of its
+    FLOPs and bytes): ep's change of shape replaces that time, never a lower one."""
+    from autopar import api
+
+    planner = api.planner_for(mixtral_graph, None, "dgx-h100:nodes=1", global_batch=16, moe_load_imbalance=1.0)
+    config = api.fixed_config(planner, tp=1, pp=1, dp=8, microbatch_size=1, schedule="1f1b", virtual_stages=None,
+                              layers_per_virtual_stage=None, recompute="none", zero_stage=0, ep=8)
+    prepared = planner.pricing.prepared_for(config)
+    compute = planner.pricing.step_model.compute
+    matmuls = [matmul for segment in prepared.ep_matmuls for matmul in segment]
+    assert matmuls and all(matmul.expert_bytes > 0 for matmul in matmuls)
+    for matmul in matmuls:
+        assert matmul.alone_s == pytest.approx(matmul.time_s(compute))
+        assert matmul.alone_s >= compute.grouped_matmul_s(matmul.flops, matmul.flops / matmul.experts, matmul.dtype)
+
+
 def test_the_search_lower_bound_holds_for_expert_parallel_configurations(mixtral_graph) -> None:
     """ep makes the grouped expert matmuls faster than in the segments' own price: the bound that
     prunes configurations must stay below their priced step time."""
