@@ -215,35 +215,49 @@ class StepModel(StepFsdp, StepTail):
             zeros = lambda: np.zeros(len(prepared))  # noqa: E731
             times = {"fwd": zeros(), "bwd": zeros()}
             parts: dict[str, np.ndarray] = {}
-            pricing = self.expert_pricing
-            shares = pricing.tp_share_dispatch and config.tp > 1 and not config.folds_experts
+            shares = self.expert_pricing.tp_share_dispatch and config.tp > 1 and not config.folds_experts
             tp_ranks = tp_group(config, self.devices_per_node) if shares else None
+            terms: dict = {}  # identical blocks' messages (and matmuls, below) are priced once
             for index, messages in enumerate(prepared.ep_messages):
-                for size, phase, dropless, part, experts, rows_whole in messages:
-                    busiest = size * (imbalance if dropless else 1.0)
-                    sent = busiest / config.tp if shares and rows_whole and part != "counts" else busiest
-                    seconds = self.comm.time_s("all_to_all", sent, group)
-                    times[phase][index] += seconds
-                    parts.setdefault(part, zeros())[index] += seconds
-                    if sent != busiest:  # the tp group gathers the rows it received, reduces before sending
-                        collective = "all_gather" if part == "dispatch" else "reduce_scatter"
-                        seconds = self.comm.time_s(collective, busiest, tp_ranks)
-                        times[phase][index] += seconds
-                        parts.setdefault(f"tp_{collective}", zeros())[index] += seconds
-                    reorder = pricing.reorder_s(busiest, experts, config.ep, self.compute) if part != "counts" else 0.0
-                    if reorder:
-                        times[phase][index] += reorder
-                        parts.setdefault("reorder", zeros())[index] += reorder
+                for message in messages:
+                    if message not in terms:
+                        terms[message] = self._message_terms(message, config, group, tp_ranks, shares)
+                    for part, seconds in terms[message]:
+                        times[message[1]][index] += seconds
+                        parts.setdefault(part, zeros())[index] += seconds
             extra, shape = zeros(), {"fwd": zeros(), "bwd": zeros()}
+            priced: dict = {}
             for index, matmuls in enumerate(prepared.ep_matmuls):
                 for matmul in matmuls:
-                    even = matmul.time_s(self.compute, config.ep)
-                    extra[index] += matmul.time_s(self.compute, config.ep, imbalance) - even
-                    shape[matmul.phase][index] += even - matmul.time_s(self.compute)
+                    if matmul not in priced:
+                        even = matmul.time_s(self.compute, config.ep)
+                        priced[matmul] = (matmul.time_s(self.compute, config.ep, imbalance) - even,
+                                          even - matmul.time_s(self.compute))
+                    busier, reshaped = priced[matmul]
+                    extra[index] += busier
+                    shape[matmul.phase][index] += reshaped
             prepared.ep_times[key] = EpTimes(forward_s=times["fwd"], backward_s=times["bwd"], parts_s=parts,
                                              load_imbalance_s=extra, shape_forward_s=shape["fwd"],
                                              shape_backward_s=shape["bwd"])
         return prepared.ep_times[key]
+
+    def _message_terms(self, message: tuple, config: ParallelConfig, group, tp_ranks,
+                       shares: bool) -> tuple[tuple[str, float], ...]:
+        """(breakdown part, seconds) of one message of ep_times: its all-to-all, under
+        tp_share_dispatch the tp group's gather (dispatch) or reduction (combine) of the rows, and
+        the reorder around it."""
+        size, _, dropless, part, experts, rows_whole = message
+        busiest = size * (self.expert_pricing.load_imbalance if dropless else 1.0)
+        sent = busiest / config.tp if shares and rows_whole and part != "counts" else busiest
+        terms = [(part, self.comm.time_s("all_to_all", sent, group))]
+        if sent != busiest:  # the tp group gathers the rows it received, reduces before sending
+            collective = "all_gather" if part == "dispatch" else "reduce_scatter"
+            terms.append((f"tp_{collective}", self.comm.time_s(collective, busiest, tp_ranks)))
+        if part != "counts":
+            reorder = self.expert_pricing.reorder_s(busiest, experts, config.ep, self.compute)
+            if reorder:
+                terms.append(("reorder", reorder))
+        return tuple(terms)
 
     def estimate(self, prepared: PreparedSegments, config: ParallelConfig,
                  lighter: dict[str, PreparedSegments] | None = None) -> Estimate | None:
@@ -321,7 +335,9 @@ class StepModel(StepFsdp, StepTail):
         if chain.time_s is prepared.time_s:
             spans = prepared.time_partition(num_chunks)
         else:  # expert parallelism's all-to-alls add to the segments' times
-            time_key = (num_chunks, chain_key)
+            # The chain's times are the segments' plus expert parallelism's (ep_times), whatever
+            # the data-parallel sharding and ZeRO stage that make the rest of its key: one split each.
+            time_key = (num_chunks, "ep", config.ep, config.folds_experts)
             if time_key not in prepared.time_partitions:
                 prepared.time_partitions[time_key] = partition(chain, num_chunks, in_flight=in_flight)
             spans = prepared.time_partitions[time_key]
