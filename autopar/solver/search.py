@@ -346,12 +346,20 @@ class Planner:
         budget = self.step_model.memory_budget_bytes
         if least is None:
             return InfeasiblePlanError(self.candidates.no_config_message(constraints))
+        found = f"the model does not fit: the leanest configuration found ({least.config.describe()}) needs "
+        advice = "Use more devices, devices with more memory, or relax the constraints."
+        host_bytes = sum(least.host_memory_bytes.values())
+        if least.config.offload and least.peak_memory_bytes <= budget \
+                and host_bytes > self.step_model.host_memory_bytes:
+            parts = ", ".join(f"{name} {human_bytes(size)}" for name, size in least.host_memory_bytes.items() if size)
+            return InfeasiblePlanError(
+                f"{found}{human_bytes(least.peak_memory_bytes)} per device, which fits, but with its optimizer "
+                f"states offloaded {human_bytes(host_bytes)} of host memory per device ({parts}), more than the "
+                f"{human_bytes(self.step_model.host_memory_bytes)} the cluster's nodes have per device. {advice}")
         parts = ", ".join(f"{name} {human_bytes(size)}" for name, size in least.memory_bytes.items() if size)
         return InfeasiblePlanError(
-            f"the model does not fit: the leanest configuration found ({least.config.describe()}) needs "
-            f"{human_bytes(least.peak_memory_bytes)} per device ({parts}), more than the "
-            f"{human_bytes(budget)} usable of {human_bytes(self.cluster.device.memory_bytes)}. "
-            "Use more devices, devices with more memory, or relax the constraints.")
+            f"{found}{human_bytes(least.peak_memory_bytes)} per device ({parts}), more than the "
+            f"{human_bytes(budget)} usable of {human_bytes(self.cluster.device.memory_bytes)}. {advice}")
 
 
 def _allocator(cluster, options: SearchOptions) -> AllocatorModel:

@@ -55,6 +55,20 @@ def test_a_model_that_does_not_fit_is_offloaded(tmp_path):
     assert "optimizer offload" in plan.summary() and "host memory" in plan.summary()
 
 
+def test_when_only_host_memory_is_short_the_refusal_says_so(tmp_path):
+    """Offloaded, the states fit the device but not the host: the message names host memory,
+    not a device peak that fits."""
+    path = tmp_path / "small_host.toml"
+    path.write_text('preset = "dgx-a100-80g"\nnodes = 1\ngpus_per_node = 1\n[device]\nmemory_gib = 0.03\n'
+                    'host_memory_gib = 0.001\n')
+    planner = api.planner_for(MODEL, None, str(path), global_batch=2, options=SearchOptions(allocator=NO_OVERHEAD))
+    with pytest.raises(InfeasiblePlanError) as refused:
+        api.plan_with(planner, Constraints())
+    message = " ".join(str(refused.value).split())
+    assert "offload" in message and "which fits" in message and "of host memory per device" in message
+    assert "host.optimizer" in message and "1.02 MiB the cluster's nodes have per device" in message  # 0.001 GiB
+
+
 def _offloaded(dp: int = 2, num_microbatches: int = 1, **step_model_changes):
     config = ParallelConfig(dp=dp, tp=1, pp=1, microbatch_size=1, num_microbatches=num_microbatches,
                             zero_stage=3, offload=True)
