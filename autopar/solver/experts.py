@@ -532,10 +532,11 @@ def _local_experts(ops: tuple[ExpertOp, ...], strategies: dict, tp: int) -> tupl
             return [], f"the tp={tp} plan leaves the tokens of expert op {op.node} partial"
         weight = strategy.inputs[op.weight_input]
         if op.kind == "grouped_mm" and "S0" in weight:
-            # rows of other tp ranks' experts would need zeros: not combined with ep
-            return [], (f"the tp={tp} plan splits the experts of {op.node} over tp (cheapest without ep: the "
-                        "intra-op solve does not know ep), which expert parallelism cannot combine with; use tp=1, "
-                        "ep=1 or etp=1 (MoE parallel folding: the experts unsplit by tp, the ep group over tp x dp)")
+            # rows of other tp ranks' experts would need zeros: not combined with ep (the intra-op
+            # solve leaves this split out, sharding_problem._splits_experts; a fixed strategy may not)
+            return [], (f"the tp={tp} plan splits the experts of {op.node} over tp, which expert parallelism "
+                        "cannot combine with; use tp=1, ep=1 or etp=1 (MoE parallel folding: the experts unsplit "
+                        "by tp, the ep group over tp x dp)")
         if any(strategy.input_grad(op.weight_input, axis, True) == "P" for axis in range(len(weight))):
             return [], f"the tp={tp} plan leaves the gradient of {op.node}'s expert weight partial"
         local_experts.append(op.num_experts // (tp if "S0" in weight else 1))

@@ -37,6 +37,7 @@ from autopar.solver.intra_op import ChoiceProblem, Edge
 from autopar.solver.quotient import Quotient, QuotientEdge
 from autopar.strategies import Strategy, mesh_strategies
 from autopar.strategies.aliasing import aliases_written_in_place
+from autopar.strategies.grouped_mm import GROUPED_MM_TARGETS
 from autopar.strategies.placement import (PARTIAL, REPLICATE, grad_placement, is_shard, shard, shard_dim, shard_factor,
                                          transition)
 
@@ -184,7 +185,7 @@ class ProblemBuilder:
         if not self.model_parallel_axes:
             return found
         kept = [s for s in found if not _splits_batch(s, inputs, node.outputs, self.model_parallel_axes)
-                and not self._splits_tokens_of_weights(node, s)]
+                and not self._splits_tokens_of_weights(node, s) and not self._splits_experts(node, inputs, s)]
         if not self.sequence_parallel and node.kind in ("input", "target"):
             kept = [s for s in kept if all(s.output[axis] == REPLICATE for axis in self.model_parallel_axes)]
         return kept or found[:1]
@@ -202,6 +203,16 @@ class ProblemBuilder:
                 if strategy.split_axes[axis] and not is_shard(strategy.inputs[index][axis]):
                     return True
         return False
+
+    def _splits_experts(self, node: OpNode, inputs: list[TensorMeta], strategy: Strategy) -> bool:
+        """A grouped expert matmul's experts split over a model-parallel axis (its [E, K, N]
+        weight sharded on E): expert parallelism's split, which it cannot combine with (rows of
+        other ranks' experts would need zeros). On tp the experts run column- or row-parallel or
+        whole (Megatron-Core's expert tensor parallelism), by expert only over ep ranks (or, with
+        MoE parallel folding, over the tp x dp ranks)."""
+        if node.target not in GROUPED_MM_TARGETS or len(inputs) < 2 or len(inputs[1].shape) != 3:
+            return False
+        return any(strategy.inputs[1][axis] == shard(0) for axis in self.model_parallel_axes)
 
     def _moves_weight(self, producer: OpNode, source, target) -> bool:
         """Weights are used where they live on model-parallel axes (gathering them is ZeRO's job)."""

@@ -206,8 +206,7 @@ TABLE = CaseTable([
     case_param(Case("Mixtral", 4, dict(dp=4, tp=1, pp=1, ep=2, zero_stage=3, microbatch_size=2)),
                "mixtral-dp4-ep2-zero3", _FOUR),
     # tp x ep x ZeRO: expert weights DTensors on (tp, ep), FSDP-sharded over dp_rep on top.
-    # Mixtral at tp=2 on the test cluster: the intra-op solve of etp = tp splits the experts over
-    # tp (it does not know ep), which ep cannot combine with, so the search plans etp=1 (MoE
+    # Mixtral at tp=2 on the test cluster: the search plans etp=1, priced faster here (MoE
     # parallel folding, codegen/expert_folding.py: the ep group over tp x dp, the experts unsplit).
     *[case_param(Case(model, 4, dict(dp=2, tp=2, pp=1, ep=2, zero_stage=zero, microbatch_size=4)),
                  f"{model.lower()}-dp2-ep2-tp2-zero{zero}", _FOUR)
@@ -237,6 +236,14 @@ TABLE = CaseTable([
                           ("interleaved-zero2", dict(schedule="interleaved", virtual_stages=2, zero_stage=2)),
                           ("zb1p-zero1", dict(schedule="zb1p", zero_stage=1)),
                           ("zbv-zero0", dict(schedule="zbv", zero_stage=0)))],
+    # The 2025-2026 mixtures of experts (Hugging Face, tiny) under ep x pp and with their experts
+    # tensor-parallel over the ep ranks' tp pair (etp = tp = 2).
+    *[case_param(Case(model, 4, dict(dp=2, tp=1, pp=2, ep=2, microbatch_size=2, schedule="1f1b", zero_stage=1)),
+                 f"{model.lower()}-dp2-ep2-pp2-1f1b-zero1", _FOUR)
+      for model in ("Qwen3-MoE", "OLMoE", "GPT-OSS", "DeepSeek-V3")],
+    *[case_param(Case(model, 4, dict(dp=2, tp=2, pp=1, ep=2, etp=2, zero_stage=0, microbatch_size=4)),
+                 f"{model.lower()}-dp2-ep2-etp2", _FOUR)
+      for model in ("Qwen3-MoE", "OLMoE", "GPT-OSS", "DeepSeek-V3")],
 ])
 CASES = TABLE.cases
 
@@ -250,6 +257,8 @@ def test_expert_parallel_matches_one_process(case_name, case_outcome):
         assert result["ep"] == case.constraints["ep"] and result["ep_params"], result
         if case.model == "Mixtral" and case.constraints["tp"] > 1:  # folded: see the table
             assert result["etp"] == 1, result
+        if case.constraints.get("etp", 1) > 1:  # experts tensor-parallel over tp, not folded
+            assert result["etp"] in (None, case.constraints["etp"]), result
         assert result["losses"] == pytest.approx(result["reference_losses"], rel=TOLERANCE, abs=TOLERANCE), \
             f"rank {rank}'s losses"
         for name, error in result["grad_errors"].items():

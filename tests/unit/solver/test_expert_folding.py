@@ -80,9 +80,9 @@ def _evaluate(graph, **config):
 
 
 def test_evaluate_prices_folding_and_says_it_does_not_run(graph) -> None:
-    # Today's layout: the tp solve splits these experts over tp, which ep cannot combine with.
-    with pytest.raises(ConfigError, match="ep=8 with tp=2"):
-        _evaluate(graph, ep=8)
+    # The tp solve never splits the experts by expert on tp (ep's split): etp = tp prices with ep too.
+    plain = _evaluate(graph, ep=8)
+    assert plain.ep == 8 and plain.etp in (None, 2) and plain.predicted.breakdown_s["ep.dispatch"] > 0
     folded = _evaluate(graph, ep=8, etp=1)
     assert not any("runs MoE parallel folding" in note for note in folded.notes)  # pp = 1: the runtime runs it
     assert not any("runs MoE parallel folding" in note for note in _evaluate(graph, ep=8, etp=1, pp=2, dp=4).notes)

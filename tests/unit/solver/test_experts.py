@@ -419,9 +419,8 @@ def test_the_builtin_experts_run_column_then_row_parallel_on_tp(wide_moe_graph) 
     grouped matmul splits its columns and the down one its rows, Megatron-Core's expert tensor
     parallelism: no [rows, 2 x expert_ffn_hidden] intermediate crosses the tp ranks (with the two
     halves concatenated, the planner split the first matmul along its input and reduce-scattered
-    that intermediate, 2 x 4096 / 1024 = 8x a token's bytes here). (Where few rows make bigger
-    per-expert matmuls worth it, the solve may still split by expert, which ep cannot combine
-    with: constraints' ep blocker.)"""
+    that intermediate, 2 x 4096 / 1024 = 8x a token's bytes here). The solve never splits the
+    experts by expert on tp (ep's split)."""
     graph = wide_moe_graph
     _, result = _wide_moe_priced(graph, tp=2, ep=4)
     gate_up, down = [node for node in graph.calls() if "grouped_mm" in node.target]
@@ -429,6 +428,24 @@ def test_the_builtin_experts_run_column_then_row_parallel_on_tp(wide_moe_graph) 
     assert result.strategies[down.name].inputs[1] == ("S1",)  # [E, F, K]: rows
     token_bytes = graph[gate_up.inputs[0]].output.nbytes  # every (token, choice) row of a microbatch of 2
     assert max(event.message_bytes for segment in result.segments for event in segment.comm) <= token_bytes
+
+
+def test_the_tp_solve_never_splits_experts_by_expert() -> None:
+    """Small experts made splitting by expert over tp the cheapest placement (each tp rank its own
+    experts for every row), which expert parallelism cannot combine with; the solve leaves that
+    split to ep: on tp the experts run whole, column- or row-parallel, and ep prices."""
+    from autopar import api
+
+    bundle = build_model("moe:layers=2,hidden=32,heads=4,seq=16,vocab=64,num_experts=4", device="meta", batch_size=2)
+    graph = autopar.capture_for_planning(bundle.model, bundle.example_inputs, loss_fn=bundle.loss_fn,
+                                         example_targets=bundle.example_targets)
+    planner = api.planner_for(graph, None, "dgx-h100:nodes=1", global_batch=16)
+    strategies = planner.pricing.sharding(2, 2).strategies
+    weights = [strategies[node.name].inputs[1] for node in graph.calls() if "grouped_mm" in node.target]
+    assert weights and all("S0" not in placement for placement in weights)
+    config = api.fixed_config(planner, tp=2, pp=1, dp=4, microbatch_size=2, schedule="1f1b", virtual_stages=None,
+                              layers_per_virtual_stage=None, recompute="none", zero_stage=0, ep=2)
+    assert planner.evaluate(config)[0].breakdown_s["ep.dispatch"] > 0
 
 
 def test_megatrons_tp_share_dispatch_moves_one_tp_share_of_the_rows(wide_moe_graph) -> None:
