@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from autopar.graph import OpNode, TensorMeta
+from autopar.graph import Kernel, OpNode, TensorMeta
 from autopar.mesh import Mesh
 from autopar.strategies import Strategy
 from autopar.strategies.grouped_mm import GROUPED_MM_TARGETS
@@ -102,13 +102,13 @@ class CostContext:
         fused = self.compute.kernel(flops, io_bytes + extra, True, dtype=kernel.dtype, name=kernel.name)
         return ComputeTime(matmul_s=fused.matmul_s - plain.matmul_s, memory_s=fused.memory_s - plain.memory_s)
 
-    def grouped_bytes(self, node: OpNode, strategy: Strategy, inputs: Sequence[TensorMeta], kernel,
+    def grouped_bytes(self, node: OpNode, strategy: Strategy, inputs: Sequence[TensorMeta], kernel: Kernel,
                       weight: Sequence[str]) -> dict[str, float]:
         """A grouped-matmul kernel's bytes on one device as node_compute prices them (io_bytes)
         and of those its per-expert operands' (expert_bytes: Kernel.expert_bytes over the weight's
         placement `weight`)."""
         io_bytes = kernel.io_bytes * self._bytes_scale(node, strategy, inputs)
-        expert_bytes = getattr(kernel, "expert_bytes", 0.0) / shard_factor(weight, self.mesh.shape)
+        expert_bytes = kernel.expert_bytes / shard_factor(weight, self.mesh.shape)
         return {"io_bytes": io_bytes, "expert_bytes": min(expert_bytes, io_bytes)}
 
     def _bytes_scale(self, node: OpNode, strategy: Strategy, inputs: Sequence[TensorMeta]) -> float:
