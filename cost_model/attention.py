@@ -48,9 +48,9 @@ cuDNN, gpt3-1.3b: seq 2048, head dim 128, causal, dropout 0.1, batch 8;
 benchmarks/gpu_runs/h200-2026-12-04/kernels-gpt3-1.3b-sdpa.txt against the same GPU's profile
 sweep, benchmarks/profiles/h200.json): forward 13.14 ms against 6.81 ms priced without dropout,
 backward 27.01 ms (the bprop kernel and its dO.O and dQ-conversion kernels) against 21.04: slowdowns of
-1.93 and 1.28 (DROPOUT_SLOWDOWN), applied to any fused kernel with dropout on any GPU (one
-measured shape: the random numbers per score are fixed work, so a smaller head dim would lose
-more).
+1.93 and 1.28 (DROPOUT_SLOWDOWN), applied to any fused kernel with dropout on any GPU, also one
+priced as a matmul of its count where the device names no kernel (compute.py; one measured
+shape: the random numbers per score are fixed work, so a smaller head dim would lose more).
 
 Which kernel runs is the runtime's: torch's SDPA runs its flash backend (FlashAttention-2) on
 Hopper until it prefers cuDNN (pytorch#138522 made cuDNN opt-in after 2.5; sdp_utils'

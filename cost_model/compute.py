@@ -177,6 +177,8 @@ class ComputeModel:
             return ComputeTime(memory_s=memory_s, overhead_s=self.overhead_s)
         matmul_s = self.grouped_matmul_s(flops, flops / groups, dtype) if groups > 1 else \
             flops / self.matmul_rate(flops, dtype)
+        if phase:  # a fused attention kernel priced as a matmul of its count: its dropout too
+            matmul_s *= dropout_slowdown(phase, dropout)
         if matmul_s >= memory_s:
             return ComputeTime(matmul_s=matmul_s, overhead_s=self.overhead_s)
         return ComputeTime(memory_s=memory_s, overhead_s=self.overhead_s)

@@ -63,6 +63,23 @@ def test_dropout_slows_a_fused_kernel_by_the_measured_ratios() -> None:
     assert matmul.matmul_s == compute.kernel(1e12, 1e6, True, name="aten.mm.default").matmul_s
 
 
+def test_dropout_slows_a_fused_kernel_priced_as_a_matmul_too() -> None:
+    """A device that names no attention kernel prices a fused one as a matmul of torch's count (the
+    published Megatron and NeMo rows: Transformer Engine's kernel, unnamed): its dropout draws a
+    random number per score all the same."""
+    from cost_model.attention import dropout_slowdown
+    from cost_model.compute import ComputeModel
+
+    compute = ComputeModel(Cluster.from_spec("dgx-h100:gpus_per_node=1").device, None)
+    assert compute.device.attention is None
+    for phase, name in (("forward", "aten._scaled_dot_product_flash_attention.default"),
+                        ("backward", "aten._scaled_dot_product_flash_attention_backward.default")):
+        plain = compute.kernel(1e12, 1e6, True, name=name, causal=True)
+        dropped = compute.kernel(1e12, 1e6, True, name=name, causal=True, dropout=True)
+        assert plain.matmul_s == pytest.approx(1e12 / compute.matmul_rate(1e12, "bfloat16"))
+        assert dropped.matmul_s == pytest.approx(plain.matmul_s * dropout_slowdown(phase, True))
+
+
 def test_a_causal_kernel_does_half_of_torchs_count() -> None:
     assert work_fraction(True) == 0.5 and work_fraction(False) == 1.0
 
