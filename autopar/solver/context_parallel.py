@@ -38,6 +38,7 @@ from autopar.graph import OpGraph
 from autopar.mesh import Mesh
 from autopar.solver.costing import CommEvent, CostContext
 from autopar.solver.evaluate import SegmentCost, is_recomputable
+from autopar.solver.experts import GroupedMatmul
 from autopar.strategies.attention import attention_nodes, is_causal, kv_repeats
 from autopar.strategies.placement import shard_factor, shards_on_dim
 from cost_model.comm import CommModel, Group
@@ -198,9 +199,10 @@ def cp_group(cp: int, tp: int, devices_per_node: int) -> Group:
 
 def split_sequence(segment: SegmentCost, attentions: list[AttentionCost], *, cp: int, tp: int, comm: CommModel,
                    devices_per_node: int, method: str = "all_gather", load_balanced: bool = True,
-                   compute: SplitCompute | None = None) -> SegmentCost:
+                   compute: SplitCompute | None = None, compute_model=None) -> SegmentCost:
     """`segment`'s cost per rank when each sequence is split over `cp` ranks (module docstring);
-    `compute` is its re-priced compute (split_compute), else its compute is scaled by 1 / cp."""
+    `compute` is its re-priced compute (split_compute), else its compute is scaled by 1 / cp;
+    `compute_model` (a ComputeModel) re-prices its expert ops' grouped matmuls on 1 / cp of the rows."""
     if cp <= 1:
         return segment
     scale = 1.0 / cp
@@ -253,8 +255,21 @@ def split_sequence(segment: SegmentCost, attentions: list[AttentionCost], *, cp:
                    # ep group of its cp index: codegen/runtime.expert_device_mesh)
                    expert_exchanges=[replace(exchange, token_bytes=exchange.token_bytes * scale,
                                              output_bytes=exchange.output_bytes * scale,
-                                             compute_s=exchange.compute_s * scale)
-                                     for exchange in segment.expert_exchanges])
+                                             compute_s=exchange.compute_s * scale,
+                                             matmuls=tuple(_split_matmul(matmul, scale, compute_model)
+                                                           for matmul in exchange.matmuls))
+                                     for exchange in segment.expert_exchanges],
+                   expert_region_comm=[_rescaled(event, scale, comm, tp_group) for event in segment.expert_region_comm])
+
+
+def _split_matmul(matmul: GroupedMatmul, scale: float, compute_model) -> GroupedMatmul:
+    """A grouped matmul on `scale` of its rows: its FLOPs and row bytes scale, its experts' weights
+    do not; its time without ep re-priced on that shape (as split_compute prices the op)."""
+    if compute_model is None:
+        raise ValueError("split_sequence needs compute_model to re-price expert grouped matmuls")
+    split = replace(matmul, flops=matmul.flops * scale,
+                    io_bytes=(matmul.io_bytes - matmul.expert_bytes) * scale + matmul.expert_bytes)
+    return replace(split, alone_s=split.time_s(compute_model))
 
 
 def _minus(time: ComputeTime, part: ComputeTime) -> ComputeTime:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from autopar.graph import OpGraph
 from autopar.solver.costing import CommEvent
-from autopar.solver.expert_folding import TOKEN_LOCAL
+from autopar.solver.expert_folding import TOKEN_LOCAL, token_local_region
 from autopar.solver.experts import ExpertExchange, GroupedMatmul, expert_ops_at, find_expert_ops, row_splits
 from autopar.solver.quotient import Quotient
 from autopar.solver.recompute import op_saved_nodes, reads_trainable_param
@@ -57,6 +57,10 @@ class SegmentCost:
     """Of param_numel, the expert weights (sharded further by expert parallelism)."""
     expert_exchanges: list[ExpertExchange] = field(default_factory=list)
     """Per expert op, what expert parallelism would exchange (solver/experts.py)."""
+    expert_region_comm: list[CommEvent] = field(default_factory=list)
+    """Of comm, the collectives on edges into, inside and out of the MoE layers' token-local regions
+    (expert_folding.token_local_region): how every tp rank gets a layer's rows whole and its output
+    reduced, which Megatron-Core's per-share dispatch replaces (ExpertPricing.tp_share_dispatch)."""
     cast: ComputeTime = field(default_factory=ComputeTime)
     """Of backward, the cast of its weights' gradients from the bf16 copies to fp32 (PrecisionPolicy.
     casts_once_per_step): per microbatch, whatever the share of tokens (context parallelism)."""
@@ -169,6 +173,7 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
     running = expert_ops_at(find_expert_ops(graph), lambda name: _placements(strategy_of, name))
     expert_ops = {op.node: op for op in running}
     expert_params = {op.param for op in expert_ops.values()}
+    region = set(token_local_region(graph, running)) if running else set()
     for node in graph.nodes:
         strategy = strategy_of[node.name]
         if strategy is None:
@@ -199,12 +204,13 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                 if source not in fanout_done:
                     fanout_done.add(source)
                     events = builder.ctx.redistribute(producer.output, source_strategy.output, placement, "fwd")
-                    segment.comm += events
-                    _note_node_comm(segment, node, events)
                     if producer.requires_grad and producer.output.is_float:
                         target = tuple(grad_placement(p) for p in source_strategy.output)
-                        segment.comm += tuple(replace(event, summed=True) for event in
-                                              builder.ctx.redistribute(producer.output, grad, target, "bwd"))
+                        events += tuple(replace(event, summed=True) for event in
+                                        builder.ctx.redistribute(producer.output, grad, target, "bwd"))
+                    segment.comm += events
+                    _note_node_comm(segment, node, events)
+                    _note_region_comm(segment, source, node.name, events, region)
                     if _saved_by_any(graph, source) and not _views_a_weight(graph, source, placement, placement):
                         size = producer.output.nbytes / shard_factor(placement, mesh_shape)
                         _save_once(segment, (source, placement), size)
@@ -214,6 +220,7 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                 events = builder.edge_events(producer, placement, node, strategy, index, grad)
                 segment.comm += events
                 _note_node_comm(segment, node, events)
+                _note_region_comm(segment, source, node.name, events, region)
                 target = strategy.inputs[index]
                 if index in node.saved_inputs and target != placement:
                     size = producer.output.nbytes / shard_factor(target, mesh_shape)
@@ -227,6 +234,7 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
             events = builder.edge_events(producer, source_strategy.output, node, strategy, index, grad_target)
             segment.comm += events
             _note_node_comm(segment, node, events)
+            _note_region_comm(segment, source, node.name, events, region)
             target = strategy.inputs[index]
             if index in node.saved_inputs and not _views_a_weight(graph, source, source_strategy.output, target):
                 size = producer.output.nbytes / shard_factor(target, mesh_shape)
@@ -369,6 +377,13 @@ def _note_gathered(builder: ProblemBuilder, segment: SegmentCost, key: str, prod
         previous = segment.gathered.get(key)
         if previous is None or previous[0] < full:
             segment.gathered[key] = (full, shard, sum(event.time_s for event in events), (producer.name, tuple(target)))
+
+
+def _note_region_comm(segment: SegmentCost, source: str, consumer: str, events, region: set[str]) -> None:
+    """An edge's collectives where it enters, lies in or leaves an MoE layer's token-local region
+    (SegmentCost.expert_region_comm)."""
+    if events and (source in region or consumer in region):
+        segment.expert_region_comm += events
 
 
 def _note_node_comm(segment: SegmentCost, node, events) -> None:

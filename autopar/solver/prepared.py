@@ -97,6 +97,11 @@ class PreparedSegments:
     """Per segment, the reductions of weights' Partial gradients (a replicated norm weight read by
     sequence-sharded activations): the runtime makes them once per step, after the last
     microbatch (codegen/data_parallel.reduce_partial_gradients), so they are not in time_s."""
+    ep_region_fwd_s: np.ndarray | None = None
+    """Per segment, the forward collectives around and inside its MoE layers' token-local regions
+    (SegmentCost.expert_region_comm; a full recompute repeats them); None: no expert ops."""
+    ep_region_bwd_s: np.ndarray | None = None
+    """The same of the backward."""
     ep_times: dict[tuple, EpTimes] = field(default_factory=dict)
     """Cache per (ep, tp, devices per node) of expert parallelism's terms (StepModel.ep_times)."""
     fsdp_cache: dict[tuple, tuple] = field(default_factory=dict)
@@ -161,8 +166,12 @@ class PreparedSegments:
         matmuls = tuple(tuple(matmul for exchange in s.expert_exchanges if exchange.dropless
                               for matmul in exchange.matmuls for _ in range(repeat if matmul.phase == "fwd" else 1))
                         for s in segments)
+        region = {phase: array(repeat_fwd * sum(event.time_s for event in s.expert_region_comm if event.phase == phase)
+                               for s in segments) if experts else None
+                  for phase, repeat_fwd in (("fwd", repeat), ("bwd", 1))}
         return cls(names=[s.name for s in segments], recompute=recompute, forward_s=forward, backward_s=backward,
                    expert_numel=array(s.expert_param_numel for s in segments) if experts else None,
+                   ep_region_fwd_s=region["fwd"], ep_region_bwd_s=region["bwd"],
                    ep_messages=messages if experts else (), ep_matmuls=matmuls if experts else (),
                    recompute_s=recomputed, comm_by_op_s=comm, forward_comm_s=forward_comm,
                    weight_grad_s=array(weight_grad_s(s) for s in segments),
@@ -236,7 +245,8 @@ class PreparedSegments:
                       self.time_s, self.activation_bytes, self.param_numel, self.buffer_bytes, self.output_bytes,
                       *self.comm_by_op_s.values()]
             arrays += [a for a in (self.grad_workspace_bytes, self.expert_numel, self.grad_reduce_s,
-                                   self.gathered_output_bytes, self.fused_wgrad_numel, self.fused_wgrad_saving_s)
+                                   self.gathered_output_bytes, self.fused_wgrad_numel, self.fused_wgrad_saving_s,
+                                   self.ep_region_fwd_s, self.ep_region_bwd_s)
                        if a is not None]
             ids: dict[tuple, int] = {}
             rows = zip(*(np.asarray(a, dtype=float).tolist() for a in arrays), self.ep_messages or [()] * len(self),

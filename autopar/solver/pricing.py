@@ -136,7 +136,7 @@ class Pricing:
         compute = split_compute(graph, sharding.strategies, ctx, cp)
         return [split_sequence(segment, attentions.get(segment.name, []), cp=cp, tp=tp, comm=self.step_model.comm,
                                devices_per_node=self.cluster.devices_per_node, method=self.cp_kv_exchange,
-                               compute=compute.get(segment.name))
+                               compute=compute.get(segment.name), compute_model=ctx.compute)
                 for segment in sharding.segments]
 
     def ep_options(self, tp: int, dp: int, microbatch_size: int, sequence_parallel: bool = True,

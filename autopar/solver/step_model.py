@@ -225,6 +225,8 @@ class StepModel(StepFsdp, StepTail):
                     for part, seconds in terms[message]:
                         times[message[1]][index] += seconds
                         parts.setdefault(part, zeros())[index] += seconds
+            if shares and prepared.ep_region_fwd_s is not None:
+                self._replace_region_comm(prepared, times, parts)
             extra, shape = zeros(), {"fwd": zeros(), "bwd": zeros()}
             priced: dict = {}
             for index, matmuls in enumerate(prepared.ep_matmuls):
@@ -240,6 +242,18 @@ class StepModel(StepFsdp, StepTail):
                                              load_imbalance_s=extra, shape_forward_s=shape["fwd"],
                                              shape_backward_s=shape["bwd"])
         return prepared.ep_times[key]
+
+    @staticmethod
+    def _replace_region_comm(prepared: PreparedSegments, times: dict, parts: dict) -> None:
+        """Under ExpertPricing.tp_share_dispatch each tp rank routes and dispatches its own share of
+        a layer's rows, and the tp group gathers and reduces only the dispatched rows (priced in
+        _message_terms): the plan's collectives that give every tp rank the layer's rows whole and
+        reduce its output (SegmentCost.expert_region_comm) do not run. Taken off the segments whose
+        expert ops see rows whole, as part "tp_rows_replaced" (negative)."""
+        whole = np.array([float(any(message[5] for message in messages)) for messages in prepared.ep_messages])
+        times["fwd"] -= whole * prepared.ep_region_fwd_s
+        times["bwd"] -= whole * prepared.ep_region_bwd_s
+        parts["tp_rows_replaced"] = -whole * (prepared.ep_region_fwd_s + prepared.ep_region_bwd_s)
 
     def _message_terms(self, message: tuple, config: ParallelConfig, group, tp_ranks,
                        shares: bool) -> tuple[tuple[str, float], ...]:

@@ -146,4 +146,5 @@ def test_a_grok_row_is_priced_with_megatrons_tensor_parallel_experts_and_tp_shar
     outcome = evaluate_run(run, plan=False)
     assert outcome.published_fits and outcome.published_step_s > 0
     assert outcome.breakdown["ep.tp_all_gather"] > 0 and outcome.breakdown["ep.tp_reduce_scatter"] > 0
+    assert outcome.breakdown["ep.tp_rows_replaced"] < 0  # the plan's own gather and reduction of the layer
     assert outcome.breakdown["tp.reduce_scatter"] < outcome.breakdown["compute"] / 20

@@ -459,5 +459,42 @@ def test_megatrons_tp_share_dispatch_moves_one_tp_share_of_the_rows(wide_moe_gra
     whole, shared = parts(False, 2), parts(True, 2)
     assert shared["ep.dispatch"] < whole["ep.dispatch"] and shared["ep.combine"] < whole["ep.combine"]
     assert shared["ep.tp_all_gather"] > 0 and shared["ep.tp_reduce_scatter"] > 0
-    assert "ep.tp_all_gather" not in whole
+    assert "ep.tp_all_gather" not in whole and "ep.tp_rows_replaced" not in whole
     assert parts(True, 1) == parts(False, 1)
+
+
+def test_megatrons_dispatch_replaces_the_plans_gather_and_reduction_of_the_layer(wide_moe_graph) -> None:
+    """Each tp rank routes its own rows under Megatron's dispatcher: the plan's collectives that
+    give every tp rank the MoE layer's rows whole (an all-gather of its input, where it arrives
+    sequence-sharded) and reduce its output are recorded as the region's (SegmentCost.expert_region_comm) and taken off
+    ("ep.tp_rows_replaced", negative), leaving the tp collectives outside the layer."""
+    estimate, result = _wide_moe_priced(wide_moe_graph, tp=2, ep=4, share=True)
+    region = [event for segment in result.segments for event in segment.expert_region_comm]
+    assert any(event.op in ("all_reduce", "reduce_scatter") for event in region if event.phase == "fwd")
+    assert all(any(event is other for segment in result.segments for other in segment.comm) for event in region)
+    breakdown = estimate.breakdown_s
+    tp_comm = sum(seconds for name, seconds in breakdown.items() if name.startswith("tp.") and "once" not in name)
+    assert 0 < -breakdown["ep.tp_rows_replaced"] < tp_comm
+    unshared, _ = _wide_moe_priced(wide_moe_graph, tp=2, ep=4)
+    assert "ep.tp_rows_replaced" not in unshared.breakdown_s
+
+
+def test_context_parallelism_splits_the_grouped_matmuls_rows_not_their_weights() -> None:
+    """Under cp each rank's expert ops see 1 / cp of the rows: their FLOPs and row bytes shrink,
+    the experts' weights they read do not, and their time without ep is re-priced on that shape."""
+    from autopar.solver.context_parallel import split_sequence
+    from autopar.solver.evaluate import SegmentCost
+    from cost_model.comm import CommModel
+
+    cluster = Cluster.from_spec("dgx-h100")
+    compute = ComputeModel(cluster.device)
+    matmul = GroupedMatmul(phase="fwd", flops=2e12, experts=8, dtype="bfloat16", io_bytes=3e9, expert_bytes=2e9)
+    matmul = replace(matmul, alone_s=matmul.time_s(compute))
+    exchange = ExpertExchange(token_bytes=1e8, output_bytes=1e8, token_grad=True, dropless=True, compute_s=0.01,
+                              matmuls=(matmul,))
+    segment = SegmentCost(name="layers.0", expert_exchanges=[exchange])
+    (split,) = split_sequence(segment, [], cp=4, tp=1, comm=CommModel(cluster), devices_per_node=8,
+                              compute_model=compute).expert_exchanges[0].matmuls
+    assert split.flops == pytest.approx(5e11) and split.expert_bytes == 2e9
+    assert split.io_bytes == pytest.approx(1e9 / 4 + 2e9)
+    assert split.alone_s == pytest.approx(split.time_s(compute)) and split.alone_s > matmul.alone_s / 4
