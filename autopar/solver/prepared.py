@@ -99,7 +99,7 @@ class PreparedSegments:
     microbatch (codegen/data_parallel.reduce_partial_gradients), so they are not in time_s."""
     ep_region_fwd_s: np.ndarray | None = None
     """Per segment, the forward collectives around and inside its MoE layers' token-local regions
-    (SegmentCost.expert_region_comm; a full recompute repeats them); None: no expert ops."""
+    (SegmentCost.expert_region_comm), with those recomputation replays; None: no expert ops."""
     ep_region_bwd_s: np.ndarray | None = None
     """The same of the backward."""
     ep_times: dict[tuple, EpTimes] = field(default_factory=dict)
@@ -166,9 +166,8 @@ class PreparedSegments:
         matmuls = tuple(tuple(matmul for exchange in s.expert_exchanges if exchange.dropless
                               for matmul in exchange.matmuls for _ in range(repeat if matmul.phase == "fwd" else 1))
                         for s in segments)
-        region = {phase: array(repeat_fwd * sum(event.time_s for event in s.expert_region_comm if event.phase == phase)
-                               for s in segments) if experts else None
-                  for phase, repeat_fwd in (("fwd", repeat), ("bwd", 1))}
+        region = {phase: array(_region_comm_s(s, recompute, phase) for s in segments) if experts else None
+                  for phase in ("fwd", "bwd")}
         return cls(names=[s.name for s in segments], recompute=recompute, forward_s=forward, backward_s=backward,
                    expert_numel=array(s.expert_param_numel for s in segments) if experts else None,
                    ep_region_fwd_s=region["fwd"], ep_region_bwd_s=region["bwd"],
@@ -325,6 +324,23 @@ def recompute_compute_s(segment: SegmentCost, recompute: str) -> float:
 
 
 _REDUCING = ("reduce_scatter", "all_reduce")
+
+
+def _region_comm_s(segment: SegmentCost, recompute: str, phase: str) -> float:
+    """Seconds of the segment's MoE-region collectives in `phase` (SegmentCost.expert_region_comm),
+    the forward ones recomputation replays (recompute_comm_s) counted again."""
+    events = [event for event in segment.expert_region_comm if event.phase == phase]
+    seconds = sum(event.time_s for event in events)
+    if phase != "fwd":
+        return seconds
+    if recompute == "full":
+        return 2 * seconds
+    if recompute == "op":
+        return seconds + sum(event.time_s for event in events if event.op not in _REDUCING)
+    if is_modules_mode(recompute):
+        replayed = segment.modules_recompute_comm(recompute)
+        return seconds + sum(event.time_s for event in events if event in replayed)
+    return seconds
 
 
 def recompute_comm_s(segment: SegmentCost, recompute: str) -> dict[str, float]:

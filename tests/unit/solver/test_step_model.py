@@ -292,3 +292,22 @@ def test_the_search_lower_bound_holds_where_weight_gradients_fuse():
         estimate, _ = planner.evaluate(config)
         assert estimate.stages[0].fused_wgrad_numel > 0
         assert lower_bound_s(planner.pricing.least_work(config), config) <= estimate.step_time_s
+
+
+@pytest.mark.parametrize("recompute, forward", [("none", 3e-3), ("full", 6e-3), ("op", 4e-3)])
+def test_an_moe_regions_collectives_are_counted_with_their_replays(recompute, forward):
+    """PreparedSegments' MoE-region collectives (evaluate.SegmentCost.expert_region_comm, what
+    Megatron's per-share dispatch replaces): the forward ones again where recomputation replays
+    them (full: all; "op": the non-reducing), the backward ones once."""
+    from autopar.solver.experts import ExpertExchange
+
+    segment = segments(1)[0]
+    segment.expert_exchanges.append(ExpertExchange(token_bytes=1e6, output_bytes=1e6, token_grad=True, dropless=True,
+                                                   compute_s=1e-3))
+    segment.expert_region_comm += [CommEvent(op="all_gather", axis=0, message_bytes=1e6, time_s=1e-3, phase="fwd"),
+                                   CommEvent(op="all_reduce", axis=0, message_bytes=1e6, time_s=2e-3, phase="fwd"),
+                                   CommEvent(op="reduce_scatter", axis=0, message_bytes=1e6, time_s=3e-3, phase="bwd")]
+    prepared = PreparedSegments.build([segment], recompute)
+    assert prepared.ep_region_fwd_s.tolist() == pytest.approx([forward])
+    assert prepared.ep_region_bwd_s.tolist() == pytest.approx([3e-3])
+
