@@ -42,7 +42,7 @@ from autopar.solver.experts import GroupedMatmul
 from autopar.strategies.attention import attention_nodes, is_causal, kv_repeats
 from autopar.strategies.placement import shard_factor, shards_on_dim
 from cost_model.comm import CommModel, Group
-from cost_model.compute import ComputeTime
+from cost_model.compute import ComputeModel, ComputeTime
 from cost_model.context_parallel import (TORCH_BACKWARD_BYTES_PER_ELEMENT, TORCH_MERGE_BYTES_PER_ELEMENT,
                                           TORCH_METHODS, causal_work_share, exposed_kv_exchange_s, ring_step_bytes,
                                           torch_dkv_sends_exposed_s, torch_gather_exposed_s, torch_ring_steps)
@@ -199,10 +199,10 @@ def cp_group(cp: int, tp: int, devices_per_node: int) -> Group:
 
 def split_sequence(segment: SegmentCost, attentions: list[AttentionCost], *, cp: int, tp: int, comm: CommModel,
                    devices_per_node: int, method: str = "all_gather", load_balanced: bool = True,
-                   compute: SplitCompute | None = None, compute_model=None) -> SegmentCost:
+                   compute: SplitCompute | None = None, compute_model: ComputeModel | None = None) -> SegmentCost:
     """`segment`'s cost per rank when each sequence is split over `cp` ranks (module docstring);
     `compute` is its re-priced compute (split_compute), else its compute is scaled by 1 / cp;
-    `compute_model` (a ComputeModel) re-prices its expert ops' grouped matmuls on 1 / cp of the rows."""
+    `compute_model` re-prices its expert ops' grouped matmuls on 1 / cp of the rows."""
     if cp <= 1:
         return segment
     scale = 1.0 / cp
@@ -262,7 +262,7 @@ def split_sequence(segment: SegmentCost, attentions: list[AttentionCost], *, cp:
                    expert_region_comm=[_rescaled(event, scale, comm, tp_group) for event in segment.expert_region_comm])
 
 
-def _split_matmul(matmul: GroupedMatmul, scale: float, compute_model) -> GroupedMatmul:
+def _split_matmul(matmul: GroupedMatmul, scale: float, compute_model: ComputeModel | None) -> GroupedMatmul:
     """A grouped matmul on `scale` of its rows: its FLOPs and row bytes scale, its experts' weights
     do not; its time without ep re-priced on that shape (as split_compute prices the op)."""
     if compute_model is None:
