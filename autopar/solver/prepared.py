@@ -16,6 +16,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from autopar.solver.costing import CommEvent
 from autopar.solver.evaluate import SegmentCost
 from autopar.solver.experts import GroupedMatmul
 from autopar.solver.pipeline import ChainCosts, StageSpan, partition
@@ -328,35 +329,31 @@ _REDUCING = ("reduce_scatter", "all_reduce")
 
 def _region_comm_s(segment: SegmentCost, recompute: str, phase: str) -> float:
     """Seconds of the segment's MoE-region collectives in `phase` (SegmentCost.expert_region_comm),
-    the forward ones recomputation replays (recompute_comm_s) counted again."""
+    the forward ones recomputation replays (replayed_comm) counted again."""
     events = [event for event in segment.expert_region_comm if event.phase == phase]
-    seconds = sum(event.time_s for event in events)
-    if phase != "fwd":
-        return seconds
-    if recompute == "full":
-        return 2 * seconds
-    if recompute == "op":
-        return seconds + sum(event.time_s for event in events if event.op not in _REDUCING)
+    replayed = replayed_comm(segment, recompute) if events and phase == "fwd" else []
+    return sum(event.time_s for event in events) + sum(event.time_s for event in events if event in replayed)
+
+
+def replayed_comm(segment: SegmentCost, recompute: str) -> list[CommEvent]:
+    """The forward collectives recomputation runs again in backward: a full recompute every one,
+    the "op" mode those whose outputs it does not keep (all but the reducing ones),
+    "modules:<kinds>" those that bring the inputs of the ops it runs again (the same policy)."""
     if is_modules_mode(recompute):
-        replayed = segment.modules_recompute_comm(recompute)
-        return seconds + sum(event.time_s for event in events if event in replayed)
-    return seconds
+        return list(segment.modules_recompute_comm(recompute))
+    if recompute in ("full", "op"):
+        return [event for event in segment.comm
+                if event.phase == "fwd" and (recompute == "full" or event.op not in _REDUCING)]
+    return []
 
 
 def recompute_comm_s(segment: SegmentCost, recompute: str) -> dict[str, float]:
-    """Collectives run again in backward, by breakdown key (tp.<key>): a full recompute replays
-    every forward collective, the "op" mode those whose outputs it does not keep (all but the
-    reducing ones), "modules:<kinds>" those that bring the inputs of the ops it runs again (the
-    same policy); the regathering modes gather their sharded saves again."""
+    """Collectives run again in backward, by breakdown key (tp.<key>): those recomputation replays
+    (replayed_comm); the regathering modes gather their sharded saves again."""
     extra: dict[str, float] = {}
-    if is_modules_mode(recompute):
-        for event in segment.modules_recompute_comm(recompute):
-            extra[event.op] = extra.get(event.op, 0.0) + event.time_s
-    elif recompute in ("full", "op"):
-        for event in segment.comm:
-            if event.phase == "fwd" and (recompute == "full" or event.op not in _REDUCING):
-                extra[event.op] = extra.get(event.op, 0.0) + event.time_s
-    elif recompute in REGATHER_MODES:
+    for event in replayed_comm(segment, recompute):
+        extra[event.op] = extra.get(event.op, 0.0) + event.time_s
+    if recompute in REGATHER_MODES:
         kept = segment.selective_kept if recompute == "selective" else None
         seconds = segment.regather_s(kept)
         if seconds:

@@ -304,9 +304,11 @@ def test_an_moe_regions_collectives_are_counted_with_their_replays(recompute, fo
     segment = segments(1)[0]
     segment.expert_exchanges.append(ExpertExchange(token_bytes=1e6, output_bytes=1e6, token_grad=True, dropless=True,
                                                    compute_s=1e-3))
-    segment.expert_region_comm += [CommEvent(op="all_gather", axis=0, message_bytes=1e6, time_s=1e-3, phase="fwd"),
-                                   CommEvent(op="all_reduce", axis=0, message_bytes=1e6, time_s=2e-3, phase="fwd"),
-                                   CommEvent(op="reduce_scatter", axis=0, message_bytes=1e6, time_s=3e-3, phase="bwd")]
+    region = [CommEvent(op="all_gather", axis=0, message_bytes=1e6, time_s=1e-3, phase="fwd"),
+              CommEvent(op="all_reduce", axis=0, message_bytes=1e6, time_s=2e-3, phase="fwd"),
+              CommEvent(op="reduce_scatter", axis=0, message_bytes=1e6, time_s=3e-3, phase="bwd")]
+    segment.comm += region  # the region's collectives are among the segment's (SegmentCost.expert_region_comm)
+    segment.expert_region_comm += region
     prepared = PreparedSegments.build([segment], recompute)
     assert prepared.ep_region_fwd_s.tolist() == pytest.approx([forward])
     assert prepared.ep_region_bwd_s.tolist() == pytest.approx([3e-3])
