@@ -12,8 +12,11 @@ filter and Megatron's output layer keep it), the row's scaling recipe (precision
 input of the price (cost_model/fp8.py HANDLINGS):
 
 - torchtitan with torch.compile on (the notes say "torch.compile on"): "torchtitan", torchao's
-  casts fused by inductor into an amax reduction and one scale-and-cast pass, and sequence-parallel
-  inputs of column-parallel linears cast on their shard and all-gathered in float8;
+  casts fused by inductor into an amax reduction and one scale-and-cast pass, the identical casts
+  of each compiled block one (a shared input's, tensorwise grad_output's), and sequence-parallel
+  inputs of column-parallel linears cast on their shard and all-gathered in float8; where the
+  source names a torchao from before 2025-01-13 (TORCHAO_RECASTS_SINCE), "torchtitan-2024": its
+  linear saved the float8 input and weight and cast grad_output once;
 - NeMo / Megatron-Core (TransformerEngine): "te", per-tensor delayed scaling, one-pass casts with
   their transposes, grad_output cast once, norm-fed inputs written in float8 by the norm and
   gathered so under sequence parallelism, weights cast once per step and kept (memory), float8
@@ -67,6 +70,11 @@ REFERENCE = Path(__file__).resolve().with_suffix(".csv")
 _COMPILED = re.compile(r"\btorch\.compile on\b", re.IGNORECASE)
 _TRANSFORMER_ENGINE = re.compile(r"\b(TransformerEngine|Megatron|NeMo)\b")
 _CURRENT_SCALING = re.compile(r"\bcurrent[- ]scaling\b|\bFP8-CS\b|\bfp8_cs\b", re.IGNORECASE)
+_TORCHAO_DATE = re.compile(r"\btorchao \w+ of (\d{4}-\d{2}-\d{2})\b")
+TORCHAO_RECASTS_SINCE = "2025-01-13"
+"""torchao's tensorwise Float8Linear saved its float8 input and weight for backward until
+pytorch/ao#1461 and #1480 (2025-01-13), which save the high-precision ones and cast again in
+backward (cost_model/fp8.py "torchtitan-2024" against "torchtitan")."""
 def read_fp8_runs(path: Path = REFERENCE) -> list[Run]:
     """The rows of published_fp8.csv (attention as the row's framework ran it: published_runs.Run)."""
     return read_runs(path)
@@ -86,7 +94,8 @@ def handling_of(run: Run) -> str:
     if _TRANSFORMER_ENGINE.search(run.source) or _TRANSFORMER_ENGINE.search(run.notes):
         return "te-current" if _CURRENT_SCALING.search(run.notes) else "te"
     if "torchtitan" in run.source.lower() and _COMPILED.search(run.notes):
-        return "torchtitan"
+        dated = _TORCHAO_DATE.search(run.source) or _TORCHAO_DATE.search(run.notes)
+        return "torchtitan-2024" if dated and dated.group(1) < TORCHAO_RECASTS_SINCE else "torchtitan"
     return "eager"
 
 

@@ -21,11 +21,17 @@ all-gather, from fp32.
 How the casts run is an input (CastHandling, HANDLINGS). "eager" is the sequence above (autopar's
 runtime without torch.compile). "compiled" is autopar's runtime with each float8 linear compiled
 (codegen/fp8_compile.py): inductor fuses each cast's element passes into an amax reduction (read h)
-and one scale-and-cast pass (read h, write 1), 2h + 1 bytes per element in two kernels; the
+and one scale-and-cast pass (read h, write 1), 2h + 1 bytes per element in two kernels, and the
+forward and backward, compiled as one joint graph, share their identical casts: under tensorwise
+scaling grad_output is cast once and the backward's weight cast reuses the forward's scale (a cast
+pass), four casts and a pass where eager runs six (rowwise casts differ by axis: all six run); the
 plan's tp redistributions stay outside, so sequence-parallel inputs are gathered in bf16.
-"torchtitan" is torchao under torch.compile as torchtitan runs it: the same fused casts, and the
+"torchtitan" is torchao under torch.compile as torchtitan runs it: the same, each transformer block
+compiled whole, so linears reading one tensor (q, k, v; gate, up) share its casts, and the
 sequence-parallel inputs of column-parallel linears cast on their shard and all-gathered in
-float8 (Float8ColwiseParallel). "te" is TransformerEngine's
+float8 (Float8ColwiseParallel). "torchtitan-2024" is torchtitan with torchao before 2025-01-13
+(pytorch/ao#1461, #1480): its tensorwise linear cast the input and the weight in forward and saved
+the float8 copies for backward, which cast grad_output once, three casts per linear. "te" is TransformerEngine's
 per-tensor delayed scaling (Megatron-Core/NeMo): the scale comes from the amax history, so a cast
 is one pass that also records the amax and writes the row-major and the transposed float8 copy
 the backward reads (read h, write 2); grad_output is cast once (cast-transpose), the forward's
@@ -52,7 +58,7 @@ This module does not import autopar or torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 FP8_BYTES = 1
 """Bytes per float8 element (e4m3, e5m2)."""
@@ -107,8 +113,33 @@ class CastHandling:
     linear's grad_output is all-reduced over tp before the cast (TE's amax_reduction_group), one
     each; torchao all-reduces the amax of every cast of an operand a DTensor shards."""
     shared_input_cast_once: bool = False
-    """Linears that read one input cast it once (Megatron-Core's fused QKV and fc1 linears: one
-    LayerNormLinear where autopar's graph has q, k, v or gate, up)."""
+    """Linears that read one input cast it once, forward and backward (Megatron-Core's fused QKV
+    and fc1 linears: one LayerNormLinear where autopar's graph has q, k, v or gate, up; torchtitan's
+    compiled blocks: the identical casts of one tensor are one, `joint_graph_cse`)."""
+    joint_graph_cse: bool = False
+    """The casts are compiled with the forward and the backward as one joint graph (torch.compile:
+    AOTAutograd's min-cut partitioner, which inductor uses, first eliminates the joint graph's
+    common subexpressions, functorch's config `cse`): identical casts run once (`for_recipe`)."""
+    weight_recast_pass_only: bool = False
+    """The backward's weight cast reuses the scale the forward computed (saved for backward): a
+    cast pass without the amax pass."""
+    backward_layout_bytes: tuple[tuple[str, int], ...] = ()
+    """Bytes per element of each operand's float8 copy laid out again for a backward matmul
+    (torch._scaled_mm takes its first operand row-major, its second column-major; torchao's
+    preprocess_addmm copies an operand in the other layout: 2, a read and a write; 1 where
+    inductor writes the second layout from the cast's own kernel)."""
+
+    def for_recipe(self, recipe: str) -> CastHandling:
+        """The handling as it runs `recipe`'s casts. Compiled as one joint graph (`joint_graph_cse`),
+        torchao's tensorwise linear (matmul_with_hp_or_float8_args) casts the same grad_output twice
+        in backward (for grad_input and for grad_weight) and the same weight in forward and backward:
+        each pair is one, the backward's weight cast a cast pass with the forward's scale. The
+        backward's input cast (of its 2-D view) and every rowwise cast (each along its own axis)
+        stay: rowwise runs all six."""
+        if not self.joint_graph_cse or recipe != "tensorwise":
+            return self
+        return replace(self, backward_casts=(("grad_output", 1), ("weight", 1), ("input", 1)),
+                       weight_recast_pass_only=True, joint_graph_cse=False, backward_layout_bytes=(("grad_output", 1),))
 
     def bytes_per_element(self, source_bytes: int) -> float:
         if self.element_passes == "eager":
@@ -123,9 +154,15 @@ class CastHandling:
 
 
 HANDLINGS = {
-    "eager": CastHandling(name="eager", element_passes="eager"),
-    "compiled": CastHandling(name="compiled", element_passes="amax_then_cast"),
-    "torchtitan": CastHandling(name="torchtitan", element_passes="amax_then_cast", tp_input_gather_in_float8=True),
+    "eager": CastHandling(name="eager", element_passes="eager",
+                          backward_layout_bytes=(("input", 2), ("weight", 2), ("grad_output", 2))),
+    "compiled": CastHandling(name="compiled", element_passes="amax_then_cast", joint_graph_cse=True),
+    "torchtitan": CastHandling(name="torchtitan", element_passes="amax_then_cast", tp_input_gather_in_float8=True,
+                               joint_graph_cse=True, shared_input_cast_once=True),
+    "torchtitan-2024": CastHandling(name="torchtitan-2024", element_passes="amax_then_cast",
+                                    tp_input_gather_in_float8=True, backward_casts=(("grad_output", 1),),
+                                    saves_float8_inputs=True, shared_input_cast_once=True,
+                                    backward_layout_bytes=(("input", 2), ("weight", 2), ("grad_output", 1))),
     "te": CastHandling(name="te", element_passes="one_pass", layouts_per_cast=2, tp_input_gather_in_float8=True,
                        forward_casts=(("input", 1), ("weight", 1)), backward_casts=(("grad_output", 1),),
                        weight_cast_once_per_step=True, float8_all_gather=False, norm_fused_input_cast=True,
@@ -185,6 +222,27 @@ def cast_elements(linear: Fp8LinearElements, *, weight_precast: bool, handling: 
 def num_casts(*, weight_precast: bool, handling: CastHandling | None = None) -> int:
     skip_weight = weight_precast or (handling is not None and handling.weight_cast_once_per_step)
     return sum(count for operand, count in cast_counts(handling).items() if not (operand == "weight" and skip_weight))
+
+
+def layout_copy_time_s(linear: Fp8LinearElements, handling: CastHandling, *, input_shared: bool,
+                       bandwidth_bytes_per_s: float, kernel_overhead_s: float) -> float:
+    """One linear's backward float8 layout copies per microbatch (CastHandling.backward_layout_bytes);
+    an input another linear already cast is laid out once, by that linear."""
+    seconds = 0.0
+    for operand, size in handling.backward_layout_bytes:
+        if operand == "input" and input_shared:
+            continue
+        seconds += getattr(linear, operand) * size / bandwidth_bytes_per_s + (kernel_overhead_s if size > 1 else 0.0)
+    return seconds
+
+
+def amax_counts(handling: CastHandling | None) -> dict[str, int]:
+    """Amax reductions of each operand per linear and microbatch: one per cast, except a weight
+    cast that reuses the forward's scale (CastHandling.weight_recast_pass_only)."""
+    counts = cast_counts(handling)
+    if handling is not None and handling.weight_recast_pass_only and counts.get("weight"):
+        counts["weight"] -= 1
+    return counts
 
 
 def weight_casts_per_step(handling: CastHandling | None = None) -> int:

@@ -2,13 +2,15 @@
 
 Terms (each named in the plan's breakdown; hardware figures from cost_model/fp8.py):
 
-- `fp8.matmul`: the chosen linears' matmuls at the device's fp8 rate; their bf16 time leaves
-  `compute` (and the bubble its share). Where the device emulates float8 (CPUs) the matmuls stay
-  in `compute` at the bf16 rate.
-- `fp8.cast`: the casts as the choice's handling runs them (autopar's runtime: compiled or eager
-  torchao, cost_model/fp8.py HANDLINGS), six per linear and microbatch (two fewer for weights FSDP2 gathers
-  in float8), from each rank's share of the operands under the plan's placements; with FSDP2's
-  float8 all-gather, the cast of each weight shard before every gather.
+- `fp8.matmul`: the chosen linears' matmuls at the device's fp8 rate, or their bytes' time where
+  longer (`_matmul_bytes`); their bf16 time leaves `compute` (and the bubble its share). Where the
+  device emulates float8 (CPUs) the matmuls stay in `compute` at the bf16 rate.
+- `fp8.cast`: the casts as the choice's handling runs them for its recipe (autopar's runtime:
+  compiled or eager torchao, cost_model/fp8.py HANDLINGS: eager, six per linear and microbatch, two
+  fewer for weights FSDP2 gathers in float8; compiled, the forward-backward graph's identical casts
+  once), from each rank's share of the operands under the plan's placements, with the backward's
+  float8 layout copies; with FSDP2's float8 all-gather, the cast of each weight shard before every
+  gather.
 - `fp8.amax`: (delayed scaling, "te": one all-reduce of the step's amaxes over tp) tensorwise
   scaling of a tensor sharded over tp is an amax all-reduce across the tp
   ranks per cast (rowwise: one scale per row, all-reduced when the row is split); FSDP2's float8
@@ -71,6 +73,16 @@ def _float8_saved_input_share(graph: OpGraph, float8_nodes: set[str]) -> float:
     return sum(graph[root].output.nbytes for root in only_float8) / total
 
 
+def _matmul_bytes(elements: fp8_cost.Fp8LinearElements, writes: str) -> tuple[float, float]:
+    """(bf16, float8) bytes one of a linear's three matmuls moves: each reads two of the input, the
+    weight and the output (or their gradients) and writes the third (`writes`: "output",
+    "grad_input", "grad_weight"); in float8 the two it reads are one byte per element, what it
+    writes stays in the compute dtype."""
+    operands = elements.input + elements.weight + elements.grad_output
+    written = {"output": elements.grad_output, "grad_input": elements.input, "grad_weight": elements.weight}[writes]
+    return COMPUTE_BYTES * operands, fp8_cost.FP8_BYTES * operands + (COMPUTE_BYTES - fp8_cost.FP8_BYTES) * written
+
+
 def _is_norm(graph: OpGraph, name: str) -> bool:
     node = graph[name]
     return node.kind == "call" and ("rms_norm" in node.target or "layer_norm" in node.target)
@@ -119,8 +131,9 @@ class Fp8Pricing:
         if choice.handling not in fp8_cost.HANDLINGS:
             raise ConfigError(f"fp8 cast handling {choice.handling!r} is not one of {sorted(fp8_cost.HANDLINGS)}: "
                              "pick one (\"compiled\" and \"eager\" are autopar's runtime)")
-        self.handling = fp8_cost.HANDLINGS[choice.handling]
-        """How the casts run: "compiled" or "eager" for autopar's runtime (cost_model/fp8.py HANDLINGS)."""
+        self.handling = fp8_cost.HANDLINGS[choice.handling].for_recipe(choice.recipe)
+        """How the casts run: "compiled" or "eager" for autopar's runtime (cost_model/fp8.py HANDLINGS),
+        as they run the choice's recipe."""
         self.auto = auto
         """Keep only the linears whose float8 run is priced faster (the planner's choice)."""
         self.experts = Fp8ExpertPricing(graph, choice.experts, compute=compute, load_imbalance=load_imbalance,
@@ -166,7 +179,7 @@ class Fp8Pricing:
         found, cast_sources = [], set()
         for linear in self.linears:
             elements, sharded = self._elements(linear, config, placements.get(linear.node))
-            bf16_s, fp8_s, bf16_again_s = self._matmul_s(linear, config, sharded["weight"])
+            bf16_s, fp8_s, bf16_again_s = self._matmul_s(linear, config, elements, sharded["weight"])
             # One cast of an input several linears read, where the handling's linears are fused.
             shared = self.handling.shared_input_cast_once and linear.source in cast_sources
             cast_sources.add(linear.source)
@@ -444,28 +457,36 @@ class Fp8Pricing:
             grad_output=linear.output_per_sample * samples / (config.tp if sharded["grad_output"] else 1))
         return elements, sharded
 
-    def _matmul_s(self, linear: _Linear, config: ParallelConfig,
+    def _matmul_s(self, linear: _Linear, config: ParallelConfig, elements: fp8_cost.Fp8LinearElements,
                   weight_sharded: bool) -> tuple[float, float, float]:
         """This rank's matmul time of one linear per microbatch at the bf16 rate and at the fp8 rate
         (the profile's fp8 sweep, `autopar profile` with torch._scaled_mm, else its bf16 rate
         scaled by the datasheet's fp8/bf16 peak ratio), and of the first, the forward's matmuls run
         again under full recomputation; (0, 0, 0) where the
-        device has no FP8 tensor cores (emulated: the bf16 time stays in `compute`)."""
+        device has no FP8 tensor cores (emulated: the bf16 time stays in `compute`). Each matmul
+        takes the longer of its FLOPs' time and its bytes' (`_matmul_bytes`), as compute prices
+        the bf16 one: a skinny matmul (a tp shard of a small projection) is bound by reading its
+        large operand, in float8 at one byte per element."""
         device = self.compute.device
         ratio = device.peak_flops("fp8") / device.peak_flops("bf16")
         if not device.has_fp8 or ratio <= 1.0:
             return 0.0, 0.0, 0.0
         bf16_s = fp8_s = again_s = 0.0
+        bandwidth = self.compute.bandwidth_bytes_per_s
+        backward_roles = iter(("grad_input", "grad_weight"))
         for per_sample, dtype, forward in linear.matmul_flops_per_sample:
             flops = per_sample * config.microbatch_size / config.cp / (config.tp if weight_sharded else 1)
+            role = "output" if forward else next(backward_roles, "grad_weight")
             if flops <= 0:
                 continue
             runs = 2 if forward and config.recompute == "full" else 1
-            bf16_s += runs * flops / self.compute.matmul_rate(flops, dtype)
-            again_s += (runs - 1) * flops / self.compute.matmul_rate(flops, dtype)
+            bf16_bytes, fp8_bytes = _matmul_bytes(elements, role)
+            bf16_kernel_s = max(flops / self.compute.matmul_rate(flops, dtype), bf16_bytes / bandwidth)
+            bf16_s += runs * bf16_kernel_s
+            again_s += (runs - 1) * bf16_kernel_s
             fp8_rate = self.compute.matmul_rate(flops, "fp8") if self.compute.measured("fp8") \
                 else self.compute.matmul_rate(flops, "bf16") * ratio
-            fp8_s += runs * flops / fp8_rate
+            fp8_s += runs * max(flops / fp8_rate, fp8_bytes / bandwidth)
         return bf16_s, fp8_s, again_s
 
     def _input_gathered_in_float8(self, linear: _Linear, config: ParallelConfig, placements: dict) -> bool:
@@ -488,20 +509,30 @@ class Fp8Pricing:
         casts = fp8_cost.num_casts(weight_precast=gathered, handling=handling)
         forward_input = elements.input / config.tp if input_on_shard else elements.input
         one_pass = 0.0  # a norm-fed input whose amax the norm kernel wrote: the cast pass alone
-        if input_shared or (input_from_norm and handling.norm_fused_input_cast):  # no cast of it here
+        if input_shared:  # every cast of it is the other linear's
+            later = fp8_cost.cast_counts(handling).get("input", 1) - 1
+            forward_input, count, casts = 0.0, count - later * elements.input, casts - 1 - later
+        elif input_from_norm and handling.norm_fused_input_cast:  # no cast of it here
             forward_input = 0.0
             casts -= 1
         elif input_from_norm and handling.norm_fused_amax:
             one_pass, forward_input = forward_input, 0.0
             casts -= 1
         count -= elements.input - forward_input  # the forward's cast of a float8-gathered input: its shard
+        pass_only = elements.weight if handling.weight_recast_pass_only and not gathered else 0.0
+        count, casts = count - pass_only, casts - (1 if pass_only else 0)  # the backward's weight: a cast pass
         if config.recompute == "full":  # the forward's input (and weight) casts run again
             weight_again = not gathered and not handling.weight_cast_once_per_step
             count += forward_input + (elements.weight if weight_again else 0)
             casts += (1 if forward_input else 0) + (1 if weight_again else 0)
         runs = 2 if config.recompute == "full" else 1
-        return self._casts_s(count, casts, handling) + self._casts_s(
-            runs * one_pass, runs if one_pass else 0, replace(handling, element_passes="one_pass"))
+        one_pass_handling = replace(handling, element_passes="one_pass")
+        layouts_s = fp8_cost.layout_copy_time_s(elements, handling, input_shared=input_shared,
+                                                bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s,
+                                                kernel_overhead_s=self.compute.overhead_s)
+        return (self._casts_s(count, casts, handling)
+                + self._casts_s(runs * one_pass, runs if one_pass else 0, one_pass_handling)
+                + self._casts_s(pass_only, 1 if pass_only else 0, one_pass_handling) + layouts_s)
 
     def _casts_s(self, elements: float, casts: int, handling: fp8_cost.CastHandling) -> float:
         return fp8_cost.cast_time_s(elements, casts, source_bytes=COMPUTE_BYTES,
@@ -535,9 +566,9 @@ class Fp8Pricing:
             if sharded["input"]:  # row-parallel
                 return {"grad_output": 1}
             return {"input": 0 if input_shared else 1} if sharded["grad_output"] else {}
-        casts = fp8_cost.cast_counts(self.handling)
-        counts = {"input": casts.get("input", 0), "weight": 0 if gathered else casts.get("weight", 0),
-                  "grad_output": casts.get("grad_output", 0)}
+        casts = fp8_cost.amax_counts(self.handling)
+        counts = {"input": 0 if input_shared else casts.get("input", 0),
+                  "weight": 0 if gathered else casts.get("weight", 0), "grad_output": casts.get("grad_output", 0)}
         return {operand: count for operand, count in counts.items() if sharded[operand] and count}
 
     @staticmethod

@@ -72,3 +72,48 @@ def test_each_operand_signature_compiles_on_its_own():
     assert key != signature(inputs, weight.t().contiguous().t())  # strides
     with torch.no_grad():  # grad mode (a forward without autograd traces no backward)
         assert key != signature(inputs, weight)
+
+
+def _compiled_graph_casts(recipe: str) -> dict[str, dict[str, int]]:
+    """Float8 casts and amax reductions in the forward and the backward graph torch.compile makes of
+    one float8 linear: AOTAutograd's joint graph split by the min-cut partitioner inductor uses (the
+    graphs recorded, not lowered: no C++ compiler needed)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    found: dict[str, dict[str, int]] = {}
+
+    def record(name):
+        def compiler(graph_module, example_inputs):
+            calls = [node for node in graph_module.graph.nodes if node.op == "call_function"]
+            found[name] = {
+                "casts": sum("float8" in str(node.kwargs.get("dtype", "")) for node in calls),
+                "amax": sum(node.target in (torch.ops.aten.max.default, torch.ops.aten.amax.default) for node in calls)}
+            return graph_module.forward
+        return compiler
+
+    linears = Float8Linears(recipe, (), torch.device("cpu"), fsdp_float8_all_gather=False)
+    backend = aot_autograd(fw_compiler=record("forward"), bw_compiler=record("backward"),
+                           partition_fn=min_cut_rematerialization_partition)
+    compiled = torch.compile(linears.matmul, backend=backend, fullgraph=True)
+    inputs, weight, grad = _operands()
+    # the weight a parameter, as a model's is (the partitioner keeps its bf16 copy and recasts it)
+    compiled(inputs.clone().requires_grad_(), torch.nn.Parameter(weight.clone())).backward(grad)
+    return found
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_casts_priced_for_compiled_linears_are_the_ones_compile_keeps(recipe):
+    """cost_model/fp8.py prices "compiled" casts as the joint graph runs them: tensorwise, one
+    grad_output cast (its two identical casts are one) and the backward's weight cast a cast pass
+    with the forward's scale (no amax); rowwise, all six casts, each with its amax."""
+    from cost_model import fp8 as fp8_cost
+
+    handling = fp8_cost.HANDLINGS["compiled"].for_recipe(recipe)
+    graphs = _compiled_graph_casts(recipe)
+    forward, backward = dict(handling.forward_casts), dict(handling.backward_casts)
+    amax = fp8_cost.amax_counts(handling)
+    assert graphs["forward"] == {"casts": sum(forward.values()), "amax": sum(forward.values())}
+    assert graphs["backward"] == {"casts": sum(backward.values()),
+                                  "amax": sum(amax.values()) - sum(forward.values())}
+    assert (recipe == "tensorwise") == handling.weight_recast_pass_only

@@ -100,3 +100,33 @@ def test_transformer_engine_current_scaling_casts_in_two_passes_except_after_a_n
     assert fp8.cast_elements(linear, weight_precast=False, handling=current) == 10 + 20
     assert fp8.cast_counts(current) == fp8.cast_counts(delayed) == {"input": 1, "weight": 1, "grad_output": 1}
     assert fp8.cast_counts(None) == {"input": 2, "weight": 2, "grad_output": 2}  # torchao: six casts per linear
+
+
+def test_compiled_tensorwise_casts_share_what_the_joint_graph_shares():
+    """Compiled as one forward-backward graph, the tensorwise recipe's identical casts are one:
+    grad_output once, and the backward's weight cast a cast pass with the forward's scale (no
+    amax); the rowwise recipe's casts differ by axis, all six run; eager shares nothing."""
+    linear = fp8.Fp8LinearElements(input=10.0, weight=100.0, grad_output=20.0)
+    tensorwise = fp8.HANDLINGS["compiled"].for_recipe("tensorwise")
+    assert fp8.cast_counts(tensorwise) == {"input": 2, "weight": 2, "grad_output": 1}
+    assert fp8.amax_counts(tensorwise) == {"input": 2, "weight": 1, "grad_output": 1}
+    assert tensorwise.weight_recast_pass_only
+    assert fp8.HANDLINGS["compiled"].for_recipe("rowwise") == fp8.HANDLINGS["compiled"]
+    assert fp8.HANDLINGS["eager"].for_recipe("tensorwise") == fp8.HANDLINGS["eager"]
+    assert fp8.cast_elements(linear, weight_precast=True, handling=tensorwise) == 2 * 10 + 20
+
+
+def test_torchtitan_before_2025_saved_its_float8_operands():
+    """torchao's tensorwise linear before 2025-01-13 cast input and weight in forward, saved the
+    float8 copies and cast grad_output once in backward, laying out the saved input and weight
+    again for the backward's matmuls (a copy each) and grad_output's second layout in its cast."""
+    old = fp8.HANDLINGS["torchtitan-2024"].for_recipe("tensorwise")
+    assert fp8.cast_counts(old) == {"input": 1, "weight": 1, "grad_output": 1}
+    assert old.saves_float8_inputs and old.shared_input_cast_once and old.tp_input_gather_in_float8
+    linear = fp8.Fp8LinearElements(input=10.0, weight=100.0, grad_output=20.0)
+    copies = fp8.layout_copy_time_s(linear, old, input_shared=False, bandwidth_bytes_per_s=1.0, kernel_overhead_s=0.5)
+    assert copies == 2 * 10 + 2 * 100 + 20 + 2 * 0.5  # two copies (a kernel each), one fused second layout
+    shared = fp8.layout_copy_time_s(linear, old, input_shared=True, bandwidth_bytes_per_s=1.0, kernel_overhead_s=0.5)
+    assert shared == copies - 2 * 10 - 0.5
+    assert fp8.layout_copy_time_s(linear, fp8.HANDLINGS["te"], input_shared=False, bandwidth_bytes_per_s=1.0,
+                                  kernel_overhead_s=0.5) == 0.0  # TE's casts write both layouts

@@ -206,3 +206,24 @@ def test_transformer_engine_saves_float8_inputs_also_as_sequence_shards(recomput
                       fp8=replace(base.fp8, handling="te"))
     estimate, _ = planner.evaluate(autopar_config(planner, tp=2, recompute=recompute, sequence_parallel=True))
     assert 0 < -estimate.memory_bytes["fp8.saved_inputs"] < estimate.memory_bytes["activations"] / 2
+
+
+def test_torchtitans_compiled_blocks_cast_a_shared_input_once():
+    """torchtitan compiles each block whole: q, k, v (and gate, up) read one tensor and share its
+    casts, forward and backward; autopar's runtime compiles each linear alone. Before torchao's
+    2025-01-13 rework the float8 input and weight were saved: fewer casts still."""
+    compiled = _with_handling("compiled", spec=LLAMA)
+    titan = _with_handling("torchtitan", spec=LLAMA)
+    before = _with_handling("torchtitan-2024", spec=LLAMA)
+    assert before["fp8.cast"] < titan["fp8.cast"] < compiled["fp8.cast"]
+
+
+def test_a_float8_matmul_moves_its_operands_at_one_byte():
+    from autopar.solver.fp8_pricing import _matmul_bytes
+    from cost_model.fp8 import Fp8LinearElements
+
+    linear = Fp8LinearElements(input=10.0, weight=100.0, grad_output=20.0)
+    # each matmul reads two of the three and writes the third (in the compute dtype)
+    assert _matmul_bytes(linear, "output") == (260.0, 130.0 + 20.0)
+    assert _matmul_bytes(linear, "grad_input") == (260.0, 130.0 + 10.0)
+    assert _matmul_bytes(linear, "grad_weight") == (260.0, 130.0 + 100.0)
