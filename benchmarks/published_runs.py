@@ -425,6 +425,12 @@ after forward (cost_model/fsdp.py's root ends), until pytorch/torchtitan#1094 ("
 reshard_after_forward logic", 2025-07-28) gave the embedding and [norm, output] units of their own."""
 
 
+TORCH_GATHER_VIEWS_SINCE = (2025, 12)
+"""torch's functional all-gather copied its chunks into place on every dim but 0 until
+pytorch/pytorch#169404 (2025-12), which makes it a view where the dims before the gathered one
+hold one element (PrecisionPolicy.sp_layout_copies "all" before, "batched_gathers" since)."""
+
+
 MEGATRON_BF16_MAIN_GRAD_BYTES = 4.0
 """Megatron's gradients under bf16 are fp32 "main grads", accumulated and reduced in fp32: Megatron-LM
 forces --accumulate-allreduce-grads-in-fp32 when --bf16 is set (megatron/training/arguments.py),
@@ -494,7 +500,8 @@ def policy_of(run: Run) -> PrecisionPolicy:
     main gradients under bf16 (MEGATRON_BF16_MAIN_GRAD_BYTES), and a fused Adam; NeMo runs with TP
     comm overlap where the notes say so, and with its interleaved pipeline's sends overlapped
     (Run.p2p_overlap); NeMo 1.0's distributed fused Adam holds bf16 gradients and a smaller
-    optimizer state (Run.distributed_fused_adam)."""
+    optimizer state (Run.distributed_fused_adam); torchtitan's sequence-parallel collectives copy
+    their chunks as the torch of the run's time did (TORCH_GATHER_VIEWS_SINCE)."""
     if run.precision == "fp32":
         return FP32_ADAM
     if "torchtitan" not in run.source.lower():
@@ -506,6 +513,8 @@ def policy_of(run: Run) -> PrecisionPolicy:
         policy = replace(policy, fsdp_root_ends=True)
     if when is not None and when < TORCHTITAN_FUSED_ADAMW_SINCE:
         policy = replace(policy, optimizer_io_bytes_per_param=adamw_io_bytes_per_param("foreach"))
+    if when is not None and when < TORCH_GATHER_VIEWS_SINCE:
+        policy = replace(policy, sp_layout_copies="all")
     return policy
 
 

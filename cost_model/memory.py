@@ -103,6 +103,16 @@ class PrecisionPolicy:
     each receive as early as the sender's schedule allows, waits on it just before the compute that
     reads it, and waits on its sends only at the step's end (torch 2.13 schedules.py: _add_send_recv,
     _step_microbatches). False: each send is waited on before the next chunk runs."""
+    sp_layout_copies: str = "batched_gathers"
+    """What the runtime copies around a collective that gathers or scatters a dim other than 0
+    (sequence parallelism on a (batch, seq, hidden) activation: DTensor's Shard(1)). NCCL gathers
+    and scatters dim 0, so torch's functional collectives put the chunks in place with a torch.cat,
+    a read and a write of the whole tensor on the compute stream: after an all-gather
+    (all_gather_single) and before a reduce-scatter (reduce_scatter_single). "batched_gathers":
+    torch since pytorch/pytorch#169404 (2025-12), whose all-gather is a view where the dims before
+    the gathered one hold one element (a microbatch of one sequence), its reduce-scatter copying
+    always (autopar's runtime); "all": torch before it; "none": Megatron-LM's (seq, batch,
+    hidden) layout, gathered and scattered on dim 0."""
     param_gather_overlap: bool = True
     """ZeRO-1/2's all-gather of the updated parameters runs inside the step's first forward, each
     unit's one ahead of the compute that needs it (cost_model/fsdp.py's timeline): FSDP2's
@@ -130,7 +140,7 @@ class PrecisionPolicy:
 BF16_ADAM = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0, casts_once_per_step=True, p2p_overlap=True,
                             fsdp_small_root_ends=True, optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])
 """autopar's runtime with `torch.optim.AdamW(pm.parameters())` as the README writes it (foreach)."""
-MEGATRON_BF16 = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0, regather_overlap=True)
+MEGATRON_BF16 = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0, regather_overlap=True, sp_layout_copies="none")
 """Megatron-LM's mixed precision (for pricing runs made that way): bf16/fp16 parameters used
 directly by every microbatch, the fp32 master copy inside the optimizer; no cast; its sequence-
 parallel re-gathers beside the input-gradient GEMMs (`regather_overlap`). Its distributed

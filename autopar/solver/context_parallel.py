@@ -287,7 +287,8 @@ def _rescaled(event: CommEvent, scale: float, comm: CommModel, group: Group) -> 
     if event.phase not in ("fwd", "bwd") or not event.message_bytes:
         return event
     message = event.message_bytes * scale
-    return replace(event, message_bytes=message, time_s=comm.time_s(event.op, message, group))
+    copy_s = event.copy_s * scale
+    return replace(event, message_bytes=message, time_s=comm.time_s(event.op, message, group) + copy_s, copy_s=copy_s)
 
 
 def _kv_exchange(attention: AttentionCost, share: float, cp: int, comm: CommModel, group: Group,

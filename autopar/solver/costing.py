@@ -18,7 +18,7 @@ from autopar.graph import Kernel, OpNode, TensorMeta
 from autopar.mesh import Mesh
 from autopar.strategies import Strategy
 from autopar.strategies.grouped_mm import GROUPED_MM_TARGETS
-from autopar.strategies.placement import PARTIAL, is_shard, shard_factor, transition
+from autopar.strategies.placement import PARTIAL, is_shard, shard_dim, shard_factor, shards_on_dim, transition
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel, ComputeTime
 from cost_model.memory import BF16_ADAM, PrecisionPolicy
@@ -41,6 +41,9 @@ class CommEvent:
     summed: bool = False
     """Reduces a gradient autograd summed over several readers of one redistributed tensor (the
     backward of a fan-out), not the output of one op."""
+    copy_s: float = 0.0
+    """Of time_s: the runtime's copy of the tensor into or out of the collective's dim-0 layout
+    (PrecisionPolicy.sp_layout_copies), compute-stream work priced as its own term (tp.layout_copy)."""
 
     @property
     def column(self) -> str:
@@ -145,10 +148,31 @@ class CostContext:
             axis_size = self.mesh.shape[axis]
             message = bytes_on_axis / axis_size if op == "all_to_all" else bytes_on_axis
             time_s = self.comm.time_s(op, message, self.mesh.group(axis))
-            events.append(CommEvent(op=op, axis=axis, message_bytes=message, time_s=time_s, phase=phase))
+            copy_s = self._layout_copy_s(meta, source, op, src if op == "all_gather" else dst, bytes_on_axis)
+            events.append(CommEvent(op=op, axis=axis, message_bytes=message, time_s=time_s + copy_s, phase=phase,
+                                    copy_s=copy_s))
         result = tuple(events)
         self._redistribute_cache[key] = result
         return result
+
+    def _layout_copy_s(self, meta: TensorMeta, source: Sequence[str], op: str, sharded: str,
+                       full_bytes: float) -> float:
+        """The copy of a gathered (or to be scattered) tensor of `full_bytes` into place, where the
+        collective's dim is not 0 (PrecisionPolicy.sp_layout_copies): a read and a write. Collectives
+        fused with their GEMMs (tp_comm_overlap: torch's async TP, TE's userbuffers) move their
+        chunks in the fused kernels: none here."""
+        mode = self.policy.sp_layout_copies
+        if mode == "none" or self.policy.tp_comm_overlap or op not in ("all_gather", "reduce_scatter") \
+                or not is_shard(sharded):
+            return 0.0
+        dim = shard_dim(sharded)
+        if dim == 0:
+            return 0.0
+        if op == "all_gather" and mode == "batched_gathers":
+            leading = math.prod(meta.shape[index] / shards_on_dim(source, index, self.mesh.shape) for index in range(dim))
+            if leading <= 1:
+                return 0.0
+        return 2 * full_bytes / self.compute.bandwidth_bytes_per_s + self.compute.overhead_s
 
     def op_collectives(self, strategy: Strategy) -> tuple[CommEvent, ...]:
         """The collectives `strategy`'s own rule runs (Strategy.collectives); a message shrinks with

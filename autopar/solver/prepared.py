@@ -147,11 +147,11 @@ class PreparedSegments:
                 if once_per_step(event):
                     grad_reduce[index] += event.time_s
                 else:
-                    _column(comm, event.column, len(segments))[index] += event.time_s
+                    _add_event(comm, event, index, len(segments))
             for op, seconds in recompute_comm_s(segment, recompute).items():
                 _column(comm, op, len(segments))[index] += seconds
             for event in segment.selective_recompute_comm if recompute == "selective" else ():
-                _column(comm, event.column, len(segments))[index] += event.time_s
+                _add_event(comm, event, index, len(segments))
         array = lambda values: np.asarray(list(values), dtype=float)  # noqa: E731
         forward = array(s.forward.total_s for s in segments)
         backward = array(s.backward.total_s for s in segments)
@@ -352,7 +352,9 @@ def recompute_comm_s(segment: SegmentCost, recompute: str) -> dict[str, float]:
     (replayed_comm); the regathering modes gather their sharded saves again."""
     extra: dict[str, float] = {}
     for event in replayed_comm(segment, recompute):
-        extra[event.op] = extra.get(event.op, 0.0) + event.time_s
+        extra[event.op] = extra.get(event.op, 0.0) + event.time_s - event.copy_s
+        if event.copy_s:
+            extra[LAYOUT_COPY] = extra.get(LAYOUT_COPY, 0.0) + event.copy_s
     if recompute in REGATHER_MODES:
         kept = segment.selective_kept if recompute == "selective" else None
         seconds = segment.regather_s(kept)
@@ -373,6 +375,17 @@ def _activation_bytes(segment: SegmentCost, recompute: str) -> float:
     if recompute == "gathers":
         return segment.regathered_saved_bytes()
     return segment.saved_bytes
+
+
+LAYOUT_COPY = "layout_copy"
+"""The breakdown key (tp.layout_copy) of the runtime's copies around collectives (CommEvent.copy_s)."""
+
+
+def _add_event(columns: dict[str, np.ndarray], event: CommEvent, index: int, length: int) -> None:
+    """An event's seconds in its column, its layout copy (CommEvent.copy_s) in its own."""
+    _column(columns, event.column, length)[index] += event.time_s - event.copy_s
+    if event.copy_s:
+        _column(columns, LAYOUT_COPY, length)[index] += event.copy_s
 
 
 def _column(columns: dict[str, np.ndarray], name: str, length: int) -> np.ndarray:

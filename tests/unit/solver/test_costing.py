@@ -44,3 +44,32 @@ def test_attention_on_cpu_under_tensor_parallelism_is_priced_as_the_math_kernel(
     assert priced(fused) == kernels_s(fused, node.fwd_kernels, node.bwd_kernels) != priced(math)
     assert not context(cpu, 1).math_attention
     assert not context(Cluster.from_spec("dgx-h100:nodes=1"), 2).math_attention
+
+
+def test_a_collective_on_a_dim_other_than_0_copies_its_tensor_into_place():
+    """NCCL gathers and scatters dim 0: torch's functional collectives put a sequence-sharded
+    (batch, seq, hidden) tensor's chunks in place with a copy (a read and a write) after an
+    all-gather and before a reduce-scatter; since torch 2025-12 the all-gather of a batch of one is
+    a view. Megatron's (seq, batch, hidden) layout gathers dim 0: no copy."""
+    from autopar.graph import TensorMeta
+
+    cluster = Cluster.from_spec("dgx-h100:nodes=1")
+    mesh = Mesh(axis_names=("tp",), shape=(4,), devices_per_node=8)
+    ctx = cost_context(mesh, cluster)
+    copy_s = lambda meta: 2 * meta.nbytes / ctx.compute.bandwidth_bytes_per_s + ctx.compute.overhead_s  # noqa: E731
+    batched = TensorMeta(shape=(4, 2048, 1024), dtype="bfloat16")
+    single = TensorMeta(shape=(1, 2048, 1024), dtype="bfloat16")
+
+    def copies(context, meta, source, target):
+        return [(event.op, event.copy_s) for event in context.redistribute(meta, source, target, "fwd")]
+
+    assert copies(ctx, batched, ("S1",), ("R",)) == [("all_gather", copy_s(batched))]
+    assert copies(ctx, single, ("S1",), ("R",)) == [("all_gather", 0.0)]  # a view
+    assert copies(ctx, single, ("P",), ("S1",)) == [("reduce_scatter", copy_s(single))]
+    assert copies(ctx, batched, ("S0",), ("R",)) == [("all_gather", 0.0)]  # dim 0: in place
+    event = ctx.redistribute(batched, ("S1",), ("R",), "fwd")[0]
+    assert event.time_s == ctx.comm.time_s("all_gather", batched.nbytes, mesh.group(0)) + event.copy_s
+    before = replace(ctx, policy=replace(ctx.policy, sp_layout_copies="all"), _redistribute_cache={})
+    assert copies(before, single, ("S1",), ("R",)) == [("all_gather", copy_s(single))]
+    megatron = replace(ctx, policy=replace(ctx.policy, sp_layout_copies="none"), _redistribute_cache={})
+    assert copies(megatron, batched, ("S1",), ("R",)) == [("all_gather", 0.0)]
