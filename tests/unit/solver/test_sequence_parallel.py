@@ -158,3 +158,26 @@ def test_without_sp_a_stage_sends_its_replicated_output_as_slices(planner):
     gathered = segments[last_of_first].gathered_output_bytes
     assert gathered > 0  # the last stage sends nothing: its p2p is the all-gather of what it receives
     assert estimate.stages[1].p2p_s == pytest.approx(planner.step_model._tp_gather_s(gathered, estimate.config))
+
+
+def test_sequence_parallel_collectives_pay_their_layout_copies_where_the_runtime_makes_them(planner, plans):
+    """DTensor's collectives (tp overlap off) copy a (batch, seq, hidden) tensor sharded on seq into
+    place around NCCL's dim-0 gathers and scatters (tp.layout_copy, compute-stream time outside the
+    collective's own term); Megatron's (seq, batch, hidden) layout makes none, and fused async TP
+    lays its chunks out in its kernels."""
+    from dataclasses import replace
+
+    from autopar.solver.search import Planner
+
+    with_sp = plans[True]
+
+    def breakdown(**policy):
+        again = Planner(planner.graph, planner.cluster, global_batch=8, policy=replace(planner.policy, **policy))
+        config = api.fixed_config(again, tp=8, pp=1, dp=1, microbatch_size=2, schedule="1f1b", virtual_stages=None,
+                                  layers_per_virtual_stage=None, recompute=with_sp.recompute, zero_stage=0)
+        return again.evaluate(config)[0].breakdown_s
+
+    dtensor = breakdown(tp_comm_overlap=False)
+    assert dtensor.get("tp.layout_copy", 0.0) > 0
+    assert "tp.layout_copy" not in breakdown(tp_comm_overlap=False, sp_layout_copies="none")
+    assert "tp.layout_copy" not in breakdown(tp_comm_overlap=True)
