@@ -43,7 +43,7 @@ class CommEvent:
     backward of a fan-out), not the output of one op."""
     copy_s: float = 0.0
     """Of time_s: the runtime's copy of the tensor into or out of the collective's dim-0 layout
-    (PrecisionPolicy.sp_layout_copies), compute-stream work priced as its own term (tp.layout_copy)."""
+    (PrecisionPolicy.sp_layout_copies), compute-stream work priced as its own term (tp.layout_copy.gather, tp.layout_copy.scatter)."""
 
     @property
     def column(self) -> str:

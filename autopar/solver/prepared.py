@@ -354,7 +354,7 @@ def recompute_comm_s(segment: SegmentCost, recompute: str) -> dict[str, float]:
     for event in replayed_comm(segment, recompute):
         extra[event.op] = extra.get(event.op, 0.0) + event.time_s - event.copy_s
         if event.copy_s:
-            extra[LAYOUT_COPY] = extra.get(LAYOUT_COPY, 0.0) + event.copy_s
+            extra[layout_copy_key(event)] = extra.get(layout_copy_key(event), 0.0) + event.copy_s
     if recompute in REGATHER_MODES:
         kept = segment.selective_kept if recompute == "selective" else None
         seconds = segment.regather_s(kept)
@@ -377,15 +377,17 @@ def _activation_bytes(segment: SegmentCost, recompute: str) -> float:
     return segment.saved_bytes
 
 
-LAYOUT_COPY = "layout_copy"
-"""The breakdown key (tp.layout_copy) of the runtime's copies around collectives (CommEvent.copy_s)."""
+def layout_copy_key(event: CommEvent) -> str:
+    """The breakdown key (tp.<key>) of the runtime's copy around a collective (CommEvent.copy_s):
+    "layout_copy.gather" after an all-gather, "layout_copy.scatter" before a reduce-scatter."""
+    return "layout_copy.gather" if event.op == "all_gather" else "layout_copy.scatter"
 
 
 def _add_event(columns: dict[str, np.ndarray], event: CommEvent, index: int, length: int) -> None:
     """An event's seconds in its column, its layout copy (CommEvent.copy_s) in its own."""
     _column(columns, event.column, length)[index] += event.time_s - event.copy_s
     if event.copy_s:
-        _column(columns, LAYOUT_COPY, length)[index] += event.copy_s
+        _column(columns, layout_copy_key(event), length)[index] += event.copy_s
 
 
 def _column(columns: dict[str, np.ndarray], name: str, length: int) -> np.ndarray:
