@@ -39,6 +39,8 @@ from cost_model.calibration import CPU_WORK_TERMS, TERMS, Calibration, core_shar
 
 COMM_BREAKDOWN_PREFIXES = ("tp.", "cp.", "pp.send_recv", "pp.tied_weights", "dp.gradient_sync")
 WORK_BREAKDOWN_KEYS = ("compute", "recompute", "bubble", "optimizer")
+LAYOUT_COPY_PREFIX = "tp.layout_copy"
+"""Copies around tp collectives (prepared.layout_copy_key): compute-stream work, not communication."""
 _SMALL_MESSAGE_BYTES = 4096.0
 """A message whose time is the collective's latency (the profile's smallest size)."""
 
@@ -164,12 +166,14 @@ def step_features(estimate: Estimate, counts: dict[str, SegmentCounts], step_mod
     exposed = breakdown.get("dp.gradient_sync", 0.0)
     hidden = max(0.0, max((_raw_dp_sync_s(stage, estimate, step_model) for stage in estimate.stages),
                           default=0.0) - exposed)
-    work_s = sum(breakdown.get(key, 0.0) for key in WORK_BREAKDOWN_KEYS)
+    copies_s = sum(seconds for name, seconds in breakdown.items() if name.startswith(LAYOUT_COPY_PREFIX))
+    work_s = sum(breakdown.get(key, 0.0) for key in WORK_BREAKDOWN_KEYS) + copies_s
     return {
         "compute.in_step": work_s,
         "framework.eager_ops": ops,
         "framework.dtensor_dispatch": dtensor_dispatches if config.tp > 1 else 0.0,
-        "comm.pattern": sum(seconds for name, seconds in breakdown.items() if name.startswith(COMM_BREAKDOWN_PREFIXES)),
+        "comm.pattern": sum(seconds for name, seconds in breakdown.items()
+                            if name.startswith(COMM_BREAKDOWN_PREFIXES)) - copies_s,
         "comm.calls": _call_latencies_s(config, mine, m, units, tensors, actions, step_model),
         "pp.schedule": actions,
         "dp.hooks": float(units * m) if fsdp else 0.0,
