@@ -82,5 +82,9 @@ def test_every_row_prices(outcomes, name):
     if titan and outcome.run.cp > 1:  # torch's context_parallel, compiled: its
         # exchange waited where issued (published_runs.cp_kv_exchange_of); autopar's runtime gathers its own way
         assert estimate.breakdown_s["cp.dkv_ring"] > 0 and "cp.dkv_ring" not in outcome.compiled.breakdown_s
+    # DTensor's sequence-parallel collectives (torchtitan, torch of 2024-12) copy their chunks into place;
+    # Megatron's (seq, batch, hidden) layout does not.
+    copies = [name for name in estimate.breakdown_s if name.startswith("tp.layout_copy")]
+    assert bool(copies) == (titan and outcome.run.tp > 1), (name, copies)
     # On H100s the same plan is priced faster in fp8 (as run) than in bf16.
     assert outcome.bf16 is not None and estimate.step_time_s < outcome.bf16.step_time_s
