@@ -75,6 +75,8 @@ TORCHAO_RECASTS_SINCE = "2025-01-13"
 """torchao's tensorwise Float8Linear saved its float8 input and weight for backward until
 pytorch/ao#1461 and #1480 (2025-01-13), which save the high-precision ones and cast again in
 backward (cost_model/fp8.py "torchtitan-2024" against "torchtitan")."""
+
+
 def read_fp8_runs(path: Path = REFERENCE) -> list[Run]:
     """The rows of published_fp8.csv (attention as the row's framework ran it: published_runs.Run)."""
     return read_runs(path)

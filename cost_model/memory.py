@@ -36,6 +36,10 @@ from cost_model.optimizer import ADAMW_IO_BYTES_PER_PARAM
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "zbv")
 
 
+SP_LAYOUT_COPIES = ("batched_gathers", "all", "none")
+"""PrecisionPolicy.sp_layout_copies' values."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PrecisionPolicy:
     """Bytes per parameter of each model state."""
@@ -121,6 +125,10 @@ class PrecisionPolicy:
     its bucket group's all-gather and dispatches the next one's). False: Megatron-Core without
     it (Megatron-LM's default), whose DistributedOptimizer.step_with_ready_grads all-gathers every
     bucket synchronously right after the optimizer step: all of it exposed (dp.all_gather.once)."""
+
+    def __post_init__(self) -> None:
+        if self.sp_layout_copies not in SP_LAYOUT_COPIES:
+            raise ValueError(f"sp_layout_copies {self.sp_layout_copies!r} is not one of {', '.join(SP_LAYOUT_COPIES)}")
 
     @property
     def model_state_bytes(self) -> float:

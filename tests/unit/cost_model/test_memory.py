@@ -83,3 +83,11 @@ def test_accumulated_gradients_are_not_held_before_the_first_backward():
     with pytest.raises(ValueError, match="per local chunk"):
         accumulated_gradient_peak("interleaved", rank=0, num_stages=2, num_microbatches=2, virtual_stages=2,
                                   chunk_activation_bytes=(1.0,), chunk_gradient_bytes=(1.0,))
+
+
+def test_a_policy_names_one_of_the_known_layout_copy_behaviours():
+    from cost_model.memory import MEGATRON_BF16, PrecisionPolicy
+
+    assert PrecisionPolicy().sp_layout_copies == "batched_gathers" and MEGATRON_BF16.sp_layout_copies == "none"
+    with pytest.raises(ValueError, match="sp_layout_copies 'always' is not one of batched_gathers, all, none"):
+        PrecisionPolicy(sp_layout_copies="always")
