@@ -378,9 +378,10 @@ class Fp8Pricing:
                            float8_nodes: set[str], breakdown: dict[str, float], terms: dict[str, float]) -> tuple:
         """The sequence-parallel inputs of column-parallel float8 linears gathered in float8
         (CastHandling.tp_input_gather_in_float8): `tp.all_gather` (and the copies of the gathered
-        tensors into place, `tp.layout_copy.gather`) shrinks by their bytes' share at 1 byte per element, and where the handling saves the float8 shard for backward
-        (saves_float8_inputs: TE) so does its re-gather in backward (`tp.all_gather.regather`, the
-        "gathers" recomputation Megatron runs). Returns the notes."""
+        tensors into place, `tp.layout_copy.gather`) shrinks by their bytes' share at 1 byte per
+        element, and where the handling saves the float8 shard for backward (saves_float8_inputs:
+        TE) so does its re-gather in backward (`tp.all_gather.regather`, the "gathers"
+        recomputation Megatron runs). Returns the notes."""
         notes = ()
         for term, forward_only in (("tp.all_gather", False), ("tp.layout_copy.gather", False),
                                    ("tp.all_gather.regather", True)):

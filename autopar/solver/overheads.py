@@ -40,7 +40,7 @@ from cost_model.calibration import CPU_WORK_TERMS, TERMS, Calibration, core_shar
 COMM_BREAKDOWN_PREFIXES = ("tp.", "cp.", "pp.send_recv", "pp.tied_weights", "dp.gradient_sync")
 WORK_BREAKDOWN_KEYS = ("compute", "recompute", "bubble", "optimizer")
 LAYOUT_COPY_PREFIX = "tp.layout_copy"
-"""Copies around tp collectives (prepared.layout_copy_key): compute-stream work, not communication."""
+"""Copies around tp collectives (prepared._event_terms): compute-stream work, not communication."""
 _SMALL_MESSAGE_BYTES = 4096.0
 """A message whose time is the collective's latency (the profile's smallest size)."""
 

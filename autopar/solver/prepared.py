@@ -352,9 +352,8 @@ def recompute_comm_s(segment: SegmentCost, recompute: str) -> dict[str, float]:
     (replayed_comm); the regathering modes gather their sharded saves again."""
     extra: dict[str, float] = {}
     for event in replayed_comm(segment, recompute):
-        extra[event.op] = extra.get(event.op, 0.0) + event.time_s - event.copy_s
-        if event.copy_s:
-            extra[layout_copy_key(event)] = extra.get(layout_copy_key(event), 0.0) + event.copy_s
+        for key, seconds in _event_terms(event):
+            extra[key] = extra.get(key, 0.0) + seconds
     if recompute in REGATHER_MODES:
         kept = segment.selective_kept if recompute == "selective" else None
         seconds = segment.regather_s(kept)
@@ -377,17 +376,19 @@ def _activation_bytes(segment: SegmentCost, recompute: str) -> float:
     return segment.saved_bytes
 
 
-def layout_copy_key(event: CommEvent) -> str:
-    """The breakdown key (tp.<key>) of the runtime's copy around a collective (CommEvent.copy_s):
-    "layout_copy.gather" after an all-gather, "layout_copy.scatter" before a reduce-scatter."""
-    return "layout_copy.gather" if event.op == "all_gather" else "layout_copy.scatter"
+def _event_terms(event: CommEvent) -> list[tuple[str, float]]:
+    """An event's seconds by breakdown key (tp.<key>): the collective's in its column, the runtime's
+    copy around it (CommEvent.copy_s) in its own, "layout_copy.gather" after an all-gather,
+    "layout_copy.scatter" before a reduce-scatter."""
+    terms = [(event.column, event.time_s - event.copy_s)]
+    if event.copy_s:
+        terms.append(("layout_copy.gather" if event.op == "all_gather" else "layout_copy.scatter", event.copy_s))
+    return terms
 
 
 def _add_event(columns: dict[str, np.ndarray], event: CommEvent, index: int, length: int) -> None:
-    """An event's seconds in its column, its layout copy (CommEvent.copy_s) in its own."""
-    _column(columns, event.column, length)[index] += event.time_s - event.copy_s
-    if event.copy_s:
-        _column(columns, layout_copy_key(event), length)[index] += event.copy_s
+    for key, seconds in _event_terms(event):
+        _column(columns, key, length)[index] += seconds
 
 
 def _column(columns: dict[str, np.ndarray], name: str, length: int) -> np.ndarray:
