@@ -49,6 +49,10 @@ of a sequence-parallel input (column-parallel) or grad_output (row-parallel) is 
 the tp group before its cast (TE's amax_reduction_group, one per cast); the input cast on its
 sequence shard and all-gathered in float8, weights, saved inputs and the fused linears as under "te".
 
+Under the rowwise recipe torchao runs each backward matmul with unit scales and multiplies its
+output by the scales afterwards (`CastHandling.rowwise_rescale_bytes`), a pass of its own where
+no pointwise kernel takes it in.
+
 Matmuls run at the device's "fp8" peak (FP8 tensor cores; a measured bf16
 rate is scaled by the datasheet's fp8/bf16 ratio); a device without them emulates (dequantised
 matmuls at the bf16 rate).
@@ -129,17 +133,47 @@ class CastHandling:
     preprocess_addmm copies an operand in the other layout: 2, a read and a write; 1 where
     inductor writes the second layout from the cast's own kernel)."""
 
+    rowwise_rescale_bytes: int = 0
+    """torchao's rowwise backward matmuls (grad_input, grad_weight; use_fast_accum off) run cuBLAS's
+    tensorwise kernel with unit scales and multiply the bf16 output by the outer product of the two
+    scale vectors afterwards (float8_ops.addmm_float8_unwrapped, since pytorch/ao#1377, 2024-12:
+    PyTorch's rowwise CUTLASS kernel is slow without fast accumulation): bytes per output element of
+    that pass where it runs apart. Eager it materializes the fp32 product (write 4) and multiplies in
+    place (read 2 and 4, write 2): 12 in 2 kernels; compiled one fused pass (read 2, write 2): 4 in 1.
+    0: the framework is not torchao (TE scales in its GEMM's epilogue)."""
+    rescale_fused_into_consumers: bool = False
+    """The rescale of a grad_input runs inside its consumer's kernel (torchtitan compiles each block
+    whole: inductor folds the pointwise multiply into the backward of the elementwise op or norm that
+    produced the linear's input); apart where that producer ran on tensor cores (attention, a
+    matmul: an extern kernel takes the rescaled tensor). A grad_weight leaves the compiled graph:
+    its rescale always runs apart."""
+
     def for_recipe(self, recipe: str) -> CastHandling:
         """The handling as it runs `recipe`'s casts. Compiled as one joint graph (`joint_graph_cse`),
         torchao's tensorwise linear (matmul_with_hp_or_float8_args) casts the same grad_output twice
         in backward (for grad_input and for grad_weight) and the same weight in forward and backward:
         each pair is one, the backward's weight cast a cast pass with the forward's scale. The
         backward's input cast (of its 2-D view) and every rowwise cast (each along its own axis)
-        stay: rowwise runs all six."""
-        if not self.joint_graph_cse or recipe != "tensorwise":
+        stay: rowwise runs all six. Only rowwise rescales its backward matmuls' outputs apart
+        (`rowwise_rescale_bytes`)."""
+        if recipe == "rowwise":
             return self
-        return replace(self, backward_casts=(("grad_output", 1), ("weight", 1), ("input", 1)),
+        handling = replace(self, rowwise_rescale_bytes=0)
+        if not self.joint_graph_cse:
+            return handling
+        return replace(handling, backward_casts=(("grad_output", 1), ("weight", 1), ("input", 1)),
                        weight_recast_pass_only=True, joint_graph_cse=False, backward_layout_bytes=(("grad_output", 1),))
+
+    def rescale_time_s(self, linear: Fp8LinearElements, *, grad_input_apart: bool, bandwidth_bytes_per_s: float,
+                       kernel_overhead_s: float) -> float:
+        """One rowwise linear's backward rescale passes per microbatch (`rowwise_rescale_bytes`): the
+        grad_weight's, and the grad_input's where `grad_input_apart`."""
+        if not self.rowwise_rescale_bytes:
+            return 0.0
+        elements = linear.weight + (linear.input if grad_input_apart else 0.0)
+        kernels = 2 if self.element_passes == "eager" else 1
+        return (elements * self.rowwise_rescale_bytes / bandwidth_bytes_per_s
+                + (1 + grad_input_apart) * kernels * kernel_overhead_s)
 
     def bytes_per_element(self, source_bytes: int) -> float:
         if self.element_passes == "eager":
@@ -154,12 +188,15 @@ class CastHandling:
 
 
 HANDLINGS = {
-    "eager": CastHandling(name="eager", element_passes="eager",
+    "eager": CastHandling(name="eager", element_passes="eager", rowwise_rescale_bytes=12,
                           backward_layout_bytes=(("input", 2), ("weight", 2), ("grad_output", 2))),
-    "compiled": CastHandling(name="compiled", element_passes="amax_then_cast", joint_graph_cse=True),
+    "compiled": CastHandling(name="compiled", element_passes="amax_then_cast", joint_graph_cse=True,
+                             rowwise_rescale_bytes=4),
     "torchtitan": CastHandling(name="torchtitan", element_passes="amax_then_cast", tp_input_gather_in_float8=True,
-                               joint_graph_cse=True, shared_input_cast_once=True),
+                               joint_graph_cse=True, shared_input_cast_once=True, rowwise_rescale_bytes=4,
+                               rescale_fused_into_consumers=True),
     "torchtitan-2024": CastHandling(name="torchtitan-2024", element_passes="amax_then_cast",
+                                    rowwise_rescale_bytes=4, rescale_fused_into_consumers=True,
                                     tp_input_gather_in_float8=True, backward_casts=(("grad_output", 1),),
                                     saves_float8_inputs=True, shared_input_cast_once=True,
                                     backward_layout_bytes=(("input", 2), ("weight", 2), ("grad_output", 1))),

@@ -83,6 +83,11 @@ def _matmul_bytes(elements: fp8_cost.Fp8LinearElements, writes: str) -> tuple[fl
     return COMPUTE_BYTES * operands, fp8_cost.FP8_BYTES * operands + (COMPUTE_BYTES - fp8_cost.FP8_BYTES) * written
 
 
+def _on_tensor_cores(graph: OpGraph, name: str) -> bool:
+    node = graph[graph.storage_root(name)]
+    return node.kind == "call" and any(kernel.is_matmul for kernel in node.fwd_kernels)
+
+
 def _is_norm(graph: OpGraph, name: str) -> bool:
     node = graph[name]
     return node.kind == "call" and ("rms_norm" in node.target or "layer_norm" in node.target)
@@ -95,6 +100,9 @@ class _Linear:
     """The node whose output is the linear's input."""
     after_norm: bool
     """The input is a normalization's output (rms_norm, layer_norm)."""
+    after_tensor_cores: bool
+    """The input is (a view of) the output of an op that runs on tensor cores (attention, a matmul):
+    its backward is an extern kernel that cannot take in a pointwise rescale of the grad_input."""
     fqn: str
     weight_numel: float
     input_per_sample: float
@@ -155,6 +163,7 @@ class Fp8Pricing:
                             for forward, group in ((True, op.fwd_kernels), (False, op.bwd_kernels))
                             for kernel in group if kernel.is_matmul)
             self.linears.append(_Linear(node=node, source=op.inputs[0], after_norm=_is_norm(graph, op.inputs[0]),
+                                        after_tensor_cores=_on_tensor_cores(graph, op.inputs[0]),
                                         fqn=fqn, weight_numel=float(shape[0] * shape[1]),
                                         input_per_sample=source.numel / batch,
                                         output_per_sample=op.output.numel / batch,
@@ -468,7 +477,8 @@ class Fp8Pricing:
         device has no FP8 tensor cores (emulated: the bf16 time stays in `compute`). Each matmul
         takes the longer of its FLOPs' time and its bytes' (`_matmul_bytes`), as compute prices
         the bf16 one: a skinny matmul (a tp shard of a small projection) is bound by reading its
-        large operand, in float8 at one byte per element."""
+        large operand, in float8 at one byte per element. Under the rowwise recipe torchao's
+        backward matmuls add their rescale passes (CastHandling.rowwise_rescale_bytes)."""
         device = self.compute.device
         ratio = device.peak_flops("fp8") / device.peak_flops("bf16")
         if not device.has_fp8 or ratio <= 1.0:
@@ -489,6 +499,10 @@ class Fp8Pricing:
             fp8_rate = self.compute.matmul_rate(flops, "fp8") if self.compute.measured("fp8") \
                 else self.compute.matmul_rate(flops, "bf16") * ratio
             fp8_s += runs * max(flops / fp8_rate, fp8_bytes / bandwidth)
+        if self.choice.recipe == "rowwise":  # the backward matmuls' scales, applied apart
+            apart = not self.handling.rescale_fused_into_consumers or linear.after_tensor_cores
+            fp8_s += self.handling.rescale_time_s(elements, grad_input_apart=apart, bandwidth_bytes_per_s=bandwidth,
+                                                  kernel_overhead_s=self.compute.overhead_s)
         return bf16_s, fp8_s, again_s
 
     def _input_gathered_in_float8(self, linear: _Linear, config: ParallelConfig, placements: dict) -> bool:

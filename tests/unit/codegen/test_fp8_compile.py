@@ -117,3 +117,42 @@ def test_the_casts_priced_for_compiled_linears_are_the_ones_compile_keeps(recipe
     assert graphs["backward"] == {"casts": sum(backward.values()),
                                   "amax": sum(amax.values()) - sum(forward.values())}
     assert (recipe == "tensorwise") == handling.weight_recast_pass_only
+
+
+def _backward_rescales(recipe: str) -> tuple[int, int]:
+    """(float8 matmuls, multiplications of a float8 matmul's output) in the backward graph
+    torch.compile makes of torchao's float8 linear with real float8 matmuls (torch._scaled_mm runs
+    on CPUs too; autopar's CPU runtime emulates them)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torchao.float8.float8_linear import Float8Linear
+
+    from autopar.codegen.fp8 import float8_config, float8_matmul
+
+    found: list[tuple[int, int]] = []
+
+    def record(graph_module, example_inputs):
+        matmuls = [node for node in graph_module.graph.nodes if node.target == torch.ops.aten._scaled_mm.default]
+        found.append((len(matmuls), sum(user.target == torch.ops.aten.mul.Tensor
+                                        for node in matmuls for user in node.users)))
+        return graph_module.forward
+
+    config = float8_config(recipe, emulate=False, fsdp_float8_all_gather=False)
+    matmul = float8_matmul(Float8Linear(16, 16, bias=False, device="meta", config=config).linear_mm_config, config)
+    backend = aot_autograd(fw_compiler=lambda graph_module, example_inputs: graph_module.forward, bw_compiler=record,
+                           partition_fn=min_cut_rematerialization_partition)
+    inputs, weight, grad = _operands()
+    compiled = torch.compile(matmul, backend=backend, fullgraph=True)
+    compiled(inputs.clone().requires_grad_(), torch.nn.Parameter(weight.clone())).backward(grad)
+    return found[0]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_rescale_passes_priced_are_the_ones_torchao_runs(recipe):
+    """Under rowwise scaling torchao multiplies each backward matmul's output by its scales after
+    the matmul (both, in a linear compiled alone: CastHandling.rowwise_rescale_bytes); tensorwise
+    scales inside it."""
+    from cost_model import fp8 as fp8_cost
+
+    handling = fp8_cost.HANDLINGS["compiled"].for_recipe(recipe)
+    assert _backward_rescales(recipe) == (2, 2 if handling.rowwise_rescale_bytes else 0)

@@ -112,8 +112,31 @@ def test_compiled_tensorwise_casts_share_what_the_joint_graph_shares():
     assert fp8.amax_counts(tensorwise) == {"input": 2, "weight": 1, "grad_output": 1}
     assert tensorwise.weight_recast_pass_only
     assert fp8.HANDLINGS["compiled"].for_recipe("rowwise") == fp8.HANDLINGS["compiled"]
-    assert fp8.HANDLINGS["eager"].for_recipe("tensorwise") == fp8.HANDLINGS["eager"]
+    eager = fp8.HANDLINGS["eager"].for_recipe("tensorwise")
+    assert fp8.cast_counts(eager) == fp8.cast_counts(fp8.HANDLINGS["eager"]) and not eager.weight_recast_pass_only
     assert fp8.cast_elements(linear, weight_precast=True, handling=tensorwise) == 2 * 10 + 20
+
+
+def test_rowwise_backward_matmuls_rescale_their_outputs_apart():
+    """torchao runs rowwise's backward matmuls with unit scales and multiplies each output by the
+    outer product of the scales afterwards: eager materializes the fp32 product (12 bytes per output
+    element, two kernels), compiled one pass (4 bytes); torchtitan's whole-block compile folds a
+    grad_input's pass into its consumer unless an extern kernel (attention, a matmul) takes it; the
+    tensorwise recipe and TransformerEngine scale inside the GEMM."""
+    linear = fp8.Fp8LinearElements(input=10.0, weight=100.0, grad_output=20.0)
+
+    def rescale(name, recipe="rowwise", apart=True):
+        handling = fp8.HANDLINGS[name].for_recipe(recipe)
+        return handling.rescale_time_s(linear, grad_input_apart=apart, bandwidth_bytes_per_s=1.0,
+                                       kernel_overhead_s=0.5)
+
+    assert rescale("eager") == 12 * (100 + 10) + 2 * 2 * 0.5
+    assert rescale("compiled") == 4 * (100 + 10) + 2 * 0.5
+    assert rescale("torchtitan", apart=False) == 4 * 100 + 0.5  # the grad_weight's pass only
+    assert fp8.HANDLINGS["torchtitan"].rescale_fused_into_consumers
+    assert not fp8.HANDLINGS["compiled"].rescale_fused_into_consumers  # each linear its own graph
+    assert rescale("compiled", recipe="tensorwise") == rescale("eager", recipe="tensorwise") == 0.0
+    assert rescale("te") == rescale("te-current") == 0.0
 
 
 def test_torchtitan_before_2025_saved_its_float8_operands():

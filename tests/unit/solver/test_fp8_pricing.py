@@ -70,7 +70,7 @@ def test_full_recomputation_casts_the_forward_again():
     assert full["fp8.cast"] > plain["fp8.cast"] and full["fp8.matmul"] > plain["fp8.matmul"]
 
 
-def _with_handling(handling: str, everything: bool = False, spec: str = SPEC, **config):
+def _with_handling(handling: str, everything: bool = False, spec: str = SPEC, recipe: str = "tensorwise", **config):
     """The fp8 terms (`everything`: all terms) of SPEC with every linear in float8, the casts run
     as `handling` runs them."""
     from dataclasses import replace
@@ -83,7 +83,8 @@ def _with_handling(handling: str, everything: bool = False, spec: str = SPEC, **
     # the float8 terms apart from the layout copies of sequence-parallel collectives (test_costing),
     # which would turn the solve away from sequence parallelism at this size
     again = Planner(planner.graph, planner.cluster, global_batch=8, precision="fp8",
-                    policy=replace(planner.policy, sp_layout_copies="none"), fp8=replace(planner.fp8, handling=handling))
+                    policy=replace(planner.policy, sp_layout_copies="none"),
+                    fp8=replace(planner.fp8, handling=handling, recipe=recipe))
     estimate, _ = again.evaluate(autopar_config(again, **config))
     return {name: seconds for name, seconds in estimate.breakdown_s.items() if everything or name.startswith("fp8")}
 
@@ -229,3 +230,29 @@ def test_a_float8_matmul_moves_its_operands_at_one_byte():
     assert _matmul_bytes(linear, "output") == (260.0, 130.0 + 20.0)
     assert _matmul_bytes(linear, "grad_input") == (260.0, 130.0 + 10.0)
     assert _matmul_bytes(linear, "grad_weight") == (260.0, 130.0 + 100.0)
+
+
+def test_rowwise_backward_matmuls_pay_their_rescale_passes_where_they_run_apart(monkeypatch):
+    """torchao rescales rowwise's backward matmul outputs in a pass of their own
+    (CastHandling.rowwise_rescale_bytes): autopar's compiled linears both outputs; torchtitan's
+    compiled blocks the weight gradients, and the input gradient only of the linear fed by
+    attention (o_proj), whose backward is an extern kernel."""
+    from autopar.plans.planning import planner_for
+    from cost_model.fp8 import CastHandling
+
+    planner = planner_for(LLAMA, None, "dgx-h100:gpus_per_node=4", global_batch=8, precision="fp8",
+                          fp8_filter=every_linear)
+    after_attention = {linear.fqn.split(".")[-2] for linear in planner.pricing.fp8.linears
+                       if linear.after_tensor_cores}
+    assert after_attention == {"o_proj"}
+    def rowwise_matmuls():
+        return {name: _with_handling(name, spec=LLAMA, recipe="rowwise")["fp8.matmul"]
+                for name in ("compiled", "torchtitan")}
+
+    priced = rowwise_matmuls()
+    monkeypatch.setattr(CastHandling, "rescale_time_s", lambda self, *args, **kwargs: 0.0)
+    bare = rowwise_matmuls()
+    assert bare["compiled"] == pytest.approx(bare["torchtitan"])
+    assert bare["torchtitan"] < priced["torchtitan"] < priced["compiled"]
+    assert _with_handling("compiled", spec=LLAMA)["fp8.matmul"] == pytest.approx(
+        _with_handling("torchtitan", spec=LLAMA)["fp8.matmul"])  # tensorwise scales inside the GEMM
