@@ -39,7 +39,8 @@ Left out: torchtitan's Table 5 interleaved 1F1B row (128 tokens/s): how many sta
 held is set by split points the table does not state (torchtitan 9dec370's
 pipeline_parallel_split_points has no default); its Tables 1 and 3 bf16 rows are not FP8 runs.
 torchao's README float8 table (8 H100s, Llama 3 8B, tensorwise 7689.5 and rowwise 6768
-tokens/s) does not say which H100 (SXM or the 500 W HBM2e part) ran it. DeepSeek-V3 (arXiv
+tokens/s) does not say which H100 (SXM or the 500 W HBM2e part) ran it: fp8_recipes.py compares
+its recipes' gains on both. DeepSeek-V3 (arXiv
 2412.19437): its FP8 recipe is blockwise (1 x 128 activation tiles, 128 x 128 weight blocks), neither torchao's tensorwise nor rowwise, and the report gives GPU-hours
 per trillion tokens on 2,048 H800s (a GPU autopar has no preset for) rather than a step time of a
 stated configuration (the DualPipe schedule, MLA and the 61-layer MoE shape are not built-in).
