@@ -31,7 +31,8 @@ def measure_grouped_matmuls(timer, device: torch.device, options, compute_time_s
     kind = "cuda" if device.type == "cuda" else "cpu"
     width = _WIDTH[kind]
     cases, keys = [], []
-    for dtype in options.matmul_dtypes:
+    # torch._grouped_mm takes the plain dtypes; fp8 (torch._scaled_mm's) has no grouped sweep here
+    for dtype in (dtype for dtype in options.matmul_dtypes if dtype in TORCH_DTYPES):
         for rows in (_ROWS_QUICK if options.quick else _ROWS)[kind]:
             operands = _operands(rows, width, TORCH_DTYPES[dtype], device)
             if operands is None:

@@ -216,3 +216,17 @@ def test_grouped_matmuls_are_measured_by_rows_per_expert_and_price_expert_matmul
     flops = point.flops_per_expert * 64
     assert model.grouped_matmul_s(flops, point.flops_per_expert, "float32") == pytest.approx(
         flops / point.achieved_flops_per_s)
+
+
+def test_the_grouped_sweep_skips_the_fp8_key_the_matmul_sweep_measures():
+    """On GPUs with FP8 tensor cores the matmul sweep's dtypes include "fp8" (torch._scaled_mm):
+    the grouped sweep (torch._grouped_mm) measures the plain dtypes among them and skips it."""
+    from types import SimpleNamespace
+
+    from cost_model.profile_grouped import measure_grouped_matmuls
+    from cost_model.profile_timing import Timer
+
+    options = SimpleNamespace(matmul_dtypes=("fp32", "fp8"), quick=True, warmup=0, repeats=1, min_sample_s=0.0)
+    points = measure_grouped_matmuls(Timer("cpu", "wall"), torch.device("cpu"), options, lambda call_s: call_s,
+                                     deadline_s=float("inf"))
+    assert points and {point.dtype for point in points} == {"fp32"}
