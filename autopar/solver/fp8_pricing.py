@@ -3,8 +3,10 @@
 Terms (each named in the plan's breakdown; hardware figures from cost_model/fp8.py):
 
 - `fp8.matmul`: the chosen linears' matmuls at the device's fp8 rate, or their bytes' time where
-  longer (`_matmul_bytes`); their bf16 time leaves `compute` (and the bubble its share). Where the
-  device emulates float8 (CPUs) the matmuls stay in `compute` at the bf16 rate.
+  longer (`_matmul_bytes`). The segments the step model prices already hold them in place of the
+  bf16 ones (fp8_segments.py: the stage cut, the bubble and what compute hides of the collectives
+  follow); the term names that share of `compute`. Where the device emulates float8 (CPUs) the
+  matmuls stay in `compute` at the bf16 rate.
 - `fp8.cast`: the casts as the choice's handling runs them for its recipe (autopar's runtime:
   compiled or eager torchao, cost_model/fp8.py HANDLINGS: eager, six per linear and microbatch, two
   fewer for weights FSDP2 gathers in float8; compiled, the forward-backward graph's identical casts
@@ -26,11 +28,11 @@ Terms (each named in the plan's breakdown; hardware figures from cost_model/fp8.
 A note ("fp8 buys: ...", shown by `autopar explain`) sums the terms: what float8 saves or costs
 against the same configuration in bf16.
 
-The terms are added to the estimate after its stages are laid out (the pipeline cut is chosen on
-bf16 times): per stage a 1/pp share of the linears, paid by each of the m + b microbatch slots of
-the pipeline's critical path, b the estimate's bubble in stage microbatch times (pp - 1 under 1F1B,
-(pp - 1) / v interleaved; 0 without a pipeline); under full recomputation the
-forward's casts and matmuls run twice.
+The other terms are added to the estimate after its stages are laid out: per stage a 1/pp share
+of the linears, paid by each of the m + b microbatch slots of the pipeline's critical path, b the
+estimate's bubble in stage microbatch times (pp - 1 under 1F1B, (pp - 1) / v interleaved; 0
+without a pipeline); under full recomputation the forward's casts and matmuls run twice. The
+experts' grouped matmuls (fp8_experts.py) are priced so too, in place of their bf16 time.
 """
 
 from __future__ import annotations
@@ -114,6 +116,42 @@ class _Linear:
 
 
 @dataclass(frozen=True, kw_only=True)
+class _MatmulTimes:
+    """One linear's matmul seconds per run and microbatch, by matmul ("output", "grad_input",
+    "grad_weight"), in bf16 and in float8; the forward runs `runs` times (2 under full
+    recomputation)."""
+
+    bf16: dict[str, float]
+    fp8: dict[str, float]
+    runs: int
+    emulated: bool = False
+    """No FP8 tensor cores: the matmuls stay bf16 (no fp8 time)."""
+
+    def _total(self, times: dict[str, float]) -> float:
+        return self.runs * times["output"] + times["grad_input"] + times["grad_weight"]
+
+    @property
+    def bf16_s(self) -> float:
+        return 0.0 if self.emulated else self._total(self.bf16)
+
+    @property
+    def fp8_s(self) -> float:
+        return 0.0 if self.emulated else self._total(self.fp8)
+
+    @property
+    def bf16_again_s(self) -> float:
+        return 0.0 if self.emulated else (self.runs - 1) * self.bf16["output"]
+
+    @property
+    def fp8_again_s(self) -> float:
+        return 0.0 if self.emulated else (self.runs - 1) * self.fp8["output"]
+
+    @property
+    def change_s(self) -> dict[str, float]:
+        return {role: self.fp8[role] - self.bf16[role] for role in self.bf16}
+
+
+@dataclass(frozen=True, kw_only=True)
 class _Priced:
     """One linear's float8 prices per microbatch on one rank."""
 
@@ -123,6 +161,11 @@ class _Priced:
     fp8_s: float
     bf16_again_s: float
     """Of bf16_s: the forward matmuls run again under full recomputation (priced in `recompute`)."""
+    fp8_again_s: float
+    """Of fp8_s: the same."""
+    change_s: dict[str, float]
+    """fp8 minus bf16 seconds of one run of each matmul ("output": the forward's, "grad_input",
+    "grad_weight"); zeros where the device emulates float8."""
     cast_s: float
     amax_s: float
     kept: bool
@@ -174,21 +217,25 @@ class Fp8Pricing:
 
     @property
     def lower_bound_factor(self) -> float:
-        """No fp8 step is faster than its bf16 lower bound times this: at most the matmuls get
-        faster, by the fp8/bf16 peak ratio (the search's pruning must not drop faster fp8 plans)."""
+        """No fp8 step is faster than the lower bound of its segments times this (the search's
+        pruning must not drop faster fp8 plans): the segments hold the linears' float8 matmuls
+        (fp8_segments.py), the experts' grouped matmuls stay bf16 there and may get faster by the
+        fp8/bf16 peak ratio."""
         device = self.compute.device
-        return device.peak_flops("bf16") / device.peak_flops("fp8") if device.has_fp8 else 1.0
+        if not device.has_fp8 or not self.experts.matmuls:
+            return 1.0
+        return device.peak_flops("bf16") / device.peak_flops("fp8")
 
     def priced(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> list[_Priced]:
         """Each chosen linear's float8 prices per microbatch under `config`, and whether it stays
         in float8 (with `auto`: when its float8 matmul, casts and amax all-reduces take less than
         its bf16 matmul)."""
         placements = strategies(config) if config.tp > 1 else {}
-        gathered = self._gathered_in_float8(config)
+        gathered = self.gathers_in_float8(config)
         found, cast_sources = [], set()
         for linear in self.linears:
             elements, sharded = self._elements(linear, config, placements.get(linear.node))
-            bf16_s, fp8_s, bf16_again_s = self._matmul_s(linear, config, elements, sharded["weight"])
+            times = self._matmul_s(linear, config, elements, sharded["weight"])
             # One cast of an input several linears read, where the handling's linears are fused.
             shared = self.handling.shared_input_cast_once and linear.source in cast_sources
             cast_sources.add(linear.source)
@@ -196,10 +243,10 @@ class Fp8Pricing:
                                   input_on_shard=self._input_gathered_in_float8(linear, config, placements),
                                   input_from_norm=linear.after_norm, input_shared=shared)
             amax_s = self._amax_s(linear, elements, sharded, config, gathered, input_shared=shared)
-            kept = not self.auto or fp8_s + cast_s + amax_s < bf16_s
-            found.append(_Priced(linear=linear, elements=elements, bf16_s=bf16_s, fp8_s=fp8_s,
-                                 bf16_again_s=bf16_again_s, cast_s=cast_s,
-                                 amax_s=amax_s, kept=kept))
+            kept = not self.auto or times.fp8_s + cast_s + amax_s < times.bf16_s
+            found.append(_Priced(linear=linear, elements=elements, bf16_s=times.bf16_s, fp8_s=times.fp8_s,
+                                 bf16_again_s=times.bf16_again_s, fp8_again_s=times.fp8_again_s,
+                                 change_s=times.change_s, cast_s=cast_s, amax_s=amax_s, kept=kept))
         return found
 
     def chosen(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> tuple[str, ...]:
@@ -211,9 +258,10 @@ class Fp8Pricing:
         return self.experts.chosen(config, strategies)
 
     def apply(self, estimate: Estimate, strategies: Callable[[ParallelConfig], dict]) -> Estimate:
-        """`estimate` (priced in bf16) with the chosen linears and experts in float8: their casts,
-        amax reductions and float8 gathers added, their matmuls at the fp8 rate in place of the
-        bf16 ones, and the memory float8 adds and saves."""
+        """`estimate` (priced on segments whose compute holds the kept linears' float8 matmuls,
+        fp8_segments.py) with those matmuls named (`fp8.matmul`), their casts, amax reductions and
+        float8 gathers added, the experts' grouped matmuls at the fp8 rate in place of the bf16
+        ones, and the memory float8 adds and saves."""
         config = estimate.config
         kept = [item for item in self.priced(config, strategies) if item.kept]
         held_weight = sum(item.elements.weight for item in kept)
@@ -226,12 +274,16 @@ class Fp8Pricing:
                       "would cost more than their faster matmuls save)",)
         terms = self._cast_terms(kept, config, slots, held_weight)
         notes += self._gather_step_terms(kept, config, strategies, breakdown, terms, held_weight)
-        self._matmul_terms(kept, estimate, breakdown, terms, bubble_slots)
+        matmuls = self._matmul_terms(kept, estimate, breakdown, bubble_slots)
         experts = [item for item in self.experts.priced(config, strategies) if item.kept]
         notes += self._expert_terms(experts, estimate, breakdown, terms, slots, bubble_slots)
         breakdown.update({name: seconds for name, seconds in terms.items()
                           if seconds and name.startswith("fp8.")})
-        notes += (self._what_fp8_buys(kept, terms, estimate.step_time_s, experts),)
+        compared = dict(terms)
+        for name, seconds in matmuls.items():
+            compared[name] = compared.get(name, 0.0) + seconds
+        bf16_step_s = estimate.step_time_s - sum(matmuls.values())
+        notes += (self._what_fp8_buys(kept, compared, bf16_step_s, experts),)
         memory, peak = self._memory(kept, experts, estimate, held_weight)
         return replace(estimate, step_time_s=estimate.step_time_s + sum(terms.values()), breakdown_s=breakdown,
                        memory_bytes=memory, peak_memory_bytes=peak, notes=notes,
@@ -261,7 +313,7 @@ class Fp8Pricing:
         """Adds the float8 gathers to `terms` (FSDP2's weights at 1 byte per element, and the
         sequence-parallel inputs where the handling gathers them in float8); their notes."""
         notes: tuple[str, ...] = ()
-        if self._gathered_in_float8(config) and kept:
+        if self.gathers_in_float8(config) and kept:
             terms.update(self._gather_terms(config, held_weight / config.pp, len(kept)))
             share = sum(item.linear.weight_numel for item in kept) / self.param_numel
             saved = self._gather_saving(breakdown, share)
@@ -275,25 +327,26 @@ class Fp8Pricing:
 
     @staticmethod
     def _matmul_terms(kept: list[_Priced], estimate: Estimate, breakdown: dict[str, float],
-                      terms: dict[str, float], bubble_slots: float) -> None:
-        """Moves the kept linears' matmuls from bf16 (`compute`, and `recompute` for a recomputed
-        forward's) to `fp8.matmul`, and the pipeline bubble by their change."""
+                      bubble_slots: float) -> dict[str, float]:
+        """Names the kept linears' float8 matmuls, which the estimate's compute already holds
+        (`recompute` the recomputed forward's; fp8_segments.py): `fp8.matmul` takes them out of
+        `compute`, the step unchanged. Returns what they changed against bf16, by term, for the
+        note (`_what_fp8_buys`): the float8 matmuls, the bf16 ones they replaced and the bubble's
+        share of the difference."""
         config = estimate.config
         bf16_matmul_s, fp8_matmul_s = sum(item.bf16_s for item in kept), sum(item.fp8_s for item in kept)
         if not fp8_matmul_s:
-            return
-        again_s = sum(item.bf16_again_s for item in kept) if "recompute" in estimate.breakdown_s else 0.0
+            return {}
+        recomputed = "recompute" in estimate.breakdown_s
+        again_s = sum(item.fp8_again_s for item in kept) if recomputed else 0.0
+        bf16_again_s = sum(item.bf16_again_s for item in kept) if recomputed else 0.0
         m, pp = config.num_microbatches, config.pp
-        breakdown["compute"] = breakdown.get("compute", 0.0) - m * (bf16_matmul_s - again_s) / pp
-        terms["fp8.matmul"] = m * fp8_matmul_s / pp
-        terms["compute"] = -m * (bf16_matmul_s - again_s) / pp
-        if again_s:  # the recomputed forward's bf16 matmuls leave `recompute`
-            breakdown["recompute"] -= m * again_s / pp
-            terms["recompute"] = -m * again_s / pp
-        if bubble_slots:
-            bubble_s = bubble_slots * (fp8_matmul_s - bf16_matmul_s) / pp
-            breakdown["bubble"] = max(breakdown["bubble"] + bubble_s, 0.0)
-            terms["bubble"] = bubble_s
+        breakdown["compute"] = max(breakdown.get("compute", 0.0) - m * (fp8_matmul_s - again_s) / pp, 0.0)
+        if again_s:
+            breakdown["recompute"] = max(breakdown["recompute"] - m * again_s / pp, 0.0)
+        breakdown["fp8.matmul"] = m * fp8_matmul_s / pp
+        return {"fp8.matmul": m * fp8_matmul_s / pp, "compute": -m * (bf16_matmul_s - bf16_again_s) / pp,
+                "recompute": -m * bf16_again_s / pp, "bubble": bubble_slots * (fp8_matmul_s - bf16_matmul_s) / pp}
 
     def _memory(self, kept: list[_Priced], experts: list[PricedExpert], estimate: Estimate,
                 held_weight: float) -> tuple[dict[str, float], float]:
@@ -447,7 +500,7 @@ class Fp8Pricing:
             return 0.0
         return bubble_s / per_microbatch_s
 
-    def _gathered_in_float8(self, config: ParallelConfig) -> bool:
+    def gathers_in_float8(self, config: ParallelConfig) -> bool:
         """FSDP gathers the float8 weights (torchao's tensorwise float8 all-gather, where the
         handling does it)."""
         return self.handling.float8_all_gather and self.choice.recipe == "tensorwise" and uses_fsdp(config)
@@ -469,21 +522,22 @@ class Fp8Pricing:
         return elements, sharded
 
     def _matmul_s(self, linear: _Linear, config: ParallelConfig, elements: fp8_cost.Fp8LinearElements,
-                  weight_sharded: bool) -> tuple[float, float, float]:
-        """This rank's matmul time of one linear per microbatch at the bf16 rate and at the fp8 rate
+                  weight_sharded: bool) -> _MatmulTimes:
+        """This rank's matmul times of one linear per microbatch at the bf16 rate and at the fp8 rate
         (the profile's fp8 sweep, `autopar profile` with torch._scaled_mm, else its bf16 rate
-        scaled by the datasheet's fp8/bf16 peak ratio), and of the first, the forward's matmuls run
-        again under full recomputation; (0, 0, 0) where the
-        device has no FP8 tensor cores (emulated: the bf16 time stays in `compute`). Each matmul
-        takes the longer of its FLOPs' time and its bytes' (`_matmul_bytes`), as compute prices
-        the bf16 one: a skinny matmul (a tp shard of a small projection) is bound by reading its
-        large operand, in float8 at one byte per element. Under the rowwise recipe torchao's
-        backward matmuls add their rescale passes (CastHandling.rowwise_rescale_bytes)."""
+        scaled by the datasheet's fp8/bf16 peak ratio), with the forward's matmuls run again under
+        full recomputation; no fp8 time where the device has no FP8 tensor cores (emulated: the
+        bf16 time stays in `compute`). Each matmul takes the longer of its FLOPs' time and its
+        bytes' (`_matmul_bytes`), as compute prices the bf16 one: a skinny matmul (a tp shard of a
+        small projection) is bound by reading its large operand, in float8 at one byte per
+        element. Under the rowwise recipe torchao's backward matmuls add their rescale passes
+        (CastHandling.rowwise_rescale_bytes)."""
         device = self.compute.device
         ratio = device.peak_flops("fp8") / device.peak_flops("bf16")
+        bf16 = {"output": 0.0, "grad_input": 0.0, "grad_weight": 0.0}
         if not device.has_fp8 or ratio <= 1.0:
-            return 0.0, 0.0, 0.0
-        bf16_s = fp8_s = again_s = 0.0
+            return _MatmulTimes(bf16=bf16, fp8=dict(bf16), runs=1, emulated=True)
+        fp8 = dict(bf16)
         bandwidth = self.compute.bandwidth_bytes_per_s
         backward_roles = iter(("grad_input", "grad_weight"))
         for per_sample, dtype, forward in linear.matmul_flops_per_sample:
@@ -491,19 +545,20 @@ class Fp8Pricing:
             role = "output" if forward else next(backward_roles, "grad_weight")
             if flops <= 0:
                 continue
-            runs = 2 if forward and config.recompute == "full" else 1
             bf16_bytes, fp8_bytes = _matmul_bytes(elements, role)
-            bf16_kernel_s = max(flops / self.compute.matmul_rate(flops, dtype), bf16_bytes / bandwidth)
-            bf16_s += runs * bf16_kernel_s
-            again_s += (runs - 1) * bf16_kernel_s
+            bf16[role] += max(flops / self.compute.matmul_rate(flops, dtype), bf16_bytes / bandwidth)
             fp8_rate = self.compute.matmul_rate(flops, "fp8") if self.compute.measured("fp8") \
                 else self.compute.matmul_rate(flops, "bf16") * ratio
-            fp8_s += runs * max(flops / fp8_rate, fp8_bytes / bandwidth)
+            fp8[role] += max(flops / fp8_rate, fp8_bytes / bandwidth)
         if self.choice.recipe == "rowwise":  # the backward matmuls' scales, applied apart
             apart = not self.handling.rescale_fused_into_consumers or linear.after_tensor_cores
-            fp8_s += self.handling.rescale_time_s(elements, grad_input_apart=apart, bandwidth_bytes_per_s=bandwidth,
-                                                  kernel_overhead_s=self.compute.overhead_s)
-        return bf16_s, fp8_s, again_s
+            rescale = {apart_: self.handling.rescale_time_s(elements, grad_input_apart=apart_,
+                                                            bandwidth_bytes_per_s=bandwidth,
+                                                            kernel_overhead_s=self.compute.overhead_s)
+                       for apart_ in (False, apart)}
+            fp8["grad_weight"] += rescale[False]
+            fp8["grad_input"] += rescale[apart] - rescale[False]
+        return _MatmulTimes(bf16=bf16, fp8=fp8, runs=2 if config.recompute == "full" else 1)
 
     def _input_gathered_in_float8(self, linear: _Linear, config: ParallelConfig, placements: dict) -> bool:
         """The handling gathers this linear's sequence-parallel input in float8: its forward cast

@@ -189,6 +189,21 @@ class PreparedSegments:
                    max_recomputed_bytes=max((max(0.0, s.saved_bytes - _activation_bytes(s, recompute))
                                              for s in segments), default=0.0))
 
+    def with_compute_change(self, forward_s: np.ndarray, backward_s: np.ndarray, recompute_s: np.ndarray,
+                            weight_grad_s: np.ndarray) -> "PreparedSegments":
+        """These segments with each one's compute changed by the seconds given per microbatch (the
+        float8 linears' matmuls in place of their bf16 ones: solver/fp8_segments.py), every cache
+        fresh: the stage cut, the overlap of collectives with compute and the bubble all see the
+        changed times."""
+        arrays = {f.name: value for f in fields(self) if isinstance(value := getattr(self, f.name), np.ndarray)}
+        arrays.update(forward_s=self.forward_s + forward_s, backward_s=self.backward_s + backward_s,
+                      recompute_s=self.recompute_s + recompute_s, weight_grad_s=self.weight_grad_s + weight_grad_s,
+                      time_s=self.time_s + forward_s + backward_s + recompute_s)
+        return PreparedSegments(
+            names=list(self.names), recompute=self.recompute, max_saved_bytes=self.max_saved_bytes,
+            max_recomputed_bytes=self.max_recomputed_bytes, comm_by_op_s=dict(self.comm_by_op_s),
+            ep_messages=self.ep_messages, ep_matmuls=self.ep_matmuls, **arrays)
+
     def _indexed(self, index: np.ndarray, names: list[str]) -> "PreparedSegments":
         """These rows repeated as `index` says, named `names` (every per-segment array)."""
         arrays = {f.name: value[index] for f in fields(self) if isinstance(value := getattr(self, f.name), np.ndarray)}

@@ -17,6 +17,7 @@ from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES, Estimate, ParallelConf
 from autopar.solver.context_parallel import attention_costs, sequence_length, split_compute, split_sequence
 from autopar.solver.dtensor_ops import runs_math_attention
 from autopar.solver.evaluate import SegmentCost
+from autopar.solver.fp8_segments import float8_segments
 from autopar.solver.expert_folding import fixed_token_local, read_outside, runs_folded, token_local_region
 from autopar.solver.experts import ExpertOp, ep_blocker, ep_degrees
 from autopar.solver.overheads import Overheads, SegmentCounts, segment_counts, step_features
@@ -53,6 +54,7 @@ class Pricing:
         self.costs: dict[tuple[int, int, bool, int], list[SegmentCost]] = {}
         """segment_costs by (tp, microbatch, sequence parallel, cp): each recomputation mode reads them again."""
         self._prepared: dict[tuple, PreparedSegments] = {}
+        self._float8_prepared: dict[tuple, PreparedSegments] = {}
         self._counts: dict[TpKey, dict[str, SegmentCounts]] = {}
         self.fp8 = None
         """Precision "fp8": its terms (fp8_pricing.Fp8Pricing), added to every estimate; else None."""
@@ -170,9 +172,21 @@ class Pricing:
         return self._prepared[key]
 
     def prepared_for(self, config: ParallelConfig, recompute: str | None = None) -> PreparedSegments:
-        """The prepared segments of a configuration (under another recomputation mode if given)."""
-        return self.prepared(config.tp, config.microbatch_size, recompute or config.recompute, config.cp,
-                             config.sequence_parallel, config.folds_experts)
+        """The prepared segments of a configuration (under another recomputation mode if given);
+        under precision "fp8" with its float8 linears' matmuls in their compute (fp8_segments.py)."""
+        mode = recompute or config.recompute
+        prepared = self.prepared(config.tp, config.microbatch_size, mode, config.cp, config.sequence_parallel,
+                                 config.folds_experts)
+        if self.fp8 is None:
+            return prepared
+        key = self.tp_key(config.tp, config.microbatch_size, config.sequence_parallel) + (
+            mode, config.cp, config.folds_experts, self.fp8.gathers_in_float8(config))
+        if key not in self._float8_prepared:
+            self._float8_prepared[key] = float8_segments(
+                self.fp8, self.graph, prepared, replace(config, recompute=mode),
+                lambda priced: self.strategies(priced.tp, priced.microbatch_size, priced.sequence_parallel,
+                                               priced.folds_experts))
+        return self._float8_prepared[key]
 
     def least_work(self, config: ParallelConfig) -> PreparedSegments:
         """What a lower bound on the configuration's time may count: its own mode's segments, or
