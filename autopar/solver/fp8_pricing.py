@@ -491,11 +491,11 @@ class Fp8Pricing:
     def _bubble_slots(estimate: Estimate) -> float:
         """The pipeline bubble in microbatch times of a stage: pp - 1 under 1F1B, (pp - 1) / v
         interleaved over v chunks; 0 without a pipeline. The fp8 terms of a microbatch are paid
-        by each of the m + this many slots of the critical path."""
+        by each of the m + this many slots of the critical path. A slot is the slowest stage's
+        microbatch time (the step is m of them and the bubble), collectives included."""
         config = estimate.config
         bubble_s = estimate.breakdown_s.get("bubble", 0.0)
-        per_microbatch_s = (estimate.breakdown_s.get("compute", 0.0)
-                            + estimate.breakdown_s.get("recompute", 0.0)) / config.num_microbatches
+        per_microbatch_s = max((stage.time_per_microbatch_s for stage in estimate.stages), default=0.0)
         if config.pp == 1 or bubble_s <= 0 or per_microbatch_s <= 0:
             return 0.0
         return bubble_s / per_microbatch_s
