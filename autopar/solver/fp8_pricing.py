@@ -140,6 +140,7 @@ class _MatmulTimes:
 
     @property
     def bf16_again_s(self) -> float:
+        """Of bf16_s: the forward matmuls run again under full recomputation (in `recompute`)."""
         return 0.0 if self.emulated else (self.runs - 1) * self.bf16["output"]
 
     @property
@@ -148,6 +149,7 @@ class _MatmulTimes:
 
     @property
     def change_s(self) -> dict[str, float]:
+        """fp8 minus bf16 seconds of one run of each matmul (zeros where emulated)."""
         return {role: self.fp8[role] - self.bf16[role] for role in self.bf16}
 
 
@@ -157,15 +159,7 @@ class _Priced:
 
     linear: _Linear
     elements: fp8_cost.Fp8LinearElements
-    bf16_s: float
-    fp8_s: float
-    bf16_again_s: float
-    """Of bf16_s: the forward matmuls run again under full recomputation (priced in `recompute`)."""
-    fp8_again_s: float
-    """Of fp8_s: the same."""
-    change_s: dict[str, float]
-    """fp8 minus bf16 seconds of one run of each matmul ("output": the forward's, "grad_input",
-    "grad_weight"); zeros where the device emulates float8."""
+    matmuls: _MatmulTimes
     cast_s: float
     amax_s: float
     kept: bool
@@ -244,9 +238,8 @@ class Fp8Pricing:
                                   input_from_norm=linear.after_norm, input_shared=shared)
             amax_s = self._amax_s(linear, elements, sharded, config, gathered, input_shared=shared)
             kept = not self.auto or times.fp8_s + cast_s + amax_s < times.bf16_s
-            found.append(_Priced(linear=linear, elements=elements, bf16_s=times.bf16_s, fp8_s=times.fp8_s,
-                                 bf16_again_s=times.bf16_again_s, fp8_again_s=times.fp8_again_s,
-                                 change_s=times.change_s, cast_s=cast_s, amax_s=amax_s, kept=kept))
+            found.append(_Priced(linear=linear, elements=elements, matmuls=times, cast_s=cast_s, amax_s=amax_s,
+                                 kept=kept))
         return found
 
     def chosen(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> tuple[str, ...]:
@@ -334,12 +327,13 @@ class Fp8Pricing:
         note (`_what_fp8_buys`): the float8 matmuls, the bf16 ones they replaced and the bubble's
         share of the difference."""
         config = estimate.config
-        bf16_matmul_s, fp8_matmul_s = sum(item.bf16_s for item in kept), sum(item.fp8_s for item in kept)
+        matmuls = [item.matmuls for item in kept]
+        bf16_matmul_s, fp8_matmul_s = sum(item.bf16_s for item in matmuls), sum(item.fp8_s for item in matmuls)
         if not fp8_matmul_s:
             return {}
         recomputed = "recompute" in estimate.breakdown_s
-        again_s = sum(item.fp8_again_s for item in kept) if recomputed else 0.0
-        bf16_again_s = sum(item.bf16_again_s for item in kept) if recomputed else 0.0
+        again_s = sum(item.fp8_again_s for item in matmuls) if recomputed else 0.0
+        bf16_again_s = sum(item.bf16_again_s for item in matmuls) if recomputed else 0.0
         m, pp = config.num_microbatches, config.pp
         breakdown["compute"] = max(breakdown.get("compute", 0.0) - m * (fp8_matmul_s - again_s) / pp, 0.0)
         if again_s:

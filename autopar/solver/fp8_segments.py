@@ -27,7 +27,7 @@ def float8_segments(pricing: Fp8Pricing, graph: OpGraph, prepared: PreparedSegme
     linear: its forward matmul in the forward (and, under full recomputation, in the recomputed
     forward), its gradient matmuls in the backward (the weight's also in the weight-gradient
     time). Unchanged where the device emulates float8."""
-    kept = [item for item in pricing.priced(config, strategies) if item.kept and any(item.change_s.values())]
+    kept = [item for item in pricing.priced(config, strategies) if item.kept and any(item.matmuls.change_s.values())]
     if not kept:
         return prepared
     segment_of = {node: segment.name for segment in graph.segments for node in segment.nodes}
@@ -37,7 +37,7 @@ def float8_segments(pricing: Fp8Pricing, graph: OpGraph, prepared: PreparedSegme
         index = row.get(segment_of.get(item.linear.node, ""))
         if index is None:
             continue
-        for role, seconds in item.change_s.items():
+        for role, seconds in item.matmuls.change_s.items():
             changes[role][index] += seconds
     again = changes["output"] if config.recompute == "full" else np.zeros(len(prepared.names))
     return prepared.with_compute_change(changes["output"], changes["grad_input"] + changes["grad_weight"], again,
