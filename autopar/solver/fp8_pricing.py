@@ -546,12 +546,12 @@ class Fp8Pricing:
             fp8[role] += max(flops / fp8_rate, fp8_bytes / bandwidth)
         if self.choice.recipe == "rowwise":  # the backward matmuls' scales, applied apart
             apart = not self.handling.rescale_fused_into_consumers or linear.after_tensor_cores
-            rescale = {apart_: self.handling.rescale_time_s(elements, grad_input_apart=apart_,
-                                                            bandwidth_bytes_per_s=bandwidth,
-                                                            kernel_overhead_s=self.compute.overhead_s)
-                       for apart_ in (False, apart)}
-            fp8["grad_weight"] += rescale[False]
-            fp8["grad_input"] += rescale[apart] - rescale[False]
+            passes = {grad_input: self.handling.rescale_time_s(elements, grad_input_apart=grad_input,
+                                                               bandwidth_bytes_per_s=bandwidth,
+                                                               kernel_overhead_s=self.compute.overhead_s)
+                      for grad_input in (False, True)}
+            fp8["grad_weight"] += passes[False]
+            fp8["grad_input"] += passes[True] - passes[False] if apart else 0.0
         return _MatmulTimes(bf16=bf16, fp8=fp8, runs=2 if config.recompute == "full" else 1)
 
     def _input_gathered_in_float8(self, linear: _Linear, config: ParallelConfig, placements: dict) -> bool:

@@ -17,9 +17,9 @@ from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES, Estimate, ParallelConf
 from autopar.solver.context_parallel import attention_costs, sequence_length, split_compute, split_sequence
 from autopar.solver.dtensor_ops import runs_math_attention
 from autopar.solver.evaluate import SegmentCost
-from autopar.solver.fp8_segments import float8_segments
 from autopar.solver.expert_folding import fixed_token_local, read_outside, runs_folded, token_local_region
 from autopar.solver.experts import ExpertOp, ep_blocker, ep_degrees
+from autopar.solver.fp8_segments import float8_segments
 from autopar.solver.overheads import Overheads, SegmentCounts, segment_counts, step_features
 from autopar.solver.prepared import PreparedSegments
 from autopar.solver.recompute import RECOMPUTE_MODES
