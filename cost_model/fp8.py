@@ -164,16 +164,14 @@ class CastHandling:
         return replace(handling, backward_casts=(("grad_output", 1), ("weight", 1), ("input", 1)),
                        weight_recast_pass_only=True, joint_graph_cse=False, backward_layout_bytes=(("grad_output", 1),))
 
-    def rescale_time_s(self, linear: Fp8LinearElements, *, grad_input_apart: bool, bandwidth_bytes_per_s: float,
+    def rescale_pass_s(self, output_elements: float, *, bandwidth_bytes_per_s: float,
                        kernel_overhead_s: float) -> float:
-        """One rowwise linear's backward rescale passes per microbatch (`rowwise_rescale_bytes`): the
-        grad_weight's, and the grad_input's where `grad_input_apart`."""
+        """One rowwise backward matmul's rescale pass over its `output_elements` outputs, where it
+        runs apart (`rowwise_rescale_bytes`; 0 where the handling scales inside the GEMM)."""
         if not self.rowwise_rescale_bytes:
             return 0.0
-        elements = linear.weight + (linear.input if grad_input_apart else 0.0)
         kernels = 2 if self.element_passes == "eager" else 1
-        return (elements * self.rowwise_rescale_bytes / bandwidth_bytes_per_s
-                + (1 + grad_input_apart) * kernels * kernel_overhead_s)
+        return output_elements * self.rowwise_rescale_bytes / bandwidth_bytes_per_s + kernels * kernel_overhead_s
 
     def bytes_per_element(self, source_bytes: int) -> float:
         if self.element_passes == "eager":

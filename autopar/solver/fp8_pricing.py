@@ -119,37 +119,35 @@ class _Linear:
 class _MatmulTimes:
     """One linear's matmul seconds per run and microbatch, by matmul ("output", "grad_input",
     "grad_weight"), in bf16 and in float8; the forward runs `runs` times (2 under full
-    recomputation)."""
+    recomputation). All zeros where the device emulates float8 (the bf16 time stays in `compute`)."""
 
     bf16: dict[str, float]
     fp8: dict[str, float]
     runs: int
-    emulated: bool = False
-    """No FP8 tensor cores: the matmuls stay bf16 (no fp8 time)."""
 
     def _total(self, times: dict[str, float]) -> float:
         return self.runs * times["output"] + times["grad_input"] + times["grad_weight"]
 
     @property
     def bf16_s(self) -> float:
-        return 0.0 if self.emulated else self._total(self.bf16)
+        return self._total(self.bf16)
 
     @property
     def fp8_s(self) -> float:
-        return 0.0 if self.emulated else self._total(self.fp8)
+        return self._total(self.fp8)
 
     @property
     def bf16_again_s(self) -> float:
         """Of bf16_s: the forward matmuls run again under full recomputation (in `recompute`)."""
-        return 0.0 if self.emulated else (self.runs - 1) * self.bf16["output"]
+        return (self.runs - 1) * self.bf16["output"]
 
     @property
     def fp8_again_s(self) -> float:
-        return 0.0 if self.emulated else (self.runs - 1) * self.fp8["output"]
+        return (self.runs - 1) * self.fp8["output"]
 
     @property
     def change_s(self) -> dict[str, float]:
-        """fp8 minus bf16 seconds of one run of each matmul (zeros where emulated)."""
+        """fp8 minus bf16 seconds of one run of each matmul."""
         return {role: self.fp8[role] - self.bf16[role] for role in self.bf16}
 
 
@@ -530,7 +528,7 @@ class Fp8Pricing:
         ratio = device.peak_flops("fp8") / device.peak_flops("bf16")
         bf16 = {"output": 0.0, "grad_input": 0.0, "grad_weight": 0.0}
         if not device.has_fp8 or ratio <= 1.0:
-            return _MatmulTimes(bf16=bf16, fp8=dict(bf16), runs=1, emulated=True)
+            return _MatmulTimes(bf16=bf16, fp8=dict(bf16), runs=1)
         fp8 = dict(bf16)
         bandwidth = self.compute.bandwidth_bytes_per_s
         backward_roles = iter(("grad_input", "grad_weight"))
@@ -545,13 +543,13 @@ class Fp8Pricing:
                 else self.compute.matmul_rate(flops, "bf16") * ratio
             fp8[role] += max(flops / fp8_rate, fp8_bytes / bandwidth)
         if self.choice.recipe == "rowwise":  # the backward matmuls' scales, applied apart
-            apart = not self.handling.rescale_fused_into_consumers or linear.after_tensor_cores
-            passes = {grad_input: self.handling.rescale_time_s(elements, grad_input_apart=grad_input,
-                                                               bandwidth_bytes_per_s=bandwidth,
-                                                               kernel_overhead_s=self.compute.overhead_s)
-                      for grad_input in (False, True)}
-            fp8["grad_weight"] += passes[False]
-            fp8["grad_input"] += passes[True] - passes[False] if apart else 0.0
+            def rescale_s(output_elements: float) -> float:
+                return self.handling.rescale_pass_s(output_elements, bandwidth_bytes_per_s=bandwidth,
+                                                    kernel_overhead_s=self.compute.overhead_s)
+
+            fp8["grad_weight"] += rescale_s(elements.weight)  # leaves the compiled graph: always apart
+            if not self.handling.rescale_fused_into_consumers or linear.after_tensor_cores:
+                fp8["grad_input"] += rescale_s(elements.input)
         return _MatmulTimes(bf16=bf16, fp8=fp8, runs=2 if config.recompute == "full" else 1)
 
     def _input_gathered_in_float8(self, linear: _Linear, config: ParallelConfig, placements: dict) -> bool:
