@@ -141,6 +141,12 @@ class CastHandling:
     that pass where it runs apart. Eager it materializes the fp32 product (write 4) and multiplies in
     place (read 2 and 4, write 2): 12 in 2 kernels; compiled one fused pass (read 2, write 2): 4 in 1.
     0: the framework is not torchao (TE scales in its GEMM's epilogue)."""
+    experts_as_linears: bool = False
+    """The framework runs each expert's matmuls as a float8 linear of its own and casts them as its
+    linears (TransformerEngine under Megatron-Core's SequentialMLP or TEGroupedMLP: each expert's
+    rows cast as a linear's input, its grad_output likewise, its weight once per step; no padding
+    or re-layout copies); else torchao's rowwise grouped-GEMM casts and autopar's copies around
+    them (autopar/solver/fp8_experts.py)."""
     rescale_fused_into_consumers: bool = False
     """The rescale of a grad_input runs inside its consumer's kernel (torchtitan compiles each block
     whole: inductor folds the pointwise multiply into the backward of the elementwise op or norm that
@@ -201,12 +207,13 @@ HANDLINGS = {
     "te": CastHandling(name="te", element_passes="one_pass", layouts_per_cast=2, tp_input_gather_in_float8=True,
                        forward_casts=(("input", 1), ("weight", 1)), backward_casts=(("grad_output", 1),),
                        weight_cast_once_per_step=True, float8_all_gather=False, norm_fused_input_cast=True,
-                       saves_float8_inputs=True, amax_reduced_per_step=True, shared_input_cast_once=True),
+                       saves_float8_inputs=True, amax_reduced_per_step=True, shared_input_cast_once=True,
+                       experts_as_linears=True),
     "te-current": CastHandling(name="te-current", element_passes="amax_then_cast", layouts_per_cast=2,
                                forward_casts=(("input", 1), ("weight", 1)), backward_casts=(("grad_output", 1),),
                                weight_cast_once_per_step=True, float8_all_gather=False, norm_fused_amax=True,
                                tp_input_gather_in_float8=True, saves_float8_inputs=True,
-                               amax_on_sequence_shards=True, shared_input_cast_once=True),
+                               amax_on_sequence_shards=True, shared_input_cast_once=True, experts_as_linears=True),
 }
 """The cast handlings a price can be asked for: autopar's runtime runs "eager" (torchao without
 torch.compile) or "compiled" (RUNTIME_HANDLINGS); published runs are priced with the handling

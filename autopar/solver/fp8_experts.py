@@ -34,12 +34,20 @@ Terms (each named in the plan's breakdown):
 - memory `fp8.copies`: the copies alive around one op (the larger of the forward's and the
   backward's: float8 operands, the padded bf16 operand and, on the CUDA path, the weight's
   column-major copy), against the linears' (the larger counts).
+
+A published run whose framework runs each expert as a float8 linear of its own
+(CastHandling.experts_as_linears: TransformerEngine under Megatron-Core's SequentialMLP or
+TEGroupedMLP) is priced as it ran: `fp8.cast.experts` is its linears' casts over the experts'
+operands (cost_model/fp8.py: a local expert's rows cast as a linear's input, one cast per expert
+and operand, forward and backward as the handling counts them, an input another expert op already
+cast not again; the weights cast once per step and kept, memory `fp8.weights`), and there are no
+copies (the framework's GEMMs take each expert's rows and weight as they lie).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.graph import OpGraph
 from autopar.solver.configs import ParallelConfig
@@ -70,6 +78,8 @@ class ExpertMatmul:
     out_features: int
     flops_per_sample: tuple[tuple[float, bool], ...]
     """(FLOPs per sample, forward) of each of its grouped-matmul kernels."""
+    source: str = ""
+    """The node its tokens come from (expert ops reading one input share its casts)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,14 +98,21 @@ class PricedExpert:
     copy_s: float
     transient_bytes: float
     kept: bool
+    weight_once_s: float = 0.0
+    """Its weight's casts once per step, where the framework casts them so (experts_as_linears)."""
+    weight_elements: float = 0.0
+    """Its weight's elements on this rank (the float8 copies such a framework keeps)."""
 
 
 class Fp8ExpertPricing:
     """The float8 expert terms of one planner's estimates."""
 
     def __init__(self, graph: OpGraph, fqns: tuple[str, ...], *, compute: ComputeModel, load_imbalance: float,
-                 auto: bool = False) -> None:
+                 auto: bool = False, handling: fp8_cost.CastHandling | None = None) -> None:
         self.compute = compute
+        self.handling = handling if handling is not None and handling.experts_as_linears else None
+        """The framework's linear casts, where it runs each expert as a float8 linear (module
+        docstring); None: torchao's grouped casts and autopar's copies."""
         self.load_imbalance = load_imbalance
         self.auto = auto
         """Keep only the ops whose float8 run is priced faster than bf16 (the planner's choice)."""
@@ -111,13 +128,19 @@ class Fp8ExpertPricing:
                             for kernel in group if kernel.is_matmul and is_grouped_matmul(kernel.name))
             self.matmuls.append(ExpertMatmul(node=node, fqn=fqn, num_experts=shape[0],
                                              rows_per_sample=graph[op.inputs[0]].output.shape[0] / batch,
-                                             in_features=shape[1], out_features=shape[2], flops_per_sample=kernels))
+                                             in_features=shape[1], out_features=shape[2], flops_per_sample=kernels,
+                                             source=op.inputs[0]))
 
     def priced(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> list[PricedExpert]:
         if not self.matmuls:
             return []
         placements = strategies(config) if config.tp > 1 else {}
-        return [self._priced(matmul, config, placements.get(matmul.node)) for matmul in self.matmuls]
+        found, sources = [], set()
+        for matmul in self.matmuls:
+            shared = self.handling is not None and self.handling.shared_input_cast_once and matmul.source in sources
+            sources.add(matmul.source)
+            found.append(self._priced(matmul, config, placements.get(matmul.node), input_shared=shared))
+        return found
 
     def chosen(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> tuple[str, ...]:
         """Expert weight FQNs whose grouped matmuls run in float8 under `config` (sorted): a weight
@@ -127,7 +150,7 @@ class Fp8ExpertPricing:
             kept[item.matmul.fqn] = kept.get(item.matmul.fqn, True) and item.kept
         return tuple(sorted(fqn for fqn, ok in kept.items() if ok))
 
-    def _priced(self, matmul: ExpertMatmul, config: ParallelConfig, strategy) -> PricedExpert:
+    def _priced(self, matmul: ExpertMatmul, config: ParallelConfig, strategy, input_shared: bool = False) -> PricedExpert:
         rows, experts, k, n, divisor = self._shape(matmul, config, strategy)
         imbalance = self.load_imbalance if config.ep > 1 else 1.0
         again = self._recomputed(config)
@@ -145,6 +168,11 @@ class Fp8ExpertPricing:
             again_s += (runs - 1) * even
             fp8_s += runs * self._fp8_s(flops * imbalance, experts, ratio)
         token_elements, grad_elements, weight_elements = rows * imbalance * k, rows * imbalance * n, experts * k * n
+        if self.handling is not None and tensor_cores:  # the framework's linears (module docstring)
+            elements = fp8_cost.Fp8LinearElements(input=token_elements, weight=weight_elements, grad_output=grad_elements)
+            priced = PricedExpert(matmul=matmul, bf16_s=bf16_s, bf16_imbalance_s=extra_s, bf16_again_s=again_s,
+                                  fp8_s=fp8_s, cast_s=0.0, copy_s=0.0, transient_bytes=0.0, kept=True)
+            return self._as_linears(priced, elements, experts, config, again, input_shared)
         casts = 2 * token_elements + 2 * grad_elements + 2 * weight_elements
         kernels = 5
         if again:  # the forward's tokens and weight cast again
@@ -165,6 +193,39 @@ class Fp8ExpertPricing:
         return PricedExpert(matmul=matmul, bf16_s=bf16_s, bf16_imbalance_s=extra_s, bf16_again_s=again_s,
                             fp8_s=fp8_s, cast_s=cast_s, copy_s=copy_s,
                             transient_bytes=max(forward_bytes, backward_bytes), kept=kept)
+
+    def _as_linears(self, priced: PricedExpert, elements: fp8_cost.Fp8LinearElements, experts: int,
+                    config: ParallelConfig, again: bool, input_shared: bool) -> PricedExpert:
+        """`priced` (its matmul times) with the casts of a framework running each expert as a float8
+        linear, no copies, and the float8 copies alive around its matmuls."""
+        cast_s, weight_once_s = self._linear_casts_s(elements, experts, again, input_shared)
+        kept = not self.auto or (priced.fp8_s + cast_s + weight_once_s / config.num_microbatches
+                                 < priced.bf16_s + priced.bf16_imbalance_s)
+        return replace(priced, cast_s=cast_s, weight_once_s=weight_once_s, weight_elements=elements.weight,
+                       transient_bytes=fp8_cost.transient_bytes(elements), kept=kept)
+
+    def _linear_casts_s(self, elements: fp8_cost.Fp8LinearElements, experts: int, again: bool,
+                        input_shared: bool) -> tuple[float, float]:
+        """(per microbatch, once per step) seconds of one expert op's casts as the framework casts a
+        linear's operands, one cast per local expert and operand: the input (unless another expert
+        op cast it; again where the forward is recomputed) and grad_output each microbatch, the
+        weight once per step where the handling keeps it (else each microbatch)."""
+        handling = self.handling
+        counts = fp8_cost.cast_counts(handling)
+        once = fp8_cost.weight_casts_per_step(handling)
+        if once:
+            counts.pop("weight", None)
+        if input_shared:
+            counts.pop("input", None)
+        elif again:
+            counts["input"] = counts.get("input", 0) + dict(handling.forward_casts).get("input", 0)
+        cast_elements = sum(count * getattr(elements, operand) for operand, count in counts.items())
+
+        def seconds(count: float, casts: int) -> float:
+            return fp8_cost.cast_time_s(count, casts * experts, source_bytes=COMPUTE_BYTES,
+                                        bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s,
+                                        kernel_overhead_s=self.compute.overhead_s, handling=handling)
+        return seconds(cast_elements, sum(counts.values())), seconds(once * elements.weight, once)
 
     def _fp8_s(self, flops: float, experts: int, ratio: float) -> float:
         if flops <= 0:

@@ -180,7 +180,7 @@ class Fp8Pricing:
         self.auto = auto
         """Keep only the linears whose float8 run is priced faster (the planner's choice)."""
         self.experts = Fp8ExpertPricing(graph, choice.experts, compute=compute, load_imbalance=load_imbalance,
-                                        auto=auto)
+                                        auto=auto, handling=self.handling)
         """The float8 expert grouped matmuls' terms (fp8_experts.py)."""
         self.compute = compute
         self.comm = comm
@@ -347,6 +347,7 @@ class Fp8Pricing:
         config = estimate.config
         copies = max([fp8_cost.transient_bytes(item.elements) for item in kept]
                      + [item.transient_bytes for item in experts], default=0.0)
+        held_weight += sum(item.weight_elements for item in experts)  # a framework's expert linears' (fp8_experts.py)
         weights = fp8_cost.held_weight_bytes(held_weight / config.pp, self.handling)
         saved = 0.0
         if self.handling.saves_float8_inputs and kept and config.recompute in ("none", "gathers"):
@@ -369,6 +370,9 @@ class Fp8Pricing:
                               ("fp8.copy.experts", sum(item.copy_s for item in experts))):
             if seconds:
                 terms[name] = seconds * slots / pp
+        once_s = sum(item.weight_once_s for item in experts)  # weights cast on the step's first microbatch
+        if once_s:
+            terms["fp8.cast.experts"] = terms.get("fp8.cast.experts", 0.0) + once_s / pp
         bf16_s, fp8_s = sum(item.bf16_s for item in experts), sum(item.fp8_s for item in experts)
         extra_s = sum(item.bf16_imbalance_s for item in experts)
         again_s = sum(item.bf16_again_s for item in experts) if "recompute" in breakdown else 0.0

@@ -76,3 +76,38 @@ def test_expert_dims_torchao_cannot_take_stay_bf16_and_say_so():
     gshard = autopar.evaluate("moe:router=gshard,layers=1,hidden=32,heads=4,seq=16,vocab=64,num_experts=4",
                               cluster="cpu:procs=2", global_batch=4, precision="fp8", ep=2, microbatch_size=2)
     assert gshard.fp8_experts == () and any("einsum/bmm expert matmul" in note for note in gshard.notes)
+
+
+def _as_framework(large, handling: str, global_batch: int = 8, experts: bool = True):
+    """LARGE's published-run price with the casts as `handling` runs them (tp 1, ep 2, mb 4)."""
+    from autopar.cluster import Cluster
+    from autopar.plans.planning import fixed_config
+    from autopar.solver.fp8 import Fp8Choice, fp8_experts, fp8_linears
+    from autopar.solver.search import Planner
+
+    _, graph = large
+    chosen = fp8_experts(graph)[0] if experts else ()
+    choice = Fp8Choice(linears=fp8_linears(graph), experts=chosen, handling=handling)
+    planner = Planner(graph, Cluster.from_spec(CONFIG["cluster"]), global_batch=global_batch, precision="fp8",
+                      fp8=choice)
+    config = fixed_config(planner, tp=1, pp=1, dp=None, microbatch_size=4, schedule="1f1b", virtual_stages=None,
+                          layers_per_virtual_stage=None, recompute="none", zero_stage=1, ep=2)
+    return planner.evaluate(config)[0]
+
+
+def test_transformer_engine_casts_each_expert_as_a_float8_linear(large):
+    """TransformerEngine (Megatron-Core's SequentialMLP, TEGroupedMLP) runs each expert as a float8
+    linear: one-pass casts of its rows and grad_output, its weight cast once per step and kept,
+    no padding or re-layout copies; torchao's grouped casts and autopar's copies are its runtime's."""
+    te, runtime = _as_framework(large, "te"), _as_framework(large, "compiled")
+    te_terms, runtime_terms = te.breakdown_s, runtime.breakdown_s
+    assert te_terms["fp8.matmul.experts"] == pytest.approx(runtime_terms["fp8.matmul.experts"])
+    assert "fp8.copy.experts" not in te_terms and runtime_terms["fp8.copy.experts"] > 0
+    assert 0 < te_terms["fp8.cast.experts"] < runtime_terms["fp8.cast.experts"]
+    # the weights' casts are once per step: a second microbatch adds only the rows' casts
+    twice = _as_framework(large, "te", global_batch=16).breakdown_s["fp8.cast.experts"]
+    assert te_terms["fp8.cast.experts"] < twice < 2 * te_terms["fp8.cast.experts"]
+    # and their float8 copies (row-major and transposed, 1 byte each) are kept through the step:
+    # 4 of the 8 experts on a rank, gate_up [4096, 2 x 14336] and down [14336, 4096]
+    held = te.memory_bytes["fp8.weights"] - _as_framework(large, "te", experts=False).memory_bytes["fp8.weights"]
+    assert held == pytest.approx(2 * 4 * 3 * 4096 * 14336)
