@@ -104,6 +104,9 @@ class MoeRun:
     notes: str
     optimizer_sharding: str = ""
     """The optimizer sharding as the row words it (how the distributed optimizer ran)."""
+    precision: str = "bf16"
+    """"bf16", or "fp8" / "fp8-rowwise": float8 linears and experts, casts as the row's framework ran
+    them (published_fp8.handling_of)."""
 
     @property
     def num_nodes(self) -> int:
@@ -195,7 +198,7 @@ def _run(item: dict[str, str]) -> MoeRun:
                   recompute=as_megatron_saves(recompute_mode(item["recompute"]), int(item["tp"])),
                   recompute_as_run=item["recompute"], routing=item["routing"], metric=item["metric"],
                   published=float(item["published"]), flop_counting=item["flop_counting"], notes=notes,
-                  optimizer_sharding=item["optimizer_sharding"])
+                  optimizer_sharding=item["optimizer_sharding"], precision=item.get("precision") or "bf16")
 
 
 def zero_stage(text: str) -> int:
@@ -340,11 +343,25 @@ def planner_for(run: MoeRun, source: str = "builtin"):
     options = SearchOptions(experts=ExpertPricing(load_imbalance=run.load_imbalance, fused_permute=run.fused_permute,
                                                   tp_share_dispatch=True),
                             jobs=1)
-    policy = replace(megatron_states(run.source, f"{run.notes} {run.optimizer_sharding}", "bf16"),
+    policy = replace(megatron_states(run.source, f"{run.notes} {run.optimizer_sharding}", run.precision),
                      param_gather_overlap=param_gather_overlapped(f"{run.source} {run.notes} {run.optimizer_sharding}"))
     planner = Planner(graph, Cluster.from_spec(run.cluster_spec), global_batch=run.global_batch, policy=policy,
-                      precision="bf16", options=options)
+                      precision="fp8" if run.precision.startswith("fp8") else "bf16", fp8=fp8_choice(run, graph),
+                      options=options)
     return planner, attention
+
+
+def fp8_choice(run: MoeRun, graph):
+    """What an fp8 row runs in float8 (None for bf16): every linear and expert weight solver/fp8.py's
+    rule puts there, in the row's recipe, the casts as its framework ran them (published_fp8.py)."""
+    from autopar.solver.fp8 import Fp8Choice, fp8_experts, fp8_linears
+    from benchmarks.published_fp8 import handling_of, recipe_of
+
+    if not run.precision.startswith("fp8"):
+        return None
+    experts, experts_in_bf16 = fp8_experts(graph)
+    return Fp8Choice(recipe=recipe_of(run), linears=fp8_linears(graph), experts=experts,
+                     experts_in_bf16=experts_in_bf16, handling=handling_of(run))
 
 
 def evaluate_run(run: MoeRun, plan: bool = True, source: str = "builtin") -> Outcome:

@@ -148,3 +148,19 @@ def test_a_grok_row_is_priced_with_megatrons_tensor_parallel_experts_and_tp_shar
     assert outcome.breakdown["ep.tp_all_gather"] > 0 and outcome.breakdown["ep.tp_reduce_scatter"] > 0
     assert outcome.breakdown["ep.tp_rows_replaced"] < 0  # the plan's own gather and reduction of the layer
     assert outcome.breakdown["tp.reduce_scatter"] < outcome.breakdown["compute"] / 20
+
+
+@pytest.mark.slow
+def test_a_grok_fp8_row_runs_its_experts_as_transformer_engine_float8_linears():
+    """DGX Cloud's Grok 1 FP8 table ran the bf16 table's configurations with TransformerEngine's
+    FP8: its rows read as fp8, priced with Megatron's float8 linears and SequentialMLP experts cast
+    as TE casts its linears (no torchao grouped casts, no padding copies), faster than bf16."""
+    from benchmarks.published_moe import MORE, evaluate_run
+
+    runs = {run.id: run for run in read_runs(MORE)}
+    fp8, bf16 = runs["dgxc-grok1-8-fp8"], runs["dgxc-grok1-8"]
+    assert (fp8.precision, bf16.precision) == ("fp8", "bf16")
+    outcome = evaluate_run(fp8, plan=False)
+    terms = outcome.breakdown
+    assert terms["fp8.matmul.experts"] > 0 and terms["fp8.cast.experts"] > 0 and "fp8.copy.experts" not in terms
+    assert outcome.published_step_s < evaluate_run(bf16, plan=False).published_step_s
