@@ -26,7 +26,10 @@ each tp rank dispatches its share of the rows and the tp group gathers them afte
 ExpertPricing.tp_share_dispatch) and distributed optimizer
 (bf16 parameter all-gathers, overlapped with the next forward where the recipe sets overlap_param_gather:
 published_runs.param_gather_overlapped) are priced as their recipes set them. Where the planner refuses the published configuration, the table
-prints the refusal. The reference numbers are only read here, to compare.
+prints the refusal. A row in fp8 (DGX Cloud's Grok 1 FP8 table) runs its linears and experts in float8 with
+the casts its framework ran (published_fp8.handling_of: TransformerEngine's for Megatron-Core, each expert a
+float8 linear) and is priced as run only: autopar's own plan would cast as autopar's runtime does. The reference
+numbers are only read here, to compare.
 """
 
 from __future__ import annotations
@@ -398,7 +401,7 @@ def evaluate_run(run: MoeRun, plan: bool = True, source: str = "builtin") -> Out
             except AutoparError:
                 pass
     chosen, chosen_s = "-", None
-    if plan:
+    if plan and run.precision == "bf16":  # an fp8 row's casts are its framework's, not autopar's runtime's
         try:
             found = plan_with(planner)
             mesh = found.mesh
