@@ -12,9 +12,13 @@ attention with dropout, float8 GEMMs, and RoPE eager against compiled.
 - Dropout inside fused attention (cost_model/attention.py DROPOUT_SLOWDOWN, measured once at seq
   2048, head dim 128): causal SDPA with dropout 0.1 over the same call without, forward and
   backward, at head dims 64 and 128 and seq 2048 and 8192.
-- float8 GEMMs (`torch._scaled_mm`, tensorwise scales, bf16 output) beside bf16 `mm` at a Llama 3
-  8B layer's shapes (8192 tokens): the fp8 rate the model assumes is the bf16 one times the
-  datasheet ratio (cost_model/fp8.py).
+- float8 GEMMs (`torch._scaled_mm`, tensorwise scales, bf16 output) beside bf16 `mm`, each linear's
+  three GEMMs (forward, input gradient, weight gradient, whose inner dim is the tokens), with fast
+  accumulation and without (torchao and Transformer Engine run the backward's two without: split
+  accumulation), at the linears of a Llama 3 8B layer (8192 tokens), of GPT-3 175B at tp 4 (2048)
+  and of a Grok-1 expert at tp 4 (1024 rows): the fp8 rate the model assumes is the bf16 one times
+  the datasheet ratio (cost_model/fp8.py), and the published FP8 runs whose gain over bf16 is priced
+  high (GPT-3 175B, Grok-1: docs/accuracy.md) run the small-token shapes.
 - RoPE as the built-in Llama runs it (autopar/models/llama.py apply_rotary: chunk, neg, cat, two
   muls with the float32 tables, add) eagerly and under torch.compile (one fused kernel, as
   Megatron-Core's fused RoPE), forward + backward (docs/accuracy.md "Known compensations").
@@ -98,18 +102,39 @@ def dropout_rows(batch: int = 2, heads: int = 32) -> list[str]:
     return rows
 
 
-def fp8_gemm_rows(tokens: int = 8192) -> list[str]:
-    rows = ["| GEMM (M x K x N) | bf16 TFLOP/s | fp8 TFLOP/s | fp8 / bf16 |", "|---|---:|---:|---:|"]
+FP8_LINEARS = (
+    ("Llama 3 8B qkv", 8192, 4096, 6144), ("Llama 3 8B o", 8192, 4096, 4096),
+    ("Llama 3 8B gate_up", 8192, 4096, 28672), ("Llama 3 8B down", 8192, 14336, 4096),
+    ("GPT-3 175B tp4 qkv", 2048, 12288, 9216), ("GPT-3 175B tp4 proj", 2048, 3072, 12288),
+    ("GPT-3 175B tp4 fc1", 2048, 12288, 12288), ("GPT-3 175B tp4 fc2", 2048, 12288, 12288),
+    ("Grok-1 expert tp4 fc1", 1024, 6144, 16384), ("Grok-1 expert tp4 fc2", 1024, 8192, 6144),
+)
+"""(name, tokens, in features, out features) of the linears fp8_gemm_rows times."""
+
+
+def linear_gemms(tokens: int, k: int, n: int) -> tuple[tuple[str, int, int, int], ...]:
+    """A linear's three GEMMs as (pass, M, K, N), out[M, N] = A[M, K] B[K, N]: the forward, the input
+    gradient and the weight gradient (its inner dim is the tokens)."""
+    return (("forward", tokens, k, n), ("grad input", tokens, n, k), ("grad weight", n, tokens, k))
+
+
+def fp8_gemm_rows() -> list[str]:
+    rows = ["| linear | GEMM | M x K x N | bf16 TFLOP/s | fp8 fast accum | fp8 split accum | fp8 / bf16 (as run) |",
+            "|---|---|---|---:|---:|---:|---:|"]
     one = torch.ones((), device="cuda")
-    for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
-        a = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
-        flops = 2.0 * tokens * k * n
-        bf16_ms = timed_ms(lambda: a @ b.t())
-        fp8_ms = timed_ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
-        rows.append(f"| {tokens} x {k} x {n} | {flops / bf16_ms / 1e9:.0f} | {flops / fp8_ms / 1e9:.0f} | "
-                    f"{bf16_ms / fp8_ms:.2f} |")
+    for name, tokens, k_in, n_out in FP8_LINEARS:
+        for gemm, m, k, n in linear_gemms(tokens, k_in, n_out):
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+            tflops = 2.0 * m * k * n / 1e9
+            bf16_ms = timed_ms(lambda: a @ b.t())
+            fp8_ms = [timed_ms(lambda fast=fast: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
+                                                                   out_dtype=torch.bfloat16, use_fast_accum=fast))
+                      for fast in (True, False)]
+            as_run = fp8_ms[0] if gemm == "forward" else fp8_ms[1]
+            rows.append(f"| {name} | {gemm} | {m} x {k} x {n} | {tflops / bf16_ms:.0f} | {tflops / fp8_ms[0]:.0f} | "
+                        f"{tflops / fp8_ms[1]:.0f} | {bf16_ms / as_run:.2f} |")
     return rows
 
 
