@@ -104,9 +104,13 @@ class CastHandling:
     saves_float8_inputs: bool = False
     """Backward reads the forward's float8 input (TE saves it, 1 byte per element); torchao saves
     the high-precision input and casts it again."""
-    amax_reduced_per_step: bool = False
-    """Delayed scaling: the amaxes of a step are all-reduced once, together, after it (not one
-    all-reduce per cast before it)."""
+    amax_reduced_per_region: bool = False
+    """Delayed scaling: the amaxes a region's casts record are all-reduced together when the region
+    ends, not one all-reduce per cast before it. TransformerEngine reduces at the exit of each
+    outermost fp8_autocast (Megatron-Core: one per model chunk and microbatch, its forward) and once
+    in that region's backward (FP8GlobalStateManager.reduce_and_update_fp8_tensors), a blocking MAX
+    all-reduce over the amax reduction group: Megatron's tensor-, data- and context-parallel ranks
+    of a pipeline stage (get_amax_reduction_group)."""
     norm_fused_amax: bool = False
     """A linear whose input is a normalization's output gets that input's amax from the norm
     kernel (TE's current scaling: the norm writes its bf16 output and the amax), so its cast is the
@@ -207,7 +211,7 @@ HANDLINGS = {
     "te": CastHandling(name="te", element_passes="one_pass", layouts_per_cast=2, tp_input_gather_in_float8=True,
                        forward_casts=(("input", 1), ("weight", 1)), backward_casts=(("grad_output", 1),),
                        weight_cast_once_per_step=True, float8_all_gather=False, norm_fused_input_cast=True,
-                       saves_float8_inputs=True, amax_reduced_per_step=True, shared_input_cast_once=True,
+                       saves_float8_inputs=True, amax_reduced_per_region=True, shared_input_cast_once=True,
                        experts_as_linears=True),
     "te-current": CastHandling(name="te-current", element_passes="amax_then_cast", layouts_per_cast=2,
                                forward_casts=(("input", 1), ("weight", 1)), backward_casts=(("grad_output", 1),),

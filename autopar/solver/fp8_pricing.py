@@ -283,8 +283,8 @@ class Fp8Pricing:
     def _cast_terms(self, kept: list[_Priced], config: ParallelConfig, slots: float,
                     held_weight: float) -> dict[str, float]:
         """`fp8.cast` and `fp8.amax` per step: each microbatch's (and bubble slot's) casts and amax
-        reductions, the weights' casts once per step where the handling keeps them, and delayed
-        scaling's one amax all-reduce per step over tp."""
+        reductions (delayed scaling's: each model chunk's, `_region_amax_s`), and the weights'
+        casts once per step where the handling keeps them."""
         per_microbatch = {"fp8.cast": sum(item.cast_s for item in kept), "fp8.amax": sum(item.amax_s for item in kept)}
         terms = {name: seconds * slots / config.pp for name, seconds in per_microbatch.items()}
         once = fp8_cost.weight_casts_per_step(self.handling)
@@ -293,10 +293,24 @@ class Fp8Pricing:
                 once * held_weight / config.pp, once * len(kept), source_bytes=COMPUTE_BYTES,
                 bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s, kernel_overhead_s=self.compute.overhead_s,
                 handling=self.handling)
-        if self.handling.amax_reduced_per_step and kept and config.tp > 1:
-            terms["fp8.amax"] += self.comm.time_s("all_reduce", fp8_cost.SCALE_BYTES * 3 * len(kept),
-                                                  self._tp_group(config))
+        if self.handling.amax_reduced_per_region and kept:
+            terms["fp8.amax"] += slots * self._region_amax_s(len(kept), config)
         return terms
+
+    def _region_amax_s(self, linears: int, config: ParallelConfig) -> float:
+        """Delayed scaling's amax all-reduces per microbatch on one rank (CastHandling.
+        amax_reduced_per_region): each model chunk on the rank reduces its forward casts' amaxes at
+        the chunk's end and its backward casts' in its backward, blocking, over the stage's
+        tp x dp x cp ranks; `linears`: the float8 linears of the whole model on a tp rank."""
+        group = Mesh(axis_names=("pp", "amax"), shape=(config.pp, config.data_shards * config.tp),
+                     devices_per_node=self.devices_per_node).group(1)
+        if group.num_devices <= 1:
+            return 0.0
+        chunks = config.chunks_per_device
+        per_chunk = linears / (config.pp * chunks)
+        seconds = sum(self.comm.time_s("all_reduce", fp8_cost.SCALE_BYTES * sum(count for _, count in casts) * per_chunk,
+                                       group) for casts in (self.handling.forward_casts, self.handling.backward_casts))
+        return chunks * seconds
 
     def _gather_step_terms(self, kept: list[_Priced], config: ParallelConfig,
                            strategies: Callable[[ParallelConfig], dict], breakdown: dict[str, float],
@@ -610,7 +624,7 @@ class Fp8Pricing:
                 input_shared: bool = False) -> float:
         """The amax all-reduces over tp of one linear's casts per microbatch (`_amax_counts`), each
         of one scale (tensorwise) or of one scale per row of the operand as the matmul reads it."""
-        if config.tp == 1 or self.handling.amax_reduced_per_step:
+        if config.tp == 1 or self.handling.amax_reduced_per_region:
             return 0.0
         seconds = 0.0
         group = self._tp_group(config)

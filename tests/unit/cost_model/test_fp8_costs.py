@@ -81,7 +81,7 @@ def test_transformer_engine_casts_in_one_pass_with_the_transpose_and_weights_onc
     assert fp8.cast_elements(linear, weight_precast=False, handling=te) == 10 + 20
     assert fp8.num_casts(weight_precast=False, handling=te) == 2
     assert fp8.weight_casts_per_step(te) == 1 and fp8.weight_casts_per_step(fp8.HANDLINGS["eager"]) == 0
-    assert not te.float8_all_gather and te.amax_reduced_per_step
+    assert not te.float8_all_gather and te.amax_reduced_per_region
     eager = fp8.cast_time_s(1e9, 6, source_bytes=2, bandwidth_bytes_per_s=3e12, kernel_overhead_s=5e-6)
     assert fp8.cast_time_s(1e9, 6, source_bytes=2, bandwidth_bytes_per_s=3e12, kernel_overhead_s=5e-6,
                            handling=te) < eager / 8
@@ -94,7 +94,7 @@ def test_transformer_engine_current_scaling_casts_in_two_passes_except_after_a_n
     current, delayed = fp8.HANDLINGS["te-current"], fp8.HANDLINGS["te"]
     assert current.bytes_per_element(2) == 2 * 2 + 2 and current.kernels(2) == 2
     assert current.norm_fused_amax and not current.norm_fused_input_cast and delayed.norm_fused_input_cast
-    assert not current.amax_reduced_per_step and delayed.amax_reduced_per_step
+    assert not current.amax_reduced_per_region and delayed.amax_reduced_per_region
     assert current.tp_input_gather_in_float8 and current.shared_input_cast_once and delayed.shared_input_cast_once
     linear = fp8.Fp8LinearElements(input=10.0, weight=100.0, grad_output=20.0)
     assert fp8.cast_elements(linear, weight_precast=False, handling=current) == 10 + 20

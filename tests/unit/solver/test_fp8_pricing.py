@@ -103,7 +103,7 @@ def test_the_cast_handling_is_an_input_of_the_price():
     assert compiled["fp8.cast"] < eager["fp8.cast"] / 4  # 5 of eager's 33 bytes per element, 2 of 9 kernels
     assert compiled["fp8.matmul"] == pytest.approx(eager["fp8.matmul"])
     assert compiled["fp8.cast.all_gather"] < eager["fp8.cast.all_gather"]
-    # TransformerEngine: no float8 FSDP gather (Megatron gathers bf16), the step's amaxes in one all-reduce.
+    # TransformerEngine: no float8 FSDP gather (Megatron gathers bf16), a chunk's amaxes in one all-reduce.
     te = _with_handling("te", tp=2, zero_stage=1)
     assert "fp8.cast.all_gather" not in te and te["fp8.cast"] > 0
     assert te["fp8.amax"] < _with_handling("eager", tp=2, zero_stage=1)["fp8.amax"]
@@ -177,13 +177,42 @@ def test_transformer_engines_current_scaling_pays_amax_passes_and_reductions_and
     delayed = _with_handling("te", everything=True, spec=LLAMA, tp=2)
     current = _with_handling("te-current", everything=True, spec=LLAMA, tp=2)
     assert current["fp8.cast"] > delayed["fp8.cast"]
-    assert current["fp8.amax"] > delayed["fp8.amax"] > 0  # one per cast against one per step
+    assert current["fp8.amax"] > delayed["fp8.amax"] > 0  # one per cast against one per model chunk
     assert current["tp.all_gather"] == pytest.approx(delayed["tp.all_gather"])  # both gather float8 inputs
     assert current["fp8.matmul"] == pytest.approx(delayed["fp8.matmul"])
     unfused = replace(fp8.HANDLINGS["te-current"], name="te-unfused", shared_input_cast_once=False)
     monkeypatch.setitem(fp8.HANDLINGS, "te-unfused", unfused)
     separate = _with_handling("te-unfused", everything=True, spec=LLAMA, tp=2)
     assert separate["fp8.cast"] > current["fp8.cast"] and separate["fp8.amax"] > current["fp8.amax"]
+
+
+def test_delayed_scaling_reduces_each_chunks_amaxes_over_the_stages_tensor_and_data_parallel_ranks():
+    """TE's delayed scaling all-reduces the amaxes one model chunk's casts recorded when the chunk's
+    forward ends and again in its backward, every microbatch, blocking, over the stage's
+    tp x dp x cp ranks (Megatron's amax reduction group, FP8GlobalStateManager.
+    reduce_and_update_fp8_tensors): none on a rank alone, more over more ranks and more chunks."""
+    from autopar.plans.planning import planner_for
+    from autopar.solver.configs import ParallelConfig
+
+    planner = planner_for(LLAMA, None, "dgx-h100:nodes=4", global_batch=64, precision="fp8", fp8_filter=every_linear)
+    planner.pricing.fp8.handling = fp8_handling("te")
+    amax = planner.pricing.fp8._region_amax_s
+
+    def config(**mesh):
+        return ParallelConfig(microbatch_size=1, num_microbatches=8, **mesh)
+
+    assert amax(14, config(dp=1, tp=1, pp=2)) == 0.0
+    node = config(dp=4, tp=2, pp=2)  # the stage's 8 ranks in one node
+    nodes = config(dp=16, tp=2, pp=1)  # 32 ranks over 4 nodes
+    assert 0 < amax(14, node) < amax(14, nodes)
+    two_chunks = config(dp=4, tp=2, pp=2, schedule="interleaved", virtual_stages=2)
+    assert amax(14, two_chunks) > amax(14, node)
+
+
+def fp8_handling(name: str):
+    from cost_model import fp8
+
+    return fp8.HANDLINGS[name]
 
 
 def test_transformer_engine_regathers_its_float8_shards_in_float8():
