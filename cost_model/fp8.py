@@ -41,13 +41,17 @@ kept for the rest: memory `fp8.weights`, two bytes per weight element), and a li
 gets its input in float8 from the norm kernel (LayerNormLinear), no cast, and under sequence
 parallelism all-gathers that float8 shard (TE 1.12's layernorm_linear.py gathers the norm's uint8
 output; again in backward, where Megatron re-gathers its saved shard); linears that read one
-input (Megatron-Core's fused QKV and fc1) cast it once. "te-current" is TransformerEngine 2.x's
+input (Megatron-Core's fused QKV and fc1) cast it once; the amaxes its casts record are
+all-reduced together, a model chunk's at the end of its forward and again in its backward, over the
+stage's tp x dp x cp ranks; each MoE expert is a float8 linear of its own, cast as one.
+"te-current" is TransformerEngine 2.x's
 per-tensor current scaling (Float8CurrentScaling, Megatron-Bridge's "fp8_cs"): the scale comes from
 the tensor itself, so a cast is an amax pass and a cast-transpose pass (read h twice, write 2),
 except after a norm, whose kernel writes the amax beside its bf16 output (one cast pass); the amax
 of a sequence-parallel input (column-parallel) or grad_output (row-parallel) is all-reduced over
 the tp group before its cast (TE's amax_reduction_group, one per cast); the input cast on its
-sequence shard and all-gathered in float8, weights, saved inputs and the fused linears as under "te".
+sequence shard and all-gathered in float8, weights, saved inputs, the fused linears and the experts
+as under "te" (no amax history: nothing reduced at a region's end).
 
 Under the rowwise recipe torchao runs each backward matmul with unit scales and multiplies its
 output by the scales afterwards (`CastHandling.rowwise_rescale_bytes`), a pass of its own where

@@ -150,7 +150,8 @@ class Fp8ExpertPricing:
             kept[item.matmul.fqn] = kept.get(item.matmul.fqn, True) and item.kept
         return tuple(sorted(fqn for fqn, ok in kept.items() if ok))
 
-    def _priced(self, matmul: ExpertMatmul, config: ParallelConfig, strategy, input_shared: bool = False) -> PricedExpert:
+    def _priced(self, matmul: ExpertMatmul, config: ParallelConfig, strategy,
+                input_shared: bool = False) -> PricedExpert:
         rows, experts, k, n, divisor = self._shape(matmul, config, strategy)
         imbalance = self.load_imbalance if config.ep > 1 else 1.0
         again = self._recomputed(config)
@@ -169,7 +170,8 @@ class Fp8ExpertPricing:
             fp8_s += runs * self._fp8_s(flops * imbalance, experts, ratio)
         token_elements, grad_elements, weight_elements = rows * imbalance * k, rows * imbalance * n, experts * k * n
         if self.handling is not None and tensor_cores:  # the framework's linears (module docstring)
-            elements = fp8_cost.Fp8LinearElements(input=token_elements, weight=weight_elements, grad_output=grad_elements)
+            elements = fp8_cost.Fp8LinearElements(input=token_elements, weight=weight_elements,
+                                                  grad_output=grad_elements)
             priced = PricedExpert(matmul=matmul, bf16_s=bf16_s, bf16_imbalance_s=extra_s, bf16_again_s=again_s,
                                   fp8_s=fp8_s, cast_s=0.0, copy_s=0.0, transient_bytes=0.0, kept=True)
             return self._as_linears(priced, elements, experts, config, again, input_shared)

@@ -308,8 +308,10 @@ class Fp8Pricing:
             return 0.0
         chunks = config.chunks_per_device
         per_chunk = linears / (config.pp * chunks)
-        seconds = sum(self.comm.time_s("all_reduce", fp8_cost.SCALE_BYTES * sum(count for _, count in casts) * per_chunk,
-                                       group) for casts in (self.handling.forward_casts, self.handling.backward_casts))
+        seconds = 0.0
+        for casts in (self.handling.forward_casts, self.handling.backward_casts):
+            amaxes = sum(count for _, count in casts) * per_chunk
+            seconds += self.comm.time_s("all_reduce", fp8_cost.SCALE_BYTES * amaxes, group)
         return chunks * seconds
 
     def _gather_step_terms(self, kept: list[_Priced], config: ParallelConfig,
