@@ -193,9 +193,10 @@ def test_delayed_scaling_reduces_each_chunks_amaxes_over_the_stages_tensor_and_d
     reduce_and_update_fp8_tensors): none on a rank alone, more over more ranks and more chunks."""
     from autopar.plans.planning import planner_for
     from autopar.solver.configs import ParallelConfig
+    from cost_model.fp8 import HANDLINGS
 
     planner = planner_for(LLAMA, None, "dgx-h100:nodes=4", global_batch=64, precision="fp8", fp8_filter=every_linear)
-    planner.pricing.fp8.handling = fp8_handling("te")
+    planner.pricing.fp8.handling = HANDLINGS["te"]
     amax = planner.pricing.fp8._region_amax_s
 
     def config(**mesh):
@@ -207,12 +208,6 @@ def test_delayed_scaling_reduces_each_chunks_amaxes_over_the_stages_tensor_and_d
     assert 0 < amax(14, node) < amax(14, nodes)
     two_chunks = config(dp=4, tp=2, pp=2, schedule="interleaved", virtual_stages=2)
     assert amax(14, two_chunks) > amax(14, node)
-
-
-def fp8_handling(name: str):
-    from cost_model import fp8
-
-    return fp8.HANDLINGS[name]
 
 
 def test_transformer_engine_regathers_its_float8_shards_in_float8():
