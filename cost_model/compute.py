@@ -35,7 +35,10 @@ from cost_model.profile import HardwareProfile
 
 # torch dtype names -> the keys of DeviceSpec.peak_flops_per_s
 _DTYPE_KEYS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp32",
-               "bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "tf32": "tf32", "fp8": "fp8"}
+               "bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "tf32": "tf32", "fp8": "fp8", "fp8_fast": "fp8_fast"}
+_UNMEASURED_AS = {"fp8_fast": "fp8"}
+"""A dtype key priced as another where the profile did not measure it: float8 matmuls with fast
+accumulation (a profile's "fp8_fast" sweep) at the float8 rate, and at its peak."""
 
 
 class KernelLike(Protocol):
@@ -129,6 +132,8 @@ class ComputeModel:
     def matmul_rate(self, flops: float, dtype: str) -> float:
         """Achieved FLOP/s of a matmul of `flops` FLOPs."""
         key = _DTYPE_KEYS.get(dtype, "fp32")
+        if key not in self._tables:
+            key = _UNMEASURED_AS.get(key, key)
         table = self._tables.get(key) or self._tables.get("fp32") or (next(iter(self._tables.values()), None))
         if table is not None:
             return _interpolate(table, flops)

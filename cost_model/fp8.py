@@ -59,7 +59,8 @@ no pointwise kernel takes it in.
 
 Matmuls run at the device's "fp8" peak (FP8 tensor cores; a measured bf16
 rate is scaled by the datasheet's fp8/bf16 ratio); a device without them emulates (dequantised
-matmuls at the bf16 rate).
+matmuls at the bf16 rate). Where a profile measured float8 matmuls, each of a linear's three runs at
+the rate of its accumulation (FAST_ACCUMULATION_MATMULS).
 
 This module does not import autopar or torch.
 """
@@ -72,6 +73,13 @@ FP8_BYTES = 1
 """Bytes per float8 element (e4m3, e5m2)."""
 SCALE_BYTES = 4
 """One fp32 scale (per tensor, or per row under the rowwise recipe)."""
+FAST_ACCUMULATION_MATMULS = ("output",)
+"""The matmuls of a float8 linear that run with fast accumulation: the forward one only. torchao's
+Float8LinearConfig sets use_fast_accum on its output GEMM and leaves it off for grad_input and
+grad_weight (gemm_config_* defaults, under both recipes: an accuracy choice, pytorch/ao#2377), and
+Transformer Engine's linears likewise (module/base.py: _2X_ACC_FPROP False, _2X_ACC_DGRAD and
+_2X_ACC_WGRAD True, passed as use_split_accumulator). A profile measures both ("fp8_fast", "fp8");
+without one they share the peak's rate."""
 CAST_ELEMENT_KERNELS = 6
 """abs, max, to(fp32), mul, clamp, to(fp8): element passes of one eager cast (5 from fp32)."""
 CAST_SCALAR_KERNELS = 3

@@ -13,8 +13,13 @@ from cost_model.profile import COLLECTIVE_OPS
 KIB, MIB = 2**10, 2**20
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP8 = "fp8"
-"""torch._scaled_mm on float8_e4m3fn operands (bf16 out), measured on GPUs with FP8 tensor cores."""
-MATMUL_DTYPES = (*TORCH_DTYPES, FP8)
+"""torch._scaled_mm on float8_e4m3fn operands (bf16 out), measured on GPUs with FP8 tensor cores, with
+split accumulation (use_fast_accum off: partial sums promoted to fp32 at intervals), as torchao's and
+Transformer Engine's float8 linears run their two backward matmuls."""
+FP8_FAST = "fp8_fast"
+"""The same with fast accumulation (use_fast_accum on), as both run the forward matmul."""
+FP8_DTYPES = (FP8, FP8_FAST)
+MATMUL_DTYPES = (*TORCH_DTYPES, *FP8_DTYPES)
 
 # Default sweeps. CPU matmuls step by ~sqrt(2) in size (2.8x in FLOPs) so that log-linear
 # interpolation between points stays within the curve's wiggles (cache-blocking steps).
@@ -68,9 +73,10 @@ class ProfileOptions:
         for dtype in self.matmul_dtypes or ():
             if dtype not in MATMUL_DTYPES:
                 raise CostModelInputError(f"profile: unknown matmul dtype {dtype!r}; use {', '.join(MATMUL_DTYPES)}")
-            if dtype == FP8 and self.device == "cpu":
-                raise CostModelInputError("profile: fp8 matmuls are measured with torch._scaled_mm on GPUs with FP8 "
-                                          "tensor cores; on CPUs float8 is emulated (priced at the bf16 rate): drop fp8")
+            if dtype in FP8_DTYPES and self.device == "cpu":
+                raise CostModelInputError(f"profile: {dtype} matmuls are measured with torch._scaled_mm on GPUs with "
+                                          "FP8 tensor cores; on CPUs float8 is emulated (priced at the bf16 rate): "
+                                          f"drop {dtype}")
         for op in self.collective_ops:
             if op not in COLLECTIVE_OPS:
                 raise CostModelInputError(f"profile: unknown collective {op!r}; use {', '.join(COLLECTIVE_OPS)}")
@@ -93,7 +99,7 @@ class ProfileOptions:
             self,
             matmul_sizes=tuple(sorted(set(self.matmul_sizes or sizes))),
             # fp8: measured where the GPU has FP8 tensor cores (the profiler drops it elsewhere).
-            matmul_dtypes=self.matmul_dtypes or (("fp32", "bf16") if on_cpu else ("bf16", "fp16", "fp32", FP8)),
+            matmul_dtypes=self.matmul_dtypes or (("fp32", "bf16") if on_cpu else ("bf16", "fp16", "fp32", *FP8_DTYPES)),
             message_sizes_bytes=tuple(sorted(set(self.message_sizes_bytes or messages))),
             repeats=self.repeats or (3 if quick else 9),
             min_sample_s=self.min_sample_s or (0.005 if quick else 0.02),

@@ -57,7 +57,7 @@ from cost_model.profile import (SCHEMA_VERSION, AttentionPoint, CollectivePoint,
                                 GroupedMatmulPoint, HardwareProfile, MatmulPoint)
 from cost_model.profile_attention import measure_attention
 from cost_model.profile_grouped import measure_grouped_matmuls
-from cost_model.profile_options import FP8, TORCH_DTYPES, ProfileOptions
+from cost_model.profile_options import FP8_DTYPES, FP8_FAST, TORCH_DTYPES, ProfileOptions
 from cost_model.profile_collectives import (Launch, measure_collectives, plan_collectives, ranks_by_node,
                                             spawn_collectives, torchrun_launch)
 from cost_model.profile_timing import (Progress, ProgressFn, Timer, compute_device, interleaved_medians,
@@ -285,8 +285,8 @@ def _measure_matmuls(timer: Timer, device: torch.device, options: ProfileOptions
     cases, keys = [], []
     for dtype in options.matmul_dtypes:
         for size in options.matmul_sizes:
-            if dtype == FP8:
-                cases.append(_scaled_mm_case(size, device))
+            if dtype in FP8_DTYPES:
+                cases.append(_scaled_mm_case(size, device, fast_accumulation=dtype == FP8_FAST))
             else:
                 left, right = _matmul_operands(size, TORCH_DTYPES[dtype], device)
                 cases.append(lambda left=left, right=right: torch.matmul(left, right))
@@ -315,16 +315,18 @@ def fp8_supported(device: torch.device) -> bool:
 
 
 def _with_fp8_where_supported(device: torch.device, dtypes: tuple[str, ...]) -> tuple[str, ...]:
-    return dtypes if fp8_supported(device) else tuple(dtype for dtype in dtypes if dtype != FP8)
+    return dtypes if fp8_supported(device) else tuple(dtype for dtype in dtypes if dtype not in FP8_DTYPES)
 
 
-def _scaled_mm_case(size: int, device: torch.device) -> Callable[[], object]:
+def _scaled_mm_case(size: int, device: torch.device, *, fast_accumulation: bool) -> Callable[[], object]:
     """A float8 matmul as torchao's float8 linears run it: e4m3 operands (the right one
-    column-major, as _scaled_mm requires), fp32 tensorwise scales, bf16 out."""
+    column-major, as _scaled_mm requires), fp32 tensorwise scales, bf16 out; with fast
+    accumulation (their forward matmul) or split (their backward ones)."""
     left, right = _matmul_operands(size, torch.bfloat16, device)
     left, right = left.to(torch.float8_e4m3fn), right.to(torch.float8_e4m3fn).t().contiguous().t()
     scale = torch.ones((), dtype=torch.float32, device=device)
-    return lambda: torch._scaled_mm(left, right, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16)
+    return lambda: torch._scaled_mm(left, right, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast_accumulation)
 
 
 def _without_slow_bf16(timer: Timer, device: torch.device, dtypes: tuple[str, ...]) -> tuple[str, ...]:

@@ -539,7 +539,8 @@ class Fp8Pricing:
         (the profile's fp8 sweep, `autopar profile` with torch._scaled_mm, else its bf16 rate
         scaled by the datasheet's fp8/bf16 peak ratio), with the forward's matmuls run again under
         full recomputation; no fp8 time where the device has no FP8 tensor cores (emulated: the
-        bf16 time stays in `compute`). Each matmul takes the longer of its FLOPs' time and its
+        bf16 time stays in `compute`), the forward matmul at the fast-accumulation rate where the
+        profile measured it (`_fp8_rate`). Each matmul takes the longer of its FLOPs' time and its
         bytes' (`_matmul_bytes`), as compute prices the bf16 one: a skinny matmul (a tp shard of a
         small projection) is bound by reading its large operand, in float8 at one byte per
         element. Under the rowwise recipe torchao's backward matmuls add their rescale passes
@@ -559,8 +560,7 @@ class Fp8Pricing:
                 continue
             bf16_bytes, fp8_bytes = _matmul_bytes(elements, role)
             bf16[role] += max(flops / self.compute.matmul_rate(flops, dtype), bf16_bytes / bandwidth)
-            fp8_rate = self.compute.matmul_rate(flops, "fp8") if self.compute.measured("fp8") \
-                else self.compute.matmul_rate(flops, "bf16") * ratio
+            fp8_rate = self._fp8_rate(flops, fast=role in fp8_cost.FAST_ACCUMULATION_MATMULS)
             fp8[role] += max(flops / fp8_rate, fp8_bytes / bandwidth)
         if self.choice.recipe == "rowwise":  # the backward matmuls' scales, applied apart
             def rescale_s(output_elements: float) -> float:
@@ -571,6 +571,16 @@ class Fp8Pricing:
             if not self.handling.rescale_fused_into_consumers or linear.after_tensor_cores:
                 fp8["grad_input"] += rescale_s(elements.input)
         return _MatmulTimes(bf16=bf16, fp8=fp8, runs=2 if config.recompute == "full" else 1)
+
+    def _fp8_rate(self, flops: float, *, fast: bool) -> float:
+        """A float8 matmul's FLOP/s: the profile's sweep for its accumulation ("fp8_fast" or split
+        "fp8", cost_model/fp8.py FAST_ACCUMULATION_MATMULS), else the bf16 rate scaled by the
+        datasheet's fp8/bf16 peak ratio."""
+        key = "fp8_fast" if fast and self.compute.measured("fp8_fast") else "fp8"
+        if self.compute.measured(key):
+            return self.compute.matmul_rate(flops, key)
+        device = self.compute.device
+        return self.compute.matmul_rate(flops, "bf16") * device.peak_flops("fp8") / device.peak_flops("bf16")
 
     def _input_gathered_in_float8(self, linear: _Linear, config: ParallelConfig, placements: dict) -> bool:
         """The handling gathers this linear's sequence-parallel input in float8: its forward cast

@@ -1,5 +1,7 @@
 """Float8 training's casts and bytes, from torchao's eager sequence (cost_model/fp8.py)."""
 
+from dataclasses import replace
+
 import pytest
 
 from cost_model import fp8
@@ -42,8 +44,13 @@ def test_the_profile_measures_fp8_with_scaled_mm_on_gpus_only():
     assert "fp8" not in ProfileOptions(device="cpu").resolved().matmul_dtypes
     cpu = torch.device("cpu")
     assert _with_fp8_where_supported(cpu, ("bf16", "fp8")) == ("bf16",)
-    output = _scaled_mm_case(32, cpu)()  # the case itself (torch has a CPU _scaled_mm)
-    assert output.shape == (32, 32) and output.dtype == torch.bfloat16
+    with pytest.raises(CostModelInputError, match="drop fp8_fast"):
+        ProfileOptions(device="cpu", matmul_dtypes=("bf16", "fp8_fast"))
+    assert {"fp8", "fp8_fast"} <= set(ProfileOptions(device="cuda").resolved().matmul_dtypes)
+    assert _with_fp8_where_supported(cpu, ("bf16", "fp8_fast", "fp8")) == ("bf16",)
+    for fast in (False, True):  # the cases themselves (torch has a CPU _scaled_mm)
+        output = _scaled_mm_case(32, cpu, fast_accumulation=fast)()
+        assert output.shape == (32, 32) and output.dtype == torch.bfloat16
 
 
 def test_a_measured_fp8_sweep_prices_the_float8_matmuls():
@@ -58,6 +65,12 @@ def test_a_measured_fp8_sweep_prices_the_float8_matmuls():
                               kernel_overhead_s=5e-6)
     compute = ComputeModel(H100_SXM, profile)
     assert compute.measured("fp8") and compute.matmul_rate(1e12, "fp8") == pytest.approx(1100e12)
+    # a profile without the fast-accumulation sweep prices those matmuls at the float8 (split) rate
+    assert not compute.measured("fp8_fast") and compute.matmul_rate(1e12, "fp8_fast") == pytest.approx(1100e12)
+    fast = tuple(MatmulPoint(dtype="fp8_fast", flops=flops, achieved_flops_per_s=1300e12) for flops in (1e9, 1e12))
+    compute = ComputeModel(H100_SXM, replace(profile, matmul=points + fast))
+    assert compute.matmul_rate(1e12, "fp8_fast") == pytest.approx(1300e12)
+    assert compute.matmul_rate(1e12, "fp8") == pytest.approx(1100e12)
 
 
 def test_compiled_casts_are_an_amax_pass_and_a_cast_pass():

@@ -168,7 +168,8 @@ def test_options_are_checked():
         ProfileOptions(collective_ops=("all_shuffle",))
     cuda = ProfileOptions(device="cuda").resolved()
     assert cuda.matmul_sizes[0] == 256 and cuda.matmul_sizes[-1] == 16384
-    assert set(cuda.matmul_dtypes) == {"bf16", "fp16", "fp32", "fp8"}  # fp8 where the GPU has FP8 tensor cores
+    # fp8 (split accumulation) and fp8_fast where the GPU has FP8 tensor cores
+    assert set(cuda.matmul_dtypes) == {"bf16", "fp16", "fp32", "fp8", "fp8_fast"}
 
 
 def test_multi_node_plan_labels_levels():

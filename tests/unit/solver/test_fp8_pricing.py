@@ -280,3 +280,23 @@ def test_rowwise_backward_matmuls_pay_their_rescale_passes_where_they_run_apart(
     assert bare["torchtitan"] < priced["torchtitan"] < priced["compiled"]
     assert _with_handling("compiled", spec=LLAMA)["fp8.matmul"] == pytest.approx(
         _with_handling("torchtitan", spec=LLAMA)["fp8.matmul"])  # tensorwise scales inside the GEMM
+
+
+def test_the_forward_float8_matmul_runs_at_the_profiles_fast_accumulation_rate(tmp_path):
+    """torchao's and TE's float8 linears run their forward matmul with fast accumulation and the
+    two backward ones split (cost_model/fp8.py FAST_ACCUMULATION_MATMULS): with a profile that
+    measured both, a third of the float8 matmul FLOPs run at the fast rate."""
+    from cost_model.profile import SCHEMA_VERSION, HardwareProfile, MatmulPoint
+
+    def matmul_s(rates: dict[str, float]) -> float:
+        points = tuple(MatmulPoint(dtype=dtype, flops=flops, achieved_flops_per_s=rate)
+                       for dtype, rate in rates.items() for flops in (1e6, 1e12))
+        path = tmp_path / f"{len(rates)}.json"
+        HardwareProfile(schema_version=SCHEMA_VERSION, device_name="H100", device_kind="cuda", num_processes=1,
+                        memory_bytes=80e9, matmul=points, memory_bandwidth_bytes_per_s=3e12,
+                        kernel_overhead_s=5e-6).save(path)
+        return terms(f"dgx-h100:nodes=1,gpus_per_node=1,profile={path}")[1]["fp8.matmul"]
+
+    split = matmul_s({"bf16": 50e12, "fp8": 100e12})
+    both = matmul_s({"bf16": 50e12, "fp8": 100e12, "fp8_fast": 200e12})
+    assert both == pytest.approx(split * (1 / 3 * 0.5 + 2 / 3), rel=1e-3)
