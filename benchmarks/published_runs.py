@@ -82,8 +82,9 @@ A split the model's layers do not divide is printed as a warning and the row pri
 balanced cut (the run cannot have cut so: the framework was misread).
 
 `--ran` adds configurations that were run as published but whose step time is not in the
-reference file (Llama 3 405B on 16,384 H100s as Meta trained it; Korthikanti et al.'s 530B and
-1T): they ran, so they must be predicted to fit (block reuse: seconds to capture each).
+reference file (Llama 3 405B on 16,384 H100s as Meta trained it): it ran, so it must be predicted
+to fit (block reuse: seconds to capture it). Korthikanti et al.'s 530B and 1T, once here, are rows of
+published_bf16.csv with their Table 5 times.
 """
 
 from __future__ import annotations
@@ -654,14 +655,6 @@ def _ran(id: str, source: str, shape: dict[str, int], *, gpus: int, cluster: str
 
 
 RAN = (
-    _ran("kor-530b-sel", "Korthikanti et al. 2022 (arXiv 2205.05198), Table 3",
-         dict(layers=105, hidden=20480, heads=128, vocab=51200, seq=2048), gpus=280, cluster="dgx-a100-80g",
-         global_batch=280, tp=8, pp=35, dp=1, recompute="selective",
-         notes="SP + selective recompute on 80 GB A100s; 1F1B assumed (3 layers per stage)"),
-    _ran("kor-1t-sel", "Korthikanti et al. 2022 (arXiv 2205.05198), Table 3",
-         dict(layers=128, hidden=25600, heads=160, vocab=51200, seq=2048), gpus=512, cluster="dgx-a100-80g",
-         global_batch=512, tp=8, pp=64, dp=1, recompute="selective",
-         notes="SP + selective recompute on 80 GB A100s; 1F1B assumed (2 layers per stage)"),
     _ran("llama3-405b", "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv 2407.21783), Table 4 and section 3.3.2",
          dict(layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, vocab=128256, seq=8192), gpus=16384,
          cluster="dgx-h100", global_batch=2048, tp=8, pp=16, dp=128, virtual_stages=8, zero=2, recompute="gathers",
