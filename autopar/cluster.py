@@ -238,6 +238,7 @@ _DEVICE_FIELDS = {
     "memory_gib": ("memory_bytes", float, GIB),
     "memory_bandwidth_gbs": ("memory_bandwidth_bytes_per_s", float, GB),
     "matmul_efficiency": ("matmul_efficiency", float, 1.0),
+    "fp8_matmul_efficiency": ("fp8_matmul_efficiency", float, 1.0),
     "memory_efficiency": ("memory_efficiency", float, 1.0),
     "kernel_overhead_us": ("kernel_overhead_s", float, 1e-6),
     "host_link_gbs": ("host_link_bytes_per_s", float, GB),

@@ -42,6 +42,10 @@ class DeviceSpec:
     """Fraction of peak that a large matmul reaches (small ones reach less, see compute.py)."""
     matmul_half_efficiency_flops: float = 2.0e9
     """Matmul size (FLOPs) at which half of `matmul_efficiency` is reached."""
+    fp8_matmul_efficiency: float = 1.0
+    """What float8 GEMMs reach of their (fp8) peak relative to what bf16 GEMMs of the same shape
+    reach of theirs: the achieved float8/bf16 speed-up is the peaks' ratio times this. 1 where no
+    measurement is documented (a profile's fp8 sweep measures it)."""
     memory_efficiency: float = 0.8
     """Fraction of the memory bandwidth that streaming (element-wise) kernels reach."""
     kernel_overhead_s: float = 5e-6
@@ -87,7 +91,7 @@ class DeviceSpec:
         _require_positive(self.name, "memory_bandwidth_bytes_per_s", self.memory_bandwidth_bytes_per_s)
         for dtype, flops in self.peak_flops_per_s.items():
             _require_positive(self.name, f"peak_flops_per_s[{dtype}]", flops)
-        for name in ("matmul_efficiency", "memory_efficiency"):
+        for name in ("matmul_efficiency", "memory_efficiency", "fp8_matmul_efficiency"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{self.name}: {name} must be in (0, 1], got {value}")
@@ -114,6 +118,14 @@ class DeviceSpec:
     def attention(self) -> AttentionKernel | None:
         """The named attention kernel's documented rates (None: not named)."""
         return next((kernel for kernel in self.attention_kernels if kernel.name == self.attention_kernel), None)
+
+    @property
+    def fp8_matmul_speedup(self) -> float:
+        """A float8 GEMM's speed over the same bf16 GEMM where no profile measured it: the peaks'
+        ratio times fp8_matmul_efficiency (1 where the device emulates float8)."""
+        if not self.has_fp8:
+            return 1.0
+        return self.peak_flops("fp8") / self.peak_flops("bf16") * self.fp8_matmul_efficiency
 
     @property
     def has_fp8(self) -> bool:
@@ -318,6 +330,12 @@ H100_SXM = DeviceSpec(
     # Large bf16 GEMMs on H100 reach a smaller fraction of the (higher) peak than on A100.
     matmul_efficiency=0.7,
     matmul_half_efficiency_flops=6.0e9,
+    # Float8 GEMMs run 1.905x the bf16 ones, not the peaks' 2x: Transformer Engine's GEMM profiling
+    # guide (docs/examples/gemm_profiling, 2026-05) timed a 5B model's 12 per-layer GEMMs (15,872
+    # tokens, hidden 4,096, MLP 16,384) on an H200 NVL, pre-quantized: bf16 31.968 ms, FP8 (current
+    # scaling, cuBLAS; dgrad and wgrad with split accumulation) 16.785 ms, fprop 1.906x, dgrad and
+    # wgrad 1.898x. The same GH100 tensor cores as the SXM parts (at 600 rather than 700 W).
+    fp8_matmul_efficiency=31.968 / 16.785 / 2,
     host_link_bytes_per_s=PCIE_GEN5_X16,
     host_memory_bandwidth_bytes_per_s=614.4 * GB / 8,
     host_memory_bytes=2048 * GIB / 8,

@@ -15,7 +15,7 @@ Terms (each named in the plan's breakdown):
 - `fp8.matmul.experts`: its three grouped matmuls (forward, token gradient, weight gradient) at
   the fp8 rate with the grouped-GEMM efficiency the model gives their per-expert size
   (ComputeModel.grouped_matmul_s: E_local matmuls of R / E_local rows each; a profile's fp8
-  grouped sweep where measured, else the bf16 grouped rate x the datasheet's fp8/bf16 peak ratio,
+  grouped sweep where measured, else the bf16 grouped rate x the device's float8 speed-up,
   as the linears' matmuls). They replace the same matmuls at the bf16 rate, which leave `compute`
   (the busiest rank's extra rows: `ep.load_imbalance`; the forward's run again: `recompute`).
   Emulated devices (no FP8 tensor cores) keep the bf16 matmuls in `compute`.
@@ -156,8 +156,8 @@ class Fp8ExpertPricing:
         imbalance = self.load_imbalance if config.ep > 1 else 1.0
         again = self._recomputed(config)
         device = self.compute.device
-        ratio = device.peak_flops("fp8") / device.peak_flops("bf16")
-        tensor_cores = device.has_fp8 and ratio > 1.0
+        ratio = device.fp8_matmul_speedup
+        tensor_cores = device.has_fp8 and device.peak_flops("fp8") > device.peak_flops("bf16")
         bf16_s = extra_s = again_s = fp8_s = 0.0
         for per_sample, forward in matmul.flops_per_sample:
             flops = per_sample * config.microbatch_size / config.cp / divisor

@@ -537,7 +537,7 @@ class Fp8Pricing:
                   weight_sharded: bool) -> _MatmulTimes:
         """This rank's matmul times of one linear per microbatch at the bf16 rate and at the fp8 rate
         (the profile's fp8 sweep, `autopar profile` with torch._scaled_mm, else its bf16 rate
-        scaled by the datasheet's fp8/bf16 peak ratio), with the forward's matmuls run again under
+        times the device's float8 speed-up), with the forward's matmuls run again under
         full recomputation; no fp8 time where the device has no FP8 tensor cores (emulated: the
         bf16 time stays in `compute`), the forward matmul at the fast-accumulation rate where the
         profile measured it (`_fp8_rate`). Each matmul takes the longer of its FLOPs' time and its
@@ -574,13 +574,12 @@ class Fp8Pricing:
 
     def _fp8_rate(self, flops: float, *, fast: bool) -> float:
         """A float8 matmul's FLOP/s: the profile's sweep for its accumulation ("fp8_fast" or split
-        "fp8", cost_model/fp8.py FAST_ACCUMULATION_MATMULS), else the bf16 rate scaled by the
-        datasheet's fp8/bf16 peak ratio."""
+        "fp8", cost_model/fp8.py FAST_ACCUMULATION_MATMULS), else the bf16 rate times the device's
+        documented float8 speed-up (DeviceSpec.fp8_matmul_speedup: the peaks' ratio where none is)."""
         key = "fp8_fast" if fast and self.compute.measured("fp8_fast") else "fp8"
         if self.compute.measured(key):
             return self.compute.matmul_rate(flops, key)
-        device = self.compute.device
-        return self.compute.matmul_rate(flops, "bf16") * device.peak_flops("fp8") / device.peak_flops("bf16")
+        return self.compute.matmul_rate(flops, "bf16") * self.compute.device.fp8_matmul_speedup
 
     def _input_gathered_in_float8(self, linear: _Linear, config: ParallelConfig, placements: dict) -> bool:
         """The handling gathers this linear's sequence-parallel input in float8: its forward cast
