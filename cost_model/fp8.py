@@ -57,9 +57,9 @@ Under the rowwise recipe torchao runs each backward matmul with unit scales and 
 output by the scales afterwards (`CastHandling.rowwise_rescale_bytes`), a pass of its own where
 no pointwise kernel takes it in.
 
-Matmuls run at the device's "fp8" peak (FP8 tensor cores; a measured bf16
-rate is scaled by the datasheet's fp8/bf16 ratio); a device without them emulates (dequantised
-matmuls at the bf16 rate). Where a profile measured float8 matmuls, each of a linear's three runs at
+Matmuls run at the bf16 rate times the device's float8 speed-up (FP8 tensor cores: the peaks' ratio
+times its documented fp8_matmul_efficiency); a device without them emulates (dequantised matmuls at
+the bf16 rate). Where a profile measured float8 matmuls, each of a linear's three runs at
 the rate of its accumulation (FAST_ACCUMULATION_MATMULS).
 
 This module does not import autopar or torch.
@@ -79,7 +79,8 @@ Float8LinearConfig sets use_fast_accum on its output GEMM and leaves it off for 
 grad_weight (gemm_config_* defaults, under both recipes: an accuracy choice, pytorch/ao#2377), and
 Transformer Engine's linears likewise (module/base.py: _2X_ACC_FPROP False, _2X_ACC_DGRAD and
 _2X_ACC_WGRAD True, passed as use_split_accumulator). A profile measures both ("fp8_fast", "fp8");
-without one they share the peak's rate."""
+without one all three run at the device's float8 speed-up (DeviceSpec.fp8_matmul_speedup, whose
+measurement found the split ones within 1% of the fast one)."""
 CAST_ELEMENT_KERNELS = 6
 """abs, max, to(fp32), mul, clamp, to(fp8): element passes of one eager cast (5 from fp32)."""
 CAST_SCALAR_KERNELS = 3
