@@ -123,9 +123,15 @@ class DeviceSpec:
     def fp8_matmul_speedup(self) -> float:
         """A float8 GEMM's speed over the same bf16 GEMM where no profile measured it: the peaks'
         ratio times fp8_matmul_efficiency (1 where the device emulates float8)."""
-        if not self.has_fp8:
+        if not self.runs_fp8_matmuls:
             return 1.0
         return self.peak_flops("fp8") / self.peak_flops("bf16") * self.fp8_matmul_efficiency
+
+    @property
+    def runs_fp8_matmuls(self) -> bool:
+        """Float8 matmuls run on FP8 tensor cores at a peak above bf16's; else the pricing emulates
+        them (dequantised, at the bf16 rate)."""
+        return self.has_fp8 and self.peak_flops("fp8") > self.peak_flops("bf16")
 
     @property
     def has_fp8(self) -> bool:

@@ -157,7 +157,7 @@ class Fp8ExpertPricing:
         again = self._recomputed(config)
         device = self.compute.device
         ratio = device.fp8_matmul_speedup
-        tensor_cores = device.has_fp8 and device.peak_flops("fp8") > device.peak_flops("bf16")
+        tensor_cores = device.runs_fp8_matmuls
         bf16_s = extra_s = again_s = fp8_s = 0.0
         for per_sample, forward in matmul.flops_per_sample:
             flops = per_sample * config.microbatch_size / config.cp / divisor

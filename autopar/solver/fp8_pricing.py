@@ -545,10 +545,8 @@ class Fp8Pricing:
         small projection) is bound by reading its large operand, in float8 at one byte per
         element. Under the rowwise recipe torchao's backward matmuls add their rescale passes
         (CastHandling.rowwise_rescale_bytes)."""
-        device = self.compute.device
-        ratio = device.peak_flops("fp8") / device.peak_flops("bf16")
         bf16 = {"output": 0.0, "grad_input": 0.0, "grad_weight": 0.0}
-        if not device.has_fp8 or ratio <= 1.0:
+        if not self.compute.device.runs_fp8_matmuls:
             return _MatmulTimes(bf16=bf16, fp8=dict(bf16), runs=1)
         fp8 = dict(bf16)
         bandwidth = self.compute.bandwidth_bytes_per_s
