@@ -44,6 +44,9 @@ class CommEvent:
     copy_s: float = 0.0
     """Of time_s: the runtime's copy of the tensor into or out of the collective's dim-0 layout
     (PrecisionPolicy.sp_layout_copies), compute-stream work priced as its own term (tp.layout_copy.gather, tp.layout_copy.scatter)."""
+    window: tuple[tuple[str, float], ...] | None = None
+    """The GEMMs a tensor-parallel overlap can run this collective beside, with their seconds
+    (its linear's: solver/tp_windows.py); None: not recorded (no cap)."""
 
     @property
     def column(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from collections import defaultdict
+from functools import partial
 from dataclasses import dataclass, field, replace
 
 from autopar.graph import OpGraph
@@ -21,6 +22,7 @@ from autopar.solver.quotient import Quotient
 from autopar.solver.recompute import op_saved_nodes, reads_trainable_param
 from autopar.solver.recompute_modules import SegmentModules, classify, mode_kinds
 from autopar.solver.sharding_problem import Assignment, ProblemBuilder
+from autopar.solver.tp_windows import gemm_window, with_windows
 from autopar.strategies.placement import (PARTIAL, boundary_wire, grad_placement, local_weight_grad, shard_factor,
                                          transition)
 from cost_model.compute import ComputeTime, is_grouped_matmul
@@ -174,6 +176,8 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
     expert_ops = {op.node: op for op in running}
     expert_params = {op.param for op in expert_ops.values()}
     region = set(token_local_region(graph, running)) if running else set()
+    gemms = partial(gemm_window, forward_s=lambda node: builder.ctx.node_compute(
+        node, strategy_of[node.name], builder.inputs_of(node))[0].total_s if strategy_of.get(node.name) else 0.0)
     for node in graph.nodes:
         strategy = strategy_of[node.name]
         if strategy is None:
@@ -208,6 +212,9 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                         target = tuple(grad_placement(p) for p in source_strategy.output)
                         events += tuple(replace(event, summed=True) for event in
                                         builder.ctx.redistribute(producer.output, grad, target, "bwd"))
+                    readers = [graph[name] for name in graph.consumers.get(source, ())
+                               if builder.group_of.get(quotient.rep[name]) != builder.group_of.get(quotient.rep[source])]
+                    events = with_windows(events, producer=gemms([producer]), consumers=gemms(readers))
                     segment.comm += events
                     _note_node_comm(segment, node, events)
                     _note_region_comm(segment, source, node.name, events, region)
@@ -217,7 +224,8 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                         _keep_if(segment, source, size, not recomputable[source])
                         _note_gathered(builder, segment, source, producer, source_strategy.output, placement,
                                        mesh_shape)
-                events = builder.edge_events(producer, placement, node, strategy, index, grad)
+                events = with_windows(builder.edge_events(producer, placement, node, strategy, index, grad),
+                                      producer=gemms([producer]), consumers=gemms([node]))
                 segment.comm += events
                 _note_node_comm(segment, node, events)
                 _note_region_comm(segment, source, node.name, events, region)
@@ -231,7 +239,9 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                 _keep_chain_input(segment, node, source, producer, placement, recomputable, mesh_shape)
                 continue
             grad_target = tuple(grad_placement(p) for p in source_strategy.output)
-            events = builder.edge_events(producer, source_strategy.output, node, strategy, index, grad_target)
+            events = with_windows(builder.edge_events(producer, source_strategy.output, node, strategy, index,
+                                                      grad_target),
+                                  producer=gemms([producer]), consumers=gemms([node]))
             segment.comm += events
             _note_node_comm(segment, node, events)
             _note_region_comm(segment, source, node.name, events, region)

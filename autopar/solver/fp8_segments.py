@@ -26,7 +26,8 @@ def float8_segments(pricing: Fp8Pricing, graph: OpGraph, prepared: PreparedSegme
     float8 time (Fp8Pricing.priced: per microbatch on one rank), in the segment that holds the
     linear: its forward matmul in the forward (and, under full recomputation, in the recomputed
     forward), its gradient matmuls in the backward (the weight's also in the weight-gradient
-    time). Unchanged where the device emulates float8."""
+    time), and the collectives beside them hidden by their float8 GEMMs (PreparedSegments.
+    overlap_caps_s). Unchanged where the device emulates float8."""
     kept = [item for item in pricing.priced(config, strategies) if item.kept and any(item.matmuls.change_s.values())]
     if not kept:
         return prepared
@@ -40,5 +41,7 @@ def float8_segments(pricing: Fp8Pricing, graph: OpGraph, prepared: PreparedSegme
         for role, seconds in item.matmuls.change_s.items():
             changes[role][index] += seconds
     again = changes["output"] if config.recompute == "full" else np.zeros(len(prepared.names))
+    speedups = {item.linear.node: item.matmuls.bf16["output"] / item.matmuls.fp8["output"]
+                for item in kept if item.matmuls.fp8["output"] > 0}
     return prepared.with_compute_change(changes["output"], changes["grad_input"] + changes["grad_weight"], again,
-                                        changes["grad_weight"])
+                                        changes["grad_weight"], gemm_speedups=speedups)

@@ -22,6 +22,7 @@ from autopar.solver.experts import GroupedMatmul
 from autopar.solver.pipeline import ChainCosts, StageSpan, partition
 from autopar.solver.recompute import REGATHER_MODES
 from autopar.solver.recompute_modules import is_modules_mode, mode_kinds
+from autopar.solver.tp_windows import Windowed, hideable_s, windowed
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class PreparedSegments:
     backward_s: np.ndarray
     recompute_s: np.ndarray
     comm_by_op_s: dict[str, np.ndarray]
+    overlap_caps_s: dict[str, np.ndarray]
+    """Per comm_by_op_s column, the seconds of its collectives their GEMM windows can cover
+    (tp_windows.hideable_s): what tensor-parallel overlap may hide of them (solver/tp_overlap.py)."""
     forward_comm_s: np.ndarray
     """Collectives of the forward pass itself (not a full recompute's replay)."""
     weight_grad_s: np.ndarray
@@ -85,6 +89,9 @@ class PreparedSegments:
     ep_matmuls: tuple[tuple[GroupedMatmul, ...], ...] = ()
     """Per segment, its dropless expert ops' grouped-matmul kernels (what ep reshapes and load
     imbalance stretches); a full recompute repeats the forward ones."""
+    tp_windowed: tuple[tuple[Windowed, ...], ...] = ()
+    """Per segment, its collectives (recomputation's replays included) as tp_windows.windowed
+    keeps them: what overlap_caps_s is summed from, again with faster GEMMs (with_compute_change)."""
     gathered_output_bytes: np.ndarray | None = None
     """Per segment, the whole size of the replicated activations among output_bytes (sent as
     slices, all-gathered over tp by the receiving stage)."""
@@ -139,6 +146,7 @@ class PreparedSegments:
     @classmethod
     def _build_distinct(cls, segments: list[SegmentCost], recompute: str) -> "PreparedSegments":
         comm: dict[str, np.ndarray] = {}
+        records: list[list[Windowed]] = [[] for _ in segments]
         forward_comm = np.zeros(len(segments))
         grad_reduce = np.zeros(len(segments))
         for index, segment in enumerate(segments):
@@ -147,11 +155,11 @@ class PreparedSegments:
                 if once_per_step(event):
                     grad_reduce[index] += event.time_s
                 else:
-                    _add_event(comm, event, index, len(segments))
-            for op, seconds in recompute_comm_s(segment, recompute).items():
+                    _add_event(comm, event, index, len(segments), records[index])
+            for op, seconds in recompute_comm_s(segment, recompute, records[index]).items():
                 _column(comm, op, len(segments))[index] += seconds
             for event in segment.selective_recompute_comm if recompute == "selective" else ():
-                _add_event(comm, event, index, len(segments))
+                _add_event(comm, event, index, len(segments), records[index])
         array = lambda values: np.asarray(list(values), dtype=float)  # noqa: E731
         forward = array(s.forward.total_s for s in segments)
         backward = array(s.backward.total_s for s in segments)
@@ -173,7 +181,8 @@ class PreparedSegments:
                    expert_numel=array(s.expert_param_numel for s in segments) if experts else None,
                    ep_region_fwd_s=region["fwd"], ep_region_bwd_s=region["bwd"],
                    ep_messages=messages if experts else (), ep_matmuls=matmuls if experts else (),
-                   recompute_s=recomputed, comm_by_op_s=comm, forward_comm_s=forward_comm,
+                   recompute_s=recomputed, comm_by_op_s=comm, overlap_caps_s=_caps(records, comm),
+                   tp_windowed=tuple(map(tuple, records)), forward_comm_s=forward_comm,
                    weight_grad_s=array(weight_grad_s(s) for s in segments),
                    time_s=forward + backward + recomputed + total_comm,
                    activation_bytes=array(_activation_bytes(s, recompute) for s in segments),
@@ -190,11 +199,13 @@ class PreparedSegments:
                                              for s in segments), default=0.0))
 
     def with_compute_change(self, forward_s: np.ndarray, backward_s: np.ndarray, recompute_s: np.ndarray,
-                            weight_grad_s: np.ndarray) -> "PreparedSegments":
+                            weight_grad_s: np.ndarray, gemm_speedups: dict[str, float] | None = None
+                            ) -> "PreparedSegments":
         """These segments with each one's compute changed by the seconds given per microbatch (the
         float8 linears' matmuls in place of their bf16 ones: solver/fp8_segments.py), every cache
         fresh: the stage cut, the overlap of collectives with compute and the bubble all see the
-        changed times."""
+        changed times; `gemm_speedups`: per GEMM node, how many times faster it now runs (the
+        collectives' GEMM windows shrink alike: overlap_caps_s)."""
         arrays = {f.name: value for f in fields(self) if isinstance(value := getattr(self, f.name), np.ndarray)}
         arrays.update(forward_s=self.forward_s + forward_s, backward_s=self.backward_s + backward_s,
                       recompute_s=self.recompute_s + recompute_s, weight_grad_s=self.weight_grad_s + weight_grad_s,
@@ -202,7 +213,8 @@ class PreparedSegments:
         return PreparedSegments(
             names=list(self.names), recompute=self.recompute, max_saved_bytes=self.max_saved_bytes,
             max_recomputed_bytes=self.max_recomputed_bytes, comm_by_op_s=dict(self.comm_by_op_s),
-            ep_messages=self.ep_messages, ep_matmuls=self.ep_matmuls, **arrays)
+            overlap_caps_s=_caps(self.tp_windowed, self.comm_by_op_s, gemm_speedups) if gemm_speedups and
+            self.tp_windowed else dict(self.overlap_caps_s), tp_windowed=self.tp_windowed, ep_messages=self.ep_messages, ep_matmuls=self.ep_matmuls, **arrays)
 
     def _indexed(self, index: np.ndarray, names: list[str]) -> "PreparedSegments":
         """These rows repeated as `index` says, named `names` (every per-segment array)."""
@@ -211,14 +223,18 @@ class PreparedSegments:
             names=names, recompute=self.recompute, max_saved_bytes=self.max_saved_bytes,
             max_recomputed_bytes=self.max_recomputed_bytes,
             comm_by_op_s={op: values[index] for op, values in self.comm_by_op_s.items()},
+            overlap_caps_s={op: values[index] for op, values in self.overlap_caps_s.items()},
+            tp_windowed=tuple(self.tp_windowed[i] for i in index.tolist()) if self.tp_windowed else (),
             ep_messages=tuple(self.ep_messages[i] for i in index.tolist()) if self.ep_messages else (),
             ep_matmuls=tuple(self.ep_matmuls[i] for i in index.tolist()) if self.ep_matmuls else (), **arrays)
 
     def total(self, name: str, own: Sequence[StageSpan]) -> float:
-        """Sum of array `name` (an attribute, or "comm:<op>" of comm_by_op_s) over the spans."""
+        """Sum of array `name` (an attribute, "comm:<op>" of comm_by_op_s or "cap:<op>" of
+        overlap_caps_s) over the spans."""
         prefix = self._prefixes.get(name)
         if prefix is None:
-            values = self.comm_by_op_s[name[5:]] if name.startswith("comm:") else getattr(self, name)
+            values = self.comm_by_op_s[name[5:]] if name.startswith("comm:") else \
+                self.overlap_caps_s[name[4:]] if name.startswith("cap:") else getattr(self, name)
             prefix = self._prefixes[name] = np.concatenate(([0.0], np.cumsum(values))).tolist()
         if len(own) == 1:
             return prefix[own[0].stop] - prefix[own[0].start]
@@ -258,7 +274,7 @@ class PreparedSegments:
         if self._signatures is None:
             arrays = [self.forward_s, self.backward_s, self.recompute_s, self.forward_comm_s, self.weight_grad_s,
                       self.time_s, self.activation_bytes, self.param_numel, self.buffer_bytes, self.output_bytes,
-                      *self.comm_by_op_s.values()]
+                      *self.comm_by_op_s.values(), *self.overlap_caps_s.values()]
             arrays += [a for a in (self.grad_workspace_bytes, self.expert_numel, self.grad_reduce_s,
                                    self.gathered_output_bytes, self.fused_wgrad_numel, self.fused_wgrad_saving_s,
                                    self.ep_region_fwd_s, self.ep_region_bwd_s)
@@ -362,13 +378,16 @@ def replayed_comm(segment: SegmentCost, recompute: str) -> list[CommEvent]:
     return []
 
 
-def recompute_comm_s(segment: SegmentCost, recompute: str) -> dict[str, float]:
+def recompute_comm_s(segment: SegmentCost, recompute: str, records: list[Windowed] | None = None) -> dict[str, float]:
     """Collectives run again in backward, by breakdown key (tp.<key>): those recomputation replays
-    (replayed_comm); the regathering modes gather their sharded saves again."""
+    (replayed_comm); the regathering modes gather their sharded saves again. `records` gets each
+    replay as tp_windows.windowed keeps it (a re-gather without a window)."""
     extra: dict[str, float] = {}
     for event in replayed_comm(segment, recompute):
         for key, seconds in _event_terms(event):
             extra[key] = extra.get(key, 0.0) + seconds
+        if records is not None:
+            records.append(windowed(event))
     if recompute in REGATHER_MODES:
         kept = segment.selective_kept if recompute == "selective" else None
         seconds = segment.regather_s(kept)
@@ -401,9 +420,23 @@ def _event_terms(event: CommEvent) -> list[tuple[str, float]]:
     return terms
 
 
-def _add_event(columns: dict[str, np.ndarray], event: CommEvent, index: int, length: int) -> None:
+def _add_event(columns: dict[str, np.ndarray], event: CommEvent, index: int, length: int,
+               records: list[Windowed]) -> None:
     for key, seconds in _event_terms(event):
         _column(columns, key, length)[index] += seconds
+    records.append(windowed(event))
+
+
+def _caps(records: Sequence[Sequence[Windowed]], comm: dict[str, np.ndarray],
+          speedups: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+    """PreparedSegments.overlap_caps_s from the segments' records: per column, the hideable seconds
+    of its windowed collectives plus, uncapped, the rest of the column (a re-gather's seconds)."""
+    caps = {op: values.copy() for op, values in comm.items()}
+    for index, segment in enumerate(records):
+        for record in segment:
+            if record[2] is not None and record[0] in caps:
+                caps[record[0]][index] -= record[1] - hideable_s(record, speedups)
+    return caps
 
 
 def _column(columns: dict[str, np.ndarray], name: str, length: int) -> np.ndarray:

@@ -646,7 +646,8 @@ class StepModel(StepFsdp, StepTail):
         if self.policy.tp_comm_overlap:  # the runtime hides its SP collectives behind GEMMs (tp_overlap.py)
             tp_comm, overlap_s = overlap_tp_comm(tp_comm, tp=config.tp, share=self.comm_sm_share(),
                                                  compute_s=total("forward_s", own) + total("backward_s", own),
-                                                 sums=self.policy.tp_overlap_sums)
+                                                 sums=self.policy.tp_overlap_sums,
+                                                 caps_s={op: total("cap:" + op, own) for op in prepared.overlap_caps_s})
         elif self.policy.regather_overlap:  # re-gathers beside the dgrad GEMMs (tp_overlap.py)
             tp_comm, overlap_s = overlap_regather(tp_comm, backward_s=total("backward_s", own),
                                                   share=self.comm_sm_share())

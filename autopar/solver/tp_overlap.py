@@ -13,9 +13,11 @@ gradient's reduce-scatter "bulk"-overlapped with the dgrad and wgrad GEMMs (Wang
 "Overlap Communication with Dependent Computation via Decomposition in Large Deep Learning
 Models", ASPLOS 2023; NVIDIA Transformer Engine, `initialize_ub`, and NeMo's
 `tp_comm_overlap`). Of the tp ring steps, one has no GEMM chunk beside it (the ring exchange's
-last transfer, the pipelined reduce-scatter's last chunk), so per collective
+last transfer, the pipelined reduce-scatter's last chunk), and each step hides behind its own
+GEMM's chunk only (solver/tp_windows.py: a collective beside a short GEMM, the q, k and v of a
+grouped-query attention or any float8 GEMM, stays partly exposed), so per collective
 
-    exposed = time / tp,    hidden = time x (tp - 1) / tp   (at most the stage's compute)
+    hidden = min(time, its GEMM's time) x (tp - 1) / tp   (in all, at most the stage's compute)
 
 and the hidden seconds hold SMs while the GEMMs run (cost_model/contention.py): they add
 hidden x channels / SMs.
@@ -54,14 +56,16 @@ def overlappable(op: str, sums: bool = True) -> bool:
 
 
 def overlap_tp_comm(tp_comm_s: dict[str, float], *, tp: int, compute_s: float, share: float,
-                    sums: bool = True) -> tuple[dict[str, float], float]:
+                    sums: bool = True, caps_s: dict[str, float] | None = None) -> tuple[dict[str, float], float]:
     """(the comm terms with only their exposed seconds, plus "sm_contention"; the seconds the
     stage's time per microbatch changes by: - hidden + contention). `share`: of the SMs the
-    overlapped communication holds (contention.sm_share); `sums`: PrecisionPolicy.tp_overlap_sums.
-    See the module docstring."""
+    overlapped communication holds (contention.sm_share); `sums`: PrecisionPolicy.tp_overlap_sums;
+    `caps_s`: per term, the seconds its collectives' own GEMMs can cover (PreparedSegments.
+    overlap_caps_s; a term without one: all of it). See the module docstring."""
     if tp <= 1:
         return dict(tp_comm_s), 0.0
-    return _hide(tp_comm_s, lambda op: overlappable(op, sums), fraction=(tp - 1) / tp, window_s=compute_s, share=share)
+    return _hide(tp_comm_s, lambda op: overlappable(op, sums), fraction=(tp - 1) / tp, window_s=compute_s, share=share,
+                 caps_s=caps_s or {})
 
 
 def overlap_regather(tp_comm_s: dict[str, float], *, backward_s: float, share: float) -> tuple[dict[str, float], float]:
@@ -73,15 +77,18 @@ def overlap_regather(tp_comm_s: dict[str, float], *, backward_s: float, share: f
 
 
 def _hide(tp_comm_s: dict[str, float], chosen, *, fraction: float, window_s: float,
-          share: float) -> tuple[dict[str, float], float]:
-    """The `chosen` terms with `fraction` of their seconds hidden, at most `window_s` in all, each
-    term kept in proportion; the hidden seconds add "sm_contention" (their SM `share`)."""
-    total = sum(seconds for op, seconds in tp_comm_s.items() if chosen(op))
-    hidden = min(total * fraction, max(0.0, window_s))
+          share: float, caps_s: dict[str, float] | None = None) -> tuple[dict[str, float], float]:
+    """The `chosen` terms with `fraction` of their seconds hidden, or of their `caps_s` where
+    smaller, at most `window_s` in all, each term's hidden seconds scaled alike; the hidden
+    seconds add "sm_contention" (their SM `share`)."""
+    hideable = {op: min(seconds, (caps_s or {}).get(op, seconds)) * fraction
+                for op, seconds in tp_comm_s.items() if chosen(op)}
+    total = sum(hideable.values())
+    hidden = min(total, max(0.0, window_s))
     if hidden <= 0:
         return dict(tp_comm_s), 0.0
-    kept = 1.0 - hidden / total
-    terms = {op: seconds * kept if chosen(op) else seconds for op, seconds in tp_comm_s.items()}
+    scale = hidden / total
+    terms = {op: seconds - hideable.get(op, 0.0) * scale for op, seconds in tp_comm_s.items()}
     contention = hidden * share
     if contention:
         terms["sm_contention"] = terms.get("sm_contention", 0.0) + contention

@@ -68,3 +68,30 @@ def test_float8_matmuls_leave_less_compute_to_hide_fsdps_collectives():
     bf16 = autopar.evaluate(spec, precision="bf16", **settings).predicted.breakdown_s
     assert fp8["compute"] + fp8["fp8.matmul"] < bf16["compute"]
     assert fp8["dp.reduce_scatter"] > bf16["dp.reduce_scatter"] > 0
+
+
+def test_float8_gemms_hide_less_of_the_tp_collectives_beside_them():
+    """Under a runtime that overlaps tensor-parallel collectives with their GEMMs (Transformer
+    Engine's userbuffers), the float8 linears' faster GEMMs cover less of each collective
+    (tp_windows.py): the caps shrink, the collectives' own seconds stay."""
+    from dataclasses import replace
+
+    from autopar import api
+    from autopar.cluster import Cluster
+    from autopar.solver.fp8 import Fp8Choice, fp8_linears
+    from autopar.solver.search import Planner
+    from cost_model.memory import MEGATRON_BF16
+
+    graph = autopar.capture_for_planning("llama:layers=2,hidden=2048,heads=16,kv_heads=4,ffn_hidden=8192,seq=2048,"
+                                         "vocab=4096")
+    planner = Planner(graph, Cluster.from_spec("dgx-h100:gpus_per_node=4"), global_batch=8,
+                      policy=replace(MEGATRON_BF16, tp_comm_overlap=True), precision="fp8",
+                      fp8=Fp8Choice(recipe="tensorwise", linears=fp8_linears(graph), handling="te"))
+    config = api.fixed_config(planner, tp=4, pp=1, dp=1, microbatch_size=2, schedule="1f1b", virtual_stages=None,
+                              layers_per_virtual_stage=None, recompute="none", zero_stage=0, cp=1,
+                              sequence_parallel=True)
+    bf16 = planner.pricing.prepared(config.tp, config.microbatch_size, "none", 1, True)
+    fp8 = planner.pricing.prepared_for(config)
+    for op in ("all_gather", "reduce_scatter"):
+        assert fp8.overlap_caps_s[op].sum() < bf16.overlap_caps_s[op].sum()
+        assert fp8.comm_by_op_s[op].tolist() == bf16.comm_by_op_s[op].tolist()

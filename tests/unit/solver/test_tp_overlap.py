@@ -55,6 +55,15 @@ def test_a_regather_beside_the_input_gradient_gemms_is_hidden_up_to_them() -> No
     assert short["all_gather.regather"] == pytest.approx(0.15)
 
 
+def test_a_collective_hides_no_more_than_its_own_gemm() -> None:
+    """`caps_s`: of each term, the seconds its collectives' GEMMs can cover (tp_windows.py); the
+    ring's (tp - 1) / tp of those is hidden, the stage's compute notwithstanding."""
+    terms, change = overlap_tp_comm(TERMS, tp=4, compute_s=10.0, share=0.0, caps_s={"all_gather": 0.2})
+    assert terms["all_gather"] == pytest.approx(0.4 - 0.2 * 3 / 4)
+    assert terms["reduce_scatter"] == pytest.approx(0.1)
+    assert change == pytest.approx(-(0.2 + 0.4 + 0.2) * 3 / 4)
+
+
 def test_without_tp_nothing_changes() -> None:
     assert overlap_tp_comm(TERMS, tp=1, compute_s=1.0, share=16 / 132) == (TERMS, 0.0)
 
@@ -79,7 +88,9 @@ def test_a_runtime_that_overlaps_its_tp_comm_is_priced_faster_with_its_sm_share(
     exposed = _estimate(graph, MEGATRON_BF16)
     overlapped = _estimate(graph, replace(MEGATRON_BF16, tp_comm_overlap=True))
     assert overlapped.step_time_s < exposed.step_time_s
-    assert overlapped.breakdown_s["tp.all_gather"] == pytest.approx(exposed.breakdown_s["tp.all_gather"] / 4)
+    # 3/4 of each gather hidden at most; less where its GEMM is shorter (solver/tp_windows.py)
+    assert exposed.breakdown_s["tp.all_gather"] / 4 <= overlapped.breakdown_s["tp.all_gather"] \
+        < exposed.breakdown_s["tp.all_gather"] / 2
     assert overlapped.breakdown_s["tp.sm_contention"] > 0
     assert "tp.sm_contention" not in exposed.breakdown_s
 
