@@ -212,8 +212,9 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                         target = tuple(grad_placement(p) for p in source_strategy.output)
                         events += tuple(replace(event, summed=True) for event in
                                         builder.ctx.redistribute(producer.output, grad, target, "bwd"))
+                    group = builder.group_of.get(quotient.rep[source])
                     readers = [graph[name] for name in graph.consumers.get(source, ())
-                               if builder.group_of.get(quotient.rep[name]) != builder.group_of.get(quotient.rep[source])]
+                               if builder.group_of.get(quotient.rep[name]) != group]
                     events = with_windows(events, producer=gemms([producer]), consumers=gemms(readers))
                     segment.comm += events
                     _note_node_comm(segment, node, events)

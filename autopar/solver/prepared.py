@@ -214,7 +214,8 @@ class PreparedSegments:
             names=list(self.names), recompute=self.recompute, max_saved_bytes=self.max_saved_bytes,
             max_recomputed_bytes=self.max_recomputed_bytes, comm_by_op_s=dict(self.comm_by_op_s),
             overlap_caps_s=_caps(self.tp_windowed, self.comm_by_op_s, gemm_speedups) if gemm_speedups and
-            self.tp_windowed else dict(self.overlap_caps_s), tp_windowed=self.tp_windowed, ep_messages=self.ep_messages, ep_matmuls=self.ep_matmuls, **arrays)
+            self.tp_windowed else dict(self.overlap_caps_s), tp_windowed=self.tp_windowed,
+            ep_messages=self.ep_messages, ep_matmuls=self.ep_matmuls, **arrays)
 
     def _indexed(self, index: np.ndarray, names: list[str]) -> "PreparedSegments":
         """These rows repeated as `index` says, named `names` (every per-segment array)."""
