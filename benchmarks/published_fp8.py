@@ -44,6 +44,11 @@ its recipes' gains on both. DeepSeek-V3 (arXiv
 2412.19437): its FP8 recipe is blockwise (1 x 128 activation tiles, 128 x 128 weight blocks), neither torchao's tensorwise nor rowwise, and the report gives GPU-hours
 per trillion tokens on 2,048 H800s (a GPU autopar has no preset for) rather than a step time of a
 stated configuration (the DualPipe schedule, MLA and the 61-layer MoE shape are not built-in).
+torchtitan's June 2025 async TP table's float8 rowwise rows (70B on 256 H100 599.6 and 624.8 tokens/s,
+8B on 64 H100 3,708.5 and 3,914.9, without and with async TP; the rows beside them are here as
+tt25-*): the source calls its rowwise baseline under TP low and under investigation (torchtitan#1207:
+rowwise ran at bf16's speed under TP 8, slower than bf16 at 8B; FSDP-only rowwise gains 1.10x,
+fp8_recipes.py), and names no cause; autopar prices them 26-34% faster (docs/accuracy.md).
 Megatron-Bridge's DGX-H100 Llama 3 8B FP8-CS row (14,451 tokens/s, 25.11): its recipe recomputes
 5 of the 32 layers in full (recompute_num_layers=5, block), which no autopar recomputation mode
 expresses; its MoE FP8 rows are blockwise (DeepSeek-V3) or MoE shapes priced by published_moe.py.
