@@ -620,7 +620,8 @@ def runtime_step_s(run: Run, directory: Path) -> float | None:
     framework = planner_for(run, directory)
     overlap = default_tp_overlap(framework.cluster, "bf16") == "async"
     planner = Planner(framework.graph, framework.cluster, global_batch=run.global_batch,
-                      policy=replace(AUTOPAR_RUNTIME_FUSED_ADAMW, tp_comm_overlap=overlap, tp_overlap_sums=False),
+                      policy=replace(AUTOPAR_RUNTIME_FUSED_ADAMW, tp_comm_overlap=overlap, tp_overlap_sums=False,
+                                     tp_overlap_passes=True),
                       precision="bf16")
     estimate, _ = planner.evaluate(run.config(planner))
     return estimate.step_time_s

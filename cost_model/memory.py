@@ -82,6 +82,14 @@ class PrecisionPolicy:
     Megatron-Core runs those readers as one fused linear (linear_qkv, linear_fc1). False for torch's
     async TP (the inductor pass fuses a reduce-scatter only with the one matmul producing it) and
     autopar's runtime (codegen/async_tp.py): that reduce-scatter runs after the sum, exposed."""
+    tp_overlap_passes: bool = False
+    """Under tp_comm_overlap, the fused kernels' own memory passes where the runtime fuses with
+    torch's symmetric-memory ops (torch's async TP and autopar's runtime: torch.distributed.
+    _symmetric_memory): an all-gather copies the local shard into the symmetric buffer before its
+    barrier (a read and a write of the shard), a reduce-scatter sums the tp partial outputs it
+    pulled (a read of all of them, a write of the shard) after its last chunk; both exposed, in the
+    layout-copy terms (solver/tp_windows.py). False: none (Transformer Engine's userbuffers
+    reduce inside the communication kernels), or no overlap."""
     regather_overlap: bool = False
     """Where a recomputation mode keeps a sequence-parallel linear's input as its shard ("gathers",
     "selective"), the runtime all-gathers it again in backward beside that linear's input-gradient

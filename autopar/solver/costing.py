@@ -44,6 +44,10 @@ class CommEvent:
     copy_s: float = 0.0
     """Of time_s: the runtime's copy of the tensor into or out of the collective's dim-0 layout
     (PrecisionPolicy.sp_layout_copies), compute-stream work priced as its own term (tp.layout_copy.gather, tp.layout_copy.scatter)."""
+    unfused_copy_s: float | None = None
+    """Under tensor-parallel overlap (PrecisionPolicy.tp_comm_overlap), the layout copy the
+    collective takes where the runtime does not fuse it with a GEMM (it keeps DTensor's path);
+    copy_s is then the fused kernel's own pass (tp_overlap_passes). None: no overlap."""
     window: tuple[tuple[str, float], ...] | None = None
     """The GEMMs a tensor-parallel overlap can run this collective beside, with their seconds
     (its linear's: solver/tp_windows.py); None: not recorded (no cap)."""
@@ -152,21 +156,33 @@ class CostContext:
             message = bytes_on_axis / axis_size if op == "all_to_all" else bytes_on_axis
             time_s = self.comm.time_s(op, message, self.mesh.group(axis))
             copy_s = self._layout_copy_s(meta, source, op, src if op == "all_gather" else dst, bytes_on_axis)
+            unfused = None
+            if self.policy.tp_comm_overlap and op in ("all_gather", "reduce_scatter"):
+                unfused, copy_s = copy_s, self._fused_pass_s(op, bytes_on_axis, axis_size)
             events.append(CommEvent(op=op, axis=axis, message_bytes=message, time_s=time_s + copy_s, phase=phase,
-                                    copy_s=copy_s))
+                                    copy_s=copy_s, unfused_copy_s=unfused))
         result = tuple(events)
         self._redistribute_cache[key] = result
         return result
+
+    def _fused_pass_s(self, op: str, full_bytes: float, axis_size: int) -> float:
+        """The memory pass a fused kernel adds (PrecisionPolicy.tp_overlap_passes): an all-gather's
+        copy of the local shard into the symmetric buffer, a reduce-scatter's sum of the tp partial
+        outputs into the shard; none without those passes."""
+        if not self.policy.tp_overlap_passes:
+            return 0.0
+        shard = full_bytes / axis_size
+        moved = 2 * shard if op == "all_gather" else full_bytes + shard
+        return moved / self.compute.bandwidth_bytes_per_s + self.compute.overhead_s
 
     def _layout_copy_s(self, meta: TensorMeta, source: Sequence[str], op: str, sharded: str,
                        full_bytes: float) -> float:
         """The copy of a gathered (or to be scattered) tensor of `full_bytes` into place, where the
         collective's dim is not 0 (PrecisionPolicy.sp_layout_copies): a read and a write. Collectives
         fused with their GEMMs (tp_comm_overlap: torch's async TP, TE's userbuffers) move their
-        chunks in the fused kernels: none here."""
+        chunks in the fused kernels instead (`redistribute` keeps this as CommEvent.unfused_copy_s)."""
         mode = self.policy.sp_layout_copies
-        if mode == "none" or self.policy.tp_comm_overlap or op not in ("all_gather", "reduce_scatter") \
-                or not is_shard(sharded):
+        if mode == "none" or op not in ("all_gather", "reduce_scatter") or not is_shard(sharded):
             return 0.0
         dim = shard_dim(sharded)
         if dim == 0:

@@ -176,6 +176,7 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
     expert_ops = {op.node: op for op in running}
     expert_params = {op.param for op in expert_ops.values()}
     region = set(token_local_region(graph, running)) if running else set()
+    sums = builder.ctx.policy.tp_overlap_sums
     gemms = partial(gemm_window, forward_s=lambda node: builder.ctx.node_compute(
         node, strategy_of[node.name], builder.inputs_of(node))[0].total_s if strategy_of.get(node.name) else 0.0)
     for node in graph.nodes:
@@ -215,7 +216,7 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                     group = builder.group_of.get(quotient.rep[source])
                     readers = [graph[name] for name in graph.consumers.get(source, ())
                                if builder.group_of.get(quotient.rep[name]) != group]
-                    events = with_windows(events, producer=gemms([producer]), consumers=gemms(readers))
+                    events = with_windows(events, producer=gemms([producer]), consumers=gemms(readers), sums=sums)
                     segment.comm += events
                     _note_node_comm(segment, node, events)
                     _note_region_comm(segment, source, node.name, events, region)
@@ -226,7 +227,7 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
                         _note_gathered(builder, segment, source, producer, source_strategy.output, placement,
                                        mesh_shape)
                 events = with_windows(builder.edge_events(producer, placement, node, strategy, index, grad),
-                                      producer=gemms([producer]), consumers=gemms([node]))
+                                      producer=gemms([producer]), consumers=gemms([node]), sums=sums)
                 segment.comm += events
                 _note_node_comm(segment, node, events)
                 _note_region_comm(segment, source, node.name, events, region)
@@ -242,7 +243,7 @@ def evaluate_assignment(graph: OpGraph, quotient: Quotient, builder: ProblemBuil
             grad_target = tuple(grad_placement(p) for p in source_strategy.output)
             events = with_windows(builder.edge_events(producer, source_strategy.output, node, strategy, index,
                                                       grad_target),
-                                  producer=gemms([producer]), consumers=gemms([node]))
+                                  producer=gemms([producer]), consumers=gemms([node]), sums=sums)
             segment.comm += events
             _note_node_comm(segment, node, events)
             _note_region_comm(segment, source, node.name, events, region)

@@ -42,12 +42,23 @@ def gemm_window(nodes: Iterable, forward_s: Callable[[object], float]) -> Window
     return tuple((node.name, forward_s(node)) for node in nodes if getattr(node, "target", "") in FUSABLE_GEMMS)
 
 
-def with_windows(events: Sequence[CommEvent], *, producer: Window, consumers: Window) -> tuple[CommEvent, ...]:
+def with_windows(events: Sequence[CommEvent], *, producer: Window, consumers: Window,
+                 sums: bool = True) -> tuple[CommEvent, ...]:
     """The edge's all-gathers and reduce-scatters with their GEMM window: the consumers' GEMMs for
     a forward all-gather and the reduce-scatter of its gradient, the producer's for a forward
-    reduce-scatter and the all-gather of its gradient (see the module docstring)."""
-    return tuple(replace(event, window=consumers if (event.op == "all_gather") == (event.phase == "fwd")
-                         else producer) if event.op in WINDOWED_OPS else event for event in events)
+    reduce-scatter and the all-gather of its gradient (see the module docstring). Under overlap
+    (CommEvent.unfused_copy_s set), one the runtime does not fuse (no GEMM beside it; a summed
+    gradient's reduce-scatter where `sums` is False: PrecisionPolicy.tp_overlap_sums) keeps DTensor's
+    path, its layout copy included, and no window."""
+    return tuple(_windowed_event(event, consumers if (event.op == "all_gather") == (event.phase == "fwd")
+                                 else producer, sums) if event.op in WINDOWED_OPS else event for event in events)
+
+
+def _windowed_event(event: CommEvent, window: Window, sums: bool) -> CommEvent:
+    if event.unfused_copy_s is None or (window and (sums or not event.summed)):
+        return replace(event, window=window)
+    return replace(event, window=(), copy_s=event.unfused_copy_s,
+                   time_s=event.time_s - event.copy_s + event.unfused_copy_s)
 
 
 def windowed(event: CommEvent) -> Windowed:

@@ -163,8 +163,10 @@ def test_without_sp_a_stage_sends_its_replicated_output_as_slices(planner):
 def test_sequence_parallel_collectives_pay_their_layout_copies_where_the_runtime_makes_them(planner, plans):
     """DTensor's collectives (tp overlap off) copy a (batch, seq, hidden) tensor sharded on seq into
     place around NCCL's dim-0 gathers and scatters (tp.layout_copy, compute-stream time outside the
-    collective's own term); Megatron's (seq, batch, hidden) layout makes none, and fused async TP
-    lays its chunks out in its kernels."""
+    collective's own term); Megatron's (seq, batch, hidden) layout makes none; fused async TP lays
+    its chunks out in its kernels (Transformer Engine's: none), torch's symmetric-memory kernels with
+    a pass of their own each (tp_overlap_passes), and a summed gradient's reduce-scatter they do not
+    fuse keeps DTensor's copy."""
     from dataclasses import replace
 
     from autopar.solver.search import Planner
@@ -181,4 +183,9 @@ def test_sequence_parallel_collectives_pay_their_layout_copies_where_the_runtime
     assert dtensor.get("tp.layout_copy.gather", 0.0) > 0 and dtensor.get("tp.layout_copy.scatter", 0.0) > 0
     copies = lambda terms: [name for name in terms if name.startswith("tp.layout_copy")]  # noqa: E731
     assert not copies(breakdown(tp_comm_overlap=False, sp_layout_copies="none"))
-    assert not copies(breakdown(tp_comm_overlap=True))
+    fused_all = breakdown(tp_comm_overlap=True, tp_overlap_sums=True, tp_overlap_passes=False)
+    torch_async = breakdown(tp_comm_overlap=True, tp_overlap_sums=False, tp_overlap_passes=True)
+    summed_too = breakdown(tp_comm_overlap=True, tp_overlap_sums=False, tp_overlap_passes=False)
+    total = lambda terms: sum(terms[name] for name in copies(terms))  # noqa: E731
+    # what no GEMM is beside (the embedding's reduce-scatter and its gradient's gather) stays unfused
+    assert 0 < total(fused_all) < total(summed_too) < total(torch_async) < total(dtensor)
