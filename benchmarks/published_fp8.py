@@ -1,7 +1,7 @@
 """Published, measured FP8 training runs (benchmarks/published_fp8.csv) against autopar's
 prediction of the same configuration.
 
-    .venv/bin/python benchmarks/published_fp8.py [--rows tt-8b-fsdp-8-fp8,...] [--breakdown] [--no-bf16]
+    .venv/bin/python benchmarks/published_fp8.py [--rows tt-8b-fsdp-8-fp8,...] [--breakdown] [--no-bf16] [--async-tp]
 
 The rows are in shared/reference/published_runs.csv's format and are read, captured and priced
 with benchmarks/published_runs.py's machinery (its Run, cluster TOML with the stated figures,
@@ -70,7 +70,7 @@ from autopar.solver.fp8 import Fp8Choice, fp8_linears  # noqa: E402
 from autopar.solver.search import Planner, SearchOptions  # noqa: E402
 from autopar.solver.step_model import Estimate  # noqa: E402
 from benchmarks.published_runs import (Run, evaluate_run, planner_for, policy_of, read_runs,  # noqa: E402
-                                       select_rows)
+                                       select_rows, torch_async_tp)
 
 REFERENCE = Path(__file__).resolve().with_suffix(".csv")
 _COMPILED = re.compile(r"\btorch\.compile on\b", re.IGNORECASE)
@@ -107,16 +107,18 @@ def handling_of(run: Run) -> str:
     return "eager"
 
 
-_FP8_PLANNERS: dict[tuple[str, str], Planner] = {}
+_FP8_PLANNERS: dict[tuple[str, str, bool], Planner] = {}
 
 
-def fp8_planner(run: Run, directory: Path, handling: str) -> Planner:
-    """The row's capture and cluster (published_runs.planner_for's) priced in fp8."""
-    key = (run.id, handling)
+def fp8_planner(run: Run, directory: Path, handling: str, async_tp: bool = False) -> Planner:
+    """The row's capture and cluster (published_runs.planner_for's) priced in fp8; `async_tp`:
+    a row that ran torch's async TP priced with it (published_runs.torch_async_tp), not exposed."""
+    key = (run.id, handling, async_tp)
     if key not in _FP8_PLANNERS:
         base = planner_for(run, directory)
         choice = Fp8Choice(recipe=recipe_of(run), linears=fp8_linears(base.graph), handling=handling)
-        _FP8_PLANNERS[key] = Planner(base.graph, base.cluster, global_batch=run.global_batch, policy=policy_of(run),
+        policy = torch_async_tp(policy_of(run)) if async_tp and run.async_tp else policy_of(run)
+        _FP8_PLANNERS[key] = Planner(base.graph, base.cluster, global_batch=run.global_batch, policy=policy,
                                      precision="fp8", fp8=choice,
                                      # as run: the row's context parallelism (published_runs.cp_kv_exchange_of);
                                      # autopar's runtime: its own (the planner's default)
@@ -139,10 +141,10 @@ class Fp8Outcome:
     seconds: float
 
 
-def evaluate_fp8(run: Run, directory: Path, *, with_bf16: bool = True) -> Fp8Outcome:
+def evaluate_fp8(run: Run, directory: Path, *, with_bf16: bool = True, async_tp: bool = False) -> Fp8Outcome:
     started = time.perf_counter()
     handling = handling_of(run)
-    planner = fp8_planner(run, directory, handling)
+    planner = fp8_planner(run, directory, handling, async_tp)
     estimate, _ = planner.evaluate(run.config(planner))
     runtime = {handling: estimate}
     for name in ("compiled", "eager"):
@@ -184,6 +186,8 @@ def main() -> int:
     parser.add_argument("--rows", help="comma-separated row ids (default: all)")
     parser.add_argument("--breakdown", action="store_true", help="also print each row's time breakdown")
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 pricing of each configuration")
+    parser.add_argument("--async-tp", action="store_true",
+                        help="price the rows that ran torch's async TP with it (default: their TP collectives exposed)")
     args = parser.parse_args()
     runs = read_fp8_runs()
     runs = select_rows(runs, args.rows)
@@ -194,7 +198,7 @@ def main() -> int:
     outcomes = []
     with tempfile.TemporaryDirectory() as directory:
         for run in runs:
-            outcome = evaluate_fp8(run, Path(directory), with_bf16=not args.no_bf16)
+            outcome = evaluate_fp8(run, Path(directory), with_bf16=not args.no_bf16, async_tp=args.async_tp)
             outcomes.append(outcome)
             print(_row(outcome), flush=True)
             if args.breakdown:

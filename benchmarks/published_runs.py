@@ -118,6 +118,7 @@ _POWER_CAP = re.compile(r"power-capped at (\d+(?:\.\d+)?)\s*W\b", re.IGNORECASE)
 _EAGER_MEASURED = re.compile(r"\beager\b[^;]*?\bmeasured (\d+(?:\.\d+)?)", re.IGNORECASE)
 _FUSED_ATTENTION_FRAMEWORK = re.compile(r"\bNeMo\b|\bMegatron-Core\b", re.IGNORECASE)
 _TP_COMM_OVERLAP = re.compile(r"\bTP comm(?:unication)? overlap(?:ped)? on\b", re.IGNORECASE)
+_ASYNC_TP = re.compile(r"\bAsyncTP on\b")
 _NEMO_FAMILY = re.compile(r"\bNeMo\b|\bMegatron-Bridge\b")
 _PARAM_GATHER_OVERLAP = re.compile(r"\boverlap\w*\b[^;]*\bparam(?:eter)?[ _-]gather\b|\bNeMo\b|\bMegatron-Bridge\b"
                                    r"|\bMegatron-MoE-ModelZoo\b", re.IGNORECASE)
@@ -213,6 +214,12 @@ class Run:
         """Whether the notes say the run overlapped its tensor-parallel communication with the
         GEMMs ("TP comm overlap on": NeMo's tp_comm_overlap); priced so (solver/tp_overlap.py)."""
         return bool(_TP_COMM_OVERLAP.search(self.notes))
+
+    @property
+    def async_tp(self) -> bool:
+        """Whether the notes say the run ran torch's async TP ("AsyncTP on": torchtitan's
+        enable_async_tensor_parallel). Priced exposed unless asked (`torch_async_tp`)."""
+        return bool(_ASYNC_TP.search(self.notes))
 
     @property
     def p2p_overlap(self) -> bool:
@@ -490,6 +497,13 @@ def megatron_states(source: str, notes: str, precision: str) -> PrecisionPolicy:
         policy = replace(policy, grad_bytes=DISTRIBUTED_FUSED_ADAM_GRAD_BYTES,
                          reduce_bytes=DISTRIBUTED_FUSED_ADAM_GRAD_BYTES, optimizer_bytes=optimizer_bytes)
     return policy
+
+
+def torch_async_tp(policy: PrecisionPolicy) -> PrecisionPolicy:
+    """`policy` with torch's async TP as autopar's runtime runs it (the same symmetric-memory
+    kernels): sequence-parallel collectives hidden beside their GEMMs (solver/tp_overlap.py,
+    tp_windows.py), a summed gradient's reduce-scatter exposed, the fused kernels' own passes."""
+    return replace(policy, tp_comm_overlap=True, tp_overlap_sums=False, tp_overlap_passes=True)
 
 
 def policy_of(run: Run) -> PrecisionPolicy:

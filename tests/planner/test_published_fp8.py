@@ -91,3 +91,18 @@ def test_every_row_prices(outcomes, name):
     assert bool(copies) == (titan and outcome.run.tp > 1), (name, copies)
     # On H100s the same plan is priced faster in fp8 (as run) than in bf16.
     assert outcome.bf16 is not None and estimate.step_time_s < outcome.bf16.step_time_s
+
+
+def test_rows_that_ran_torchs_async_tp_price_faster_with_it_and_the_others_do_not_move():
+    """`--async-tp`: a row whose notes say "AsyncTP on" priced with torch's async TP (published_runs.
+    torch_async_tp) instead of its TP collectives exposed; a row without it prices the same."""
+    ran = next(run for run in RUNS if run.async_tp and run.pp == 1)
+    off = next(run for run in RUNS if not run.async_tp and run.tp > 1 and "torchtitan" in run.source)
+    with tempfile.TemporaryDirectory() as directory:
+        exposed, overlapped = (evaluate_fp8(ran, Path(directory), with_bf16=False, async_tp=flag).estimate
+                               for flag in (False, True))
+        same = [evaluate_fp8(off, Path(directory), with_bf16=False, async_tp=flag).estimate.step_time_s
+                for flag in (False, True)]
+    assert overlapped.step_time_s < exposed.step_time_s
+    assert overlapped.breakdown_s["tp.sm_contention"] > 0 and "tp.sm_contention" not in exposed.breakdown_s
+    assert same[0] == same[1]
