@@ -52,6 +52,12 @@ from cost_model import fp8 as fp8_cost
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
 
+ROWWISE_UNDER_TP_NOTE = ("fp8: rowwise under tensor parallelism is priced as without it, but torchtitan measured it at "
+                         "bf16's speed there (TP 8, June 2025: torchtitan#1207, no cause published; "
+                         "docs/accuracy.md#async-tp): tensorwise is the measured choice with tp > 1")
+"""A plan's note where rowwise float8 runs under tp > 1: the one recipe and layout a measurement
+contradicts without a known mechanism (benchmarks/published_fp8.py's left-out rows)."""
+
 COMPUTE_BYTES = 2
 """The bf16 activations, weight copies and gradients the casts read."""
 MASTER_BYTES = 4
@@ -275,6 +281,8 @@ class Fp8Pricing:
             compared[name] = compared.get(name, 0.0) + seconds
         bf16_step_s = estimate.step_time_s - sum(matmuls.values())
         notes += (self._what_fp8_buys(kept, compared, bf16_step_s, experts),)
+        if kept and self.choice.recipe == "rowwise" and config.tp > 1:
+            notes += (ROWWISE_UNDER_TP_NOTE,)
         memory, peak = self._memory(kept, experts, estimate, held_weight)
         return replace(estimate, step_time_s=estimate.step_time_s + sum(terms.values()), breakdown_s=breakdown,
                        memory_bytes=memory, peak_memory_bytes=peak, notes=notes,

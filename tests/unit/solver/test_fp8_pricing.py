@@ -59,6 +59,21 @@ def test_the_rowwise_recipe_gathers_in_bf16():
     assert "fp8.cast.all_gather" not in plan.predicted.breakdown_s and "fp8.cast" in plan.predicted.breakdown_s
 
 
+def test_rowwise_under_tensor_parallelism_says_what_was_measured():
+    """torchtitan measured rowwise under TP 8 at bf16's speed (torchtitan#1207): a plan with rowwise
+    float8 on tp > 1 says so; tensorwise there, or rowwise without tp, does not."""
+    from autopar.solver.fp8_pricing import ROWWISE_UNDER_TP_NOTE
+
+    def notes(recipe: str, tp: int):
+        plan = autopar.evaluate(SPEC, cluster="dgx-h100:gpus_per_node=2", global_batch=8, precision="fp8",
+                                fp8_recipe=recipe, tp=tp, pp=1, microbatch_size=1, fp8_filter=every_linear)
+        return plan.notes
+
+    assert ROWWISE_UNDER_TP_NOTE in notes("rowwise", 2)
+    assert ROWWISE_UNDER_TP_NOTE not in notes("tensorwise", 2)
+    assert ROWWISE_UNDER_TP_NOTE not in notes("rowwise", 1)
+
+
 def test_cpus_emulate_float8_without_a_faster_matmul():
     _, fp8 = terms("cpu:procs=2")
     assert "fp8.matmul" not in fp8 and fp8["fp8.cast"] > 0
