@@ -46,8 +46,10 @@ class CommEvent:
     (PrecisionPolicy.sp_layout_copies), compute-stream work priced as its own term (tp.layout_copy.gather, tp.layout_copy.scatter)."""
     unfused_copy_s: float | None = None
     """Under tensor-parallel overlap (PrecisionPolicy.tp_comm_overlap), the layout copy the
-    collective takes where the runtime does not fuse it with a GEMM (it keeps DTensor's path);
-    copy_s is then the fused kernel's own pass (tp_overlap_passes). None: no overlap."""
+    collective takes where the runtime does not fuse it with a GEMM (it keeps DTensor's path).
+    None: no overlap. copy_s is 0 then until tp_windows.with_windows knows which it is."""
+    fused_pass_s: float = 0.0
+    """Under tensor-parallel overlap, the fused kernel's own memory pass (tp_overlap_passes)."""
     window: tuple[tuple[str, float], ...] | None = None
     """The GEMMs a tensor-parallel overlap can run this collective beside, with their seconds
     (its linear's: solver/tp_windows.py); None: not recorded (no cap)."""
@@ -156,11 +158,11 @@ class CostContext:
             message = bytes_on_axis / axis_size if op == "all_to_all" else bytes_on_axis
             time_s = self.comm.time_s(op, message, self.mesh.group(axis))
             copy_s = self._layout_copy_s(meta, source, op, src if op == "all_gather" else dst, bytes_on_axis)
-            unfused = None
+            unfused, fused = None, 0.0
             if self.policy.tp_comm_overlap and op in ("all_gather", "reduce_scatter"):
-                unfused, copy_s = copy_s, self._fused_pass_s(op, bytes_on_axis, axis_size)
+                unfused, fused, copy_s = copy_s, self._fused_pass_s(op, bytes_on_axis, axis_size), 0.0
             events.append(CommEvent(op=op, axis=axis, message_bytes=message, time_s=time_s + copy_s, phase=phase,
-                                    copy_s=copy_s, unfused_copy_s=unfused))
+                                    copy_s=copy_s, unfused_copy_s=unfused, fused_pass_s=fused))
         result = tuple(events)
         self._redistribute_cache[key] = result
         return result

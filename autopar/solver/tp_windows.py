@@ -47,18 +47,20 @@ def with_windows(events: Sequence[CommEvent], *, producer: Window, consumers: Wi
     """The edge's all-gathers and reduce-scatters with their GEMM window: the consumers' GEMMs for
     a forward all-gather and the reduce-scatter of its gradient, the producer's for a forward
     reduce-scatter and the all-gather of its gradient (see the module docstring). Under overlap
-    (CommEvent.unfused_copy_s set), one the runtime does not fuse (no GEMM beside it; a summed
-    gradient's reduce-scatter where `sums` is False: PrecisionPolicy.tp_overlap_sums) keeps DTensor's
-    path, its layout copy included, and no window."""
+    (CommEvent.unfused_copy_s set), a fused one pays its kernel's pass (CommEvent.fused_pass_s), and
+    one the runtime does not fuse (no GEMM beside it; a summed gradient's reduce-scatter where `sums`
+    is False: PrecisionPolicy.tp_overlap_sums) keeps DTensor's path, its layout copy included, and no
+    window. (The intra-op ILP prices the events before this: no copy under overlap.)"""
     return tuple(_windowed_event(event, consumers if (event.op == "all_gather") == (event.phase == "fwd")
                                  else producer, sums) if event.op in WINDOWED_OPS else event for event in events)
 
 
 def _windowed_event(event: CommEvent, window: Window, sums: bool) -> CommEvent:
-    if event.unfused_copy_s is None or (window and (sums or not event.summed)):
+    if event.unfused_copy_s is None:
         return replace(event, window=window)
-    return replace(event, window=(), copy_s=event.unfused_copy_s,
-                   time_s=event.time_s - event.copy_s + event.unfused_copy_s)
+    fused = bool(window) and (sums or not event.summed)
+    copy_s = event.fused_pass_s if fused else event.unfused_copy_s
+    return replace(event, window=window if fused else (), copy_s=copy_s, time_s=event.time_s - event.copy_s + copy_s)
 
 
 def windowed(event: CommEvent) -> Windowed:

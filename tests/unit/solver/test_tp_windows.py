@@ -76,10 +76,10 @@ def test_faster_gemms_hide_less_of_the_same_collectives():
 
 
 def test_torchs_fused_kernels_pay_their_own_passes_and_unfused_collectives_their_layout_copy():
-    """Under overlap a collective's copy_s is the fused kernel's own pass (the all-gather's shard
-    into the symmetric buffer, the reduce-scatter's sum of tp partials: tp_overlap_passes), the
-    layout copy kept for where the runtime leaves it unfused: no GEMM beside it, or a summed
-    gradient's reduce-scatter torch's kernels cannot take (tp_overlap_sums False)."""
+    """Under overlap the intra-op ILP sees no copy; with_windows then gives a fused collective its
+    kernel's own pass (the all-gather's shard into the symmetric buffer, the reduce-scatter's sum of
+    tp partials: tp_overlap_passes) and one the runtime leaves unfused its layout copy: no GEMM
+    beside it, or a summed gradient's reduce-scatter torch's kernels cannot take (tp_overlap_sums False)."""
     from dataclasses import replace
 
     from autopar.cluster import Cluster
@@ -92,21 +92,23 @@ def test_torchs_fused_kernels_pay_their_own_passes_and_unfused_collectives_their
     meta = TensorMeta(shape=(2, 4096, 2048), dtype="bfloat16")
     policies = {name: replace(BF16_ADAM, tp_comm_overlap=overlap, tp_overlap_passes=passes)
                 for name, overlap, passes in (("off", False, False), ("te", True, False), ("torch", True, True))}
-    events = {name: {op: cost_context(Mesh(axis_names=("tp",), shape=(4,), devices_per_node=4), cluster, policy).redistribute(
-        meta, source, target, "fwd")[0] for op, (source, target) in
-        (("all_gather", (("S1",), ("R",))), ("reduce_scatter", (("P",), ("S1",))))} for name, policy in policies.items()}
+    events = {name: {op: cost_context(Mesh(axis_names=("tp",), shape=(4,), devices_per_node=4), cluster, policy)
+                      .redistribute(meta, source, target, "fwd")[0] for op, (source, target) in
+                      (("all_gather", (("S1",), ("R",))), ("reduce_scatter", (("P",), ("S1",))))}
+              for name, policy in policies.items()}
     for op in ("all_gather", "reduce_scatter"):
         dtensor, te, torch_ = events["off"][op], events["te"][op], events["torch"][op]
         assert dtensor.copy_s > 0 and dtensor.unfused_copy_s is None
-        assert te.copy_s == 0 and te.unfused_copy_s == dtensor.copy_s
-        assert 0 < torch_.copy_s < dtensor.copy_s and torch_.unfused_copy_s == dtensor.copy_s
-        assert torch_.time_s - torch_.copy_s == pytest.approx(dtensor.time_s - dtensor.copy_s)
+        assert te.copy_s == torch_.copy_s == 0 and te.unfused_copy_s == torch_.unfused_copy_s == dtensor.copy_s
+        assert te.fused_pass_s == 0 and 0 < torch_.fused_pass_s < dtensor.copy_s
+        fused, = with_windows([torch_], producer=PRODUCER, consumers=CONSUMERS)
+        assert fused.copy_s == torch_.fused_pass_s and fused.time_s == pytest.approx(torch_.time_s + fused.copy_s)
         unfused, = with_windows([torch_], producer=(), consumers=())
         assert unfused.copy_s == dtensor.copy_s and unfused.time_s == pytest.approx(dtensor.time_s)
         assert hideable_s(windowed(unfused)) == 0.0
-    assert events["torch"]["all_gather"].copy_s < events["torch"]["reduce_scatter"].copy_s  # a shard against all
+    assert events["torch"]["all_gather"].fused_pass_s < events["torch"]["reduce_scatter"].fused_pass_s
     summed = replace(events["torch"]["reduce_scatter"], summed=True, phase="bwd")
     kept, = with_windows([summed], producer=PRODUCER, consumers=CONSUMERS, sums=False)
     assert kept.copy_s == events["off"]["reduce_scatter"].copy_s and kept.window == ()
     fused, = with_windows([summed], producer=PRODUCER, consumers=CONSUMERS, sums=True)
-    assert fused.copy_s == summed.copy_s and fused.window == CONSUMERS
+    assert fused.copy_s == summed.fused_pass_s and fused.window == CONSUMERS
