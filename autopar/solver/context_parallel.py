@@ -283,12 +283,16 @@ def _per_token(time: ComputeTime, scale: float) -> ComputeTime:
 
 
 def _rescaled(event: CommEvent, scale: float, comm: CommModel, group: Group) -> CommEvent:
-    """An activation's tp collective on a 1 / cp share of the tokens (weights' gradients: kept)."""
+    """An activation's tp collective on a 1 / cp share of the tokens (weights' gradients: kept), its
+    copies and the GEMMs beside it (tp_windows.py) on that share too."""
     if event.phase not in ("fwd", "bwd") or not event.message_bytes:
         return event
     message = event.message_bytes * scale
     copy_s = event.copy_s * scale
-    return replace(event, message_bytes=message, time_s=comm.time_s(event.op, message, group) + copy_s, copy_s=copy_s)
+    window = None if event.window is None else tuple((node, seconds * scale) for node, seconds in event.window)
+    return replace(event, message_bytes=message, time_s=comm.time_s(event.op, message, group) + copy_s, copy_s=copy_s,
+                   window=window, fused_pass_s=event.fused_pass_s * scale,
+                   unfused_copy_s=None if event.unfused_copy_s is None else event.unfused_copy_s * scale)
 
 
 def _kv_exchange(attention: AttentionCost, share: float, cp: int, comm: CommModel, group: Group,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 
 from collections import defaultdict
-from functools import partial
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from autopar.graph import OpGraph
 from autopar.solver.costing import CommEvent

@@ -112,3 +112,17 @@ def test_torchs_fused_kernels_pay_their_own_passes_and_unfused_collectives_their
     assert kept.copy_s == events["off"]["reduce_scatter"].copy_s and kept.window == ()
     fused, = with_windows([summed], producer=PRODUCER, consumers=CONSUMERS, sums=True)
     assert fused.copy_s == summed.fused_pass_s and fused.window == CONSUMERS
+
+
+def test_a_sequence_split_over_cp_ranks_halves_the_gemms_beside_each_collective():
+    """Under context parallelism each rank's tp collectives carry its share of the tokens, and so do
+    the GEMMs beside them (context_parallel._rescaled)."""
+    planner = planner_for(LLAMA, None, "dgx-h100:gpus_per_node=8", global_batch=8, precision="bf16")
+    whole, split = (planner.pricing.prepared(4, 2, "none", cp, True) for cp in (1, 2))
+    block = next(index for index, name in enumerate(whole.names) if name.startswith("layers."))
+
+    def windows(prepared):
+        return [sum(seconds for _, seconds in window) for op, _, window in prepared.tp_windowed[block]
+                if op == "all_gather" and window]
+
+    assert windows(whole) and windows(split) == pytest.approx([seconds / 2 for seconds in windows(whole)])
