@@ -20,7 +20,10 @@ grouped-query attention or any float8 GEMM, stays partly exposed), so per collec
     hidden = min(time, its GEMM's time) x (tp - 1) / tp   (in all, at most the stage's compute)
 
 and the hidden seconds hold SMs while the GEMMs run (cost_model/contention.py): they add
-hidden x channels / SMs.
+hidden x channels / SMs. torch's symmetric-memory kernels add a memory pass each (the shard's copy
+into the symmetric buffer, the sum of the tp partial outputs: PrecisionPolicy.tp_overlap_passes,
+priced in the layout-copy terms by tp_windows.with_windows); a collective left unfused keeps DTensor's
+layout copy.
 
 What each runtime fuses. Transformer Engine overlaps every one of them: Megatron-Core runs the
 readers of one gathered input as one linear (linear_qkv; linear_fc1 holds gate and up), so each
