@@ -131,7 +131,9 @@ def explain_text(plan: Plan, *, max_alternatives: int = 3) -> str:
     lines += [f"          {note}" for note in fp8_notes(plan)]
     if getattr(plan, "tp_overlap", "off") == "async":
         lines.append("          tp_overlap async: sequence-parallel all-gathers and reduce-scatters fused with their "
-                     "GEMMs (torch's async TP), priced hidden but 1/tp (solver/tp_overlap.py; tp.sm_contention)")
+                     "GEMMs (torch's async TP), each priced hidden up to (tp-1)/tp of the GEMM beside it, "
+                     "plus its kernel's memory pass (solver/tp_overlap.py, tp_windows.py; tp.sm_contention; "
+                     "measured async TP gains ran below this price: docs/accuracy.md#async-tp)")
     if not explanation.alternatives:
         lines.append("  no runners-up recorded (a configuration priced with `autopar evaluate`, or the search "
                      "found only this one)")
