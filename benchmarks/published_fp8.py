@@ -70,7 +70,7 @@ from autopar.solver.fp8 import Fp8Choice, fp8_linears  # noqa: E402
 from autopar.solver.search import Planner, SearchOptions  # noqa: E402
 from autopar.solver.step_model import Estimate  # noqa: E402
 from benchmarks.published_runs import (Run, evaluate_run, planner_for, policy_of, read_runs,  # noqa: E402
-                                       select_rows, torch_async_tp)
+                                       select_rows)
 
 REFERENCE = Path(__file__).resolve().with_suffix(".csv")
 _COMPILED = re.compile(r"\btorch\.compile on\b", re.IGNORECASE)
@@ -112,12 +112,12 @@ _FP8_PLANNERS: dict[tuple[str, str, bool], Planner] = {}
 
 def fp8_planner(run: Run, directory: Path, handling: str, async_tp: bool = False) -> Planner:
     """The row's capture and cluster (published_runs.planner_for's) priced in fp8; `async_tp`:
-    a row that ran torch's async TP priced with it (published_runs.torch_async_tp), not exposed."""
+    a row that ran torch's async TP priced with it (PrecisionPolicy.with_torch_async_tp), not exposed."""
     key = (run.id, handling, async_tp)
     if key not in _FP8_PLANNERS:
         base = planner_for(run, directory)
         choice = Fp8Choice(recipe=recipe_of(run), linears=fp8_linears(base.graph), handling=handling)
-        policy = torch_async_tp(policy_of(run)) if async_tp and run.async_tp else policy_of(run)
+        policy = policy_of(run).with_torch_async_tp() if async_tp and run.async_tp else policy_of(run)
         _FP8_PLANNERS[key] = Planner(base.graph, base.cluster, global_batch=run.global_batch, policy=policy,
                                      precision="fp8", fp8=choice,
                                      # as run: the row's context parallelism (published_runs.cp_kv_exchange_of);

@@ -218,7 +218,7 @@ class Run:
     @property
     def async_tp(self) -> bool:
         """Whether the notes say the run ran torch's async TP ("AsyncTP on": torchtitan's
-        enable_async_tensor_parallel). Priced exposed unless asked (`torch_async_tp`)."""
+        enable_async_tensor_parallel). Priced exposed unless asked (PrecisionPolicy.with_torch_async_tp)."""
         return bool(_ASYNC_TP.search(self.notes))
 
     @property
@@ -499,13 +499,6 @@ def megatron_states(source: str, notes: str, precision: str) -> PrecisionPolicy:
     return policy
 
 
-def torch_async_tp(policy: PrecisionPolicy) -> PrecisionPolicy:
-    """`policy` with torch's async TP as autopar's runtime runs it (the same symmetric-memory
-    kernels): sequence-parallel collectives hidden beside their GEMMs (solver/tp_overlap.py,
-    tp_windows.py), a summed gradient's reduce-scatter exposed, the fused kernels' own passes."""
-    return replace(policy, tp_comm_overlap=True, tp_overlap_sums=False, tp_overlap_passes=True)
-
-
 def policy_of(run: Run) -> PrecisionPolicy:
     """How the run's framework holds and reduces its states: torchtitan's FSDP2 gathers bf16 and
     reduce-scatters fp32 (MixedPrecisionPolicy), wraps the model as it did at the run's time (the
@@ -634,8 +627,7 @@ def runtime_step_s(run: Run, directory: Path) -> float | None:
     framework = planner_for(run, directory)
     overlap = default_tp_overlap(framework.cluster, "bf16") == "async"
     planner = Planner(framework.graph, framework.cluster, global_batch=run.global_batch,
-                      policy=replace(AUTOPAR_RUNTIME_FUSED_ADAMW, tp_comm_overlap=overlap, tp_overlap_sums=False,
-                                     tp_overlap_passes=True),
+                      policy=AUTOPAR_RUNTIME_FUSED_ADAMW.with_torch_async_tp(overlap),
                       precision="bf16")
     estimate, _ = planner.evaluate(run.config(planner))
     return estimate.step_time_s

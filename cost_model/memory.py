@@ -28,6 +28,7 @@ input- and the weight-gradient pass, most of the activations):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -133,6 +134,13 @@ class PrecisionPolicy:
     its bucket group's all-gather and dispatches the next one's). False: Megatron-Core without
     it (Megatron-LM's default), whose DistributedOptimizer.step_with_ready_grads all-gathers every
     bucket synchronously right after the optimizer step: all of it exposed (dp.all_gather.once)."""
+
+    def with_torch_async_tp(self, on: bool = True) -> "PrecisionPolicy":
+        """This policy under torch's async TP (its symmetric-memory kernels: torchtitan's and
+        autopar's runtime), `on` or not: sequence-parallel collectives overlapped with their GEMMs
+        (tp_comm_overlap), a summed gradient's reduce-scatter left out (tp_overlap_sums False), the
+        fused kernels' own passes (tp_overlap_passes)."""
+        return dataclasses.replace(self, tp_comm_overlap=on, tp_overlap_sums=False, tp_overlap_passes=True)
 
     def __post_init__(self) -> None:
         if self.sp_layout_copies not in SP_LAYOUT_COPIES:

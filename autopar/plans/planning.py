@@ -329,7 +329,7 @@ def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=No
         else None
     check_fp8_device(cluster, precision)
     overlap = check_tp_overlap(tp_overlap, cluster, precision)
-    policy = replace(policy, tp_comm_overlap=overlap == "async", tp_overlap_sums=False, tp_overlap_passes=True)
+    policy = policy.with_torch_async_tp(overlap == "async")
     graph = capture_for_planning(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                                  example_kwargs=example_kwargs, precision="bf16" if precision == "fp8" else precision,
                                  verbose=verbose)

@@ -68,7 +68,7 @@ def overlap_tp_comm(tp_comm_s: dict[str, float], *, tp: int, compute_s: float, s
     if tp <= 1:
         return dict(tp_comm_s), 0.0
     return _hide(tp_comm_s, lambda op: overlappable(op, sums), fraction=(tp - 1) / tp, window_s=compute_s, share=share,
-                 caps_s=caps_s or {})
+                 caps_s=caps_s)
 
 
 def overlap_regather(tp_comm_s: dict[str, float], *, backward_s: float, share: float) -> tuple[dict[str, float], float]:
@@ -84,8 +84,8 @@ def _hide(tp_comm_s: dict[str, float], chosen, *, fraction: float, window_s: flo
     """The `chosen` terms with `fraction` of their seconds hidden, or of their `caps_s` where
     smaller, at most `window_s` in all, each term's hidden seconds scaled alike; the hidden
     seconds add "sm_contention" (their SM `share`)."""
-    hideable = {op: min(seconds, (caps_s or {}).get(op, seconds)) * fraction
-                for op, seconds in tp_comm_s.items() if chosen(op)}
+    caps_s = caps_s or {}
+    hideable = {op: min(seconds, caps_s.get(op, seconds)) * fraction for op, seconds in tp_comm_s.items() if chosen(op)}
     total = sum(hideable.values())
     hidden = min(total, max(0.0, window_s))
     if hidden <= 0:

@@ -94,8 +94,9 @@ def test_every_row_prices(outcomes, name):
 
 
 def test_rows_that_ran_torchs_async_tp_price_faster_with_it_and_the_others_do_not_move():
-    """`--async-tp`: a row whose notes say "AsyncTP on" priced with torch's async TP (published_runs.
-    torch_async_tp) instead of its TP collectives exposed; a row without it prices the same."""
+    """`--async-tp`: a row whose notes say "AsyncTP on" priced with torch's async TP
+    (PrecisionPolicy.with_torch_async_tp) instead of its TP collectives exposed; a row without it
+    prices the same."""
     ran = next(run for run in RUNS if run.async_tp and run.pp == 1)
     off = next(run for run in RUNS if not run.async_tp and run.tp > 1 and "torchtitan" in run.source)
     with tempfile.TemporaryDirectory() as directory:
