@@ -440,8 +440,13 @@ class Fp8Pricing:
             head += (f", {len({item.matmul.fqn for item in experts})} of {total} expert weights' grouped matmuls "
                      "in float8 (rowwise)")
         if not kept and not experts:
-            why = ("each one's casts and amax reductions would cost more than its float8 matmuls save" if self.auto
-                   else "no linear is chosen")
+            if not self.linears and not self.experts.matmuls:
+                why = ("no linear is eligible (torchao's rule: a trainable 2-D weight with both dims multiples of 16, "
+                       "not the output head nor tied to an embedding)")
+            elif self.auto:
+                why = "each one's casts and amax reductions would cost more than its float8 matmuls save"
+            else:
+                why = "no linear is chosen"
             return f"{head}: nothing, {why}; the step runs in bf16"
         change_s = sum(terms.values())
         replaced = ("compute", "recompute", "ep.load_imbalance")

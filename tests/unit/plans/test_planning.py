@@ -90,6 +90,16 @@ def test_the_planner_keeps_a_small_hidden_model_in_bf16_even_with_compiled_casts
                for note in plan.notes)
 
 
+def test_a_model_without_eligible_linears_is_told_so():
+    """Hidden 24 is no multiple of 16: no linear can run in float8, whatever the casts cost."""
+    plan = autopar.evaluate("gpt:layers=1,hidden=24,heads=2,seq=16,vocab=64", cluster="dgx-h100", global_batch=8,
+                            precision="fp8")
+    bought = [note for note in plan.notes if note.startswith("fp8 buys")]
+    assert plan.fp8_linears == () and len(bought) == 1
+    assert "0 of 0 eligible linears" in bought[0] and "no linear is eligible" in bought[0]
+    assert "would cost more" not in bought[0]
+
+
 def test_the_cast_handling_defaults_by_device_and_is_refused_without_fp8():
     assert autopar.evaluate(GPT, cluster="cpu", global_batch=8, precision="fp8").fp8_casts == "eager"
     assert autopar.evaluate(GPT, cluster="cpu", global_batch=8, precision="fp8",
