@@ -306,6 +306,10 @@ def _recompute_modules_flag(parser) -> None:
                         help="recompute only these module kinds' ops in backward, as Megatron-Core's "
                              "--recompute-modules: a comma-separated list of layernorm, core_attn, moe_act, mlp, moe, "
                              "mla_up_proj (the recompute mode 'modules:KINDS')")
+    parser.add_argument("--recompute-blocks", metavar="N", type=int,
+                        help="recompute in full only the first N repeated blocks of each model chunk and keep the "
+                             "others' activations, as Megatron-Core's --recompute-granularity full --recompute-method "
+                             "block --recompute-num-layers N (the recompute mode 'blocks:N')")
 
 
 def _fp8_recipe(args) -> str:
@@ -319,10 +323,20 @@ def _fp8_recipe(args) -> str:
 
 
 def _recompute(args) -> str | None:
-    """--recompute, or the mode --recompute-modules names (not both)."""
+    """--recompute, or the mode --recompute-modules or --recompute-blocks names (one of them;
+    --recompute full may stand beside --recompute-blocks, as Megatron's granularity beside its method)."""
     from autopar.errors import ConfigError
+    from autopar.solver.recompute_blocks import blocks_mode
     from autopar.solver.recompute_modules import modules_mode
 
+    if args.recompute_modules is not None and args.recompute_blocks is not None:
+        raise ConfigError(f"--recompute-modules {args.recompute_modules} and --recompute-blocks "
+                          f"{args.recompute_blocks} both choose what is recomputed: give one")
+    if args.recompute_blocks is not None:
+        if args.recompute not in (None, "full"):
+            raise ConfigError(f"--recompute-blocks {args.recompute_blocks} recomputes those blocks in full, and "
+                              f"--recompute {args.recompute} asks for another mode: drop one")
+        return blocks_mode(args.recompute_blocks)
     if args.recompute_modules is None:
         return args.recompute
     if args.recompute is not None:

@@ -23,6 +23,7 @@ from autopar.codegen.program import (GraphParts, SegmentModule, StageProgram, We
 from autopar.codegen.recompute import checkpoint_regions, kept_nodes, region_nodes
 from autopar.errors import ConfigError, PlanMismatchError
 from autopar.solver.recompute import op_saved_nodes
+from autopar.solver.recompute_blocks import recomputed_names, segment_mode
 from autopar.plans.plan import Plan
 from autopar.solver.configs import ZERO_BUBBLE_SCHEDULES
 from autopar.solver.pipeline import rank_of, stages_of_rank
@@ -196,7 +197,10 @@ class ProgramBuilder:
     def build(self, spec: ChunkSpec, *, num_chunks: int) -> StageProgram:
         recompute = self.plan.stage_recompute(rank_of(self.plan.schedule, stage=spec.index,
                                                       num_ranks=self.plan.mesh["pp"]))
-        segments = [self._segment(name, spec, recompute) for name in spec.segments]
+        # "blocks:<N>": the first N blocks of each chunk run as under "full", the rest as under "none"
+        recomputed = recomputed_names(self.parts.graph.segments, mode=recompute, num_chunks=num_chunks,
+                                      split=self.plan.pipeline_split)
+        segments = [self._segment(name, spec, segment_mode(recompute, name, recomputed)) for name in spec.segments]
         pipelined = num_chunks > 1
         last = spec.index == num_chunks - 1
         # The last stage's outputs go to the loss: gathered, or this rank's shards for a class-sharded

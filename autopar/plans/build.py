@@ -9,6 +9,7 @@ from autopar.solver.experts import expert_param_names, find_expert_ops
 from autopar.solver.search import SearchResult
 from autopar.solver.sharding import ShardingResult
 from autopar.solver.prepared import once_per_step
+from autopar.solver.recompute_blocks import recomputed_names, segment_mode
 from autopar.solver.step_model import ZERO_BUBBLE_SCHEDULES, Estimate, StageEstimate, recompute_comm_s, recompute_compute_s, weight_grad_s
 from autopar.strategies.loss import VOCAB
 
@@ -116,6 +117,9 @@ def _stage_plans(graph: OpGraph, estimate: Estimate, segments) -> list[StagePlan
             block_index[segment.name] = len(block_index)
     costs = {segment.name: segment for segment in segments}
     last_segment = graph.segments[-1].name if graph.segments else ""
+    config = estimate.config
+    recomputed = recomputed_names(graph.segments, mode=config.recompute, split=config.pipeline_split,
+                                  num_chunks=config.pp * config.chunks_per_device)
     stages = []
     for stage in estimate.stages:
         blocks = [block_index[name] for name in stage.segment_names if name in block_index]
@@ -124,8 +128,8 @@ def _stage_plans(graph: OpGraph, estimate: Estimate, segments) -> list[StagePlan
                                 recompute=stage.recompute,
                                 time_per_microbatch_s=stage.time_per_microbatch_s, param_numel=stage.param_numel,
                                 memory_bytes=dict(stage.memory_bytes),
-                                chunk_times_s=_chunk_times(stage, costs, last_segment,
-                                                           split=estimate.config.schedule in ZERO_BUBBLE_SCHEDULES),
+                                chunk_times_s=_chunk_times(stage, costs, last_segment, recomputed,
+                                                           split=config.schedule in ZERO_BUBBLE_SCHEDULES),
                                 collectives_per_microbatch=_collective_counts(
                                     [costs[name] for name in stage.segment_names if name in costs],
                                     estimate.config.ep)))
@@ -135,13 +139,14 @@ def _stage_plans(graph: OpGraph, estimate: Estimate, segments) -> list[StagePlan
 _PHASES = {"fwd": "forward", "bwd": "backward", "grad": "backward"}
 
 
-def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str, *,
+def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str, recomputed: frozenset[str] = frozenset(), *,
                  split: bool = False) -> tuple[dict[str, float], ...]:
     """Per chunk, one microbatch's time by part, as the step model adds it up (timeline pictures
     lay blocks out from these): compute per phase, tensor-parallel collectives per phase (a full
     recompute replays the forward's), and the stage's pipeline sends split over the chunks that
-    send (by bytes sent). `split`: the zero-bubble schedules' weight gradient is a part of its
-    own ("weight"), out of "backward". Empty when the segment costs do not cover the stage."""
+    send (by bytes sent). `recomputed`: the segments "blocks:<N>" recomputes (recompute_blocks.py).
+    `split`: the zero-bubble schedules' weight gradient is a part of its own ("weight"), out of
+    "backward". Empty when the segment costs do not cover the stage."""
     chunks = stage.chunks or (stage.segment_names,)
     if not all(name in costs for chunk in chunks for name in chunk):
         return ()
@@ -155,7 +160,8 @@ def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str, *,
             parts["backward"] += segment.backward.total_s
             if stage.fused_wgrad_numel:  # the configuration accumulates weight gradients in their GEMMs
                 parts["backward"] -= segment.fused_wgrad_saving.total_s
-            parts["recompute"] += recompute_compute_s(segment, stage.recompute)
+            mode = segment_mode(stage.recompute, segment.name, recomputed)
+            parts["recompute"] += recompute_compute_s(segment, mode)
             if split:
                 weight = weight_grad_s(segment)
                 parts["backward"] -= weight
@@ -166,7 +172,7 @@ def _chunk_times(stage: StageEstimate, costs: dict, last_segment: str, *,
                 phase = _PHASES.get(event.phase, "backward")
                 name = event.op if event.op.startswith("cp.") else f"tp.{event.op}"  # cp's KV exchange
                 _add(parts, f"{name}.{phase}", event.time_s)
-            for op, seconds in recompute_comm_s(segment, stage.recompute).items():
+            for op, seconds in recompute_comm_s(segment, mode).items():
                 _add(parts, f"{op if op.startswith('cp.') else f'tp.{op}'}.recompute", seconds)
         for key, seconds in {**_fsdp_parts(stage), **_offload_parts(stage)}.items():
             _add(parts, key, seconds / len(chunks))

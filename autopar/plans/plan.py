@@ -257,7 +257,7 @@ class Plan:
         except ConfigError as error:
             raise PlanMismatchError(f"plan {shorten(source)}: {error}; fix the file or re-run `autopar plan`") from None
         for name, value, allowed in choices:
-            if value not in allowed and not (name.endswith("recompute") and _known_modules_mode(value)):
+            if value not in allowed and not (name.endswith("recompute") and _known_parametrised_mode(value)):
                 raise PlanMismatchError(f"plan {shorten(source)} has {name}={shorten(value)}; expected one of "
                                         f"{', '.join(repr(a) for a in allowed)}: fix the file or re-run `autopar plan`")
         gathers = [name for name, value in [("recompute", self.recompute)] + [
@@ -299,12 +299,14 @@ class Plan:
         return plan_summary(self)
 
 
-def _known_modules_mode(value) -> bool:
-    """A well-formed "modules:<kinds>" recomputation mode (solver/recompute_modules.py)."""
+def _known_parametrised_mode(value) -> bool:
+    """A well-formed "modules:<kinds>" or "blocks:<N>" recomputation mode (solver/recompute_modules.py,
+    solver/recompute_blocks.py)."""
     from autopar.errors import ConfigError
+    from autopar.solver.recompute_blocks import is_blocks_mode
     from autopar.solver.recompute_modules import check_recompute, is_modules_mode
 
     try:
-        return is_modules_mode(value) and check_recompute(value) == value
+        return (is_modules_mode(value) or is_blocks_mode(value)) and check_recompute(value) == value
     except ConfigError:
         return False

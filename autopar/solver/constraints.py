@@ -22,6 +22,7 @@ from autopar.graph import OpGraph
 from autopar.solver.expert_folding import etp_blocker
 from autopar.solver.experts import ExpertOp
 from autopar.solver.pipeline import BALANCED, block_flags, check_pipeline_split, split_spans
+from autopar.solver.recompute_blocks import blocks_blocker, is_blocks_mode
 from autopar.solver.recompute_modules import check_recompute, classify, is_modules_mode, mode_kinds, modules_mode
 from autopar.solver.step_model import SCHEDULES, ZERO_BUBBLE_SCHEDULES, ParallelConfig, StepModel
 from autopar.validation import MAX_DEVICES, MAX_GLOBAL_BATCH, check_choice, check_int, shorten, type_name
@@ -332,6 +333,11 @@ class ConfigChecks:
                               "microbatches as stages, the interleaved schedule a multiple of them; use a smaller "
                               "microbatch or a larger batch")
         self.check_split(config)
+        if is_blocks_mode(config.recompute):
+            blocker = blocks_blocker(block_flags(self.graph.segments), num_chunks=config.pp * config.chunks_per_device,
+                                     split=config.pipeline_split, mode=config.recompute)
+            if blocker:
+                raise ConfigError(blocker)
         self.check_ep(config)
         self.check_offload(config)
         if not self.graph.batch_dynamic and config.microbatch_size != self.graph.batch_size:

@@ -22,6 +22,7 @@ from autopar.solver.expert_folding import runtime_blocker
 from autopar.solver.pipeline import BALANCED, block_flags, split_blocker
 from autopar.solver.pricing import Pricing
 from autopar.solver.recompute import RECOMPUTE_MODES
+from autopar.solver.recompute_blocks import blocks_blocker, is_blocks_mode
 from autopar.solver.recompute_modules import classify, is_modules_mode, mode_kinds
 from cost_model.memory import PrecisionPolicy
 
@@ -126,6 +127,10 @@ class Candidates:
             if not schedule_accepts(schedule, pp, m, virtual) or self.split_blocker(pp, schedule, virtual, split):
                 continue
             for recompute in modes:
+                if is_blocks_mode(recompute) and blocks_blocker(
+                        self.pricing.step_model.segment_blocks, num_chunks=pp * chunks_per_device(schedule, virtual),
+                        split=split, mode=recompute):
+                    continue  # a chunk holds fewer blocks than the mode recomputes
                 runs_folded = not runtime_blocker(cp, recompute)
                 for ep, etp in [(ep, None) for ep in eps] + [(ep, 1) for ep in folded if runs_folded]:
                     for zero in zeros:

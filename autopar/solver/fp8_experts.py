@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 from autopar.graph import OpGraph
 from autopar.solver.configs import ParallelConfig
 from autopar.solver.fp8 import expert_weights
+from autopar.solver.recompute_blocks import is_blocks_mode, recomputed_names
 from autopar.solver.recompute_modules import is_modules_mode, mode_kinds
 from cost_model import fp8 as fp8_cost
 from cost_model.compute import ComputeModel, is_grouped_matmul
@@ -116,6 +117,9 @@ class Fp8ExpertPricing:
         self.load_imbalance = load_imbalance
         self.auto = auto
         """Keep only the ops whose float8 run is priced faster than bf16 (the planner's choice)."""
+        self.segments = graph.segments
+        self._segment_of = {node: segment.name for segment in graph.segments for node in segment.nodes}
+        self._recomputed_names: dict[tuple, frozenset[str]] = {}
         chosen = set(fqns)
         batch = max(graph.batch_size, 1)
         self.matmuls: list[ExpertMatmul] = []
@@ -154,7 +158,7 @@ class Fp8ExpertPricing:
                 input_shared: bool = False) -> PricedExpert:
         rows, experts, k, n, divisor = self._shape(matmul, config, strategy)
         imbalance = self.load_imbalance if config.ep > 1 else 1.0
-        again = self._recomputed(config)
+        again = self._recomputed(matmul, config)
         device = self.compute.device
         ratio = device.fp8_matmul_speedup
         tensor_cores = device.runs_fp8_matmuls
@@ -266,9 +270,15 @@ class Fp8ExpertPricing:
                 n, divisor = n / tp, tp
         return rows, max(experts // max(config.ep, 1), 1), k, n, divisor
 
-    @staticmethod
-    def _recomputed(config: ParallelConfig) -> bool:
-        """The op's forward runs again in backward (full recomputation, or recomputed MoE modules)."""
+    def _recomputed(self, matmul: ExpertMatmul, config: ParallelConfig) -> bool:
+        """The op's forward runs again in backward (full recomputation, recomputed MoE modules, or
+        under "blocks:<N>" in a block it recomputes: solver/recompute_blocks.py)."""
         mode = config.recompute
+        if is_blocks_mode(mode):
+            key = (mode, config.pp * config.chunks_per_device, config.pipeline_split)
+            if key not in self._recomputed_names:
+                self._recomputed_names[key] = recomputed_names(self.segments, mode=mode, num_chunks=key[1],
+                                                               split=key[2])
+            return self._segment_of.get(matmul.node) in self._recomputed_names[key]
         return mode == "full" or (is_modules_mode(mode) and "moe" in mode_kinds(mode))
 

@@ -47,6 +47,7 @@ from autopar.solver.configs import Estimate, ParallelConfig
 from autopar.solver.experts import DEFAULT_LOAD_IMBALANCE
 from autopar.solver.fp8 import Fp8Choice, linear_weights
 from autopar.solver.fp8_experts import Fp8ExpertPricing, PricedExpert
+from autopar.solver.recompute_blocks import is_blocks_mode, recomputed_names
 from autopar.solver.step_tail import tp_group, uses_fsdp
 from cost_model import fp8 as fp8_cost
 from cost_model.comm import CommModel
@@ -212,6 +213,8 @@ class Fp8Pricing:
         self.saved_input_share = _float8_saved_input_share(graph, {linear.node for linear in self.linears})
         """Of the activations saved for backward: the inputs only float8 linears save (bytes)."""
         self.param_numel = max(float(sum(param.meta.numel for param in graph.params if param.trainable)), 1.0)
+        self._segment_of = {node: segment.name for segment in graph.segments for node in segment.nodes}
+        self._recomputed_names: dict[tuple, frozenset[str]] = {}
 
     @property
     def lower_bound_factor(self) -> float:
@@ -233,11 +236,12 @@ class Fp8Pricing:
         found, cast_sources = [], set()
         for linear in self.linears:
             elements, sharded = self._elements(linear, config, placements.get(linear.node))
-            times = self._matmul_s(linear, config, elements, sharded["weight"])
+            again = self._recomputed(linear, config)
+            times = self._matmul_s(linear, config, elements, sharded["weight"], again)
             # One cast of an input several linears read, where the handling's linears are fused.
             shared = self.handling.shared_input_cast_once and linear.source in cast_sources
             cast_sources.add(linear.source)
-            cast_s = self._cast_s(elements, config, gathered,
+            cast_s = self._cast_s(elements, config, gathered, again,
                                   input_on_shard=self._input_gathered_in_float8(linear, config, placements),
                                   input_from_norm=linear.after_norm, input_shared=shared)
             amax_s = self._amax_s(linear, elements, sharded, config, gathered, input_shared=shared)
@@ -245,6 +249,17 @@ class Fp8Pricing:
             found.append(_Priced(linear=linear, elements=elements, matmuls=times, cast_s=cast_s, amax_s=amax_s,
                                  kept=kept))
         return found
+
+    def _recomputed(self, linear: _Linear, config: ParallelConfig) -> bool:
+        """Whether the configuration runs this linear's forward again in backward: under "full", and
+        under "blocks:<N>" in the blocks it recomputes (solver/recompute_blocks.py)."""
+        if not is_blocks_mode(config.recompute):
+            return config.recompute == "full"
+        key = (config.recompute, config.pp * config.chunks_per_device, config.pipeline_split)
+        if key not in self._recomputed_names:
+            self._recomputed_names[key] = recomputed_names(self.graph.segments, mode=key[0], num_chunks=key[1],
+                                                           split=key[2])
+        return self._segment_of.get(linear.node) in self._recomputed_names[key]
 
     def chosen(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> tuple[str, ...]:
         """Weight FQNs of the linears that run in float8 under `config` (sorted)."""
@@ -374,7 +389,8 @@ class Fp8Pricing:
         held_weight += sum(item.weight_elements for item in experts)  # a framework's expert linears' (fp8_experts.py)
         weights = fp8_cost.held_weight_bytes(held_weight / config.pp, self.handling)
         saved = 0.0
-        if self.handling.saves_float8_inputs and kept and config.recompute in ("none", "gathers"):
+        if self.handling.saves_float8_inputs and kept and (config.recompute in ("none", "gathers")
+                                                           or is_blocks_mode(config.recompute)):
             share = self.saved_input_share * len(kept) / max(len(self.linears), 1)
             saved = estimate.memory_bytes.get("activations", 0.0) * share * (1 - fp8_cost.FP8_BYTES / COMPUTE_BYTES)
         memory = {**estimate.memory_bytes, **({"fp8.copies": copies} if copies else {}),
@@ -547,11 +563,11 @@ class Fp8Pricing:
         return elements, sharded
 
     def _matmul_s(self, linear: _Linear, config: ParallelConfig, elements: fp8_cost.Fp8LinearElements,
-                  weight_sharded: bool) -> _MatmulTimes:
+                  weight_sharded: bool, again: bool = False) -> _MatmulTimes:
         """This rank's matmul times of one linear per microbatch at the bf16 rate and at the fp8 rate
         (the profile's fp8 sweep, `autopar profile` with torch._scaled_mm, else its bf16 rate
-        times the device's float8 speed-up), with the forward's matmuls run again under
-        full recomputation; no fp8 time where the device has no FP8 tensor cores (emulated: the
+        times the device's float8 speed-up), with the forward's matmuls run again where it is
+        recomputed (`again`: _recomputed); no fp8 time where the device has no FP8 tensor cores (emulated: the
         bf16 time stays in `compute`), the forward matmul at the fast-accumulation rate where the
         profile measured it (`_fp8_rate`). Each matmul takes the longer of its FLOPs' time and its
         bytes' (`_matmul_bytes`), as compute prices the bf16 one: a skinny matmul (a tp shard of a
@@ -581,7 +597,7 @@ class Fp8Pricing:
             fp8["grad_weight"] += rescale_s(elements.weight)  # leaves the compiled graph: always apart
             if not self.handling.rescale_fused_into_consumers or linear.after_tensor_cores:
                 fp8["grad_input"] += rescale_s(elements.input)
-        return _MatmulTimes(bf16=bf16, fp8=fp8, runs=2 if config.recompute == "full" else 1)
+        return _MatmulTimes(bf16=bf16, fp8=fp8, runs=2 if again else 1)
 
     def _fp8_rate(self, flops: float, *, fast: bool) -> float:
         """A float8 matmul's FLOP/s: the profile's sweep for its accumulation ("fp8_fast" or split
@@ -603,10 +619,11 @@ class Fp8Pricing:
             return False
         return producer.output[0].startswith("S") and inputs[0][0] == "R"
 
-    def _cast_s(self, elements, config: ParallelConfig, gathered: bool, input_on_shard: bool = False,
-                input_from_norm: bool = False, input_shared: bool = False) -> float:
-        """One linear's casts per microbatch. `input_from_norm`: its input is a norm's output;
-        `input_shared`: another linear already cast that input (CastHandling.shared_input_cast_once)."""
+    def _cast_s(self, elements, config: ParallelConfig, gathered: bool, again: bool = False,
+                input_on_shard: bool = False, input_from_norm: bool = False, input_shared: bool = False) -> float:
+        """One linear's casts per microbatch. `again`: its forward runs again in backward (_recomputed);
+        `input_from_norm`: its input is a norm's output; `input_shared`: another linear already cast
+        that input (CastHandling.shared_input_cast_once)."""
         handling = self.handling
         count = fp8_cost.cast_elements(elements, weight_precast=gathered, handling=handling)
         casts = fp8_cost.num_casts(weight_precast=gathered, handling=handling)
@@ -624,11 +641,11 @@ class Fp8Pricing:
         count -= elements.input - forward_input  # the forward's cast of a float8-gathered input: its shard
         pass_only = elements.weight if handling.weight_recast_pass_only and not gathered else 0.0
         count, casts = count - pass_only, casts - (1 if pass_only else 0)  # the backward's weight: a cast pass
-        if config.recompute == "full":  # the forward's input (and weight) casts run again
+        if again:  # the forward's input (and weight) casts run again
             weight_again = not gathered and not handling.weight_cast_once_per_step
             count += forward_input + (elements.weight if weight_again else 0)
             casts += (1 if forward_input else 0) + (1 if weight_again else 0)
-        runs = 2 if config.recompute == "full" else 1
+        runs = 2 if again else 1
         one_pass_handling = replace(handling, element_passes="one_pass")
         layouts_s = fp8_cost.layout_copy_time_s(elements, handling, input_shared=input_shared,
                                                 bandwidth_bytes_per_s=self.compute.bandwidth_bytes_per_s,

@@ -217,6 +217,30 @@ class PreparedSegments:
             self.tp_windowed else dict(self.overlap_caps_s), tp_windowed=self.tp_windowed,
             ep_messages=self.ep_messages, ep_matmuls=self.ep_matmuls, **arrays)
 
+    @classmethod
+    def mixed(cls, none: "PreparedSegments", full: "PreparedSegments", flags: Sequence[bool], mode: str, *,
+              workspace: bool = True) -> "PreparedSegments":
+        """Segments taking each row from `full` where `flags` says it is recomputed, from `none`
+        elsewhere (every per-segment array, column and record; caches fresh): the "blocks:<N>"
+        mode (solver/recompute_blocks.py); `workspace` False: its regenerated tensors need no
+        room of their own (recompute_blocks.holds_others)."""
+        pick = np.asarray(flags, dtype=bool)
+        if len(pick) != len(none.names) or none.names != full.names:
+            raise ValueError("mixed: both modes' segments and the flags must list the same segments")
+        rows = pick.tolist()
+        arrays = {f.name: np.where(pick, high, low) for f in fields(cls)
+                  if isinstance(low := getattr(none, f.name), np.ndarray)
+                  and isinstance(high := getattr(full, f.name), np.ndarray)}
+        recomputed_bytes = full.max_recomputed_bytes if any(rows) and workspace else none.max_recomputed_bytes
+        return cls(names=list(none.names), recompute=mode,
+                   max_saved_bytes=max(none.max_saved_bytes, full.max_saved_bytes),
+                   max_recomputed_bytes=recomputed_bytes,
+                   comm_by_op_s=_mixed_columns(none.comm_by_op_s, full.comm_by_op_s, pick),
+                   overlap_caps_s=_mixed_columns(none.overlap_caps_s, full.overlap_caps_s, pick),
+                   tp_windowed=_mixed_rows(none.tp_windowed, full.tp_windowed, rows),
+                   ep_messages=_mixed_rows(none.ep_messages, full.ep_messages, rows),
+                   ep_matmuls=_mixed_rows(none.ep_matmuls, full.ep_matmuls, rows), **arrays)
+
     def _indexed(self, index: np.ndarray, names: list[str]) -> "PreparedSegments":
         """These rows repeated as `index` says, named `names` (every per-segment array)."""
         arrays = {f.name: value[index] for f in fields(self) if isinstance(value := getattr(self, f.name), np.ndarray)}
@@ -328,6 +352,18 @@ def once_per_step(event) -> bool:
     """A weight's Partial gradient reduced (all-reduce to a replicated weight, reduce-scatter to a
     sharded one): the runtime sums the microbatches' partial gradients first and reduces once."""
     return event.phase == "grad" and event.op in ("all_reduce", "reduce_scatter")
+
+
+def _mixed_columns(low: dict[str, np.ndarray], high: dict[str, np.ndarray], pick: np.ndarray) -> dict[str, np.ndarray]:
+    zeros = np.zeros(len(pick))
+    return {key: np.where(pick, high.get(key, zeros), low.get(key, zeros)) for key in {**low, **high}}
+
+
+def _mixed_rows(low: tuple, high: tuple, rows: list[bool]) -> tuple:
+    if not low and not high:
+        return ()
+    low, high = low or ((),) * len(rows), high or ((),) * len(rows)
+    return tuple(high[index] if recomputed else low[index] for index, recomputed in enumerate(rows))
 
 
 _content = attrgetter(*(f.name for f in fields(SegmentCost) if f.name != "name"))

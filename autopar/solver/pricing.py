@@ -23,6 +23,7 @@ from autopar.solver.fp8_segments import float8_segments
 from autopar.solver.overheads import Overheads, SegmentCounts, segment_counts, step_features
 from autopar.solver.prepared import PreparedSegments
 from autopar.solver.recompute import RECOMPUTE_MODES
+from autopar.solver.recompute_blocks import holds_others, is_blocks_mode, recomputed_flags
 from autopar.solver.recompute_modules import lighter_modes
 from autopar.solver.sharding import ShardingOptions, ShardingResult, cost_context, solve_sharding
 from autopar.solver.step_model import StepModel
@@ -55,6 +56,7 @@ class Pricing:
         """segment_costs by (tp, microbatch, sequence parallel, cp): each recomputation mode reads them again."""
         self._prepared: dict[tuple, PreparedSegments] = {}
         self._float8_prepared: dict[tuple, PreparedSegments] = {}
+        self._blocks_prepared: dict[tuple, PreparedSegments] = {}
         self._counts: dict[TpKey, dict[str, SegmentCounts]] = {}
         self.fp8 = None
         """Precision "fp8": its terms (fp8_pricing.Fp8Pricing), added to every estimate; else None."""
@@ -165,6 +167,8 @@ class Pricing:
 
     def prepared(self, tp: int, microbatch_size: int, recompute: str, cp: int = 1,
                  sequence_parallel: bool = True, folded: bool = False) -> PreparedSegments:
+        if is_blocks_mode(recompute):
+            raise ValueError(f"recompute {recompute!r} follows the model chunks: use prepared_for with a configuration")
         key = self.tp_key(tp, microbatch_size, sequence_parallel) + (recompute, cp) + (("folded",) if folded else ())
         if key not in self._prepared:
             self._prepared[key] = PreparedSegments.build(
@@ -175,6 +179,8 @@ class Pricing:
         """The prepared segments of a configuration (under another recomputation mode if given);
         under precision "fp8" with its float8 linears' matmuls in their compute (fp8_segments.py)."""
         mode = recompute or config.recompute
+        if is_blocks_mode(mode):
+            return self._blocks(config, mode)
         prepared = self.prepared(config.tp, config.microbatch_size, mode, config.cp, config.sequence_parallel,
                                  config.folds_experts)
         if self.fp8 is None:
@@ -187,6 +193,21 @@ class Pricing:
                 lambda priced: self.strategies(priced.tp, priced.microbatch_size, priced.sequence_parallel,
                                                priced.folds_experts))
         return self._float8_prepared[key]
+
+    def _blocks(self, config: ParallelConfig, mode: str) -> PreparedSegments:
+        """"blocks:<N>": each segment's row from "full" where the mode recomputes it, from "none"
+        elsewhere (solver/recompute_blocks.py), for the configuration's model chunks."""
+        num_chunks = config.pp * config.chunks_per_device
+        key = self.tp_key(config.tp, config.microbatch_size, config.sequence_parallel) + (
+            mode, config.cp, config.folds_experts, num_chunks, config.pipeline_split,
+            self.fp8.gathers_in_float8(config) if self.fp8 is not None else None)
+        if key not in self._blocks_prepared:
+            blocks, split = self.step_model.segment_blocks, config.pipeline_split
+            flags = recomputed_flags(blocks, num_chunks=num_chunks, split=split, mode=mode)
+            self._blocks_prepared[key] = PreparedSegments.mixed(
+                self.prepared_for(config, "none"), self.prepared_for(config, "full"), flags, mode,
+                workspace=not holds_others(blocks, num_chunks=num_chunks, split=split, mode=mode))
+        return self._blocks_prepared[key]
 
     def least_work(self, config: ParallelConfig) -> PreparedSegments:
         """What a lower bound on the configuration's time may count: its own mode's segments, or

@@ -38,6 +38,7 @@ from autopar.errors import ConfigError
 from autopar.graph import OpGraph
 from autopar.solver.experts import find_expert_ops
 from autopar.solver.recompute import ATTENTION_TARGETS, MATMUL_TARGETS, RECOMPUTE_MODES
+from autopar.solver.recompute_blocks import block_count, blocks_mode, is_blocks_mode
 from autopar.strategies.grouped_mm import EXPERT_BIAS_TARGETS
 
 MODULE_KINDS = ("layernorm", "core_attn", "moe_act", "mlp", "moe", "mla_up_proj")
@@ -83,13 +84,17 @@ def mode_kinds(mode: str) -> tuple[str, ...]:
 
 
 def check_recompute(value, what: str = "recompute") -> str:
-    """A recomputation mode: one of RECOMPUTE_MODES or "modules:<kinds>" (canonical order), else a ConfigError."""
+    """A recomputation mode: one of RECOMPUTE_MODES, "modules:<kinds>" (canonical order) or "blocks:<N>", else a
+    ConfigError."""
     if is_modules_mode(value):
         return modules_mode(value[len(MODULES_PREFIX):], what)
+    if is_blocks_mode(value):
+        return blocks_mode(block_count(value, what))
     if isinstance(value, str) and value in RECOMPUTE_MODES:
         return value
-    raise ConfigError(f"{what} must be one of {', '.join(map(repr, RECOMPUTE_MODES))} or 'modules:<kinds>' with "
-                      f"kinds from {', '.join(MODULE_KINDS)} (e.g. 'modules:layernorm,moe_act'), got {value!r}")
+    raise ConfigError(f"{what} must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, 'modules:<kinds>' with "
+                      f"kinds from {', '.join(MODULE_KINDS)} (e.g. 'modules:layernorm,moe_act') or 'blocks:<N>' (the "
+                      f"first N blocks of each model chunk recomputed in full), got {value!r}")
 
 
 CANDIDATE_KINDS = (("layernorm", "moe_act"), ("layernorm", "core_attn"))
@@ -99,8 +104,9 @@ CANDIDATE_KINDS = (("layernorm", "moe_act"), ("layernorm", "core_attn"))
 
 def lighter_modes(mode: str) -> tuple[str, ...]:
     """The modes that recompute less than `mode`: those before it in RECOMPUTE_MODES; for
-    "modules:<kinds>" (which recomputes a part of what "selective" and "op" do) "none" and "gathers"."""
-    if is_modules_mode(mode):
+    "modules:<kinds>" (which recomputes a part of what "selective" and "op" do) and "blocks:<N>" (a part
+    of what "full" does) "none" and "gathers"."""
+    if is_modules_mode(mode) or is_blocks_mode(mode):
         return RECOMPUTE_MODES[:RECOMPUTE_MODES.index("selective")]
     return RECOMPUTE_MODES[:RECOMPUTE_MODES.index(mode)]
 
