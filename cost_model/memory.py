@@ -134,6 +134,14 @@ class PrecisionPolicy:
     its bucket group's all-gather and dispatches the next one's). False: Megatron-Core without
     it (Megatron-LM's default), whose DistributedOptimizer.step_with_ready_grads all-gathers every
     bucket synchronously right after the optimizer step: all of it exposed (dp.all_gather.once)."""
+    fsdp_copies: bool = True
+    """Each data-parallel all-gather is copied out of, and each reduce-scatter into, a flat buffer of
+    its own (FSDP2's foreach_all_gather_copy_out and foreach_reduce_scatter_copy_in: dp.copy_out,
+    dp.copy_in; cost_model/fsdp.py copy_bytes), as autopar's runtime and torchtitan run. False:
+    the parameters and gradients are views of the buffers the collectives read and write, nothing
+    copied: Megatron-Core's distributed optimizer (param_and_grad_buffer.py: every bucket's
+    param_data and grad_data hold the parameters' and main gradients' storage) and Megatron-FSDP
+    (its DBuffer: one local storage tensor per group, each parameter a view of it)."""
 
     def with_torch_async_tp(self, on: bool = True) -> "PrecisionPolicy":
         """This policy under torch's async TP (its symmetric-memory kernels: torchtitan's and
@@ -164,14 +172,16 @@ class PrecisionPolicy:
 BF16_ADAM = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0, casts_once_per_step=True, p2p_overlap=True,
                             fsdp_small_root_ends=True, optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])
 """autopar's runtime with `torch.optim.AdamW(pm.parameters())` as the README writes it (foreach)."""
-MEGATRON_BF16 = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0, regather_overlap=True, sp_layout_copies="none")
+MEGATRON_BF16 = PrecisionPolicy(gather_bytes=2.0, reduce_bytes=4.0, regather_overlap=True, sp_layout_copies="none",
+                                fsdp_copies=False)
 """Megatron-LM's mixed precision (for pricing runs made that way): bf16/fp16 parameters used
 directly by every microbatch, the fp32 master copy inside the optimizer; no cast; its sequence-
 parallel re-gathers beside the input-gradient GEMMs (`regather_overlap`). Its distributed
 optimizer all-gathers the bf16 parameter buffer (2 bytes: megatron/core/distributed/
 param_and_grad_buffer.py, each bucket's param_data in the parameters' dtype, gathered with
 all_gather_into_tensor after the optimizer copies its fp32 shard in) and reduce-scatters the fp32
-main gradients (grad_reduce_in_fp32)."""
+main gradients (grad_reduce_in_fp32), both buffers the parameters' and gradients' own storage
+(no copy around the collectives: `fsdp_copies` False)."""
 FP32_ADAM = PrecisionPolicy(param_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0, activation_dtype="float32",
                             p2p_overlap=True, fsdp_small_root_ends=True,
                             optimizer_io_bytes_per_param=ADAMW_IO_BYTES_PER_PARAM["foreach"])

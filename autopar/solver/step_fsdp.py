@@ -107,8 +107,24 @@ class StepFsdp:
             (per_microbatch if reshard else step_end)["all_gather.sm_contention"] = hidden_gathers * share
             (per_microbatch if config.zero_stage >= 2 and config.pp == 1 else step_end)[
                 "reduce_scatter.sm_contention"] = hidden_scatters * share
+        self._add_copies(per_microbatch, step_end, numel, config, reshard=reshard, ends=ends)
+        if config.offload:
+            # The copies' share of the exposed time is priced as offload.*, not as collectives.
+            per_microbatch["all_gather"] = max(0.0, per_microbatch["all_gather"] - offload.get("offload.h2d", 0.0))
+            per_microbatch["reduce_scatter"] = max(0.0, per_microbatch["reduce_scatter"] - overlapped["offload.d2h"])
+            for op, seconds in per_microbatch.items():  # round-off of the subtractions
+                per_microbatch[op] = seconds if seconds > 1e-9 * timeline.compute_s else 0.0
+        return timeline, per_microbatch, step_end, offload
+
+
+    def _add_copies(self, per_microbatch: dict, step_end: dict, numel, config, *, reshard: bool, ends) -> None:
+        """FSDP2's copies around its collectives (cost_model/fsdp.py copy_bytes): dp.copy_out after each
+        all-gather, dp.copy_in before each reduce-scatter; none where the collectives read and write the
+        parameters' own buffers (PrecisionPolicy.fsdp_copies False: Megatron-Core's)."""
+        if not self.policy.fsdp_copies:
+            return
         copy_out, copy_in = copy_bytes(float(numel.sum()), gather_bytes=self.policy.fsdp_gather_bytes,
-                                       reduce_bytes=self.policy.dp_reduce_bytes)  # FSDP2's copies (cost_model/fsdp.py)
+                                       reduce_bytes=self.policy.dp_reduce_bytes)
         if reshard:  # each gather before a backward copies out again (the root ends and last block: none)
             regathered = float(numel[1:-2].sum()) if ends else float(numel.sum())
             copy_out += copy_bytes(regathered, gather_bytes=self.policy.fsdp_gather_bytes,
@@ -120,14 +136,6 @@ class StepFsdp:
             # (Under casts_once_per_step each microbatch's copy-in is the gradients' cast to the
             # reduce dtype, already in the segments' backward: evaluate._add_gradient_cast.)
             (per_microbatch if reduces_each_microbatch else step_end)["copy_in"] = copy_in / bandwidth
-        if config.offload:
-            # The copies' share of the exposed time is priced as offload.*, not as collectives.
-            per_microbatch["all_gather"] = max(0.0, per_microbatch["all_gather"] - offload.get("offload.h2d", 0.0))
-            per_microbatch["reduce_scatter"] = max(0.0, per_microbatch["reduce_scatter"] - overlapped["offload.d2h"])
-            for op, seconds in per_microbatch.items():  # round-off of the subtractions
-                per_microbatch[op] = seconds if seconds > 1e-9 * timeline.compute_s else 0.0
-        return timeline, per_microbatch, step_end, offload
-
     def _with_offload_copies(self, arrays: dict, sizes, inverse, config: ParallelConfig, reshard: bool):
         """The FSDP2 arrays with each unit's host copies on the collectives' streams, and the exposed
         seconds per microbatch the copies add (by term; see the module docstring), and what of

@@ -2,6 +2,8 @@
 holding the same experts (dp / ep, x cp), their FSDP all-gathers and reduce-scatters on that group,
 and the search trying ep with every ZeRO stage."""
 
+from dataclasses import replace
+
 import pytest
 
 import autopar
@@ -287,3 +289,22 @@ def test_autopar_runtime_makes_small_ends_the_roots_and_prices_them_so(end_numel
     assert chosen.breakdown_s == forced.breakdown_s and chosen.memory_bytes == forced.memory_bytes
     piped = model().estimate(PreparedSegments.build(items, "none"), replace(config, pp=2))
     assert not any(stage.fsdp.root_ends for stage in piped.stages)  # one stage holding the model only
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_megatrons_buffers_are_the_parameters_own_storage_nothing_copied(zero_stage):
+    """Megatron-Core's distributed optimizer and Megatron-FSDP gather into and reduce from the
+    buffers that hold the parameters and gradients (PrecisionPolicy.fsdp_copies False): no
+    dp.copy_in / dp.copy_out, the collectives themselves as FSDP2's."""
+    from test_step_model import model, segments
+
+    from autopar.solver.step_model import ParallelConfig, PreparedSegments
+    from cost_model.memory import MEGATRON_BF16
+
+    config = ParallelConfig(dp=8, tp=1, pp=1, microbatch_size=1, num_microbatches=4, zero_stage=zero_stage)
+    copied, megatron = (model(policy=policy).estimate(PreparedSegments.build(segments(), "none"), config).breakdown_s
+                        for policy in (replace(MEGATRON_BF16, fsdp_copies=True), MEGATRON_BF16))
+    assert any(term.startswith("dp.copy") for term in copied)
+    assert not any(term.startswith("dp.copy") for term in megatron)
+    collectives = [term for term in copied if term.startswith("dp.") and "copy" not in term]
+    assert collectives and all(megatron[term] == pytest.approx(copied[term]) for term in collectives)
