@@ -49,9 +49,7 @@ torchtitan's June 2025 async TP table's float8 rowwise rows (70B on 256 H100 599
 tt25-*): the source calls its rowwise baseline under TP low and under investigation (torchtitan#1207:
 rowwise ran at bf16's speed under TP 8, slower than bf16 at 8B; FSDP-only rowwise gains 1.10x,
 fp8_recipes.py), and names no cause; autopar prices them 26-34% faster (docs/accuracy.md).
-Megatron-Bridge's DGX-H100 Llama 3 8B FP8-CS row (14,451 tokens/s, 25.11): its recipe recomputes
-5 of the 32 layers in full (recompute_num_layers=5, block), which no autopar recomputation mode
-expresses; its MoE FP8 rows are blockwise (DeepSeek-V3) or MoE shapes priced by published_moe.py.
+Megatron-Bridge's MoE FP8 rows are blockwise (DeepSeek-V3) or MoE shapes priced by published_moe.py.
 """
 
 from __future__ import annotations
