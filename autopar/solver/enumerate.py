@@ -321,6 +321,12 @@ class Candidates:
                 blockers = [self.split_blocker(pp, schedule, virtual, constraints.pipeline_split)
                             for schedule, virtual in self.schedules(pp, constraints)]
                 reasons += [blocker for blocker in blockers[:1] if blocker and all(blockers)]
+            if is_blocks_mode(constraints.recompute or ""):
+                blockers = [blocks_blocker(self.pricing.step_model.segment_blocks, mode=constraints.recompute,
+                                           num_chunks=pp * chunks_per_device(schedule, virtual),
+                                           split=constraints.pipeline_split or BALANCED)
+                            for schedule, virtual in self.schedules(pp, constraints)]
+                reasons += [blocker for blocker in blockers[:1] if blocker and all(blockers)]
         if constraints.etp == 1 and constraints.tp != 1:
             blocker = runtime_blocker(constraints.cp or 1, constraints.recompute or "none")
             if not self.checks.expert_ops:

@@ -4,7 +4,7 @@ recomputes per model chunk, its refusals, and its price between "none" and "full
 import pytest
 
 import autopar
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.plans.plan import Plan
 from autopar.solver.recompute_blocks import (block_count, blocks_blocker, blocks_mode, holds_others,
                                              recomputed_flags, segment_mode)
@@ -93,3 +93,9 @@ def test_fp8_prices_the_recomputed_blocks_forward_matmuls_again():
     none, one, full = (_evaluate(mode, **fixed) for mode in ("none", "blocks:1", "full"))
     matmul = [plan.predicted.breakdown_s["fp8.matmul"] for plan in (none, one, full)]
     assert matmul[0] < matmul[1] < matmul[2]
+
+
+def test_a_search_left_with_nothing_says_which_chunk_holds_too_few_blocks():
+    with pytest.raises(InfeasiblePlanError, match=r"recompute=blocks:3: recompute 'blocks:3': model chunk 0 of 2 holds 2 "):
+        autopar.plan(LLAMA, cluster="dgx-h100:nodes=1,gpus_per_node=2", global_batch=8,
+                     constraints={"recompute": "blocks:3", "pp": 2})
