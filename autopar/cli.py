@@ -306,7 +306,7 @@ def _recompute_modules_flag(parser) -> None:
                         help="recompute only these module kinds' ops in backward, as Megatron-Core's "
                              "--recompute-modules: a comma-separated list of layernorm, core_attn, moe_act, mlp, moe, "
                              "mla_up_proj (the recompute mode 'modules:KINDS')")
-    parser.add_argument("--recompute-blocks", metavar="N", type=int,
+    parser.add_argument("--recompute-blocks", metavar="N", type=count(),
                         help="recompute in full only the first N repeated blocks of each model chunk and keep the "
                              "others' activations, as Megatron-Core's --recompute-granularity full --recompute-method "
                              "block --recompute-num-layers N (the recompute mode 'blocks:N')")
