@@ -48,7 +48,8 @@ torchtitan's June 2025 async TP table's float8 rowwise rows (70B on 256 H100 599
 8B on 64 H100 3,708.5 and 3,914.9, without and with async TP; the rows beside them are here as
 tt25-*): the source calls its rowwise baseline under TP low and under investigation (torchtitan#1207:
 rowwise ran at bf16's speed under TP 8, slower than bf16 at 8B; FSDP-only rowwise gains 1.10x,
-fp8_recipes.py), and names no cause; autopar prices them 26-34% faster (docs/accuracy.md).
+fp8_recipes.py); torchao#2410 later found the cause in the small k and v projections, ~40% slower in
+rowwise float8, a GEMM shape autopar does not price: it prices them 26-34% faster (docs/accuracy.md).
 Megatron-Bridge's MoE FP8 rows are blockwise (DeepSeek-V3) or MoE shapes priced by published_moe.py.
 """
 

@@ -54,10 +54,13 @@ from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
 
 ROWWISE_UNDER_TP_NOTE = ("fp8: rowwise under tensor parallelism is priced as without it, but torchtitan measured it at "
-                         "bf16's speed there (TP 8, June 2025: torchtitan#1207, no cause published; "
-                         "docs/accuracy.md#async-tp): tensorwise is the measured choice with tp > 1")
+                         "bf16's speed there (TP 8, June 2025: torchtitan#1207, whose cause torchao#2410 found in the "
+                         "small k and v projections, about 40% slower in rowwise float8 than in bf16, a GEMM shape "
+                         "autopar does not price; docs/accuracy.md#async-tp): tensorwise is the measured choice with "
+                         "tp > 1, or keep such linears in bf16 with fp8_filter (torchao's _auto_filter_for_recipe)")
 """A plan's note where rowwise float8 runs under tp > 1: the one recipe and layout a measurement
-contradicts without a known mechanism (benchmarks/published_fp8.py's left-out rows)."""
+contradicts, by a mechanism (rowwise GEMMs of small dims) the cost model does not hold
+(benchmarks/published_fp8.py's left-out rows)."""
 
 COMPUTE_BYTES = 2
 """The bf16 activations, weight copies and gradients the casts read."""
