@@ -253,12 +253,15 @@ class Planner:
         passes = [constraints.offload] if constraints.offload is not None else [False]
         if constraints.offload is None and self.step_model.can_offload and self.cluster.device_kind != "cpu":
             passes.append(True)  # only if nothing fits without (on a CPU the host memory is the device's)
+        leanest = None  # over the passes: the offload pass may price nothing (it needs pp = 1)
         for offload in passes:
             found = self._search_pass(constraints, keep, offload)
             if found.ranked:
                 break
+            if found.least_memory is not None and (leanest is None or found.least_memory[0] < leanest[0]):
+                leanest = found.least_memory
         if not found.ranked:
-            raise self._infeasible(found.least_memory[1] if found.least_memory else None, constraints)
+            raise self._infeasible(leanest[1] if leanest else None, constraints)
         ranked = [estimate for _, estimate in found.ranked]
         best = ranked[0]
         return SearchResult(best=best, sharding=self.sharding(best.config.tp, best.config.microbatch_size,

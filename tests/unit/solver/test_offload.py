@@ -55,6 +55,16 @@ def test_a_model_that_does_not_fit_is_offloaded(tmp_path):
     assert "optimizer offload" in plan.summary() and "host memory" in plan.summary()
 
 
+def test_a_pipelined_constraint_that_fits_nowhere_says_what_the_leanest_needs(tmp_path):
+    """With pp > 1 the offload pass (pp = 1 only) prices nothing; the refusal still names the
+    leanest configuration of the pass that priced some, not an empty search."""
+    path = tmp_path / "two_gpus.toml"
+    path.write_text('preset = "dgx-a100-80g"\nnodes = 1\ngpus_per_node = 2\n[device]\nmemory_gib = 0.03\n')
+    planner = api.planner_for(MODEL, None, str(path), global_batch=2, options=SearchOptions(allocator=NO_OVERHEAD))
+    with pytest.raises(InfeasiblePlanError, match=r"does not fit: the leanest configuration found \(dp=1 tp=1 pp=2"):
+        api.plan_with(planner, Constraints(pp=2, tp=1))
+
+
 def test_when_only_host_memory_is_short_the_refusal_says_so(tmp_path):
     """Offloaded, the states fit the device but not the host: the message names host memory,
     not a device peak that fits."""
