@@ -259,7 +259,7 @@ TABLE = CaseTable([
     _case("gpt", 2, dp=1, tp=2, pp=1, recompute="op"),
     _case("llama", 2, dp=2, tp=1, pp=1, zero_stage=3, recompute="op"),
     # "blocks:1": the first of the two blocks recomputed in full, the other as "none" (under pipelining the
-    # search lets a stage that fits run lighter, as these tiny ones do: tests/unit/solver prices those flags)
+    # search lets a stage that fits run lighter, as these tiny ones do: test_recompute.py runs a fixed plan)
     _case("llama", 2, dp=1, tp=2, pp=1, recompute="blocks:1"),
     _case("llama", 2, dp=1, tp=2, pp=1),
     _case("llama", 2, dp=2, tp=1, pp=1, zero_stage=3),

@@ -100,3 +100,39 @@ def test_gated_activation_is_saved_as_a_recipe_on_dtensors():
         assert result["kept"].get("recomputed_activation") == 1, result
         assert result["hooked_freed"] and not result["plain_freed"], result
         assert result["max_error"] == 0.0, result
+
+
+def pipelined_blocks_worker() -> dict:
+    """A fixed pp=2 plan (no stage runs lighter) in "blocks:1" against the same plan in "none"."""
+    import copy
+
+    import torch
+
+    import autopar
+    from autopar.models import build_model
+
+    def run(mode: str):
+        torch.manual_seed(0)
+        bundle = build_model("llama:layers=4,hidden=32,heads=4,kv_heads=2,ffn_hidden=64,seq=16,vocab=64", device="cpu",
+                             batch_size=4)
+        plan = autopar.evaluate(copy.deepcopy(bundle.model), bundle.example_inputs, "cpu:procs=2", global_batch=4,
+                                microbatch_size=2, pp=2, tp=1, recompute=mode, pipeline_split="uniform",
+                                schedule="gpipe", loss_fn=bundle.loss_fn, example_targets=bundle.example_targets,
+                                precision="fp32")
+        module = autopar.parallelize(bundle.model, "cpu:procs=2", bundle.example_inputs, plan=plan,
+                                     loss_fn=bundle.loss_fn, example_targets=bundle.example_targets)
+        loss = module.train_step(bundle.example_inputs, bundle.example_targets).item()
+        modes = [segment.recompute for stage in module.stages for segment in stage.segments]
+        return loss, modes, {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
+
+    plain, blocks = run("none"), run("blocks:1")
+    return dict(losses=(plain[0], blocks[0]), modes=blocks[1],
+                max_error=max((plain[2][name] - blocks[2][name]).abs().max().item() for name in plain[2]))
+
+
+def test_each_pipeline_chunk_checkpoints_its_first_block_and_trains_as_without():
+    """"blocks:1" on two chunks of two blocks (solver/recompute_blocks.py): each rank runs its
+    chunk's first block under "full", the rest under "none", with the gradients of "none"."""
+    for result in run_workers(pipelined_blocks_worker, world_size=2):
+        assert result["modes"].count("full") == 1 and result["modes"].count("none") == 2, result
+        assert result["losses"][0] == result["losses"][1] and result["max_error"] == 0.0, result
