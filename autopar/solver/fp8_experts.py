@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from autopar.graph import OpGraph
 from autopar.solver.configs import ParallelConfig
 from autopar.solver.fp8 import expert_weights
-from autopar.solver.recompute_blocks import is_blocks_mode, recomputed_names
+from autopar.solver.recompute_blocks import RecomputedBlocks, is_blocks_mode
 from autopar.solver.recompute_modules import is_modules_mode, mode_kinds
 from cost_model import fp8 as fp8_cost
 from cost_model.compute import ComputeModel, is_grouped_matmul
@@ -109,7 +109,8 @@ class Fp8ExpertPricing:
     """The float8 expert terms of one planner's estimates."""
 
     def __init__(self, graph: OpGraph, fqns: tuple[str, ...], *, compute: ComputeModel, load_imbalance: float,
-                 auto: bool = False, handling: fp8_cost.CastHandling | None = None) -> None:
+                 auto: bool = False, handling: fp8_cost.CastHandling | None = None,
+                 recomputed_blocks: RecomputedBlocks | None = None) -> None:
         self.compute = compute
         self.handling = handling if handling is not None and handling.experts_as_linears else None
         """The framework's linear casts, where it runs each expert as a float8 linear (module
@@ -117,9 +118,8 @@ class Fp8ExpertPricing:
         self.load_imbalance = load_imbalance
         self.auto = auto
         """Keep only the ops whose float8 run is priced faster than bf16 (the planner's choice)."""
-        self.segments = graph.segments
-        self._segment_of = {node: segment.name for segment in graph.segments for node in segment.nodes}
-        self._recomputed_names: dict[tuple, frozenset[str]] = {}
+        self.recomputed_blocks = recomputed_blocks or RecomputedBlocks(graph.segments)
+        """The segments "blocks:<N>" recomputes (shared with Fp8Pricing's linears)."""
         chosen = set(fqns)
         batch = max(graph.batch_size, 1)
         self.matmuls: list[ExpertMatmul] = []
@@ -275,10 +275,7 @@ class Fp8ExpertPricing:
         under "blocks:<N>" in a block it recomputes: solver/recompute_blocks.py)."""
         mode = config.recompute
         if is_blocks_mode(mode):
-            key = (mode, config.pp * config.chunks_per_device, config.pipeline_split)
-            if key not in self._recomputed_names:
-                self._recomputed_names[key] = recomputed_names(self.segments, mode=mode, num_chunks=key[1],
-                                                               split=key[2])
-            return self._segment_of.get(matmul.node) in self._recomputed_names[key]
+            return self.recomputed_blocks.holds(matmul.node, mode=mode, split=config.pipeline_split,
+                                                num_chunks=config.pp * config.chunks_per_device)
         return mode == "full" or (is_modules_mode(mode) and "moe" in mode_kinds(mode))
 

@@ -47,7 +47,7 @@ from autopar.solver.configs import Estimate, ParallelConfig
 from autopar.solver.experts import DEFAULT_LOAD_IMBALANCE
 from autopar.solver.fp8 import Fp8Choice, linear_weights
 from autopar.solver.fp8_experts import Fp8ExpertPricing, PricedExpert
-from autopar.solver.recompute_blocks import is_blocks_mode, recomputed_names
+from autopar.solver.recompute_blocks import RecomputedBlocks, is_blocks_mode
 from autopar.solver.step_tail import tp_group, uses_fsdp
 from cost_model import fp8 as fp8_cost
 from cost_model.comm import CommModel
@@ -189,8 +189,10 @@ class Fp8Pricing:
         as they run the choice's recipe."""
         self.auto = auto
         """Keep only the linears whose float8 run is priced faster (the planner's choice)."""
+        self.recomputed_blocks = RecomputedBlocks(graph.segments)
+        """The segments "blocks:<N>" recomputes, for the linears' and experts' forward run again."""
         self.experts = Fp8ExpertPricing(graph, choice.experts, compute=compute, load_imbalance=load_imbalance,
-                                        auto=auto, handling=self.handling)
+                                        auto=auto, handling=self.handling, recomputed_blocks=self.recomputed_blocks)
         """The float8 expert grouped matmuls' terms (fp8_experts.py)."""
         self.compute = compute
         self.comm = comm
@@ -216,8 +218,6 @@ class Fp8Pricing:
         self.saved_input_share = _float8_saved_input_share(graph, {linear.node for linear in self.linears})
         """Of the activations saved for backward: the inputs only float8 linears save (bytes)."""
         self.param_numel = max(float(sum(param.meta.numel for param in graph.params if param.trainable)), 1.0)
-        self._segment_of = {node: segment.name for segment in graph.segments for node in segment.nodes}
-        self._recomputed_names: dict[tuple, frozenset[str]] = {}
 
     @property
     def lower_bound_factor(self) -> float:
@@ -258,11 +258,8 @@ class Fp8Pricing:
         under "blocks:<N>" in the blocks it recomputes (solver/recompute_blocks.py)."""
         if not is_blocks_mode(config.recompute):
             return config.recompute == "full"
-        key = (config.recompute, config.pp * config.chunks_per_device, config.pipeline_split)
-        if key not in self._recomputed_names:
-            self._recomputed_names[key] = recomputed_names(self.graph.segments, mode=key[0], num_chunks=key[1],
-                                                           split=key[2])
-        return self._segment_of.get(linear.node) in self._recomputed_names[key]
+        return self.recomputed_blocks.holds(linear.node, mode=config.recompute, split=config.pipeline_split,
+                                            num_chunks=config.pp * config.chunks_per_device)
 
     def chosen(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> tuple[str, ...]:
         """Weight FQNs of the linears that run in float8 under `config` (sorted)."""

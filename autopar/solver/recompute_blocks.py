@@ -104,3 +104,19 @@ def segment_mode(mode: str, name: str, recomputed: frozenset[str]) -> str:
     if not is_blocks_mode(mode):
         return mode
     return "full" if name in recomputed else "none"
+
+
+class RecomputedBlocks:
+    """Which of a graph's nodes "blocks:<N>" runs again in backward: those in the segments it
+    recomputes (recomputed_names), kept per (mode, chunks, split) for the pricing that asks per op."""
+
+    def __init__(self, segments) -> None:
+        self.segments = segments
+        self._segment_of = {node: segment.name for segment in segments for node in segment.nodes}
+        self._names: dict[tuple[str, int, str], frozenset[str]] = {}
+
+    def holds(self, node: str, *, mode: str, num_chunks: int, split: str) -> bool:
+        key = (mode, num_chunks, split)
+        if key not in self._names:
+            self._names[key] = recomputed_names(self.segments, mode=mode, num_chunks=num_chunks, split=split)
+        return self._segment_of.get(node) in self._names[key]
