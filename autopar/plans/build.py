@@ -119,7 +119,7 @@ def _stage_plans(graph: OpGraph, estimate: Estimate, segments) -> list[StagePlan
     last_segment = graph.segments[-1].name if graph.segments else ""
     config = estimate.config
     recomputed = recomputed_names(graph.segments, mode=config.recompute, split=config.pipeline_split,
-                                  num_chunks=config.pp * config.chunks_per_device)
+                                  num_chunks=config.num_chunks)
     stages = []
     for stage in estimate.stages:
         blocks = [block_index[name] for name in stage.segment_names if name in block_index]

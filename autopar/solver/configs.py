@@ -76,6 +76,11 @@ class ParallelConfig:
     def chunks_per_device(self) -> int:
         return chunks_per_device(self.schedule, self.virtual_stages)
 
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks of the whole pipeline: pp x chunks per device."""
+        return self.pp * self.chunks_per_device
+
     def describe(self) -> str:
         shown = self.schedule in ("interleaved", "zb1p") and self.virtual_stages > 1
         schedule = self.schedule + (f"(v={self.virtual_stages})" if shown else "")

@@ -334,7 +334,7 @@ class ConfigChecks:
                               "microbatch or a larger batch")
         self.check_split(config)
         if is_blocks_mode(config.recompute):
-            blocker = blocks_blocker(block_flags(self.graph.segments), num_chunks=config.pp * config.chunks_per_device,
+            blocker = blocks_blocker(block_flags(self.graph.segments), num_chunks=config.num_chunks,
                                      split=config.pipeline_split, mode=config.recompute)
             if blocker:
                 raise ConfigError(blocker)
@@ -369,7 +369,7 @@ class ConfigChecks:
         split = check_pipeline_split(config.pipeline_split)
         if split != config.pipeline_split:
             raise ConfigError(f"pipeline_split {config.pipeline_split!r} is spelt {split!r}: give that")
-        chunks = config.pp * config.chunks_per_device
+        chunks = config.num_chunks
         if split != BALANCED and chunks > 1:
             split_spans(block_flags(self.graph.segments), chunks, split)
 

@@ -276,6 +276,6 @@ class Fp8ExpertPricing:
         mode = config.recompute
         if is_blocks_mode(mode):
             return self.recomputed_blocks.holds(matmul.node, mode=mode, split=config.pipeline_split,
-                                                num_chunks=config.pp * config.chunks_per_device)
+                                                num_chunks=config.num_chunks)
         return mode == "full" or (is_modules_mode(mode) and "moe" in mode_kinds(mode))
 

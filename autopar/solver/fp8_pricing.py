@@ -259,7 +259,7 @@ class Fp8Pricing:
         if not is_blocks_mode(config.recompute):
             return config.recompute == "full"
         return self.recomputed_blocks.holds(linear.node, mode=config.recompute, split=config.pipeline_split,
-                                            num_chunks=config.pp * config.chunks_per_device)
+                                            num_chunks=config.num_chunks)
 
     def chosen(self, config: ParallelConfig, strategies: Callable[[ParallelConfig], dict]) -> tuple[str, ...]:
         """Weight FQNs of the linears that run in float8 under `config` (sorted)."""

@@ -197,7 +197,7 @@ class Pricing:
     def _blocks(self, config: ParallelConfig, mode: str) -> PreparedSegments:
         """"blocks:<N>": each segment's row from "full" where the mode recomputes it, from "none"
         elsewhere (solver/recompute_blocks.py), for the configuration's model chunks."""
-        num_chunks = config.pp * config.chunks_per_device
+        num_chunks = config.num_chunks
         key = self.tp_key(config.tp, config.microbatch_size, config.sequence_parallel) + (
             mode, config.cp, config.folds_experts, num_chunks, config.pipeline_split,
             self.fp8.gathers_in_float8(config) if self.fp8 is not None else None)
@@ -277,7 +277,7 @@ def lower_bound_s(prepared: PreparedSegments, config: ParallelConfig) -> float:
     saving += prepared.fused_wgrad_saving_bound_s  # weight gradients fused into their GEMMs, where they are
     total = prepared.work_s - saving
     m, p = config.num_microbatches, config.pp
-    slowest = max(total / p, prepared.slowest_chunk_s(p * config.chunks_per_device) - saving) if p > 1 else total
+    slowest = max(total / p, prepared.slowest_chunk_s(config.num_chunks) - saving) if p > 1 else total
     if config.schedule == "interleaved" and p > 1:
         return (m + (p - 1) / config.virtual_stages) * slowest
     if config.schedule in ZERO_BUBBLE_SCHEDULES:

@@ -335,7 +335,7 @@ class StepModel(StepFsdp, StepTail):
         """(the stage partition, whether it fits): the fastest split if it fits, else the fastest
         that fits, else the fastest; (None, False) when there are fewer segments than chunks. A
         split by count (config.pipeline_split) is the partition whatever it costs or holds."""
-        num_chunks = config.pp * config.chunks_per_device
+        num_chunks = config.num_chunks
         workspace = self._workspace_bytes(prepared, config)
         if config.pipeline_split != BALANCED and num_chunks > 1:
             spans = self.counted_spans(len(prepared), num_chunks, config.pipeline_split)
