@@ -119,7 +119,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="samples per optimizer step")
     parser.add_argument("--precision", choices=sorted(planning.PRECISIONS), default="bf16",
                         help="bf16 (default), fp32, or fp8: bf16 with the linears in float8 through torchao "
-                             "(GPUs with FP8 tensor cores, H100/H200; emulated on CPU clusters)")
+                             "(GPUs with FP8 tensor cores, H100/H200/B200; emulated on CPU clusters)")
     parser.add_argument("--optimizer", choices=["foreach", "fused"], default="foreach",
                         help="how the training script's AdamW runs, for the optimizer step's price: foreach "
                              "(torch.optim.AdamW's default, the default here) or fused (AdamW(fused=True), Apex)")

@@ -358,6 +358,35 @@ H200_SXM = replace(
     memory_bandwidth_bytes_per_s=4800 * GB,
     source="NVIDIA H200 product brief",
 )
+# Blackwell: the B200 of HGX/DGX B200 systems (1,000 W). Peaks from NVIDIA's HGX B200 table (dense,
+# half its 2:4-sparsity figures): FP8 4.5 PF, bf16 2.25 PF, TF32 1.1 PF, FP32 75 TF; 180 GB HBM3e
+# (nvidia-smi: 183,359 MiB) at 7.7 TB/s; 148 SMs (CUDA device query, pytorch/ao#4002); NVLink 5 at
+# 1.8 TB/s per GPU. Matmul terms, where no B200 figure of our own kind exists, carry H100's over by
+# one documented measurement of both parts, the maximum achievable matmul (best shape, torch.matmul,
+# stas00/ml-engineering compute/accelerator, 2025): bf16 1,745 of 2,250 TF/s (77.6%) on B200 against
+# 794.5 of 989 (80.3%) on H100, so H100's large-GEMM fraction times 77.6 / 80.3; float8 3,432.5 TF/s,
+# 1.967x its bf16 (fp8_matmul_efficiency 0.98); a GEMM's size at half efficiency grows with the
+# peak (the same fill time at 2.27x the rate). No fused attention kernel is documented here with all
+# four rates (cuDNN's B200 benchmark charts the causal mask only): attention prices as a matmul of
+# its count unless a profile measures it. Host: DGX B200, 2x Xeon 8570 (8 channels of DDR5-5600
+# each: 716.8 GB/s), 2 TB, PCIe Gen5.
+B200_MAMF_FRACTION, H100_MAMF_FRACTION = 1745.0 / 2250.0, 794.5 / 989.0
+B200 = DeviceSpec(
+    name="B200 180GB",
+    peak_flops_per_s={"bf16": 2250 * TFLOPS, "fp16": 2250 * TFLOPS, "tf32": 1100 * TFLOPS, "fp32": 75 * TFLOPS,
+                      "fp8": 4500 * TFLOPS},
+    memory_bytes=183359 * 2**20,
+    memory_bandwidth_bytes_per_s=7700 * GB,
+    matmul_efficiency=H100_SXM.matmul_efficiency * B200_MAMF_FRACTION / H100_MAMF_FRACTION,
+    matmul_half_efficiency_flops=H100_SXM.matmul_half_efficiency_flops * 2250 / 989,
+    fp8_matmul_efficiency=3432.5 / 1745.0 / 2,
+    host_link_bytes_per_s=PCIE_GEN5_X16,
+    host_memory_bandwidth_bytes_per_s=716.8 * GB / 8,
+    host_memory_bytes=2048 * GIB / 8,
+    board_power_w=1000.0,
+    sm_count=148,
+    source="NVIDIA HGX B200 specifications; DGX B200 user guide (host); ml-engineering MAMF table (matmul terms)",
+)
 V100_16G = DeviceSpec(
     name="V100 SXM2 16GB",
     peak_flops_per_s={"fp16": 125 * TFLOPS, "bf16": 15.7 * TFLOPS, "fp32": 15.7 * TFLOPS},
@@ -412,6 +441,7 @@ def _host_memory_bytes() -> float:
 
 NVLINK3 = LinkSpec(name="NVLink3/NVSwitch", bandwidth_bytes_per_s=300 * GB, latency_s=3.4e-6)
 NVLINK4 = LinkSpec(name="NVLink4/NVSwitch", bandwidth_bytes_per_s=450 * GB, latency_s=3.4e-6)
+NVLINK5 = LinkSpec(name="NVLink5/NVSwitch", bandwidth_bytes_per_s=900 * GB, latency_s=3.4e-6)
 NVLINK2 = LinkSpec(name="NVLink2 hybrid cube-mesh", bandwidth_bytes_per_s=150 * GB, latency_s=3.4e-6, efficiency=0.7)
 # 8x HDR 200 Gb/s per DGX A100 node: one 25 GB/s rail per GPU.
 IB_HDR = LinkSpec(name="HDR InfiniBand 200 Gb/s per GPU", bandwidth_bytes_per_s=25 * GB, latency_s=14e-6, efficiency=0.8)
@@ -471,6 +501,13 @@ NCCL_DGX_A100 = CollectiveSpec(library="NCCL", protocols=(_nccl_ll(87.7, 22.5, 1
 NCCL_DGX_H100 = CollectiveSpec(library="NCCL", protocols=(_nccl_ll(141.0, 39.0, 20.4), NCCL_LL128, NCCL_SIMPLE),
                                proxy_overhead_s=1e-6, channels=16,
                                source=_NCCL_SOURCE + "; channels: NCCL_DEBUG=INFO logs (NVIDIA/nccl#1453, #1814)")
+# DGX B200: Blackwell GPUs, Intel Xeon hosts. NCCL prices LL inside a node by GPU generation (its
+# Blackwell row, from NCCL 2.25: twice Hopper's 141) and across nodes by host CPU (Intel-N2 39,
+# Intel-N4 20.4, as on DGX H100); its step latencies are the same on every architecture.
+# Channels: NCCL 2.25.1 logs "32 coll channels" on one 8x B200 node (NCCL_DEBUG=INFO, NVIDIA/nccl#1646).
+NCCL_DGX_B200 = CollectiveSpec(library="NCCL", protocols=(_nccl_ll(2 * 141.0, 39.0, 20.4), NCCL_LL128, NCCL_SIMPLE),
+                               proxy_overhead_s=1e-6, channels=32,
+                               source=_NCCL_SOURCE + " and 2.25-2.27 (Blackwell rows); channels: NVIDIA/nccl#1646")
 # p3.16xlarge: Volta GPUs, Intel hosts; LL128 is enabled only where the NIC sits behind the
 # GPU's PCIe switch, which the sockets of an Ethernet node are not: not across nodes.
 NCCL_P3 = CollectiveSpec(library="NCCL", protocols=(
@@ -498,6 +535,10 @@ SYSTEMS: dict[str, SystemSpec] = {
         name="hgx-h200", device=H200_SXM, devices_per_node=8, intra_node=NVLINK4, inter_node=IB_NDR,
         collectives=NCCL_DGX_H100, description="NVIDIA HGX H200 (8x H200 141GB, NVSwitch, 8x NDR 400 Gb/s)",
         source="HGX H200 product brief"),
+    "dgx-b200": SystemSpec(
+        name="dgx-b200", device=B200, devices_per_node=8, intra_node=NVLINK5, inter_node=IB_NDR,
+        collectives=NCCL_DGX_B200, description="NVIDIA DGX B200 (8x B200 180GB, NVLink 5, 8x NDR 400 Gb/s)",
+        source="DGX B200 user guide; NVIDIA HGX B200 specifications"),
     "p3-16xlarge": SystemSpec(
         name="p3-16xlarge", device=V100_16G, devices_per_node=8, intra_node=NVLINK2, inter_node=ETH_25G_PER_8,
         collectives=NCCL_P3,

@@ -245,11 +245,11 @@ def check_fp8_arguments(precision: str, fp8_recipe: str, fp8_filter, fp8_casts: 
 
 
 def check_fp8_device(cluster: Cluster, precision: str) -> None:
-    """Precision "fp8" needs FP8 tensor cores (H100, H200...) or a CPU cluster (emulated)."""
+    """Precision "fp8" needs FP8 tensor cores (H100, H200, B200...) or a CPU cluster (emulated)."""
     if precision != "fp8" or cluster.device_kind == "cpu" or cluster.device.has_fp8:
         return
     raise ConfigError(f"precision 'fp8' needs FP8 tensor cores, and the cluster's {cluster.device.name} has none "
-                      "(torch._scaled_mm runs on compute capability 8.9+: H100, H200, L4, L40S; A100 and V100 do "
+                      "(torch._scaled_mm runs on compute capability 8.9+: H100, H200, B200, L4, L40S; A100 and V100 do "
                       "not): use --precision bf16, or plan for a cluster of such GPUs")
 
 

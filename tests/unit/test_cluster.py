@@ -197,3 +197,17 @@ def test_a_cluster_file_names_the_attention_kernel_its_runtime_runs(tmp_path):
     path.write_text('preset = "dgx-a100-80g"\n[device]\nattention_kernel = "flash2"\n')
     with pytest.raises(ClusterSpecError, match="no documented rates"):
         Cluster.from_spec(str(path))
+
+
+def test_the_b200_preset_carries_its_datasheet_and_h100s_matmul_terms_by_one_measurement():
+    """DGX B200: 8 B200s on NVLink 5, 400 Gb/s per GPU between nodes; matmul terms from H100's by the
+    maximum achievable matmul both parts measured (cost_model/hardware.py)."""
+    cluster, h100 = Cluster.from_spec("dgx-b200:nodes=2"), Cluster.from_spec("dgx-h100").device
+    b200 = cluster.device
+    assert cluster.num_devices == 16 and cluster.intra_node.bandwidth_bytes_per_s == 900e9
+    assert b200.peak_flops("fp8") == 2 * b200.peak_flops("bf16") == 4.5e15
+    assert b200.memory_bytes / 2**30 == pytest.approx(179.06, abs=0.01) and b200.sm_count == 148
+    assert b200.matmul_efficiency < h100.matmul_efficiency  # 77.6% of peak at best against 80.3%
+    assert b200.fp8_matmul_speedup == pytest.approx(3432.5 / 1745.0)
+    assert b200.has_fp8 and b200.attention is None  # no kernel documented with all four rates
+    assert cluster.collectives.channels == 32

@@ -188,7 +188,7 @@ def test_a_cluster_file_latency_moves_every_protocol_on_that_link(tmp_path):
 
 
 def test_every_gpu_preset_has_a_protocol_table_and_prices_every_collective():
-    for preset in ("dgx-a100-40g", "dgx-a100-80g", "dgx-h100", "hgx-h200", "p3-16xlarge"):
+    for preset in ("dgx-a100-40g", "dgx-a100-80g", "dgx-h100", "hgx-h200", "dgx-b200", "p3-16xlarge"):
         model = CommModel(Cluster.from_spec(f"{preset}:nodes=4"))
         assert model.collectives is not None, preset
         for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv"):
