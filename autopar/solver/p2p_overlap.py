@@ -17,7 +17,7 @@ microbatch of the steady state,
     hidden = min(p2p, compute)      exposed = p2p - hidden
 
 and the fill and flush, whose hops wait for each transfer, keep the whole per-microbatch time
-with its sends (step_model.pipeline_time_s). The 1F1B and zero-bubble schedules are priced with
+with its sends (pipeline_time.pipeline_time_s). The 1F1B and zero-bubble schedules are priced with
 their sends exposed (Megatron batches them, batch_p2p_comm, and waits).
 """
 

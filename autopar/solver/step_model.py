@@ -79,8 +79,6 @@ Memory of stage k = model states (ZeRO, memory.py) + in_flight(k) x sum_{S_k} a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
-from typing import NamedTuple
 
 import numpy as np
 
@@ -91,10 +89,10 @@ from autopar.solver.configs import (SCHEDULES, ZERO_BUBBLE_SCHEDULES, Estimate, 
 from autopar.solver.experts import ExpertPricing
 from autopar.solver.prepared import EpTimes, PreparedSegments, recompute_comm_s, recompute_compute_s, weight_grad_s
 from autopar.solver.recompute import RECOMPUTE_MODES
-from autopar.solver.pipeline import BALANCED, ChainCosts, StageSpan, partition, rank_of, split_spans, stages_of_rank
+from autopar.solver.pipeline import BALANCED, ChainCosts, StageSpan, partition, rank_of, split_spans
+from autopar.solver.pipeline_time import StageTimes, chunks_in_flight, own_stages, pipeline_bound_s, pipeline_time_s
 from autopar.solver.p2p_overlap import hidden_p2p_s
 from autopar.solver.placement import Placement
-from autopar.solver.schedule_sim import uniform_bubble_s
 from autopar.solver.step_fsdp import StepFsdp, fsdp_notes
 from autopar.solver.step_tail import StepTail, fsdp_fuses_wgrad, tp_group, uses_fsdp
 from autopar.solver.tp_overlap import overlap_regather, overlap_tp_comm
@@ -102,21 +100,11 @@ from cost_model.allocator import NO_OVERHEAD, AllocatorModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel
 from cost_model.fsdp import unsharded_bytes
-from cost_model.memory import (PrecisionPolicy, accumulated_gradient_peak, chunk_microbatches_in_flight,
-                               microbatches_in_flight, model_state_memory)
+from cost_model.memory import PrecisionPolicy, accumulated_gradient_peak, model_state_memory
 
 __all__ = ["RECOMPUTE_MODES", "SCHEDULES", "ZERO_BUBBLE_SCHEDULES", "ParallelConfig", "StageEstimate", "Estimate",
            "StepModel", "PreparedSegments", "chunks_per_device", "recompute_comm_s", "recompute_compute_s",
            "weight_grad_s"]
-class StageTimes(NamedTuple):
-    """What pipeline_time_s reads of a stage (StageEstimate's fields of the same names)."""
-
-    time_per_microbatch_s: float
-    forward_pass_s: float
-    weight_grad_s: float
-    p2p_hidden_s: float
-
-
 @dataclass(frozen=True)
 class Staged:
     """A configuration's stages before the pipeline is assembled (StepModel.stages)."""
@@ -301,7 +289,7 @@ class StepModel(StepFsdp, StepTail):
         if not fits and not price_unfit:
             return Staged(stages=[], fits=False, bound_s=0.0)
         # Each rank's placement is worked out once and read by every step below (placement.py).
-        flights = _chunks_in_flight(config)
+        flights = chunks_in_flight(config)
         places = [self._placed(prepared, spans, config, stage, flights) for stage in range(config.pp)] \
             if cutoff_s == float("inf") else []
         if cutoff_s < float("inf"):
@@ -341,7 +329,7 @@ class StepModel(StepFsdp, StepTail):
             spans = self.counted_spans(len(prepared), num_chunks, config.pipeline_split)
             return spans, self._fits(chain, spans, config, workspace)
 
-        flights = _chunks_in_flight(config)
+        flights = chunks_in_flight(config)
 
         def in_flight(chunk: int) -> float:
             return flights[chunk]
@@ -416,11 +404,11 @@ class StepModel(StepFsdp, StepTail):
         return varying + self.allocator.fragmentation_bytes(varying)
 
     def _fits(self, chain: ChainCosts, spans, config: ParallelConfig, workspace: float) -> bool:
-        flights = _chunks_in_flight(config)
+        flights = chunks_in_flight(config)
         states, activations = chain.prefix_list("state_bytes"), chain.prefix_list("activation_bytes")
         for stage in range(config.pp):
             memory = 0.0
-            for s in _own_stages(config, stage):
+            for s in own_stages(config, stage):
                 span = spans[s]
                 memory += (states[span.stop] - states[span.start]
                            + flights[s] * (activations[span.stop] - activations[span.start]))
@@ -473,7 +461,7 @@ class StepModel(StepFsdp, StepTail):
         return self._stage(place.stage, place.own, prepared, config, place.p2p_s, place.in_flight,
                            signature=place.signature(prepared))
 
-    def _stage_times(self, prepared: PreparedSegments, place: Placement, config: ParallelConfig) -> "StageTimes":
+    def _stage_times(self, prepared: PreparedSegments, place: Placement, config: ParallelConfig) -> StageTimes:
         """The times of _stage_at(...) the pipeline's length depends on, without building it."""
         parts = self._stage_parts_cached(place.own, prepared, config, place.p2p_s, place.signature(prepared))
         return StageTimes(parts["time_per_microbatch_s"], parts["forward_pass_s"], parts["weight_grad_s"],
@@ -481,9 +469,9 @@ class StepModel(StepFsdp, StepTail):
 
     def _placed(self, prepared: PreparedSegments, spans, config: ParallelConfig, stage: int,
                 flights: tuple[float, ...]) -> Placement:
-        """Pipeline rank `stage`'s placement (placement.py); `flights`: _chunks_in_flight(config)."""
+        """Pipeline rank `stage`'s placement (placement.py); `flights`: chunks_in_flight(config)."""
         crosses_nodes = config.data_shards * config.tp >= self.devices_per_node
-        stage_indices = _own_stages(config, stage)
+        stage_indices = own_stages(config, stage)
         own = [spans[s] for s in stage_indices]
         # A stage sends to the next one unless it is the last or the next runs on the same rank
         # (the turn of ZB-V's V).
@@ -753,73 +741,6 @@ class StepModel(StepFsdp, StepTail):
                         notes=fsdp_notes(slowest, config) + self._offload_notes(host_peak, config),
                         host_memory_bytes=dict(host_peak.host_memory_bytes))
 
-def pipeline_time_s(config: ParallelConfig, stages: list[StageEstimate], slowest: StageEstimate) -> float:
-    """The pipeline part T of the step (see the module docstring)."""
-    m, p, v = config.num_microbatches, config.pp, config.chunks_per_device
-    t_max = slowest.time_per_microbatch_s
-    if p == 1:
-        return m * t_max
-    if config.schedule == "interleaved":  # the fill and flush wait for the sends the steady state hides
-        return m * t_max + (p - 1) / v * (t_max + slowest.p2p_hidden_s)
-    if config.schedule == "zb1p":
-        hops = sum(_zero_bubble_hop_s(stage) for stage in stages if stage is not slowest)
-        return m * t_max + hops / v
-    if config.schedule == "zbv":
-        forward, weight = slowest.forward_pass_s, slowest.weight_grad_s
-        backward = t_max - forward - weight
-        return m * t_max + uniform_bubble_s("zbv", num_ranks=p, num_microbatches=m, num_chunks=2,
-                                            forward_s=forward / 2, backward_s=backward / 2, weight_s=weight / 2)
-    return (m - 1) * t_max + sum(s.time_per_microbatch_s for s in stages)
-
-
-def pipeline_bound_s(config: ParallelConfig, stages: list[StageEstimate]) -> float:
-    """A lower bound on pipeline_time_s, without laying out ZB-V: its pipeline rank p - 1 (the
-    turn of the V) waits for the first microbatch's forward through the p - 1 chunks before it."""
-    slowest = max(stages, key=lambda s: s.time_per_microbatch_s)
-    if config.schedule != "zbv" or config.pp == 1:
-        return pipeline_time_s(config, stages, slowest)
-    return (config.num_microbatches * slowest.time_per_microbatch_s
-            + (config.pp - 1) * slowest.forward_pass_s / config.chunks_per_device)
-
-
-def _zero_bubble_hop_s(stage: StageEstimate) -> float:
-    """What one stage adds to the fill and drain of ZB-H1: F + max(B - W, 0)."""
-    backward = stage.time_per_microbatch_s - stage.forward_pass_s - stage.weight_grad_s
-    return stage.forward_pass_s + max(backward - stage.weight_grad_s, 0.0)
-
-
-def _own_stages(config: ParallelConfig, rank: int) -> tuple[int, ...]:
-    """Global pipeline stages (model chunks) of pipeline rank `rank`, in local chunk order."""
-    return _stages_of_rank(config.schedule, rank, config.pp, config.chunks_per_device)
-
-
-@lru_cache(maxsize=65536)
-def _stages_of_rank(schedule: str, rank: int, num_ranks: int, num_chunks: int) -> tuple[int, ...]:
-    return tuple(stages_of_rank(schedule, rank=rank, num_ranks=num_ranks, num_chunks=num_chunks))
-
-
-def _chunks_in_flight(config: ParallelConfig) -> tuple[float, ...]:
-    """Per global pipeline stage (model chunk), the microbatches whose activations its rank
-    holds at its peak."""
-    return _in_flight_of_chunks(config.schedule, config.pp, config.num_microbatches, config.virtual_stages,
-                                config.chunks_per_device)
-
-
-@lru_cache(maxsize=65536)
-def _in_flight_of_chunks(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
-                         chunks_per_device: int) -> tuple[float, ...]:
-    return tuple(_in_flight_of(schedule, stage, num_stages, num_microbatches, virtual_stages)
-                 for stage in range(num_stages * chunks_per_device))
-
-
-@lru_cache(maxsize=65536)
-def _in_flight_of(schedule: str, stage: int, num_stages: int, num_microbatches: int, virtual_stages: int) -> float:
-    rank = rank_of(schedule, stage=stage, num_ranks=num_stages)
-    return chunk_microbatches_in_flight(schedule, rank=rank, chunk=stage // num_stages,
-                                        num_stages=num_stages, num_microbatches=num_microbatches,
-                                        virtual_stages=virtual_stages)
-
-
 def _accumulates_unsharded(config: ParallelConfig) -> bool:
     """FSDP (ZeRO-2/3) under pipelining: no gradient sync before the last microbatch, so every
     chunk's gradients accumulate unsharded in the reduce dtype until the step's reduce-scatter."""
@@ -829,12 +750,6 @@ def _accumulates_unsharded(config: ParallelConfig) -> bool:
 def _num_communicators(config: ParallelConfig) -> int:
     """Process groups a rank talks on: one per mesh axis of size > 1."""
     return sum(1 for size in (config.dp, config.cp, config.tp, config.pp, config.ep) if size > 1)
-
-
-def _in_flight(config: ParallelConfig, stage: int) -> float:
-    """Microbatches whose activations `stage` holds at its peak under the configuration's schedule."""
-    return microbatches_in_flight(config.schedule, stage=stage, num_stages=config.pp,
-                                  num_microbatches=config.num_microbatches, virtual_stages=config.virtual_stages)
 
 
 def _holds_ends(own, num_segments: int) -> tuple[bool, bool]:

@@ -7,7 +7,8 @@ import pytest
 from autopar.cluster import Cluster
 from autopar.solver.evaluate import SegmentCost
 from autopar.solver.pipeline import ChainCosts, partition
-from autopar.solver.step_model import ParallelConfig, PreparedSegments, StepModel, _chunks_in_flight
+from autopar.solver.pipeline_time import chunks_in_flight
+from autopar.solver.step_model import ParallelConfig, PreparedSegments, StepModel
 from cost_model.comm import CommModel
 from cost_model.compute import ComputeModel, ComputeTime
 from cost_model.memory import BF16_ADAM
@@ -37,7 +38,7 @@ def test_zbv_placement_owns_the_v_and_sends_nowhere_at_its_turn():
     prepared = PreparedSegments.build(segments(), "none")
     spans = prepared.time_partition(2 * p)
     step = model()
-    flights = _chunks_in_flight(config)
+    flights = chunks_in_flight(config)
     places = [step._placed(prepared, spans, config, rank, flights) for rank in range(p)]
     assert [place.stage_indices for place in places] == [(0, 5), (1, 4), (2, 3)]
     assert places[0].own == [spans[0], spans[5]]
@@ -58,7 +59,7 @@ def test_one_placement_serves_every_mode_and_keeps_each_signature_once(monkeypat
     assert len({tuple(prepared.listed("output_bytes")) for prepared in modes.values()}) == 1
     config = ParallelConfig(dp=1, tp=1, pp=2, microbatch_size=1, num_microbatches=4, recompute="full")
     spans = modes["full"].time_partition(2)
-    place = model()._placed(modes["full"], spans, config, 1, _chunks_in_flight(config))
+    place = model()._placed(modes["full"], spans, config, 1, chunks_in_flight(config))
     calls = []
     for prepared in modes.values():
         original = prepared.signature
