@@ -370,16 +370,18 @@ H200_SXM = replace(
 # four rates (cuDNN's B200 benchmark charts the causal mask only): attention prices as a matmul of
 # its count unless a profile measures it. Host: DGX B200, 2x Xeon 8570 (8 channels of DDR5-5600
 # each: 716.8 GB/s), 2 TB, PCIe Gen5.
-B200_MAMF_FRACTION, H100_MAMF_FRACTION = 1745.0 / 2250.0, 794.5 / 989.0
+B200_BF16_TFLOPS = 2250.0
+B200_MAMF_BF16_TFLOPS, B200_MAMF_FP8_TFLOPS, H100_MAMF_BF16_TFLOPS = 1745.0, 3432.5, 794.5
 B200 = DeviceSpec(
     name="B200 180GB",
-    peak_flops_per_s={"bf16": 2250 * TFLOPS, "fp16": 2250 * TFLOPS, "tf32": 1100 * TFLOPS, "fp32": 75 * TFLOPS,
-                      "fp8": 4500 * TFLOPS},
+    peak_flops_per_s={"bf16": B200_BF16_TFLOPS * TFLOPS, "fp16": B200_BF16_TFLOPS * TFLOPS, "tf32": 1100 * TFLOPS,
+                      "fp32": 75 * TFLOPS, "fp8": 2 * B200_BF16_TFLOPS * TFLOPS},
     memory_bytes=183359 * 2**20,
     memory_bandwidth_bytes_per_s=7700 * GB,
-    matmul_efficiency=H100_SXM.matmul_efficiency * B200_MAMF_FRACTION / H100_MAMF_FRACTION,
-    matmul_half_efficiency_flops=H100_SXM.matmul_half_efficiency_flops * 2250 / 989,
-    fp8_matmul_efficiency=3432.5 / 1745.0 / 2,
+    matmul_efficiency=H100_SXM.matmul_efficiency * (B200_MAMF_BF16_TFLOPS / B200_BF16_TFLOPS)
+    / (H100_MAMF_BF16_TFLOPS / H100_SXM_BF16_TFLOPS),
+    matmul_half_efficiency_flops=H100_SXM.matmul_half_efficiency_flops * B200_BF16_TFLOPS / H100_SXM_BF16_TFLOPS,
+    fp8_matmul_efficiency=B200_MAMF_FP8_TFLOPS / B200_MAMF_BF16_TFLOPS / 2,
     host_link_bytes_per_s=PCIE_GEN5_X16,
     host_memory_bandwidth_bytes_per_s=716.8 * GB / 8,
     host_memory_bytes=2048 * GIB / 8,
