@@ -126,6 +126,7 @@ _NO_SEQUENCE_PARALLEL = re.compile(r"\bTP without (?:SP|sequence parallelism)\b"
 _DISTRIBUTED_FUSED_ADAM = re.compile(r"\bdistributed[ _]fused[ _]Adam\b", re.IGNORECASE)
 _FP8_PARAMS = re.compile(r"\bfp8[ _]params\b", re.IGNORECASE)
 _MEGATRON_BRIDGE = re.compile(r"\bMegatron-Bridge\b")
+_BF16_GRADIENTS = re.compile(r"\bgrad_reduce_in_fp32 False\b")
 
 
 def select_rows(runs: list, rows: str | None) -> list:
@@ -484,12 +485,12 @@ def uses_distributed_fused_adam(notes: str) -> bool:
 def megatron_states(source: str, notes: str, precision: str) -> PrecisionPolicy:
     """MEGATRON_BF16 with the gradient and optimizer bytes of the Megatron-family framework a
     run's source and notes name: fp32 main gradients under bf16 (MEGATRON_BF16_MAIN_GRAD_BYTES);
-    bf16 ones where Megatron-Bridge's performance configurations ran it
-    (MEGATRON_BRIDGE_PERF_GRAD_BYTES); NeMo 1.0's distributed fused Adam's bf16 buffer and 16-bit
+    bf16 ones where Megatron-Bridge's performance configurations ran it, or the notes say
+    "grad_reduce_in_fp32 False" (NeMo 2.0's performance scripts: MEGATRON_BRIDGE_PERF_GRAD_BYTES); NeMo 1.0's distributed fused Adam's bf16 buffer and 16-bit
     master remainders (DISTRIBUTED_FUSED_ADAM_*)."""
     policy = replace(MEGATRON_BF16,
                      grad_bytes=MEGATRON_BF16_MAIN_GRAD_BYTES if precision == "bf16" else MEGATRON_BF16.grad_bytes)
-    if _MEGATRON_BRIDGE.search(source):
+    if _MEGATRON_BRIDGE.search(source) or _BF16_GRADIENTS.search(notes):
         policy = replace(policy, grad_bytes=MEGATRON_BRIDGE_PERF_GRAD_BYTES, reduce_bytes=MEGATRON_BRIDGE_PERF_GRAD_BYTES)
     if uses_distributed_fused_adam(notes):
         optimizer_bytes = MEGATRON_BF16.optimizer_bytes if _FP8_PARAMS.search(notes) \

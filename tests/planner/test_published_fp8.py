@@ -58,6 +58,8 @@ def test_megatron_bridge_rows_reduce_bf16_gradients_as_its_performance_configs_s
         assert policy_of(run).grad_bytes == policy_of(run).dp_reduce_bytes == 2.0, run.id
     nemo = next(run for run in RUNS if run.id == "nemo-llama3-70b-fp8")
     assert policy_of(nemo).dp_reduce_bytes == 4.0
+    said = next(run for run in RUNS if run.id == "nemo-b200-llama3-70b-fp8")  # NeMo's scripts, where the notes say so
+    assert "grad_reduce_in_fp32 False" in said.notes and policy_of(said).dp_reduce_bytes == 2.0
 
 
 @pytest.mark.parametrize("name", [run.id for run in RUNS])
