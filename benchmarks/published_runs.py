@@ -117,6 +117,7 @@ _EAGER = re.compile(r"\beager \(compile off", re.IGNORECASE)
 _POWER_CAP = re.compile(r"power-capped at (\d+(?:\.\d+)?)\s*W\b", re.IGNORECASE)
 _EAGER_MEASURED = re.compile(r"\beager\b[^;]*?\bmeasured (\d+(?:\.\d+)?)", re.IGNORECASE)
 _FUSED_ATTENTION_FRAMEWORK = re.compile(r"\bNeMo\b|\bMegatron-Core\b", re.IGNORECASE)
+_DROPOUT = re.compile(r"\bdropout (\d(?:\.\d+)?)\b")
 _TP_COMM_OVERLAP = re.compile(r"\bTP comm(?:unication)? overlap(?:ped)? on\b", re.IGNORECASE)
 _ASYNC_TP = re.compile(r"\bAsyncTP on\b")
 _NEMO_FAMILY = re.compile(r"\bNeMo\b|\bMegatron-Bridge\b")
@@ -169,7 +170,16 @@ class Run:
         spec = f"{self.family}:" + ",".join(f"{key}={value}" for key, value in self.shape.items())
         if self.family == "gpt" and self.fused_attention:
             spec += ",attention=sdpa"
+        if self.family == "gpt" and self.dropout is not None:
+            spec += f",dropout={self.dropout}"
         return spec + ",norm=float32" if self.family == "llama" and self.float32_norm else spec
+
+    @property
+    def dropout(self) -> float | None:
+        """The GPT's dropout where the notes state it ("dropout 0.0": NeMo 2.0's GPTConfig175B sets
+        hidden and attention dropout 0.0); None: the built-in GPT's 0.1, Megatron-Core's default."""
+        stated = _DROPOUT.search(self.notes)
+        return float(stated.group(1)) if stated else None
 
     @property
     def fused_attention(self) -> bool:

@@ -109,3 +109,12 @@ def test_rows_that_ran_torchs_async_tp_price_faster_with_it_and_the_others_do_no
     assert overlapped.step_time_s < exposed.step_time_s
     assert overlapped.breakdown_s["tp.sm_contention"] > 0 and "tp.sm_contention" not in exposed.breakdown_s
     assert same[0] == same[1]
+
+
+def test_a_gpt_row_is_built_with_the_dropout_its_notes_state():
+    """NeMo 2.0's GPTConfig175B sets hidden and attention dropout 0.0; its 5B and 20B keep
+    Megatron-Core's 0.1, the built-in GPT's default, which rows without a stated dropout get."""
+    by_id = {run.id: run for run in RUNS}
+    assert by_id["nemo-gpt3-175b-fp8"].model.endswith(",dropout=0.0")
+    assert "dropout" not in by_id["nemo-gpt3-5b-fp8"].model
+    assert by_id["dgxc-gpt3-175b-128-fp8"].dropout == 0.1
