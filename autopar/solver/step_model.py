@@ -105,6 +105,8 @@ from cost_model.memory import PrecisionPolicy, accumulated_gradient_peak, model_
 __all__ = ["RECOMPUTE_MODES", "SCHEDULES", "ZERO_BUBBLE_SCHEDULES", "ParallelConfig", "StageEstimate", "Estimate",
            "StepModel", "PreparedSegments", "chunks_per_device", "recompute_comm_s", "recompute_compute_s",
            "weight_grad_s"]
+
+
 @dataclass(frozen=True)
 class Staged:
     """A configuration's stages before the pipeline is assembled (StepModel.stages)."""
@@ -740,6 +742,7 @@ class StepModel(StepFsdp, StepTail):
                         fits=fits and host_fits and peak.total_memory_bytes <= self.memory_budget_bytes,
                         notes=fsdp_notes(slowest, config) + self._offload_notes(host_peak, config),
                         host_memory_bytes=dict(host_peak.host_memory_bytes))
+
 
 def _accumulates_unsharded(config: ParallelConfig) -> bool:
     """FSDP (ZeRO-2/3) under pipelining: no gradient sync before the last microbatch, so every
