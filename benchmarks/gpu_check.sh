@@ -28,9 +28,13 @@ PY="${PYTHON:-.venv/bin/python}"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,power.limit,clocks.max.sm --format=csv
 "$PY" -c "import torch, ortools; print('torch', torch.__version__, 'ortools', ortools.__version__)"
-PROFILE="${PROFILE:-$OUT/h200.json}"
+# The preset of this GPU (autopar.api.default_cluster: H100, H200, B200...), unless PRESET names one.
+PRESET="${PRESET:-$("$PY" -c 'from autopar.api import default_cluster; print(default_cluster(1).split(":")[0])' \
+    2>/dev/null || echo hgx-h200)}"
+echo "preset $PRESET"
+PROFILE="${PROFILE:-$OUT/$PRESET.json}"
 [ -f "$PROFILE" ] || timeout 240 "$PY" -m autopar.cli profile --device cuda --out "$PROFILE" 2>&1 | tail -2
-CLUSTER="${PRESET:-hgx-h200}:nodes=1,gpus_per_node=1,profile=$PROFILE"
+CLUSTER="$PRESET:nodes=1,gpus_per_node=1,profile=$PROFILE"
 step() {  # name, model, batch, extra arguments
     timeout 150 "$PY" benchmarks/one_device_step.py --model "$2" --global-batch "$3" --cluster "$CLUSTER" \
         --kernels-out "$OUT/kernels-$1.txt" "${@:4}" 2>&1 | grep -v -i "warn" | tee "$OUT/step-$1.md"
