@@ -44,7 +44,8 @@ __all__ = ["candidate_plans", "candidates_with", "capture_for_planning", "defaul
 
 _GPU_PRESETS = ((" B200", "dgx-b200"), ("H200", "hgx-h200"), ("H100", "dgx-h100"), ("A100", "dgx-a100-80g"),
                 ("V100", "p3-16xlarge"))
-"""torch.cuda.get_device_name() markers ("NVIDIA B200"; a GB200, whose NVLink domain is not a DGX node's, matches none)."""
+"""torch.cuda.get_device_name() markers ("NVIDIA B200"; a GB200, whose NVLink domain is not a DGX
+node's, matches none)."""
 
 
 def default_cluster(world_size: int) -> str:

@@ -460,7 +460,8 @@ fp32). fp16 runs keep fp16 gradients unless asked (the flag's default)."""
 MEGATRON_BRIDGE_PERF_GRAD_BYTES = 2.0
 """Megatron-Bridge's performance configurations (scripts/performance/configs/llama/*_pretrain.py,
 gpt_oss, deepseek; perf_recipes/_common.py since) set grad_reduce_in_fp32 False on both the mixed
-precision and the DDP config: bf16 gradient buffers, reduce-scattered in bf16."""
+precision and the DDP config: bf16 gradient buffers, reduce-scattered in bf16. NeMo 2.0's performance
+scripts (scripts/performance/llm/*.py, 2025) set the same; rows whose notes say so get it too."""
 
 DISTRIBUTED_FUSED_ADAM_GRAD_BYTES = 2.0
 """NeMo 1.0's distributed fused Adam accumulates every gradient into its contiguous buffer, full
@@ -496,8 +497,9 @@ def megatron_states(source: str, notes: str, precision: str) -> PrecisionPolicy:
     """MEGATRON_BF16 with the gradient and optimizer bytes of the Megatron-family framework a
     run's source and notes name: fp32 main gradients under bf16 (MEGATRON_BF16_MAIN_GRAD_BYTES);
     bf16 ones where Megatron-Bridge's performance configurations ran it, or the notes say
-    "grad_reduce_in_fp32 False" (NeMo 2.0's performance scripts: MEGATRON_BRIDGE_PERF_GRAD_BYTES); NeMo 1.0's distributed fused Adam's bf16 buffer and 16-bit
-    master remainders (DISTRIBUTED_FUSED_ADAM_*)."""
+    "grad_reduce_in_fp32 False" (NeMo 2.0's performance scripts: MEGATRON_BRIDGE_PERF_GRAD_BYTES);
+    NeMo 1.0's distributed fused Adam's bf16 buffer and 16-bit master remainders
+    (DISTRIBUTED_FUSED_ADAM_*)."""
     policy = replace(MEGATRON_BF16,
                      grad_bytes=MEGATRON_BF16_MAIN_GRAD_BYTES if precision == "bf16" else MEGATRON_BF16.grad_bytes)
     if _MEGATRON_BRIDGE.search(source) or _BF16_GRADIENTS.search(notes):

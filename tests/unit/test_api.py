@@ -17,7 +17,8 @@ def gpus(monkeypatch):
 
 
 @pytest.mark.parametrize("name, preset", [("NVIDIA B200", "dgx-b200"), ("NVIDIA H200", "hgx-h200"),
-                                          ("NVIDIA H100 80GB HBM3", "dgx-h100"), ("NVIDIA A100-SXM4-80GB", "dgx-a100-80g")])
+                                          ("NVIDIA H100 80GB HBM3", "dgx-h100"),
+                                          ("NVIDIA A100-SXM4-80GB", "dgx-a100-80g")])
 def test_a_known_gpu_names_its_preset(gpus, name, preset):
     gpus(name)
     assert default_cluster(16) == f"{preset}:nodes=2,gpus_per_node=8"
