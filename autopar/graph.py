@@ -19,6 +19,11 @@ ITEMSIZE_BYTES = {
 }
 _LAYOUT_ONLY = frozenset({"aten.contiguous.default", "aten.clone.default", "aten.alias.default",
                           "aten.detach.default", "aten.lift_fresh_copy.default"})
+_CASTS = frozenset({"aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten._to_copy.default",
+                    "aten.type_as.default"})
+"""Dtype casts: a cast to the dtype a tensor has already returns that tensor (an fp32 model's
+`x.to(torch.float32)`), so which node later readers name depends on the dtype the model was traced
+in; Graph.fingerprint leaves casts out with the layout-only copies."""
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 
 
@@ -337,8 +342,10 @@ class OpGraph:
         batch = 1 if self.batch_dynamic else self.batch_size  # shapes only: no costs rescaled
         model_nodes = [node for node in self.nodes if node.name not in self.loss_nodes and node.kind != "output"]
         # Layout-only copies come and go with the device a model is traced on (Hugging Face
-        # code makes tensors contiguous on some devices only): they are not part of the identity.
-        alias = {node.name: node.inputs[0] for node in model_nodes if node.target in _LAYOUT_ONLY and node.inputs}
+        # code makes tensors contiguous on some devices only), and casts with its dtype (_CASTS):
+        # they are not part of the identity.
+        alias = {node.name: node.inputs[0] for node in model_nodes
+                 if (node.target in _LAYOUT_ONLY or node.target in _CASTS) and node.inputs}
         model_nodes = [node for node in model_nodes if node.name not in alias]
         position = {node.name: index for index, node in enumerate(model_nodes)}
 

@@ -225,7 +225,7 @@ class ContextParallelModule(ParallelModule):
 
 def local_program(model, inputs: tuple, keywords: dict, graph, plan):
     """(program, graph, seq_len): the model exported at this rank's share of the sequence."""
-    from autopar.capture.export import capture_program
+    from autopar.capture.compute_dtype import capture_for_codegen
     from autopar.solver.context_parallel import sequence_length
 
     seq_len = sequence_length(graph)
@@ -234,8 +234,8 @@ def local_program(model, inputs: tuple, keywords: dict, graph, plan):
         raise ConfigError(f"the plan splits sequences over cp={cp} ranks, but the model's inputs have "
                           f"{seq_len} tokens, not a multiple of 2 x cp = {2 * cp}: re-plan for these inputs")
     local_keywords = dict(zip(keywords, local_inputs(tuple(keywords.values()), seq_len, cp)))
-    program, local_graph = capture_program(model, local_inputs(tuple(inputs), seq_len, cp), local_keywords,
-                                           allow_fallback=False)
+    program, local_graph = capture_for_codegen(model, local_inputs(tuple(inputs), seq_len, cp), local_keywords,
+                                               precision=plan.precision)
     return program, local_graph, seq_len
 
 

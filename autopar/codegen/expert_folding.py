@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.fx.node import map_aggregate
 
 from autopar.codegen.placements import parse_node_placements, to_dtensor_placement
+from autopar.codegen.runtime import factories_on
 from autopar.errors import ConfigError
 from autopar.solver.expert_folding import runtime_blocker, token_local_region
 from autopar.solver.experts import find_expert_ops
@@ -65,21 +66,18 @@ def region_of(graph) -> tuple[str, ...]:
 
 
 def local_nodes(model, inputs: tuple, keywords: dict, seq_len: int, tp: int, region: tuple[str, ...], program,
-                device: torch.device) -> dict[str, torch.fx.Node]:
-    """The region's nodes of the model exported at seq / tp tokens, by name (same targets as the
-    program's nodes of the same name)."""
-    from autopar.capture.export import capture_program
+                device: torch.device, precision: str = "fp32") -> dict[str, torch.fx.Node]:
+    """The region's nodes of the model exported at seq / tp tokens (as the plan's `precision` runs
+    it, as the program was), by name (same targets as the program's nodes of the same name)."""
+    from autopar.capture.compute_dtype import capture_for_codegen
 
     if seq_len % tp:
         raise ConfigError(f"MoE parallel folding splits each sequence of {seq_len} tokens over tp={tp} ranks: use a "
                           "tp dividing the sequence, or etp=tp")
     local_keywords = dict(zip(keywords, _first_tokens(tuple(keywords.values()), seq_len, seq_len // tp)))
-    local_program, _ = capture_program(model, _first_tokens(tuple(inputs), seq_len, seq_len // tp), local_keywords,
-                                       allow_fallback=False)
-    for node in local_program.graph.nodes:  # as parallelize's _factories_on: made on this rank's device
-        if node.op == "call_function" and isinstance(node.kwargs.get("device"), torch.device) \
-                and node.kwargs["device"].type == "meta":
-            node.update_kwarg("device", device)
+    local_program, _ = capture_for_codegen(model, _first_tokens(tuple(inputs), seq_len, seq_len // tp),
+                                           local_keywords, precision=precision)
+    factories_on(local_program.graph, device)
     found = {node.name: node for node in local_program.graph.nodes if node.name in set(region)}
     local_all = {node.name: node for node in local_program.graph.nodes}
     program_all = {node.name: node for node in program.graph.nodes}

@@ -26,23 +26,23 @@ from autopar.codegen.placements import to_dtensor_placement
 from autopar.solver.pipeline import rank_of
 from autopar.codegen.program import GraphParts
 from autopar.codegen.init import all_names
-from autopar.codegen.runtime import agree, build_runtime, local_device, register_shutdown
+from autopar.codegen.runtime import agree, build_runtime, factories_on, local_device, register_shutdown
 from autopar.errors import AutoparError, ConfigError
 from autopar.plans.plan import Plan
 
 def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, keywords: dict | None = None, *,
                           captured: tuple | None = None, init_fn=None) -> ParallelModule:
-    """This rank's module for `plan`. `captured` is `capture_program(model, inputs, keywords)`'s
-    result when the caller has it already (building the same model for several plans); `init_fn`
+    """This rank's module for `plan`. `captured` is `capture_for_codegen(model, inputs, keywords,
+    precision=plan.precision)`'s result when the caller has it already (building the same model for several plans); `init_fn`
     initialises meta-born storage (see `parallelize`)."""
-    from autopar.capture.export import capture_program
+    from autopar.capture.compute_dtype import capture_for_codegen
 
     keywords = dict(keywords or {})
     cp = plan.mesh.get("cp", 1)
     error: AutoparError | None = None
     parts, seq_len = None, 0
     try:
-        program, graph = captured or capture_program(model, inputs, keywords, allow_fallback=False)
+        program, graph = captured or capture_for_codegen(model, inputs, keywords, precision=plan.precision)
         plan.check_matches(model_fingerprint=graph.fingerprint(), num_devices=dist.get_world_size(),
                            model_name=type(model).__name__)
         if cp > 1:  # the program each rank runs is the model at its share of the sequence
@@ -58,7 +58,7 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
             error = caught
     agree(error)
     runtime = build_runtime(plan.mesh, ep=plan.ep, folded=folded is not None)
-    _factories_on(parts.program, runtime.device)
+    factories_on(parts.program.graph, runtime.device)
     stats = RunStats()
     builder = ProgramBuilder(plan, parts, model, runtime.tp_mesh, runtime.device, stats)
     if plan.ep > 1:
@@ -136,16 +136,7 @@ def _folded_nodes(model, inputs: tuple, keywords: dict, parts: GraphParts, plan:
         raise ConfigError(blocker)
     region = expert_folding.region_of(parts.graph)
     return expert_folding.local_nodes(model, inputs, keywords, sequence_length(parts.graph), plan.mesh["tp"], region,
-                                      parts.program, device)
-
-
-def _factories_on(program, device: torch.device) -> None:
-    """A model captured on meta bakes `device=meta` into the tensors its forward creates
-    (`torch.ones(n, device=x.device)`): make them on this rank's device instead."""
-    for node in program.graph.nodes:
-        if node.op == "call_function" and isinstance(node.kwargs.get("device"), torch.device) \
-                and node.kwargs["device"].type == "meta":
-            node.update_kwarg("device", device)
+                                      parts.program, device, precision=plan.precision)
 
 
 def _persistent_buffer_names(model: nn.Module) -> set[str]:

@@ -130,6 +130,20 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
+def factories_on(graph, device: torch.device) -> None:
+    """A model traced on meta (born there, or the compute-dtype replica of capture/compute_dtype.py)
+    bakes `meta` into the tensors its forward makes or moves (`torch.ones(n, device=x.device)`,
+    `inv_freq.to(x.device)`): make them on this rank's `device` instead."""
+    from torch.fx.node import map_aggregate
+
+    def here(value):
+        return device if isinstance(value, torch.device) and value.type == "meta" else value
+
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.args, node.kwargs = map_aggregate(node.args, here), map_aggregate(node.kwargs, here)
+
+
 def build_runtime(mesh_sizes: dict[str, int], ep: int = 1, *, folded: bool = False) -> Runtime:
     """`folded`: MoE parallel folding (etp = 1 with tp > 1): the ep groups drawn from the tp x dp
     ranks (`folded_expert_device_mesh`), else from the dp ranks."""

@@ -241,7 +241,7 @@ def run_kinds(spec: str, steps: int, batch_size: int, kinds: list[Kind]) -> dict
     trains it; returns per kind its mesh, losses, sharded parameter count, or why it did not run."""
     import torch
 
-    from autopar.capture.export import capture_program
+    from autopar.capture.compute_dtype import capture_for_codegen
     from autopar.codegen.parallelize import build_parallel_module
     from autopar.codegen.runtime import run_on_rank0
     from autopar.plans.planning import plan_with, planner_for
@@ -277,7 +277,7 @@ def run_kinds(spec: str, steps: int, batch_size: int, kinds: list[Kind]) -> dict
                       | set(plan.ep_params))
         try:
             if captured is None:
-                captured = capture_program(setup.model, inputs, {}, allow_fallback=False)
+                captured = capture_for_codegen(setup.model, inputs, {}, precision=plan.precision)
             module = build_parallel_module(setup.model, inputs, plan, setup.loss_fn, {}, captured=captured)
             optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
             losses = []

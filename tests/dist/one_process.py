@@ -165,9 +165,9 @@ def parallelize_reusing_captures(key, model, cluster: str, inputs: tuple | dict,
         return plan_with(_PLANNERS[planner_key], Constraints.from_value(constraints))
 
     chosen = plan if plan is not None else run_on_rank0(plan_on_rank0)
-    if key not in _CAPTURES:
-        _CAPTURES[key] = _codegen_capture(model, positional, keywords, folder)
-    program, graph = _CAPTURES[key]
+    if (key, chosen.precision) not in _CAPTURES:
+        _CAPTURES[key, chosen.precision] = _codegen_capture(model, positional, keywords, folder, chosen.precision)
+    program, graph = _CAPTURES[key, chosen.precision]
     live = {**dict(model.named_parameters(remove_duplicate=False)),
             **dict(model.named_buffers(remove_duplicate=False))}
     for name in list(program.state_dict):
@@ -218,8 +218,9 @@ def _store(folder: Path | None, name: str, data: bytes) -> None:
     staging.rename(folder / name)
 
 
-def _codegen_capture(model, inputs: tuple, keywords: dict, folder: Path | None = None) -> tuple:
-    """capture_program(model, inputs, keywords) on every rank, exported once: rank 0 captures and
+def _codegen_capture(model, inputs: tuple, keywords: dict, folder: Path | None = None,
+                     precision: str = "fp32") -> tuple:
+    """capture_for_codegen(model, inputs, keywords, precision=precision) on every rank, exported once: rank 0 captures and
     sends the saved program (torch.export.save) and its OpGraph, or sends what an earlier job
     saved in `folder` (loading it itself); the other ranks load them, ~4x cheaper than exporting
     again. A program that does not serialise (or a one-process job) is captured by every rank
@@ -228,7 +229,7 @@ def _codegen_capture(model, inputs: tuple, keywords: dict, folder: Path | None =
 
     import torch.distributed as dist
 
-    from autopar.capture.export import capture_program
+    from autopar.capture.compute_dtype import capture_for_codegen
     from autopar.codegen.runtime import run_on_rank0
 
     captured = None
@@ -239,7 +240,7 @@ def _codegen_capture(model, inputs: tuple, keywords: dict, folder: Path | None =
         if program is not None and graph is not None:
             captured = load_program(io.BytesIO(program)), pickle.loads(graph)
             return (program, graph) if dist.get_world_size() > 1 else None
-        captured = capture_program(model, inputs, keywords, allow_fallback=False)
+        captured = capture_for_codegen(model, inputs, keywords, precision=precision)
         if dist.get_world_size() == 1 and folder is None:
             return None
         buffer = io.BytesIO()
@@ -256,7 +257,7 @@ def _codegen_capture(model, inputs: tuple, keywords: dict, folder: Path | None =
     if captured is not None:
         return captured
     if saved is None:
-        return capture_program(model, inputs, keywords, allow_fallback=False)
+        return capture_for_codegen(model, inputs, keywords, precision=precision)
     return load_program(io.BytesIO(saved[0])), pickle.loads(saved[1])
 
 
