@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from autopar.capture.compute_dtype import capture_for_codegen, traced_in_compute_dtype
 from autopar.capture.export import capture_program
-from autopar.capture.replica import meta_replica
+from autopar.capture.replica import compute_replica
 
 
 def hf_llama() -> torch.nn.Module:
@@ -35,8 +36,10 @@ def test_an_fp32_model_is_traced_as_its_bf16_compute_runs_it():
     model = hf_llama()
     _, as_given = capture_program(model, (TOKENS,), allow_fallback=False)
     assert linear_input_dtypes(as_given) == {"float32"}  # RMSNorm's .to(input_dtype) read fp32
-    _, traced = capture_for_codegen(model, (TOKENS,), precision="bf16")
+    program, traced = capture_for_codegen(model, (TOKENS,), precision="bf16")
     assert linear_input_dtypes(traced) == {"bfloat16"}
+    own = dict(model.named_parameters())
+    assert all(program.state_dict[name] is own[name] for name in own)  # bound by name: the model's, not fakes
     _, for_fp8 = capture_for_codegen(model, (TOKENS,), precision="fp8")
     assert linear_input_dtypes(for_fp8) == {"bfloat16"}
     assert all(param.dtype == torch.float32 and not param.is_meta for param in model.parameters())  # untouched
@@ -52,17 +55,18 @@ def test_fp32_compute_or_a_bf16_model_is_traced_as_given():
     assert linear_input_dtypes(traced) == {"bfloat16"}
 
 
-def test_the_codegen_replica_keeps_buffers_in_their_dtype():
+def test_the_codegen_replica_is_fake_on_the_models_device_with_its_buffers_dtypes():
     model = hf_llama()
-    replica = meta_replica(model, torch.bfloat16, buffers=False)
+    replica, inputs, keywords = compute_replica(model, torch.bfloat16, (TOKENS,), {"labels": TOKENS.float()})
     assert {param.dtype for param in replica.parameters()} == {torch.bfloat16}
-    assert all(param.is_meta for param in replica.parameters())
+    assert all(isinstance(tensor, FakeTensor) and tensor.device == torch.device("cpu")
+               for tensor in [*replica.parameters(), *replica.buffers(), *inputs, *keywords.values()])
     assert {name: buffer.dtype for name, buffer in replica.named_buffers()} == \
         {name: buffer.dtype for name, buffer in model.named_buffers()}
-    planning = meta_replica(model, torch.bfloat16)  # planning's replica casts floating buffers too
-    assert all(buffer.dtype == torch.bfloat16 for buffer in planning.buffers() if buffer.is_floating_point())
+    assert inputs[0].dtype == torch.int64 and keywords["labels"].dtype == torch.bfloat16
     assert replica.lm_head.weight is replica.model.embed_tokens.weight or \
         model.lm_head.weight is not model.model.embed_tokens.weight  # ties stay ties
+    assert all(param.dtype == torch.float32 and not isinstance(param, FakeTensor) for param in model.parameters())
 
 
 def test_one_fingerprint_whatever_dtype_the_model_was_traced_in():
