@@ -313,12 +313,19 @@ def _recompute_modules_flag(parser) -> None:
 
 
 def _fp8_recipe(args) -> str:
-    """--fp8-recipe (default tensorwise), which only --precision fp8 reads."""
+    """--fp8-recipe (default tensorwise), which only --precision fp8 reads; the flags that only some
+    other flag's value reads are refused in the CLI's words."""
     from autopar.errors import ConfigError
 
     if args.fp8_recipe is not None and args.precision != "fp8":
         raise ConfigError(f"--fp8-recipe {args.fp8_recipe} chooses the scaling of precision fp8, but the precision is "
                           f"{args.precision}: add --precision fp8 or drop --fp8-recipe")
+    if args.fp8_casts is not None and args.precision != "fp8":
+        raise ConfigError(f"--fp8-casts {args.fp8_casts} says how precision fp8 runs its casts, but the precision is "
+                          f"{args.precision}: add --precision fp8 or drop --fp8-casts")
+    if args.tp_overlap == "async" and args.sequence_parallel == "off":
+        raise ConfigError("--tp-overlap async overlaps the all-gathers and reduce-scatters of sequence parallelism, "
+                          "and --sequence-parallel off has none: drop --sequence-parallel off or use --tp-overlap off")
     return args.fp8_recipe or "tensorwise"
 
 
