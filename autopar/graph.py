@@ -21,7 +21,7 @@ _LAYOUT_ONLY = frozenset({"aten.contiguous.default", "aten.clone.default", "aten
                           "aten.detach.default", "aten.lift_fresh_copy.default"})
 _CASTS = frozenset({"aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten._to_copy.default",
                     "aten.type_as.default"})
-"""Dtype casts: a cast to the dtype a tensor has already returns that tensor (an fp32 model's
+"""Dtype (and device) casts: a cast to the dtype a tensor has already returns that tensor (an fp32 model's
 `x.to(torch.float32)`), so which node later readers name depends on the dtype the model was traced
 in; Graph.fingerprint leaves casts out with the layout-only copies."""
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})

@@ -33,8 +33,8 @@ from autopar.plans.plan import Plan
 def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, keywords: dict | None = None, *,
                           captured: tuple | None = None, init_fn=None) -> ParallelModule:
     """This rank's module for `plan`. `captured` is `capture_for_codegen(model, inputs, keywords,
-    precision=plan.precision)`'s result when the caller has it already (building the same model for several plans); `init_fn`
-    initialises meta-born storage (see `parallelize`)."""
+    precision=plan.precision)`'s result when the caller has it already (building the same model for
+    several plans); `init_fn` initialises meta-born storage (see `parallelize`)."""
     from autopar.capture.compute_dtype import capture_for_codegen
 
     keywords = dict(keywords or {})
