@@ -38,7 +38,7 @@ from autopar.solver.constraints import (Constraints, check_constraint_values, ch
                                         check_pipeline_depth, search_etp)
 from autopar.solver.expert_folding import runtime_blocker
 from autopar.solver.experts import ExpertPricing, check_load_imbalance
-from autopar.solver.fp8 import FP8_CASTS, FP8_DIM_MULTIPLE, FP8_RECIPES, Fp8Choice, fp8_experts, fp8_linears
+from autopar.solver.fp8 import FP8_CASTS, FP8_RECIPES, Fp8Choice, fp8_experts, fp8_linears
 from autopar.solver.overheads import overheads_for
 from autopar.solver.parallel_search import check_jobs_env
 from autopar.solver.pipeline import check_pipeline_split
@@ -244,11 +244,9 @@ def check_fp8_arguments(precision: str, fp8_recipe: str, fp8_filter, fp8_casts: 
                           "pass precision='fp8' or drop fp8_filter")
 
 
-def checked_fp8_filter(fp8_filter, cluster: Cluster):
-    """The user's fp8_filter as solver/fp8.py calls it: what it raises is refused naming the weight
-    it was asked about, and on GPUs a weight it keeps whose matmul dims float8 cannot take (not
-    multiples of 16: torch._scaled_mm's, torchao's grouped GEMM's) is refused, not run into
-    torch's error (CPU clusters emulate float8 at any size)."""
+def checked_fp8_filter(fp8_filter):
+    """The user's fp8_filter as solver/fp8.py calls it (it replaces the default rule, dims included):
+    what it raises is refused naming the weight it was asked about."""
     if fp8_filter is None:
         return None
 
@@ -258,11 +256,6 @@ def checked_fp8_filter(fp8_filter, cluster: Cluster):
         except Exception as error:  # noqa: BLE001 - the user's code: any failure is theirs to fix
             raise ConfigError(f"fp8_filter({fqn!r}, {shape}) raised {type(error).__name__}: {error}; autopar calls it "
                               "as fp8_filter(module_fqn, weight_shape) -> bool") from error
-        dims = shape[-2:]
-        if kept and cluster.device_kind != "cpu" and any(size % FP8_DIM_MULTIPLE for size in dims):
-            raise ConfigError(f"fp8_filter keeps {fqn!r} (weight {' x '.join(map(str, shape))}), but float8 matmuls "
-                              f"need both matmul dims ({' x '.join(map(str, dims))}) multiples of {FP8_DIM_MULTIPLE}: "
-                              "leave it out of the filter (the default rule keeps such weights in bf16)")
         return bool(kept)
 
     return keep
@@ -357,7 +350,7 @@ def planner_for(model, example_inputs, cluster, *, global_batch: int, loss_fn=No
     graph = capture_for_planning(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                                  example_kwargs=example_kwargs, precision="bf16" if precision == "fp8" else precision,
                                  verbose=verbose)
-    keep = checked_fp8_filter(fp8_filter, cluster)
+    keep = checked_fp8_filter(fp8_filter)
     experts, experts_in_bf16 = fp8_experts(graph, keep) if precision == "fp8" else ((), ())
     fp8 = Fp8Choice(recipe=fp8_recipe, linears=fp8_linears(graph, keep), experts=experts,
                     experts_in_bf16=experts_in_bf16, handling=fp8_casts or default_fp8_casts(cluster),
