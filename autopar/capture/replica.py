@@ -56,6 +56,7 @@ def compute_replica(model: nn.Module, dtype: torch.dtype, example_inputs, exampl
 
 
 def _map_tensors(values, function):
+    """`values` with `function` applied to each tensor in it (lists, tuples and dicts kept)."""
     if isinstance(values, torch.Tensor):
         return function(values)
     if isinstance(values, (list, tuple)):
@@ -67,11 +68,8 @@ def _map_tensors(values, function):
 
 def meta_inputs(values, dtype: torch.dtype | None = None):
     """Example inputs as meta tensors (floating ones in `dtype`), structure kept."""
-    if isinstance(values, torch.Tensor):
-        target = dtype if dtype is not None and values.is_floating_point() else values.dtype
-        return torch.empty_like(values, device="meta", dtype=target)
-    if isinstance(values, (list, tuple)):
-        return type(values)(meta_inputs(value, dtype) for value in values)
-    if isinstance(values, dict):
-        return {key: meta_inputs(value, dtype) for key, value in values.items()}
-    return values
+    def on_meta(value: torch.Tensor) -> torch.Tensor:
+        target = dtype if dtype is not None and value.is_floating_point() else value.dtype
+        return torch.empty_like(value, device="meta", dtype=target)
+
+    return _map_tensors(values, on_meta)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from autopar.capture.compute_dtype import COMPUTE_DTYPES
 from autopar.codegen.align import align_names
 from autopar.codegen.async_tp import AsyncTP
 from autopar.codegen.async_tp import chosen_kernel as async_tp_kernel
@@ -217,10 +218,11 @@ class ProgramBuilder:
                              wires=self.wires if pipelined else {})
         stage.owned_outputs = pipelined and self.plan.schedule in ("zb1p", "zbv")
         self._attach_params(stage, segments, spec)
-        if self.plan.precision in ("bf16", "fp8"):  # bf16 compute, fp32 master weights and gradients
+        compute_dtype = COMPUTE_DTYPES.get(self.plan.precision)
+        if compute_dtype is not None:  # bf16 compute, fp32 master weights and gradients
             experts = [segment.experts for segment in segments if segment.has_experts]
             for module in [stage, *segments, *experts]:
-                module.compute_dtype = torch.bfloat16
+                module.compute_dtype = compute_dtype
                 module.weight_casts = self.weight_casts
         return stage
 

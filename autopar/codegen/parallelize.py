@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from autopar.capture.compute_dtype import COMPUTE_DTYPES
 from autopar.codegen import context_parallel, expert_folding
 from autopar.codegen.build import ProgramBuilder, chunk_specs
 from autopar.codegen.data_parallel import apply_fsdp, reshard_zero3_under_pipelining, uses_fsdp
@@ -80,7 +81,7 @@ def build_parallel_module(model: nn.Module, inputs: tuple, plan: Plan, loss_fn, 
             builder.fp8.wrap_for_fsdp([module for stage in stages for module in stage.modules()], builder.params)
             builder.weight_casts.before_step.append(builder.fp8.precompute_scales)
         apply_fsdp(stages, runtime.reduce_mesh, plan.zero_stage, offload=plan.offload,
-                   param_dtype=torch.bfloat16 if plan.precision in ("bf16", "fp8") else None,
+                   param_dtype=COMPUTE_DTYPES.get(plan.precision),
                    expert_mesh=runtime.expert_replica_mesh if plan.ep > 1 else None,
                    root_ends=plan.fsdp_root_ends)
         if len(specs) > 1 and plan.zero_stage == 3:

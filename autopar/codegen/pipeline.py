@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
+from autopar.capture.compute_dtype import COMPUTE_DTYPES
 from autopar.codegen.build import ChunkSpec
 from autopar.codegen.program import GraphParts, StageProgram, shared_parameters
 from autopar.graph import TensorMeta
@@ -76,8 +77,8 @@ class PipelineBuilder:
                 continue
             placement = "R" if replicated else self.wires.get(name) or self.placements.get(name, "R").split("|")[0]
             # Under bf16 what crosses a boundary is sent in bf16 (StageProgram._leave casts fp32).
-            bf16 = self.plan.precision in ("bf16", "fp8")
-            dtype = torch.bfloat16 if boundary and bf16 and node.output.dtype == "float32" else None
+            compute_dtype = COMPUTE_DTYPES.get(self.plan.precision)
+            dtype = compute_dtype if boundary and node.output.dtype == "float32" else None
             example = example_tensor(node.output, placement, self.tp, self.device, dtype_override=dtype)
             # PipelineStage sends gradients back only for inputs whose examples require them.
             examples.append(example.requires_grad_(node.requires_grad and example.is_floating_point()))

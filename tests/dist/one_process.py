@@ -220,8 +220,8 @@ def _store(folder: Path | None, name: str, data: bytes) -> None:
 
 def _codegen_capture(model, inputs: tuple, keywords: dict, folder: Path | None = None,
                      precision: str = "fp32") -> tuple:
-    """capture_for_codegen(model, inputs, keywords, precision=precision) on every rank, exported once: rank 0 captures and
-    sends the saved program (torch.export.save) and its OpGraph, or sends what an earlier job
+    """capture_for_codegen(model, inputs, keywords, precision=precision) on every rank, exported
+    once: rank 0 captures and sends the saved program (torch.export.save) and its OpGraph, or sends what an earlier job
     saved in `folder` (loading it itself); the other ranks load them, ~4x cheaper than exporting
     again. A program that does not serialise (or a one-process job) is captured by every rank
     itself. Every rank calls this for the same keys in the same order."""
